@@ -1,0 +1,107 @@
+"""The data plane's one error tree, and its mapping to OpenAI error bodies.
+
+MotorError                      carries status, OpenAI ``type``, ``param`` and ``retryable``
+ +-- RequestError               the client's fault (400/401/404/413/422); never retried
+ |    +-- ModelNotFound         404 before any render call
+ +-- UpstreamRequestError       render/engine/derender rejected the request itself (4xx):
+ |                              its body goes back to the client unchanged
+ +-- RenderUnavailable          render unreachable / timed out / malformed (router issue: fallback)
+ +-- EngineError                an engine failed: retryable, counts against that instance
+ |    +-- EngineBusy            the engine's own admission 503: try elsewhere, breaker untouched
+ +-- DerenderError              derender failed after inference: 502/504, never re-runs inference
+ +-- NoCapacity                 no instance can take the request (503)
+
+Fault domains stay apart (architecture invariant 4), so each layer raises only its own kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MotorError(Exception):
+    status: int = 500
+    type: str = "InternalServerError"
+    retryable: bool = False
+
+    def __init__(self, message: str, *, param: str | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if status is not None:
+            self.status = status
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+class RequestError(MotorError):
+    status = 400
+    type = "BadRequestError"
+
+
+class Unauthorized(RequestError):
+    status = 401
+    type = "AuthenticationError"
+
+
+class ModelNotFound(RequestError):
+    status = 404
+    type = "NotFoundError"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.", param="model")
+
+
+class UpstreamRequestError(MotorError):
+    """A 4xx from render, an engine or derender about the request: passed through verbatim."""
+
+    def __init__(self, status: int, body: dict[str, Any], *, source: str) -> None:
+        err = body.get("error") if isinstance(body.get("error"), dict) else {}
+        super().__init__(str(err.get("message") or body), param=err.get("param"), status=status)
+        self.type = str(err.get("type") or "BadRequestError")
+        self.source = source
+        self._body = body
+
+    def body(self) -> dict[str, Any]:
+        if isinstance(self._body.get("error"), dict):
+            return self._body
+        return super().body()
+
+
+class RenderUnavailable(MotorError):
+    status = 503
+    type = "ServiceUnavailableError"
+    retryable = True
+
+
+class EngineError(MotorError):
+    status = 502
+    type = "BadGatewayError"
+    retryable = True
+
+    def __init__(self, message: str, *, instance: str, status: int | None = None) -> None:
+        super().__init__(message, status=status)
+        self.instance = instance
+
+
+class EngineBusy(EngineError):
+    status = 503
+    type = "ServiceUnavailableError"
+
+
+class DerenderError(MotorError):
+    status = 502
+    type = "BadGatewayError"
+
+
+class NoCapacity(MotorError):
+    status = 503
+    type = "ServiceUnavailableError"
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """Map any exception to ``(status, OpenAI error body)``; unknown ones become a plain 500."""
+    if isinstance(exc, MotorError):
+        return exc.status, exc.body()
+    return 500, MotorError("Internal server error").body()

@@ -1,0 +1,172 @@
+"""HTTP client for the vLLM render sidecar: render, derender (whole and per chunk), health.
+
+Render failures and derender failures are different fault domains (architecture invariant 4):
+render errors about the request go back to the client, an unusable render raises
+``RenderUnavailable``; derender errors never touch engines and map to 4xx passthrough or
+``DerenderError`` (502, or 504 on timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+
+from serving.pipeline.errors import DerenderError, RenderUnavailable, UpstreamRequestError
+
+logger = logging.getLogger(__name__)
+
+CHAT_RENDER = "/v1/chat/completions/render"
+COMPLETIONS_RENDER = "/v1/completions/render"
+CHAT_DERENDER = "/v1/chat/completions/derender"
+COMPLETIONS_DERENDER = "/v1/completions/derender"
+
+
+def _json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def _is_request_error(status: int, body: Any) -> bool:
+    """True when the sidecar rejected the request itself, not when it lacks the route.
+
+    A route-level 404 from FastAPI is ``{"detail": "Not Found"}``; vLLM's own 404 about an
+    unknown model is an ErrorResponse. 403 "scale-out disabled" and 501 are missing capability.
+    """
+    if status in (400, 422):
+        return True
+    return status == 404 and isinstance(body, dict) and isinstance(body.get("error"), dict)
+
+
+class RenderClient:
+    """Calls one render sidecar over the shared HTTP client, each call bounded by ``timeout_s``."""
+
+    def __init__(self, client: httpx.AsyncClient, base_url: str, timeout_s: float) -> None:
+        self._client = client
+        self._base_url = base_url.rstrip("/")
+        self._timeout = httpx.Timeout(timeout_s)
+
+    async def _post_render(self, path: str, body: dict[str, Any], request_id: str) -> Any:
+        try:
+            response = await self._client.post(
+                self._base_url + path, json=body, headers={"X-Request-Id": request_id}, timeout=self._timeout
+            )
+        except httpx.TimeoutException as exc:
+            raise RenderUnavailable(f"render timed out: {exc!r}") from exc
+        except httpx.TransportError as exc:
+            raise RenderUnavailable(f"render unreachable: {exc!r}") from exc
+        payload = _json_or_none(response)
+        if response.status_code == 200:
+            return payload
+        if _is_request_error(response.status_code, payload):
+            raise UpstreamRequestError(response.status_code, payload, source="render")
+        raise RenderUnavailable(f"render answered {response.status_code}: {str(payload)[:200]}")
+
+    async def render_chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """Return one GenerateRequest for a chat request."""
+        out = await self._post_render(CHAT_RENDER, body, request_id)
+        if not (isinstance(out, dict) and _has_token_ids(out)):
+            raise RenderUnavailable("render answered without usable token_ids")
+        return out
+
+    async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+        """Return one GenerateRequest per prompt, in prompt order."""
+        out = await self._post_render(COMPLETIONS_RENDER, body, request_id)
+        if not (isinstance(out, list) and out and all(isinstance(r, dict) and _has_token_ids(r) for r in out)):
+            raise RenderUnavailable("render answered without usable token_ids")
+        return out
+
+    async def _post_derender(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = await self._client.post(self._base_url + path, json=body, timeout=self._timeout)
+        except httpx.TimeoutException as exc:
+            raise DerenderError(f"derender timed out: {exc!r}", status=504) from exc
+        except httpx.TransportError as exc:
+            raise DerenderError(f"derender unreachable: {exc!r}") from exc
+        payload = _json_or_none(response)
+        if response.status_code == 200 and isinstance(payload, dict):
+            return payload
+        if _is_request_error(response.status_code, payload):
+            raise UpstreamRequestError(response.status_code, payload, source="derender")
+        if response.status_code in (403, 404, 501):
+            raise DerenderError(f"the response stage is unavailable: derender answered {response.status_code}")
+        raise DerenderError(f"derender failed with {response.status_code}: {str(payload)[:200]}")
+
+    async def derender_chat(
+        self,
+        generate_response: dict[str, Any],
+        *,
+        prompt_token_ids: list[int],
+        chat_request: dict[str, Any],
+        model: str | None,
+    ) -> dict[str, Any]:
+        return await self._post_derender(
+            CHAT_DERENDER,
+            {
+                "model": model,
+                "generate_response": generate_response,
+                "prompt_tokens": len(prompt_token_ids),  # omitted, derender reports 0
+                "prompt_token_ids": prompt_token_ids,
+                "chat_request": chat_request,
+            },
+        )
+
+    async def derender_completions(
+        self,
+        generate_responses: list[dict[str, Any]],
+        *,
+        prompt_token_ids: list[list[int]],
+        completion_request: dict[str, Any],
+        model: str | None,
+    ) -> dict[str, Any]:
+        return await self._post_derender(
+            COMPLETIONS_DERENDER,
+            {
+                "model": model,
+                "generate_responses": generate_responses,
+                "prompt_tokens": [len(ids) for ids in prompt_token_ids],
+                "prompt_token_ids": prompt_token_ids,
+                "completion_request": completion_request,
+            },
+        )
+
+    async def derender_chunk(
+        self,
+        kind: str,
+        generate_chunk: dict[str, Any],
+        *,
+        stream_state: dict[str, Any] | None,
+        prompt_token_ids: list[int],
+        request: dict[str, Any],
+        model: str | None,
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Derender one generate event with the previous state; return ``(chunk, next_state)``."""
+        body: dict[str, Any] = {
+            "stream": True,
+            "model": model,
+            "generate_chunk": generate_chunk,
+            "stream_state": stream_state,
+            "prompt_tokens": len(prompt_token_ids),
+            "prompt_token_ids": prompt_token_ids,
+        }
+        body["chat_request" if kind == "chat" else "completion_request"] = request
+        out = await self._post_derender(CHAT_DERENDER if kind == "chat" else COMPLETIONS_DERENDER, body)
+        chunk = out.get("chunk")
+        if not isinstance(chunk, dict):
+            raise DerenderError("derender answered without a chunk")
+        return chunk, out.get("stream_state")
+
+    async def health(self) -> bool:
+        try:
+            response = await self._client.get(self._base_url + "/health", timeout=self._timeout)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+
+def _has_token_ids(req: dict[str, Any]) -> bool:
+    ids = req.get("token_ids")
+    return isinstance(ids, list) and bool(ids) and all(isinstance(t, int) for t in ids)

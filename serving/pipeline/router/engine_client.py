@@ -1,0 +1,114 @@
+"""HTTP client for token engines: ``/inference/v1/generate`` (JSON or SSE) and abort.
+
+Every failure is classified once here, so topology code never looks at status codes:
+connect errors, timeouts, 5xx and truncated streams are ``EngineError`` (retryable, the
+instance's fault); the engine's own admission 503 is ``EngineBusy``; a 4xx, or an in-band
+error event with a 4xx code, is the request's fault (``UpstreamRequestError``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import httpx
+
+from serving.pipeline.errors import EngineBusy, EngineError, UpstreamRequestError
+from serving.pipeline.snapshot import InstanceView
+from serving.pipeline.sse import SSEProtocolError, iter_events
+
+logger = logging.getLogger(__name__)
+
+GENERATE = "/inference/v1/generate"
+ABORT = "/inference/v1/abort_requests"
+
+
+def engine_request_id(request_id: str) -> str:
+    """The id the engine knows a request by, and the only one its abort acts on."""
+    return f"generate-tokens-{request_id}"
+
+
+def _raise_for_status(instance: InstanceView, response_status: int, body: Any) -> None:
+    if response_status == 503:
+        raise EngineBusy(f"{instance.name} is busy", instance=instance.name)
+    if 400 <= response_status < 500:
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            raise UpstreamRequestError(response_status, body, source="engine")
+        # A route-level 404/405 without vLLM's error shape means the capability is missing.
+        raise EngineError(f"{instance.name} answered {response_status}: {str(body)[:200]}", instance=instance.name)
+    raise EngineError(f"{instance.name} answered {response_status}: {str(body)[:200]}", instance=instance.name)
+
+
+def raise_for_error_event(instance: InstanceView, event: dict[str, Any]) -> None:
+    """An in-band ``{"error": ...}`` after HTTP 200: 4xx is the request's, anything else the engine's."""
+    err = event.get("error")
+    if err is None:
+        return
+    code = err.get("code") if isinstance(err, dict) else None
+    if isinstance(code, int) and 400 <= code < 500 and code != 429:
+        raise UpstreamRequestError(code, {"error": err}, source="engine")
+    raise EngineError(f"{instance.name} failed mid-stream: {str(err)[:200]}", instance=instance.name)
+
+
+class EngineClient:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    async def generate(self, instance: InstanceView, request: dict[str, Any]) -> dict[str, Any]:
+        """Non-streaming generate; returns the GenerateResponse JSON as the engine wrote it."""
+        try:
+            response = await self._client.post(instance.url + GENERATE, json=request)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{instance.name} unreachable: {exc!r}", instance=instance.name) from exc
+        try:
+            body = response.json()
+        except ValueError:
+            body = response.text
+        if response.status_code != 200:
+            _raise_for_status(instance, response.status_code, body)
+        if not (isinstance(body, dict) and isinstance(body.get("choices"), list)):
+            raise EngineError(f"{instance.name} answered a malformed GenerateResponse", instance=instance.name)
+        return body
+
+    @asynccontextmanager
+    async def generate_stream(
+        self, instance: InstanceView, request: dict[str, Any]
+    ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """Open a streaming generate; entering means the engine accepted it (HTTP 200).
+
+        Yields an iterator of events (``[DONE]`` consumed); iterating raises ``EngineError``
+        when the stream drops, stalls past the read timeout or reports an engine failure.
+        """
+        try:
+            async with self._client.stream("POST", instance.url + GENERATE, json=request) as response:
+                if response.status_code != 200:
+                    raw = await response.aread()
+                    try:
+                        body: Any = json.loads(raw)
+                    except ValueError:
+                        body = raw.decode(errors="replace")
+                    _raise_for_status(instance, response.status_code, body)
+                yield self._events(instance, response)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{instance.name} stream failed: {exc!r}", instance=instance.name) from exc
+
+    async def _events(self, instance: InstanceView, response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for event in iter_events(response.aiter_lines()):
+                raise_for_error_event(instance, event)
+                yield event
+        except SSEProtocolError as exc:
+            raise EngineError(f"{instance.name} stream broke: {exc}", instance=instance.name) from exc
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{instance.name} stream failed: {exc!r}", instance=instance.name) from exc
+
+    async def abort(self, instance: InstanceView, request_ids: list[str]) -> None:
+        """Ask the engine to drop work; best effort, the engine answers at once."""
+        try:
+            await self._client.post(
+                instance.url + ABORT, json={"request_ids": [engine_request_id(r) for r in request_ids]}, timeout=2.0
+            )
+        except httpx.HTTPError as exc:
+            logger.warning("abort on %s failed: %r", instance.name, exc)

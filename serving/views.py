@@ -1,0 +1,141 @@
+"""The OpenAI-compatible API under /v1: thin async views over the data plane.
+
+Views parse and validate, check the client key and the model name against the fleet snapshot
+(unknown model -> 404 before any render call), then hand the request to ``ServingPipeline``.
+Every error leaves as an OpenAI error body with the right status, never an HTML page.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET
+
+from serving.pipeline.errors import ModelNotFound, MotorError, RequestError, Unauthorized, error_body
+from serving.pipeline.service import EventStream
+from serving.pipeline.snapshot import FleetSnapshot
+from serving.runtime import pipeline_for
+from serving.snapshots import current_snapshot
+
+logger = logging.getLogger(__name__)
+
+
+def _error(exc: BaseException) -> JsonResponse:
+    status, body = error_body(exc)
+    return JsonResponse(body, status=status)
+
+
+def _check_key(request: HttpRequest) -> None:
+    keys = settings.MOTOR_API_KEYS
+    if not keys:
+        return
+    auth = request.headers.get("Authorization", "")
+    token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    if not any(hmac.compare_digest(token, k) for k in keys):
+        raise Unauthorized("Missing or invalid API key: send `Authorization: Bearer <key>`.")
+
+
+def _parse_body(request: HttpRequest) -> dict[str, Any]:
+    try:
+        body = json.loads(request.body or b"")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"Invalid JSON in request body: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a JSON object.")
+    return body
+
+
+def _resolve_model(body: dict[str, Any], snapshot: FleetSnapshot) -> None:
+    model = body.get("model")
+    if model is None and snapshot.models:
+        # vLLM serves the first served name when `model` is absent; so does the coordinator.
+        body["model"] = next(iter(snapshot.models))
+        return
+    if not isinstance(model, str) or model not in snapshot.models:
+        raise ModelNotFound(str(model))
+
+
+async def _serve(request: HttpRequest, kind: str) -> HttpResponse:
+    start = time.perf_counter()
+    request_id = uuid.uuid4().hex
+    try:
+        if request.method != "POST":
+            raise RequestError("Method not allowed; use POST.", status=405)
+        _check_key(request)
+        body = _parse_body(request)
+        snapshot = await current_snapshot()
+        _resolve_model(body, snapshot)
+        pipeline = pipeline_for(snapshot)
+        result = await (pipeline.chat(body, request_id) if kind == "chat" else pipeline.completions(body, request_id))
+    except MotorError as exc:
+        logger.info(
+            "response request_id=%s kind=%s status=%d error=%s latency_ms=%.1f",
+            request_id, kind, exc.status, type(exc).__name__, (time.perf_counter() - start) * 1000,
+        )
+        return _error(exc)
+    except Exception as exc:  # a bug, not the client's fault: log it, answer a clean 500
+        logger.exception("response request_id=%s kind=%s status=500", request_id, kind)
+        return _error(exc)
+    if isinstance(result, EventStream):
+        response = StreamingHttpResponse(result.frames(), content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache"
+        response["X-Request-Id"] = request_id
+        return response
+    logger.info(
+        "response request_id=%s kind=%s status=200 latency_ms=%.1f",
+        request_id, kind, (time.perf_counter() - start) * 1000,
+    )
+    return JsonResponse(result, headers={"X-Request-Id": request_id})
+
+
+@csrf_exempt
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    return await _serve(request, "chat")
+
+
+@csrf_exempt
+async def completions(request: HttpRequest) -> HttpResponse:
+    return await _serve(request, "completions")
+
+
+async def models(request: HttpRequest) -> HttpResponse:
+    try:
+        _check_key(request)
+    except MotorError as exc:
+        return _error(exc)
+    snapshot = await current_snapshot()
+    now = int(time.time())
+    data = [
+        {
+            "id": m.name,
+            "object": "model",
+            "created": now,
+            "owned_by": "motorsite",
+            "root": m.model_path,
+            "parent": None,
+            "max_model_len": m.max_model_len,
+            "permission": [],
+        }
+        for m in snapshot.models.values()
+    ]
+    return JsonResponse({"object": "list", "data": data})
+
+
+@require_GET
+async def healthz(request: HttpRequest) -> HttpResponse:
+    """Liveness of the coordinator, plus whether the render sidecar answers."""
+    from serving.pipeline import http
+    from serving.pipeline.render.client import RenderClient
+
+    snapshot = await current_snapshot()
+    render = RenderClient(http.shared_client(), snapshot.render.base_url, min(snapshot.render.timeout_s, 1.0))
+    render_ok = await render.health()
+    return JsonResponse({"status": "ok", "render": "up" if render_ok else "down", "fleet_version": snapshot.version})
