@@ -1,0 +1,379 @@
+"""Tests for motorsite.supervisor with tiny real child processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from motorsite.supervisor import (
+    ChildDied,
+    Interrupted,
+    PortInUse,
+    ProcessSpec,
+    ReadinessTimeout,
+    Supervisor,
+    SupervisorState,
+    free_port,
+    wait_port_free,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# A configurable HTTP child. Options (one JSON argument): port; delay before binding;
+# require_url that must answer 2xx at startup (else exit 2); post_only (GET answers 405);
+# ready_file that must exist before anything answers 200; die_file whose appearance makes the
+# server print a line and exit 4.
+SERVER = r"""
+import http.server, json, os, sys, threading, time, urllib.request
+opts = json.loads(sys.argv[1])
+if opts.get("require_url"):
+    try:
+        urllib.request.urlopen(opts["require_url"], timeout=2)
+    except Exception as exc:
+        print("upstream not ready:", exc, flush=True)
+        sys.exit(2)
+    print("upstream ready", flush=True)
+time.sleep(opts.get("delay", 0))
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def answer(self, status):
+        if opts.get("ready_file") and not os.path.exists(opts["ready_file"]):
+            status = 503
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def do_GET(self):
+        self.answer(405 if opts.get("post_only") else 200)
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer(200)
+    def log_message(self, *args):
+        pass
+
+def watch_die_file():
+    while not os.path.exists(opts["die_file"]):
+        time.sleep(0.02)
+    print("dying on request", flush=True)
+    os._exit(4)
+
+if opts.get("die_file"):
+    threading.Thread(target=watch_die_file, daemon=True).start()
+server = http.server.HTTPServer(("127.0.0.1", opts["port"]), Handler)
+print("serving on", opts["port"], flush=True)
+server.serve_forever()
+"""
+
+# A wrapper (like a shell script or vLLM's API server) whose grandchildren do the work: a server
+# and a sleeper that ignores SIGTERM. It publishes their pids before the server reports ready.
+WRAPPER = r"""
+import json, os, subprocess, sys
+opts = json.loads(sys.argv[1])
+sleeper = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+server = subprocess.Popen([sys.executable, "-c", opts["server_script"],
+    json.dumps({"port": opts["port"], "ready_file": opts["pids_file"]})])
+tmp = opts["pids_file"] + ".tmp"
+with open(tmp, "w") as f:
+    json.dump([sleeper.pid, server.pid], f)
+os.replace(tmp, opts["pids_file"])
+server.wait()
+"""
+
+# Runs a Supervisor as a foreground launcher would, printing the children's pids once started.
+LAUNCHER = r"""
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from motorsite.supervisor import ProcessSpec, Supervisor
+specs = []
+for kw in json.loads(sys.argv[2]):
+    kw["log_path"] = Path(kw["log_path"])
+    kw["ports"] = [tuple(p) for p in kw["ports"]]
+    specs.append(ProcessSpec(**kw))
+sup = Supervisor(specs)
+sup.start()
+print(json.dumps(sup.pids), flush=True)
+sys.exit(sup.wait())
+"""
+
+
+def server_spec(name: str, tmp_path: Path, **opts: Any) -> ProcessSpec:
+    port = free_port()
+    post_only = opts.setdefault("post_only", False)
+    readiness: dict[str, Any]
+    if post_only:
+        readiness = {
+            "ready_post": ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+            "ready_base_url": f"http://127.0.0.1:{port}",
+        }
+    else:
+        readiness = {"ready_url": f"http://127.0.0.1:{port}/health"}
+    return ProcessSpec(
+        name=name,
+        argv=[sys.executable, "-c", SERVER, json.dumps({"port": port, **opts})],
+        log_path=tmp_path / f"{name}.log",
+        ports=[("127.0.0.1", port)],
+        ready_timeout=10,
+        **readiness,
+    )
+
+
+def wrapper_spec(name: str, tmp_path: Path) -> ProcessSpec:
+    port = free_port()
+    opts = {"port": port, "pids_file": str(tmp_path / f"{name}.pids"), "server_script": SERVER}
+    return ProcessSpec(
+        name=name,
+        argv=[sys.executable, "-c", WRAPPER, json.dumps(opts)],
+        log_path=tmp_path / f"{name}.log",
+        ports=[("127.0.0.1", port)],
+        ready_url=f"http://127.0.0.1:{port}/health",
+        ready_timeout=10,
+        # The sleeper ignores SIGTERM: a short stop_timeout exercises the SIGKILL escalation.
+        stop_timeout=0.5,
+    )
+
+
+def grandchild_pids(tmp_path: Path, name: str) -> list[int]:
+    pids: list[int] = json.loads((tmp_path / f"{name}.pids").read_text())
+    return pids
+
+
+def gone(pid: int) -> bool:
+    """Whether `pid` no longer runs; a zombie counts as gone (PID 1 may never reap orphans)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rfind(")") + 2] == "Z"
+
+
+def port(spec: ProcessSpec) -> int:
+    return spec.ports[0][1]
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_it_starts_processes_in_order_once_each_is_ready(tmp_path: Path) -> None:
+    # The engine exits at startup unless the sidecar already answers, and answers only POST:
+    # both are ready only if the supervisor waited for the sidecar and POSTed to the engine.
+    sidecar = server_spec("sidecar", tmp_path, delay=0.3)
+    engine = server_spec("engine", tmp_path, require_url=sidecar.ready_url, post_only=True)
+    flag = str(tmp_path / "worker-ready")
+    # No HTTP port, like a Celery worker: ready when a command says so.
+    worker = ProcessSpec(
+        name="worker",
+        argv=[
+            sys.executable,
+            "-c",
+            f"import time; time.sleep(0.2); open({flag!r}, 'w'); time.sleep(600)",
+        ],
+        log_path=tmp_path / "worker.log",
+        ready_argv=[sys.executable, "-c", f"import os; assert os.path.exists({flag!r})"],
+        ready_timeout=10,
+    )
+    supervisor = Supervisor([sidecar, engine, worker])
+
+    with supervisor:
+        assert supervisor.state is SupervisorState.RUNNING
+        assert list(supervisor.pids) == ["sidecar", "engine", "worker"]
+        supervisor.check_children()
+        assert "upstream ready" in (tmp_path / "engine.log").read_text()
+
+    assert supervisor.state is SupervisorState.STOPPED
+    assert all(gone(pid) for pid in supervisor.pids.values())
+    assert wait_port_free("127.0.0.1", port(sidecar), 0)
+    assert wait_port_free("127.0.0.1", port(engine), 0)
+
+
+def test_it_fails_fast_naming_the_port_in_use(tmp_path: Path, busy_port: int) -> None:
+    marker = tmp_path / "first-started"
+    first = ProcessSpec(
+        name="sidecar",
+        argv=[sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+        log_path=tmp_path / "sidecar.log",
+        ready_url="http://127.0.0.1:1/health",
+    )
+    second = ProcessSpec(
+        name="coordinator",
+        argv=[sys.executable, "-c", "pass"],
+        log_path=tmp_path / "coordinator.log",
+        ports=[("127.0.0.1", busy_port)],
+        ready_url=f"http://127.0.0.1:{busy_port}/health",
+    )
+    supervisor = Supervisor([first, second])
+
+    with pytest.raises(PortInUse, match=rf"127\.0\.0\.1:{busy_port}.*'coordinator'") as excinfo:
+        supervisor.start()
+
+    assert (excinfo.value.name, excinfo.value.port) == ("coordinator", busy_port)
+    assert supervisor.pids == {}
+    assert not marker.exists()
+    assert supervisor.state is SupervisorState.STOPPED
+
+
+def test_it_reports_a_child_that_dies_during_start_with_its_log_tail(tmp_path: Path) -> None:
+    sidecar = server_spec("sidecar", tmp_path)
+    crasher = ProcessSpec(
+        name="engine",
+        argv=[
+            sys.executable,
+            "-c",
+            "import sys\nfor i in range(60): print('line', i)\n"
+            "sys.exit('boom: cannot load model')",
+        ],
+        log_path=tmp_path / "engine.log",
+        ready_url=f"http://127.0.0.1:{free_port()}/health",
+        ready_timeout=10,
+    )
+    supervisor = Supervisor([sidecar, crasher])
+
+    with pytest.raises(ChildDied) as excinfo:
+        supervisor.start()
+
+    died = excinfo.value
+    assert (died.name, died.returncode) == ("engine", 1)
+    tail = died.log_tail.splitlines()
+    assert tail[-1] == "boom: cannot load model"
+    assert "line 59" in tail
+    assert "line 0" not in tail  # Only the tail, not the whole log.
+    assert "'engine'" in str(died)
+    # The sidecar started before the crash is stopped, not orphaned.
+    assert gone(supervisor.pids["sidecar"])
+    assert wait_port_free("127.0.0.1", port(sidecar), 5)
+
+
+def test_it_reports_a_child_that_never_becomes_ready(tmp_path: Path) -> None:
+    never = ProcessSpec(
+        name="engine",
+        argv=[
+            sys.executable,
+            "-c",
+            "import time; print('loading weights', flush=True); time.sleep(600)",
+        ],
+        log_path=tmp_path / "engine.log",
+        ready_url=f"http://127.0.0.1:{free_port()}/health",
+        ready_timeout=0.5,
+    )
+    supervisor = Supervisor([never])
+
+    with pytest.raises(ReadinessTimeout) as excinfo:
+        supervisor.start()
+
+    assert excinfo.value.name == "engine"
+    assert "ConnectError" in excinfo.value.last_error
+    assert "loading weights" in excinfo.value.log_tail
+    assert gone(supervisor.pids["engine"])
+
+
+def test_it_kills_whole_process_groups_including_grandchildren(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = wrapper_spec("engine", tmp_path)
+    supervisor = Supervisor([engine])
+    supervisor.start()
+    sleeper, server = grandchild_pids(tmp_path, "engine")
+    assert not gone(sleeper) and not gone(server)
+
+    with caplog.at_level(logging.WARNING, logger="motorsite.supervisor"):
+        supervisor.stop()
+
+    assert gone(supervisor.pids["engine"])
+    assert gone(server)
+    assert gone(sleeper)  # It ignored SIGTERM, so this also proves the SIGKILL escalation.
+    assert "engine did not stop within 0.5s; sending SIGKILL" in caplog.text
+    assert wait_port_free("127.0.0.1", port(engine), 0)
+
+
+def test_it_returns_1_from_wait_and_names_the_child_that_died(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    die_file = tmp_path / "die"
+    sidecar = server_spec("sidecar", tmp_path)
+    engine = server_spec("engine", tmp_path, die_file=str(die_file))
+    supervisor = Supervisor([sidecar, engine])
+    supervisor.start()
+
+    die_file.touch()
+    with caplog.at_level(logging.ERROR, logger="motorsite.supervisor"):
+        code = supervisor.wait()
+
+    assert code == 1
+    assert supervisor.died is not None
+    assert (supervisor.died.name, supervisor.died.returncode) == ("engine", 4)
+    assert "'engine' exited with code 4" in caplog.text
+    assert "dying on request" in caplog.text
+    assert supervisor.state is SupervisorState.STOPPED
+    assert gone(supervisor.pids["sidecar"])
+    assert wait_port_free("127.0.0.1", port(sidecar), 0)
+
+
+def test_it_raises_interrupted_when_a_signal_arrives_during_start(tmp_path: Path) -> None:
+    # The child interrupts its own supervisor (this process) and then never becomes ready.
+    interrupter = ProcessSpec(
+        name="engine",
+        argv=[
+            sys.executable,
+            "-c",
+            "import os, signal, time; os.kill(os.getppid(), signal.SIGINT); time.sleep(600)",
+        ],
+        log_path=tmp_path / "engine.log",
+        ready_url=f"http://127.0.0.1:{free_port()}/health",
+        ready_timeout=10,
+    )
+    handler_before = signal.getsignal(signal.SIGINT)
+    supervisor = Supervisor([interrupter])
+
+    with pytest.raises(Interrupted, match="SIGINT"):
+        supervisor.start()
+
+    assert gone(supervisor.pids["engine"])
+    assert signal.getsignal(signal.SIGINT) is handler_before
+
+
+def test_it_stops_every_child_when_the_supervisor_gets_sigterm(tmp_path: Path) -> None:
+    sidecar = server_spec("sidecar", tmp_path)
+    engine = wrapper_spec("engine", tmp_path)
+    specs = [
+        {
+            "name": spec.name,
+            "argv": spec.argv,
+            "log_path": str(spec.log_path),
+            "ports": spec.ports,
+            "ready_url": spec.ready_url,
+            "ready_timeout": spec.ready_timeout,
+            "stop_timeout": spec.stop_timeout,
+        }
+        for spec in (sidecar, engine)
+    ]
+    argv = [sys.executable, "-c", LAUNCHER, str(REPO_ROOT), json.dumps(specs)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as launcher:
+        try:
+            assert launcher.stdout is not None
+            pids: dict[str, int] = json.loads(launcher.stdout.readline())
+            everything = [*pids.values(), *grandchild_pids(tmp_path, "engine")]
+            assert len(everything) == 4 and not any(gone(pid) for pid in everything)
+
+            launcher.send_signal(signal.SIGTERM)
+            assert launcher.wait(timeout=15) == 0
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+
+    assert all(gone(pid) for pid in everything)
+    assert wait_port_free("127.0.0.1", port(sidecar), 0)
+    assert wait_port_free("127.0.0.1", port(engine), 0)
