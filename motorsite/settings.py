@@ -124,6 +124,8 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "var" / "static"
 MOTOR_SERVE_STATIC = env_bool("MOTOR_SERVE_STATIC", True)
+# Long prompts and token-id prompts are big JSON bodies; Django's 2.5 MB default is too small.
+DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("MOTOR_MAX_BODY_BYTES", 32 * 1024 * 1024)
 
 # Client keys for /v1. Until the control plane manages keys, a configured key is simply
 # required as a bearer token; no key configured means /v1 is open (tests, local use).

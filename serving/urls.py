@@ -1,4 +1,4 @@
-from django.urls import path
+from django.urls import path, re_path
 
 from serving import views
 
@@ -6,4 +6,5 @@ urlpatterns = [
     path("models", views.models),
     path("chat/completions", views.chat_completions),
     path("completions", views.completions),
+    re_path(r"^(?P<path>.*)$", views.not_found),
 ]

@@ -15,11 +15,12 @@ import uuid
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
-from serving.pipeline.errors import ModelNotFound, MotorError, RequestError, Unauthorized, error_body
+from serving.pipeline.errors import ModelNotFound, MotorError, NotFound, RequestError, Unauthorized, error_body
 from serving.pipeline.service import EventStream
 from serving.pipeline.snapshot import FleetSnapshot
 from serving.runtime import pipeline_for
@@ -45,7 +46,11 @@ def _check_key(request: HttpRequest) -> None:
 
 def _parse_body(request: HttpRequest) -> dict[str, Any]:
     try:
-        body = json.loads(request.body or b"")
+        raw = request.body
+    except RequestDataTooBig:
+        raise RequestError("The request body is too large.", status=413) from None
+    try:
+        body = json.loads(raw or b"")
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(f"Invalid JSON in request body: {exc}") from None
     if not isinstance(body, dict):
@@ -127,6 +132,11 @@ async def models(request: HttpRequest) -> HttpResponse:
         for m in snapshot.models.values()
     ]
     return JsonResponse({"object": "list", "data": data})
+
+
+async def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
+    """Unknown paths under /v1 get an OpenAI error body, not Django's HTML 404 page."""
+    return _error(NotFound(f"Not found: {request.method} {request.path}"))
 
 
 @require_GET

@@ -2,7 +2,8 @@
 
 MotorError                      carries status, OpenAI ``type``, ``param`` and ``retryable``
  +-- RequestError               the client's fault (400/401/404/413/422); never retried
- |    +-- ModelNotFound         404 before any render call
+ |    +-- NotFound              404: unknown path
+ |         +-- ModelNotFound    404 before any render call
  +-- UpstreamRequestError       render/engine/derender rejected the request itself (4xx):
  |                              its body goes back to the client unchanged
  +-- RenderUnavailable          render unreachable / timed out / malformed (router issue: fallback)
@@ -45,10 +46,12 @@ class Unauthorized(RequestError):
     type = "AuthenticationError"
 
 
-class ModelNotFound(RequestError):
+class NotFound(RequestError):
     status = 404
     type = "NotFoundError"
 
+
+class ModelNotFound(NotFound):
     def __init__(self, model: str) -> None:
         super().__init__(f"The model `{model}` does not exist.", param="model")
 

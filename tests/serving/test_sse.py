@@ -1,0 +1,102 @@
+"""Unit tests of SSE framing and parsing (serving.pipeline.sse)."""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+import httpx
+import pytest
+
+from serving.pipeline.sse import DONE, SSEProtocolError, StreamTruncated, frame, iter_events
+
+
+async def _lines(*lines: str) -> AsyncIterator[str]:
+    for line in lines:
+        yield line
+
+
+async def _collect(lines: AsyncIterator[str]) -> list[dict]:
+    return [e async for e in iter_events(lines)]
+
+
+def test_frame_is_one_compact_data_line_and_a_blank_line() -> None:
+    out = frame({"a": 1, "b": [1, 2], "c": None})
+    assert out == b'data: {"a":1,"b":[1,2],"c":null}\n\n'
+
+
+def test_frame_keeps_non_ascii_text_as_utf8() -> None:
+    out = frame({"content": "héllo ✓ 你好"})
+    assert "héllo ✓ 你好".encode() in out  # not \u-escaped
+    assert json.loads(out[len(b"data: "):]) == {"content": "héllo ✓ 你好"}
+
+
+def test_frame_escapes_newlines_so_an_event_stays_on_one_line() -> None:
+    out = frame({"content": "a\nb\n\nc"})
+    assert out.count(b"\n") == 2 and out.endswith(b"\n\n")
+
+
+def test_done_marker_is_exactly_what_openai_clients_expect() -> None:
+    assert DONE == b"data: [DONE]\n\n"
+
+
+async def test_iter_events_yields_objects_in_order_and_stops_at_done() -> None:
+    events = await _collect(_lines('data: {"i":1}', "", 'data: {"i":2}', "", "data: [DONE]", 'data: {"i":3}'))
+    assert events == [{"i": 1}, {"i": 2}]
+
+
+async def test_iter_events_accepts_data_without_a_space_after_the_colon() -> None:
+    assert await _collect(_lines('data:{"i":1}', "data:[DONE]")) == [{"i": 1}]
+
+
+async def test_iter_events_skips_comments_blank_lines_and_other_fields() -> None:
+    events = await _collect(
+        _lines(": keep-alive", "", "event: message", "id: 7", "retry: 10", 'data: {"i":1}', "", "data: [DONE]")
+    )
+    assert events == [{"i": 1}]
+
+
+async def test_a_stream_that_ends_before_done_is_truncated() -> None:
+    seen = []
+    with pytest.raises(StreamTruncated):
+        async for e in iter_events(_lines('data: {"i":1}', "")):
+            seen.append(e)
+    assert seen == [{"i": 1}]  # what came before the drop was still delivered
+
+
+async def test_an_empty_stream_is_truncated() -> None:
+    with pytest.raises(StreamTruncated):
+        await _collect(_lines())
+
+
+async def test_truncation_is_a_protocol_error() -> None:
+    assert issubclass(StreamTruncated, SSEProtocolError)
+
+
+@pytest.mark.parametrize("data", ["{not json", '"a string"', "[1, 2]", "42"])
+async def test_data_that_is_not_a_json_object_is_a_protocol_error_not_truncation(data: str) -> None:
+    with pytest.raises(SSEProtocolError) as info:
+        await _collect(_lines(f"data: {data}", "data: [DONE]"))
+    assert not isinstance(info.value, StreamTruncated)
+
+
+async def test_frames_round_trip_through_httpx_line_splitting_across_chunk_boundaries() -> None:
+    payloads = [{"i": 0, "t": "x\ny"}, {"i": 1, "t": "✓"}, {"i": 2, "t": ""}]
+    raw = b"".join(frame(p) for p in payloads) + DONE
+    # Cut the byte stream at awkward places: inside "data:", inside a UTF-8 sequence, between \n\n.
+    cuts = [3, 11, raw.index("✓".encode()) + 1, len(raw) - len(DONE) + 1, len(raw) - 1]
+    pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])]
+    assert b"".join(pieces) == raw
+
+    async def body() -> AsyncIterator[bytes]:
+        for p in pieces:
+            yield p
+
+    response = httpx.Response(200, content=body())
+    assert await _collect(response.aiter_lines()) == payloads
+
+
+async def test_crlf_framing_is_accepted() -> None:
+    raw = b'data: {"i":1}\r\n\r\ndata: [DONE]\r\n\r\n'
+    response = httpx.Response(200, content=raw)
+    assert await _collect(response.aiter_lines()) == [{"i": 1}]
