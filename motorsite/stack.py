@@ -90,7 +90,9 @@ def engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
             argv = [
                 cfg.app_python, "-m", "enginesim", "--host", HOST, "--port", str(port),
                 "--served-model-name", cfg.served_model_name, "--model-dir", cfg.model_dir,
-                "--max-model-len", str(cfg.max_model_len), "--seed", str(n),
+                # One seed for the whole fleet: output is a function of seed and context, so a
+                # request retried or relayed on another instance continues exactly as it began.
+                "--max-model-len", str(cfg.max_model_len), "--seed", "0",
             ]
             env = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
             timeout = 30.0

@@ -1,0 +1,461 @@
+"""Starlette app of the simulator: vLLM's token-only endpoints plus ``/sim/*`` controls.
+
+Control API (test-only, unauthenticated):
+
+- ``POST /sim/script`` ``{"prompt_token_ids", "output_token_ids", "match": "exact"|"suffix"}``
+  registers scripted output (see ``enginesim.scripts``); ``DELETE /sim/script`` drops all.
+- ``POST /sim/faults`` ``{"mode", "tokens", "status", "count"}`` arms a fault for the next
+  ``count`` generate requests (see ``enginesim.faults``); ``DELETE /sim/faults`` disarms.
+- ``GET /sim/stats``; ``POST /sim/reset`` clears the stats (not scripts or faults).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from enginesim.config import SimConfig
+from enginesim.engine import ChoiceDelta, Generation, SimEngine
+from enginesim.errors import SimError, from_validation_error, json_body_error, schema_error
+from enginesim.faults import Fault, FaultMode
+from enginesim.model import TokenLogprobs
+from enginesim.protocol import (
+    FaultIn,
+    GenerateLogProb,
+    GenerateLogProbs,
+    GenerateLogProbsContent,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateResponseChoice,
+    GenerateStreamChoice,
+    GenerateStreamResponse,
+    ModelCard,
+    ModelList,
+    ScriptIn,
+    UsageInfo,
+)
+from enginesim.scripts import MatchMode, Script
+from enginesim.streaming import (
+    DONE_EVENT,
+    ConnectionDropped,
+    RawSendApp,
+    SSEResponse,
+    close_connection,
+    race_disconnect,
+    sse_event,
+    wait_for_disconnect,
+    wait_forever,
+)
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+_AFTER_TOKENS = frozenset(
+    {FaultMode.DROP_AFTER_TOKENS, FaultMode.STALL_AFTER_TOKENS, FaultMode.ERROR_EVENT_AFTER_TOKENS}
+)
+
+
+async def _json_body(request: Request) -> Any:
+    # vLLM's validate_json_request: any other media type is a validation error.
+    media_type = request.headers.get("content-type", "").lower().split(";", 1)[0].strip()
+    if media_type != "application/json":
+        raise schema_error(
+            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
+        )
+    try:
+        return json.loads(await request.body())
+    except json.JSONDecodeError as exc:
+        raise json_body_error(exc) from None
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    body = await _json_body(request)
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _logprobs_json(entries: list[TokenLogprobs]) -> GenerateLogProbs:
+    """Tokens-mode logprobs: per token, the sampled entry and top_logprobs listing the
+    sampled token first and then the top-k, the sampled one not repeated (a dict in
+    vLLM), so k entries when it is in the top-k and k+1 otherwise."""
+    content = []
+    for entry in entries:
+        s = entry.sampled
+        sampled = GenerateLogProb(token_id=s.token_id, logprob=s.logprob, rank=s.rank or None)
+        top = [sampled] + [
+            GenerateLogProb(token_id=c.token_id, logprob=c.logprob, rank=c.rank or None)
+            for c in entry.top
+            if c.token_id != s.token_id
+        ]
+        content.append(
+            GenerateLogProbsContent(
+                token_id=s.token_id, logprob=s.logprob, rank=s.rank or None, top_logprobs=top
+            )
+        )
+    return GenerateLogProbs(content=content)
+
+
+class SimHandlers:
+    """Route handlers bound to one engine."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+
+    # -- generate -------------------------------------------------------------------------
+
+    async def generate(self, request: Request) -> Response:
+        engine = self.engine
+        engine.stats.requests_received += 1
+        # Taken before validation: "the next n requests fail" whatever they contain.
+        fault = engine.faults.take()
+        if fault is not None and fault.mode is FaultMode.FAIL_BEFORE_FIRST_TOKEN:
+            return await self._drop_before_response(request)
+        if fault is not None and fault.mode is FaultMode.HTTP_STATUS:
+            raise SimError(f"Simulated engine failure (HTTP {fault.status})", status=fault.status)
+
+        body = await _parse(request, GenerateRequest)
+        engine.stats.last_token_ids = list(body.token_ids)
+        engine.check_model(body.model)
+        engine.admit(body)
+        engine_request_id = f"generate-tokens-{request.headers.get('x-request-id', body.request_id)}"
+        if body.stream:
+            return SSEResponse(self._stream(request, body, engine_request_id, fault))
+        engine.validate(body)
+        return await self._full(request, body, engine_request_id, fault)
+
+    async def _drop_before_response(self, request: Request) -> Response:
+        if not close_connection(request.scope):
+            raise ConnectionDropped("fail_before_first_token")
+        # Wait for the server to notice, so it does not answer 500 for a response we
+        # never started; the Response below is then discarded by the server.
+        await wait_for_disconnect(request.receive)
+        return Response(status_code=500)
+
+    async def _full(
+        self, request: Request, body: GenerateRequest, engine_request_id: str, fault: Fault | None
+    ) -> Response:
+        engine = self.engine
+        generation = engine.start(engine_request_id, body)
+        logprobs: dict[int, list[TokenLogprobs]] = {c.index: [] for c in generation.choices}
+        try:
+            completed, fired = await race_disconnect(
+                self._collect(generation, logprobs, fault), request.receive
+            )
+        finally:
+            engine.finish(generation)
+        if not completed:
+            # Like vLLM's with_cancellation: the client left, the request was aborted.
+            engine.stats.disconnects += 1
+            return Response(status_code=499)
+        if fired and fault is not None:
+            if fault.mode is FaultMode.ERROR_EVENT_AFTER_TOKENS:
+                raise SimError(f"Simulated engine failure after {fault.tokens} tokens", status=500)
+            if fault.mode is FaultMode.DROP_AFTER_TOKENS:
+                return await self._drop_before_response(request)
+            await wait_for_disconnect(request.receive)  # stall
+            engine.stats.disconnects += 1
+            return Response(status_code=499)
+
+        prompt_len = len(generation.prompt)
+        completion = sum(len(c.output) for c in generation.choices)
+        want_logprobs = generation.params.logprobs is not None
+        response = GenerateResponse(
+            request_id=engine_request_id,
+            model=engine.config.model_name,
+            created=int(time.time()),
+            usage=UsageInfo(
+                prompt_tokens=prompt_len,
+                completion_tokens=completion,
+                total_tokens=prompt_len + completion,
+            ),
+            prompt_token_ids=list(generation.prompt) if body.return_token_ids else None,
+            choices=[
+                GenerateResponseChoice(
+                    index=c.index,
+                    # vLLM reports "stop" when the engine gave no reason.
+                    finish_reason=c.finish_reason or "stop",
+                    stop_reason=c.stop_reason,
+                    token_ids=list(c.output),
+                    logprobs=_logprobs_json(logprobs[c.index]) if want_logprobs else None,
+                )
+                for c in generation.choices
+            ],
+        )
+        return JSONResponse(response.model_dump())
+
+    async def _collect(
+        self,
+        generation: Generation,
+        logprobs: dict[int, list[TokenLogprobs]],
+        fault: Fault | None,
+    ) -> bool:
+        """Run ``generation`` to the end; True if an after-tokens fault fired."""
+        threshold = fault.tokens if fault is not None and fault.mode in _AFTER_TOKENS else None
+        produced = 0
+        async with aclosing(generation.deltas()) as deltas:
+            async for delta in deltas:
+                if threshold is not None and produced >= threshold:
+                    return True
+                produced += len(delta.token_ids)
+                if delta.logprobs:
+                    logprobs[delta.index].extend(delta.logprobs)
+        return threshold is not None
+
+    async def _stream(
+        self, request: Request, body: GenerateRequest, engine_request_id: str, fault: Fault | None
+    ) -> AsyncIterator[str]:
+        engine = self.engine
+        engine.stats.active_streams += 1
+        generation: Generation | None = None
+        # Set when the stream ended on our terms; otherwise the client went away.
+        ended = False
+        try:
+            try:
+                engine.validate(body)
+            except SimError as exc:
+                # Engine-level validation runs after the 200 went out: in-band error.
+                yield sse_event(exc.sse_json())
+                yield DONE_EVENT
+                ended = True
+                return
+            generation = engine.start(engine_request_id, body)
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = include_usage and bool(options and options.continuous_usage_stats)
+            prompt_len = len(generation.prompt)
+            counts = [0] * generation.params.n
+            threshold = fault.tokens if fault is not None and fault.mode in _AFTER_TOKENS else None
+            sent = 0
+            first = True
+            fired = False
+            try:
+                async with aclosing(generation.deltas()) as deltas:
+                    async for delta in deltas:
+                        if threshold is not None and sent >= threshold:
+                            fired = True
+                            break
+                        counts[delta.index] += len(delta.token_ids)
+                        usage = (
+                            UsageInfo(
+                                prompt_tokens=prompt_len,
+                                completion_tokens=counts[delta.index],
+                                total_tokens=prompt_len + counts[delta.index],
+                            )
+                            if continuous
+                            else None
+                        )
+                        event = self._stream_event(
+                            engine_request_id, delta, usage, body, generation, first
+                        )
+                        first = False
+                        yield sse_event(event.to_sse_json())
+                        sent += len(delta.token_ids)
+            except Exception:
+                # What vLLM does with an unexpected engine error mid-stream.
+                logger.exception("generate stream %s failed", engine_request_id)
+                yield sse_event(SimError("Internal server error", status=500).sse_json())
+                yield DONE_EVENT
+                ended = True
+                return
+            if threshold is not None:
+                assert fault is not None
+                ended = fault.mode is not FaultMode.STALL_AFTER_TOKENS
+                if fault.mode is FaultMode.ERROR_EVENT_AFTER_TOKENS:
+                    error = SimError(f"Simulated engine failure after {sent} tokens", status=500)
+                    yield sse_event(error.sse_json())
+                    yield DONE_EVENT
+                    return
+                if fault.mode is FaultMode.DROP_AFTER_TOKENS:
+                    if not close_connection(request.scope):
+                        raise ConnectionDropped("drop_after_tokens")
+                # Dropped (waiting for the server to cancel us) or stalled.
+                await wait_forever()
+            if include_usage:
+                completion = sum(counts)
+                final = GenerateStreamResponse(
+                    request_id=engine_request_id,
+                    usage=UsageInfo(
+                        prompt_tokens=prompt_len,
+                        completion_tokens=completion,
+                        total_tokens=prompt_len + completion,
+                    ),
+                    choices=[],
+                )
+                yield sse_event(final.model_dump_json(exclude_none=True))
+            yield DONE_EVENT
+            ended = True
+        finally:
+            engine.stats.active_streams -= 1
+            if generation is not None:
+                engine.finish(generation)
+            if not ended:
+                engine.stats.disconnects += 1
+
+    @staticmethod
+    def _stream_event(
+        engine_request_id: str,
+        delta: ChoiceDelta,
+        usage: UsageInfo | None,
+        body: GenerateRequest,
+        generation: Generation,
+        first: bool,
+    ) -> GenerateStreamResponse:
+        return GenerateStreamResponse(
+            request_id=engine_request_id,
+            usage=usage,
+            prompt_token_ids=list(generation.prompt) if first and body.return_token_ids else None,
+            choices=[
+                GenerateStreamChoice(
+                    index=delta.index,
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                    token_ids=list(delta.token_ids),
+                    logprobs=(
+                        _logprobs_json(list(delta.logprobs))
+                        if generation.params.logprobs is not None and delta.logprobs is not None
+                        else None
+                    ),
+                )
+            ],
+        )
+
+    async def abort_requests(self, request: Request) -> Response:
+        body = await _json_body(request)
+        ids = body.get("request_ids") if isinstance(body, dict) else None
+        if ids is None:
+            raise schema_error("Missing 'request_ids' in request body")
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise schema_error("'request_ids' must be a list of strings")
+        # Only engine-side ids (generate-tokens-<id>) match; a bare id is a silent no-op.
+        self.engine.abort(ids)
+        return Response(status_code=200)
+
+    # -- probes ---------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": self.engine.config.version})
+
+    async def load(self, request: Request) -> Response:
+        return JSONResponse({"server_load": self.engine.running})
+
+    async def models(self, request: Request) -> Response:
+        config = self.engine.config
+        created = int(time.time())
+        cards = [
+            ModelCard(id=name, created=created, root=config.root, max_model_len=config.max_model_len)
+            for name in config.served_model_names
+        ]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    async def metrics(self, request: Request) -> Response:
+        engine = self.engine
+        label = f'engine="0",model_name="{engine.config.model_name}"'
+        lines = [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{label}}} {float(engine.running)}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{label}}} 0.0",
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total{{{label}}} {float(engine.stats.prompt_tokens_total)}",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{{{label}}} {float(engine.stats.generation_tokens_total)}",
+            "# TYPE vllm:request_success_total counter",
+        ]
+        for reason in ("stop", "length", "abort"):
+            count = float(engine.stats.finished.get(reason, 0))
+            lines.append(f'vllm:request_success_total{{{label},finished_reason="{reason}"}} {count}')
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    # -- control --------------------------------------------------------------------------
+
+    async def add_script(self, request: Request) -> Response:
+        script_in = await _parse(request, ScriptIn)
+        script = Script(
+            tuple(script_in.prompt_token_ids),
+            tuple(script_in.output_token_ids),
+            MatchMode(script_in.match),
+        )
+        # A new immutable book: running generations keep the one they started with.
+        self.engine.scripts = self.engine.scripts.with_script(script)
+        return JSONResponse({"scripts": len(self.engine.scripts.scripts)})
+
+    async def clear_scripts(self, request: Request) -> Response:
+        self.engine.scripts = type(self.engine.scripts)()
+        return JSONResponse({"scripts": 0})
+
+    async def arm_fault(self, request: Request) -> Response:
+        fault_in = await _parse(request, FaultIn)
+        fault = Fault(FaultMode(fault_in.mode), tokens=fault_in.tokens, status=fault_in.status)
+        self.engine.faults.arm(fault, fault_in.count)
+        return JSONResponse({"remaining": self.engine.faults.remaining})
+
+    async def clear_faults(self, request: Request) -> Response:
+        self.engine.faults.clear()
+        return JSONResponse({"remaining": 0})
+
+    async def stats(self, request: Request) -> Response:
+        return JSONResponse(self.engine.stats.as_json(self.engine.running))
+
+    async def reset(self, request: Request) -> Response:
+        stats = self.engine.stats
+        # Live streams keep decrementing active_streams; carry the live count over.
+        active = stats.active_streams
+        self.engine.stats = type(stats)(active_streams=active)
+        return JSONResponse(self.engine.stats.as_json(self.engine.running))
+
+
+async def _sim_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, SimError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    # FastAPI's shape for router misses ({"detail": "Not Found"}), which vLLM keeps.
+    assert isinstance(exc, HTTPException)
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+def create_app(config: SimConfig | None = None) -> Starlette:
+    """A simulator app for ``config``; ``app.state.engine`` is its :class:`SimEngine`."""
+    engine = SimEngine(config or SimConfig())
+    h = SimHandlers(engine)
+    routes = [
+        Route("/inference/v1/generate", h.generate, methods=["POST"]),
+        Route("/inference/v1/abort_requests", h.abort_requests, methods=["POST"]),
+        # The legacy unauthenticated route of --tokens-only servers.
+        Route("/abort_requests", h.abort_requests, methods=["POST"]),
+        Route("/health", h.health, methods=["GET"]),
+        Route("/ping", h.health, methods=["GET", "POST"]),
+        Route("/version", h.version, methods=["GET"]),
+        Route("/load", h.load, methods=["GET"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/metrics", h.metrics, methods=["GET"]),
+        Route("/sim/script", h.add_script, methods=["POST"]),
+        Route("/sim/script", h.clear_scripts, methods=["DELETE"]),
+        Route("/sim/faults", h.arm_fault, methods=["POST"]),
+        Route("/sim/faults", h.clear_faults, methods=["DELETE"]),
+        Route("/sim/stats", h.stats, methods=["GET"]),
+        Route("/sim/reset", h.reset, methods=["POST"]),
+    ]
+    app = RawSendApp(
+        routes=routes, exception_handlers={SimError: _sim_error, HTTPException: _http_error}
+    )
+    app.state.engine = engine
+    return app
