@@ -22,6 +22,9 @@ class RenderView:
     enable: bool
     base_url: str
     timeout_s: float  # per render/derender call and per streaming derender chunk
+    context_budget: bool = False  # clamp max_tokens to the chosen engine's room left
+    obfuscation: bool = False
+    obfuscation_key_id: str = ""  # which key; the key itself never enters the snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,16 @@ class InstanceView:
     native_openai: bool
     tokenizer: bool
     state: str  # active | draining | quarantined | disabled
+    kind: str = "vllm"  # vllm | sim
+    hardware: str = "cpu"
+    kv_connector: str = ""  # "" (none), NixlConnector, MooncakeConnector, MooncakeLayerwiseConnector, ...
+    kv_transfer: str = ""  # "pull" (Handoff), "push" (Trigger, layer-wise) or "" (no KV transfer)
+    kv_events_endpoint: str = ""  # ZMQ endpoint of the engine's KV cache events, "" if none
+    tp: int = 1
+    healthy: bool = True  # the probes' verdict; False keeps traffic away like an open breaker
+    breaker_state: str = "closed"  # closed | open | half_open, as last written to the database
+    breaker_epoch: int = 0  # bumped by operator actions (reset, force open) the request path must adopt
+    obfuscation_key_id: str = ""  # key the engine's weights are permuted with, "" for plain weights
 
     @property
     def takes_new_requests(self) -> bool:
