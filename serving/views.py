@@ -7,6 +7,7 @@ Every error leaves as an OpenAI error body with the right status, never an HTML 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -27,6 +28,32 @@ from serving.runtime import pipeline_for
 from serving.snapshots import current_snapshot
 
 logger = logging.getLogger(__name__)
+
+
+# Closings started by _close_if_abandoned; held here so the loop cannot drop one midway.
+_abandoned: set[asyncio.Task[None]] = set()
+
+
+def _close_if_abandoned(stream: EventStream) -> None:
+    """Close ``stream``'s engine streams if the request's task ends before its body started.
+
+    Django's ASGIHandler runs the middleware, the view and ``send_response`` in one task and
+    cancels it when the client leaves. A disconnect after the view returned but before the first
+    body chunk (the middleware's ``process_response`` hops to a thread and back) drops the
+    response unsent, as does a middleware error replacing it: ``frames()`` never ran, so its
+    ``finally`` cannot abort the engines or release the load. The task's end is the one event
+    every such path shares; once ``frames()`` has started it owns the cleanup and this is a no-op.
+    """
+
+    def on_done(task: asyncio.Task[object]) -> None:
+        if not stream.started:
+            closing = task.get_loop().create_task(stream.aclose())
+            _abandoned.add(closing)
+            closing.add_done_callback(_abandoned.discard)
+
+    task = asyncio.current_task()
+    assert task is not None  # an async view always runs in a task
+    task.add_done_callback(on_done)
 
 
 def _error(exc: BaseException) -> JsonResponse:
@@ -90,6 +117,7 @@ async def _serve(request: HttpRequest, kind: str) -> HttpResponse:
         logger.exception("response request_id=%s kind=%s status=500", request_id, kind)
         return _error(exc)
     if isinstance(result, EventStream):
+        _close_if_abandoned(result)  # no await since the streams opened: nothing can slip in before
         response = StreamingHttpResponse(result.frames(), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         response["X-Request-Id"] = request_id

@@ -57,9 +57,16 @@ class EventStream:
     streams: list[OpenStream]
     stack: AsyncExitStack
     n: int = 1
+    _started: bool = field(default=False, init=False)
     _closed: bool = field(default=False, init=False)
 
+    @property
+    def started(self) -> bool:
+        """Whether ``frames()`` ran; from then on its ``finally`` closes the engine streams."""
+        return self._started
+
     async def frames(self) -> AsyncIterator[bytes]:
+        self._started = True
         start = time.perf_counter()
         outcome = "ok"
         source = self._derendered(self.streams[0]) if len(self.streams) == 1 else self._merged()

@@ -1,0 +1,177 @@
+"""Client disconnects through the whole ASGI stack (Channels' router, Django's ASGI handler).
+
+Driven with ``channels.testing.ApplicationCommunicator`` because ``httpx.ASGITransport`` buffers
+whole responses and never sends ``http.disconnect`` mid-stream. Every test runs under an
+``asyncio.timeout`` watchdog and ends by asserting that the engine streams were closed and
+aborted, the load counters released, and no task left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from channels.testing import ApplicationCommunicator
+from django.http import StreamingHttpResponse
+
+from fleet.models import EngineInstance
+from motorsite.asgi import application
+from serving import runtime, snapshots, views
+from serving.models import RenderConfig, ServedModel
+from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams, StreamPlan
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WATCHDOG_S = 5
+
+
+@pytest.fixture(autouse=True)
+def fresh_snapshot(settings: Any) -> Iterator[None]:
+    settings.MOTOR_API_KEYS = []
+    snapshots.invalidate()
+    yield
+    snapshots.invalidate()
+
+
+@pytest.fixture
+def upstream(
+    transactional_db: None, upstreams: FakeUpstreams, mock_client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch,
+) -> FakeUpstreams:
+    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048)
+    RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
+    for name, url in ENGINE_URLS.items():
+        EngineInstance.objects.create(name=name, url=url, served_model=model)
+    monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: mock_client)
+    # Every engine stream sends two events, then blocks until it is closed: only a disconnect ends it.
+    upstreams.default_plan = StreamPlan(end="hang", after=2)
+    return upstreams
+
+
+def http_scope(path: str) -> dict[str, Any]:
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"host", b"testserver"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 50000), "server": ("testserver", 80),
+    }
+
+
+def assert_nothing_left(upstream: FakeUpstreams, tasks_before: set[asyncio.Task[Any]]) -> None:
+    """No engine stream open, no load held, no task of the request still running."""
+    assert upstream.open_streams == set()
+    assert runtime.load.snapshot() == {}
+    assert asyncio.all_tasks() - tasks_before == set()
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "stream": True, **extra}
+
+
+async def start(path: str, body: dict[str, Any]) -> tuple[ApplicationCommunicator, str]:
+    """Send a streaming request and wait for its 200; returns the communicator and request id."""
+    communicator = ApplicationCommunicator(application, http_scope(path))
+    await communicator.send_input({"type": "http.request", "body": json.dumps(body).encode(), "more_body": False})
+    head = await communicator.receive_output(WATCHDOG_S)
+    assert head["type"] == "http.response.start" and head["status"] == 200, head
+    return communicator, dict(head["headers"])[b"X-Request-Id"].decode()
+
+
+async def first_chunk(communicator: ApplicationCommunicator) -> bytes:
+    message = await communicator.receive_output(WATCHDOG_S)
+    assert message["type"] == "http.response.body" and message["more_body"], message
+    assert message["body"].startswith(b"data: {")
+    return message["body"]
+
+
+async def hang_up(communicator: ApplicationCommunicator) -> None:
+    await communicator.send_input({"type": "http.disconnect"})
+    # Returns once Django's handler has returned: the view's task was cancelled and awaited.
+    await communicator.wait(timeout=WATCHDOG_S)
+
+
+def assert_aborted(upstream: FakeUpstreams, engine_ids: set[str]) -> None:
+    """Each engine stream was closed, and aborted once on the engine that ran it."""
+    assert upstream.open_streams == set()
+    assert sorted(upstream.closed_streams) == sorted(engine_ids)
+    ran_on = {c.body["request_id"]: c.host for c in upstream.calls_of("generate")}
+    assert sorted(upstream.aborted_ids()) == sorted((ran_on[rid], f"generate-tokens-{rid}") for rid in engine_ids)
+    assert all(len(c.body["request_ids"]) == 1 for c in upstream.calls_of("abort"))
+
+
+async def test_it_closes_and_aborts_the_engine_stream_when_a_chat_client_hangs_up(upstream: FakeUpstreams) -> None:
+    tasks_before = asyncio.all_tasks()
+    async with asyncio.timeout(WATCHDOG_S):
+        communicator, request_id = await start("/v1/chat/completions", chat())
+        await first_chunk(communicator)
+        engine_id = f"chatcmpl-{request_id}"
+        assert upstream.open_streams == {engine_id}  # the engine is still generating, blocked
+
+        await hang_up(communicator)
+
+    # All done inside the handler's own task: nothing to wait for once it returned.
+    assert_aborted(upstream, {engine_id})
+    assert [c.body for c in upstream.calls_of("abort")] == [{"request_ids": [f"generate-tokens-{engine_id}"]}]
+    assert_nothing_left(upstream, tasks_before)
+
+
+async def test_it_closes_and_aborts_every_prompt_stream_when_a_completions_client_hangs_up(
+    upstream: FakeUpstreams,
+) -> None:
+    tasks_before = asyncio.all_tasks()
+    async with asyncio.timeout(WATCHDOG_S):
+        body = {"model": MODEL, "prompt": ["a", "b"], "stream": True}
+        communicator, request_id = await start("/v1/completions", body)
+        await first_chunk(communicator)
+        engine_ids = {f"cmpl-{request_id}-0", f"cmpl-{request_id}-1"}
+        assert upstream.open_streams == engine_ids
+
+        await hang_up(communicator)
+
+    assert_aborted(upstream, engine_ids)
+    assert_nothing_left(upstream, tasks_before)  # the merge's producer tasks included
+
+
+async def test_it_cleans_up_a_client_that_hangs_up_after_the_status_before_any_chunk(upstream: FakeUpstreams) -> None:
+    upstream.default_plan = StreamPlan(end="hang", after=0)  # the engine accepted, then says nothing
+    tasks_before = asyncio.all_tasks()
+    async with asyncio.timeout(WATCHDOG_S):
+        communicator, request_id = await start("/v1/chat/completions", chat())
+        assert communicator.output_queue.empty()
+
+        await hang_up(communicator)
+
+    assert communicator.output_queue.empty()
+    assert_aborted(upstream, {f"chatcmpl-{request_id}"})
+    assert_nothing_left(upstream, tasks_before)
+
+
+async def test_it_cleans_up_a_client_that_hangs_up_before_the_response_is_sent(
+    upstream: FakeUpstreams, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engines accepted, the view returned its response, the client left before it was sent.
+
+    The disconnect is queued as the view builds the response, so it lands while the middleware
+    handles the response: Django drops the response unsent and ``frames()`` never runs.
+    """
+    tasks_before = asyncio.all_tasks()
+    communicator = ApplicationCommunicator(application, http_scope("/v1/chat/completions"))
+
+    class HangUpNow(StreamingHttpResponse):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            communicator.input_queue.put_nowait({"type": "http.disconnect"})
+
+    monkeypatch.setattr("serving.views.StreamingHttpResponse", HangUpNow)
+    async with asyncio.timeout(WATCHDOG_S):
+        await communicator.send_input({"type": "http.request", "body": json.dumps(chat()).encode()})
+        await communicator.wait(timeout=WATCHDOG_S)
+        # The view's task ended without the body starting: the closing runs in its own task.
+        await asyncio.gather(*views._abandoned)
+
+    assert communicator.output_queue.empty()  # not even the status went out
+    (generate,) = upstream.calls_of("generate")
+    assert_aborted(upstream, {generate.body["request_id"]})
+    assert_nothing_left(upstream, tasks_before)
