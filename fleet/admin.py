@@ -1,21 +1,318 @@
-from django.contrib import admin
+"""The fleet in the Django admin (healthchecks ``hc/api/admin.py`` style).
 
-from fleet.models import EngineInstance
+Machine-owned fields are read-only; operator state and breakers change only through the
+actions, which call ``fleet.services`` (compare-and-set, history rows, control version bump).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from fleet import services
+from fleet.api import inflight_tokens
+from fleet.models import (
+    ApiKey,
+    AuditReport,
+    BreakerFlip,
+    BreakerState,
+    EngineInstance,
+    InstanceEvent,
+    ProbeResult,
+)
+
+MACHINE_OWNED = (
+    "state", "health", "consecutive_successes", "consecutive_failures", "last_probe_at", "last_probe_ok",
+    "last_probe_error", "reported_version", "reported_root", "reported_max_model_len", "reported_fingerprint",
+    "version_drift", "drift_reason", "created",
+)
+
+
+def _actor(request: HttpRequest) -> str:
+    return f"admin:{request.user.get_username()}"
+
+
+class BreakerOpenFilter(admin.SimpleListFilter):
+    title = "breaker"
+    parameter_name = "breaker"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("open", "open or half-open"), ("closed", "closed")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        if self.value() == "open":
+            return queryset.filter(breaker__state__in=["open", "half_open"])
+        if self.value() == "closed":
+            return queryset.exclude(breaker__state__in=["open", "half_open"])
+        return queryset
+
+
+class ProbeFailingFilter(admin.SimpleListFilter):
+    title = "probe"
+    parameter_name = "probe"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("failing", "failing"), ("healthy", "healthy"), ("unknown", "not probed yet")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        return queryset.filter(health=self.value()) if self.value() else queryset
+
+
+class VersionDriftFilter(admin.SimpleListFilter):
+    title = "version drift"
+    parameter_name = "drift"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "drifted"), ("no", "matches")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        if self.value() in ("yes", "no"):
+            return queryset.filter(version_drift=self.value() == "yes")
+        return queryset
+
+
+class DrainingFilter(admin.SimpleListFilter):
+    title = "draining"
+    parameter_name = "draining"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "draining"), ("no", "not draining")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        if self.value() == "yes":
+            return queryset.filter(state=EngineInstance.State.DRAINING)
+        if self.value() == "no":
+            return queryset.exclude(state=EngineInstance.State.DRAINING)
+        return queryset
+
+
+class EngineInstanceForm(forms.ModelForm):
+    class Meta:
+        model = EngineInstance
+        fields = "__all__"
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        model = data.get("served_model")
+        if model is None or self.errors:
+            return data
+        declaration = services.PDDeclaration(
+            id=self.instance.pk,
+            name=data.get("name") or "",
+            role=data.get("role") or "union",
+            served_model_id=model.id,
+            hardware_kind=data.get("hardware_kind") or "",
+            kv_connector=data.get("kv_connector") or "",
+            kv_transfer=data.get("kv_transfer") or "",
+            tp=data.get("tp") or 1,
+        )
+        try:
+            services.validate_pd(declaration)
+        except services.InvalidError as exc:
+            raise forms.ValidationError(str(exc)) from None
+        return data
 
 
 @admin.register(EngineInstance)
 class EngineInstanceAdmin(admin.ModelAdmin):
-    list_display = ("name", "url", "role", "served_model", "kind", "state", "capabilities")
-    list_filter = ("role", "state", "kind", "served_model")
-    list_select_related = ("served_model",)
+    form = EngineInstanceForm
+    list_display = (
+        "name", "url", "role", "served_model", "state", "breaker", "health_column", "drift", "inflight",
+        "last_probe_at", "capabilities",
+    )
+    list_filter = (BreakerOpenFilter, ProbeFailingFilter, VersionDriftFilter, DrainingFilter, "role", "state", "served_model")
+    list_select_related = ("served_model", "breaker")
     search_fields = ("name", "url")
+    readonly_fields = MACHINE_OWNED
     fieldsets = (
         (None, {"fields": ("name", "url", "role", "served_model", "kind", "state")}),
         ("Capacity", {"fields": ("weight", "token_capacity", "max_model_len")}),
         ("Capabilities", {"fields": ("cap_token_generate", "cap_native_openai", "cap_tokenizer")}),
+        ("Deployment (P/D)", {"fields": ("hardware_kind", "kv_connector", "kv_transfer", "kv_events_endpoint", "tp", "dp", "ep")}),
+        ("Model files", {"fields": ("model_dir", "obfuscation_key_id")}),
+        ("Health probe", {"fields": ("health", "consecutive_successes", "consecutive_failures", "last_probe_at", "last_probe_ok", "last_probe_error")}),
+        ("Version probe", {"fields": ("reported_version", "reported_root", "reported_max_model_len", "reported_fingerprint", "version_drift", "drift_reason")}),
     )
+    actions = ("drain", "undrain", "quarantine", "disable", "activate", "reset_breaker", "force_breaker_open", "probe_now")
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> Any:
+        # One call per page, not per row: the in-flight column reads this dict.
+        self._inflight = inflight_tokens()
+        return super().changelist_view(request, extra_context)
 
     @admin.display(description="capabilities")
     def capabilities(self, obj: EngineInstance) -> str:
         caps = [("token-only", obj.cap_token_generate), ("native", obj.cap_native_openai), ("tokenizer", obj.cap_tokenizer)]
         return ", ".join(name for name, on in caps if on) or "-"
+
+    @admin.display(description="breaker", ordering="breaker__state")
+    def breaker(self, obj: EngineInstance) -> str:
+        try:
+            b = obj.breaker
+        except BreakerState.DoesNotExist:
+            return "closed"
+        if b.state == BreakerState.State.CLOSED:
+            return f"closed ({b.consecutive_failures} fail)" if b.consecutive_failures else "closed"
+        return f"{b.get_state_display()} until {b.open_until:%H:%M:%S}" if b.open_until else b.get_state_display()
+
+    @admin.display(description="health", ordering="health")
+    def health_column(self, obj: EngineInstance) -> str:
+        if obj.health == "failing":
+            return f"failing ×{obj.consecutive_failures}"
+        return obj.health
+
+    @admin.display(description="drift", boolean=True, ordering="version_drift")
+    def drift(self, obj: EngineInstance) -> bool:
+        return obj.version_drift
+
+    @admin.display(description="in-flight tokens")
+    def inflight(self, obj: EngineInstance) -> str:
+        inflight = getattr(self, "_inflight", None)
+        if inflight is None:
+            return "-"
+        return str(inflight.get(obj.name, 0))
+
+    def save_model(self, request: HttpRequest, obj: EngineInstance, form: Any, change: bool) -> None:
+        services.instance_save(instance=obj, actor=_actor(request))
+
+    def delete_model(self, request: HttpRequest, obj: EngineInstance) -> None:
+        services.instance_delete(instance_id=obj.id, actor=_actor(request))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet) -> None:
+        for instance_id in list(queryset.values_list("id", flat=True)):
+            services.instance_delete(instance_id=instance_id, actor=_actor(request))
+
+    def _state_action(self, request: HttpRequest, queryset: QuerySet, action: str, verb: str, reason: str = "") -> None:
+        ids = list(queryset.values_list("id", flat=True))
+        n = services.instances_set_state(ids=ids, action=action, actor=_actor(request), reason=reason)
+        skipped = len(ids) - n
+        self.message_user(request, f"{verb} {n} engine(s)" + (f"; skipped {skipped} whose state does not allow it" if skipped else ""))
+
+    @admin.action(description="Drain (finish current requests, take no new ones)")
+    def drain(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._state_action(request, queryset, "drain", "Drained")
+
+    @admin.action(description="Undrain (take new requests again)")
+    def undrain(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._state_action(request, queryset, "undrain", "Undrained")
+
+    @admin.action(description="Quarantine")
+    def quarantine(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._state_action(request, queryset, "quarantine", "Quarantined", reason="admin action")
+
+    @admin.action(description="Disable")
+    def disable(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._state_action(request, queryset, "disable", "Disabled")
+
+    @admin.action(description="Activate (from draining, quarantined or disabled)")
+    def activate(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._state_action(request, queryset, "activate", "Activated")
+
+    @admin.action(description="Reset breaker (close it)")
+    def reset_breaker(self, request: HttpRequest, queryset: QuerySet) -> None:
+        ids = list(queryset.values_list("id", flat=True))
+        for instance_id in ids:
+            services.breaker_reset(instance_id=instance_id, actor=_actor(request))
+        self.message_user(request, f"Reset the breaker of {len(ids)} engine(s)")
+
+    @admin.action(description="Force breaker open (60 s)")
+    def force_breaker_open(self, request: HttpRequest, queryset: QuerySet) -> None:
+        ids = list(queryset.values_list("id", flat=True))
+        for instance_id in ids:
+            services.breaker_force_open(instance_id=instance_id, actor=_actor(request), seconds=60)
+        self.message_user(request, f"Forced the breaker of {len(ids)} engine(s) open for 60 s")
+
+    @admin.action(description="Probe now")
+    def probe_now(self, request: HttpRequest, queryset: QuerySet) -> None:
+        n = services.probes_enqueue(instance_ids=list(queryset.values_list("id", flat=True)))
+        if n is None:
+            self.message_user(request, "Probes are unavailable: the Celery tasks (fleet.tasks) are not installed.", messages.WARNING)
+        else:
+            self.message_user(request, f"Queued a probe of {n} engine(s)")
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """History and probe rows are written by the system only."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(BreakerFlip)
+class BreakerFlipAdmin(ReadOnlyAdmin):
+    list_display = ("created", "instance", "old_state", "new_state", "reason", "actor")
+    list_filter = ("new_state",)
+    list_select_related = ("instance",)
+
+
+@admin.register(InstanceEvent)
+class InstanceEventAdmin(ReadOnlyAdmin):
+    list_display = ("created", "instance", "kind", "old", "new", "actor", "reason")
+    list_filter = ("kind",)
+    list_select_related = ("instance",)
+
+
+@admin.register(ProbeResult)
+class ProbeResultAdmin(ReadOnlyAdmin):
+    list_display = ("created", "target", "kind", "ok", "latency_ms", "error")
+    list_filter = ("kind", "ok")
+    list_select_related = ("instance",)
+
+    @admin.display(description="target")
+    def target(self, obj: ProbeResult) -> str:
+        return obj.instance.name if obj.instance else "render sidecar"
+
+
+@admin.register(AuditReport)
+class AuditReportAdmin(ReadOnlyAdmin):
+    list_display = ("created", "summary")
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    list_display = ("name", "prefix", "scope", "tokens_per_minute", "revoked", "created")
+    list_filter = ("scope", "revoked")
+    search_fields = ("name", "prefix")
+    readonly_fields = ("prefix", "created")
+    actions = ("revoke",)
+
+    def get_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
+        if obj is None:
+            return ["name", "scope", "tokens_per_minute"]
+        return ["name", "prefix", "scope", "tokens_per_minute", "revoked", "created"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> tuple[str, ...]:
+        # The scope of an existing key never changes: a client key must not become an admin key.
+        return ("prefix", "created", "scope") if obj else ()
+
+    def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
+        if change:
+            obj.save()
+            services.bump_control_version()
+            return
+        created, key = services.api_key_create(name=obj.name, scope=obj.scope, tokens_per_minute=obj.tokens_per_minute)
+        obj.pk, obj.prefix, obj.key_hash = created.pk, created.prefix, created.key_hash
+        self.message_user(
+            request, f"The key of {obj.name!r} is {key} — copy it now: only its hash is stored, it cannot be shown again.",
+            messages.WARNING,
+        )
+
+    def delete_model(self, request: HttpRequest, obj: ApiKey) -> None:
+        obj.delete()
+        services.bump_control_version()
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet) -> None:
+        queryset.delete()
+        services.bump_control_version()
+
+    @admin.action(description="Revoke")
+    def revoke(self, request: HttpRequest, queryset: QuerySet) -> None:
+        n = services.api_key_revoke(ids=list(queryset.values_list("id", flat=True)))
+        self.message_user(request, f"Revoked {n} key(s)")

@@ -1,10 +1,22 @@
-"""Durable control data of the engine fleet."""
+"""Durable control data of the engine fleet.
+
+Machine-owned fields (probe verdicts, breaker state, reported versions) change only through
+the methods here and ``fleet.services``: each is a compare-and-set update
+(``filter(id=..., state=old).update(...)``) so two workers cannot both flip one state, and each
+flip writes a history row (``InstanceEvent``, ``BreakerFlip``), like healthchecks' ``Flip``.
+"""
 
 from __future__ import annotations
 
-from django.db import models
+import hashlib
+import secrets
+from datetime import datetime, timedelta
 
-from serving.models import ServedModel
+from django.db import models, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from serving.models import Health, ServedModel
 
 
 class EngineInstance(models.Model):
@@ -21,6 +33,18 @@ class EngineInstance(models.Model):
         QUARANTINED = "quarantined", "quarantined"  # kept out by an operator or a probe
         DISABLED = "disabled", "disabled"
 
+    class KVConnector(models.TextChoices):
+        NONE = "", "none"
+        NIXL = "NixlConnector", "NixlConnector"  # pull (Handoff)
+        MOONCAKE = "MooncakeConnector", "MooncakeConnector"  # pull (Handoff)
+        MOONCAKE_LAYERWISE = "MooncakeLayerwiseConnector", "MooncakeLayerwiseConnector"  # push (Trigger)
+        EXAMPLE = "ExampleConnector", "ExampleConnector"  # vLLM's shared-storage example, tests only
+
+    class KVTransfer(models.TextChoices):
+        NONE = "", "none"
+        PULL = "pull", "pull"  # D pulls the KV P computed (Handoff)
+        PUSH = "push", "push"  # P pushes KV layer by layer to D (Trigger)
+
     name = models.CharField(max_length=100, unique=True)
     url = models.URLField(help_text="Base URL, e.g. http://127.0.0.1:8201")
     role = models.CharField(max_length=10, choices=Role.choices, default=Role.UNION)
@@ -32,11 +56,227 @@ class EngineInstance(models.Model):
     cap_native_openai = models.BooleanField("native OpenAI API", default=False)
     cap_tokenizer = models.BooleanField("tokenizer loaded", default=False)
     kind = models.CharField(max_length=20, default="vllm", help_text="vllm or sim")
+    hardware_kind = models.CharField(max_length=30, default="cpu", help_text="cpu, cuda, npu, ...")
+    kv_connector = models.CharField(max_length=40, choices=KVConnector.choices, default="", blank=True)
+    kv_transfer = models.CharField(max_length=4, choices=KVTransfer.choices, default="", blank=True)
+    kv_events_endpoint = models.CharField(max_length=200, blank=True, help_text="ZMQ endpoint of KV cache events.")
+    tp = models.PositiveIntegerField("TP", default=1)
+    dp = models.PositiveIntegerField("DP", default=1)
+    ep = models.PositiveIntegerField("EP", default=1)
+    model_dir = models.CharField(max_length=500, blank=True, help_text="Model directory the engine loads (fingerprints).")
+    obfuscation_key_id = models.CharField(max_length=100, blank=True)
     state = models.CharField(max_length=12, choices=State.choices, default=State.ACTIVE)
     created = models.DateTimeField(auto_now_add=True)
+    # Machine-owned: the version probe.
+    reported_version = models.CharField(max_length=50, blank=True)
+    reported_root = models.CharField(max_length=500, blank=True)
+    reported_max_model_len = models.PositiveIntegerField(null=True, blank=True)
+    reported_fingerprint = models.JSONField(default=dict, blank=True)
+    version_drift = models.BooleanField(default=False)
+    drift_reason = models.CharField(max_length=500, blank=True)
+    # Machine-owned: the health probe.
+    health = models.CharField(max_length=10, choices=Health.choices, default=Health.UNKNOWN)
+    consecutive_successes = models.PositiveIntegerField(default=0)
+    consecutive_failures = models.PositiveIntegerField(default=0)
+    last_probe_at = models.DateTimeField(null=True, blank=True)
+    last_probe_ok = models.BooleanField(null=True, blank=True)
+    last_probe_error = models.TextField(blank=True)
 
     class Meta:
         ordering = ["name"]
 
     def __str__(self) -> str:
         return self.name
+
+    def _transition(self, allowed_from: tuple[str, ...], new: str, *, actor: str, reason: str = "") -> bool:
+        """Compare-and-set ``state`` from one of ``allowed_from`` to ``new``; True if this call flipped it."""
+        with transaction.atomic():
+            old = EngineInstance.objects.filter(id=self.id).values_list("state", flat=True).first()
+            if old is None or old not in allowed_from:
+                return False
+            if not EngineInstance.objects.filter(id=self.id, state=old).update(state=new):
+                return False  # another worker flipped it between our read and write
+            InstanceEvent.objects.create(instance=self, kind="state", old=old, new=new, actor=actor, reason=reason)
+        self.state = new
+        return True
+
+    def drain(self, actor: str = "") -> bool:
+        return self._transition((self.State.ACTIVE,), self.State.DRAINING, actor=actor)
+
+    def undrain(self, actor: str = "") -> bool:
+        return self._transition((self.State.DRAINING,), self.State.ACTIVE, actor=actor)
+
+    def quarantine(self, reason: str = "", actor: str = "") -> bool:
+        return self._transition(
+            (self.State.ACTIVE, self.State.DRAINING), self.State.QUARANTINED, actor=actor, reason=reason
+        )
+
+    def disable(self, actor: str = "") -> bool:
+        return self._transition(
+            (self.State.ACTIVE, self.State.DRAINING, self.State.QUARANTINED), self.State.DISABLED, actor=actor
+        )
+
+    def activate(self, actor: str = "") -> bool:
+        return self._transition(
+            (self.State.DRAINING, self.State.QUARANTINED, self.State.DISABLED), self.State.ACTIVE, actor=actor
+        )
+
+
+class InstanceEvent(models.Model):
+    """History of an instance's operator state (and other recorded changes), newest first."""
+
+    instance = models.ForeignKey(EngineInstance, models.CASCADE, related_name="events")
+    created = models.DateTimeField(auto_now_add=True)
+    kind = models.CharField(max_length=20)  # state | health | drift
+    old = models.CharField(max_length=30, blank=True)
+    new = models.CharField(max_length=30, blank=True)
+    actor = models.CharField(max_length=100, blank=True)
+    reason = models.CharField(max_length=500, blank=True)
+
+    class Meta:
+        ordering = ["-created", "-id"]
+
+
+class BreakerState(models.Model):
+    """The request-path circuit breaker of one instance, as last written back to the database."""
+
+    class State(models.TextChoices):
+        CLOSED = "closed", "closed"  # traffic flows
+        OPEN = "open", "open"  # no traffic until open_until
+        HALF_OPEN = "half_open", "half-open"  # one trial request decides
+
+    instance = models.OneToOneField(EngineInstance, models.CASCADE, related_name="breaker")
+    state = models.CharField(max_length=10, choices=State.choices, default=State.CLOSED)
+    consecutive_failures = models.PositiveIntegerField(default=0)
+    open_until = models.DateTimeField(null=True, blank=True)
+    open_seconds = models.FloatField(default=0.0, help_text="Current backoff.")
+    # Bumped by operator actions only: a coordinator whose in-memory breaker has an older epoch
+    # adopts the database's state instead of overwriting it with its own.
+    epoch = models.PositiveIntegerField(default=0)
+    updated = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"{self.instance_id}: {self.state}"
+
+    @classmethod
+    def for_instance(cls, instance_id: int) -> BreakerState:
+        obj, _ = cls.objects.get_or_create(instance_id=instance_id)
+        return obj
+
+    def _flip(self, new_state: str, *, reason: str, actor: str, bump_epoch: bool, **fields: object) -> bool:
+        with transaction.atomic():
+            old = BreakerState.objects.filter(id=self.id).values_list("state", flat=True).first()
+            if old is None:
+                return False
+            updates: dict[str, object] = {"state": new_state, "updated": timezone.now(), **fields}
+            if bump_epoch:
+                updates["epoch"] = F("epoch") + 1
+            if not BreakerState.objects.filter(id=self.id, state=old).update(**updates):
+                return False
+            if old != new_state or bump_epoch:
+                BreakerFlip.objects.create(
+                    instance_id=self.instance_id, old_state=old, new_state=new_state, reason=reason, actor=actor
+                )
+        self.refresh_from_db()
+        return True
+
+    def reset(self, actor: str = "") -> bool:
+        return self._flip(
+            self.State.CLOSED, reason="operator reset", actor=actor, bump_epoch=True,
+            consecutive_failures=0, open_until=None, open_seconds=0.0,
+        )
+
+    def force_open(self, actor: str = "", seconds: float = 60.0) -> bool:
+        return self._flip(
+            self.State.OPEN, reason=f"operator forced open for {seconds:g}s", actor=actor, bump_epoch=True,
+            open_until=timezone.now() + timedelta(seconds=seconds), open_seconds=seconds,
+        )
+
+    def record(
+        self, new_state: str, *, reason: str, actor: str = "request path", consecutive_failures: int,
+        open_until: datetime | None, open_seconds: float,
+    ) -> bool:
+        """The request path's write-back of a transition it already made in memory (no epoch bump)."""
+        return self._flip(
+            new_state, reason=reason, actor=actor, bump_epoch=False,
+            consecutive_failures=consecutive_failures, open_until=open_until, open_seconds=open_seconds,
+        )
+
+
+class BreakerFlip(models.Model):
+    instance = models.ForeignKey(EngineInstance, models.CASCADE, related_name="breaker_flips")
+    created = models.DateTimeField(auto_now_add=True)
+    old_state = models.CharField(max_length=10)
+    new_state = models.CharField(max_length=10)
+    reason = models.CharField(max_length=500, blank=True)
+    actor = models.CharField(max_length=100, blank=True)
+
+    class Meta:
+        ordering = ["-created", "-id"]
+
+
+class ProbeResult(models.Model):
+    """One health or version probe; pruned after ``MOTOR_PROBE_RETENTION_DAYS``."""
+
+    instance = models.ForeignKey(
+        EngineInstance, models.CASCADE, null=True, blank=True, related_name="probes",
+        help_text="Empty: the render sidecar.",
+    )
+    kind = models.CharField(max_length=10)  # health | version
+    ok = models.BooleanField()
+    latency_ms = models.FloatField(null=True, blank=True)
+    detail = models.JSONField(default=dict, blank=True)
+    error = models.TextField(blank=True)
+    created = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created", "-id"]
+
+
+class AuditReport(models.Model):
+    created = models.DateTimeField(auto_now_add=True)
+    summary = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["-created"]
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+class ApiKey(models.Model):
+    """A bearer key; only its sha256 is stored, the key itself is shown once at creation."""
+
+    class Scope(models.TextChoices):
+        CLIENT = "client", "client (/v1)"
+        ADMIN = "admin", "admin (/api)"
+
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=8, editable=False)
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    scope = models.CharField(max_length=6, choices=Scope.choices, default=Scope.CLIENT)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: unlimited.")
+    revoked = models.BooleanField(default=False)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+    @staticmethod
+    def generate(scope: str) -> str:
+        return ("sk-motor-" if scope == ApiKey.Scope.CLIENT else "mk-admin-") + secrets.token_urlsafe(24)
+
+    def set_key(self, key: str) -> None:
+        self.prefix = key[:8]
+        self.key_hash = hash_key(key)
+
+
+class ControlVersion(models.Model):
+    """One row: bumped on every change of control data; each coordinator polls it."""
+
+    value = models.BigIntegerField(default=0)

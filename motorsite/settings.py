@@ -134,8 +134,25 @@ MOTOR_API_KEYS = [k for k in env_str("MOTOR_API_KEYS", env_str("MOTOR_DEMO_API_K
 # Bounds of the data plane, each a named knob (the pipeline never invents its own timeouts).
 MOTOR_CONNECT_TIMEOUT_S = env_int("MOTOR_CONNECT_TIMEOUT_MS", 2000) / 1000  # TCP connect to render/engines
 MOTOR_ENGINE_READ_TIMEOUT_S = env_int("MOTOR_ENGINE_READ_TIMEOUT_MS", 60000) / 1000  # per chunk / non-stream reply
-MOTOR_SNAPSHOT_TTL_S = env_int("MOTOR_SNAPSHOT_TTL_MS", 1000) / 1000  # how stale fleet config may be
+# Each process reads fleet.ControlVersion at most this often and rebuilds its snapshot when it
+# changed: how long an admin/API edit takes to reach live traffic (one tiny query per interval).
+MOTOR_SNAPSHOT_POLL_S = env_int("MOTOR_SNAPSHOT_POLL_MS", 250) / 1000
+# Full rebuild even without a version bump, for rows written behind the services' back.
+MOTOR_SNAPSHOT_TTL_S = env_int("MOTOR_SNAPSHOT_TTL_MS", 60000) / 1000
 MOTOR_MAX_CONNECTIONS = env_int("MOTOR_MAX_CONNECTIONS", 512)  # shared httpx pool size per process
+
+# Celery: Redis when REDIS_URL is set; otherwise kombu's filesystem transport in
+# MOTOR_CELERY_DIR, so worker and beat work across processes with nothing installed.
+MOTOR_CELERY_DIR = Path(env_str("MOTOR_CELERY_DIR", str(BASE_DIR / "var" / "celery")))
+CELERY_BROKER_URL = REDIS_URL or "filesystem://"
+CELERY_TASK_IGNORE_RESULT = True  # tasks write their outcome to the database
+# Probes (fleet.probes): one real request each, bounded by this timeout; a verdict flips after
+# RISE successes or FALL failures in a row, so one slow answer never flaps an instance.
+MOTOR_PROBE_TIMEOUT_S = env_int("MOTOR_PROBE_TIMEOUT_MS", 10000) / 1000
+MOTOR_PROBE_RISE = env_int("MOTOR_PROBE_RISE", 2)
+MOTOR_PROBE_FALL = env_int("MOTOR_PROBE_FALL", 3)
+MOTOR_PROBE_RETENTION_DAYS = env_int("MOTOR_PROBE_RETENTION_DAYS", 7)
+MOTOR_QUARANTINE_ON_DRIFT = env_bool("MOTOR_QUARANTINE_ON_DRIFT", True)
 
 LOGGING = {
     "version": 1,

@@ -1,26 +1,93 @@
-from django.contrib import admin
+"""Served models, revisions and render configs in the Django admin."""
 
-from serving.models import RenderConfig, ServedModel
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.db.models import Count, QuerySet
+from django.http import HttpRequest
+
+from fleet.services import InvalidError, bump_control_version
+from serving.models import ModelRevision, RenderConfig, ServedModel
+from serving.services import render_config_save
 
 
 @admin.register(ServedModel)
 class ServedModelAdmin(admin.ModelAdmin):
-    list_display = ("name", "model_path", "max_model_len", "instance_count")
+    list_display = ("name", "model_path", "max_model_len", "active_revision", "instance_count")
+    list_select_related = ("active_revision",)
     search_fields = ("name",)
 
-    @admin.display(description="instances")
+    @admin.display(description="instances", ordering="n_instances")
     def instance_count(self, obj: ServedModel) -> int:
-        return obj.instances.count()
+        return obj.n_instances  # type: ignore[attr-defined]
 
-    def get_queryset(self, request):  # type: ignore[no-untyped-def]
-        return super().get_queryset(request).prefetch_related("instances")
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        return super().get_queryset(request).annotate(n_instances=Count("instances"))
+
+    def save_model(self, request: HttpRequest, obj: ServedModel, form: Any, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        bump_control_version()
+
+    def delete_model(self, request: HttpRequest, obj: ServedModel) -> None:
+        super().delete_model(request, obj)
+        bump_control_version()
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet) -> None:
+        super().delete_queryset(request, queryset)
+        bump_control_version()
+
+
+@admin.register(ModelRevision)
+class ModelRevisionAdmin(admin.ModelAdmin):
+    list_display = ("served_model", "label", "tokenizer_hash_short", "chat_template_hash_short", "created")
+    list_select_related = ("served_model",)
+    list_filter = ("served_model",)
+
+    @admin.display(description="tokenizer")
+    def tokenizer_hash_short(self, obj: ModelRevision) -> str:
+        return obj.tokenizer_hash[:12] or "-"
+
+    @admin.display(description="chat template")
+    def chat_template_hash_short(self, obj: ModelRevision) -> str:
+        return obj.chat_template_hash[:12] or "-"
+
+
+class RenderConfigForm(forms.ModelForm):
+    class Meta:
+        model = RenderConfig
+        fields = "__all__"
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        if data.get("obfuscation") and not (data.get("obfuscation_key_ref") and data.get("obfuscation_key_id")):
+            raise forms.ValidationError("Obfuscation needs a key reference and a key id.")
+        return data
 
 
 @admin.register(RenderConfig)
 class RenderConfigAdmin(admin.ModelAdmin):
-    list_display = ("name", "enable", "host", "port", "timeout_ms", "renderer_num_workers")
+    form = RenderConfigForm
+    list_display = ("name", "enable", "host", "port", "timeout_ms", "renderer_num_workers", "health", "sidecar_version", "restart_required")
+    readonly_fields = ("sidecar_version", "streaming_derender", "health", "last_probe_at", "last_probe_error", "restart_required")
     fieldsets = (
         (None, {"fields": ("name", "enable")}),
         ("Sidecar", {"fields": ("image_name", "host", "port", "renderer_num_workers")}),
-        ("Limits", {"fields": ("timeout_ms",)}),
+        ("Limits", {"fields": ("timeout_ms", "context_budget")}),
+        ("Token obfuscation", {"fields": ("obfuscation", "obfuscation_key_ref", "obfuscation_key_id")}),
+        ("Probed", {"fields": ("sidecar_version", "streaming_derender", "health", "last_probe_at", "last_probe_error", "restart_required")}),
     )
+
+    def save_model(self, request: HttpRequest, obj: RenderConfig, form: Any, change: bool) -> None:
+        try:
+            result = render_config_save(config=obj, changed=tuple(form.changed_data), actor=f"admin:{request.user.get_username()}")
+        except InvalidError as exc:  # the form already checks this; kept for a race with another edit
+            self.message_user(request, str(exc), messages.ERROR)
+            return
+        if result.restart_required:
+            self.message_user(
+                request, "This change takes effect when the render sidecar restarts (endpoint, workers, image or key changed).",
+                messages.WARNING,
+            )

@@ -1,8 +1,16 @@
-"""Durable control data of what is served: models and the render sidecar's configuration."""
+"""Durable control data of what is served: models, their revisions and the render sidecar's configuration."""
 
 from __future__ import annotations
 
 from django.db import models
+
+
+class Health(models.TextChoices):
+    """The probes' verdict, shared by engines and the render sidecar."""
+
+    UNKNOWN = "unknown", "unknown"  # never probed, or not enough probes to decide
+    HEALTHY = "healthy", "healthy"
+    FAILING = "failing", "failing"
 
 
 class ServedModel(models.Model):
@@ -11,10 +19,44 @@ class ServedModel(models.Model):
     name = models.CharField(max_length=200, unique=True, help_text="The name clients send as `model`.")
     model_path = models.CharField(max_length=500, help_text="Model directory the tiers load.")
     max_model_len = models.PositiveIntegerField(default=2048)
+    active_revision = models.ForeignKey(
+        "serving.ModelRevision", models.SET_NULL, null=True, blank=True, related_name="+",
+        help_text="The revision render and engines must agree on.",
+    )
     created = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
         return self.name
+
+
+class ModelRevision(models.Model):
+    """Fingerprints deciding whether two tiers serve the same model (see ``serving.fingerprints``)."""
+
+    served_model = models.ForeignKey(ServedModel, models.CASCADE, related_name="revisions")
+    label = models.CharField(max_length=100, blank=True)
+    tokenizer_hash = models.CharField(max_length=64, blank=True)
+    chat_template_hash = models.CharField(max_length=64, blank=True)
+    config_hash = models.CharField(max_length=64, blank=True)
+    generation_config_hash = models.CharField(max_length=64, blank=True)
+    special_tokens = models.JSONField(default=dict, blank=True)
+    reasoning_parser = models.CharField(max_length=100, blank=True)
+    tool_parser = models.CharField(max_length=100, blank=True)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"{self.served_model_id}:{self.label or self.pk}"
+
+    def fingerprint(self) -> dict[str, str]:
+        """The hashes in the shape ``fingerprint_model_dir`` returns, for comparison."""
+        return {
+            "config": self.config_hash,
+            "tokenizer": self.tokenizer_hash,
+            "chat_template": self.chat_template_hash,
+            "generation_config": self.generation_config_hash,
+        }
 
 
 class RenderConfig(models.Model):
@@ -29,6 +71,31 @@ class RenderConfig(models.Model):
         default=5000, help_text="Per render/derender call, and per streaming chunk (not per stream)."
     )
     renderer_num_workers = models.PositiveIntegerField(default=4)
+    context_budget = models.BooleanField(default=False, help_text="Clamp max_tokens to the engine's room left.")
+    obfuscation = models.BooleanField(default=False, help_text="Token obfuscation (fails closed).")
+    obfuscation_key_ref = models.CharField(
+        max_length=300, blank=True, help_text="Where the key is: `setting:NAME` or `file:/path`; never the key."
+    )
+    obfuscation_key_id = models.CharField(max_length=100, blank=True)
+    # Machine-owned: written by the version and health probes only.
+    sidecar_version = models.CharField(max_length=50, blank=True)
+    streaming_derender = models.BooleanField(
+        default=True, help_text="False when the sidecar is older than vLLM 0.27 (streams take the native path)."
+    )
+    health = models.CharField(max_length=10, choices=Health.choices, default=Health.UNKNOWN)
+    last_probe_at = models.DateTimeField(null=True, blank=True)
+    last_probe_error = models.TextField(blank=True)
+    # Set by render_config_publish when a change needs the managed sidecar restarted; cleared by
+    # whatever restarts it (the launcher), so an operator can see a restart is still owed.
+    restart_required = models.BooleanField(default=False)
+
+    # Keys an imported render config may carry (the RFC's names); anything else is an error.
+    IMPORT_KEYS = (
+        "enable", "image_name", "host", "port", "timeout_ms", "renderer_num_workers",
+        "context_budget", "obfuscation", "obfuscation_key_ref", "obfuscation_key_id",
+    )
+    # Changing any of these means the running sidecar no longer matches its config.
+    RESTART_KEYS = ("host", "port", "renderer_num_workers", "obfuscation_key_ref", "obfuscation_key_id", "image_name")
 
     def __str__(self) -> str:
         return self.name

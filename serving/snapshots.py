@@ -1,63 +1,123 @@
 """Builds the data plane's ``FleetSnapshot`` from the database and keeps it fresh.
 
-Requests never query the database: they read the current snapshot, which is rebuilt in a
-worker thread at most once per ``MOTOR_SNAPSHOT_TTL_S`` (so an admin edit reaches every
-process within about that long).
+Requests never query the database per request: they read the current snapshot. At most once
+per ``MOTOR_SNAPSHOT_POLL_S`` one request reads ``fleet.ControlVersion`` (one tiny query, in a
+worker thread) and, if the version moved, rebuilds the snapshot; every service that changes
+control data bumps that version, so an admin or API edit reaches every coordinator process
+within one poll interval. Requests arriving while that check runs use the snapshot they have.
+A full rebuild also happens every ``MOTOR_SNAPSHOT_TTL_S`` as a safety net for rows written
+without a bump (fixtures, manual SQL).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import Callable
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from fleet.models import EngineInstance
-from serving.models import RenderConfig, ServedModel
-from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
+from fleet.models import ApiKey, BreakerState, EngineInstance
+from fleet.services import read_control_version
+from serving import obfuscation_keys
+from serving.models import Health, RenderConfig, ServedModel
+from serving.pipeline.snapshot import ClientKeyView, FleetSnapshot, InstanceView, ModelView, RenderView
+
+# The clock the freshness checks use; tests replace it to drive time without sleeping.
+clock: Callable[[], float] = time.monotonic
 
 _current: FleetSnapshot | None = None
 _built_at = 0.0
-_version = 0
+_checked_at = 0.0
+_checking: asyncio.Future[None] | None = None
 
 
-def build_snapshot(version: int = 0) -> FleetSnapshot:
+def build_snapshot(version: int | None = None) -> FleetSnapshot:
+    if version is None:
+        version = read_control_version()
     models = {m.name: ModelView(m.name, m.model_path, m.max_model_len) for m in ServedModel.objects.all()}
     cfg = RenderConfig.objects.order_by("id").first() or RenderConfig()
-    render = RenderView(enable=cfg.enable, base_url=cfg.base_url, timeout_s=cfg.timeout_ms / 1000)
-    instances = tuple(
-        InstanceView(
-            id=i.id,
-            name=i.name,
-            url=i.url.rstrip("/"),
-            role=i.role,
-            model=i.served_model.name,
-            weight=i.weight,
-            token_capacity=i.token_capacity,
-            max_model_len=i.max_model_len or i.served_model.max_model_len,
-            token_generate=i.cap_token_generate,
-            native_openai=i.cap_native_openai,
-            tokenizer=i.cap_tokenizer,
-            state=i.state,
-        )
-        for i in EngineInstance.objects.select_related("served_model")
+    # The key stays out of the snapshot; its mapping is registered with the data plane by key id.
+    obfuscation_keys.load_for(cfg, models.values())
+    render = RenderView(
+        enable=cfg.enable,
+        base_url=cfg.base_url,
+        timeout_s=cfg.timeout_ms / 1000,
+        context_budget=cfg.context_budget,
+        obfuscation=cfg.obfuscation,
+        obfuscation_key_id=cfg.obfuscation_key_id,
+        streaming_derender=cfg.streaming_derender,
     )
-    return FleetSnapshot(version=version, models=models, render=render, instances=instances)
+    instances = tuple(_instance_view(i) for i in EngineInstance.objects.select_related("served_model", "breaker"))
+    keys = list(ApiKey.objects.filter(scope=ApiKey.Scope.CLIENT).values_list("key_hash", "name", "tokens_per_minute", "revoked"))
+    client_keys = {h: ClientKeyView(name, tpm) for h, name, tpm, revoked in keys if not revoked}
+    return FleetSnapshot(
+        version=version, models=models, render=render, instances=instances,
+        client_keys=client_keys, client_keys_managed=bool(keys),
+    )
+
+
+def _instance_view(i: EngineInstance) -> InstanceView:
+    try:
+        breaker: BreakerState | None = i.breaker
+    except BreakerState.DoesNotExist:
+        breaker = None
+    return InstanceView(
+        id=i.id,
+        name=i.name,
+        url=i.url.rstrip("/"),
+        role=i.role,
+        model=i.served_model.name,
+        weight=i.weight,
+        token_capacity=i.token_capacity,
+        max_model_len=i.max_model_len or i.served_model.max_model_len,
+        token_generate=i.cap_token_generate,
+        native_openai=i.cap_native_openai,
+        tokenizer=i.cap_tokenizer,
+        state=i.state,
+        kind=i.kind,
+        hardware=i.hardware_kind,
+        kv_connector=i.kv_connector,
+        kv_transfer=i.kv_transfer,
+        kv_events_endpoint=i.kv_events_endpoint,
+        tp=i.tp,
+        # Unknown counts as healthy: a fresh fleet must take traffic before its first probe.
+        healthy=i.health != Health.FAILING,
+        breaker_state=breaker.state if breaker else "closed",
+        breaker_epoch=breaker.epoch if breaker else 0,
+        obfuscation_key_id=i.obfuscation_key_id,
+    )
 
 
 async def current_snapshot() -> FleetSnapshot:
-    global _current, _built_at, _version
-    if _current is not None and time.monotonic() - _built_at < settings.MOTOR_SNAPSHOT_TTL_S:
+    """The snapshot to serve a request with; makes no query unless a poll interval has passed."""
+    global _current, _built_at, _checked_at, _checking
+    now = clock()
+    if _current is not None:
+        if now - _checked_at < settings.MOTOR_SNAPSHOT_POLL_S:
+            return _current
+        if _checking is not None and not _checking.done():
+            return _current  # another request is checking; one poll interval of staleness at most
+    loop = asyncio.get_running_loop()
+    _checking = mine = loop.create_future()
+    try:
+        stale = _current is None or now - _built_at >= settings.MOTOR_SNAPSHOT_TTL_S
+        version = await sync_to_async(read_control_version, thread_sensitive=False)()
+        if stale or _current is None or version != _current.version:
+            _current = await sync_to_async(build_snapshot, thread_sensitive=False)(version)
+            _built_at = now
+        _checked_at = now
         return _current
-    # Two requests may rebuild at once after expiry; both get a correct snapshot, so no lock
-    # (an asyncio.Lock would also tie this module to one event loop).
-    _version += 1
-    _current = await sync_to_async(build_snapshot, thread_sensitive=False)(_version)
-    _built_at = time.monotonic()
-    return _current
+    finally:
+        mine.set_result(None)
+        if _checking is mine:
+            _checking = None
 
 
 def invalidate() -> None:
     """Forget the cached snapshot (tests, and commands that just changed the fleet)."""
-    global _current
+    global _current, _checked_at, _built_at, _checking
     _current = None
+    _checked_at = _built_at = 0.0
+    _checking = None

@@ -25,6 +25,13 @@ class RenderView:
     context_budget: bool = False  # clamp max_tokens to the chosen engine's room left
     obfuscation: bool = False
     obfuscation_key_id: str = ""  # which key; the key itself never enters the snapshot
+    streaming_derender: bool = True  # False: the sidecar is older than 0.27, streams take the native path
+
+
+@dataclass(frozen=True, slots=True)
+class ClientKeyView:
+    name: str
+    tokens_per_minute: int | None = None  # None: unlimited
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +70,10 @@ class FleetSnapshot:
     models: Mapping[str, ModelView]
     render: RenderView
     instances: tuple[InstanceView, ...] = field(default_factory=tuple)
+    # Active client keys for /v1 by sha256 hex of the key. ``client_keys_managed`` is True once any
+    # client key record exists (even revoked): from then on only these keys open /v1.
+    client_keys: Mapping[str, ClientKeyView] = field(default_factory=dict)
+    client_keys_managed: bool = False
 
     def union_instances(self, model: str) -> list[InstanceView]:
         """Instances that can serve ``model`` token-only on their own, in a stable order."""

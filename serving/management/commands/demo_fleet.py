@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
 
-from fleet.models import EngineInstance
+from fleet.models import ApiKey, BreakerState, EngineInstance
+from fleet.services import api_key_ensure, bump_control_version
 from serving.models import RenderConfig, ServedModel
 
 
@@ -23,8 +25,18 @@ class Command(BaseCommand):
         parser.add_argument("--render-port", type=int, default=8100)
         parser.add_argument("--engine", action="append", default=[], help="engine base URL, repeatable")
         parser.add_argument("--engine-kind", choices=["vllm", "sim"], default="vllm")
+        # P/D instances: NixlConnector over loopback (pull, Handoff); tokens-only, no native API.
+        parser.add_argument("--prefill", action="append", default=[], help="prefill engine base URL, repeatable")
+        parser.add_argument("--decode", action="append", default=[], help="decode engine base URL, repeatable")
         parser.add_argument("--admin-user", default="admin")
         parser.add_argument("--admin-password", default="")
+        # Defaults come from the environment ``motorsite.stack`` gives this command, so ``make run``
+        # and the integration tests create the key records without new arguments.
+        parser.add_argument(
+            "--client-key", action="append", default=None,
+            help="client key for /v1 (repeatable; default: MOTOR_API_KEYS)",
+        )
+        parser.add_argument("--admin-key", default=None, help="admin key for /api (default: MOTOR_DEMO_ADMIN_KEY)")
 
     @transaction.atomic
     def handle(self, *args: Any, **opts: Any) -> None:
@@ -36,23 +48,34 @@ class Command(BaseCommand):
             name="default", defaults={"host": opts["render_host"], "port": opts["render_port"], "enable": True}
         )
         names = []
-        for n, url in enumerate(opts["engine"], start=1):
-            name = f"union-{n}"
+        Role = EngineInstance.Role
+        fleet = [(Role.UNION, url) for url in opts["engine"]]
+        fleet += [(Role.PREFILL, url) for url in opts["prefill"]] + [(Role.DECODE, url) for url in opts["decode"]]
+        counts: dict[str, int] = {}
+        for role, url in fleet:
+            counts[role] = counts.get(role, 0) + 1
+            name = f"{role}-{counts[role]}"
             names.append(name)
+            union = role == Role.UNION
             EngineInstance.objects.update_or_create(
                 name=name,
                 defaults={
                     "url": url,
-                    "role": EngineInstance.Role.UNION,
+                    "role": role,
                     "served_model": model,
                     "kind": opts["engine_kind"],
                     "state": EngineInstance.State.ACTIVE,
                     "cap_token_generate": True,
-                    # The demo's real engines run with --enable-scale-out: tokenizer and native API.
-                    "cap_native_openai": opts["engine_kind"] == "vllm",
-                    "cap_tokenizer": opts["engine_kind"] == "vllm",
+                    # The demo's real union engines run with --enable-scale-out: tokenizer and native
+                    # API; its P/D engines are tokens-only.
+                    "cap_native_openai": opts["engine_kind"] == "vllm" and union,
+                    "cap_tokenizer": opts["engine_kind"] == "vllm" and union,
+                    "kv_connector": "" if union else EngineInstance.KVConnector.NIXL,
+                    "kv_transfer": "" if union else EngineInstance.KVTransfer.PULL,
+                    "model_dir": opts["model_dir"],
                 },
             )
+            BreakerState.objects.get_or_create(instance=EngineInstance.objects.get(name=name))
         # The demo fleet is exactly what this run started; stale rows from another run would
         # send traffic to ports nobody listens on.
         removed, _ = EngineInstance.objects.exclude(name__in=names).delete()
@@ -62,4 +85,14 @@ class Command(BaseCommand):
             user.is_staff = user.is_superuser = True
             user.set_password(opts["admin_password"])
             user.save()
+        client_keys = opts["client_key"]
+        if client_keys is None:
+            client_keys = [k for k in os.environ.get("MOTOR_API_KEYS", "").split(",") if k]
+        admin_key = opts["admin_key"] if opts["admin_key"] is not None else os.environ.get("MOTOR_DEMO_ADMIN_KEY", "")
+        current = [api_key_ensure(name=f"demo client {n}", scope="client", key=k) for n, k in enumerate(client_keys, 1)]
+        if admin_key:
+            current.append(api_key_ensure(name="demo admin", scope="admin", key=admin_key))
+        # Demo keys printed by an earlier run stop working, as the old demo engines do.
+        ApiKey.objects.filter(name__startswith="demo ").exclude(id__in=[k.id for k in current]).update(revoked=True)
+        bump_control_version()
         self.stdout.write(f"demo fleet: model {model.name}, {len(names)} engine(s), removed {removed} stale row(s)")

@@ -35,6 +35,8 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **opts: Any) -> None:
+        # Both keys reach ``demo_fleet`` through the environment (MOTOR_API_KEYS, MOTOR_DEMO_ADMIN_KEY),
+        # which stores only their hashes as ApiKey records.
         api_key = os.environ.get("MOTOR_DEMO_API_KEY") or "sk-motor-" + secrets.token_urlsafe(18)
         admin_key = os.environ.get("MOTOR_DEMO_ADMIN_KEY") or "mk-admin-" + secrets.token_urlsafe(18)
         admin_password = os.environ.get("MOTOR_DEMO_ADMIN_PASSWORD") or secrets.token_urlsafe(9)
@@ -79,7 +81,7 @@ class Command(BaseCommand):
                     "motorsite is running. Ctrl-C stops everything.",
                     f"  OpenAI API      {base}/v1   (Authorization: Bearer {api_key})",
                     f"  Django admin    {base}/admin/   (user admin, password {admin_password})",
-                    f"  admin API key   {admin_key}   (MOTOR_DEMO_ADMIN_KEY; the REST API arrives with the control plane)",
+                    f"  REST API        {base}/api/   (Authorization: Bearer {admin_key}; docs at {base}/api/docs)",
                     f"  render sidecar  http://127.0.0.1:{cfg.render_port}",
                     *[f"  engine          {u}" for u in cfg.engine_urls],
                     "",

@@ -1,0 +1,292 @@
+"""REST endpoints for engine instances, breakers, probes and the fleet's status (mounted by ``motorsite.api``)."""
+
+from __future__ import annotations
+
+import importlib
+from datetime import datetime
+from typing import Any, Literal
+
+from django.http import HttpRequest
+from ninja import Field, Query, Router, Schema
+from ninja.responses import Status
+
+from fleet import services
+from fleet.models import ApiKey, BreakerState, EngineInstance, ProbeResult
+
+router = Router(tags=["fleet"])
+
+MAX_ID = 2**62  # beyond any row id; keeps nonsense ids out of the database driver
+Role = Literal["union", "prefill", "decode"]
+Connector = Literal["", "NixlConnector", "MooncakeConnector", "MooncakeLayerwiseConnector", "ExampleConnector"]
+Transfer = Literal["", "pull", "push"]
+PosInt = Field(ge=1, le=2**31 - 1)
+
+
+class Detail(Schema):
+    detail: str
+
+
+class InstanceIn(Schema):
+    name: str = Field(min_length=1, max_length=100)
+    url: str = Field(max_length=200, description="Base URL, e.g. http://127.0.0.1:8201")
+    role: Role = "union"
+    served_model_id: int = Field(ge=1, le=MAX_ID)
+    weight: int = Field(1, ge=0, le=2**31 - 1)
+    token_capacity: int = Field(65536, ge=1, le=2**31 - 1)
+    max_model_len: int | None = Field(None, ge=1, le=2**31 - 1)
+    cap_token_generate: bool = True
+    cap_native_openai: bool = False
+    cap_tokenizer: bool = False
+    kind: Literal["vllm", "sim"] = "vllm"
+    hardware_kind: str = Field("cpu", min_length=1, max_length=30)
+    kv_connector: Connector = ""
+    kv_transfer: Transfer = ""
+    kv_events_endpoint: str = Field("", max_length=200)
+    tp: int = Field(1, ge=1, le=2**31 - 1)
+    dp: int = Field(1, ge=1, le=2**31 - 1)
+    ep: int = Field(1, ge=1, le=2**31 - 1)
+    model_dir: str = Field("", max_length=500)
+    obfuscation_key_id: str = Field("", max_length=100)
+
+    model_config = {"extra": "forbid"}
+
+
+class InstancePatch(Schema):
+    """Every field optional; only the fields sent change."""
+
+    name: str | None = Field(None, min_length=1, max_length=100)
+    url: str | None = Field(None, max_length=200)
+    role: Role | None = None
+    served_model_id: int | None = Field(None, ge=1, le=MAX_ID)
+    weight: int | None = Field(None, ge=0, le=2**31 - 1)
+    token_capacity: int | None = Field(None, ge=1, le=2**31 - 1)
+    max_model_len: int | None = Field(None, ge=1, le=2**31 - 1)
+    cap_token_generate: bool | None = None
+    cap_native_openai: bool | None = None
+    cap_tokenizer: bool | None = None
+    kind: Literal["vllm", "sim"] | None = None
+    hardware_kind: str | None = Field(None, min_length=1, max_length=30)
+    kv_connector: Connector | None = None
+    kv_transfer: Transfer | None = None
+    kv_events_endpoint: str | None = Field(None, max_length=200)
+    tp: int | None = Field(None, ge=1, le=2**31 - 1)
+    dp: int | None = Field(None, ge=1, le=2**31 - 1)
+    ep: int | None = Field(None, ge=1, le=2**31 - 1)
+    model_dir: str | None = Field(None, max_length=500)
+    obfuscation_key_id: str | None = Field(None, max_length=100)
+
+    model_config = {"extra": "forbid"}
+
+
+class BreakerOut(Schema):
+    state: str
+    consecutive_failures: int
+    open_until: datetime | None
+    open_seconds: float
+    epoch: int
+
+
+class InstanceOut(Schema):
+    id: int
+    name: str
+    url: str
+    role: str
+    served_model: str
+    served_model_id: int
+    state: str
+    breaker_state: str
+    breaker: BreakerOut | None
+    inflight_tokens: int | None = Field(description="Tokens in flight on this process; null when unknown.")
+    health: str
+    last_probe_at: datetime | None
+    last_probe_ok: bool | None
+    version_drift: bool
+    drift_reason: str
+    weight: int
+    token_capacity: int
+    max_model_len: int | None
+    cap_token_generate: bool
+    cap_native_openai: bool
+    cap_tokenizer: bool
+    kind: str
+    hardware_kind: str
+    kv_connector: str
+    kv_transfer: str
+    kv_events_endpoint: str
+    tp: int
+    dp: int
+    ep: int
+    model_dir: str
+    reported_version: str
+
+
+class ProbeOut(Schema):
+    id: int
+    kind: str
+    ok: bool
+    latency_ms: float | None
+    error: str
+    detail: dict[str, Any]
+    created: datetime
+
+
+class FleetStatusOut(Schema):
+    control_version: int
+    instances: int
+    by_state: dict[str, int]
+    breaker_open: int
+    probe_failing: int
+    version_drift: int
+    render_health: str
+    render_restart_required: bool
+
+
+def request_actor(request: HttpRequest) -> str:
+    """Who an API call acts as, for history rows: ``api:<key name>``."""
+    key = getattr(request, "auth", None)
+    return f"api:{key.name}" if isinstance(key, ApiKey) else "api"
+
+
+def inflight_tokens() -> dict[str, int] | None:
+    """Tokens in flight per instance name, from ``serving.runtime.inflight_tokens()`` (this process only)."""
+    fn = getattr(importlib.import_module("serving.runtime"), "inflight_tokens", None)
+    if fn is None:
+        return None
+    try:
+        return dict(fn())
+    except Exception:  # a placeholder column must not break the admin or the API
+        return None
+
+
+def instance_out(i: EngineInstance, inflight: dict[str, int] | None = None) -> dict[str, Any]:
+    try:
+        breaker: BreakerState | None = i.breaker
+    except BreakerState.DoesNotExist:
+        breaker = None
+    data = {f: getattr(i, f) for f in InstanceOut.model_fields if hasattr(i, f) and f not in ("breaker", "served_model")}
+    data.update(
+        served_model=i.served_model.name,
+        breaker=breaker,
+        breaker_state=breaker.state if breaker else "closed",
+        inflight_tokens=inflight.get(i.name, 0) if inflight is not None else None,
+    )
+    return data
+
+
+def _instances() -> Any:
+    return EngineInstance.objects.select_related("served_model", "breaker")
+
+
+def _one(instance_id: int) -> dict[str, Any]:
+    if not 0 < instance_id < MAX_ID:
+        raise services.NotFoundError(f"No engine instance with id {instance_id}.")
+    i = _instances().filter(id=instance_id).first()
+    if i is None:
+        raise services.NotFoundError(f"No engine instance with id {instance_id}.")
+    return instance_out(i, inflight_tokens())
+
+
+@router.get("/instances", response=list[InstanceOut], summary="List engine instances")
+def list_instances(request: HttpRequest) -> list[dict[str, Any]]:
+    inflight = inflight_tokens()
+    return [instance_out(i, inflight) for i in _instances()]
+
+
+@router.post("/instances", response={201: InstanceOut, 404: Detail, 409: Detail, 422: Detail}, summary="Register an instance")
+def create_instance(request: HttpRequest, body: InstanceIn) -> Status[dict[str, Any]]:
+    instance = services.instance_create(actor=request_actor(request), **body.model_dump())
+    return Status(201, _one(instance.id))
+
+
+@router.get("/instances/{instance_id}", response={200: InstanceOut, 404: Detail})
+def get_instance(request: HttpRequest, instance_id: int) -> dict[str, Any]:
+    return _one(instance_id)
+
+
+@router.patch("/instances/{instance_id}", response={200: InstanceOut, 404: Detail, 422: Detail})
+def patch_instance(request: HttpRequest, instance_id: int, body: InstancePatch) -> dict[str, Any]:
+    _one(instance_id)
+    changes = body.model_dump(exclude_unset=True)
+    for required in ("name", "url", "role", "served_model_id", "kind", "hardware_kind", "weight", "token_capacity",
+                     "cap_token_generate", "cap_native_openai", "cap_tokenizer", "tp", "dp", "ep"):
+        if required in changes and changes[required] is None:
+            raise services.InvalidError(f"{required} cannot be null.")
+    for blankable in ("kv_connector", "kv_transfer", "kv_events_endpoint", "model_dir", "obfuscation_key_id"):
+        if blankable in changes and changes[blankable] is None:
+            changes[blankable] = ""
+    services.instance_update(instance_id=instance_id, actor=request_actor(request), **changes)
+    return _one(instance_id)
+
+
+@router.delete("/instances/{instance_id}", response={204: None, 404: Detail})
+def delete_instance(request: HttpRequest, instance_id: int) -> Status[None]:
+    _one(instance_id)
+    services.instance_delete(instance_id=instance_id, actor=request_actor(request))
+    return Status(204, None)
+
+
+class QuarantineIn(Schema):
+    reason: str = Field("", max_length=500)
+
+    model_config = {"extra": "forbid"}
+
+
+def _state_action(request: HttpRequest, instance_id: int, action: str, reason: str = "") -> dict[str, Any]:
+    _one(instance_id)
+    services.instance_set_state(instance_id=instance_id, action=action, actor=request_actor(request), reason=reason)
+    return _one(instance_id)
+
+
+STATE_RESPONSES = {200: InstanceOut, 404: Detail, 409: Detail}
+
+
+@router.post("/instances/{instance_id}/drain", response=STATE_RESPONSES, summary="Stop sending new requests")
+def drain(request: HttpRequest, instance_id: int) -> dict[str, Any]:
+    return _state_action(request, instance_id, "drain")
+
+
+@router.post("/instances/{instance_id}/undrain", response=STATE_RESPONSES, summary="Take new requests again")
+def undrain(request: HttpRequest, instance_id: int) -> dict[str, Any]:
+    return _state_action(request, instance_id, "undrain")
+
+
+@router.post("/instances/{instance_id}/quarantine", response=STATE_RESPONSES)
+def quarantine(request: HttpRequest, instance_id: int, body: QuarantineIn | None = None) -> dict[str, Any]:
+    return _state_action(request, instance_id, "quarantine", body.reason if body else "")
+
+
+@router.post("/instances/{instance_id}/breaker/reset", response={200: InstanceOut, 404: Detail})
+def breaker_reset(request: HttpRequest, instance_id: int) -> dict[str, Any]:
+    _one(instance_id)
+    services.breaker_reset(instance_id=instance_id, actor=request_actor(request))
+    return _one(instance_id)
+
+
+@router.post("/instances/{instance_id}/breaker/open", response={200: InstanceOut, 404: Detail, 422: Detail})
+def breaker_open(
+    request: HttpRequest, instance_id: int, seconds: float = Query(60.0, gt=0, le=86400),
+) -> dict[str, Any]:
+    _one(instance_id)
+    services.breaker_force_open(instance_id=instance_id, actor=request_actor(request), seconds=seconds)
+    return _one(instance_id)
+
+
+@router.get("/instances/{instance_id}/probes", response={200: list[ProbeOut], 404: Detail}, summary="Probe history")
+def instance_probes(request: HttpRequest, instance_id: int, limit: int = Query(50, ge=1, le=500)) -> Any:
+    _one(instance_id)
+    return list(ProbeResult.objects.filter(instance_id=instance_id)[:limit])
+
+
+@router.post("/probes/run", response={202: Detail, 503: Detail}, summary="Probe every instance now")
+def run_probes(request: HttpRequest) -> Status[dict[str, str]]:
+    queued = services.probes_enqueue(instance_ids=list(EngineInstance.objects.values_list("id", flat=True)))
+    if queued is None:
+        return Status(503, {"detail": "Probes are unavailable: the Celery tasks (fleet.tasks) are not installed."})
+    return Status(202, {"detail": f"Queued probes of {queued} instance(s)."})
+
+
+@router.get("/fleet/status", response=FleetStatusOut, summary="Fleet at a glance")
+def fleet_status(request: HttpRequest) -> dict[str, Any]:
+    return services.fleet_status()
+
+

@@ -1,0 +1,481 @@
+"""Health checks and version probes of the render sidecar and the engines.
+
+The first half is pure: the consecutive-success / consecutive-failure rule (``next_health``),
+version parsing and the render capabilities a version gives (``render_capabilities``), and what
+makes an engine drift from its reference (``drift_reasons``). The second half does the I/O for
+the Celery tasks in ``fleet.tasks``: one real request per probe with an explicit timeout, one
+``ProbeResult`` row per probe, and compare-and-set writes of the machine-owned fields, where only
+a change of verdict writes history (``InstanceEvent``) and bumps the control version.
+
+"Healthy" means a real one-token render (sidecar) or one-token generate (engine) succeeded:
+vLLM answers ``/health`` before its model has ever run (see ``motorsite.tiers``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import httpx
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from fleet.models import AuditReport, BreakerState, EngineInstance, InstanceEvent, ProbeResult
+from fleet.services import bump_control_version
+from motorsite import tiers
+from serving.fingerprints import fingerprint_model_dir
+from serving.models import Health, RenderConfig, ServedModel
+
+logger = logging.getLogger(__name__)
+
+ACTOR = "probe"
+
+# -- pure logic ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """How many probes in a row change a verdict (HAProxy's rise and fall)."""
+
+    rise: int = 2  # successes in a row before unknown/failing becomes healthy
+    fall: int = 3  # failures in a row before unknown/healthy becomes failing
+
+
+@dataclass(frozen=True, slots=True)
+class HealthStep:
+    health: str
+    successes: int
+    failures: int
+
+    def changed_from(self, old: str) -> bool:
+        return self.health != old
+
+
+def next_health(health: str, successes: int, failures: int, ok: bool, t: Thresholds) -> HealthStep:
+    """Apply one probe outcome to a verdict and its counters of consecutive outcomes.
+
+    One slow or failed answer between successes never flips a healthy instance: the verdict
+    moves only after ``t.fall`` failures (or ``t.rise`` successes) in a row.
+    """
+    if ok:
+        successes, failures = successes + 1, 0
+        if health != Health.HEALTHY and successes >= t.rise:
+            health = Health.HEALTHY
+    else:
+        successes, failures = 0, failures + 1
+        if health != Health.FAILING and failures >= t.fall:
+            health = Health.FAILING
+    return HealthStep(health, successes, failures)
+
+
+_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """``"0.33.0"``, ``"0.32.0+cpu"``, ``"0.27.1rc1"``, ``"0.11.1.dev3+g0abc"`` -> (major, minor, patch)."""
+    m = _VERSION.match(text or "")
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+# From the RFC's version requirements: render token-in needs 0.23, the complete non-streaming
+# render/derender 0.24, streaming derender 0.27.
+TOKEN_IN_MIN = (0, 23, 0)
+DERENDER_MIN = (0, 24, 0)
+STREAMING_DERENDER_MIN = (0, 27, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class RenderCapabilities:
+    token_in: bool
+    derender: bool
+    streaming_derender: bool
+
+
+def render_capabilities(version: str) -> RenderCapabilities:
+    """What a sidecar reporting ``version`` can do; an unparsable version can do nothing."""
+    v = parse_version(version)
+    if v is None:
+        return RenderCapabilities(False, False, False)
+    return RenderCapabilities(v >= TOKEN_IN_MIN, v >= DERENDER_MIN, v >= STREAMING_DERENDER_MIN)
+
+
+@dataclass(frozen=True, slots=True)
+class TierReport:
+    """What one tier says it serves (``/v1/models``, ``/version``) and the hashes of its model files."""
+
+    served_names: tuple[str, ...]
+    root: str
+    max_model_len: int | None
+    version: str
+    fingerprint: dict[str, str] | None = None  # None: no model directory to read
+
+    @classmethod
+    def from_answers(
+        cls, served_name: str, models: Any, version: Any, fingerprint: dict[str, str] | None
+    ) -> TierReport:
+        cards = models.get("data") if isinstance(models, dict) else None
+        cards = [c for c in cards or [] if isinstance(c, dict)]
+        names = tuple(str(c.get("id")) for c in cards)
+        # The card of the served name; a LoRA adapter card (parent set) never stands for the model.
+        card = next((c for c in cards if c.get("id") == served_name and not c.get("parent")), None)
+        card = card or next((c for c in cards if not c.get("parent")), {})
+        mml = card.get("max_model_len")
+        return cls(
+            served_names=names,
+            root=str(card.get("root") or ""),
+            max_model_len=mml if isinstance(mml, int) else None,
+            version=str(version.get("version") or "") if isinstance(version, dict) else "",
+            fingerprint=fingerprint,
+        )
+
+
+FINGERPRINT_KEYS = ("config", "tokenizer", "chat_template", "generation_config")
+
+
+def drift_reasons(served_name: str, reference: TierReport, engine: TierReport) -> list[str]:
+    """Why an engine does not serve the same model as the ``reference`` (the render sidecar).
+
+    Compared: the served name, ``max_model_len`` and ``root`` from ``/v1/models``, the engine's
+    vLLM version (token-in generate needs 0.23), and the content hashes of the model files. When
+    both sides have hashes they decide identity, so the same files at a different path (a copy
+    on another volume) are not drift; without them the paths are all there is to compare.
+    """
+    reasons: list[str] = []
+    if served_name not in engine.served_names:
+        reasons.append(f"serves {list(engine.served_names)}, not {served_name!r}")
+    if reference.max_model_len is not None and engine.max_model_len != reference.max_model_len:
+        reasons.append(f"max_model_len {engine.max_model_len} != render's {reference.max_model_len}")
+    v = parse_version(engine.version)
+    if v is None:
+        reasons.append(f"unreadable vLLM version {engine.version!r}")
+    elif v < TOKEN_IN_MIN:
+        reasons.append(f"vLLM {engine.version} is older than 0.23 (token-in generate)")
+    if reference.fingerprint is not None and engine.fingerprint is not None:
+        for key in FINGERPRINT_KEYS:
+            ours, theirs = reference.fingerprint.get(key, ""), engine.fingerprint.get(key, "")
+            if ours != theirs:
+                reasons.append(f"{key} differs ({theirs[:12] or 'missing'} vs render's {ours[:12] or 'missing'})")
+    elif reference.root and engine.root != reference.root:
+        reasons.append(f"root {engine.root!r} != render's {reference.root!r}")
+    return reasons
+
+
+# -- I/O: probes --------------------------------------------------------------------------------
+
+
+def thresholds() -> Thresholds:
+    return Thresholds(rise=settings.MOTOR_PROBE_RISE, fall=settings.MOTOR_PROBE_FALL)
+
+
+def http_client() -> httpx.Client:
+    # trust_env=False: a proxy from the environment must never answer for a 127.0.0.1 tier.
+    # One timeout for the whole probe: a real one-token request on a loaded CPU engine takes
+    # well under a second, so an answer slower than this counts as a failure.
+    return httpx.Client(trust_env=False, timeout=httpx.Timeout(settings.MOTOR_PROBE_TIMEOUT_S))
+
+
+@dataclass(slots=True)
+class Outcome:
+    ok: bool
+    latency_ms: float
+    error: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def _post_ready(client: httpx.Client, base_url: str, request: tuple[str, dict[str, Any]]) -> Outcome:
+    path, body = request
+    start = time.perf_counter()
+    try:
+        response = client.post(base_url.rstrip("/") + path, json=body)
+    except httpx.HTTPError as exc:
+        return Outcome(False, (time.perf_counter() - start) * 1000, f"{type(exc).__name__}: {exc}")
+    latency = (time.perf_counter() - start) * 1000
+    if response.status_code != 200:
+        return Outcome(False, latency, f"{path} answered {response.status_code}: {response.text[:200]}")
+    return Outcome(True, latency)
+
+
+def probe_engine_health(instance_id: int, *, client: httpx.Client | None = None) -> ProbeResult | None:
+    """One real one-token generate on the instance; update its verdict. None if it is gone."""
+    instance = EngineInstance.objects.select_related("served_model").filter(id=instance_id).first()
+    if instance is None:
+        return None
+    with _client(client) as c:
+        outcome = _post_ready(c, instance.url, tiers.engine_ready_request(instance.served_model.name))
+    return _record_engine_health(instance, outcome)
+
+
+def _record_engine_health(instance: EngineInstance, outcome: Outcome) -> ProbeResult:
+    now = timezone.now()
+    with transaction.atomic():
+        row = EngineInstance.objects.filter(id=instance.id).values(
+            "health", "consecutive_successes", "consecutive_failures"
+        ).first()
+        assert row is not None
+        step = next_health(row["health"], row["consecutive_successes"], row["consecutive_failures"], outcome.ok, thresholds())
+        # Compare-and-set on everything we read: a concurrent probe of the same instance (probe
+        # now + the schedule) that wrote first wins, and this outcome only leaves its result row.
+        written = EngineInstance.objects.filter(
+            id=instance.id, health=row["health"],
+            consecutive_successes=row["consecutive_successes"], consecutive_failures=row["consecutive_failures"],
+        ).update(
+            health=step.health, consecutive_successes=step.successes, consecutive_failures=step.failures,
+            last_probe_at=now, last_probe_ok=outcome.ok, last_probe_error=outcome.error,
+        )
+        if written and step.changed_from(row["health"]):
+            InstanceEvent.objects.create(
+                instance=instance, kind="health", old=row["health"], new=step.health, actor=ACTOR,
+                reason=outcome.error or f"{step.successes} probe(s) in a row succeeded",
+            )
+            # The snapshot's `healthy` flag keeps traffic away from a failing instance.
+            bump_control_version()
+            logger.info("instance %s health %s -> %s", instance.name, row["health"], step.health)
+        result = ProbeResult.objects.create(
+            instance=instance, kind="health", ok=outcome.ok, latency_ms=outcome.latency_ms,
+            detail={"health": step.health, "successes": step.successes, "failures": step.failures},
+            error=outcome.error,
+        )
+    return result
+
+
+def render_config() -> RenderConfig | None:
+    return RenderConfig.objects.order_by("id").first()
+
+
+def probe_render_health(*, client: httpx.Client | None = None) -> ProbeResult | None:
+    """One real chat render on the sidecar; update the render config's verdict. None without one."""
+    cfg = render_config()
+    if cfg is None or not cfg.enable:
+        return None
+    model = ServedModel.objects.order_by("id").first()
+    with _client(client) as c:
+        outcome = _post_ready(c, cfg.base_url, tiers.render_ready_request(model.name if model else "default"))
+    t = thresholds()
+    # RenderConfig has no counters: the consecutive run is read back from the latest results.
+    recent = list(
+        ProbeResult.objects.filter(instance=None, kind="health").values_list("ok", flat=True)[: max(t.rise, t.fall)]
+    )
+    successes = failures = 0
+    for ok in recent:
+        if ok and not failures:
+            successes += 1
+        elif not ok and not successes:
+            failures += 1
+        else:
+            break
+    step = next_health(cfg.health, successes, failures, outcome.ok, t)
+    with transaction.atomic():
+        RenderConfig.objects.filter(id=cfg.id, health=cfg.health).update(
+            health=step.health, last_probe_at=timezone.now(), last_probe_error=outcome.error,
+        )
+        if step.changed_from(cfg.health):
+            logger.info("render sidecar %s health %s -> %s", cfg.base_url, cfg.health, step.health)
+        return ProbeResult.objects.create(
+            instance=None, kind="health", ok=outcome.ok, latency_ms=outcome.latency_ms,
+            detail={"health": step.health, "url": cfg.base_url}, error=outcome.error,
+        )
+
+
+def _get_json(client: httpx.Client, url: str) -> Any:
+    response = client.get(url)
+    response.raise_for_status()
+    return response.json()
+
+
+def _report(client: httpx.Client, base_url: str, served_name: str, model_dir: str) -> TierReport:
+    base = base_url.rstrip("/")
+    models = _get_json(client, base + "/v1/models")
+    version = _get_json(client, base + "/version")
+    fingerprint = fingerprint_model_dir(model_dir) if model_dir else None
+    return TierReport.from_answers(served_name, models, version, fingerprint)
+
+
+@dataclass(slots=True)
+class VersionProbeSummary:
+    render_version: str = ""
+    streaming_derender: bool | None = None
+    drifted: list[str] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def probe_versions(*, client: httpx.Client | None = None) -> VersionProbeSummary:
+    """Ask the sidecar and every engine what they serve; negotiate render capabilities, flag drift.
+
+    The render sidecar is the reference for the engines of each served model, with the model
+    files' hashes taken from the model's active revision when one is set (the operator's record)
+    and from the served model's ``model_path`` (the directory the sidecar loads) otherwise.
+    """
+    summary = VersionProbeSummary()
+    cfg = render_config()
+    with _client(client) as c:
+        references: dict[int, TierReport] = {}
+        render_models: Any = {}
+        if cfg is not None:
+            start = time.perf_counter()
+            try:
+                version = _get_json(c, cfg.base_url + "/version")
+                render_models = _get_json(c, cfg.base_url + "/v1/models")
+            except (httpx.HTTPError, ValueError) as exc:
+                summary.errors["render"] = f"{type(exc).__name__}: {exc}"
+                _version_result(None, False, start, {}, summary.errors["render"])
+            else:
+                summary.render_version = str(version.get("version") or "") if isinstance(version, dict) else ""
+                _apply_render_version(cfg, summary, start)
+        for model in ServedModel.objects.select_related("active_revision"):
+            fingerprint = (
+                model.active_revision.fingerprint() if model.active_revision else fingerprint_model_dir(model.model_path)
+            )
+            references[model.id] = TierReport.from_answers(
+                model.name, render_models, {"version": summary.render_version}, fingerprint
+            )
+        for instance in EngineInstance.objects.select_related("served_model").exclude(state=EngineInstance.State.DISABLED):
+            _probe_engine_version(c, instance, references.get(instance.served_model_id), summary)
+    return summary
+
+
+def _version_result(instance: EngineInstance | None, ok: bool, start: float, detail: dict[str, Any], error: str = "") -> None:
+    ProbeResult.objects.create(
+        instance=instance, kind="version", ok=ok, latency_ms=(time.perf_counter() - start) * 1000,
+        detail=detail, error=error,
+    )
+
+
+def _apply_render_version(cfg: RenderConfig, summary: VersionProbeSummary, start: float) -> None:
+    caps = render_capabilities(summary.render_version)
+    summary.streaming_derender = caps.streaming_derender
+    problems = []
+    if not caps.token_in:
+        problems.append(f"sidecar vLLM {summary.render_version or '?'} is older than 0.23: no token-in render")
+    elif not caps.derender:
+        problems.append(f"sidecar vLLM {summary.render_version} is older than 0.24: no derender")
+    elif not caps.streaming_derender:
+        # Not an error: streaming requests take the engines' native path instead.
+        logger.warning("render sidecar vLLM %s has no streaming derender (< 0.27)", summary.render_version)
+    with transaction.atomic():
+        changed = RenderConfig.objects.filter(id=cfg.id).exclude(
+            sidecar_version=summary.render_version, streaming_derender=caps.streaming_derender
+        ).update(sidecar_version=summary.render_version, streaming_derender=caps.streaming_derender)
+        if changed:
+            bump_control_version()  # streaming_derender is in the snapshot
+        _version_result(
+            None, not problems, start,
+            {"version": summary.render_version, "token_in": caps.token_in, "derender": caps.derender,
+             "streaming_derender": caps.streaming_derender},
+            "; ".join(problems),
+        )
+
+
+def _probe_engine_version(
+    client: httpx.Client, instance: EngineInstance, reference: TierReport | None, summary: VersionProbeSummary
+) -> None:
+    start = time.perf_counter()
+    try:
+        report = _report(client, instance.url, instance.served_model.name, instance.model_dir)
+    except (httpx.HTTPError, ValueError, OSError) as exc:
+        summary.errors[instance.name] = f"{type(exc).__name__}: {exc}"
+        _version_result(instance, False, start, {}, summary.errors[instance.name])
+        return
+    reasons = drift_reasons(instance.served_model.name, reference, report) if reference is not None else []
+    drift_reason = "; ".join(reasons)[:500]
+    with transaction.atomic():
+        was = EngineInstance.objects.filter(id=instance.id).values_list("version_drift", flat=True).first()
+        EngineInstance.objects.filter(id=instance.id).update(
+            reported_version=report.version, reported_root=report.root,
+            reported_max_model_len=report.max_model_len, reported_fingerprint=report.fingerprint or {},
+            version_drift=bool(reasons), drift_reason=drift_reason,
+        )
+        if was is not None and was != bool(reasons):
+            InstanceEvent.objects.create(
+                instance=instance, kind="drift", old=str(was).lower(), new=str(bool(reasons)).lower(),
+                actor=ACTOR, reason=drift_reason or "matches render again",
+            )
+            bump_control_version()
+        _version_result(
+            instance, not reasons, start,
+            {"version": report.version, "root": report.root, "max_model_len": report.max_model_len,
+             "fingerprint": report.fingerprint, "reasons": reasons},
+            drift_reason,
+        )
+    if reasons:
+        summary.drifted.append(instance.name)
+        # The policy acts on every probe, not only on the flip: an operator who re-activates a
+        # drifted engine without fixing it sees it quarantined again at the next probe.
+        if settings.MOTOR_QUARANTINE_ON_DRIFT and instance.quarantine(reason=f"version drift: {drift_reason}", actor=ACTOR):
+            bump_control_version()
+            summary.quarantined.append(instance.name)
+            logger.warning("instance %s quarantined: %s", instance.name, drift_reason)
+
+
+class _client:
+    """Use the caller's client, or a fresh one closed afterwards."""
+
+    def __init__(self, client: httpx.Client | None) -> None:
+        self._given = client
+        self._own: httpx.Client | None = None
+
+    def __enter__(self) -> httpx.Client:
+        if self._given is not None:
+            return self._given
+        self._own = http_client()
+        return self._own
+
+    def __exit__(self, *exc: object) -> None:
+        if self._own is not None:
+            self._own.close()
+
+
+# -- retention and audit ------------------------------------------------------------------------
+
+
+def prune_probe_results(*, now: Any = None) -> int:
+    """Delete probe results older than ``MOTOR_PROBE_RETENTION_DAYS``; return how many."""
+    cutoff = (now or timezone.now()) - timedelta(days=settings.MOTOR_PROBE_RETENTION_DAYS)
+    deleted, _ = ProbeResult.objects.filter(created__lt=cutoff).delete()
+    return deleted
+
+
+def audit_fleet() -> AuditReport:
+    """Record the fleet's state as the control plane sees it now (one row, a JSON summary)."""
+    cfg = render_config()
+    instances = []
+    for i in EngineInstance.objects.select_related("served_model", "breaker").order_by("name"):
+        try:
+            breaker = i.breaker.state
+        except BreakerState.DoesNotExist:
+            breaker = BreakerState.State.CLOSED
+        instances.append(
+            {
+                "name": i.name, "model": i.served_model.name, "role": i.role, "state": i.state,
+                "health": i.health, "breaker": breaker, "version": i.reported_version,
+                "version_drift": i.version_drift, "drift_reason": i.drift_reason,
+                "last_probe_at": i.last_probe_at.isoformat() if i.last_probe_at else None,
+            }
+        )
+    serving = [
+        x["name"] for x in instances
+        if x["state"] == "active" and x["health"] != Health.FAILING and x["breaker"] != BreakerState.State.OPEN
+    ]
+    summary = {
+        "render": None if cfg is None else {
+            "url": cfg.base_url, "enable": cfg.enable, "health": cfg.health, "version": cfg.sidecar_version,
+            "streaming_derender": cfg.streaming_derender,
+        },
+        "instances": instances,
+        "counts": {
+            "total": len(instances),
+            "serving": len(serving),
+            "failing": sum(x["health"] == Health.FAILING for x in instances),
+            "breaker_open": sum(x["breaker"] == BreakerState.State.OPEN for x in instances),
+            "version_drift": sum(x["version_drift"] for x in instances),
+            "by_state": {s: sum(x["state"] == s for x in instances) for s in EngineInstance.State.values},
+        },
+    }
+    return AuditReport.objects.create(summary=summary)

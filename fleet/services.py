@@ -1,0 +1,345 @@
+"""Fleet operations called from two or more of admin, API, tasks and commands.
+
+Every function that changes control data ends with ``bump_control_version()`` (inside the same
+transaction), which is how coordinator processes learn that their snapshot is stale.
+Functions raise ``ServiceError`` subclasses with a message meant for the operator:
+``NotFoundError`` (-> 404), ``ConflictError`` (-> 409), ``InvalidError`` (-> 422).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from django.db import transaction
+from django.db.models import F
+
+from fleet.models import ApiKey, BreakerState, ControlVersion, EngineInstance, hash_key
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    status = 400
+
+
+class NotFoundError(ServiceError):
+    status = 404
+
+
+class ConflictError(ServiceError):
+    status = 409
+
+
+class InvalidError(ServiceError):
+    status = 422
+
+
+# -- live config --------------------------------------------------------------------------------
+
+
+def bump_control_version() -> int:
+    """Increment the fleet's control version; return the new value."""
+    with transaction.atomic():
+        if not ControlVersion.objects.filter(id=1).update(value=F("value") + 1):
+            ControlVersion.objects.get_or_create(id=1, defaults={"value": 1})
+        return ControlVersion.objects.values_list("value", flat=True).get(id=1)
+
+
+def read_control_version() -> int:
+    return ControlVersion.objects.filter(id=1).values_list("value", flat=True).first() or 0
+
+
+# -- P/D validation -----------------------------------------------------------------------------
+
+PULL_CONNECTORS = frozenset({"NixlConnector", "MooncakeConnector"})  # Handoff: D pulls P's KV
+PUSH_CONNECTORS = frozenset({"MooncakeLayerwiseConnector"})  # Trigger: P pushes layer by layer
+
+
+@dataclass(frozen=True)
+class PDDeclaration:
+    """What P/D validation needs from an instance (a saved row or a form/API body not yet saved)."""
+
+    id: int | None
+    name: str
+    role: str
+    served_model_id: int
+    hardware_kind: str
+    kv_connector: str
+    kv_transfer: str
+    tp: int
+
+    @classmethod
+    def of(cls, i: EngineInstance) -> PDDeclaration:
+        return cls(i.id, i.name, i.role, i.served_model_id, i.hardware_kind, i.kv_connector, i.kv_transfer, i.tp)
+
+
+def _connector_problem(d: PDDeclaration) -> str | None:
+    if d.role == EngineInstance.Role.UNION:
+        return None
+    if not d.kv_connector:
+        return f"{d.role} instance {d.name!r} needs a KV connector"
+    transfer = d.kv_transfer or ("push" if d.kv_connector in PUSH_CONNECTORS else "pull")
+    if transfer == "pull" and d.kv_connector not in PULL_CONNECTORS | {"ExampleConnector"}:
+        return (
+            f"{d.name!r}: Handoff (pull) needs a pull connector (NixlConnector, MooncakeConnector), "
+            f"not {d.kv_connector}"
+        )
+    if transfer == "push" and d.kv_connector not in PUSH_CONNECTORS | {"ExampleConnector"}:
+        return (
+            f"{d.name!r}: Trigger (push) needs a push/layer-wise connector (MooncakeLayerwiseConnector), "
+            f"not {d.kv_connector}"
+        )
+    return None
+
+
+def _transfer(d: PDDeclaration) -> str:
+    return d.kv_transfer or ("push" if d.kv_connector in PUSH_CONNECTORS else "pull")
+
+
+def pd_problems(candidate: PDDeclaration, others: Iterable[PDDeclaration]) -> list[str]:
+    """Why ``candidate`` cannot join the P/D group of its served model, given the ``others`` there."""
+    problems = []
+    own = _connector_problem(candidate)
+    if own:
+        problems.append(own)
+    if candidate.role == EngineInstance.Role.UNION:
+        return problems
+    opposite = EngineInstance.Role.DECODE if candidate.role == EngineInstance.Role.PREFILL else EngineInstance.Role.PREFILL
+    for other in others:
+        if other.id is not None and other.id == candidate.id:
+            continue
+        if other.served_model_id != candidate.served_model_id or other.role != opposite:
+            continue
+        if other.hardware_kind != candidate.hardware_kind:
+            problems.append(
+                f"P and D of one served model must use the same hardware kind: {candidate.name!r} is "
+                f"{candidate.hardware_kind}, {other.name!r} is {other.hardware_kind}"
+            )
+        if candidate.kv_connector and other.kv_connector and _transfer(candidate) != _transfer(other):
+            problems.append(
+                f"incompatible KV connectors: {candidate.name!r} uses {candidate.kv_connector} "
+                f"({_transfer(candidate)}), {other.name!r} uses {other.kv_connector} ({_transfer(other)})"
+            )
+        p, d = (candidate, other) if candidate.role == EngineInstance.Role.PREFILL else (other, candidate)
+        if p.tp != d.tp and not (p.tp > d.tp and p.tp % d.tp == 0):
+            problems.append(
+                f"unequal TP is accepted only when P's TP is a larger multiple of D's: "
+                f"P {p.name!r} has tp={p.tp}, D {d.name!r} has tp={d.tp}"
+            )
+    return problems
+
+
+def validate_pd(candidate: PDDeclaration) -> None:
+    """Raise ``InvalidError`` if ``candidate`` breaks the P/D rules of its served model."""
+    others = [
+        PDDeclaration.of(i)
+        for i in EngineInstance.objects.filter(served_model_id=candidate.served_model_id).exclude(role="union")
+    ]
+    problems = pd_problems(candidate, others)
+    if problems:
+        raise InvalidError("; ".join(problems))
+
+
+# -- instances ----------------------------------------------------------------------------------
+
+INSTANCE_FIELDS = (
+    "name", "url", "role", "served_model_id", "weight", "token_capacity", "max_model_len",
+    "cap_token_generate", "cap_native_openai", "cap_tokenizer", "kind", "hardware_kind", "kv_connector",
+    "kv_transfer", "kv_events_endpoint", "tp", "dp", "ep", "model_dir", "obfuscation_key_id",
+)
+
+
+def _get(instance_id: int) -> EngineInstance:
+    try:
+        return EngineInstance.objects.select_related("served_model").get(id=instance_id)
+    except EngineInstance.DoesNotExist:
+        raise NotFoundError(f"No engine instance with id {instance_id}.") from None
+
+
+def instance_create(*, actor: str, **fields: Any) -> EngineInstance:
+    instance = EngineInstance(**fields)
+    return instance_save(instance=instance, actor=actor)
+
+
+def instance_update(*, instance_id: int, actor: str, **fields: Any) -> EngineInstance:
+    instance = _get(instance_id)
+    for name, value in fields.items():
+        if name not in INSTANCE_FIELDS:
+            raise InvalidError(f"Field {name!r} cannot be changed here.")
+        setattr(instance, name, value)
+    return instance_save(instance=instance, actor=actor)
+
+
+def instance_save(*, instance: EngineInstance, actor: str) -> EngineInstance:
+    from django.core.exceptions import ValidationError
+
+    from serving.models import ServedModel
+
+    if not ServedModel.objects.filter(id=instance.served_model_id).exists():
+        raise InvalidError(f"No served model with id {instance.served_model_id}.")
+    try:
+        instance.full_clean(exclude=["served_model"])
+    except ValidationError as exc:
+        raise InvalidError("; ".join(f"{k}: {' '.join(v)}" for k, v in exc.message_dict.items())) from None
+    validate_pd(PDDeclaration.of(instance))
+    with transaction.atomic():
+        instance.save()
+        BreakerState.objects.get_or_create(instance=instance)
+        bump_control_version()
+    logger.info("instance saved id=%s name=%s actor=%s", instance.id, instance.name, actor)
+    return instance
+
+
+def instance_delete(*, instance_id: int, actor: str) -> None:
+    instance = _get(instance_id)
+    with transaction.atomic():
+        instance.delete()
+        bump_control_version()
+    logger.info("instance deleted id=%s actor=%s", instance_id, actor)
+
+
+_STATE_ACTIONS = {
+    "drain": ("drain", "draining", "only an active instance can be drained"),
+    "undrain": ("undrain", "active", "only a draining instance can be undrained"),
+    "quarantine": ("quarantine", "quarantined", "an instance that is already quarantined or disabled cannot be quarantined"),
+    "disable": ("disable", "disabled", "the instance is already disabled"),
+    "activate": ("activate", "active", "the instance is already active"),
+}
+
+
+def instance_set_state(*, instance_id: int, action: str, actor: str, reason: str = "") -> EngineInstance:
+    """Run ``drain``/``undrain``/``quarantine``/``disable``/``activate``; ``ConflictError`` if the state forbids it."""
+    method, _, why = _STATE_ACTIONS[action]
+    instance = _get(instance_id)
+    with transaction.atomic():
+        fn = getattr(instance, method)
+        ok = fn(reason=reason, actor=actor) if method == "quarantine" else fn(actor=actor)
+        if not ok:
+            raise ConflictError(f"Cannot {action} {instance.name!r} (state {instance.state}): {why}.")
+        bump_control_version()
+    return instance
+
+
+def instances_set_state(*, ids: Iterable[int], action: str, actor: str, reason: str = "") -> int:
+    """Bulk form for admin actions: how many instances changed (the others are skipped)."""
+    changed = 0
+    for instance_id in ids:
+        try:
+            instance_set_state(instance_id=instance_id, action=action, actor=actor, reason=reason)
+            changed += 1
+        except (ConflictError, NotFoundError):
+            pass
+    return changed
+
+
+def breaker_reset(*, instance_id: int, actor: str) -> BreakerState:
+    _get(instance_id)
+    with transaction.atomic():
+        breaker = BreakerState.for_instance(instance_id)
+        breaker.reset(actor=actor)
+        bump_control_version()
+    return breaker
+
+
+def breaker_force_open(*, instance_id: int, actor: str, seconds: float = 60.0) -> BreakerState:
+    _get(instance_id)
+    if not 0 < seconds <= 86400:
+        raise InvalidError("seconds must be in (0, 86400].")
+    with transaction.atomic():
+        breaker = BreakerState.for_instance(instance_id)
+        breaker.force_open(actor=actor, seconds=seconds)
+        bump_control_version()
+    return breaker
+
+
+def breaker_record(
+    *, instance_id: int, new_state: str, reason: str, consecutive_failures: int,
+    open_until: Any, open_seconds: float,
+) -> bool:
+    """Write back a transition the request path already made (see ``fleet.writeback``)."""
+    if not EngineInstance.objects.filter(id=instance_id).exists():
+        return False  # deleted meanwhile: nothing to record
+    with transaction.atomic():
+        breaker = BreakerState.for_instance(instance_id)
+        changed = breaker.record(
+            new_state, reason=reason, consecutive_failures=consecutive_failures,
+            open_until=open_until, open_seconds=open_seconds,
+        )
+        bump_control_version()
+    return changed
+
+
+# -- API keys -----------------------------------------------------------------------------------
+
+
+def api_key_create(*, name: str, scope: str, tokens_per_minute: int | None = None, key: str | None = None) -> tuple[ApiKey, str]:
+    """Create a key record; return it and the key itself (shown once, never stored)."""
+    key = key or ApiKey.generate(scope)
+    obj = ApiKey(name=name, scope=scope, tokens_per_minute=tokens_per_minute)
+    obj.set_key(key)
+    with transaction.atomic():
+        obj.save()
+        bump_control_version()
+    return obj, key
+
+
+def api_key_ensure(*, name: str, scope: str, key: str, tokens_per_minute: int | None = None) -> ApiKey:
+    """Idempotent form for ``demo_fleet``: the record for ``key`` exists and is not revoked."""
+    with transaction.atomic():
+        obj, _ = ApiKey.objects.update_or_create(
+            key_hash=hash_key(key),
+            defaults={"name": name, "scope": scope, "prefix": key[:8], "revoked": False, "tokens_per_minute": tokens_per_minute},
+        )
+        bump_control_version()
+    return obj
+
+
+def api_key_revoke(*, ids: Iterable[int]) -> int:
+    with transaction.atomic():
+        n = ApiKey.objects.filter(id__in=list(ids), revoked=False).update(revoked=True)
+        bump_control_version()
+    return n
+
+
+def api_key_lookup(key: str) -> ApiKey | None:
+    return ApiKey.objects.filter(key_hash=hash_key(key), revoked=False).first()
+
+
+# -- probes and status --------------------------------------------------------------------------
+
+
+def probes_enqueue(*, instance_ids: Iterable[int]) -> int | None:
+    """Queue a probe of each instance (after commit); None when the Celery tasks are not installed."""
+    try:
+        from fleet import tasks
+    except ImportError:
+        return None
+    probe = getattr(tasks, "probe_instance", None)
+    if probe is None:
+        return None
+    n = 0
+    for instance_id in instance_ids:
+        probe.delay_on_commit(instance_id)
+        n += 1
+    return n
+
+
+def fleet_status() -> dict[str, Any]:
+    from django.db.models import Count
+
+    from serving.models import Health, RenderConfig
+
+    by_state = dict(EngineInstance.objects.values_list("state").annotate(n=Count("id")).values_list("state", "n"))
+    render = RenderConfig.objects.order_by("id").first()
+    return {
+        "control_version": read_control_version(),
+        "instances": sum(by_state.values()),
+        "by_state": by_state,
+        "breaker_open": BreakerState.objects.exclude(state=BreakerState.State.CLOSED).count(),
+        "probe_failing": EngineInstance.objects.filter(health=Health.FAILING).count(),
+        "version_drift": EngineInstance.objects.filter(version_drift=True).count(),
+        "render_health": render.health if render else "unknown",
+        "render_restart_required": bool(render and render.restart_required),
+    }

@@ -1,0 +1,116 @@
+"""The fleet dashboard: every instance on one admin page, with sparklines of its recent traffic.
+
+A changelist cannot show this: the plots come from this coordinator process's in-memory request
+metrics (``serving.pipeline.metrics``) and in-flight counters, next to each instance's control
+data. The sparklines are inline SVG drawn here, so the page needs no script and nothing from
+the network. Staff only (wrapped in ``admin.site.admin_view`` in ``motorsite.urls``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.contrib import admin
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render
+from django.utils.html import format_html
+from django.utils.safestring import SafeString, mark_safe
+
+from fleet.models import BreakerState, EngineInstance
+from serving.models import Health, RenderConfig
+from serving.pipeline import metrics
+
+SPARK_W, SPARK_H = 120, 28
+
+
+def sparkline(values: Sequence[float | None], *, label: str, color: str = "#417690") -> SafeString:
+    """An inline SVG polyline of ``values`` (None = no data, drawn as a gap) scaled to its own max."""
+    present = [v for v in values if v is not None]
+    top = max(present, default=0.0) or 1.0
+    step = SPARK_W / max(len(values) - 1, 1)
+    segments: list[list[str]] = [[]]
+    for k, v in enumerate(values):
+        if v is None:
+            if segments[-1]:
+                segments.append([])
+            continue
+        y = SPARK_H - 2 - (v / top) * (SPARK_H - 4)
+        segments[-1].append(f"{k * step:.1f},{y:.1f}")
+    lines = "".join(
+        f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{" ".join(s)}"/>'
+        if len(s) > 1 else f'<circle cx="{s[0].split(",")[0]}" cy="{s[0].split(",")[1]}" r="1.5" fill="{color}"/>'
+        for s in segments if s
+    )
+    # Every value is a number formatted here, and the label goes through format_html: safe.
+    return format_html(
+        '<svg class="spark" role="img" width="{}" height="{}" viewBox="0 0 {} {}" data-metric="{}">'
+        '<title>{}</title><line x1="0" y1="{}" x2="{}" y2="{}" stroke="#ddd"/>{}</svg>',
+        SPARK_W, SPARK_H, SPARK_W, SPARK_H, label, label, SPARK_H - 1, SPARK_W, SPARK_H - 1, mark_safe(lines),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    instance: EngineInstance
+    breaker: str
+    in_flight: int
+    sick: bool
+    why: list[str]
+    plots: dict[str, SafeString]
+    latest: dict[str, Any]
+
+
+def _row(instance: EngineInstance, series: metrics.InstanceSeries | None, in_flight: int) -> Row:
+    try:
+        breaker = instance.breaker.state
+    except BreakerState.DoesNotExist:
+        breaker = BreakerState.State.CLOSED
+    why = []
+    if instance.health == Health.FAILING:
+        why.append("probe failing")
+    if breaker != BreakerState.State.CLOSED:
+        why.append(f"breaker {breaker}")
+    if instance.version_drift:
+        why.append("version drift")
+    if instance.state == EngineInstance.State.QUARANTINED:
+        why.append("quarantined")
+    points = series.points if series else ()
+    ttft = [p.ttft_s * 1000 if p.ttft_s is not None else None for p in points]
+    tpot = [p.tpot_s * 1000 if p.tpot_s is not None else None for p in points]
+    rate = [float(p.requests) for p in points]
+    errors = [float(p.errors) for p in points]
+    recent = points[-6:]  # the last minute
+    latest = {
+        "requests": sum(p.requests for p in recent),
+        "errors": sum(p.errors for p in recent),
+        "ttft_ms": next((v for v in reversed(ttft) if v is not None), None),
+        "tpot_ms": next((v for v in reversed(tpot) if v is not None), None),
+    }
+    plots = {
+        "ttft": sparkline(ttft, label=f"{instance.name} TTFT ms"),
+        "tpot": sparkline(tpot, label=f"{instance.name} TPOT ms"),
+        "rate": sparkline(rate, label=f"{instance.name} requests per bucket"),
+        "errors": sparkline(errors, label=f"{instance.name} errors per bucket", color="#ba2121"),
+    }
+    return Row(instance, breaker, in_flight, bool(why), why, plots, latest)
+
+
+def dashboard(request: HttpRequest) -> HttpResponse:
+    from serving.runtime import inflight_tokens
+
+    series = metrics.snapshot()
+    in_flight = inflight_tokens()
+    instances = EngineInstance.objects.select_related("served_model", "breaker").order_by("name")
+    rows = [_row(i, series.get(i.name), in_flight.get(i.name, 0)) for i in instances]
+    context = {
+        **admin.site.each_context(request),
+        "title": "Fleet dashboard",
+        "rows": rows,
+        "render": RenderConfig.objects.order_by("id").first(),
+        "sick_count": sum(r.sick for r in rows),
+        "bucket_s": metrics.REGISTRY.bucket_s,
+        "window_min": metrics.REGISTRY.bucket_s * metrics.REGISTRY.buckets // 60,
+    }
+    return render(request, "fleet/dashboard.html", context)

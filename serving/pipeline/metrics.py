@@ -1,0 +1,251 @@
+"""Recent per-instance request metrics of this coordinator process, in fixed time buckets.
+
+The request path calls ``record_request`` once per engine request outcome; the fleet dashboard
+and ``/metrics`` read ``snapshot()``. Everything stays in memory in ring buffers of
+``BUCKETS`` buckets of ``BUCKET_S`` seconds (ten minutes), so the cost per request is one lock
+and a few additions, and memory is bounded by the number of instances. Each coordinator process
+keeps its own; with several processes a Prometheus server sums what each ``/metrics`` reports.
+
+Django-free like the rest of ``serving.pipeline``.
+
+What the numbers mean, as the coordinator sees them:
+
+- TTFT: for a stream, from the engine's HTTP 200 to its first token event; for a non-streaming
+  generate the first token arrives with the whole answer, so it is the whole generate latency.
+- TPOT: for a stream, (last token event - first) / (tokens - 1); unknown for non-streaming.
+- errors: engine failures (``EngineError``, including the engine's own busy 503); a request the
+  engine rejected as invalid or a client that left is neither a success nor an error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from serving.pipeline.errors import EngineError
+
+BUCKET_S = 10
+BUCKETS = 60
+
+
+@dataclass(slots=True)
+class _Bucket:
+    start: int  # epoch seconds, a multiple of the bucket width
+    requests: int = 0
+    errors: int = 0
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    tpot_sum: float = 0.0
+    tpot_count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One bucket of one instance; averages are None when nothing was measured in it."""
+
+    start: int
+    requests: int
+    errors: int
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSeries:
+    """The last ``BUCKETS`` buckets of one instance, oldest first (empty ones included), and totals."""
+
+    points: tuple[Point, ...]
+    requests_total: int
+    errors_total: int
+    ttft_sum_s: float
+    ttft_count: int
+    tpot_sum_s: float
+    tpot_count: int
+
+
+@dataclass(slots=True)
+class _Totals:
+    requests: int = 0
+    errors: int = 0
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    tpot_sum: float = 0.0
+    tpot_count: int = 0
+
+
+class MetricsRegistry:
+    """Ring buffers of recent buckets per instance name, plus running totals for Prometheus."""
+
+    def __init__(self, *, bucket_s: int = BUCKET_S, buckets: int = BUCKETS, clock: Callable[[], float] = time.time) -> None:
+        self.bucket_s = bucket_s
+        self.buckets = buckets
+        self._clock = clock
+        # The request path writes from the event loop while a sync dashboard view reads from a
+        # worker thread; the lock is held for a few additions, never across an await.
+        self._lock = threading.Lock()
+        self._rings: dict[str, list[_Bucket | None]] = {}
+        self._totals: dict[str, _Totals] = {}
+
+    def _slot(self, now: float) -> tuple[int, int]:
+        start = int(now // self.bucket_s) * self.bucket_s
+        return start, (start // self.bucket_s) % self.buckets
+
+    def record_request(self, instance: str, ttft_s: float | None, tpot_s: float | None, ok: bool) -> None:
+        """Count one engine request outcome of ``instance`` in the current bucket."""
+        start, index = self._slot(self._clock())
+        with self._lock:
+            ring = self._rings.get(instance)
+            if ring is None:
+                ring = self._rings[instance] = [None] * self.buckets
+                self._totals[instance] = _Totals()
+            bucket = ring[index]
+            if bucket is None or bucket.start != start:
+                # The slot still holds a bucket one lap (buckets * bucket_s) old: reuse it.
+                bucket = ring[index] = _Bucket(start)
+            totals = self._totals[instance]
+            bucket.requests += 1
+            totals.requests += 1
+            if not ok:
+                bucket.errors += 1
+                totals.errors += 1
+            if ttft_s is not None:
+                bucket.ttft_sum += ttft_s
+                bucket.ttft_count += 1
+                totals.ttft_sum += ttft_s
+                totals.ttft_count += 1
+            if tpot_s is not None:
+                bucket.tpot_sum += tpot_s
+                bucket.tpot_count += 1
+                totals.tpot_sum += tpot_s
+                totals.tpot_count += 1
+
+    def snapshot(self) -> dict[str, InstanceSeries]:
+        """Return every instance's last ``buckets`` buckets ending with the current one."""
+        current, _ = self._slot(self._clock())
+        starts = [current - (self.buckets - 1 - k) * self.bucket_s for k in range(self.buckets)]
+        out: dict[str, InstanceSeries] = {}
+        with self._lock:
+            for name, ring in self._rings.items():
+                by_start = {b.start: b for b in ring if b is not None}
+                points = []
+                for s in starts:
+                    b = by_start.get(s)
+                    if b is None:
+                        points.append(Point(s, 0, 0, None, None))
+                    else:
+                        points.append(
+                            Point(
+                                s, b.requests, b.errors,
+                                b.ttft_sum / b.ttft_count if b.ttft_count else None,
+                                b.tpot_sum / b.tpot_count if b.tpot_count else None,
+                            )
+                        )
+                t = self._totals[name]
+                out[name] = InstanceSeries(
+                    tuple(points), t.requests, t.errors, t.ttft_sum, t.ttft_count, t.tpot_sum, t.tpot_count
+                )
+        return out
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rings.clear()
+            self._totals.clear()
+
+
+class TimedEvents:
+    """Wraps an engine's stream of generate events and records its outcome once.
+
+    A plain async iterator rather than an async generator on purpose: it holds no frame to be
+    finalized later, so a client that leaves mid-stream leaves nothing for the loop to clean up,
+    and the stream's owner (the engine client's context manager) still closes the stream itself.
+    """
+
+    def __init__(self, instance: str, events: AsyncIterator[dict[str, Any]], registry: MetricsRegistry | None = None) -> None:
+        self._instance = instance
+        self._events = events
+        self._registry = registry or REGISTRY
+        # Established (HTTP 200) is the start: the engine sends headers before it has a token.
+        self._start = time.perf_counter()
+        self._first: float | None = None
+        self._last = 0.0
+        self._tokens = 0
+        self._recorded = False
+
+    def __aiter__(self) -> TimedEvents:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        try:
+            event = await self._events.__anext__()
+        except StopAsyncIteration:
+            self._record(ok=True)
+            raise
+        except EngineError:
+            self._record(ok=False)
+            raise
+        tokens = sum(len(c.get("token_ids") or ()) for c in event.get("choices") or ())
+        if tokens:
+            now = time.perf_counter()
+            if self._first is None:
+                self._first = now
+            self._last = now
+            self._tokens += tokens
+        return event
+
+    def _record(self, *, ok: bool) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        ttft = self._first - self._start if self._first is not None else None
+        tpot = (self._last - self._first) / (self._tokens - 1) if self._first is not None and self._tokens > 1 else None
+        self._registry.record_request(self._instance, ttft, tpot, ok)
+
+
+# The process's registry: one per coordinator process, shared by every request and view.
+REGISTRY = MetricsRegistry()
+
+
+def record_request(instance: str, ttft_s: float | None, tpot_s: float | None, ok: bool) -> None:
+    """Record one engine request outcome in the process's registry (see the module docstring)."""
+    REGISTRY.record_request(instance, ttft_s, tpot_s, ok)
+
+
+def snapshot() -> dict[str, InstanceSeries]:
+    return REGISTRY.snapshot()
+
+
+def prometheus_text(series: dict[str, InstanceSeries], in_flight_tokens: dict[str, int] | None = None) -> str:
+    """Render totals in Prometheus' text exposition format (counters and sums, one series per instance)."""
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help_: str, values: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+        for instance, value in values:
+            lines.append(f'{name}{{instance="{label_value(instance)}"}} {value!r}')
+
+    names = sorted(series)
+    family("motor_engine_requests_total", "counter", "Engine requests finished (ok or failed).",
+           [(n, float(series[n].requests_total)) for n in names])
+    family("motor_engine_errors_total", "counter", "Engine requests that failed on the engine's side.",
+           [(n, float(series[n].errors_total)) for n in names])
+    family("motor_engine_ttft_seconds_sum", "counter", "Sum of time to first token.",
+           [(n, series[n].ttft_sum_s) for n in names])
+    family("motor_engine_ttft_seconds_count", "counter", "Requests with a measured time to first token.",
+           [(n, float(series[n].ttft_count)) for n in names])
+    family("motor_engine_tpot_seconds_sum", "counter", "Sum of time per output token.",
+           [(n, series[n].tpot_sum_s) for n in names])
+    family("motor_engine_tpot_seconds_count", "counter", "Streams with a measured time per output token.",
+           [(n, float(series[n].tpot_count)) for n in names])
+    if in_flight_tokens is not None:
+        family("motor_engine_in_flight_tokens", "gauge", "Prompt + output tokens this process has in flight.",
+               [(n, float(v)) for n, v in sorted(in_flight_tokens.items())])
+    return "\n".join(lines) + "\n"
+
+
+def label_value(value: str) -> str:
+    """Escape a Prometheus label value."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,123 @@
+"""Render config operations shared by the admin, the REST API and ``manage.py import_render_config``.
+
+An imported config is the RFC's ``render_config`` object (optionally wrapped as
+``{"render_config": {...}}``) plus this project's keys. Unknown or misspelled keys are an error
+naming the key, never dropped: a renamed key must not silently turn render off.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import transaction
+
+from fleet.services import InvalidError, NotFoundError, bump_control_version
+from serving.models import RenderConfig
+
+logger = logging.getLogger(__name__)
+
+# key -> expected type; "endpoint" is the RFC's nested {"host", "port"}.
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "name": str,
+    "enable": bool,
+    "image_name": str,
+    "timeout_ms": int,
+    "renderer_num_workers": int,
+    "context_budget": bool,
+    "obfuscation": bool,
+    "obfuscation_key_ref": str,
+    "obfuscation_key_id": str,
+    "host": str,
+    "port": int,
+}
+_ENDPOINT_KEYS = {"host", "port"}
+_POSITIVE = {"timeout_ms", "renderer_num_workers", "port"}
+
+
+def parse_render_config(data: Any) -> dict[str, Any]:
+    """Flatten and type-check an imported render config; ``InvalidError`` names the offending key."""
+    if isinstance(data, dict) and set(data) == {"render_config"}:
+        data = data["render_config"]
+    if not isinstance(data, dict):
+        raise InvalidError("A render config must be a JSON object.")
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "endpoint":
+            if not isinstance(value, dict):
+                raise InvalidError("render_config.endpoint must be an object with host and port.")
+            for sub, subvalue in value.items():
+                if sub not in _ENDPOINT_KEYS:
+                    raise InvalidError(f"Unknown key render_config.endpoint.{sub} (expected host, port).")
+                flat[sub] = subvalue
+        elif key in _TYPES and key not in _ENDPOINT_KEYS:
+            flat[key] = value
+        else:
+            raise InvalidError(f"Unknown key render_config.{key} (expected one of: endpoint, {', '.join(k for k in _TYPES if k not in _ENDPOINT_KEYS)}).")
+    for key, value in flat.items():
+        expected = _TYPES[key]
+        # bool is an int in Python; a port of `true` is still a mistake.
+        if (expected is int and isinstance(value, bool)) or not isinstance(value, expected):
+            name = "endpoint." + key if key in _ENDPOINT_KEYS else key
+            raise InvalidError(f"render_config.{name} must be {getattr(expected, '__name__', expected)}, got {value!r}.")
+        if key in _POSITIVE and value <= 0:
+            raise InvalidError(f"render_config.{key} must be positive, got {value}.")
+    if flat.get("obfuscation") and not (flat.get("obfuscation_key_ref") and flat.get("obfuscation_key_id")):
+        raise InvalidError("render_config.obfuscation needs obfuscation_key_ref and obfuscation_key_id.")
+    return flat
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    config: RenderConfig
+    changed: tuple[str, ...]  # field names whose value changed
+    restart_required: bool  # the managed sidecar must restart for this to take effect
+
+
+def render_config_publish(*, changes: dict[str, Any], actor: str, name: str | None = None) -> PublishResult:
+    """Apply ``changes`` (already parsed) to the render config ``name`` (created if missing) and publish it.
+
+    Publishing bumps the control version, so every coordinator process adopts the config within a
+    poll interval. A change to the endpoint, worker count, image or obfuscation key cannot take
+    effect in a running sidecar: the result and the row's ``restart_required`` say so. Restarting
+    the managed sidecar is the launcher's job, not this function's.
+    """
+    name = changes.pop("name", None) or name or "default"
+    unknown = set(changes) - set(RenderConfig.IMPORT_KEYS)
+    if unknown:
+        raise InvalidError(f"Unknown render config field(s): {', '.join(sorted(unknown))}.")
+    with transaction.atomic():
+        config = RenderConfig.objects.select_for_update().filter(name=name).first() or RenderConfig(name=name)
+        changed = tuple(k for k, v in changes.items() if getattr(config, k) != v)
+        for k, v in changes.items():
+            setattr(config, k, v)
+        return render_config_save(config=config, changed=changed, actor=actor)
+
+
+def render_config_save(*, config: RenderConfig, changed: tuple[str, ...], actor: str) -> PublishResult:
+    """Save ``config`` whose fields ``changed`` were just set (the admin's path), and publish it."""
+    if config.obfuscation and not (config.obfuscation_key_ref and config.obfuscation_key_id):
+        raise InvalidError("Obfuscation needs obfuscation_key_ref and obfuscation_key_id.")
+    restart = config.pk is not None and any(k in RenderConfig.RESTART_KEYS for k in changed)
+    with transaction.atomic():
+        if restart:
+            config.restart_required = True
+        config.save()
+        bump_control_version()
+    logger.info(
+        "render config published name=%s changed=%s restart_required=%s actor=%s",
+        config.name, changed, restart, actor,
+    )
+    return PublishResult(config, changed, restart)
+
+
+def render_config_import(*, data: Any, actor: str) -> PublishResult:
+    return render_config_publish(changes=parse_render_config(data), actor=actor)
+
+
+def render_config_get(*, config_id: int) -> RenderConfig:
+    try:
+        return RenderConfig.objects.get(id=config_id)
+    except RenderConfig.DoesNotExist:
+        raise NotFoundError(f"No render config with id {config_id}.") from None

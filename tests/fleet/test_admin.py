@@ -1,0 +1,132 @@
+"""Admin smoke tests with query-count ceilings, the actions, the filters and the API key page."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+
+from fleet import services
+from fleet.models import ApiKey, BreakerState, EngineInstance, hash_key
+from serving.models import RenderConfig, ServedModel
+
+
+@pytest.fixture
+def staff_client(client: Client, db: None) -> Client:
+    client.force_login(User.objects.create(username="admin", is_staff=True, is_superuser=True))  # no password hashing: fast
+    return client
+
+
+@pytest.fixture
+def fleet(served_model: ServedModel) -> list[EngineInstance]:
+    return [
+        services.instance_create(actor="t", name=f"e{n}", url=f"http://e{n}.test:1", served_model_id=served_model.id)
+        for n in range(5)
+    ]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/admin/fleet/engineinstance/", "/admin/fleet/engineinstance/?breaker=open", "/admin/fleet/engineinstance/?probe=failing",
+        "/admin/fleet/engineinstance/?drift=yes", "/admin/fleet/engineinstance/?draining=yes", "/admin/fleet/breakerflip/",
+        "/admin/fleet/instanceevent/", "/admin/fleet/proberesult/", "/admin/fleet/auditreport/", "/admin/fleet/apikey/",
+        "/admin/serving/servedmodel/", "/admin/serving/renderconfig/", "/admin/serving/modelrevision/",
+    ],
+)
+def test_changelists_render_within_a_query_ceiling(
+    staff_client: Client, fleet: list[EngineInstance], url: str, django_assert_max_num_queries: Any,
+) -> None:
+    RenderConfig.objects.create()
+    with django_assert_max_num_queries(12):  # independent of the number of rows
+        assert staff_client.get(url).status_code == 200
+
+
+def test_change_pages_render(staff_client: Client, fleet: list[EngineInstance], django_assert_max_num_queries: Any) -> None:
+    with django_assert_max_num_queries(15):
+        assert staff_client.get(f"/admin/fleet/engineinstance/{fleet[0].id}/change/").status_code == 200
+    assert staff_client.get("/admin/fleet/engineinstance/add/").status_code == 200
+    assert staff_client.get("/admin/fleet/apikey/add/").status_code == 200
+
+
+def test_the_filters_select_the_right_rows(staff_client: Client, fleet: list[EngineInstance]) -> None:
+    fleet[0].drain()
+    services.breaker_force_open(instance_id=fleet[1].id, actor="t")
+    EngineInstance.objects.filter(id=fleet[2].id).update(health="failing", version_drift=True)
+    for query, name in [("draining=yes", "e0"), ("breaker=open", "e1"), ("probe=failing", "e2"), ("drift=yes", "e2")]:
+        names = [o.name for o in staff_client.get(f"/admin/fleet/engineinstance/?{query}").context["cl"].result_list]
+        assert names == [name], query
+
+
+def action(client: Client, name: str, ids: list[int]) -> Any:
+    return client.post(
+        "/admin/fleet/engineinstance/", {"action": name, "_selected_action": [str(i) for i in ids]}, follow=True
+    )
+
+
+def messages_of(response: Any) -> list[str]:
+    return [str(m) for m in response.context["messages"]]
+
+
+def test_the_actions_change_state_and_report_counts(staff_client: Client, fleet: list[EngineInstance]) -> None:
+    ids = [e.id for e in fleet[:3]]
+    assert messages_of(action(staff_client, "drain", ids)) == ["Drained 3 engine(s)"]
+    assert messages_of(action(staff_client, "drain", ids[:1])) == ["Drained 0 engine(s); skipped 1 whose state does not allow it"]
+    assert messages_of(action(staff_client, "undrain", ids[:2])) == ["Undrained 2 engine(s)"]
+    assert messages_of(action(staff_client, "quarantine", ids[:1])) == ["Quarantined 1 engine(s)"]
+    assert messages_of(action(staff_client, "disable", ids[:1])) == ["Disabled 1 engine(s)"]
+    assert messages_of(action(staff_client, "force_breaker_open", ids[:2])) == ["Forced the breaker of 2 engine(s) open for 60 s"]
+    assert messages_of(action(staff_client, "reset_breaker", ids[:1])) == ["Reset the breaker of 1 engine(s)"]
+    states = dict(EngineInstance.objects.values_list("name", "state"))
+    assert states["e0"] == "disabled" and states["e1"] == "active" and states["e2"] == "draining"
+    assert dict(BreakerState.objects.values_list("instance__name", "state"))["e1"] == "open"
+    assert EngineInstance.objects.get(name="e0").events.first().actor == "admin:admin"
+
+
+def test_probe_now_reports_when_probes_are_unavailable(
+    staff_client: Client, fleet: list[EngineInstance], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(services, "probes_enqueue", lambda instance_ids: None)
+    assert "Probes are unavailable" in messages_of(action(staff_client, "probe_now", [fleet[0].id]))[0]
+    monkeypatch.setattr(services, "probes_enqueue", lambda instance_ids: len(instance_ids))
+    assert messages_of(action(staff_client, "probe_now", [fleet[0].id])) == ["Queued a probe of 1 engine(s)"]
+
+
+def test_a_pd_violation_is_refused_by_the_form(staff_client: Client, served_model: ServedModel) -> None:
+    services.instance_create(
+        actor="t", name="p", url="http://p.test:1", role="prefill", served_model_id=served_model.id,
+        kv_connector="MooncakeLayerwiseConnector",
+    )
+    form = {
+        "name": "d", "url": "http://d.test:1", "role": "decode", "served_model": served_model.id, "kind": "vllm",
+        "weight": 1, "token_capacity": 100, "cap_token_generate": "on", "hardware_kind": "cpu",
+        "kv_connector": "NixlConnector", "tp": 1, "dp": 1, "ep": 1,
+    }
+    response = staff_client.post("/admin/fleet/engineinstance/add/", form)
+    assert response.status_code == 200
+    assert "incompatible KV connectors" in response.content.decode()
+    assert not EngineInstance.objects.filter(name="d").exists()
+    form["kv_connector"] = "MooncakeLayerwiseConnector"
+    assert staff_client.post("/admin/fleet/engineinstance/add/", form).status_code == 302
+    assert BreakerState.objects.filter(instance__name="d").exists()
+
+
+def test_a_new_api_key_is_shown_once_and_only_its_hash_is_stored(staff_client: Client) -> None:
+    response = staff_client.post("/admin/fleet/apikey/add/", {"name": "app", "scope": "client"}, follow=True)
+    [message] = [m for m in messages_of(response) if "copy it now" in m]
+    key = message.split(" is ", 1)[1].split(" ", 1)[0]
+    record = ApiKey.objects.get(name="app")
+    assert record.key_hash == hash_key(key) and record.prefix == key[:8]
+    assert key not in str(ApiKey.objects.values_list())
+    assert key not in staff_client.get(f"/admin/fleet/apikey/{record.id}/change/").content.decode()
+
+
+def test_a_render_config_change_needing_a_restart_is_flagged(staff_client: Client, db: None) -> None:
+    config = RenderConfig.objects.create()
+    form = {"name": "default", "enable": "on", "host": "127.0.0.1", "port": 8101, "timeout_ms": 5000, "renderer_num_workers": 4}
+    response = staff_client.post(f"/admin/serving/renderconfig/{config.id}/change/", form, follow=True)
+    assert any("restarts" in m for m in messages_of(response))
+    config.refresh_from_db()
+    assert config.port == 8101 and config.restart_required

@@ -1,0 +1,86 @@
+"""The fleet dashboard in a real headless Chromium (Debian's package, driven by Playwright)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from django.contrib.auth.models import User
+
+from fleet.models import BreakerState, EngineInstance
+from fleet.services import instance_create
+from serving.models import RenderConfig, ServedModel
+from serving.pipeline import metrics
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    if not CHROMIUM.exists():
+        pytest.skip("no /usr/bin/chromium: `python3 -m toolchain ensure chromium` installs it (as root)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def sick_fleet(transactional_db: None) -> list[EngineInstance]:
+    model = ServedModel.objects.create(name="tiny", model_path="/m/tiny")
+    RenderConfig.objects.create(name="default", health="healthy", sidecar_version="0.33.0")
+    made = [instance_create(actor="test", name=f"union-{n}", url=f"http://127.0.0.1:82{n:02d}", served_model_id=model.id) for n in (1, 2, 3)]
+    EngineInstance.objects.filter(id=made[0].id).update(health="healthy")
+    EngineInstance.objects.filter(id=made[1].id).update(health="failing", last_probe_ok=False, last_probe_error="ConnectError: refused")
+    BreakerState.for_instance(made[2].id).force_open(actor="test", seconds=60)
+    User.objects.create_user("ops", password="ops-pass-1", is_staff=True)
+    # Traffic as the request path records it: union-2 keeps failing, union-1 is fine.
+    metrics.REGISTRY.clear()
+    for k in range(20):
+        metrics.record_request("union-1", 0.02 + k * 0.001, 0.005, ok=True)
+        metrics.record_request("union-2", None, None, ok=k % 4 == 0)
+    return made
+
+
+def test_it_shows_the_fleet_and_its_plots_in_chromium(sick_fleet: list[EngineInstance], live_server: Any, browser: Any) -> None:
+    # Fixture order matters: Playwright's sync API runs an event loop in this thread, and Django
+    # refuses ORM calls there, so the rows are written before the browser starts.
+    page = browser.new_page(viewport={"width": 1400, "height": 700})
+    try:
+        page.goto(f"{live_server.url}/admin/login/?next=/admin/fleet/dashboard/")
+        page.fill("#id_username", "ops")
+        page.fill("#id_password", "ops-pass-1")
+        page.click("input[type=submit]")
+        page.wait_for_url("**/admin/fleet/dashboard/")
+        rows = page.locator("tr.instance")
+        assert rows.count() == 3
+        for instance in sick_fleet:
+            row = page.locator(f'tr[data-instance="{instance.name}"]')
+            for field in ("role", "state", "health", "breaker", "in-flight", "last-probe"):
+                assert row.locator(f'[data-field="{field}"]').inner_text().strip(), (instance.name, field)
+            for plot in ("ttft", "tpot", "rate", "errors"):
+                svg = row.locator(f'[data-plot="{plot}"] svg.spark')
+                assert svg.count() == 1 and svg.bounding_box()["width"] > 0, (instance.name, plot)
+        sick = page.locator('tr[data-sick="true"]')
+        assert sorted(sick.nth(i).get_attribute("data-instance") for i in range(sick.count())) == ["union-2", "union-3"]
+        assert page.locator('tr[data-instance="union-2"] [data-field="health"]').inner_text().strip() == "failing"
+        assert page.locator('tr[data-instance="union-3"] [data-field="breaker"]').inner_text().strip() == "open"
+        # Drawn lines, not empty boxes: union-1 has TTFT points, union-2 error points.
+        assert page.locator('tr[data-instance="union-1"] [data-plot="ttft"] svg :is(polyline, circle)').count() >= 1
+        assert page.locator('tr[data-instance="union-2"] [data-plot="errors"] svg :is(polyline, circle)').count() >= 1
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+    finally:
+        page.close()
+        metrics.REGISTRY.clear()
+    assert (ARTIFACTS / "dashboard.png").stat().st_size > 1000

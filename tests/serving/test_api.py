@@ -1,0 +1,56 @@
+"""The render config endpoints of the REST API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from fleet import services
+from serving.models import RenderConfig
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def api(client: Client, db: None) -> Client:
+    client.defaults["HTTP_AUTHORIZATION"] = f"Bearer {services.api_key_create(name='ops', scope='admin')[1]}"
+    return client
+
+
+@pytest.fixture
+def config(db: None) -> RenderConfig:
+    return RenderConfig.objects.create()
+
+
+def post(api: Client, path: str, data: Any) -> Any:
+    return api.post(path, data=data, content_type="application/json")
+
+
+def test_it_lists_and_reads_render_configs(api: Client, config: RenderConfig) -> None:
+    assert [c["name"] for c in api.get("/api/render-configs").json()] == ["default"]
+    body = api.get(f"/api/render-configs/{config.id}").json()
+    assert (body["port"], body["health"], body["streaming_derender"]) == (8100, "unknown", True)
+    assert api.get("/api/render-configs/999").status_code == 404
+
+
+def test_publish_applies_changes_and_reports_a_needed_restart(api: Client, config: RenderConfig) -> None:
+    response = post(api, f"/api/render-configs/{config.id}/publish", {"timeout_ms": 2000})
+    assert response.status_code == 200
+    assert response.json()["changed"] == ["timeout_ms"] and response.json()["restart_required"] is False
+    response = post(api, f"/api/render-configs/{config.id}/publish", {"port": 8200})
+    assert response.json()["restart_required"] is True and response.json()["config"]["restart_required"] is True
+
+
+def test_publish_refuses_unknown_fields(api: Client, config: RenderConfig) -> None:
+    response = post(api, f"/api/render-configs/{config.id}/publish", {"enabled": False})
+    assert response.status_code == 422
+    assert RenderConfig.objects.get().enable is True
+
+
+def test_import_takes_the_rfc_shape_and_names_an_unknown_key(api: Client, config: RenderConfig) -> None:
+    ok = post(api, "/api/render-configs/import", {"render_config": {"enable": False, "endpoint": {"host": "127.0.0.1", "port": 8100}}})
+    assert ok.status_code == 200 and ok.json()["changed"] == ["enable"]
+    bad = post(api, "/api/render-configs/import", {"render_config": {"timeout": 10}})
+    assert bad.status_code == 422 and bad.json()["detail"].startswith("Unknown key render_config.timeout ")

@@ -1,0 +1,106 @@
+"""The per-instance metrics ring buffers, the stream timer and the Prometheus text."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+import pytest
+
+from serving.pipeline.errors import EngineError
+from serving.pipeline.metrics import MetricsRegistry, TimedEvents, prometheus_text
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_it_buckets_requests_by_time_and_keeps_totals() -> None:
+    clock = Clock()
+    reg = MetricsRegistry(bucket_s=10, buckets=3, clock=clock)
+    reg.record_request("e1", 0.2, 0.01, ok=True)
+    reg.record_request("e1", 0.4, None, ok=True)
+    reg.record_request("e1", None, None, ok=False)
+    clock.now += 10
+    reg.record_request("e1", 1.0, 0.03, ok=True)
+    series = reg.snapshot()["e1"]
+    assert [p.start for p in series.points] == [990, 1000, 1010]
+    assert [p.requests for p in series.points] == [0, 3, 1]
+    assert [p.errors for p in series.points] == [0, 1, 0]
+    assert series.points[1].ttft_s == pytest.approx(0.3)
+    assert series.points[1].tpot_s == pytest.approx(0.01)
+    assert series.points[0].ttft_s is None
+    assert (series.requests_total, series.errors_total, series.ttft_count) == (4, 1, 3)
+
+
+def test_it_forgets_buckets_older_than_the_window_but_not_totals() -> None:
+    clock = Clock()
+    reg = MetricsRegistry(bucket_s=10, buckets=3, clock=clock)
+    reg.record_request("e1", 0.1, None, ok=False)
+    clock.now += 30  # one full lap: the same slot, a new bucket
+    reg.record_request("e1", 0.5, None, ok=True)
+    series = reg.snapshot()["e1"]
+    assert [p.requests for p in series.points] == [0, 0, 1]
+    assert [p.errors for p in series.points] == [0, 0, 0]
+    assert series.points[-1].ttft_s == pytest.approx(0.5)
+    assert (series.requests_total, series.errors_total) == (2, 1)
+
+
+def test_it_keeps_instances_apart() -> None:
+    reg = MetricsRegistry(bucket_s=10, buckets=2, clock=Clock())
+    reg.record_request("e1", 0.1, None, ok=True)
+    reg.record_request("e2", None, None, ok=False)
+    snap = reg.snapshot()
+    assert snap["e1"].errors_total == 0 and snap["e2"].errors_total == 1
+
+
+async def _events(items: list[dict[str, Any]], fail: bool = False) -> AsyncIterator[dict[str, Any]]:
+    for item in items:
+        yield item
+    if fail:
+        raise EngineError("dropped", instance="e1")
+
+
+def _tok(n: int) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "token_ids": list(range(n))}]}
+
+
+async def test_it_times_a_stream_once_when_it_ends() -> None:
+    reg = MetricsRegistry(clock=Clock())
+    timed = TimedEvents("e1", _events([_tok(1), _tok(1), {"choices": []}, _tok(2)]), reg)
+    got = [e async for e in timed]
+    assert len(got) == 4
+    series = reg.snapshot()["e1"]
+    assert (series.requests_total, series.errors_total, series.ttft_count, series.tpot_count) == (1, 0, 1, 1)
+    assert series.ttft_sum_s >= 0 and series.tpot_sum_s >= 0
+
+
+async def test_it_counts_a_stream_that_fails_as_an_error() -> None:
+    reg = MetricsRegistry(clock=Clock())
+    timed = TimedEvents("e1", _events([_tok(1)], fail=True), reg)
+    with pytest.raises(EngineError):
+        async for _ in timed:
+            pass
+    series = reg.snapshot()["e1"]
+    assert (series.requests_total, series.errors_total, series.ttft_count, series.tpot_count) == (1, 1, 1, 0)
+
+
+async def test_it_records_nothing_for_a_stream_abandoned_midway() -> None:
+    reg = MetricsRegistry(clock=Clock())
+    timed = TimedEvents("e1", _events([_tok(1), _tok(1)]), reg)
+    await timed.__anext__()
+    assert reg.snapshot() == {}
+
+
+def test_it_renders_prometheus_text() -> None:
+    reg = MetricsRegistry(clock=Clock())
+    reg.record_request('we"ird', 0.25, None, ok=False)
+    text = prometheus_text(reg.snapshot(), {"e1": 3})
+    assert "# TYPE motor_engine_requests_total counter" in text
+    assert 'motor_engine_errors_total{instance="we\\"ird"} 1.0' in text
+    assert 'motor_engine_ttft_seconds_sum{instance="we\\"ird"} 0.25' in text
+    assert 'motor_engine_in_flight_tokens{instance="e1"} 3.0' in text
+    assert text.endswith("\n")
