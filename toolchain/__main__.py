@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from . import ROOT, ensure, location, python, relock
+from . import OBF_TEST_KEY, ROOT, ensure, ensure_chromium, location, python, relock
 
-KINDS = ("app", "render", "engine", "model")
+KINDS = ("app", "render", "engine", "model", "model-obf")
 
 
 def main(argv: list[str]) -> int:
@@ -17,7 +17,10 @@ def main(argv: list[str]) -> int:
     cmd, args = argv[0], argv[1:]
     if cmd == "ensure":
         for kind in args or KINDS:
-            ensure(kind)
+            if kind == "chromium":
+                ensure_chromium()
+            else:
+                ensure(kind)
         return 0
     if cmd == "relock":
         for kind in args:
@@ -30,6 +33,9 @@ def main(argv: list[str]) -> int:
         # Run a command with the app environment's python, everything installed first.
         for kind in KINDS:
             ensure(kind)
+        if args[:2] == ["-m", "pytest"]:
+            # Only the test suite drives a browser; `make run` never waits for a Chromium install.
+            ensure_chromium()
         env = {**os.environ, "PYTHONPATH": str(ROOT), **toolchain_env()}
         exe = str(python("app"))
         os.execve(exe, [exe, *args], env)
@@ -43,6 +49,9 @@ def toolchain_env() -> dict[str, str]:
         "MOTOR_RENDER_PYTHON": str(python("render")),
         "MOTOR_ENGINE_PYTHON": str(python("engine")),
         "MOTOR_MODEL_DIR": str(location("model")),
+        # The tiny model obfuscated with the public test key, for the obfuscation tests.
+        "MOTOR_OBF_MODEL_DIR": str(location("model-obf")),
+        "MOTOR_OBF_TEST_KEY": OBF_TEST_KEY,
     }
 
 

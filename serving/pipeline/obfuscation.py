@@ -1,0 +1,464 @@
+"""Token obfuscation: semantic ids in the coordinator, physical ids at the engine.
+
+Deployments that serve obfuscated weights (rows of the embedding and of the output layer
+permuted by a secret key) must never send a plain token id to an engine. The boundary is:
+
+    render (semantic ids) -> obfuscate_request -> engine (physical ids)
+    engine (physical ids) -> deobfuscate_response / deobfuscate_event -> derender (semantic ids)
+
+``TokenMapping`` is a keyed bijection of the whole vocabulary, special tokens included (the
+obfuscated model's configs carry the physical eos/bos/pad ids, see ``tinymodel.obfuscate``).
+Who uses which ids:
+
+- physical: the engine, placement and the KV affinity index (they must match the engines'
+  caches, which hold physical ids), P/D legs (each leg is one obfuscated GenerateRequest);
+- semantic: flow control, derender, the relay/replay ledger of committed output (a replay
+  prompt is re-obfuscated, like any request, right before it goes to the new attempt).
+
+Fail closed: a request is refused (``ObfuscationRefused``, 400) rather than sent when it would
+carry text the engine could read (stop strings, bad words, structured-output grammars, content
+parts, non-token output modes), an id outside the vocabulary, or a field this module does not
+know how to map. A deployment with obfuscation on but no usable key refuses all traffic
+(``ObfuscationKeyError``); an instance whose declared key id differs from the render config's
+is not eligible for it (``eligible``). Without obfuscation nothing here runs.
+
+Errors (all in the ``serving.pipeline.errors`` tree):
+
+RequestError
+ +-- ObfuscationKeyError      obfuscation on, key missing/invalid/mismatched: refuse, never fall back
+ +-- ObfuscationRefused       this request cannot be sent obfuscated
+MotorError
+ +-- ObfuscatedOutputInvalid  the engine returned an id outside the vocabulary (wrong key/model): 502
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+import numpy as np
+
+from serving.pipeline.errors import MotorError, RequestError
+
+if TYPE_CHECKING:
+    from serving.pipeline.snapshot import FleetSnapshot, InstanceView, RenderView
+
+# Domain separation: the permutation and the key id are different functions of the same key.
+_PERMUTATION_DOMAIN = b"motorsite/token-permutation/v1"
+_KEY_ID_DOMAIN = b"motorsite/token-key-id/v1"
+MIN_KEY_BYTES = 16
+
+
+class ObfuscationKeyError(RequestError):
+    """Obfuscation is on but its key is missing, invalid or not the configured one."""
+
+    type = "ObfuscationKeyError"
+
+
+class ObfuscationRefused(RequestError):
+    """The request would expose text or plain ids to an engine, or has an unmappable field."""
+
+
+class ObfuscatedOutputInvalid(MotorError):
+    """The engine answered ids outside the vocabulary: its key or model is not ours."""
+
+    status = 502
+    type = "BadGatewayError"
+
+
+def key_id(key: bytes) -> str:
+    """Return the public identifier of ``key``: 16 hex digits of a domain-separated SHA-256.
+
+    Engines declare it and the render config names it; it reveals nothing usable about the key.
+    """
+    return hashlib.sha256(_KEY_ID_DOMAIN + key).hexdigest()[:16]
+
+
+def permutation(key: bytes, vocab_size: int) -> np.ndarray:
+    """Return ``forward`` with ``forward[semantic] == physical``, a keyed permutation of the vocabulary.
+
+    Each id gets a 64-bit sort key from one SHAKE-256 stream seeded by the key and the vocabulary
+    size; sorting them gives the permutation. Only hashlib and a stable sort: the coordinator and
+    the model builder agree on every platform and numpy version (numpy's own shuffles promise no
+    stream stability across releases).
+    """
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"an obfuscation key needs at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be at least 2, got {vocab_size}")
+    seed = _PERMUTATION_DOMAIN + vocab_size.to_bytes(8, "little") + key
+    stream = hashlib.shake_256(seed).digest(8 * vocab_size)
+    sort_keys = np.frombuffer(stream, dtype="<u8")
+    # argsort gives, for rank r, the semantic id placed there; rank is the physical id.
+    order = np.argsort(sort_keys, kind="stable")
+    forward = np.empty(vocab_size, dtype=np.int64)
+    forward[order] = np.arange(vocab_size, dtype=np.int64)
+    return forward
+
+
+@dataclass(frozen=True, eq=False)
+class TokenMapping:
+    """A keyed bijection semantic id <-> physical id over ``range(vocab_size)``; vectorized both ways."""
+
+    key_id: str
+    forward: np.ndarray = field(repr=False)  # semantic -> physical
+    inverse: np.ndarray = field(repr=False)  # physical -> semantic
+    # The same tables as Python lists, for short id lists (see _SHORT).
+    _forward_list: list[int] = field(init=False, repr=False)
+    _inverse_list: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_forward_list", self.forward.tolist())
+        object.__setattr__(self, "_inverse_list", self.inverse.tolist())
+
+    @classmethod
+    def from_key(cls, key: bytes, vocab_size: int) -> TokenMapping:
+        forward = permutation(key, vocab_size)
+        inverse = np.empty_like(forward)
+        inverse[forward] = np.arange(vocab_size, dtype=np.int64)
+        forward.setflags(write=False)
+        inverse.setflags(write=False)
+        return cls(key_id(key), forward, inverse)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.forward.shape[0])
+
+    def to_physical(self, ids: Sequence[int]) -> list[int]:
+        """Map semantic ids to physical ones; raise ``ObfuscationRefused`` for an id outside the vocabulary."""
+        return _apply(self.forward, self._forward_list, ids, ObfuscationRefused, "token id")
+
+    def to_semantic(self, ids: Sequence[int]) -> list[int]:
+        """Map physical ids back; raise ``ObfuscatedOutputInvalid`` for an id outside the vocabulary."""
+        return _apply(self.inverse, self._inverse_list, ids, ObfuscatedOutputInvalid, "engine token id")
+
+    def physical(self, token_id: int) -> int:
+        return self.to_physical([token_id])[0]
+
+    def semantic(self, token_id: int) -> int:
+        return self.to_semantic([token_id])[0]
+
+
+# Below this many ids a Python list lookup beats numpy's per-call overhead (streaming deltas,
+# stop ids, logprob alternatives); above it the vectorized gather wins (prompts).
+_SHORT = 48
+
+
+def _apply(
+    table: np.ndarray, lookup: list[int], ids: Sequence[int], error: type[MotorError], what: str
+) -> list[int]:
+    if len(ids) == 0:
+        return []
+    if len(ids) <= _SHORT and isinstance(ids, list):
+        try:
+            if min(ids) >= 0 and max(ids) < len(lookup):
+                return [lookup[i] for i in ids]
+        except TypeError:
+            raise error(f"{what}s must be integers") from None
+        # Out of range, or not ints (floats index nothing): the vectorized path says which.
+    try:
+        arr = np.asarray(ids, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise error(f"{what}s must be integers") from None
+    if arr.ndim != 1:
+        raise error(f"{what}s must be a flat list of integers")
+    if int(arr.min()) < 0 or int(arr.max()) >= table.shape[0]:
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise error(f"{what} {bad} is outside the vocabulary (0..{table.shape[0] - 1})")
+    out: list[int] = table[arr].tolist()
+    return out
+
+
+
+# --- fail-closed helpers -----------------------------------------------------------------------
+
+
+def require_mapping(render: RenderView, mapping: TokenMapping | None) -> TokenMapping | None:
+    """Return the mapping to use for a request: ``None`` without obfuscation, else ``mapping``.
+
+    Raises ``ObfuscationKeyError`` when obfuscation is on and there is no key, or the loaded
+    key is not the one the render config names (a rotation half done): traffic is refused, never
+    sent plain and never sent to an engine's native OpenAI path instead.
+    """
+    if not render.obfuscation:
+        return None
+    if not render.obfuscation_key_id:
+        raise ObfuscationKeyError("token obfuscation is on but the render config names no key id; refusing traffic")
+    if mapping is None:
+        raise ObfuscationKeyError(
+            f"token obfuscation is on but key {render.obfuscation_key_id} is not available; refusing traffic"
+        )
+    if mapping.key_id != render.obfuscation_key_id:
+        raise ObfuscationKeyError(
+            f"token obfuscation key mismatch: the render config names {render.obfuscation_key_id}, "
+            f"the loaded key is {mapping.key_id}; refusing traffic"
+        )
+    return mapping
+
+
+def eligible(instance: InstanceView, render: RenderView) -> tuple[bool, str]:
+    """Whether ``instance`` may take this deployment's token-only traffic, and why not.
+
+    With obfuscation on, only instances that declare the render config's key id; with it off,
+    only instances with plain weights (an obfuscated engine fed plain ids answers garbage).
+    """
+    if render.obfuscation:
+        if not render.obfuscation_key_id:
+            return False, "obfuscation is on but the render config names no key id"
+        if not instance.obfuscation_key_id:
+            return False, f"instance serves plain weights; obfuscated traffic needs key {render.obfuscation_key_id}"
+        if instance.obfuscation_key_id != render.obfuscation_key_id:
+            return False, (
+                f"instance key id {instance.obfuscation_key_id} differs from the render config's "
+                f"{render.obfuscation_key_id}"
+            )
+        return True, ""
+    if instance.obfuscation_key_id:
+        return False, f"instance serves weights obfuscated with key {instance.obfuscation_key_id} but obfuscation is off"
+    return True, ""
+
+
+def eligible_instances(instances: Iterable[InstanceView], render: RenderView) -> list[InstanceView]:
+    return [i for i in instances if eligible(i, render)[0]]
+
+
+def native_fallback_allowed(render: RenderView) -> bool:
+    """An engine's native OpenAI API (or a local-tokenizer shortcut to it) carries text: never with obfuscation."""
+    return not render.obfuscation
+
+
+# --- the request boundary ----------------------------------------------------------------------
+
+# GenerateRequest fields (vllm-protocol.md 3.1) by how they cross the boundary. Anything not
+# listed is refused: a field added upstream could carry plain ids, and guessing is not closed.
+_REQUEST_PASSTHROUGH = frozenset({
+    "request_id", "model", "reasoning_ended", "reasoning_parser_kwargs", "return_token_ids", "stream",
+    "stream_options", "cache_salt", "priority", "kv_transfer_params", "ec_transfer_params",
+    "token_offsets",  # character offsets into the prompt text; generate ignores them
+    "features",  # multimodal hashes, placeholder offsets and tensors: no token ids
+    "parse_context",  # read only in derender output mode, which is refused below
+    "output_mode",
+})
+_REQUEST_TEXT_EMPTY_OK = ("content_parts",)
+
+# SamplingParams fields (vllm-protocol.md 3.2).
+_SAMPLING_ID_LISTS = ("stop_token_ids", "allowed_token_ids", "logprob_token_ids", "trace_decode_token_ids")
+_SAMPLING_TEXT = ("stop", "bad_words")  # strings a tokens-only engine would tokenize with no tokenizer
+_SAMPLING_PASSTHROUGH = frozenset({
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "watermarking",
+    "top_p", "top_k", "min_p", "seed", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
+    "prompt_logprobs", "prompt_logprob_start", "flat_logprobs", "detokenize", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "output_kind", "stream_interval",
+    "skip_clone", "output_text_buffer_length", "extra_args", "skip_reading_prefix_cache",
+    "thinking_token_budget", "repetition_detection", "routed_experts_prompt_start",
+})
+
+
+def obfuscate_request(generate_request: dict[str, Any], mapping: TokenMapping) -> dict[str, Any]:
+    """Return a copy of ``generate_request`` with every id-valued field in physical ids.
+
+    Maps the prompt ``token_ids`` (of any topology and leg, replay prompts included: call this
+    right before each engine request) and, in ``sampling_params``, ``stop_token_ids``,
+    ``allowed_token_ids``, ``logprob_token_ids``, ``trace_decode_token_ids``, the keys of
+    ``logit_bias`` and the rows of ``prompt_logprob_token_ids`` (-1 padding stays -1). The input
+    is not modified. Raises ``ObfuscationRefused`` for anything that would carry text or plain
+    ids to the engine.
+    """
+    unknown = set(generate_request) - _REQUEST_PASSTHROUGH - {"token_ids", "sampling_params", *_REQUEST_TEXT_EMPTY_OK}
+    if unknown:
+        raise ObfuscationRefused(f"cannot obfuscate request field(s) {sorted(unknown)}; refusing to send them plain")
+    for name in _REQUEST_TEXT_EMPTY_OK:
+        if generate_request.get(name):
+            raise ObfuscationRefused(f"{name} would send raw content to an obfuscated engine", param=name)
+    if generate_request.get("output_mode", "tokens") not in (None, "tokens"):
+        raise ObfuscationRefused("only output_mode 'tokens' can cross the obfuscation boundary", param="output_mode")
+    out = dict(generate_request)
+    token_ids = generate_request.get("token_ids")
+    if token_ids is not None:
+        out["token_ids"] = mapping.to_physical(token_ids)
+    params = generate_request.get("sampling_params")
+    if params is not None:
+        out["sampling_params"] = _obfuscate_sampling(params, mapping)
+    return out
+
+
+def _obfuscate_sampling(params: dict[str, Any], mapping: TokenMapping) -> dict[str, Any]:
+    known = _SAMPLING_PASSTHROUGH | set(_SAMPLING_ID_LISTS) | set(_SAMPLING_TEXT)
+    unknown = set(params) - known - {"logit_bias", "prompt_logprob_token_ids", "structured_outputs"}
+    if unknown:
+        raise ObfuscationRefused(
+            f"cannot obfuscate sampling parameter(s) {sorted(unknown)}; refusing to send them plain",
+            param="sampling_params",
+        )
+    for name in _SAMPLING_TEXT:
+        if params.get(name):
+            raise ObfuscationRefused(
+                f"{name} strings cannot be sent to an obfuscated engine; use token ids", param=name
+            )
+    if params.get("structured_outputs"):
+        # The engine would compile the grammar against its (plain) vocabulary: wrong ids and text exposed.
+        raise ObfuscationRefused("structured outputs are not supported with token obfuscation", param="structured_outputs")
+    out = dict(params)
+    for name in _SAMPLING_ID_LISTS:
+        if params.get(name) is not None:
+            out[name] = mapping.to_physical(params[name])
+    bias = params.get("logit_bias")
+    if bias:
+        try:
+            ids = [int(k) for k in bias]
+        except (TypeError, ValueError):
+            raise ObfuscationRefused("logit_bias keys must be token ids", param="logit_bias") from None
+        out["logit_bias"] = {str(p): v for p, v in zip(mapping.to_physical(ids), bias.values(), strict=True)}
+    rows = params.get("prompt_logprob_token_ids")
+    if rows is not None:
+        out["prompt_logprob_token_ids"] = [_map_padded(row, mapping) for row in rows]
+    return out
+
+
+def _map_padded(row: Sequence[int], mapping: TokenMapping) -> list[int]:
+    # -1 pads a row to the common width (scores -inf); it is not a token and stays -1.
+    arr = np.asarray(row, dtype=np.int64)
+    keep = arr != -1
+    out = arr.copy()
+    out[keep] = mapping.to_physical(arr[keep].tolist())
+    result: list[int] = out.tolist()
+    return result
+
+
+# --- the response boundary ---------------------------------------------------------------------
+
+
+def deobfuscate_response(response: dict[str, Any], mapping: TokenMapping) -> dict[str, Any]:
+    """Return a copy of a non-streaming GenerateResponse with every id back in semantic ids.
+
+    Maps each choice's ``token_ids``, an integer ``stop_reason``, logprob ``token_id``s (content
+    and every top alternative), ``sampling_mask`` rows, the returned ``prompt_token_ids`` and
+    the keys of ``prompt_logprobs``. Raises ``ObfuscatedOutputInvalid`` for an id outside the
+    vocabulary. An error body passes through unchanged.
+    """
+    return _deobfuscate(response, mapping)
+
+
+def deobfuscate_event(event: dict[str, Any], mapping: TokenMapping) -> dict[str, Any]:
+    """The same for one streaming event (delta ``token_ids``; an ``error`` event passes through)."""
+    return _deobfuscate(event, mapping)
+
+
+def _deobfuscate(body: dict[str, Any], mapping: TokenMapping) -> dict[str, Any]:
+    if "error" in body and "choices" not in body:
+        return body
+    out = dict(body)
+    if body.get("prompt_token_ids") is not None:
+        out["prompt_token_ids"] = mapping.to_semantic(body["prompt_token_ids"])
+    if body.get("prompt_logprobs") is not None:
+        out["prompt_logprobs"] = [
+            None if pos is None else _semantic_keys(pos, mapping) for pos in body["prompt_logprobs"]
+        ]
+    if body.get("choices") is not None:
+        out["choices"] = [_deobfuscate_choice(c, mapping) for c in body["choices"]]
+    return out
+
+
+def _semantic_keys(by_id: dict[str, Any], mapping: TokenMapping) -> dict[str, Any]:
+    ids = mapping.to_semantic([int(k) for k in by_id])
+    return {str(s): v for s, v in zip(ids, by_id.values(), strict=True)}
+
+
+def _deobfuscate_choice(choice: dict[str, Any], mapping: TokenMapping) -> dict[str, Any]:
+    out = dict(choice)
+    if choice.get("token_ids") is not None:
+        out["token_ids"] = mapping.to_semantic(choice["token_ids"])
+    stop = choice.get("stop_reason")
+    # An int is the stop token id; a str is a stop string (never on a tokens-only engine) or
+    # "repetition_detected"; bool is an int in Python but never a token id here.
+    if isinstance(stop, int) and not isinstance(stop, bool):
+        out["stop_reason"] = mapping.semantic(stop)
+    if choice.get("sampling_mask") is not None:
+        out["sampling_mask"] = [mapping.to_semantic(row) for row in choice["sampling_mask"]]
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict) and logprobs.get("content") is not None:
+        out["logprobs"] = {**logprobs, "content": _deobfuscate_logprobs(logprobs["content"], mapping)}
+    return out
+
+
+def _deobfuscate_logprobs(content: list[dict[str, Any]], mapping: TokenMapping) -> list[dict[str, Any]]:
+    # Every id of every position (sampled and alternatives) in one vectorized call.
+    flat: list[int] = []
+    for e in content:
+        flat.append(e["token_id"])
+        flat.extend(t["token_id"] for t in e.get("top_logprobs") or ())
+    ids = iter(mapping.to_semantic(flat))
+    out = []
+    for e in content:
+        entry = {**e, "token_id": next(ids)}
+        tops = e.get("top_logprobs")
+        if tops:
+            entry["top_logprobs"] = [{**t, "token_id": next(ids)} for t in tops]
+        out.append(entry)
+    return out
+
+
+# --- the process's loaded keys -----------------------------------------------------------------
+# Keys are secrets and never enter the snapshot: the Django side (``serving.obfuscation_keys``)
+# resolves the render config's key reference when a snapshot is built and registers the mapping
+# here; the request path only looks it up by the key id the snapshot names.
+
+_mappings: dict[str, TokenMapping] = {}
+_latest: TokenMapping | None = None
+_load_error = ""
+
+
+def register_mapping(mapping: TokenMapping) -> None:
+    global _latest, _load_error
+    _mappings[mapping.key_id] = mapping
+    _latest = mapping
+    _load_error = ""
+
+
+def register_load_error(reason: str) -> None:
+    """Remember why the configured key could not be loaded (shown by ``load_error``, logged by the caller)."""
+    global _load_error
+    _load_error = reason
+
+
+def load_error() -> str:
+    return _load_error
+
+
+def clear_mappings() -> None:
+    global _latest, _load_error
+    _mappings.clear()
+    _latest = None
+    _load_error = ""
+
+
+def mapping_for(snapshot: FleetSnapshot) -> TokenMapping | None:
+    """The loaded mapping the snapshot's render config names, else the last one loaded (or None).
+
+    Returning the last one on a miss lets ``require_mapping`` say "mismatch" rather than "missing".
+    """
+    if not snapshot.render.obfuscation:
+        return None
+    return _mappings.get(snapshot.render.obfuscation_key_id) or _latest
+
+
+_traffic_cache: tuple[FleetSnapshot, FleetSnapshot] | None = None
+
+
+def traffic_snapshot(snapshot: FleetSnapshot) -> FleetSnapshot:
+    """``snapshot`` without the instances ``eligible`` keeps out of this deployment's traffic.
+
+    Every topology places from the snapshot, so filtering here covers union, P/D legs and
+    retries alike. Returns ``snapshot`` itself when every instance is eligible (the usual case
+    without obfuscation); the last result is cached, so a snapshot is filtered once.
+    """
+    global _traffic_cache
+    cached = _traffic_cache
+    if cached is not None and cached[0] is snapshot:
+        return cached[1]
+    keep = tuple(eligible_instances(snapshot.instances, snapshot.render))
+    out = snapshot if len(keep) == len(snapshot.instances) else dataclasses.replace(snapshot, instances=keep)
+    _traffic_cache = (snapshot, out)
+    return out
