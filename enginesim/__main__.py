@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import uvicorn
 
 from enginesim.app import create_app
-from enginesim.config import SimConfig, read_model_dir
+from enginesim.config import EngineRole, SimConfig, read_model_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--engine-version", default="0.32.0", help="what GET /version reports")
+    parser.add_argument("--role", choices=[r.value for r in EngineRole], default="union")
+    parser.add_argument("--kv-connector", default=None, help="reported only (e.g. NixlConnector)")
+    parser.add_argument("--kv-transfer", choices=["pull", "push"], default="pull")
+    parser.add_argument("--kv-hold-s", type=float, default=30.0)
+    parser.add_argument("--kv-push-timeout-s", type=float, default=30.0)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--cache-blocks", type=int, default=512)
+    parser.add_argument("--kv-events-endpoint", default=None, help="tcp://*:P or ipc:// binds; tcp://host:P connects")
+    parser.add_argument("--kv-events-topic", default="")
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -61,6 +70,17 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_logprobs=args.max_logprobs,
         ttft_per_token_ms=args.ttft_per_token_ms,
         tpot_ms=args.tpot_ms,
+        role=EngineRole(args.role),
+        kv_connector=args.kv_connector,
+        kv_transfer=args.kv_transfer,
+        kv_hold_seconds=args.kv_hold_s,
+        kv_push_timeout_seconds=args.kv_push_timeout_s,
+        host=args.host,
+        port=args.port,
+        block_size=args.block_size,
+        cache_blocks=args.cache_blocks,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_topic=args.kv_events_topic,
     )
 
 

@@ -7,6 +7,9 @@ Control API (test-only, unauthenticated):
 - ``POST /sim/faults`` ``{"mode", "tokens", "status", "count"}`` arms a fault for the next
   ``count`` generate requests (see ``enginesim.faults``); ``DELETE /sim/faults`` disarms.
 - ``GET /sim/stats``; ``POST /sim/reset`` clears the stats (not scripts or faults).
+- ``DELETE /sim/cache`` empties the prefix cache (publishes ``AllBlocksCleared``).
+- ``POST /sim/kv/pull`` and ``POST /sim/kv/push``: the simulated KV transfer between
+  prefill and decode instances (see ``enginesim.pd`` for the contract).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -25,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from enginesim.config import SimConfig
+from enginesim.config import EngineRole, SimConfig
 from enginesim.engine import ChoiceDelta, Generation, SimEngine
 from enginesim.errors import SimError, from_validation_error, json_body_error, schema_error
 from enginesim.faults import Fault, FaultMode
@@ -133,9 +136,40 @@ class SimHandlers:
         engine.admit(body)
         engine_request_id = f"generate-tokens-{request.headers.get('x-request-id', body.request_id)}"
         if body.stream:
-            return SSEResponse(self._stream(request, body, engine_request_id, fault))
+            remote_kv = await self._receive_kv(body, engine_request_id)
+            return SSEResponse(self._stream(request, body, engine_request_id, fault, remote_kv))
         engine.validate(body)
-        return await self._full(request, body, engine_request_id, fault)
+        remote_kv = await self._receive_kv(body, engine_request_id)
+        return await self._full(request, body, engine_request_id, fault, remote_kv)
+
+    async def _receive_kv(self, body: GenerateRequest, engine_request_id: str) -> bool:
+        """On a decode instance asked for a remote prefill, get the KV (pull, or wait for
+        the push); True when it arrived. Raises the KV-failure SimError otherwise."""
+        engine = self.engine
+        params = body.kv_transfer_params
+        if engine.config.role is not EngineRole.DECODE or not params:
+            return False
+        if params.get("do_remote_prefill") is not True:
+            return False
+        if engine.config.kv_transfer == "push":
+            await engine.kv.await_push(params, engine_request_id, len(body.token_ids))
+        else:
+            await engine.kv.pull(params, len(body.token_ids))
+        return True
+
+    async def _send_kv(self, body: GenerateRequest, engine_request_id: str) -> dict[str, Any] | None:
+        """On a prefill instance asked for a remote decode, hold the KV for D's pull (and
+        return the params D needs) or push it to D; None when there is nothing to do."""
+        engine = self.engine
+        params = body.kv_transfer_params
+        if engine.config.role is not EngineRole.PREFILL or not params:
+            return None
+        if params.get("do_remote_decode") is not True:
+            return None
+        if engine.config.kv_transfer == "push":
+            await engine.kv.push(params, len(body.token_ids))
+            return None
+        return engine.kv.hold(engine_request_id, len(body.token_ids))
 
     async def _drop_before_response(self, request: Request) -> Response:
         if not close_connection(request.scope):
@@ -146,10 +180,15 @@ class SimHandlers:
         return Response(status_code=500)
 
     async def _full(
-        self, request: Request, body: GenerateRequest, engine_request_id: str, fault: Fault | None
+        self,
+        request: Request,
+        body: GenerateRequest,
+        engine_request_id: str,
+        fault: Fault | None,
+        remote_kv: bool = False,
     ) -> Response:
         engine = self.engine
-        generation = engine.start(engine_request_id, body)
+        generation = engine.start(engine_request_id, body, remote_kv=remote_kv)
         logprobs: dict[int, list[TokenLogprobs]] = {c.index: [] for c in generation.choices}
         try:
             completed, fired = await race_disconnect(
@@ -170,6 +209,7 @@ class SimHandlers:
             engine.stats.disconnects += 1
             return Response(status_code=499)
 
+        kv_transfer_params = await self._send_kv(body, engine_request_id)
         prompt_len = len(generation.prompt)
         completion = sum(len(c.output) for c in generation.choices)
         want_logprobs = generation.params.logprobs is not None
@@ -183,6 +223,7 @@ class SimHandlers:
                 total_tokens=prompt_len + completion,
             ),
             prompt_token_ids=list(generation.prompt) if body.return_token_ids else None,
+            kv_transfer_params=kv_transfer_params,
             choices=[
                 GenerateResponseChoice(
                     index=c.index,
@@ -216,7 +257,12 @@ class SimHandlers:
         return threshold is not None
 
     async def _stream(
-        self, request: Request, body: GenerateRequest, engine_request_id: str, fault: Fault | None
+        self,
+        request: Request,
+        body: GenerateRequest,
+        engine_request_id: str,
+        fault: Fault | None,
+        remote_kv: bool = False,
     ) -> AsyncIterator[str]:
         engine = self.engine
         engine.stats.active_streams += 1
@@ -232,7 +278,7 @@ class SimHandlers:
                 yield DONE_EVENT
                 ended = True
                 return
-            generation = engine.start(engine_request_id, body)
+            generation = engine.start(engine_request_id, body, remote_kv=remote_kv)
             options = body.stream_options
             include_usage = bool(options and options.include_usage)
             continuous = include_usage and bool(options and options.continuous_usage_stats)
@@ -381,6 +427,25 @@ class SimHandlers:
         for reason in ("stop", "length", "abort"):
             count = float(engine.stats.finished.get(reason, 0))
             lines.append(f'vllm:request_success_total{{{label},finished_reason="{reason}"}} {count}')
+        cache = engine.cache
+        lines.append("# TYPE vllm:prompt_tokens_by_source_total counter")
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
+            count = float(engine.stats.prompt_tokens_by_source.get(source, 0))
+            lines.append(f'vllm:prompt_tokens_by_source_total{{{label},source="{source}"}} {count}')
+        lines += [
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{{{label}}} {float(cache.stats.queried_tokens)}",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{{{label}}} {float(cache.stats.hits)}",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{label}}} {len(cache) / max(cache.capacity, 1)}",
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+            "# TYPE vllm:cache_config_info gauge",
+            # The labels vLLM's CacheConfig.metrics_info() gives that a coordinator reads.
+            f'vllm:cache_config_info{{block_size="{cache.block_size}",cache_dtype="auto",'
+            f'enable_prefix_caching="True",engine="0",num_gpu_blocks="{cache.capacity}",'
+            f'prefix_caching_hash_algo="sha256"}} 1.0',
+        ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     # -- control --------------------------------------------------------------------------
@@ -411,7 +476,40 @@ class SimHandlers:
         return JSONResponse({"remaining": 0})
 
     async def stats(self, request: Request) -> Response:
-        return JSONResponse(self.engine.stats.as_json(self.engine.running))
+        engine = self.engine
+        data = engine.stats.as_json(engine.running)
+        data["cache"] = {
+            "blocks": len(engine.cache),
+            "capacity": engine.cache.capacity,
+            "block_size": engine.cache.block_size,
+            "hit_tokens": engine.cache.stats.hits,
+            "queried_tokens": engine.cache.stats.queried_tokens,
+        }
+        data["prompt_tokens_by_source"] = dict(engine.stats.prompt_tokens_by_source)
+        data["kv"] = {
+            "role": engine.config.role.value,
+            "connector": engine.config.kv_connector,
+            "transfer": engine.config.kv_transfer,
+            "engine_id": engine.kv.engine_id,
+            "held": engine.kv.held,
+            "waiting": engine.kv.waiting,
+            "pulled": engine.kv.pulled,
+            "pushed": engine.kv.pushed,
+            "expired": engine.kv.expired,
+        }
+        return JSONResponse(data)
+
+    async def clear_cache(self, request: Request) -> Response:
+        self.engine.cache.clear()
+        return JSONResponse({"blocks": 0})
+
+    async def kv_pull(self, request: Request) -> Response:
+        status, reason = self.engine.kv.release(await _peer_json(request))
+        return JSONResponse({"detail": reason}, status_code=status)
+
+    async def kv_push(self, request: Request) -> Response:
+        status, reason = self.engine.kv.accept_push(await _peer_json(request))
+        return JSONResponse({"detail": reason}, status_code=status)
 
     async def reset(self, request: Request) -> Response:
         stats = self.engine.stats
@@ -419,6 +517,13 @@ class SimHandlers:
         active = stats.active_streams
         self.engine.stats = type(stats)(active_streams=active)
         return JSONResponse(self.engine.stats.as_json(self.engine.running))
+
+
+async def _peer_json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except json.JSONDecodeError:
+        return None
 
 
 async def _sim_error(request: Request, exc: Exception) -> Response:
@@ -430,6 +535,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     # FastAPI's shape for router misses ({"detail": "Not Found"}), which vLLM keeps.
     assert isinstance(exc, HTTPException)
     return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+@asynccontextmanager
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    yield
+    # The KV peer client and the event socket belong to the engine; close them with it.
+    await app.state.engine.aclose()
 
 
 def create_app(config: SimConfig | None = None) -> Starlette:
@@ -453,9 +565,14 @@ def create_app(config: SimConfig | None = None) -> Starlette:
         Route("/sim/faults", h.clear_faults, methods=["DELETE"]),
         Route("/sim/stats", h.stats, methods=["GET"]),
         Route("/sim/reset", h.reset, methods=["POST"]),
+        Route("/sim/cache", h.clear_cache, methods=["DELETE"]),
+        Route("/sim/kv/pull", h.kv_pull, methods=["POST"]),
+        Route("/sim/kv/push", h.kv_push, methods=["POST"]),
     ]
     app = RawSendApp(
-        routes=routes, exception_handlers={SimError: _sim_error, HTTPException: _http_error}
+        routes=routes,
+        exception_handlers={SimError: _sim_error, HTTPException: _http_error},
+        lifespan=_lifespan,
     )
     app.state.engine = engine
     return app

@@ -17,11 +17,11 @@ from typing import Any
 class EngineRole(enum.Enum):
     """What part of a request this engine serves."""
 
-    # Prefill and decode on one instance; the only role implemented so far.
+    # Prefill and decode on one instance; kv_transfer_params are ignored.
     UNION = "union"
-    # Reserved for the P/D issues: answers the max_tokens=1 leg with kv_transfer_params.
+    # Answers the max_tokens=1 leg with kv_transfer_params (pull) or pushes to D (push).
     PREFILL = "prefill"
-    # Reserved for the P/D issues: consumes kv_transfer_params from a prefill leg.
+    # Consumes kv_transfer_params: pulls from P, or waits for P's push (see enginesim.pd).
     DECODE = "decode"
 
 
@@ -54,6 +54,25 @@ class SimConfig:
     ttft_per_token_ms: float = 0.0
     tpot_ms: float = 0.0
     role: EngineRole = EngineRole.UNION
+    # KV transfer between P and D (enginesim.pd): "pull" (NIXL / Mooncake, Handoff) or
+    # "push" (layer-wise Mooncake, Trigger); the connector name is only reported.
+    kv_transfer: str = "pull"
+    kv_connector: str | None = None
+    # How long P keeps a finished prefill's blocks for D (vLLM frees them after 30 s).
+    kv_hold_seconds: float = 30.0
+    # How long D waits for P's push once the metaserver accepted its announcement.
+    kv_push_timeout_seconds: float = 30.0
+    # Where peers reach this instance (what remote_host / remote_port in the params say);
+    # the CLI and LiveServer fill the port in.
+    host: str = "127.0.0.1"
+    port: int = 0
+    # Prefix cache: full blocks of block_size tokens, LRU of cache_blocks (vLLM's default
+    # block size; 512 blocks is what --kv-cache-memory-bytes 32M gives tinymodel).
+    block_size: int = 128
+    cache_blocks: int = 512
+    # vLLM's --kv-events-config endpoint and topic; None publishes nothing.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
     capabilities: frozenset[str] = field(default_factory=lambda: frozenset({"tokens_only"}))
 
     @property

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from enginesim.config import SimConfig
 from enginesim.errors import SimError, bad_request
 from enginesim.faults import FaultQueue
+from enginesim.kvcache import EventPublisher, PrefixCache
 from enginesim.model import TokenLogprobs, TokenModel
+from enginesim.pd import KVTransfer
 from enginesim.protocol import GenerateRequest
 from enginesim.scripts import ScriptBook
 
@@ -68,6 +70,8 @@ class SimStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     finished: Counter[str] = field(default_factory=Counter)
+    # vLLM's prompt_tokens_by_source: local_compute, local_cache_hit, external_kv_transfer.
+    prompt_tokens_by_source: Counter[str] = field(default_factory=Counter)
 
     def as_json(self, running: int) -> dict[str, object]:
         return {
@@ -108,6 +112,8 @@ class Generation:
             _Choice(index=i, context=list(self.prompt), state=state) for i in range(params.n)
         ]
         self._first_tokens: set[int] = set()
+        # Prompt tokens found in the prefix cache when the request started.
+        self.cached_tokens = 0
 
     def abort(self) -> None:
         self.aborted.set()
@@ -196,6 +202,24 @@ class SimEngine:
         self.faults = FaultQueue()
         self.stats = SimStats()
         self._running: dict[str, set[Generation]] = {}
+        publisher = (
+            EventPublisher(config.kv_events_endpoint, config.kv_events_topic)
+            if config.kv_events_endpoint
+            else None
+        )
+        self.cache = PrefixCache(config.block_size, config.cache_blocks, publisher)
+        self.kv = KVTransfer(
+            block_size=config.block_size,
+            hold_seconds=config.kv_hold_seconds,
+            push_timeout_seconds=config.kv_push_timeout_seconds,
+            host=config.host,
+            port=config.port,
+        )
+
+    async def aclose(self) -> None:
+        await self.kv.aclose()
+        if self.cache.publisher is not None:
+            self.cache.publisher.close()
 
     # -- checks ---------------------------------------------------------------------------
 
@@ -286,23 +310,37 @@ class SimEngine:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def uncached_prompt_tokens(self, prompt: Sequence[int]) -> int:
-        """Prompt tokens that need prefill; the prefix-cache issue will lower this."""
-        return len(prompt)
+    def start(
+        self, engine_request_id: str, request: GenerateRequest, *, remote_kv: bool = False
+    ) -> Generation:
+        """Create and register a generation; pair with :meth:`finish` in a ``finally``.
 
-    def start(self, engine_request_id: str, request: GenerateRequest) -> Generation:
-        """Create and register a generation; pair with :meth:`finish` in a ``finally``."""
+        Only prompt tokens not found in the prefix cache cost prefill time; with
+        ``remote_kv`` (a decode instance that received the KV) none do.
+        """
+        prompt = request.token_ids
+        cached = self.cache.cached_tokens(prompt)
+        external = len(prompt) - cached if remote_kv else 0
+        uncached = len(prompt) - cached - external
+        # The prompt's blocks are in the cache from now on (vLLM caches them as the
+        # prefill fills them); received blocks too, like a real decode engine.
+        self.cache.store(prompt)
         generation = Generation(
             engine_request_id=engine_request_id,
-            prompt=request.token_ids,
+            prompt=prompt,
             params=self.resolve(request),
             model=self.model,
             scripts=self.scripts,
             config=self.config,
-            ttft_seconds=self.config.ttft_seconds(self.uncached_prompt_tokens(request.token_ids)),
+            ttft_seconds=self.config.ttft_seconds(uncached),
         )
+        generation.cached_tokens = cached
         self._running.setdefault(engine_request_id, set()).add(generation)
         self.stats.prompt_tokens_total += len(generation.prompt)
+        by_source = self.stats.prompt_tokens_by_source
+        by_source["local_compute"] += uncached
+        by_source["local_cache_hit"] += cached
+        by_source["external_kv_transfer"] += external
         return generation
 
     def finish(self, generation: Generation) -> None:
@@ -311,6 +349,10 @@ class SimEngine:
             group.discard(generation)
             if not group:
                 del self._running[generation.engine_request_id]
+        first = generation.choices[0] if generation.choices else None
+        if first is not None and len(first.output) > 1:
+            # Output blocks are cached too; the last sampled token has no KV yet.
+            self.cache.store(first.context[:-1])
         for choice in generation.choices:
             self.stats.generation_tokens_total += len(choice.output)
             if choice.finish_reason is not None:

@@ -7,6 +7,7 @@ importlib import mode makes conftest modules unimportable by name.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,12 +30,13 @@ class LiveServer:
     """
 
     def __init__(self, config: SimConfig) -> None:
-        self.app = create_app(config)
-        self.engine: SimEngine = self.app.state.engine
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
         self.port: int = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        # The app learns its port, which P/D peers are told (remote_host / remote_port).
+        self.app = create_app(dataclasses.replace(config, host="127.0.0.1", port=self.port))
+        self.engine: SimEngine = self.app.state.engine
         self._server = uvicorn.Server(
             uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1)
         )

@@ -1,0 +1,339 @@
+"""KV-cache affinity: which instance already holds a prompt's leading blocks.
+
+Engines cache the KV of *full* blocks (``block_size`` tokens, 128 by default) keyed by a chain
+of hashes: block i's key covers block i's tokens and every block before it, so a prompt hits
+exactly its leading blocks that some earlier request shared. The index mirrors that per
+instance with the coordinator's own chained hashes (parent hash + the block's token ids), so
+it never depends on vLLM's hash function or seed, over the ids the engines actually see
+(physical ids when obfuscation is on).
+
+Two ways to fill it, usable together:
+
+- approximate: :meth:`KVAffinityIndex.record` after placing a request (assumes the engine
+  keeps what it computed; eviction is only guessed by the index's own LRU);
+- precise: :meth:`KVAffinityIndex.apply_events` with the engine's KV cache events
+  (``serving.pipeline.router.kv_events``): BlockStored blocks are indexed by the token ids the
+  event carries, chained through the engine's parent hash; BlockRemoved and AllBlocksCleared
+  forget.
+
+Memory is bounded: an LRU per instance (``max_blocks_per_instance``) and a global cap
+(``max_blocks``) that evicts from the largest instance first. Pure data structure, no I/O,
+not thread-safe (one per event loop).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 128
+
+_CACHE_CONFIG = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
+_BLOCK_SIZE_LABEL = re.compile(r'(?:^|,)\s*block_size="(\d+)"')
+
+
+def block_size_from_metrics(text: str) -> int | None:
+    """The block size in a Prometheus ``/metrics`` page's ``vllm:cache_config_info``, if any."""
+    for labels in _CACHE_CONFIG.findall(text):
+        found = _BLOCK_SIZE_LABEL.search(labels)
+        if found and int(found.group(1)) > 0:
+            return int(found.group(1))
+    return None
+
+
+def _block_key(parent: int | None, tokens: Sequence[int]) -> int:
+    data = array("q", tokens).tobytes()
+    prefix = b"\x00" * 8 if parent is None else parent.to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(prefix + data, digest_size=8).digest(), "little")
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The coordinator's chained hashes of the full blocks of ``token_ids``."""
+    keys: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = _block_key(parent, token_ids[start : start + block_size])
+        keys.append(parent)
+    return keys
+
+
+@dataclass(slots=True)
+class _Instance:
+    block_size: int
+    # Set from the engine's metrics or its first full-block event; until then the default.
+    known: bool = False
+    # Our block key -> the engine's hash for it (None when only recorded), LRU order.
+    blocks: OrderedDict[int, Hashable | None] = field(default_factory=OrderedDict)
+    # The engine's hash -> our key, to chain BlockStored parents and resolve BlockRemoved.
+    by_engine_hash: dict[Hashable, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class IndexStats:
+    recorded: int = 0
+    stored_events: int = 0
+    removed_events: int = 0
+    cleared_events: int = 0
+    # BlockStored whose parent the index never saw (events missed): not indexable.
+    orphans: int = 0
+    evicted: int = 0
+
+
+class KVAffinityIndex:
+    """Per-instance index of cached block chains; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        default_block_size: int = DEFAULT_BLOCK_SIZE,
+        max_blocks_per_instance: int = 65_536,
+        max_blocks: int = 1_048_576,
+    ) -> None:
+        if default_block_size < 1 or max_blocks_per_instance < 1 or max_blocks < 1:
+            raise ValueError("block size and capacities must be positive")
+        self.default_block_size = default_block_size
+        self.max_blocks_per_instance = max_blocks_per_instance
+        self.max_blocks = max_blocks
+        self.stats = IndexStats()
+        self._instances: dict[str, _Instance] = {}
+        self._total = 0
+        # Block key -> instances holding it: scoring walks a prompt's chain once and only
+        # touches the instances that hold each block, instead of probing every candidate.
+        self._holders: dict[int, set[str]] = {}
+        # Block size -> instances using it (one chain of hashes per size per decision).
+        self._by_size: dict[int, set[str]] = {}
+
+    # -- configuration ----------------------------------------------------------------
+
+    def _get(self, instance: str) -> _Instance:
+        state = self._instances.get(instance)
+        if state is None:
+            state = self._instances[instance] = _Instance(self.default_block_size)
+            self._by_size.setdefault(state.block_size, set()).add(instance)
+        return state
+
+    def _resize(self, instance: str, state: _Instance, block_size: int) -> None:
+        self._by_size[state.block_size].discard(instance)
+        if not self._by_size[state.block_size]:
+            del self._by_size[state.block_size]
+        state.block_size = block_size
+        self._by_size.setdefault(block_size, set()).add(instance)
+
+    def block_size(self, instance: str) -> int:
+        state = self._instances.get(instance)
+        return state.block_size if state is not None else self.default_block_size
+
+    def set_block_size(self, instance: str, block_size: int) -> None:
+        """Set an instance's block size (from its metrics); a change forgets its blocks."""
+        if block_size < 1:
+            raise ValueError("block_size must be positive")
+        state = self._get(instance)
+        state.known = True
+        if state.block_size != block_size:
+            self.clear(instance)
+            self._resize(instance, state, block_size)
+
+    def forget(self, instance: str) -> None:
+        """Drop an instance entirely (removed from the fleet)."""
+        self.clear(instance)
+        state = self._instances.pop(instance, None)
+        if state is not None:
+            members = self._by_size[state.block_size]
+            members.discard(instance)
+            if not members:
+                del self._by_size[state.block_size]
+
+    def clear(self, instance: str) -> None:
+        state = self._instances.get(instance)
+        if state is not None:
+            self._total -= len(state.blocks)
+            for key in state.blocks:
+                self._unhold(key, instance)
+            state.blocks.clear()
+            state.by_engine_hash.clear()
+
+    def clear_all(self) -> None:
+        for name in list(self._instances):
+            self.clear(name)
+
+    def _unhold(self, key: int, instance: str) -> None:
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.discard(instance)
+            if not holders:
+                del self._holders[key]
+
+    # -- queries ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._total
+
+    def blocks(self, instance: str) -> int:
+        state = self._instances.get(instance)
+        return len(state.blocks) if state is not None else 0
+
+    def match(self, instance: str, token_ids: Sequence[int]) -> int:
+        """Number of leading full blocks of ``token_ids`` cached on ``instance``."""
+        state = self._instances.get(instance)
+        if state is None or not state.blocks:
+            return 0
+        return self._match(state, chain_hashes(token_ids, state.block_size))
+
+    @staticmethod
+    def _match(state: _Instance, keys: Sequence[int]) -> int:
+        blocks = state.blocks
+        n = 0
+        for key in keys:
+            if key not in blocks:
+                break
+            n += 1
+        return n
+
+    def scores(self, candidates: Iterable[str], token_ids: Sequence[int]) -> dict[str, int]:
+        """Leading cached blocks per candidate; hashes the prompt once per block size.
+
+        Walks the prompt's chain once, narrowing the set of candidates that still hold every
+        block so far with C-level set intersections; Python-level work is per candidate
+        only when it drops out.
+        """
+        out = dict.fromkeys(candidates, 0)
+        wanted = out.keys()
+        for size, members in self._by_size.items():
+            alive = members & wanted
+            depth = 0
+            if alive:
+                for key in chain_hashes(token_ids, size):
+                    holders = self._holders.get(key)
+                    if not holders:
+                        break
+                    narrowed = alive & holders
+                    if len(narrowed) < len(alive):
+                        for name in alive - narrowed:
+                            out[name] = depth
+                    alive = narrowed
+                    depth += 1
+                    if not alive:
+                        break
+                for name in alive:
+                    out[name] = depth
+        return out
+
+    def best(self, candidates: Sequence[str], token_ids: Sequence[int]) -> tuple[str | None, int]:
+        """The candidate with the most cached leading blocks and that count.
+
+        Ties (including no hit anywhere) go to the earliest candidate, so a caller that
+        passes candidates least loaded first gets load balancing for free; None if empty.
+        """
+        best_name: str | None = None
+        best_blocks = -1
+        for name, n in self.scores(candidates, token_ids).items():
+            if n > best_blocks:
+                best_name, best_blocks = name, n
+        return best_name, max(best_blocks, 0)
+
+    # -- updates ----------------------------------------------------------------------
+
+    def record(self, instance: str, token_ids: Sequence[int]) -> int:
+        """Approximate mode: assume ``instance`` now caches ``token_ids``' full blocks.
+
+        Returns how many blocks were new to the index.
+        """
+        state = self._get(instance)
+        self.stats.recorded += 1
+        return self._insert(instance, state, [(k, None) for k in chain_hashes(token_ids, state.block_size)])
+
+    def _insert(self, instance: str, state: _Instance, entries: Sequence[tuple[int, Hashable | None]]) -> int:
+        blocks = state.blocks
+        new = 0
+        for key, engine_hash in entries:
+            if key in blocks:
+                if engine_hash is not None and blocks[key] is None:
+                    blocks[key] = engine_hash
+            else:
+                blocks[key] = engine_hash
+                self._holders.setdefault(key, set()).add(instance)
+                new += 1
+            if engine_hash is not None:
+                state.by_engine_hash[engine_hash] = key
+        # Children first, so a prefix stays more recent than its continuations and the
+        # LRU evicts leaves before the blocks they hang off.
+        for key, _ in reversed(entries):
+            blocks.move_to_end(key)
+        self._total += new
+        while len(blocks) > self.max_blocks_per_instance:
+            self._evict_one(instance, state)
+        while self._total > self.max_blocks:
+            name = max(self._instances, key=lambda n: len(self._instances[n].blocks))
+            self._evict_one(name, self._instances[name])
+        return new
+
+    def _evict_one(self, instance: str, state: _Instance) -> None:
+        key, engine_hash = state.blocks.popitem(last=False)
+        self._unhold(key, instance)
+        if engine_hash is not None:
+            state.by_engine_hash.pop(engine_hash, None)
+        self._total -= 1
+        self.stats.evicted += 1
+
+    def apply_events(self, instance: str, events: Iterable[Mapping[str, Any]]) -> None:
+        """Precise mode: apply decoded KV cache events (maps tagged by ``"type"``)."""
+        state = self._get(instance)
+        for event in events:
+            kind = event.get("type")
+            if kind == "BlockStored":
+                self.stats.stored_events += 1
+                self._stored(instance, state, event)
+            elif kind == "BlockRemoved":
+                self.stats.removed_events += 1
+                for engine_hash in event.get("block_hashes") or ():
+                    self._removed(instance, state, engine_hash)
+            elif kind == "AllBlocksCleared":
+                self.stats.cleared_events += 1
+                self.clear(instance)
+
+    def _removed(self, instance: str, state: _Instance, engine_hash: Any) -> None:
+        if not isinstance(engine_hash, Hashable):
+            return
+        key = state.by_engine_hash.pop(engine_hash, None)
+        if key is not None and key in state.blocks:
+            del state.blocks[key]
+            self._unhold(key, instance)
+            self._total -= 1
+
+    def _stored(self, instance: str, state: _Instance, event: Mapping[str, Any]) -> None:
+        hashes = event.get("block_hashes") or []
+        tokens = event.get("token_ids") or []
+        size = event.get("block_size")
+        if not isinstance(size, int) or size < 1:
+            return
+        if size != state.block_size:
+            if state.known or len(tokens) != size * len(hashes):
+                # A partial-block event (vLLM reports block_size = its token count), or
+                # another size than the engine's metrics said: not a full block here.
+                return
+            # No size known yet: the engine's own full-block event says it.
+            self.set_block_size(instance, size)
+        parent_hash = event.get("parent_block_hash")
+        parent: int | None = None
+        if parent_hash is not None:
+            parent = state.by_engine_hash.get(parent_hash) if isinstance(parent_hash, Hashable) else None
+            if parent is None:
+                self.stats.orphans += 1
+                return
+        entries: list[tuple[int, Hashable | None]] = []
+        for i, engine_hash in enumerate(hashes):
+            block = tokens[i * size : (i + 1) * size]
+            if len(block) < size or not isinstance(engine_hash, Hashable):
+                break
+            parent = _block_key(parent, block)
+            entries.append((parent, engine_hash))
+        if entries:
+            self._insert(instance, state, entries)
