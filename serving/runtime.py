@@ -1,15 +1,31 @@
-"""Process-wide data-plane objects: the shared HTTP client's settings and live load counters."""
+"""Process-wide data-plane objects: the shared HTTP client's settings, the scheduler with its
+circuit breakers and token admission, live load counters and the router's counters.
+
+One of each per coordinator process. ``MOTOR_GLOBAL_TOKEN_BUDGET`` (tokens in flight across all
+instances), ``MOTOR_ADMISSION_QUEUE`` (waiters), ``MOTOR_ADMISSION_WAIT_MS`` (their deadline)
+and the breaker knobs are read from settings when present, else from the environment; with
+``REDIS_URL`` set, admission is shared by every coordinator process through Redis leases.
+"""
 
 from __future__ import annotations
+
+import logging
+import os
+from typing import Any
 
 from django.conf import settings
 
 from serving.pipeline import http
 from serving.pipeline.render.client import RenderClient
+from serving.pipeline.render.tokenization import RenderHealth
+from serving.pipeline.router.breaker import BreakerBoard
 from serving.pipeline.router.engine_client import EngineClient
+from serving.pipeline.router.flow_control import AdmissionSettings, RedisTokenAdmission, TokenAdmission
 from serving.pipeline.router.scheduler import LoadTracker, Scheduler
-from serving.pipeline.service import ServingPipeline
+from serving.pipeline.service import EngineBoundary, RouterCounters, ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot
+
+logger = logging.getLogger(__name__)
 
 http.configure(
     http.HttpSettings(
@@ -19,11 +35,110 @@ http.configure(
     )
 )
 
+
+def _knob(name: str, default: float | None) -> float | None:
+    value = getattr(settings, name, None)
+    if value is None:
+        raw = os.environ.get(name)
+        value = float(raw) if raw not in (None, "") else default
+    return value
+
+
+def _admission_settings() -> AdmissionSettings:
+    budget = _knob("MOTOR_GLOBAL_TOKEN_BUDGET", None)
+    return AdmissionSettings(
+        global_budget=int(budget) if budget else None,
+        queue_size=int(_knob("MOTOR_ADMISSION_QUEUE", 256) or 256),
+        wait_s=float(_knob("MOTOR_ADMISSION_WAIT_MS", 30000) or 30000) / 1000,  # bounds a request's wait for room
+    )
+
+
+def _admission() -> TokenAdmission:
+    redis_url = getattr(settings, "REDIS_URL", "") or ""
+    if redis_url:
+        import redis.asyncio
+
+        return RedisTokenAdmission(redis.asyncio.Redis.from_url(redis_url), _admission_settings())
+    return TokenAdmission(_admission_settings())
+
+
+def submit_breaker_transition(
+    instance_id: int, new_state: str, reason: str, consecutive_failures: int,
+    open_until: float | None, open_seconds: float,
+) -> None:
+    """The breakers' sink: hand a request-path transition to the control plane's write-back."""
+    try:
+        from fleet import writeback
+    except ImportError:  # the control plane is not installed: the in-memory breaker still works
+        return
+    submit = getattr(writeback, "submit_breaker_transition", None)
+    if submit is not None:
+        submit(instance_id, new_state, reason, consecutive_failures, open_until, open_seconds)
+
+
 load = LoadTracker()
-scheduler = Scheduler(load)
+breakers = BreakerBoard(
+    threshold=int(_knob("MOTOR_BREAKER_THRESHOLD", 3) or 3),
+    base_open_s=float(_knob("MOTOR_BREAKER_OPEN_S", 5.0) or 5.0),
+    max_open_s=float(_knob("MOTOR_BREAKER_MAX_OPEN_S", 120.0) or 120.0),
+    sink=submit_breaker_transition,
+)
+admission = _admission()
+scheduler = Scheduler(load, breakers=breakers, admission=admission)
+counters = RouterCounters()
+render_health = RenderHealth()
+
+# Handoff / Trigger / PD Hybrid live in router/topologies.py: importing it registers their runners
+# in service.TOPOLOGY_RUNNERS and may install ``scheduler.topology_policy`` (via its ``install``).
+try:
+    from serving.pipeline.router import topologies as _topologies
+except ModuleNotFoundError as exc:
+    if exc.name != "serving.pipeline.router.topologies":
+        raise
+else:
+    _install = getattr(_topologies, "install", None)
+    if _install is not None:
+        _install(scheduler)
+
+
+def inflight_tokens() -> dict[str, int]:
+    """Tokens held by admitted requests of this process, per instance name (metrics, dashboard)."""
+    return admission.inflight_tokens()
+
+
+def router_metrics() -> dict[str, Any]:
+    """The router's counters and gauges for ``/metrics``: ``{"counters": {(name, labels): n}, ...}``."""
+    return {
+        "counters": counters.snapshot(),
+        "inflight_tokens": inflight_tokens(),
+        "admission_waiting": admission.waiting(),
+        "breakers": breakers.snapshot(),  # instance id -> state
+    }
+
+
+def obfuscation_mapping(snapshot: FleetSnapshot) -> Any:
+    """The token mapping for the snapshot's obfuscation key (None when obfuscation is off).
+
+    Loading keys belongs to ``serving.pipeline.obfuscation``; until it provides a loader,
+    obfuscation on means no mapping, and ``require_mapping`` refuses traffic (fail closed).
+    """
+    if not snapshot.render.obfuscation:
+        return None
+    from serving.pipeline import obfuscation
+
+    loader = getattr(obfuscation, "mapping_for", None)
+    mapping = loader(snapshot) if loader is not None else None
+    return obfuscation.require_mapping(snapshot.render, mapping)
 
 
 def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
     client = http.shared_client()
     render = RenderClient(client, snapshot.render.base_url, snapshot.render.timeout_s)
-    return ServingPipeline(snapshot, render, EngineClient(client), scheduler)
+    from serving.pipeline.obfuscation import traffic_snapshot
+
+    boundary = EngineBoundary(obfuscation_mapping(snapshot))
+    # Placement sees only instances whose declared key id fits the render config (obfuscation.eligible).
+    return ServingPipeline(
+        traffic_snapshot(snapshot), render, EngineClient(client), scheduler,
+        counters=counters, boundary=boundary,
+    )

@@ -8,6 +8,7 @@ Every error leaves as an OpenAI error body with the right status, never an HTML 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -21,7 +22,16 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
-from serving.pipeline.errors import ModelNotFound, MotorError, NotFound, RequestError, Unauthorized, error_body
+from serving.pipeline.errors import (
+    ModelNotFound,
+    MotorError,
+    NotFound,
+    RequestError,
+    Unauthorized,
+    error_body,
+    error_headers,
+)
+from serving.pipeline.router.native import NativeStream
 from serving.pipeline.service import EventStream
 from serving.pipeline.snapshot import FleetSnapshot
 from serving.runtime import pipeline_for
@@ -34,7 +44,7 @@ logger = logging.getLogger(__name__)
 _abandoned: set[asyncio.Task[None]] = set()
 
 
-def _close_if_abandoned(stream: EventStream) -> None:
+def _close_if_abandoned(stream: EventStream | NativeStream) -> None:
     """Close ``stream``'s engine streams if the request's task ends before its body started.
 
     Django's ASGIHandler runs the middleware, the view and ``send_response`` in one task and
@@ -58,15 +68,26 @@ def _close_if_abandoned(stream: EventStream) -> None:
 
 def _error(exc: BaseException) -> JsonResponse:
     status, body = error_body(exc)
-    return JsonResponse(body, status=status)
+    return JsonResponse(body, status=status, headers=error_headers(exc))
 
 
-def _check_key(request: HttpRequest) -> None:
+def _check_key(request: HttpRequest, snapshot: FleetSnapshot) -> None:
+    """Require a client key: one of the snapshot's hashed keys (no query per request).
+
+    Until the first client key record exists, ``MOTOR_API_KEYS`` (plain keys from the environment)
+    is used instead, so a deployment without managed keys keeps working; once any record exists
+    (even a revoked one) only records count, so revoking the last key never reopens /v1.
+    """
+    auth = request.headers.get("Authorization", "")
+    token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    if snapshot.client_keys_managed:
+        # A dict lookup by sha256 of the token: the hash hides timing of the stored key bytes.
+        if token and hashlib.sha256(token.encode("utf-8")).hexdigest() in snapshot.client_keys:
+            return
+        raise Unauthorized("Missing or invalid API key: send `Authorization: Bearer <key>`.")
     keys = settings.MOTOR_API_KEYS
     if not keys:
         return
-    auth = request.headers.get("Authorization", "")
-    token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
     if not any(hmac.compare_digest(token, k) for k in keys):
         raise Unauthorized("Missing or invalid API key: send `Authorization: Bearer <key>`.")
 
@@ -101,12 +122,13 @@ async def _serve(request: HttpRequest, kind: str) -> HttpResponse:
     try:
         if request.method != "POST":
             raise RequestError("Method not allowed; use POST.", status=405)
-        _check_key(request)
-        body = _parse_body(request)
         snapshot = await current_snapshot()
+        _check_key(request, snapshot)
+        body = _parse_body(request)
         _resolve_model(body, snapshot)
         pipeline = pipeline_for(snapshot)
-        result = await (pipeline.chat(body, request_id) if kind == "chat" else pipeline.completions(body, request_id))
+        # chat | completions | responses | messages: the last two always take the native path.
+        result = await getattr(pipeline, kind)(body, request_id)
     except MotorError as exc:
         logger.info(
             "response request_id=%s kind=%s status=%d error=%s latency_ms=%.1f",
@@ -116,7 +138,7 @@ async def _serve(request: HttpRequest, kind: str) -> HttpResponse:
     except Exception as exc:  # a bug, not the client's fault: log it, answer a clean 500
         logger.exception("response request_id=%s kind=%s status=500", request_id, kind)
         return _error(exc)
-    if isinstance(result, EventStream):
+    if isinstance(result, (EventStream, NativeStream)):
         _close_if_abandoned(result)  # no await since the streams opened: nothing can slip in before
         response = StreamingHttpResponse(result.frames(), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
@@ -139,12 +161,22 @@ async def completions(request: HttpRequest) -> HttpResponse:
     return await _serve(request, "completions")
 
 
+@csrf_exempt
+async def responses(request: HttpRequest) -> HttpResponse:
+    return await _serve(request, "responses")
+
+
+@csrf_exempt
+async def messages(request: HttpRequest) -> HttpResponse:
+    return await _serve(request, "messages")
+
+
 async def models(request: HttpRequest) -> HttpResponse:
+    snapshot = await current_snapshot()
     try:
-        _check_key(request)
+        _check_key(request, snapshot)
     except MotorError as exc:
         return _error(exc)
-    snapshot = await current_snapshot()
     now = int(time.time())
     data = [
         {
@@ -177,3 +209,18 @@ async def healthz(request: HttpRequest) -> HttpResponse:
     render = RenderClient(http.shared_client(), snapshot.render.base_url, min(snapshot.render.timeout_s, 1.0))
     render_ok = await render.health()
     return JsonResponse({"status": "ok", "render": "up" if render_ok else "down", "fleet_version": snapshot.version})
+
+
+@require_GET
+async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
+    """This process's per-instance request totals, in-flight tokens and router counters, as Prometheus text."""
+    from serving import runtime
+    from serving.pipeline import metrics
+
+    text = metrics.prometheus_text(metrics.snapshot(), runtime.inflight_tokens())
+    router = runtime.router_metrics()
+    lines = [f"motor_admission_waiting {float(router.get('admission_waiting') or 0)!r}"]
+    for (name, labels), n in sorted(router.get("counters", {}).items()):
+        label_text = ",".join(f'{k}="{metrics.label_value(v)}"' for k, v in labels)
+        lines.append(f"{name}{{{label_text}}} {float(n)!r}")
+    return HttpResponse(text + "\n".join(lines) + "\n", content_type="text/plain; version=0.0.4; charset=utf-8")

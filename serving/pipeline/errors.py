@@ -6,11 +6,16 @@ MotorError                      carries status, OpenAI ``type``, ``param`` and `
  |         +-- ModelNotFound    404 before any render call
  +-- UpstreamRequestError       render/engine/derender rejected the request itself (4xx):
  |                              its body goes back to the client unchanged
- +-- RenderUnavailable          render unreachable / timed out / malformed (router issue: fallback)
+ +-- RenderUnavailable          render unreachable / timed out / lacking the capability / no usable
+ |                              token ids (``reason``): the tokenization service falls back locally
  +-- EngineError                an engine failed: retryable, counts against that instance
  |    +-- EngineBusy            the engine's own admission 503: try elsewhere, breaker untouched
+ |    +-- EngineLacksCapability route 404 / 501 / 403 "scale-out disabled" on generate: the engine
+ |                              cannot do token-only at all; the native path may serve it instead
  +-- DerenderError              derender failed after inference: 502/504, never re-runs inference
  +-- NoCapacity                 no instance can take the request (503)
+ +-- QueueFull                  admission queue full: 429 with ``Retry-After``
+ +-- AdmissionTimeout           waited past the admission deadline: 503
 
 Fault domains stay apart (architecture invariant 4), so each layer raises only its own kind.
 """
@@ -77,6 +82,13 @@ class RenderUnavailable(MotorError):
     type = "ServiceUnavailableError"
     retryable = True
 
+    # Why render could not be used; also the ``fallback_reason`` of the local tokenizer.
+    REASONS = ("unreachable", "timeout", "capability", "no_token_ids", "status", "render_down")
+
+    def __init__(self, message: str, *, reason: str = "status") -> None:
+        super().__init__(message)
+        self.reason = reason
+
 
 class EngineError(MotorError):
     status = 502
@@ -93,6 +105,10 @@ class EngineBusy(EngineError):
     type = "ServiceUnavailableError"
 
 
+class EngineLacksCapability(EngineError):
+    """The engine has no token-only generate (route 404, 501, 403 "scale-out disabled")."""
+
+
 class DerenderError(MotorError):
     status = 502
     type = "BadGatewayError"
@@ -101,6 +117,28 @@ class DerenderError(MotorError):
 class NoCapacity(MotorError):
     status = 503
     type = "ServiceUnavailableError"
+
+
+class QueueFull(MotorError):
+    status = 429
+    type = "RateLimitError"
+    retryable = True
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class AdmissionTimeout(MotorError):
+    status = 503
+    type = "ServiceUnavailableError"
+    retryable = True
+
+
+def error_headers(exc: BaseException) -> dict[str, str]:
+    """Extra response headers an error asks for (``Retry-After`` on 429)."""
+    retry_after = getattr(exc, "retry_after_s", None)
+    return {"Retry-After": str(retry_after)} if retry_after is not None else {}
 
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:

@@ -1,9 +1,23 @@
 """Render -> place -> generate -> derender for one OpenAI request, streaming or not.
 
-``ServingPipeline`` is built per request from the fleet snapshot and the process-wide clients;
-it holds no state of its own between requests. Streaming responses are returned as an
-``EventStream`` whose engine streams are already established (HTTP 200 from every engine), so
-a failure before that still gets a proper status instead of a broken 200.
+``ServingPipeline`` is built per request from the fleet snapshot and the process-wide objects
+(clients, scheduler with its breakers and token admission, counters); it holds no state of its
+own between requests. The phases, each logged once per outcome with the request id:
+
+1. routing: ``native_reason`` sends what token-only cannot serve exactly to an engine's own
+   OpenAI API (``router/native.py``), or refuses it with obfuscation on;
+2. tokenization (``render/tokenization.py``): render, or the local tokenizer when render is
+   unusable; the local fallback hands requests it cannot build exactly to the native path;
+3. poison check: ids outside the vocabulary or a prompt without room in the context are 400
+   before any engine sees them;
+4. placement (``Scheduler.place``) and, per topology, a runner (``TOPOLOGY_RUNNERS``); every
+   engine call goes through ``GenerateContext.leg``: breaker, token admission, load, the
+   obfuscation boundary, validation; a bounded retry budget moves failed attempts elsewhere;
+5. derender: render's, or the local tokenizer's for locally tokenized requests.
+
+Streaming responses are returned as an ``EventStream`` (or a relayed ``NativeStream``) whose
+engine streams are already established (HTTP 200 from every engine), so a failure before that
+still gets a proper status instead of a broken 200.
 """
 
 from __future__ import annotations
@@ -11,16 +25,50 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from serving.pipeline.errors import EngineError, MotorError, error_body
+from serving.pipeline import metrics
+from serving.pipeline.errors import (
+    EngineBusy,
+    EngineError,
+    EngineLacksCapability,
+    ModelNotFound,
+    MotorError,
+    NoCapacity,
+    RenderUnavailable,
+    RequestError,
+    error_body,
+)
 from serving.pipeline.render.client import RenderClient
+from serving.pipeline.render.local_tokenizer import model_vocab_size
+from serving.pipeline.render.tokenization import (
+    LocalDerenderer,
+    NeedsNative,
+    RenderHealth,
+    TokenizationService,
+    TokenizedPrompt,
+    TokenizedRequest,
+)
 from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.scheduler import Scheduler
-from serving.pipeline.router.token_only import engine_request, sorted_choices
-from serving.pipeline.snapshot import FleetSnapshot, InstanceView
+from serving.pipeline.router.native import (
+    NativeClient,
+    NativeStream,
+    engine_tokenizer_feature,
+    native_instances,
+    native_reason,
+)
+from serving.pipeline.router.scheduler import Placement, Scheduler
+from serving.pipeline.router.token_only import (
+    attempt_request_id,
+    resolved_max_tokens,
+    sorted_choices,
+    validate_generate_response,
+    with_max_tokens,
+)
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
 from serving.pipeline.sse import DONE, frame
 
 logger = logging.getLogger(__name__)
@@ -99,7 +147,9 @@ class EventStream:
         render = self.pipeline.render
         states: dict[int, dict[str, Any] | None] = {}
         prompt_ids = self.prompts[stream.prompt_index]
-        async for event in stream.events:
+        boundary = self.pipeline.boundary
+        async for raw in stream.events:
+            event = boundary.inbound_event(raw, stream.instance)
             choices = event.get("choices") or []
             index = choices[0].get("index", 0) if choices else -1
             chunk, next_state = await render.derender_chunk(
@@ -186,6 +236,142 @@ def _first_motor_error(group: BaseExceptionGroup) -> BaseException:
     return group
 
 
+def _requested_tokens(prompt: TokenizedPrompt) -> int:
+    """Prompt + resolved max output (per choice), before any engine's context budget clamps it."""
+    n = int(prompt.sampling_params.get("n") or 1)
+    return len(prompt.token_ids) + resolved_max_tokens(dict(prompt.generate_request)) * n
+
+
+class RouterCounters:
+    """Counters of routing decisions and phase outcomes, rendered by ``/metrics``.
+
+    Keys are ``(name, labels)`` with labels a sorted tuple of ``(label, value)`` pairs, e.g.
+    ``("motor_route_decisions_total", (("path", "native"), ("reason", "echo")))``.
+    """
+
+    def __init__(self) -> None:
+        self._counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+
+    def inc(self, name: str, **labels: str) -> None:
+        self._counts[(name, tuple(sorted(labels.items())))] += 1
+
+    def get(self, name: str, **labels: str) -> int:
+        return self._counts[(name, tuple(sorted(labels.items())))]
+
+    def snapshot(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], int]:
+        return dict(self._counts)
+
+    def clear(self) -> None:
+        self._counts.clear()
+
+
+class EngineBoundary:
+    """The one place engine requests leave and engine responses arrive: where obfuscation applies.
+
+    Without a mapping it is a no-op. With one (``RenderView.obfuscation`` on), every request is
+    passed through ``obfuscate_request`` right before it is sent and every response or event
+    through ``deobfuscate_response`` / ``deobfuscate_event`` right after it arrives, so the rest
+    of the pipeline only ever sees semantic ids.
+    """
+
+    def __init__(self, mapping: Any = None) -> None:
+        self.mapping = mapping
+
+    def outbound(self, request: dict[str, Any], instance: InstanceView) -> dict[str, Any]:
+        if self.mapping is None:
+            return request
+        from serving.pipeline import obfuscation
+
+        return obfuscation.obfuscate_request(request, self.mapping)
+
+    def inbound(self, response: dict[str, Any], instance: InstanceView) -> dict[str, Any]:
+        if self.mapping is None:
+            return response
+        from serving.pipeline import obfuscation
+
+        return obfuscation.deobfuscate_response(response, self.mapping)
+
+    def inbound_event(self, event: dict[str, Any], instance: InstanceView) -> dict[str, Any]:
+        if self.mapping is None:
+            return event
+        from serving.pipeline import obfuscation
+
+        return obfuscation.deobfuscate_event(event, self.mapping)
+
+
+@dataclass
+class GenerateContext:
+    """What one attempt of one prompt carries through a topology runner.
+
+    Runners (``run_union`` here, Handoff / Trigger in ``router/topologies.py``) only sequence
+    legs; ``leg`` does the per-engine work every topology shares.
+    """
+
+    pipeline: ServingPipeline
+    request_id: str  # the client-facing request id (logs)
+    prompt: TokenizedPrompt
+    prompt_index: int
+    attempt: int
+    tokens: int  # prompt + resolved max output: what admission holds on the decoding instance
+
+    async def leg(
+        self, instance: InstanceView, request: dict[str, Any], *, phase: str, tokens: int | None = None
+    ) -> dict[str, Any]:
+        """One non-streaming generate on ``instance``: breaker, admission, load, boundary, validation.
+
+        The breaker hears only the engine's own faults: a busy engine, a missing capability, a
+        4xx about the request, admission refusals and cancellation leave it as it was.
+        """
+        p = self.pipeline
+        breakers = p.scheduler.breakers
+        if not breakers.begin(instance):
+            raise EngineBusy(f"{instance.name} is held off by its circuit breaker", instance=instance.name)
+        start = time.perf_counter()
+        result = "ok"
+        try:
+            async with await p.scheduler.admission.acquire(instance, self.tokens if tokens is None else tokens):
+                with p.scheduler.load.hold(instance):
+                    raw = await p.engines.generate(instance, p.boundary.outbound(request, instance))
+            response = p.boundary.inbound(raw, instance)
+            problem = validate_generate_response(response, n=int(request.get("sampling_params", {}).get("n") or 1))
+            if problem is not None:
+                raise EngineError(f"{instance.name} answered an unusable GenerateResponse: {problem}", instance=instance.name)
+        except (EngineBusy, EngineLacksCapability) as exc:
+            result = type(exc).__name__
+            breakers.release(instance)
+            raise
+        except EngineError as exc:
+            result = type(exc).__name__
+            breakers.failure(instance, exc.message[:200])
+            metrics.record_request(instance.name, None, None, ok=False)
+            raise
+        except BaseException as exc:
+            result = type(exc).__name__
+            breakers.release(instance)
+            raise
+        finally:
+            log = logger.info if result == "ok" else logger.warning
+            log(
+                "generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d result=%s latency_ms=%.1f",
+                self.request_id, self.prompt_index, instance.name, phase, self.attempt, result, _ms(start),
+            )
+        breakers.success(instance)
+        metrics.record_request(instance.name, time.perf_counter() - start, None, ok=True)  # TTFT = whole answer
+        return response
+
+
+TopologyRunner = Callable[[GenerateContext, Placement, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+async def run_union(ctx: GenerateContext, placement: Placement, engine_req: dict[str, Any]) -> dict[str, Any]:
+    """Union: one instance prefills and decodes."""
+    return await ctx.leg(placement.instances[0], engine_req, phase="union")
+
+
+# Handoff / Trigger register here (router/topologies.py): one signature for every topology.
+TOPOLOGY_RUNNERS: dict[str, TopologyRunner] = {"union": run_union}
+
+
 class ServingPipeline:
     """Serves one request against one fleet snapshot."""
 
@@ -197,129 +383,368 @@ class ServingPipeline:
         scheduler: Scheduler,
         *,
         max_attempts: int = 2,
+        native: NativeClient | None = None,
+        counters: RouterCounters | None = None,
+        boundary: EngineBoundary | None = None,
+        render_health: RenderHealth | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.render = render
         self.engines = engines
         self.scheduler = scheduler
-        self.max_attempts = max_attempts
+        self.max_attempts = max_attempts  # engine attempts per prompt, across instances
+        self.native = native or NativeClient(engines._client)
+        self.counters = counters or RouterCounters()
+        self.boundary = boundary or EngineBoundary()
+        self.render_health = render_health or RenderHealth()
 
-    async def chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream:
-        model = body.get("model") or ""
-        start = time.perf_counter()
-        rendered = await self.render.render_chat(body, request_id)
-        self._log_render(request_id, model, [rendered], start)
-        public_id = f"chatcmpl-{request_id}"
-        if body.get("stream"):
-            return await self._open(body, "chat", public_id, model, [rendered])
-        response = await self._generate(model, rendered, 0, request_id)
-        start = time.perf_counter()
-        out = await self.render.derender_chat(
-            response, prompt_token_ids=rendered["token_ids"], chat_request=body, model=body.get("model")
+    # -- entry points ------------------------------------------------------------------------------
+
+    async def chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream | NativeStream:
+        return await self._serve("chat", body, request_id)
+
+    async def completions(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream | NativeStream:
+        return await self._serve("completions", body, request_id)
+
+    async def responses(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | NativeStream:
+        """The Responses API: no derender exists for it, so it always passes through natively."""
+        return await self._native("responses", body, request_id, "api:responses")
+
+    async def messages(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | NativeStream:
+        """The Anthropic Messages API: passed through natively like Responses."""
+        return await self._native("messages", body, request_id, "api:messages")
+
+    # -- the token-only path -------------------------------------------------------------------------
+
+    def _model(self, body: dict[str, Any]) -> ModelView:
+        name = body.get("model") or ""
+        model = self.snapshot.models.get(name)
+        if model is None:
+            raise ModelNotFound(str(name))
+        return model
+
+    async def _serve(self, kind: str, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream | NativeStream:
+        model = self._model(body)
+        reason = native_reason(kind, body, self.snapshot, model.name)
+        if reason is not None:
+            return await self._native(kind, body, request_id, reason)
+        tokenizer = TokenizationService(self.render, model, health=self.render_health)
+        try:
+            tokenized = await tokenizer.tokenize(kind, body, request_id)
+        except NeedsNative as exc:
+            self._log_render(request_id, model.name, None, "local", exc.fallback_reason, outcome=f"native:{exc.reason}")
+            if self.snapshot.render.obfuscation:
+                raise RenderUnavailable(
+                    f"render is unavailable ({exc.fallback_reason}) and this request needs render's metadata; "
+                    "the native path is closed with obfuscation on", reason=exc.fallback_reason,
+                ) from exc
+            return await self._native(kind, body, request_id, exc.reason)
+        except MotorError as exc:
+            self._log_render(request_id, model.name, None, "render", None, outcome=type(exc).__name__)
+            raise
+        self._log_render(request_id, model.name, tokenized, tokenized.tokenizer_source, tokenized.fallback_reason)
+        self._check_poison(tokenized, model)
+        requires_tokenizer = engine_tokenizer_feature(kind, body) is not None
+        try:
+            if body.get("stream"):
+                return await self._open(body, kind, request_id, tokenized, requires_tokenizer)
+            responses = await self._generate_all(tokenized, request_id, requires_tokenizer)
+        except EngineLacksCapability:
+            # Nothing reached the client yet: the whole request may move to the native path.
+            if self.snapshot.render.obfuscation:
+                raise
+            return await self._native(kind, body, request_id, "engine_capability")
+        return await self._derender(kind, body, request_id, tokenized, responses)
+
+    def _log_render(
+        self, request_id: str, model: str, tokenized: TokenizedRequest | None, source: str,
+        fallback: str | None, *, outcome: str = "ok",
+    ) -> None:
+        self.counters.inc("motor_render_outcomes_total", source=source, result=outcome.split(":")[0],
+                          fallback_reason=fallback or "")
+        logger.info(
+            "render request_id=%s model=%s result=%s prompts=%d prompt_tokens=%d latency_ms=%.1f "
+            "tokenizer_source=%s fallback_reason=%s",
+            request_id, model, outcome, len(tokenized.prompts) if tokenized else 0,
+            tokenized.prompt_tokens if tokenized else 0, tokenized.latency_ms if tokenized else 0.0,
+            source, fallback or "-",
         )
-        logger.info("derender request_id=%s kind=chat result=ok latency_ms=%.1f", request_id, _ms(start))
-        out["id"] = public_id
-        return out
 
-    async def completions(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream:
-        model = body.get("model") or ""
-        start = time.perf_counter()
-        rendered = await self.render.render_completions(body, request_id)
-        self._log_render(request_id, model, rendered, start)
-        public_id = f"cmpl-{request_id}"
-        if body.get("stream"):
-            return await self._open(body, "completions", public_id, model, rendered)
+    def _check_poison(self, tokenized: TokenizedRequest, model: ModelView) -> None:
+        """Ids outside the vocabulary or a prompt without room kill or fail an engine: 400 here."""
+        vocab = model_vocab_size(model.model_path) if model.model_path else None
+        for index, prompt in enumerate(tokenized.prompts):
+            if vocab is not None:
+                bad = next((t for t in prompt.token_ids if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise RequestError(
+                        f"Token id {bad} in prompt {index} is out of vocabulary (vocab size {vocab}).", param="prompt"
+                    )
+            if len(prompt.token_ids) >= model.max_model_len:
+                raise RequestError(
+                    f"This model's maximum context length is {model.max_model_len} tokens. However, your request "
+                    f"has {len(prompt.token_ids)} input tokens.",
+                    param="messages" if tokenized.kind == "chat" else "prompt",
+                )
+
+    def _budget(self, prompt: TokenizedPrompt, instance: InstanceView) -> tuple[dict[str, Any], int]:
+        """The engine request for ``instance`` and its admission tokens (prompt + max output).
+
+        ``max_tokens`` is resolved first (render's omitted 16); with the context budget on it is
+        clamped to the room the instance has left and written into ``sampling_params``.
+        """
+        req = dict(prompt.generate_request)
+        max_tokens = resolved_max_tokens(req)
+        if self.snapshot.render.context_budget:
+            room = instance.max_model_len - len(prompt.token_ids)
+            max_tokens = max(1, min(max_tokens, room))
+        req = with_max_tokens(req, max_tokens)
+        n = int(req["sampling_params"].get("n") or 1)
+        return req, len(prompt.token_ids) + max_tokens * n
+
+    def _too_small(self, prompt: TokenizedPrompt) -> set[str]:
+        """Instances whose own context cannot hold the prompt plus one output token."""
+        return {i.name for i in self.snapshot.instances if i.max_model_len <= len(prompt.token_ids)}
+
+    async def _generate_all(
+        self, tokenized: TokenizedRequest, request_id: str, requires_tokenizer: bool
+    ) -> list[dict[str, Any]]:
+        if len(tokenized.prompts) == 1:
+            return [await self._generate(tokenized, 0, request_id, requires_tokenizer)]
         # Prompts run concurrently; one failing prompt fails the request as a whole and cancels
         # the others (asyncio.gather would leave them generating, holding load, after we answer).
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._generate(model, r, i, request_id)) for i, r in enumerate(rendered)]
+                tasks = [
+                    tg.create_task(self._generate(tokenized, i, request_id, requires_tokenizer))
+                    for i in range(len(tokenized.prompts))
+                ]
         except BaseExceptionGroup as group:
             raise _first_motor_error(group) from group
-        responses = [t.result() for t in tasks]
+        return [t.result() for t in tasks]
+
+    async def _generate(
+        self, tokenized: TokenizedRequest, index: int, request_id: str, requires_tokenizer: bool
+    ) -> dict[str, Any]:
+        """Non-streaming generate of one prompt with a bounded retry budget across instances."""
+        prompt = tokenized.prompts[index]
+        excluded = self._too_small(prompt)
+        last: EngineError | None = None
+        for attempt in range(self.max_attempts):
+            estimate = _requested_tokens(prompt)
+            try:
+                placement = self.scheduler.place(
+                    self.snapshot, tokenized.model, prompt.token_ids, tokens=estimate, exclude=excluded,
+                    requires_tokenizer=requires_tokenizer,
+                )
+            except NoCapacity:
+                if last is not None:
+                    raise last from None
+                raise
+            engine_req, tokens = self._budget(prompt, placement.instances[-1])
+            engine_req["request_id"] = attempt_request_id(prompt.request_id, attempt)
+            logger.info(
+                "placement request_id=%s prompt=%d attempt=%d topology=%s instances=%s prefix_hit_blocks=%d tokens=%d",
+                request_id, index, attempt, placement.topology, placement.names, placement.prefix_hit_blocks, tokens,
+            )
+            ctx = GenerateContext(self, request_id, prompt, index, attempt, tokens)
+            runner = TOPOLOGY_RUNNERS[placement.topology]
+            try:
+                return await runner(ctx, placement, engine_req)
+            except EngineLacksCapability:
+                raise
+            except EngineError as exc:
+                last = exc
+                excluded.update(i.name for i in placement.instances)
+        assert last is not None
+        raise last
+
+    async def _derender(
+        self, kind: str, body: dict[str, Any], request_id: str, tokenized: TokenizedRequest,
+        responses: list[dict[str, Any]],
+    ) -> dict[str, Any]:
         start = time.perf_counter()
-        out = await self.render.derender_completions(
-            [sorted_choices(r) for r in responses],
-            prompt_token_ids=[r["token_ids"] for r in rendered],
-            completion_request=body,
-            model=body.get("model"),
-        )
-        logger.info("derender request_id=%s kind=completions result=ok latency_ms=%.1f", request_id, _ms(start))
-        out["id"] = public_id
+        prompt_ids = [p.token_ids for p in tokenized.prompts]
+        result = "ok"
+        try:
+            if tokenized.tokenizer_source == "local":
+                # Render was unusable for this request; its derender would be too.
+                local = LocalDerenderer(await TokenizationService(self.render, self._model(body)).local_tokenizer())
+                if kind == "chat":
+                    out = local.chat(responses[0], prompt_ids=prompt_ids[0], body=body)
+                else:
+                    out = local.completions(responses, prompt_ids=prompt_ids, body=body)
+            elif kind == "chat":
+                out = await self.render.derender_chat(
+                    responses[0], prompt_token_ids=prompt_ids[0], chat_request=body, model=body.get("model")
+                )
+            else:
+                out = await self.render.derender_completions(
+                    [sorted_choices(r) for r in responses], prompt_token_ids=prompt_ids,
+                    completion_request=body, model=body.get("model"),
+                )
+        except BaseException as exc:
+            result = type(exc).__name__
+            raise
+        finally:
+            logger.info(
+                "derender request_id=%s kind=%s source=%s result=%s latency_ms=%.1f",
+                request_id, kind, tokenized.tokenizer_source, result, _ms(start),
+            )
+        out["id"] = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
         return out
 
-    def _log_render(self, request_id: str, model: str, rendered: list[dict[str, Any]], start: float) -> None:
-        logger.info(
-            "render request_id=%s model=%s prompts=%d prompt_tokens=%d latency_ms=%.1f tokenizer_source=render",
-            request_id, model, len(rendered), sum(len(r["token_ids"]) for r in rendered), _ms(start),
-        )
+    # -- the native path -----------------------------------------------------------------------------
 
-    async def _generate(self, model: str, rendered: dict[str, Any], prompt_index: int, request_id: str) -> dict[str, Any]:
-        """Non-streaming generate with a bounded retry on another instance after an engine failure."""
-        failed: set[str] = set()
-        for attempt in range(self.max_attempts):
-            instance = self.scheduler.pick_union(self.snapshot, model, exclude=failed)
-            # Every attempt has its own engine id, so aborting one can never hit its successor.
-            rid = rendered["request_id"] if attempt == 0 else f"{rendered['request_id']}-a{attempt}"
-            start = time.perf_counter()
-            try:
-                with self.scheduler.load.hold(instance):
-                    response = await self.engines.generate(instance, engine_request(rendered, request_id=rid))
-            except EngineError as exc:
-                logger.warning(
-                    "generate request_id=%s prompt=%d instance=%s phase=union attempt=%d result=%s latency_ms=%.1f: %s",
-                    request_id, prompt_index, instance.name, attempt, type(exc).__name__, _ms(start), exc.message,
-                )
-                failed.add(instance.name)
-                if attempt + 1 == self.max_attempts:
-                    raise
-                continue
-            logger.info(
-                "generate request_id=%s prompt=%d instance=%s phase=union attempt=%d result=ok latency_ms=%.1f",
-                request_id, prompt_index, instance.name, attempt, _ms(start),
+    async def _native(self, kind: str, body: dict[str, Any], request_id: str, reason: str) -> dict[str, Any] | NativeStream:
+        """Serve ``body`` on an engine's own OpenAI API, retrying elsewhere within the budget."""
+        model = self._model(body)
+        if self.snapshot.render.obfuscation:
+            self.counters.inc("motor_route_decisions_total", path="refused", reason=reason)
+            logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
+            raise RequestError(
+                f"This request needs the engine's own OpenAI API ({reason}), which is not available while "
+                "token obfuscation is on.",
             )
-            return response
-        raise AssertionError("unreachable: the loop returns or raises")
+        self.counters.inc("motor_route_decisions_total", path="native", reason=reason)
+        logger.info("route request_id=%s kind=%s path=native reason=%s", request_id, kind, reason)
+        excluded: set[str] = set()
+        last: EngineError | None = None
+        for attempt in range(self.max_attempts):
+            candidates = sorted(
+                (i for i in native_instances(self.snapshot, model.name)
+                 if i.name not in excluded and self.scheduler.eligible(i)),
+                key=lambda i: (self.scheduler.load.inflight(i.name) / max(i.weight, 1), i.name),
+            )
+            if not candidates:
+                if last is not None:
+                    raise last
+                raise NoCapacity(f"no engine serves the native OpenAI API for model {model.name!r} ({reason})")
+            instance = candidates[0]
+            breakers = self.scheduler.breakers
+            if not breakers.begin(instance):
+                excluded.add(instance.name)
+                continue
+            start = time.perf_counter()
+            stack = AsyncExitStack()
+            try:
+                # The body is the client's; the tokens are only an estimate (no prompt ids here).
+                max_out = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+                lease = await self.scheduler.admission.acquire(instance, int(max_out) if isinstance(max_out, int) else 16)
+                stack.callback(lease.release)
+                stack.enter_context(self.scheduler.load.hold(instance))
+                result = await self.native.call(instance, kind, body, request_id, stack)
+            except (EngineBusy, EngineLacksCapability) as exc:
+                await stack.aclose()
+                breakers.release(instance)
+                last = exc
+                excluded.add(instance.name)
+                logger.warning("native request_id=%s instance=%s attempt=%d result=%s", request_id, instance.name,
+                               attempt, type(exc).__name__)
+                continue
+            except EngineError as exc:
+                await stack.aclose()
+                breakers.failure(instance, exc.message[:200])
+                last = exc
+                excluded.add(instance.name)
+                logger.warning("native request_id=%s instance=%s attempt=%d result=%s", request_id, instance.name,
+                               attempt, type(exc).__name__)
+                continue
+            except BaseException:
+                await stack.aclose()
+                breakers.release(instance)
+                raise
+            breakers.success(instance)
+            logger.info("native request_id=%s instance=%s attempt=%d result=ok latency_ms=%.1f",
+                        request_id, instance.name, attempt, _ms(start))
+            if isinstance(result, NativeStream):
+                return result
+            await stack.aclose()
+            return result
+        if last is not None:
+            raise last
+        raise NoCapacity(f"no engine serves the native OpenAI API for model {model.name!r} ({reason})")
+
+    # -- streaming -----------------------------------------------------------------------------------
 
     async def _open(
-        self, body: dict[str, Any], kind: str, public_id: str, model: str, rendered: list[dict[str, Any]]
+        self, body: dict[str, Any], kind: str, request_id: str, tokenized: TokenizedRequest, requires_tokenizer: bool
     ) -> EventStream:
         """Establish every engine stream of the request before the client sees a byte."""
         stack = AsyncExitStack()
         streams: list[OpenStream] = []
         try:
-            for index, r in enumerate(rendered):
-                streams.append(await self._open_one(stack, model, r, index))
+            for index in range(len(tokenized.prompts)):
+                streams.append(await self._open_one(stack, tokenized, index, requires_tokenizer))
         except BaseException:
             for s in streams:
                 await self.engines.abort(s.instance, [s.request_id])
             await stack.aclose()
             raise
         n = int(body.get("n") or 1)
-        return EventStream(self, kind, public_id, body, [r["token_ids"] for r in rendered], streams, stack, n=n)
+        public_id = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
+        return EventStream(self, kind, public_id, body, [p.token_ids for p in tokenized.prompts], streams, stack, n=n)
 
-    async def _open_one(self, stack: AsyncExitStack, model: str, rendered: dict[str, Any], index: int) -> OpenStream:
-        failed: set[str] = set()
+    async def _open_one(
+        self, stack: AsyncExitStack, tokenized: TokenizedRequest, index: int, requires_tokenizer: bool
+    ) -> OpenStream:
+        prompt = tokenized.prompts[index]
+        excluded = self._too_small(prompt)
+        last: EngineError | None = None
+        breakers = self.scheduler.breakers
         for attempt in range(self.max_attempts):
-            instance = self.scheduler.pick_union(self.snapshot, model, exclude=failed)
-            rid = rendered["request_id"] if attempt == 0 else f"{rendered['request_id']}-a{attempt}"
+            estimate = _requested_tokens(prompt)
+            try:
+                placement = self.scheduler.place(
+                    self.snapshot, tokenized.model, prompt.token_ids, tokens=estimate, exclude=excluded,
+                    requires_tokenizer=requires_tokenizer,
+                )
+            except NoCapacity:
+                if last is not None:
+                    raise last from None
+                raise
+            # Streams run union until the streaming lifecycle (issue 6) learns the P/D legs.
+            instance = placement.instances[-1]
+            engine_req, tokens = self._budget(prompt, instance)
+            rid = attempt_request_id(prompt.request_id, attempt)
+            engine_req["request_id"] = rid
+            if not breakers.begin(instance):
+                excluded.add(instance.name)
+                continue
             try:
                 # Per attempt: a failed attempt releases its hold now, not when the stream ends.
                 async with AsyncExitStack() as attempt_stack:
+                    lease = await self.scheduler.admission.acquire(instance, tokens)
+                    attempt_stack.callback(lease.release)
                     attempt_stack.enter_context(self.scheduler.load.hold(instance))
                     events = await attempt_stack.enter_async_context(
-                        self.engines.generate_stream(instance, engine_request(rendered, request_id=rid))
+                        self.engines.generate_stream(instance, self.boundary.outbound(engine_req, instance))
                     )
                     stack.push_async_exit(attempt_stack.pop_all())
-            except EngineError as exc:
-                failed.add(instance.name)
-                logger.warning(
-                    "generate request_id=%s prompt=%d instance=%s phase=union attempt=%d result=%s stream=true",
-                    rid, index, instance.name, attempt, type(exc).__name__,
-                )
-                if attempt + 1 == self.max_attempts:
+            except (EngineBusy, EngineLacksCapability) as exc:
+                breakers.release(instance)
+                if isinstance(exc, EngineLacksCapability):
                     raise
+                last = exc
+                excluded.add(instance.name)
+                logger.warning("generate request_id=%s prompt=%d instance=%s phase=union attempt=%d result=%s stream=true",
+                               rid, index, instance.name, attempt, type(exc).__name__)
                 continue
+            except EngineError as exc:
+                breakers.failure(instance, exc.message[:200])
+                last = exc
+                excluded.add(instance.name)
+                metrics.record_request(instance.name, None, None, ok=False)
+                logger.warning("generate request_id=%s prompt=%d instance=%s phase=union attempt=%d result=%s stream=true",
+                               rid, index, instance.name, attempt, type(exc).__name__)
+                continue
+            except BaseException:
+                breakers.release(instance)
+                raise
+            breakers.success(instance)
             logger.info("generate request_id=%s prompt=%d instance=%s phase=union result=established", rid, index, instance.name)
-            return OpenStream(index, instance, rid, events)
-        raise AssertionError("unreachable: the loop returns or raises")
+            return OpenStream(index, instance, rid, metrics.TimedEvents(instance.name, events))
+        if last is not None:
+            raise last
+        raise NoCapacity(f"no engine instance can serve model {tokenized.model!r} right now")
+

@@ -63,6 +63,7 @@ def assert_nothing_left(upstream: FakeUpstreams, tasks_before: set[asyncio.Task[
     """No engine stream open, no load held, no task of the request still running."""
     assert upstream.open_streams == set()
     assert runtime.load.snapshot() == {}
+    assert runtime.inflight_tokens() == {}
     assert asyncio.all_tasks() - tasks_before == set()
 
 

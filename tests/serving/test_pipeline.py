@@ -58,10 +58,12 @@ def _is_asyncgen_finalizer(task: asyncio.Task) -> bool:
 
 
 @pytest.fixture(autouse=True)
-async def no_leaks(scheduler: Scheduler):
+async def no_leaks(scheduler: Scheduler, upstreams: FakeUpstreams):
     before = asyncio.all_tasks()
     yield
     assert scheduler.load.snapshot() == {}
+    assert scheduler.admission.inflight_tokens() == {}  # every lease released
+    assert upstreams.open_streams == set()  # every engine stream closed
     gc.collect(1)  # young cyclic garbage (dropped generators) is finalized now, inside this test
     for _ in range(20):  # bounded loop turns (no wall clock) for finalizers to finish
         stray = asyncio.all_tasks() - before - {asyncio.current_task()}
@@ -347,7 +349,7 @@ async def test_unusable_render_is_render_unavailable(
     with pytest.raises(RenderUnavailable) as info:
         await pipeline.chat(chat_body(), "r13")
 
-    assert error_body(info.value)[0] == 503  # until the local-tokenizer fallback exists
+    assert error_body(info.value)[0] == 503  # /models/tiny does not exist: no local fallback either
     assert [c.kind for c in upstreams.calls] == ["render"]
 
 

@@ -33,6 +33,7 @@ def fresh_snapshot(settings: Any) -> Iterator[None]:
     yield
     snapshots.invalidate()
     assert runtime.load.snapshot() == {}  # no request left load behind
+    assert runtime.inflight_tokens() == {}  # nor admission tokens
 
 
 @pytest.fixture

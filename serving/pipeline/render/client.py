@@ -55,28 +55,29 @@ class RenderClient:
                 self._base_url + path, json=body, headers={"X-Request-Id": request_id}, timeout=self._timeout
             )
         except httpx.TimeoutException as exc:
-            raise RenderUnavailable(f"render timed out: {exc!r}") from exc
+            raise RenderUnavailable(f"render timed out: {exc!r}", reason="timeout") from exc
         except httpx.TransportError as exc:
-            raise RenderUnavailable(f"render unreachable: {exc!r}") from exc
+            raise RenderUnavailable(f"render unreachable: {exc!r}", reason="unreachable") from exc
         payload = _json_or_none(response)
         if response.status_code == 200:
             return payload
         if _is_request_error(response.status_code, payload):
             raise UpstreamRequestError(response.status_code, payload, source="render")
-        raise RenderUnavailable(f"render answered {response.status_code}: {str(payload)[:200]}")
+        reason = "capability" if response.status_code in (403, 404, 501) else "status"
+        raise RenderUnavailable(f"render answered {response.status_code}: {str(payload)[:200]}", reason=reason)
 
     async def render_chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """Return one GenerateRequest for a chat request."""
         out = await self._post_render(CHAT_RENDER, body, request_id)
         if not (isinstance(out, dict) and _has_token_ids(out)):
-            raise RenderUnavailable("render answered without usable token_ids")
+            raise RenderUnavailable("render answered without usable token_ids", reason="no_token_ids")
         return out
 
     async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
         """Return one GenerateRequest per prompt, in prompt order."""
         out = await self._post_render(COMPLETIONS_RENDER, body, request_id)
         if not (isinstance(out, list) and out and all(isinstance(r, dict) and _has_token_ids(r) for r in out)):
-            raise RenderUnavailable("render answered without usable token_ids")
+            raise RenderUnavailable("render answered without usable token_ids", reason="no_token_ids")
         return out
 
     async def _post_derender(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

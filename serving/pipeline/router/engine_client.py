@@ -3,7 +3,9 @@
 Every failure is classified once here, so topology code never looks at status codes:
 connect errors, timeouts, 5xx and truncated streams are ``EngineError`` (retryable, the
 instance's fault); the engine's own admission 503 is ``EngineBusy``; a 4xx, or an in-band
-error event with a 4xx code, is the request's fault (``UpstreamRequestError``).
+error event with a 4xx code, is the request's fault (``UpstreamRequestError``); a route-level
+404, a 501 or a 403 (vLLM's answer on a plain ``serve`` without scale-out) means the engine has no
+token-only generate at all (``EngineLacksCapability``), which the router may serve natively.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, AsyncIterator
 
 import httpx
 
-from serving.pipeline.errors import EngineBusy, EngineError, UpstreamRequestError
+from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.sse import SSEProtocolError, iter_events
 
@@ -33,10 +35,17 @@ def engine_request_id(request_id: str) -> str:
 def _raise_for_status(instance: InstanceView, response_status: int, body: Any) -> None:
     if response_status == 503:
         raise EngineBusy(f"{instance.name} is busy", instance=instance.name)
+    shaped = isinstance(body, dict) and isinstance(body.get("error"), dict)
+    # 403 is what every scale-out route answers on a plain ``vllm serve``; a 404 without vLLM's
+    # error shape is FastAPI's route-level {"detail": "Not Found"} (a NotFoundError about the
+    # model is the request's fault and has the shape); 501 is an explicit "not implemented".
+    if response_status in (403, 501) or (response_status == 404 and not shaped):
+        raise EngineLacksCapability(
+            f"{instance.name} has no token-only generate ({response_status}): {str(body)[:200]}", instance=instance.name
+        )
     if 400 <= response_status < 500:
-        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        if shaped:
             raise UpstreamRequestError(response_status, body, source="engine")
-        # A route-level 404/405 without vLLM's error shape means the capability is missing.
         raise EngineError(f"{instance.name} answered {response_status}: {str(body)[:200]}", instance=instance.name)
     raise EngineError(f"{instance.name} answered {response_status}: {str(body)[:200]}", instance=instance.name)
 

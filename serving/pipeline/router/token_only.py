@@ -36,3 +36,29 @@ def sorted_choices(generate_response: dict[str, Any]) -> dict[str, Any]:
     out = dict(generate_response)
     out["choices"] = sorted(generate_response.get("choices", []), key=lambda c: c.get("index", 0))
     return out
+
+
+def attempt_request_id(base: str, attempt: int) -> str:
+    """Every attempt has its own engine id, so aborting one can never hit its successor."""
+    return base if attempt == 0 else f"{base}-a{attempt}"
+
+
+def with_max_tokens(generate_request: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """``generate_request`` with ``sampling_params.max_tokens`` set (the context-budget clamp)."""
+    req = dict(generate_request)
+    req["sampling_params"] = {**(req.get("sampling_params") or {}), "max_tokens": max_tokens}
+    return req
+
+
+def validate_generate_response(response: Any, *, n: int) -> str | None:
+    """What is wrong with a GenerateResponse (None when usable): every choice has token ids."""
+    if not isinstance(response, dict) or not isinstance(response.get("choices"), list):
+        return "not a GenerateResponse"
+    choices = response["choices"]
+    if len(choices) != n:
+        return f"{len(choices)} choices for n={n}"
+    for c in choices:
+        ids = c.get("token_ids") if isinstance(c, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            return "a choice without token ids"
+    return None

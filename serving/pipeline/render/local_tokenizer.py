@@ -1,0 +1,131 @@
+"""The served model's own tokenizer and chat template, for when the render sidecar cannot be used.
+
+Built from the model directory (``tokenizer.json``, ``tokenizer_config.json`` or
+``chat_template.jinja``, ``config.json``) with ``tokenizers`` and a
+sandboxed ``jinja2`` environment configured as Hugging Face's ``apply_chat_template`` configures
+it, so the prompt ids equal render's (generation-config eos ids are not added: render leaves that to
+the engine's input processor too) for the requests the fallback accepts (plain text chats and
+completions; see ``serving.pipeline.render.tokenization.local_unsupported``).
+
+Loading reads files and builds a BPE model (tens of milliseconds to seconds), so it happens once
+per model directory, on the first real fallback, never at start.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+
+class LocalTokenizerUnavailable(Exception):
+    """The model directory has no usable tokenizer or chat template."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise LocalTokenizerUnavailable(f"cannot read {path}: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token in tokenizer_config.json is a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+@functools.lru_cache(maxsize=32)
+def model_vocab_size(model_path: str) -> int | None:
+    """The model's ``vocab_size`` from config.json (None when unknown): ids at or above it are poison."""
+    config = _read_json(Path(model_path) / "config.json")
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
+class LocalTokenizer:
+    """Chat template + tokenizer of one model directory; thread-safe and immutable once built."""
+
+    def __init__(self, model_path: str) -> None:
+        root = Path(model_path)
+        try:
+            self._tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        except Exception as exc:  # tokenizers raises plain Exception for a missing or bad file
+            raise LocalTokenizerUnavailable(f"no usable tokenizer.json in {model_path}: {exc}") from exc
+        config = _read_json(root / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: Hugging Face picks "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        jinja_file = root / "chat_template.jinja"
+        if not isinstance(template, str) and jinja_file.exists():
+            template = jinja_file.read_text()
+        self._template_source = template if isinstance(template, str) else None
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.eos_token_id = self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self._env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        # The same helpers transformers gives chat templates.
+        self._env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+        self._env.globals["raise_exception"] = _raise_exception
+        self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._compiled: jinja2.Template | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        if self._template_source is None:
+            raise LocalTokenizerUnavailable("the model has no chat template")
+        with self._lock:
+            if self._compiled is None:
+                self._compiled = self._env.from_string(self._template_source)
+        return self._compiled.render(
+            messages=messages, bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs
+        )
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+_cache: dict[str, LocalTokenizer] = {}
+_cache_lock = threading.Lock()
+
+
+def local_tokenizer(model_path: str) -> LocalTokenizer:
+    """The cached tokenizer of ``model_path``, built on first use (call it off the event loop)."""
+    with _cache_lock:
+        tok = _cache.get(model_path)
+        if tok is None:
+            tok = _cache[model_path] = LocalTokenizer(model_path)
+        return tok
+
+
+def loaded(model_path: str) -> bool:
+    """Whether the fallback for ``model_path`` has been built (tests: proves the lazy load)."""
+    return model_path in _cache

@@ -1,0 +1,360 @@
+"""The tokenization service: an OpenAI request in, a ``TokenizedRequest`` out.
+
+Render (the vLLM sidecar) is the source of truth. When render cannot be used (unreachable,
+timed out, missing the capability, answering without usable ids: ``RenderUnavailable.reason``)
+the request is tokenized with the served model's own files (``local_tokenizer``), built lazily
+on the first such fallback. Errors render raises about the request itself (400/422, a 404
+``NotFoundError``, context overflow) reach the client unchanged and never fall back.
+
+The local fallback builds exactly the GenerateRequest render would for the requests it accepts;
+``local_unsupported`` names what it does not (tools, structured output, logprobs, multimodal or
+templated extras, streaming), and those requests raise ``NeedsNative`` so the router sends them
+to an engine's own OpenAI API rather than run a half-built token-only request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from serving.pipeline.errors import RenderUnavailable, RequestError
+from serving.pipeline.render.client import RenderClient
+from serving.pipeline.render.local_tokenizer import LocalTokenizer, LocalTokenizerUnavailable, local_tokenizer
+from serving.pipeline.snapshot import ModelView
+
+# vLLM's CompletionRequest.max_tokens default (chat defaults to the room left in the context).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedPrompt:
+    """One prompt of a request, as token ids plus what generate needs besides them."""
+
+    token_ids: list[int]  # semantic ids: what the model's tokenizer produced
+    generate_request: Mapping[str, Any]  # render's GenerateRequest, carried opaquely to generate
+    physical_ids: list[int] | None = None  # the ids an obfuscated engine sees (None: plain)
+
+    @property
+    def request_id(self) -> str:
+        return str(self.generate_request["request_id"])
+
+    @property
+    def sampling_params(self) -> Mapping[str, Any]:
+        return self.generate_request.get("sampling_params") or {}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedRequest:
+    """A whole request after render: one prompt for chat, one or more for completions."""
+
+    kind: str  # chat | completions
+    model: str
+    prompts: tuple[TokenizedPrompt, ...]
+    tokenizer_source: str  # render | local
+    fallback_reason: str | None = None  # RenderUnavailable.reason when tokenizer_source is local
+    latency_ms: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+
+class NeedsNative(Exception):
+    """The local fallback cannot build this request exactly: serve it on the native path."""
+
+    def __init__(self, reason: str, fallback_reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.fallback_reason = fallback_reason
+
+
+# Keys the local fallback reproduces exactly; anything else with a value that is not its
+# default needs render's metadata (parse context, structured outputs, logprob plumbing, ...).
+_COMMON_KEYS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stream",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
+    "ignore_eos", "min_tokens", "user", "skip_special_tokens", "return_token_ids", "request_id",
+    "include_stop_str_in_output", "spaces_between_special_tokens", "priority",
+})
+_CHAT_KEYS = _COMMON_KEYS | {"messages", "max_completion_tokens", "parallel_tool_calls"}
+_COMPLETIONS_KEYS = _COMMON_KEYS | {"prompt"}
+_DEFAULT_VALUES: tuple[Any, ...] = (None, False, [], {}, "none")
+
+
+def local_unsupported(kind: str, body: Mapping[str, Any]) -> str | None:
+    """Why the local fallback cannot tokenize ``body`` exactly, or None when it can.
+
+    Refused: streaming (its derender needs the sidecar too), any key outside the plain sampling
+    set with a non-default value (tools, tool_choice, response_format, guided_*, logprobs,
+    top_logprobs, logit_bias, echo, suffix, chat_template(_kwargs), add_generation_prompt,
+    continue_final_message, ...), and chat messages other than system/user/assistant text
+    without tool calls.
+    """
+    if body.get("stream"):
+        return "stream"
+    allowed = _CHAT_KEYS if kind == "chat" else _COMPLETIONS_KEYS
+    for key, value in body.items():
+        if key not in allowed and not any(value is d or value == d for d in _DEFAULT_VALUES):
+            return f"param:{key}"
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "messages"
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+                return "messages"
+            if m.get("tool_calls") or set(m) - {"role", "content", "name"}:
+                return "messages"
+            content = m.get("content")
+            if not (content is None or isinstance(content, str) or (
+                isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)
+            )):
+                return "messages"
+    return None
+
+
+class RenderHealth:
+    """Process-wide memory that render is down, so a hung sidecar costs one timeout, not one per request.
+
+    After render was unreachable or timed out, requests go straight to the local tokenizer for
+    ``cooldown_s`` (fallback reason ``render_down``); the first request after that tries render
+    again, and one success clears the mark.
+    """
+
+    def __init__(self, cooldown_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._down_until = 0.0
+
+    def skip(self) -> bool:
+        return self._clock() < self._down_until
+
+    def mark(self, exc: RenderUnavailable | None) -> None:
+        if exc is None:
+            self._down_until = 0.0
+        elif exc.reason in ("unreachable", "timeout"):
+            self._down_until = self._clock() + self.cooldown_s
+
+
+class TokenizationService:
+    """Tokenizes one request: render first, the model's local tokenizer when render is unusable."""
+
+    def __init__(
+        self,
+        render: RenderClient,
+        model: ModelView,
+        *,
+        health: RenderHealth | None = None,
+        loader: Callable[[str], LocalTokenizer] = local_tokenizer,
+    ) -> None:
+        self.render = render
+        self.model = model
+        self.health = health or RenderHealth()
+        self._loader = loader
+
+    async def tokenize(self, kind: str, body: dict[str, Any], request_id: str) -> TokenizedRequest:
+        """Return the request's prompts; raise ``UpstreamRequestError`` for render's verdicts on the
+        request, ``NeedsNative`` when only the native path can serve it exactly, and
+        ``RenderUnavailable`` when neither render nor the local tokenizer is usable."""
+        start = time.perf_counter()
+        if self.health.skip():
+            down = RenderUnavailable("render was unreachable moments ago", reason="render_down")
+            return await self._fallback(kind, body, request_id, down, start)
+        try:
+            if kind == "chat":
+                rendered = [await self.render.render_chat(body, request_id)]
+            else:
+                rendered = await self.render.render_completions(body, request_id)
+        except RenderUnavailable as exc:
+            self.health.mark(exc)
+            return await self._fallback(kind, body, request_id, exc, start)
+        self.health.mark(None)
+        prompts = tuple(TokenizedPrompt(list(r["token_ids"]), r) for r in rendered)
+        return TokenizedRequest(kind, self.model.name, prompts, "render", None, (time.perf_counter() - start) * 1000)
+
+    async def local_tokenizer(self) -> LocalTokenizer:
+        # Building reads and parses files: off the event loop, once per model directory.
+        return await asyncio.to_thread(self._loader, self.model.model_path)
+
+    async def _fallback(
+        self, kind: str, body: dict[str, Any], request_id: str, cause: RenderUnavailable, start: float
+    ) -> TokenizedRequest:
+        reason = cause.reason
+        unsupported = local_unsupported(kind, body)
+        if unsupported is not None:
+            raise NeedsNative(f"local:{unsupported}", reason) from cause
+        try:
+            tok = await self.local_tokenizer()
+            rendered = local_render(tok, kind, body, request_id, self.model)
+        except LocalTokenizerUnavailable as exc:
+            raise RenderUnavailable(f"{cause.message}; no local fallback: {exc}", reason=reason) from exc
+        prompts = tuple(TokenizedPrompt(list(r["token_ids"]), r) for r in rendered)
+        return TokenizedRequest(kind, self.model.name, prompts, "local", reason, (time.perf_counter() - start) * 1000)
+
+
+def _max_tokens(kind: str, body: Mapping[str, Any], prompt_len: int, max_model_len: int) -> int:
+    """vLLM's resolution: the client's value, else 16 (completions) or the room left (chat)."""
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+            param="messages" if kind == "chat" else "prompt",
+        )
+    requested = body.get("max_completion_tokens") if kind == "chat" else None
+    if requested is None:
+        requested = body.get("max_tokens")
+    if requested is None:
+        return room if kind == "chat" else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+        raise RequestError("max_tokens must be a positive integer.", param="max_tokens")
+    if requested > max_model_len:
+        raise RequestError(
+            f"max_tokens={requested} cannot be greater than max_model_len={max_model_len}.", param="max_tokens"
+        )
+    return min(requested, room)
+
+
+def _sampling_params(kind: str, body: Mapping[str, Any], prompt_len: int, max_model_len: int) -> dict[str, Any]:
+    stop = body.get("stop") or []
+    params: dict[str, Any] = {
+        "n": int(body.get("n") or 1),
+        "presence_penalty": float(body.get("presence_penalty") or 0.0),
+        "frequency_penalty": float(body.get("frequency_penalty") or 0.0),
+        "repetition_penalty": float(body.get("repetition_penalty") or 1.0),
+        "temperature": float(1.0 if body.get("temperature") is None else body["temperature"]),
+        "top_p": float(1.0 if body.get("top_p") is None else body["top_p"]),
+        "top_k": int(body.get("top_k") or 0),
+        "min_p": float(body.get("min_p") or 0.0),
+        "seed": body.get("seed"),
+        "stop": [stop] if isinstance(stop, str) else list(stop),
+        "stop_token_ids": list(body.get("stop_token_ids") or []),
+        "ignore_eos": bool(body.get("ignore_eos")),
+        "max_tokens": _max_tokens(kind, body, prompt_len, max_model_len),
+        "min_tokens": int(body.get("min_tokens") or 0),
+        "skip_special_tokens": body.get("skip_special_tokens", True) is not False,
+        "include_stop_str_in_output": bool(body.get("include_stop_str_in_output")),
+        "output_kind": 1 if body.get("stream") else 2,
+        "skip_clone": True,
+    }
+    return params
+
+
+def _text(content: Any) -> Any:
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content)
+    return content
+
+
+def local_render(
+    tok: LocalTokenizer, kind: str, body: Mapping[str, Any], request_id: str, model: ModelView
+) -> list[dict[str, Any]]:
+    """Build the GenerateRequest(s) render would, for a request ``local_unsupported`` accepts."""
+    if kind == "chat":
+        messages = [{**m, "content": _text(m.get("content"))} for m in body["messages"]]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=None)
+        prompts = [tok.encode(text, add_special_tokens=False)]
+        ids = [f"chatcmpl-{request_id}"]
+    else:
+        prompt = body.get("prompt")
+        prompts = [_prompt_ids(tok, p) for p in _prompt_list(prompt)]
+        ids = [f"cmpl-{request_id}"] if len(prompts) == 1 else [f"cmpl-{request_id}-{i}" for i in range(len(prompts))]
+    out = []
+    for rid, token_ids in zip(ids, prompts, strict=True):
+        if not token_ids:
+            raise RequestError("The prompt is empty.", param="prompt" if kind != "chat" else "messages")
+        out.append({
+            "request_id": rid,
+            "token_ids": token_ids,
+            "sampling_params": _sampling_params(kind, body, len(token_ids), model.max_model_len),
+            "model": body.get("model") or model.name,
+            "output_mode": "tokens",
+            "stream": bool(body.get("stream")),
+            "stream_options": None,
+            "priority": int(body.get("priority") or 0),
+            "kv_transfer_params": None,
+        })
+    return out
+
+
+def _prompt_list(prompt: Any) -> list[Any]:
+    """A completions prompt: a string, a list of strings, a list of ids or a list of id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        return prompt
+    raise RequestError("prompt must be a string, a list of strings or token ids.", param="prompt")
+
+
+def _prompt_ids(tok: LocalTokenizer, prompt: Any) -> list[int]:
+    if isinstance(prompt, str):
+        return tok.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise RequestError("prompt must be a string, a list of strings or token ids.", param="prompt")
+
+
+@dataclass
+class LocalDerenderer:
+    """Turns generate responses into OpenAI responses with the local tokenizer (plain text only).
+
+    Used only for requests tokenized locally, which ``local_unsupported`` limits to plain
+    text without tools, reasoning or logprobs, so decoding the ids is the whole derender.
+    """
+
+    tok: LocalTokenizer
+    created: Callable[[], int] = field(default=lambda: int(time.time()))
+
+    def _usage(self, prompt: int, completion: int) -> dict[str, Any]:
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+                "prompt_tokens_details": None}
+
+    def chat(self, response: Mapping[str, Any], *, prompt_ids: list[int], body: Mapping[str, Any]) -> dict[str, Any]:
+        skip = body.get("skip_special_tokens", True) is not False
+        with_ids = bool(body.get("return_token_ids"))
+        choices = []
+        for c in sorted(response.get("choices") or [], key=lambda c: c.get("index", 0)):
+            ids = list(c.get("token_ids") or [])
+            choices.append({
+                "index": c.get("index", 0),
+                "message": {"role": "assistant", "content": self.tok.decode(ids, skip_special_tokens=skip),
+                            "refusal": None, "annotations": None, "audio": None, "function_call": None,
+                            "tool_calls": [], "reasoning": None},
+                "logprobs": None, "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
+                "token_ids": ids if with_ids else None,
+            })
+        completion = sum(len(c.get("token_ids") or []) for c in response.get("choices") or [])
+        return {
+            "id": "", "object": "chat.completion", "created": self.created(), "model": body.get("model"),
+            "choices": choices, "service_tier": None, "system_fingerprint": None,
+            "usage": self._usage(len(prompt_ids), completion),
+            "prompt_logprobs": None, "prompt_token_ids": prompt_ids if with_ids else None,
+            "kv_transfer_params": None,
+        }
+
+    def completions(
+        self, responses: Sequence[Mapping[str, Any]], *, prompt_ids: list[list[int]], body: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        skip = body.get("skip_special_tokens", True) is not False
+        with_ids = bool(body.get("return_token_ids"))
+        choices: list[dict[str, Any]] = []
+        completion = 0
+        for prompt, response in zip(prompt_ids, responses, strict=True):
+            for c in sorted(response.get("choices") or [], key=lambda c: c.get("index", 0)):
+                ids = list(c.get("token_ids") or [])
+                completion += len(ids)
+                choices.append({
+                    "index": len(choices), "text": self.tok.decode(ids, skip_special_tokens=skip), "logprobs": None,
+                    "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
+                    "prompt_logprobs": None, "prompt_token_ids": prompt if with_ids else None,
+                    "token_ids": ids if with_ids else None,
+                })
+        return {
+            "id": "", "object": "text_completion", "created": self.created(), "model": body.get("model"),
+            "choices": choices, "service_tier": None, "system_fingerprint": None,
+            "usage": self._usage(sum(len(p) for p in prompt_ids), completion), "kv_transfer_params": None,
+        }

@@ -1,0 +1,134 @@
+"""Fixtures shared by the router tests: the fake upstreams of ``fakes.py`` plus each engine's own
+OpenAI API (``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/messages``),
+a pipeline factory with its own scheduler, breakers and admission, and the leak check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator, Callable
+
+import httpx
+import pytest
+
+from serving.pipeline.render.client import RenderClient
+from serving.pipeline.router.breaker import BreakerBoard
+from serving.pipeline.router.engine_client import EngineClient
+from serving.pipeline.router.flow_control import AdmissionSettings, TokenAdmission
+from serving.pipeline.router.scheduler import LoadTracker, Scheduler
+from serving.pipeline.service import RouterCounters, ServingPipeline
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
+from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams, SSEBody, fleet_snapshot, instance
+
+NATIVE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+
+
+def model_dir() -> str:
+    path = os.environ.get("MOTOR_MODEL_DIR")
+    if not path:
+        pytest.fail("MOTOR_MODEL_DIR is not set; run with `python3 -m toolchain exec`", pytrace=False)
+    return path
+
+
+@dataclass
+class NativeEngines:
+    """The engines' own OpenAI API: records calls, answers a canned body or a relayed stream."""
+
+    calls: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)  # (host, path, body)
+    status: dict[str, int] = field(default_factory=dict)  # by host: answer this status instead
+    open_streams: set[str] = field(default_factory=set)
+
+    def answer(self, host: str, path: str, body: dict[str, Any]) -> httpx.Response:
+        self.calls.append((host, path, body))
+        status = self.status.get(host)
+        if status is not None:
+            return httpx.Response(status, json={"error": {"message": "x", "type": "E", "param": None, "code": status}})
+        if body.get("stream"):
+            key = f"{host}{path}"
+            self.open_streams.add(key)
+
+            async def agen() -> AsyncIterator[bytes]:
+                yield b'data: {"id":"native","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+                yield b"data: [DONE]\n\n"
+
+            return httpx.Response(
+                200, headers={"content-type": "text/event-stream"},
+                stream=SSEBody(agen(), lambda: self.open_streams.discard(key)),
+            )
+        return httpx.Response(200, json={"id": "native", "object": "native", "served_by": host, "path": path})
+
+
+@dataclass
+class Rig:
+    upstreams: FakeUpstreams
+    native: NativeEngines
+    client: httpx.AsyncClient
+    scheduler: Scheduler
+    counters: RouterCounters
+
+    def pipeline(self, snapshot: FleetSnapshot | None = None, **kwargs: Any) -> ServingPipeline:
+        return ServingPipeline(
+            snapshot or fleet_snapshot(), RenderClient(self.client, RENDER_URL, 5.0), EngineClient(self.client),
+            self.scheduler, counters=self.counters, **kwargs,
+        )
+
+
+def make_rig(upstreams: FakeUpstreams, *, admission: TokenAdmission | None = None, breakers: BreakerBoard | None = None) -> Rig:
+    native = NativeEngines()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path in NATIVE_PATHS and not request.url.path.endswith(("render", "derender")):
+            return native.answer(request.url.host.split(".")[0], request.url.path, json.loads(request.content))
+        return await upstreams.handler(request)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    scheduler = Scheduler(
+        LoadTracker(), breakers=breakers or BreakerBoard(), admission=admission or TokenAdmission(AdmissionSettings())
+    )
+    return Rig(upstreams, native, client, scheduler, RouterCounters())
+
+
+def _is_asyncgen_finalizer(task: asyncio.Task[Any]) -> bool:
+    return type(task.get_coro()).__name__ == "async_generator_athrow"
+
+
+async def assert_no_leaks(rig: Rig, before: set[asyncio.Task[Any]]) -> None:
+    """Nothing held: load, admission tokens and waiters, open upstream streams, stray tasks."""
+    assert rig.scheduler.load.snapshot() == {}
+    assert rig.scheduler.admission.inflight_tokens() == {}
+    assert rig.scheduler.admission.waiting() == 0
+    assert rig.upstreams.open_streams == set()
+    assert rig.native.open_streams == set()
+    gc.collect(1)
+    stray: set[asyncio.Task[Any]] = set()
+    for _ in range(20):
+        stray = asyncio.all_tasks() - before - {asyncio.current_task()}  # type: ignore[operator]
+        if not stray or not all(_is_asyncgen_finalizer(t) for t in stray):
+            break
+        await asyncio.sleep(0)
+    assert not stray, stray
+
+
+def snapshot_with(*instances: InstanceView, model_path: str | None = None, **render: Any) -> FleetSnapshot:
+    snap = fleet_snapshot(*instances)
+    if model_path is not None:
+        snap = replace(snap, models={MODEL: ModelView(MODEL, model_path, 2048)})
+    if render:
+        snap = replace(snap, render=replace(snap.render, **render))
+    return snap
+
+
+def engine(name: str, **fields: Any) -> InstanceView:
+    return replace(instance(name), **fields)
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], **extra}
+
+
+def respond(status: int, body: Any) -> Callable[..., httpx.Response]:
+    return lambda request, _body: httpx.Response(status, json=body)

@@ -1,0 +1,156 @@
+"""The native path: what goes to an engine's own OpenAI API, why, and how it is relayed; an
+``httpx.MockTransport`` stands in for the engines' native API (tests/serving/router_fakes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+import pytest
+
+from serving.pipeline.errors import EngineError, NoCapacity, RequestError, UpstreamRequestError
+from serving.pipeline.router.native import NativeStream, native_reason
+from tests.serving.fakes import MODEL, FakeUpstreams, error_json
+from tests.serving.router_fakes import Rig, assert_no_leaks, chat_body, engine, make_rig, respond, snapshot_with
+
+PLAIN = (engine("e1", native_openai=True), engine("e2", native_openai=True))  # tokens-only fleet
+WITH_TOKENIZER = (engine("e1", native_openai=True), engine("e2", native_openai=True, tokenizer=True))
+
+
+@pytest.fixture
+async def rig(upstreams: FakeUpstreams) -> AsyncIterator[Rig]:
+    before = asyncio.all_tasks()
+    r = make_rig(upstreams)
+    yield r
+    await assert_no_leaks(r, before)
+    await r.client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "reason"),
+    [
+        ("chat", chat_body(stop=["\n"]), "stop_strings"),
+        ("chat", chat_body(stop="x"), "stop_strings"),
+        ("chat", chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+         "structured_output"),
+        ("chat", chat_body(response_format={"type": "json_object"}), "structured_output"),
+        ("chat", chat_body(guided_regex="a+"), "structured_output"),
+        ("chat", chat_body(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]),
+         "forced_tool_choice"),
+        ("chat", chat_body(tool_choice={"type": "function", "function": {"name": "f"}}), "forced_tool_choice"),
+        ("completions", {"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+        ("responses", {"model": MODEL, "input": "x"}, "api:responses"),
+        ("messages", {"model": MODEL, "messages": []}, "api:messages"),
+        ("chat", chat_body(stop=[], response_format={"type": "text"}, tool_choice="auto"), None),
+        ("chat", chat_body(stop_token_ids=[5]), None),
+    ],
+)
+def test_native_reason_on_a_tokens_only_fleet(kind: str, body: dict[str, Any], reason: str | None) -> None:
+    assert native_reason(kind, body, snapshot_with(*PLAIN), MODEL) == reason
+
+
+def test_a_tokenizer_loaded_engine_takes_engine_tokenizer_features_token_only() -> None:
+    snap = snapshot_with(*WITH_TOKENIZER)
+    assert native_reason("chat", chat_body(stop=["\n"]), snap, MODEL) is None
+    assert native_reason("completions", {"model": MODEL, "prompt": "x", "echo": True}, snap, MODEL) == "echo"
+    assert native_reason("chat", chat_body(), snapshot_with(*PLAIN, enable=False), MODEL) == "render_disabled"
+
+
+async def test_a_stop_string_on_a_tokens_only_fleet_goes_native(rig: Rig) -> None:
+    body = chat_body(stop=["\n"], max_tokens=5)
+    out = await rig.pipeline(snapshot_with(*PLAIN)).chat(body, "n1")
+    assert out == {"id": "native", "object": "native", "served_by": "e1", "path": "/v1/chat/completions"}
+    assert rig.native.calls == [("e1", "/v1/chat/completions", body)]
+    assert rig.upstreams.calls == []  # neither render nor generate
+    assert rig.counters.get("motor_route_decisions_total", path="native", reason="stop_strings") == 1
+
+
+async def test_a_stop_string_goes_token_only_to_the_tokenizer_engine(rig: Rig) -> None:
+    await rig.pipeline(snapshot_with(*WITH_TOKENIZER)).chat(chat_body(stop=["\n"]), "n2")
+    assert rig.native.calls == []
+    assert [g.host for g in rig.upstreams.calls_of("generate")] == ["e2"]
+
+
+@pytest.mark.parametrize("kind", ["responses", "messages"])
+async def test_responses_and_messages_pass_through(rig: Rig, kind: str) -> None:
+    body = {"model": MODEL, "input": "hi"} if kind == "responses" else {"model": MODEL, "max_tokens": 5, "messages": []}
+    out = await getattr(rig.pipeline(snapshot_with(*PLAIN)), kind)(body, "n3")
+    assert out["path"] == f"/v1/{kind}"
+    assert rig.counters.get("motor_route_decisions_total", path="native", reason=f"api:{kind}") == 1
+
+
+async def test_native_streams_are_relayed_and_closed(rig: Rig) -> None:
+    stream = await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["x"], stream=True), "n4")
+    assert isinstance(stream, NativeStream)
+    assert rig.scheduler.load.snapshot() == {"e1": 1}  # held while the stream is open
+    raw = b"".join([chunk async for chunk in stream.frames()])
+    assert raw.endswith(b"data: [DONE]\n\n") and b'"content":"hi"' in raw
+
+
+async def test_a_native_stream_never_read_is_released_by_aclose(rig: Rig) -> None:
+    stream = await rig.pipeline(snapshot_with(*PLAIN)).completions({"model": MODEL, "prompt": "x", "echo": True,
+                                                                     "stream": True}, "n5")
+    assert isinstance(stream, NativeStream) and rig.native.open_streams
+    await stream.aclose()
+
+
+async def test_with_obfuscation_on_native_requests_are_refused(rig: Rig) -> None:
+    with pytest.raises(RequestError) as info:
+        await rig.pipeline(snapshot_with(*PLAIN, obfuscation=True)).chat(chat_body(stop=["\n"]), "n6")
+    assert info.value.status == 400 and "obfuscation" in info.value.message
+    assert rig.native.calls == [] and rig.upstreams.calls == []
+    assert rig.counters.get("motor_route_decisions_total", path="refused", reason="stop_strings") == 1
+
+
+async def test_render_disabled_goes_native(rig: Rig) -> None:
+    await rig.pipeline(snapshot_with(*PLAIN, enable=False)).completions({"model": MODEL, "prompt": "x"}, "n7")
+    assert [p for _, p, _ in rig.native.calls] == ["/v1/completions"]
+
+
+async def test_without_a_native_engine_it_is_503(rig: Rig) -> None:
+    with pytest.raises(NoCapacity):
+        await rig.pipeline(snapshot_with(engine("e1"), engine("e2"))).chat(chat_body(stop=["\n"]), "n8")
+
+
+async def test_a_failed_native_engine_is_retried_elsewhere_and_4xx_is_not(rig: Rig) -> None:
+    rig.native.status["e1"] = 500
+    out = await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"]), "n9")
+    assert out["served_by"] == "e2"
+    rig.native.status.update(e1=400, e2=400)
+    with pytest.raises(UpstreamRequestError) as info:
+        await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"]), "n10")
+    assert info.value.status == 400
+    rig.native.status.update(e1=502, e2=500)
+    with pytest.raises(EngineError):
+        await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"]), "n11")
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [respond(404, {"detail": "Not Found"}), respond(501, error_json(501, "no", "NotImplementedError")),
+     respond(403, error_json(403, "scale-out disabled", "Forbidden"))],
+    ids=["route-404", "501", "403"],
+)
+async def test_an_engine_without_token_generate_sends_the_request_native(rig: Rig, answer: Any) -> None:
+    for host in ("e1", "e2"):
+        rig.upstreams.override(host, "generate", answer)
+    out = await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(), "n12")
+    assert out["path"] == "/v1/chat/completions"
+    assert len(rig.upstreams.calls_of("generate")) == 1  # no retry on a capability verdict
+    assert set(rig.scheduler.breakers.snapshot().values()) == {"closed"}  # and no breaker count
+    assert rig.counters.get("motor_route_decisions_total", path="native", reason="engine_capability") == 1
+
+
+async def test_a_not_found_error_about_the_model_is_the_requests_fault(rig: Rig) -> None:
+    err = error_json(404, "The model `tiny` does not exist.", "NotFoundError", "model")
+    rig.upstreams.override("e1", "generate", respond(404, err))
+    with pytest.raises(UpstreamRequestError) as info:
+        await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(), "n13")
+    assert info.value.body() == err and rig.native.calls == []
+
+
+async def test_a_missing_capability_with_obfuscation_on_is_not_sent_native(rig: Rig) -> None:
+    rig.upstreams.override("e1", "generate", respond(404, {"detail": "Not Found"}))
+    with pytest.raises(EngineError):
+        await rig.pipeline(snapshot_with(*PLAIN, obfuscation=True)).chat(chat_body(), "n14")
+    assert rig.native.calls == []

@@ -1,0 +1,238 @@
+"""The tokenization service: render first, the model's own tokenizer when render is unusable.
+
+Fallback reasons each end in a locally tokenized request served token-only with a local
+derender; render's verdicts on the request never fall back; what the fallback cannot build
+exactly takes the native path. Uses the real tiny model's files (MOTOR_MODEL_DIR).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Callable
+
+import httpx
+import pytest
+
+from serving.pipeline.errors import RenderUnavailable, RequestError, UpstreamRequestError
+from serving.pipeline.render import local_tokenizer as lt
+from serving.pipeline.render.tokenization import local_render, local_unsupported
+from serving.pipeline.router.native import native_reason
+from tests.serving.fakes import CHAT_PROMPT, MODEL, FakeUpstreams, error_json
+from tests.serving.router_fakes import (
+    Rig,
+    assert_no_leaks,
+    chat_body,
+    engine,
+    make_rig,
+    model_dir,
+    respond,
+    snapshot_with,
+)
+
+
+@pytest.fixture
+async def rig(upstreams: FakeUpstreams) -> AsyncIterator[Rig]:
+    before = asyncio.all_tasks()
+    r = make_rig(upstreams)
+    yield r
+    await assert_no_leaks(r, before)
+    await r.client.aclose()
+
+
+def connect_error(request: httpx.Request, _body: Any) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+def read_timeout(request: httpx.Request, _body: Any) -> httpx.Response:
+    raise httpx.ReadTimeout("timed out", request=request)
+
+
+FALLBACKS = [
+    (connect_error, "unreachable"),
+    (read_timeout, "timeout"),
+    (respond(404, {"detail": "Not Found"}), "capability"),
+    (respond(501, error_json(501, "not implemented", "NotImplementedError")), "capability"),
+    (respond(403, error_json(403, "scale-out disabled", "Forbidden")), "capability"),
+    (respond(500, error_json(500, "boom", "InternalServerError")), "status"),
+    (respond(200, {"request_id": "x", "token_ids": []}), "no_token_ids"),
+]
+
+
+def expected_chat_ids() -> list[int]:
+    tok = lt.local_tokenizer(model_dir())
+    text = tok.apply_chat_template([{"role": "user", "content": "Say hi"}], add_generation_prompt=True, tools=None)
+    return tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(("fault", "reason"), FALLBACKS, ids=[r for _, r in FALLBACKS[:-3]] + ["403", "500", "no-ids"])
+async def test_it_falls_back_to_the_local_tokenizer(
+    rig: Rig, fault: Callable[..., httpx.Response], reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig.upstreams.override("render", "render", fault)
+    pipeline = rig.pipeline(snapshot_with(model_path=model_dir()))
+
+    with caplog.at_level(logging.INFO, logger="serving.pipeline.service"):
+        out = await pipeline.chat(chat_body(max_tokens=5, return_token_ids=True), "t1")
+
+    (gen,) = rig.upstreams.calls_of("generate")
+    assert gen.body["token_ids"] == expected_chat_ids()
+    assert gen.body["sampling_params"]["max_tokens"] == 5
+    assert gen.body["request_id"] == "chatcmpl-t1"
+    assert rig.upstreams.calls_of("derender") == []  # derendered locally: render is unusable
+    assert out["id"] == "chatcmpl-t1" and out["prompt_token_ids"] == expected_chat_ids()
+    choice = out["choices"][0]
+    assert choice["token_ids"] == gen.response["choices"][0]["token_ids"]
+    assert choice["message"]["content"] == lt.local_tokenizer(model_dir()).decode(choice["token_ids"])
+    assert out["usage"]["prompt_tokens"] == len(expected_chat_ids())
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("render "))
+    assert "request_id=t1" in line and "tokenizer_source=local" in line and f"fallback_reason={reason}" in line
+    assert f"prompt_tokens={len(expected_chat_ids())}" in line and "model=tiny" in line
+    assert rig.counters.get("motor_render_outcomes_total", source="local", result="ok", fallback_reason=reason) == 1
+
+
+async def test_completions_fall_back_per_prompt_in_order(rig: Rig) -> None:
+    rig.upstreams.override("render", "render", connect_error)
+    pipeline = rig.pipeline(snapshot_with(model_path=model_dir()))
+
+    out = await pipeline.completions({"model": MODEL, "prompt": ["def f", [5, 6, 7]], "max_tokens": 3}, "t2")
+
+    tok = lt.local_tokenizer(model_dir())
+    gens = sorted(rig.upstreams.calls_of("generate"), key=lambda c: c.body["request_id"])
+    assert [g.body["token_ids"] for g in gens] == [tok.encode("def f", add_special_tokens=True), [5, 6, 7]]
+    assert [g.body["request_id"] for g in gens] == ["cmpl-t2-0", "cmpl-t2-1"]
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert out["usage"]["prompt_tokens"] == len(gens[0].body["token_ids"]) + 3
+
+
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (400, error_json(400, "max_completion_tokens=9999 cannot be greater than max_model_len=2048.")),
+        (422, error_json(422, "could not fetch image", "Unprocessable")),
+        (404, error_json(404, "The model `x` does not exist.", "NotFoundError", "model")),
+        (400, error_json(400, "This model's maximum context length is 2048 tokens.")),
+    ],
+    ids=["400", "422", "404-not-found-error", "context-overflow"],
+)
+async def test_render_verdicts_on_the_request_never_fall_back(rig: Rig, status: int, body: dict[str, Any]) -> None:
+    rig.upstreams.override("render", "render", respond(status, body))
+    pipeline = rig.pipeline(snapshot_with(model_path=model_dir()))
+
+    with pytest.raises(UpstreamRequestError) as info:
+        await pipeline.chat(chat_body(), "t3")
+
+    assert (info.value.status, info.value.body()) == (status, body)
+    assert [c.kind for c in rig.upstreams.calls] == ["render"]
+
+
+async def test_without_usable_model_files_render_stays_unavailable(rig: Rig) -> None:
+    rig.upstreams.override("render", "render", connect_error)
+    with pytest.raises(RenderUnavailable) as info:
+        await rig.pipeline(snapshot_with(model_path="/nonexistent/model")).chat(chat_body(), "t4")
+    assert info.value.status == 503 and info.value.reason == "unreachable"
+    assert rig.upstreams.calls_of("generate") == []
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        {"tool_choice": "auto"},
+        {"response_format": {"type": "json_object"}},
+        {"logprobs": True, "top_logprobs": 2},
+        {"stream": True},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    ],
+    ids=["tools", "tool_choice", "response_format", "logprobs", "stream", "template-kwargs", "image"],
+)
+async def test_what_the_fallback_cannot_build_takes_the_native_path(rig: Rig, extra: dict[str, Any]) -> None:
+    rig.upstreams.override("render", "render", connect_error)
+    snap = snapshot_with(engine("e1", native_openai=True), engine("e2"), model_path=model_dir())
+
+    out = await rig.pipeline(snap).chat(chat_body(**extra), "t5")
+    if not isinstance(out, dict):
+        async for _ in out.frames():
+            pass
+    else:
+        assert out["served_by"] == "e1"
+
+    assert [(h, p) for h, p, _ in rig.native.calls] == [("e1", "/v1/chat/completions")]
+    assert rig.native.calls[0][2] == chat_body(**extra)  # the client's body, untouched
+    assert rig.upstreams.calls_of("generate") == []
+    # Structured output is known to need the native path before render is even asked.
+    reason = native_reason("chat", chat_body(**extra), snap, MODEL) or f"local:{local_unsupported('chat', chat_body(**extra))}"
+    assert rig.counters.get("motor_route_decisions_total", path="native", reason=reason) == 1
+
+
+async def test_fallback_needing_native_with_obfuscation_on_is_503_not_native(rig: Rig) -> None:
+    rig.upstreams.override("render", "render", connect_error)
+    snap = snapshot_with(engine("e1", native_openai=True), model_path=model_dir(), obfuscation=True)
+    with pytest.raises(RenderUnavailable):
+        await rig.pipeline(snap).chat(chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "t6")
+    assert rig.native.calls == []
+
+
+async def test_the_local_tokenizer_is_built_lazily_on_the_first_fallback(rig: Rig, tmp_path: Any) -> None:
+    # A private copy of the model directory: nothing else in the session has loaded it.
+    import shutil
+
+    private = tmp_path / "model"
+    shutil.copytree(model_dir(), private, ignore=shutil.ignore_patterns("*.safetensors"))
+    pipeline = rig.pipeline(snapshot_with(model_path=str(private)))
+
+    await pipeline.completions({"model": MODEL, "prompt": "x"}, "t7")  # render answers: nothing loaded
+    assert not lt.loaded(str(private))
+
+    rig.upstreams.override("render", "render", connect_error)
+    await pipeline.chat(chat_body(), "t8")
+    assert lt.loaded(str(private))
+
+
+def test_local_unsupported_accepts_plain_requests_and_names_the_rest() -> None:
+    assert local_unsupported("chat", chat_body(temperature=0, max_tokens=3, seed=1, stop=["x"], n=2)) is None
+    assert local_unsupported("chat", chat_body(tools=None, tool_choice="none", logprobs=False)) is None
+    assert local_unsupported("completions", {"model": MODEL, "prompt": "x", "echo": True}) == "param:echo"
+    assert local_unsupported("completions", {"model": MODEL, "prompt": "x", "suffix": "y"}) == "param:suffix"
+    assert local_unsupported("chat", chat_body(messages=[{"role": "tool", "content": "1", "tool_call_id": "a"}])) == "messages"
+
+
+def test_local_render_resolves_max_tokens_like_vllm() -> None:
+    from serving.pipeline.snapshot import ModelView
+
+    tok = lt.local_tokenizer(model_dir())
+    model = ModelView(MODEL, model_dir(), 64)
+    chat = local_render(tok, "chat", chat_body(), "r", model)[0]
+    assert chat["sampling_params"]["max_tokens"] == 64 - len(chat["token_ids"])  # chat: the room left
+    comp = local_render(tok, "completions", {"model": MODEL, "prompt": "x"}, "r", model)[0]
+    assert comp["sampling_params"]["max_tokens"] == 16  # completions: vLLM's default
+    with pytest.raises(RequestError):
+        local_render(tok, "chat", chat_body(max_tokens=65), "r", model)
+    with pytest.raises(RequestError):
+        local_render(tok, "completions", {"model": MODEL, "prompt": list(range(64))}, "r", model)
+
+
+async def test_render_success_is_logged_with_its_source(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="serving.pipeline.service"):
+        await rig.pipeline().chat(chat_body(), "t9")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("render "))
+    assert "tokenizer_source=render" in line and "fallback_reason=-" in line
+    assert f"prompt_tokens={len(CHAT_PROMPT)}" in line and "latency_ms=" in line
+
+
+async def test_a_render_found_down_is_skipped_for_a_cooldown(rig: Rig) -> None:
+    from serving.pipeline.render.tokenization import RenderHealth
+
+    now = [100.0]
+    health = RenderHealth(cooldown_s=5.0, clock=lambda: now[0])
+    pipeline = rig.pipeline(snapshot_with(model_path=model_dir()), render_health=health)
+    rig.upstreams.override("render", "render", read_timeout, times=1)
+
+    await pipeline.chat(chat_body(max_tokens=3), "t10")  # timed out: marked down
+    await pipeline.chat(chat_body(max_tokens=3), "t11")  # skipped: straight to the local tokenizer
+    assert len(rig.upstreams.calls_of("render")) == 1
+    assert rig.counters.get("motor_render_outcomes_total", source="local", result="ok", fallback_reason="render_down") == 1
+    now[0] += 5.0
+    await pipeline.completions({"model": MODEL, "prompt": "x"}, "t12")  # tried again, answered
+    assert len(rig.upstreams.calls_of("render")) == 2 and not health.skip()
