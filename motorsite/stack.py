@@ -1,8 +1,9 @@
 """The processes of one motorsite deployment on this machine, in start order.
 
 ``make run`` (``manage.py runstack``) and the integration tests build the same stack from a
-``StackConfig``: the render sidecar, the token engines (real vLLM or ``enginesim``), then the
-coordinator under Daphne, each readiness-checked by the supervisor before the next starts.
+``StackConfig``: the render sidecar, the token engines (real vLLM or ``enginesim``), the Celery
+worker and beat, then the coordinator under Daphne, each readiness-checked by the supervisor
+before the next starts.
 Django-free, so tests can build a stack without settings.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,12 @@ class StackConfig:
     coordinator_port: int = 8000
     render_port: int = 8100
     engine_ports: tuple[int, ...] = (8201, 8202)
+    # Prefill and decode engines beside the union ones (real vLLM: NixlConnector over loopback,
+    # pull, the Handoff topology); empty tuples start none. ``nixl_ports`` are their NIXL side
+    # channels, one per P/D engine, prefills first (empty: each HTTP port + 1000).
+    prefill_ports: tuple[int, ...] = (8211,)
+    decode_ports: tuple[int, ...] = (8221,)
+    nixl_ports: tuple[int, ...] = ()
     render_workers: int = 4
     database_url: str = ""
     redis_url: str = ""
@@ -40,6 +48,10 @@ class StackConfig:
     admin_password: str = ""
     log_dir: Path = ROOT / "var" / "log"
     extra_env: dict[str, str] = field(default_factory=dict)
+    celery: bool = True  # start a Celery worker and beat (probes, audit)
+    # Broker folders (filesystem transport) and beat's schedule: one per stack, so a test's worker
+    # never takes the tasks of a `make run` in the same checkout.
+    celery_dir: Path = ROOT / "var" / "celery"
 
     @property
     def coordinator_url(self) -> str:
@@ -48,6 +60,14 @@ class StackConfig:
     @property
     def engine_urls(self) -> list[str]:
         return [f"http://{HOST}:{p}" for p in self.engine_ports]
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [f"http://{HOST}:{p}" for p in self.prefill_ports]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [f"http://{HOST}:{p}" for p in self.decode_ports]
 
 
 def render_spec(cfg: StackConfig) -> ProcessSpec:
@@ -87,13 +107,7 @@ def engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
             )
             timeout = 180.0
         else:
-            argv = [
-                cfg.app_python, "-m", "enginesim", "--host", HOST, "--port", str(port),
-                "--served-model-name", cfg.served_model_name, "--model-dir", cfg.model_dir,
-                # One seed for the whole fleet: output is a function of seed and context, so a
-                # request retried or relayed on another instance continues exactly as it began.
-                "--max-model-len", str(cfg.max_model_len), "--seed", "0",
-            ]
+            argv = _sim_argv(cfg, port)
             env = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
             timeout = 30.0
         specs.append(
@@ -111,12 +125,75 @@ def engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
     return specs
 
 
+def pd_engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
+    """The prefill and decode engines, each pinned to its own core (alternating from core 0)."""
+    roles = [("prefill", p) for p in cfg.prefill_ports] + [("decode", p) for p in cfg.decode_ports]
+    nixl_ports = cfg.nixl_ports or tuple(p + 1000 for _, p in roles)
+    if len(nixl_ports) != len(roles):
+        raise ValueError(f"{len(roles)} P/D engines need as many nixl_ports, not {len(nixl_ports)}")
+    cores = max(os.cpu_count() or 1, 1)
+    specs = []
+    counts: dict[str, int] = {}
+    for n, ((role, port), nixl_port) in enumerate(zip(roles, nixl_ports, strict=True)):
+        counts[role] = counts.get(role, 0) + 1
+        name = f"{role}-{counts[role]}"
+        bound = [(HOST, port)]
+        if cfg.engines == "vllm":
+            argv, env = tiers.vllm_engine_command(
+                python=cfg.engine_python,
+                model_dir=cfg.model_dir,
+                served_model_name=cfg.served_model_name,
+                port=port,
+                # No native API or tokenizer needed on P/D: the coordinator sends token ids.
+                mode="tokens-only",
+                core=n % cores,
+                max_model_len=cfg.max_model_len,
+                kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+                nixl_port=nixl_port,
+            )
+            bound.append((HOST, nixl_port))
+            timeout = 240.0
+        else:
+            argv = [
+                *_sim_argv(cfg, port), "--role", role, "--kv-transfer", "pull", "--kv-connector", "NixlConnector",
+            ]
+            env = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+            timeout = 30.0
+        specs.append(
+            ProcessSpec(
+                name=name,
+                argv=argv,
+                env=env,
+                log_path=cfg.log_dir / f"{name}.log",
+                ports=bound,
+                ready_post=tiers.engine_ready_request(cfg.served_model_name),
+                ready_base_url=f"http://{HOST}:{port}",
+                ready_timeout=timeout,
+            )
+        )
+    return specs
+
+
+def _sim_argv(cfg: StackConfig, port: int) -> list[str]:
+    return [
+        cfg.app_python, "-m", "enginesim", "--host", HOST, "--port", str(port),
+        "--served-model-name", cfg.served_model_name, "--model-dir", cfg.model_dir,
+        # One seed for the whole fleet: output is a function of seed and context, so a
+        # request retried or relayed on another instance continues exactly as it began.
+        "--max-model-len", str(cfg.max_model_len), "--seed", "0",
+    ]
+
+
 def coordinator_env(cfg: StackConfig) -> dict[str, str]:
     env = {
         "DJANGO_SETTINGS_MODULE": "motorsite.settings",
         "PYTHONPATH": str(ROOT),
         "PYTHONUNBUFFERED": "1",
         "MOTOR_API_KEYS": ",".join(cfg.api_keys),
+        # Trigger's decode engines call this process back here (serving.views_internal).
+        "MOTOR_METASERVER_BASE_URL": cfg.coordinator_url,
+        # The coordinator enqueues tasks too ("probe now"): same broker folders as the worker.
+        "MOTOR_CELERY_DIR": str(cfg.celery_dir),
         **cfg.extra_env,
     }
     if cfg.database_url:
@@ -139,8 +216,33 @@ def coordinator_spec(cfg: StackConfig) -> ProcessSpec:
     )
 
 
+def celery_specs(cfg: StackConfig) -> list[ProcessSpec]:
+    """The Celery worker and beat; each is ready once it wrote a file named fresh for this run."""
+    run = uuid.uuid4().hex[:12]
+    specs = []
+    for name, args in (
+        # solo pool: probes are short I/O waits; one process, nothing forked on a 2-core box.
+        ("celery-worker", ["worker", "--pool", "solo", "--hostname", f"motor-{run}@%h", "--without-mingle", "--without-gossip"]),
+        ("celery-beat", ["beat", "--schedule", str(cfg.celery_dir / "beat-schedule")]),
+    ):
+        ready = cfg.celery_dir / "ready" / f"{name}-{run}"
+        specs.append(
+            ProcessSpec(
+                name=name,
+                argv=[cfg.app_python, "-m", "celery", "-A", "motorsite", *args, "--loglevel", "INFO"],
+                env={**coordinator_env(cfg), "MOTOR_CELERY_READY_FILE": str(ready)},
+                cwd=ROOT,
+                log_path=cfg.log_dir / f"{name}.log",
+                ready_argv=["test", "-f", str(ready)],
+                ready_timeout=60.0,
+            )
+        )
+    return specs
+
+
 def build_specs(cfg: StackConfig) -> list[ProcessSpec]:
-    return [render_spec(cfg), *engine_specs(cfg), coordinator_spec(cfg)]
+    celery = celery_specs(cfg) if cfg.celery else []
+    return [render_spec(cfg), *engine_specs(cfg), *pd_engine_specs(cfg), *celery, coordinator_spec(cfg)]
 
 
 def prepare_database(cfg: StackConfig) -> None:
@@ -158,6 +260,10 @@ def prepare_database(cfg: StackConfig) -> None:
     ]
     for url in cfg.engine_urls:
         fleet += ["--engine", url]
+    for url in cfg.prefill_urls:
+        fleet += ["--prefill", url]
+    for url in cfg.decode_urls:
+        fleet += ["--decode", url]
     if cfg.admin_password:
         fleet += ["--admin-password", cfg.admin_password]
     subprocess.run(fleet, check=True, env=env, cwd=ROOT)

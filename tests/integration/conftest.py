@@ -50,6 +50,9 @@ def base_config(tmp_path_factory: pytest.TempPathFactory) -> stack.StackConfig:
         engine_python=_env("MOTOR_ENGINE_PYTHON"),
         render_port=free_port(),
         engine_ports=(free_port(), free_port()),
+        # The P/D engines start only for the tests that need them (test_handoff_real.py).
+        prefill_ports=(),
+        decode_ports=(),
         api_keys=(API_KEY,),
         log_dir=log_dir,
         database_url=f"sqlite:///{tmp_path_factory.mktemp('db') / 'coordinator.sqlite3'}",

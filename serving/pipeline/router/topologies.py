@@ -29,6 +29,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Iterable, Mapping, Protocol, Sequence
 
+from serving.pipeline import service
 from serving.pipeline.errors import EngineError, NoCapacity
 from serving.pipeline.router.engine_client import EngineClient, engine_request_id
 from serving.pipeline.router.metaserver import MetaServer, Registration, process_metaserver
@@ -36,6 +37,8 @@ from serving.pipeline.router.scheduler import Placement
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 
 if TYPE_CHECKING:
+    from serving.pipeline.router.kv_affinity import KVAffinityIndex
+    from serving.pipeline.router.scheduler import Scheduler
     from serving.pipeline.service import GenerateContext
 
 logger = logging.getLogger(__name__)
@@ -434,8 +437,9 @@ async def trigger(ctx: GenerateContext, placement: Placement, engine_request: di
     return await run_trigger(pd_context(ctx, placement), placement, engine_request)
 
 
-# Registered by the router core: ``TOPOLOGY_RUNNERS.update(topologies.RUNNERS)``.
+# One signature for every topology: registered in the router's table when this module is imported.
 RUNNERS = {Topology.HANDOFF.value: handoff, Topology.TRIGGER.value: trigger}
+service.TOPOLOGY_RUNNERS.update(RUNNERS)
 
 
 def pd_topology_policy(
@@ -475,3 +479,23 @@ def pd_topology_policy(
         return Placement(choice.topology.value, (choice.prefill, choice.decode), prefix_hit_blocks=hit)
 
     return place
+
+
+def install(scheduler: Scheduler, *, index: KVAffinityIndex | None = None, policy: PDPolicy = PDPolicy()) -> None:
+    """Turn PD Hybrid on in ``scheduler`` (``serving.runtime`` calls this once per process).
+
+    A fleet without P/D instances is unaffected: the policy then leaves every request to union.
+    ``index`` (KV affinity) adds prefix hits to the choice when the process has one.
+    """
+
+    def cached(snapshot: FleetSnapshot, model: str, prompt_ids: Sequence[int]) -> Mapping[str, int]:
+        assert index is not None
+        names = [i.name for i in snapshot.instances if i.model == model]
+        return {name: blocks * index.block_size(name) for name, blocks in index.scores(names, prompt_ids).items()}
+
+    scheduler.topology_policy = pd_topology_policy(
+        lambda i: scheduler.load.inflight(i.name) / max(i.weight, 1),
+        eligible=scheduler.eligible,
+        cached_tokens=cached if index is not None else None,
+        policy=policy,
+    )

@@ -1,0 +1,102 @@
+"""Two fixes for NIXL engines on a small CPU box, loaded by ``site`` at interpreter start.
+
+``motorsite.tiers`` puts this directory on a P/D engine's ``PYTHONPATH``; each fix acts only when
+its environment variable is set, so the file is inert anywhere else (vllm-on-cpu.md, "Prefill /
+decode on CPU"):
+
+- ``MOTOR_NIXL_PTHR_DELAY_US``: the ``nixl`` Python agent hard-codes ``pthrDelay = 0`` and vLLM
+  turns the progress thread on, so every NIXL engine busy-polls a whole core even when idle (two
+  of them starve a 2-core machine). We wrap the binding's agent constructor so the config it is
+  given carries this delay instead: about 1000 us brings idle use to ~1.5 % of a core with KV
+  transfers still at a few ms. Idle thread priority instead caused lock inversion.
+- ``MOTOR_CPU_CORES`` (e.g. ``"1"`` or ``"0,1"``): vLLM's NIXL CPU path calls
+  ``os.sched_setaffinity(0, [last core of the NUMA node])`` "to reserve a core for KV transfer",
+  overriding the ``taskset`` the engine was started under; on 2 cores both engines then share
+  core 1. We keep every affinity change of this process inside that set, so the worker thread and
+  the NIXL threads it spawns (which inherit its mask) stay on the engine's own core.
+
+Nothing here imports ``nixl`` early: vLLM sets ``UCX_RCACHE_MAX_UNRELEASED`` only if ``nixl`` is
+not imported yet, so the agent fix waits on an import hook for the binding module.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from types import ModuleType
+from typing import Any, Iterable, Sequence
+
+# The wheels that can back ``nixl`` (its __init__ picks one by CUDA version); each has ``_api``.
+_API_MODULES = {"nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api"}
+
+
+def _patch_api(module: ModuleType, delay_us: int) -> None:
+    real = module.nixlBind
+
+    class _Bindings:
+        """The binding module, but ``nixlAgent`` gets the configured progress-thread delay."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        @staticmethod
+        def nixlAgent(name: str, config: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - the binding's name
+            config.pthrDelay = delay_us
+            return real.nixlAgent(name, config, *args, **kwargs)
+
+    module.nixlBind = _Bindings()  # type: ignore[attr-defined]
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, delay_us: int) -> None:
+        self._inner = inner
+        self._delay_us = delay_us
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        _patch_api(module, self._delay_us)
+
+
+class _NixlFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, delay_us: int) -> None:
+        self._delay_us = delay_us
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _API_MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader, self._delay_us)
+        return spec
+
+
+def _install_pthr_delay() -> None:
+    raw = os.environ.get("MOTOR_NIXL_PTHR_DELAY_US", "")
+    if raw:
+        sys.meta_path.insert(0, _NixlFinder(int(raw)))
+
+
+def _install_core_clamp() -> None:
+    raw = os.environ.get("MOTOR_CPU_CORES", "")
+    if not raw or not hasattr(os, "sched_setaffinity"):
+        return
+    allowed = frozenset(int(c) for c in raw.split(","))
+    real = os.sched_setaffinity
+
+    def sched_setaffinity(pid: int, mask: Iterable[int], /) -> None:
+        wanted = set(mask) & allowed
+        # A request outside our cores (vLLM's "reserved KV core") gets our cores instead.
+        real(pid, wanted or allowed)
+
+    os.sched_setaffinity = sched_setaffinity
+
+
+_install_pthr_delay()
+_install_core_clamp()
