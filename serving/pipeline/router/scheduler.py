@@ -5,8 +5,25 @@ its instances (union: one; handoff / trigger: prefill then decode) and the prefi
 that decided it. Candidates are the model's token-only instances that take new requests, pass
 their health probe and whose circuit breaker lets traffic through; among them the least loaded
 (in-flight requests per weight, then in-flight tokens) wins, so concurrent requests spread.
-KV-cache affinity and P/D topologies plug in through ``topology_policy`` (kv_affinity.py,
-topologies.py).
+P/D topologies plug in through ``topology_policy`` (topologies.py).
+
+KV-cache affinity (``affinity``, a ``KVAffinityIndex``) then bends the union choice toward the
+instance that already caches the prompt's leading blocks. The rule, in tokens:
+
+- score every union candidate by its cached leading full blocks of the prompt, over the ids
+  the engines see (``engine_ids``: physical ids when obfuscation is on);
+- the candidate with the most blocks wins (ties: the least loaded, i.e. the earlier candidate),
+  unless its in-flight tokens exceed the least loaded candidate's by more than
+  ``load_margin_tokens`` (``MOTOR_AFFINITY_LOAD_MARGIN_TOKENS``): then the least loaded wins and
+  the prefix is computed again there, because a queue behind a hot instance costs more than a
+  prefill;
+- only candidates with token room like the least loaded one's compete, so affinity never sends
+  a request to wait for admission that would run elsewhere now.
+
+Breaker-open, unhealthy and draining instances are never candidates, whatever they cache.
+After placing, the prompt's blocks are recorded on every placed instance that publishes no KV
+events (approximate mode); an instance with ``kv_events_endpoint`` is indexed only from its
+events (precise mode, ``serving.runtime`` keeps the subscriptions).
 """
 
 from __future__ import annotations
@@ -20,7 +37,12 @@ from typing import Callable, Iterator, Sequence
 from serving.pipeline.errors import NoCapacity
 from serving.pipeline.router.breaker import BreakerBoard
 from serving.pipeline.router.flow_control import TokenAdmission
+from serving.pipeline.router.kv_affinity import KVAffinityIndex
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
+
+# How many more in-flight tokens than the least loaded candidate an instance holding the prompt's
+# prefix may have and still win: about two long prompts' prefill on a small engine.
+DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +58,12 @@ class Placement:
 
 # A topology policy may replace the union default: given the request's prompt ids and the
 # eligible union candidates (best first), return a Placement or None to keep union.
+# The prompt ids it receives are the engines' (``Scheduler.engine_ids``), so prefix lookups match.
 TopologyPolicy = Callable[[FleetSnapshot, str, Sequence[int], list[InstanceView], Collection[str]], "Placement | None"]
+
+# The ids the engines see for a prompt's semantic ids under ``snapshot`` (obfuscation's
+# ``to_physical`` when a mapping is active); None: they are the same.
+EngineIds = Callable[[FleetSnapshot, Sequence[int]], Sequence[int]]
 
 
 class LoadTracker:
@@ -70,11 +97,17 @@ class Scheduler:
         breakers: BreakerBoard | None = None,
         admission: TokenAdmission | None = None,
         topology_policy: TopologyPolicy | None = None,
+        affinity: KVAffinityIndex | None = None,
+        load_margin_tokens: int = DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS,
+        engine_ids: EngineIds | None = None,
     ) -> None:
         self.load = load
         self.breakers = breakers or BreakerBoard()
         self.admission = admission or TokenAdmission()
         self.topology_policy = topology_policy
+        self.affinity = affinity
+        self.load_margin_tokens = load_margin_tokens
+        self.engine_ids = engine_ids
 
     def eligible(self, instance: InstanceView) -> bool:
         """Probe health and the breaker are separate signals; either keeps traffic away."""
@@ -97,21 +130,64 @@ class Scheduler:
             i.name,
         ))
 
+    def cached_tokens(self, snapshot: FleetSnapshot, model: str, engine_prompt_ids: Sequence[int]) -> dict[str, int]:
+        """Prefix-hit lookup: leading cached tokens per instance of ``model`` (any role).
+
+        The shape ``topologies.pd_topology_policy(cached_tokens=...)`` takes; ``engine_prompt_ids``
+        are the engines' ids, as the scheduler hands them to its topology policy.
+        """
+        if self.affinity is None:
+            return {}
+        index = self.affinity
+        names = [i.name for i in snapshot.instances if i.model == model]
+        return {name: n * index.block_size(name) for name, n in index.scores(names, engine_prompt_ids).items() if n}
+
     def place(
         self, snapshot: FleetSnapshot, model: str, prompt_ids: Sequence[int], *, tokens: int = 0,
         exclude: Collection[str] = (), requires_tokenizer: bool = False,
     ) -> Placement:
-        """Choose where one prompt runs; raise ``NoCapacity`` when no instance can take it."""
+        """Choose where one prompt runs; raise ``NoCapacity`` when no instance can take it.
+
+        ``prompt_ids`` are semantic; affinity and the topology policy see ``engine_ids`` of them.
+        """
+        ids = self.engine_ids(snapshot, prompt_ids) if self.engine_ids is not None else prompt_ids
         candidates = self.candidates(
             snapshot, model, exclude=exclude, requires_tokenizer=requires_tokenizer, tokens=tokens
         )
+        placed: Placement | None = None
         if self.topology_policy is not None and not requires_tokenizer:
-            placed = self.topology_policy(snapshot, model, prompt_ids, candidates, exclude)
-            if placed is not None:
-                return placed
-        if not candidates:
-            raise NoCapacity(f"no engine instance can serve model {model!r} right now")
-        return Placement("union", (candidates[0],))
+            placed = self.topology_policy(snapshot, model, ids, candidates, exclude)
+        if placed is None:
+            if not candidates:
+                raise NoCapacity(f"no engine instance can serve model {model!r} right now")
+            placed = self._union(candidates, ids, tokens)
+        self._record(placed, ids)
+        return placed
+
+    def _union(self, candidates: list[InstanceView], ids: Sequence[int], tokens: int) -> Placement:
+        """The union placement by the module docstring's rule (candidates least loaded first)."""
+        least = candidates[0]
+        if self.affinity is None:
+            return Placement("union", (least,))
+        room = self.admission.has_room(least, tokens)
+        # Only candidates as able to start now as the least loaded one compete.
+        rivals = [i for i in candidates if self.admission.has_room(i, tokens) == room]
+        scores = self.affinity.scores([i.name for i in rivals], ids)
+        best = max(rivals, key=lambda i: scores[i.name])  # max keeps the first of equals: least loaded
+        if best is not least and scores[best.name] > scores[least.name]:
+            inflight = self.admission.inflight_tokens()
+            if inflight.get(best.name, 0) - inflight.get(least.name, 0) <= self.load_margin_tokens:
+                return Placement("union", (best,), scores[best.name])
+        return Placement("union", (least,), scores[least.name])
+
+    def _record(self, placement: Placement, ids: Sequence[int]) -> None:
+        """Approximate mode: the placed instances will hold the prompt's blocks (a failed attempt
+        leaves a guess the engine does not hold; the retry excludes that instance anyway)."""
+        if self.affinity is None:
+            return
+        for instance in placement.instances:
+            if not instance.kv_events_endpoint:
+                self.affinity.record(instance.name, ids)
 
     def pick_union(self, snapshot: FleetSnapshot, model: str, *, exclude: set[str] = frozenset()) -> InstanceView:  # type: ignore[assignment]
         """Return the least loaded union instance for ``model``; raise ``NoCapacity`` if none."""
