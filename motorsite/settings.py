@@ -134,6 +134,11 @@ MOTOR_API_KEYS = [k for k in env_str("MOTOR_API_KEYS", env_str("MOTOR_DEMO_API_K
 # Bounds of the data plane, each a named knob (the pipeline never invents its own timeouts).
 MOTOR_CONNECT_TIMEOUT_S = env_int("MOTOR_CONNECT_TIMEOUT_MS", 2000) / 1000  # TCP connect to render/engines
 MOTOR_ENGINE_READ_TIMEOUT_S = env_int("MOTOR_ENGINE_READ_TIMEOUT_MS", 60000) / 1000  # per chunk / non-stream reply
+# Streaming: an engine silent this long mid-stream has stalled (relay or error frame); relays per
+# request after a mid-stream engine failure; retries of one derender chunk on connection errors / 5xx.
+MOTOR_STREAM_CHUNK_TIMEOUT_S = env_int("MOTOR_STREAM_CHUNK_TIMEOUT_MS", 30000) / 1000
+MOTOR_STREAM_MAX_RELAYS = env_int("MOTOR_STREAM_MAX_RELAYS", 2)
+MOTOR_DERENDER_CHUNK_RETRIES = env_int("MOTOR_DERENDER_CHUNK_RETRIES", 1)
 # Each process reads fleet.ControlVersion at most this often and rebuilds its snapshot when it
 # changed: how long an admin/API edit takes to reach live traffic (one tiny query per interval).
 MOTOR_SNAPSHOT_POLL_S = env_int("MOTOR_SNAPSHOT_POLL_MS", 250) / 1000

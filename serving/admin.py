@@ -75,7 +75,7 @@ class RenderConfigAdmin(admin.ModelAdmin):
     fieldsets = (
         (None, {"fields": ("name", "enable")}),
         ("Sidecar", {"fields": ("image_name", "host", "port", "renderer_num_workers")}),
-        ("Limits", {"fields": ("timeout_ms", "context_budget")}),
+        ("Limits", {"fields": ("timeout_ms", "context_budget", "derender_coalesce")}),
         ("Token obfuscation", {"fields": ("obfuscation", "obfuscation_key_ref", "obfuscation_key_id")}),
         ("Probed", {"fields": ("sidecar_version", "streaming_derender", "health", "last_probe_at", "last_probe_error", "restart_required")}),
     )

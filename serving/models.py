@@ -72,6 +72,10 @@ class RenderConfig(models.Model):
     )
     renderer_num_workers = models.PositiveIntegerField(default=4)
     context_budget = models.BooleanField(default=False, help_text="Clamp max_tokens to the engine's room left.")
+    derender_coalesce = models.BooleanField(
+        default=True,
+        help_text="Merge engine chunks that queue up behind a streaming derender call into one call.",
+    )
     obfuscation = models.BooleanField(default=False, help_text="Token obfuscation (fails closed).")
     obfuscation_key_ref = models.CharField(
         max_length=300, blank=True, help_text="Where the key is: `setting:NAME` or `file:/path`; never the key."

@@ -5,12 +5,24 @@ One of each per coordinator process. ``MOTOR_GLOBAL_TOKEN_BUDGET`` (tokens in fl
 instances), ``MOTOR_ADMISSION_QUEUE`` (waiters), ``MOTOR_ADMISSION_WAIT_MS`` (their deadline)
 and the breaker knobs are read from settings when present, else from the environment; with
 ``REDIS_URL`` set, admission is shared by every coordinator process through Redis leases.
+
+KV-cache affinity: one ``KVAffinityIndex`` per process feeds placement
+(``MOTOR_AFFINITY_LOAD_MARGIN_TOKENS`` bounds how much busier than the least loaded instance a
+prefix holder may be). Instances with a ``kv_events_endpoint`` are indexed from their KV cache
+events (precise mode): ``pipeline_for`` syncs a ``KVEventHub`` with the snapshot's endpoints
+whenever the snapshot version changes, started lazily on the running loop (one hub per loop, as
+the shared HTTP client); ``aclose_kv_events`` stops it. The others are indexed from placement
+decisions (approximate mode).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
@@ -21,7 +33,9 @@ from serving.pipeline.render.tokenization import RenderHealth
 from serving.pipeline.router.breaker import BreakerBoard
 from serving.pipeline.router.engine_client import EngineClient
 from serving.pipeline.router.flow_control import AdmissionSettings, RedisTokenAdmission, TokenAdmission
-from serving.pipeline.router.scheduler import LoadTracker, Scheduler
+from serving.pipeline.router.kv_affinity import KVAffinityIndex
+from serving.pipeline.router.kv_events import KVEventHub
+from serving.pipeline.router.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, LoadTracker, Scheduler
 from serving.pipeline.service import EngineBoundary, RouterCounters, ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot
 
@@ -84,7 +98,19 @@ breakers = BreakerBoard(
     sink=submit_breaker_transition,
 )
 admission = _admission()
-scheduler = Scheduler(load, breakers=breakers, admission=admission)
+affinity = KVAffinityIndex()
+
+
+def engine_ids(snapshot: FleetSnapshot, prompt_ids: Sequence[int]) -> Sequence[int]:
+    """The ids the engines see: physical under the snapshot's obfuscation mapping, else as given."""
+    mapping = obfuscation_mapping(snapshot)
+    return mapping.to_physical(prompt_ids) if mapping is not None else prompt_ids
+
+
+scheduler = Scheduler(
+    load, breakers=breakers, admission=admission, affinity=affinity, engine_ids=engine_ids,
+    load_margin_tokens=int(_knob("MOTOR_AFFINITY_LOAD_MARGIN_TOKENS", DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS) or 0),
+)
 counters = RouterCounters()
 render_health = RenderHealth()
 
@@ -98,7 +124,58 @@ except ModuleNotFoundError as exc:
 else:
     _install = getattr(_topologies, "install", None)
     if _install is not None:
-        _install(scheduler)
+        # PD Hybrid weighs prefix hits too (``install`` turns the index into its ``cached_tokens``).
+        _install(scheduler, index=affinity)
+
+
+@dataclass
+class _KVEvents:
+    hub: KVEventHub
+    version: int | None = None  # the snapshot version last synced
+    names: frozenset[str] = frozenset()  # its instances
+
+
+# One hub per event loop: its subscribers are tasks of that loop (Daphne runs one per process).
+_kv_events: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _KVEvents]" = weakref.WeakKeyDictionary()
+
+
+def kv_event_hub() -> KVEventHub | None:
+    """The running loop's hub, if one was started."""
+    try:
+        state = _kv_events.get(asyncio.get_running_loop())
+    except RuntimeError:
+        return None
+    return state.hub if state is not None else None
+
+
+def sync_kv_events(snapshot: FleetSnapshot) -> None:
+    """Subscribe to the KV events of the snapshot's instances that publish them (precise mode).
+
+    Cheap when the version is unchanged; outside a running loop it does nothing (the first
+    request on a loop starts the hub). ``KVEventHub.sync`` restarts moved endpoints and stops
+    (and forgets) removed ones; instances gone from the fleet are forgotten in approximate mode
+    too, so a new engine reusing a name inherits no guessed blocks.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    state = _kv_events.get(loop)
+    if state is None:
+        state = _kv_events[loop] = _KVEvents(KVEventHub(affinity))
+    if state.version != snapshot.version:
+        state.hub.sync({i.name: i.kv_events_endpoint for i in snapshot.instances if i.kv_events_endpoint})
+        names = frozenset(i.name for i in snapshot.instances)
+        for gone in state.names - names:
+            affinity.forget(gone)
+        state.version, state.names = snapshot.version, names
+
+
+async def aclose_kv_events() -> None:
+    """Stop the running loop's KV event subscribers (tests; a process exit closes them anyway)."""
+    state = _kv_events.pop(asyncio.get_running_loop(), None)
+    if state is not None:
+        await state.hub.aclose()
 
 
 def inflight_tokens() -> dict[str, int]:
@@ -108,8 +185,15 @@ def inflight_tokens() -> dict[str, int]:
 
 def router_metrics() -> dict[str, Any]:
     """The router's counters and gauges for ``/metrics``: ``{"counters": {(name, labels): n}, ...}``."""
+    kv_counters: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {
+        ("motor_affinity_index_blocks", ()): len(affinity),
+    }
+    hub = kv_event_hub()
+    for name, subscriber in (hub.subscribers if hub is not None else {}).items():
+        kv_counters[("motor_kv_event_batches_total", (("instance", name),))] = subscriber.batches
+        kv_counters[("motor_kv_event_errors_total", (("instance", name),))] = subscriber.errors
     return {
-        "counters": counters.snapshot(),
+        "counters": {**counters.snapshot(), **kv_counters},
         "inflight_tokens": inflight_tokens(),
         "admission_waiting": admission.waiting(),
         "breakers": breakers.snapshot(),  # instance id -> state
@@ -135,10 +219,16 @@ def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
     client = http.shared_client()
     render = RenderClient(client, snapshot.render.base_url, snapshot.render.timeout_s)
     from serving.pipeline.obfuscation import traffic_snapshot
+    from serving.pipeline.render.streaming import StreamSettings
 
     boundary = EngineBoundary(obfuscation_mapping(snapshot))
     # Placement sees only instances whose declared key id fits the render config (obfuscation.eligible).
+    traffic = traffic_snapshot(snapshot)
+    sync_kv_events(traffic)
     return ServingPipeline(
-        traffic_snapshot(snapshot), render, EngineClient(client), scheduler,
-        counters=counters, boundary=boundary,
+        traffic, render, EngineClient(client), scheduler,
+        counters=counters, boundary=boundary, stream_settings=StreamSettings(
+            chunk_timeout_s=settings.MOTOR_STREAM_CHUNK_TIMEOUT_S, max_relays=settings.MOTOR_STREAM_MAX_RELAYS,
+            derender_retries=settings.MOTOR_DERENDER_CHUNK_RETRIES,
+        ),
     )

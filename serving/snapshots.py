@@ -48,6 +48,7 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
         obfuscation=cfg.obfuscation,
         obfuscation_key_id=cfg.obfuscation_key_id,
         streaming_derender=cfg.streaming_derender,
+        derender_coalesce=cfg.derender_coalesce,
     )
     instances = tuple(_instance_view(i) for i in EngineInstance.objects.select_related("served_model", "breaker"))
     keys = list(ApiKey.objects.filter(scope=ApiKey.Scope.CLIENT).values_list("key_hash", "name", "tokens_per_minute", "revoked"))

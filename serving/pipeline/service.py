@@ -26,9 +26,10 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Collection
 from contextlib import AsyncExitStack, aclosing
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from serving.pipeline import metrics
 from serving.pipeline.errors import (
@@ -43,7 +44,10 @@ from serving.pipeline.errors import (
     error_body,
 )
 from serving.pipeline.render.client import RenderClient
+from serving.pipeline.render.coalesce import event_reader
+from serving.pipeline.render.holdback import ChunkHoldback, derender_request
 from serving.pipeline.render.local_tokenizer import model_vocab_size
+from serving.pipeline.render.streaming import ChoicePhase, StreamingRenderSession, StreamSettings
 from serving.pipeline.render.tokenization import (
     LocalDerenderer,
     NeedsNative,
@@ -60,6 +64,7 @@ from serving.pipeline.router.native import (
     native_instances,
     native_reason,
 )
+from serving.pipeline.router.rescheduler import RetryRequestPlan
 from serving.pipeline.router.scheduler import Placement, Scheduler
 from serving.pipeline.router.token_only import (
     attempt_request_id,
@@ -84,29 +89,81 @@ def _ms(start: float) -> float:
 
 @dataclass
 class OpenStream:
-    """One established engine stream of a request: its prompt, engine and id."""
+    """One established engine stream (one attempt of one prompt): its engine, id and holds.
+
+    ``stack`` holds the attempt's admission lease, load hold and HTTP stream, so a failed attempt
+    releases them at once while the request relays on to a new one.
+    """
 
     prompt_index: int
     instance: InstanceView
     request_id: str
     events: AsyncIterator[dict[str, Any]]
+    stack: AsyncExitStack = field(default_factory=AsyncExitStack)
+    attempt: int = 0
     finished: bool = False
+    _closed: bool = field(default=False, init=False)
+
+    async def aclose(self, engines: EngineClient) -> None:
+        """Close the stream and free its holds; abort the engine request unless it finished."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.stack.aclose()
+        finally:
+            if not self.finished:
+                # The client left or the attempt failed: free the engine's slot now.
+                await engines.abort(self.instance, [self.request_id])
 
 
 @dataclass
 class EventStream:
-    """The SSE body of a streaming response; owns the engine streams until it is closed."""
+    """The SSE body of a streaming response; owns the engine streams until it is closed.
+
+    One ``StreamingRenderSession`` per prompt derenders with committed state across attempts; a
+    single prompt with ``n == 1`` relays to another instance after a mid-stream engine failure
+    (``_prompt_chunks``), everything else ends with an error frame once a chunk was visible.
+    """
 
     pipeline: ServingPipeline
     kind: str  # "chat" | "completions"
     public_id: str
     body: dict[str, Any]
-    prompts: list[list[int]]
+    tokenized: TokenizedRequest
     streams: list[OpenStream]
-    stack: AsyncExitStack
+    request_id: str = ""
+    requires_tokenizer: bool = False
     n: int = 1
+    sessions: list[StreamingRenderSession] = field(default_factory=list)
     _started: bool = field(default=False, init=False)
     _closed: bool = field(default=False, init=False)
+    _visible: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.sessions:
+            self.sessions = [
+                StreamingRenderSession(
+                    # Coalescing and stop strings (render/coalesce.py, render/holdback.py): derender
+                    # gets the body without ``stop`` (it refuses it); the engine stops and the
+                    # hold-back filter cuts, as vLLM's detokenizer does.
+                    self.pipeline.render, self.kind, derender_request(self.body), p.token_ids,
+                    request_id=self.request_id, public_id=self.public_id, prompt_index=i,
+                    settings=self.pipeline.stream_settings,
+                    reader=event_reader(self.pipeline.snapshot.render.derender_coalesce),
+                    chunk_filter=ChunkHoldback(self.kind, self.body).apply,
+                )
+                for i, p in enumerate(self.tokenized.prompts)
+            ]
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [p.token_ids for p in self.tokenized.prompts]
+
+    @property
+    def relays_allowed(self) -> bool:
+        """The RFC relays one logical stream only: a single prompt with a single choice."""
+        return len(self.streams) == 1 and self.n == 1
 
     @property
     def started(self) -> bool:
@@ -117,16 +174,30 @@ class EventStream:
         self._started = True
         start = time.perf_counter()
         outcome = "ok"
-        source = self._derendered(self.streams[0]) if len(self.streams) == 1 else self._merged()
+        # Fan-out (several prompts, or n > 1) cannot relay; before the client saw any chunk the
+        # whole request may start over instead (single prompts relay from zero committed ids).
+        restarts = 0 if self.relays_allowed else self.pipeline.stream_settings.max_relays
         try:
-            # aclosing: when the client leaves mid-stream (GeneratorExit here), the source must be
-            # closed now, so _merged cancels its producers before the engine streams are closed.
-            async with aclosing(source) as chunks:
-                async for chunk in chunks:
-                    yield frame(chunk)
+            while True:
+                source = self._prompt_chunks(0) if len(self.streams) == 1 else self._merged()
+                try:
+                    # aclosing: when the client leaves mid-stream (GeneratorExit here), the source must be
+                    # closed now, so _merged cancels its producers before the engine streams are closed.
+                    async with aclosing(source) as chunks:
+                        async for chunk in chunks:
+                            self._visible = True
+                            yield frame(chunk)
+                    break
+                except EngineError as exc:
+                    if self._visible or restarts <= 0:
+                        raise
+                    restarts -= 1
+                    await self._restart(exc)
         except MotorError as exc:
             # After the first frame the status is already 200: an error frame, then [DONE].
             outcome = type(exc).__name__
+            for s in self.sessions:
+                s.end(ChoicePhase.FAILED)
             yield frame(error_body(exc)[1])
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -135,53 +206,117 @@ class EventStream:
             outcome = "closed"
             raise
         finally:
+            if outcome in ("cancelled", "closed"):
+                for s in self.sessions:
+                    s.end(ChoicePhase.CANCELLED)
             await self.aclose()
             logger.info(
-                "response request_id=%s kind=%s stream=true result=%s latency_ms=%.1f",
-                self.public_id, self.kind, outcome, _ms(start),
+                "response request_id=%s kind=%s stream=true result=%s relays=%d latency_ms=%.1f",
+                self.public_id, self.kind, outcome, sum(s.relays for s in self.sessions), _ms(start),
             )
         yield DONE
 
-    async def _derendered(self, stream: OpenStream, *, remap: bool = False) -> AsyncIterator[dict[str, Any]]:
-        """Derender one engine stream chunk by chunk, one committed state per choice."""
-        render = self.pipeline.render
-        states: dict[int, dict[str, Any] | None] = {}
-        prompt_ids = self.prompts[stream.prompt_index]
-        boundary = self.pipeline.boundary
-        async for raw in stream.events:
-            event = boundary.inbound_event(raw, stream.instance)
-            choices = event.get("choices") or []
-            index = choices[0].get("index", 0) if choices else -1
-            chunk, next_state = await render.derender_chunk(
-                self.kind, event, stream_state=states.get(index), prompt_token_ids=prompt_ids,
-                request=self.body, model=self.body.get("model"),
-            )
-            chunk["id"] = self.public_id
-            if remap:
-                for c in chunk.get("choices") or []:
-                    c["index"] = stream.prompt_index * self.n + c.get("index", 0)
-            yield chunk
-            # Commit only after the chunk was handed on (architecture invariant 2).
-            if choices:
-                states[index] = next_state
-        stream.finished = True
+    async def _restart(self, exc: EngineError) -> None:
+        """Start the whole request over (nothing was visible yet): new attempts, fresh sessions."""
+        old = self.streams
+        for s in old:
+            await s.aclose(self.pipeline.engines)
+        self.sessions = []
+        self.__post_init__()
+        logger.warning(
+            "stream_restart request_id=%s prompts=%d failed_instance=%s error=%s",
+            self.public_id, len(old), exc.instance, type(exc).__name__,
+        )
+        streams: list[OpenStream] = []
+        try:
+            for s in old:
+                streams.append(await self.pipeline._open_one(
+                    self.tokenized, s.prompt_index, self.requires_tokenizer, first_attempt=s.attempt + 1,
+                    exclude={exc.instance},
+                ))
+        finally:
+            # Whatever opened is owned by the stream now, so aclose releases it on any exit.
+            self.streams = streams + old[len(streams):]
 
-    async def _merged(self) -> AsyncIterator[dict[str, Any]]:
+    async def _events(self, stream: OpenStream) -> AsyncGenerator[dict[str, Any], None]:
+        """The attempt's events through the engine boundary, each within the chunk timeout."""
+        timeout = self.pipeline.stream_settings.chunk_timeout_s
+        events = stream.events
+        while True:
+            try:
+                async with asyncio.timeout(timeout):
+                    raw = await anext(events)
+            except StopAsyncIteration:
+                return
+            except TimeoutError as exc:
+                raise EngineError(
+                    f"{stream.instance.name} sent nothing for {timeout:g}s mid-stream", instance=stream.instance.name
+                ) from exc
+            yield self.pipeline.boundary.inbound_event(raw, stream.instance)
+
+    async def _prompt_chunks(self, index: int, *, remap: bool = False) -> AsyncGenerator[dict[str, Any], None]:
+        """Derendered chunks of prompt ``index`` across its attempts (relaying where allowed)."""
+        session = self.sessions[index]
+        while True:
+            stream = self.streams[index]
+            snapshot = session.begin_attempt(stream.attempt, stream.instance.name)
+            try:
+                async with aclosing(session.chunks(self._events(stream))) as chunks:
+                    async for chunk in chunks:
+                        if remap:
+                            for c in chunk.get("choices") or []:
+                                c["index"] = index * self.n + c.get("index", 0)
+                        yield chunk
+            except EngineError as exc:
+                if not session.visible:
+                    session.restore(snapshot)
+                # A mid-stream engine failure is the engine's: its breaker hears it.
+                self.pipeline.scheduler.breakers.failure(stream.instance, exc.message[:200])
+                metrics.record_request(stream.instance.name, None, None, ok=False)
+                await stream.aclose(self.pipeline.engines)
+                # Every choice already finished (the engine failed before its usage event or
+                # [DONE]): nothing is missing but the usage chunk, which is ours anyway.
+                done = len(session.choices) == self.n and all(
+                    c.phase is ChoicePhase.DONE for c in session.choices.values()
+                )
+                if not done and (
+                    not self.relays_allowed or session.relays >= self.pipeline.stream_settings.max_relays
+                ):
+                    raise
+                replacement = None if done else await self.pipeline._relay(self, session, stream, exc)
+                if replacement is None:
+                    # Every output token was already committed: end as the engine would have.
+                    tail_events = _budget_spent_events(self.body, stream.request_id, finish=not done)
+                    async with aclosing(session.chunks(tail_events)) as tail:
+                        async for chunk in tail:
+                            yield chunk
+                    return
+                self.streams[index] = replacement
+                continue
+            stream.finished = True
+            return
+
+    async def _merged(self) -> AsyncGenerator[dict[str, Any], None]:
         """Fan-in of per-prompt streams: global choice index, one merged usage chunk."""
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(MERGE_QUEUE_SIZE)
         usage: dict[str, int] = {}
         usage_template: dict[str, Any] | None = None
+        failed: list[int] = []
 
-        async def produce(stream: OpenStream) -> None:
-            async with aclosing(self._derendered(stream, remap=True)) as chunks:
-                async for chunk in chunks:
-                    await queue.put(chunk)
+        async def produce(index: int) -> None:
+            try:
+                async with aclosing(self._prompt_chunks(index, remap=True)) as chunks:
+                    async for chunk in chunks:
+                        await queue.put(chunk)
+            except MotorError:
+                failed.append(index)
+                raise
 
         async def run_all() -> None:
             try:
                 async with asyncio.TaskGroup() as tg:
-                    for s in self.streams:
-                        tg.create_task(produce(s))
+                    for i in range(len(self.streams)):
+                        tg.create_task(produce(i))
             except asyncio.CancelledError:
                 # The consumer is gone and cancelled us: nobody reads a sentinel, and putting one
                 # into a full queue would block this task (and the client's cleanup) forever.
@@ -209,6 +344,12 @@ class EventStream:
             await asyncio.wait([runner])
             if not runner.cancelled():
                 runner.exception()  # retrieved: re-raised below as exc, or superseded by it
+            cancelled = [i for i in range(len(self.streams)) if i not in failed and not self.streams[i].finished]
+            logger.warning(
+                "stream_cancel request_id=%s failed_prompts=%s cancelled_prompts=%s reason=%s",
+                self.public_id, ",".join(map(str, failed)) or "-", ",".join(map(str, cancelled)) or "-",
+                "substream_failed" if failed else type(exc).__name__,
+            )
             if isinstance(exc, BaseExceptionGroup):
                 raise _first_motor_error(exc) from exc
             raise
@@ -219,13 +360,29 @@ class EventStream:
         if self._closed:
             return
         self._closed = True
-        unfinished = [s for s in self.streams if not s.finished]
-        try:
-            await self.stack.aclose()
-        finally:
-            for s in unfinished:
-                # The client left or the stream failed: free the engine's slot now.
-                await self.pipeline.engines.abort(s.instance, [s.request_id])
+        errors: list[BaseException] = []
+        for s in self.streams:
+            try:
+                await s.aclose(self.pipeline.engines)
+            except BaseException as exc:  # close the others first, then raise
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+async def _budget_spent_events(
+    body: dict[str, Any], engine_request_id: str, *, finish: bool
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The end of a stream whose whole output budget (or finish) was committed before its engine
+    failed: the finish chunk if it is missing, the usage chunk if asked for (numbers are ours)."""
+    rid = GENERATE_PREFIX + engine_request_id
+    if finish:
+        yield {"request_id": rid, "usage": None, "output_mode": "tokens",
+               "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [],
+                            "logprobs": None}]}
+    if (body.get("stream_options") or {}).get("include_usage"):
+        yield {"request_id": rid, "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+               "output_mode": "tokens", "choices": []}
 
 
 def _first_motor_error(group: BaseExceptionGroup) -> BaseException:
@@ -387,6 +544,7 @@ class ServingPipeline:
         counters: RouterCounters | None = None,
         boundary: EngineBoundary | None = None,
         render_health: RenderHealth | None = None,
+        stream_settings: StreamSettings | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.render = render
@@ -397,6 +555,7 @@ class ServingPipeline:
         self.counters = counters or RouterCounters()
         self.boundary = boundary or EngineBoundary()
         self.render_health = render_health or RenderHealth()
+        self.stream_settings = stream_settings or StreamSettings()
 
     # -- entry points ------------------------------------------------------------------------------
 
@@ -493,14 +652,19 @@ class ServingPipeline:
         ``max_tokens`` is resolved first (render's omitted 16); with the context budget on it is
         clamped to the room the instance has left and written into ``sampling_params``.
         """
-        req = dict(prompt.generate_request)
+        return self._budget_request(dict(prompt.generate_request), len(prompt.token_ids), instance)
+
+    def _budget_request(
+        self, request: dict[str, Any], prompt_tokens: int, instance: InstanceView
+    ) -> tuple[dict[str, Any], int]:
+        req = dict(request)
         max_tokens = resolved_max_tokens(req)
         if self.snapshot.render.context_budget:
-            room = instance.max_model_len - len(prompt.token_ids)
+            room = instance.max_model_len - prompt_tokens
             max_tokens = max(1, min(max_tokens, room))
         req = with_max_tokens(req, max_tokens)
         n = int(req["sampling_params"].get("n") or 1)
-        return req, len(prompt.token_ids) + max_tokens * n
+        return req, prompt_tokens + max_tokens * n
 
     def _too_small(self, prompt: TokenizedPrompt) -> set[str]:
         """Instances whose own context cannot hold the prompt plus one output token."""
@@ -671,57 +835,95 @@ class ServingPipeline:
         self, body: dict[str, Any], kind: str, request_id: str, tokenized: TokenizedRequest, requires_tokenizer: bool
     ) -> EventStream:
         """Establish every engine stream of the request before the client sees a byte."""
-        stack = AsyncExitStack()
         streams: list[OpenStream] = []
         try:
             for index in range(len(tokenized.prompts)):
-                streams.append(await self._open_one(stack, tokenized, index, requires_tokenizer))
+                streams.append(await self._open_one(tokenized, index, requires_tokenizer))
         except BaseException:
             for s in streams:
-                await self.engines.abort(s.instance, [s.request_id])
-            await stack.aclose()
+                await s.aclose(self.engines)
             raise
         n = int(body.get("n") or 1)
         public_id = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
-        return EventStream(self, kind, public_id, body, [p.token_ids for p in tokenized.prompts], streams, stack, n=n)
+        return EventStream(
+            self, kind, public_id, body, tokenized, streams, request_id=request_id,
+            requires_tokenizer=requires_tokenizer, n=n,
+        )
+
+    async def _relay(
+        self, stream: EventStream, session: StreamingRenderSession, failed: OpenStream, exc: EngineError
+    ) -> OpenStream | None:
+        """Continue a single-prompt stream on another instance from its committed output ids.
+
+        Returns None when the whole output budget was already committed (nothing to generate).
+        """
+        prompt = stream.tokenized.prompts[failed.prompt_index]
+        plan = RetryRequestPlan.build(prompt.generate_request, prompt.token_ids, session.committed_ids,
+                                      attempt=failed.attempt + 1)
+        session.relays += 1
+        if plan.remaining_tokens < 1:
+            logger.warning(
+                "relay request_id=%s prompt=%d committed_tokens=%d remaining_tokens=0 old_instance=%s "
+                "new_instance=- error=%s", stream.public_id, failed.prompt_index, len(plan.committed_ids),
+                failed.instance.name, type(exc).__name__,
+            )
+            return None
+        replacement = await self._open_one(
+            stream.tokenized, failed.prompt_index, stream.requires_tokenizer, plan=plan, exclude={failed.instance.name}
+        )
+        logger.warning(
+            "relay request_id=%s prompt=%d committed_tokens=%d remaining_tokens=%d old_instance=%s new_instance=%s "
+            "old_engine_request_id=%s new_engine_request_id=%s relay=%d error=%s",
+            stream.public_id, failed.prompt_index, len(plan.committed_ids), plan.remaining_tokens,
+            failed.instance.name, replacement.instance.name, failed.request_id, replacement.request_id,
+            session.relays, type(exc).__name__,
+        )
+        return replacement
 
     async def _open_one(
-        self, stack: AsyncExitStack, tokenized: TokenizedRequest, index: int, requires_tokenizer: bool
+        self, tokenized: TokenizedRequest, index: int, requires_tokenizer: bool, *,
+        plan: RetryRequestPlan | None = None, exclude: Collection[str] = (), first_attempt: int = 0,
     ) -> OpenStream:
+        """Open one engine stream of prompt ``index`` (or of a relay ``plan``) within the retry budget."""
         prompt = tokenized.prompts[index]
-        excluded = self._too_small(prompt)
+        token_ids = plan.replay_ids if plan is not None else prompt.token_ids
+        excluded = self._too_small(prompt) | set(exclude)
         last: EngineError | None = None
         breakers = self.scheduler.breakers
-        for attempt in range(self.max_attempts):
-            estimate = _requested_tokens(prompt)
+        first = plan.attempt if plan is not None else first_attempt
+        for attempt in range(first, first + self.max_attempts):
+            base = replace(plan, attempt=attempt).request() if plan is not None else dict(prompt.generate_request)
+            n = int(base.get("sampling_params", {}).get("n") or 1)
+            estimate = len(token_ids) + resolved_max_tokens(base) * n
             try:
+                # A relay is placed like any prompt (same scheduler, same topology rules).
                 placement = self.scheduler.place(
-                    self.snapshot, tokenized.model, prompt.token_ids, tokens=estimate, exclude=excluded,
+                    self.snapshot, tokenized.model, token_ids, tokens=estimate, exclude=excluded,
                     requires_tokenizer=requires_tokenizer,
                 )
             except NoCapacity:
                 if last is not None:
                     raise last from None
                 raise
-            # Streams run union until the streaming lifecycle (issue 6) learns the P/D legs.
+            # Streams run union (the decode instance of a P/D placement) until the P/D runners
+            # learn a streaming decode leg.
             instance = placement.instances[-1]
-            engine_req, tokens = self._budget(prompt, instance)
-            rid = attempt_request_id(prompt.request_id, attempt)
-            engine_req["request_id"] = rid
+            engine_req, tokens = self._budget_request(base, len(token_ids), instance)
+            rid = engine_req["request_id"] = attempt_request_id(prompt.request_id, attempt)
             if not breakers.begin(instance):
                 excluded.add(instance.name)
                 continue
+            attempt_stack = AsyncExitStack()
             try:
-                # Per attempt: a failed attempt releases its hold now, not when the stream ends.
-                async with AsyncExitStack() as attempt_stack:
-                    lease = await self.scheduler.admission.acquire(instance, tokens)
-                    attempt_stack.callback(lease.release)
-                    attempt_stack.enter_context(self.scheduler.load.hold(instance))
-                    events = await attempt_stack.enter_async_context(
-                        self.engines.generate_stream(instance, self.boundary.outbound(engine_req, instance))
-                    )
-                    stack.push_async_exit(attempt_stack.pop_all())
+                # Per attempt: a failed attempt releases its hold now, not when the request ends.
+                lease = await self.scheduler.admission.acquire(instance, tokens)
+                attempt_stack.callback(lease.release)
+                attempt_stack.enter_context(self.scheduler.load.hold(instance))
+                events = await attempt_stack.enter_async_context(
+                    self.engines.generate_stream(instance, self.boundary.outbound(engine_req, instance))
+                )
             except (EngineBusy, EngineLacksCapability) as exc:
+                await attempt_stack.aclose()
                 breakers.release(instance)
                 if isinstance(exc, EngineLacksCapability):
                     raise
@@ -731,6 +933,7 @@ class ServingPipeline:
                                rid, index, instance.name, attempt, type(exc).__name__)
                 continue
             except EngineError as exc:
+                await attempt_stack.aclose()
                 breakers.failure(instance, exc.message[:200])
                 last = exc
                 excluded.add(instance.name)
@@ -739,12 +942,14 @@ class ServingPipeline:
                                rid, index, instance.name, attempt, type(exc).__name__)
                 continue
             except BaseException:
+                await attempt_stack.aclose()
                 breakers.release(instance)
                 raise
             breakers.success(instance)
-            logger.info("generate request_id=%s prompt=%d instance=%s phase=union result=established", rid, index, instance.name)
-            return OpenStream(index, instance, rid, metrics.TimedEvents(instance.name, events))
+            logger.info("generate request_id=%s prompt=%d instance=%s phase=union attempt=%d result=established",
+                        rid, index, instance.name, attempt)
+            return OpenStream(index, instance, rid, metrics.TimedEvents(instance.name, events),
+                              stack=attempt_stack, attempt=attempt)
         if last is not None:
             raise last
         raise NoCapacity(f"no engine instance can serve model {tokenized.model!r} right now")
-

@@ -39,6 +39,7 @@ from serving.pipeline.errors import (
     error_body,
 )
 from serving.pipeline.render.client import RenderClient
+from serving.pipeline.render.streaming import StreamSettings
 from serving.pipeline.router.engine_client import EngineClient
 from serving.pipeline.router.scheduler import LoadTracker, Scheduler
 from serving.pipeline.service import EventStream, ServingPipeline
@@ -463,6 +464,8 @@ async def test_a_stream_failing_midway_ends_with_an_error_frame_then_done(
     pipeline: ServingPipeline, upstreams: FakeUpstreams, plan: StreamPlan, error_status: int
 ) -> None:
     upstreams.default_plan = plan
+    # Relay is off here: this is the end of a stream whose relay budget is spent (test_relay.py relays).
+    pipeline.stream_settings = StreamSettings(max_relays=0)
 
     frames = await drain(await pipeline.chat(chat_body(stream=True), "r22"))
 

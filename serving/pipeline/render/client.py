@@ -23,6 +23,10 @@ CHAT_DERENDER = "/v1/chat/completions/derender"
 COMPLETIONS_DERENDER = "/v1/completions/derender"
 
 
+class DerenderRetryable(DerenderError):
+    """A derender failure worth one more try of the same chunk: unreachable, or a 5xx."""
+
+
 def _json_or_none(response: httpx.Response) -> Any:
     try:
         return response.json()
@@ -86,7 +90,7 @@ class RenderClient:
         except httpx.TimeoutException as exc:
             raise DerenderError(f"derender timed out: {exc!r}", status=504) from exc
         except httpx.TransportError as exc:
-            raise DerenderError(f"derender unreachable: {exc!r}") from exc
+            raise DerenderRetryable(f"derender unreachable: {exc!r}") from exc
         payload = _json_or_none(response)
         if response.status_code == 200 and isinstance(payload, dict):
             return payload
@@ -94,6 +98,8 @@ class RenderClient:
             raise UpstreamRequestError(response.status_code, payload, source="derender")
         if response.status_code in (403, 404, 501):
             raise DerenderError(f"the response stage is unavailable: derender answered {response.status_code}")
+        if response.status_code >= 500:
+            raise DerenderRetryable(f"derender failed with {response.status_code}: {str(payload)[:200]}")
         raise DerenderError(f"derender failed with {response.status_code}: {str(payload)[:200]}")
 
     async def derender_chat(

@@ -1,0 +1,185 @@
+"""Fewer derender calls under load: merge engine events that arrive while a derender is in flight.
+
+The RFC derenders every engine event with its own HTTP call. When the sidecar is slower than the
+engine (many streams, a parser replaying the whole output per call) events pile up behind the
+derender of the previous one. ``coalesced`` reads the engine stream in a task of its own while the
+consumer is busy and hands the consumer, per pull, everything that queued up for one choice merged
+into a single generate event (``merge_events``), so the next derender covers several engine
+events in one call.
+
+What is never merged, because derender or the client would see the difference:
+
+- events of different choice indices (derender takes one choice per call, one state per index);
+- the usage-only final event (``choices: []``): derendered alone it is the client's usage chunk
+  with ``choices: []``; folded into a token event it would become usage on a content chunk;
+- in-band error events (``{"error": ...}``), which never go to derender at all.
+
+Order is kept: an event never overtakes one that arrived before it for the same choice, and
+nothing overtakes an error or usage event (both end the stream). The buffer is bounded: when
+``max_pending`` events wait, the reader stops reading and the engine's stream backs up over TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any, AsyncIterator, Callable
+
+# Engine events buffered per stream while the consumer is busy. 256 single-token events is a few
+# KB, and the merged event's derender call stays small next to the parser path's replay buffer.
+MAX_PENDING = 256
+
+
+def event_choice_index(event: dict[str, Any]) -> int | None:
+    """The choice index of a token event, or None for error and usage-only events."""
+    if "error" in event:
+        return None
+    choices = event.get("choices") or []
+    if len(choices) != 1:
+        return None
+    index = choices[0].get("index", 0)
+    return index if isinstance(index, int) else 0
+
+
+def _concat_lists(values: list[Any]) -> Any:
+    """Concatenation of the non-null lists, or None when every value was null."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    out: list[Any] = []
+    for v in present:
+        out.extend(v)
+    return out
+
+
+def merge_events(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge consecutive token events of one choice into one, as if the engine had sent them as one.
+
+    Token ids, ``logprobs.content`` and ``sampling_mask`` are concatenated; finish and stop reason,
+    usage (cumulative with continuous usage) and every other field come from the last event;
+    ``prompt_token_ids`` (only on the first event, with ``return_token_ids``) is kept. Raises
+    ValueError for an empty list or events of different choices (a caller bug).
+    """
+    if not events:
+        raise ValueError("nothing to merge")
+    if len(events) == 1:
+        return events[0]
+    indices = {event_choice_index(e) for e in events}
+    if len(indices) != 1 or None in indices:
+        raise ValueError(f"only token events of one choice merge, got indices {indices}")
+    choices = [e["choices"][0] for e in events]
+    last = events[-1]
+    choice = dict(choices[-1])
+    choice["token_ids"] = _concat_lists([c.get("token_ids") for c in choices]) or []
+    contents = [c["logprobs"].get("content") if isinstance(c.get("logprobs"), dict) else None for c in choices]
+    merged_content = _concat_lists(contents)
+    if merged_content is not None:
+        choice["logprobs"] = {**(choices[-1].get("logprobs") or {}), "content": merged_content}
+    if any(c.get("sampling_mask") is not None for c in choices):
+        choice["sampling_mask"] = _concat_lists([c.get("sampling_mask") for c in choices])
+    merged = {**last, "choices": [choice]}
+    first_prompt = next((e["prompt_token_ids"] for e in events if e.get("prompt_token_ids") is not None), None)
+    if first_prompt is not None:
+        merged["prompt_token_ids"] = first_prompt
+    return merged
+
+
+class _Pending:
+    """The reader's buffer: groups of events, each one choice's run or a lone pass-through event."""
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self.groups: deque[tuple[int | None, list[dict[str, Any]]]] = deque()
+        self.count = 0  # raw events buffered, never above max_pending
+        self.high_water = 0
+        self.done = False
+        self.error: BaseException | None = None
+        self.changed = asyncio.Condition()
+
+    def add(self, event: dict[str, Any]) -> None:
+        index = event_choice_index(event)
+        if index is not None:
+            # Join the latest group of this choice unless a pass-through event came after it: an
+            # event may move past other choices' events, never past its own or an error/usage.
+            for gi in range(len(self.groups) - 1, -1, -1):
+                g_index, g_events = self.groups[gi]
+                if g_index is None:
+                    break
+                if g_index == index:
+                    if g_events[-1]["choices"][0].get("finish_reason") is None:
+                        g_events.append(event)
+                        self._counted()
+                        return
+                    break
+        self.groups.append((index, [event]))
+        self._counted()
+
+    def _counted(self) -> None:
+        self.count += 1
+        self.high_water = max(self.high_water, self.count)
+
+    def take(self) -> list[dict[str, Any]]:
+        _, events = self.groups.popleft()
+        self.count -= len(events)
+        return events
+
+
+async def coalesced(
+    events: AsyncIterator[dict[str, Any]], *, max_pending: int | None = None, stats: dict[str, int] | None = None
+) -> AsyncIterator[dict[str, Any]]:
+    """Yield ``events`` with the token events that queued up while the consumer was busy merged.
+
+    A consumer that keeps up sees the events unchanged, one by one. An exception of ``events``
+    is raised after the events read before it were yielded. Closing or cancelling this generator
+    cancels and awaits the reader task; ``events`` itself stays the caller's to close. ``stats``,
+    when given, receives ``events_in``, ``events_out`` and ``high_water`` (buffer peak).
+    """
+    pending = _Pending(max(1, MAX_PENDING if max_pending is None else max_pending))
+    events_in = 0
+
+    async def read() -> None:
+        nonlocal events_in
+        try:
+            async for event in events:
+                async with pending.changed:
+                    # Bounded: wait for the consumer instead of buffering without limit.
+                    await pending.changed.wait_for(lambda: pending.count < pending.max_pending)
+                    pending.add(event)
+                    events_in += 1
+                    pending.changed.notify_all()
+        except Exception as exc:
+            pending.error = exc
+        finally:
+            pending.done = True
+            # Wake a consumer waiting for more: the stream ended (or failed) and it must finish.
+            async with pending.changed:
+                pending.changed.notify_all()
+
+    reader = asyncio.create_task(read())
+    events_out = 0
+    try:
+        while True:
+            async with pending.changed:
+                await pending.changed.wait_for(lambda: bool(pending.groups) or pending.done)
+                if not pending.groups:
+                    break
+                batch = pending.take()
+                pending.changed.notify_all()
+            events_out += 1
+            yield merge_events(batch)
+        if pending.error is not None:
+            raise pending.error
+    finally:
+        reader.cancel()
+        await asyncio.wait([reader])
+        if stats is not None:
+            stats.update(events_in=events_in, events_out=events_out, high_water=pending.high_water)
+
+
+def passthrough(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    return events
+
+
+def event_reader(enabled: bool) -> Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[dict[str, Any]]]:
+    """The streaming session's engine-event reader: ``coalesced`` when the render config says so."""
+    return coalesced if enabled else passthrough

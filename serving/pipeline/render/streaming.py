@@ -1,0 +1,267 @@
+"""Streaming derender of one prompt: committed ``stream_state`` per choice, attempts, relay ledger.
+
+A ``StreamingRenderSession`` lives for the whole streaming request of one prompt, across engine
+attempts. For each engine event it derenders with the *committed* state of the event's choice;
+the chunk goes to the client, and only when the consumer asks for the next one (the chunk was
+handed on) does the session commit the next state and record the event's token ids as output.
+A failed derender commits nothing. The committed output ids (semantic ids: the boundary has
+deobfuscated the events already) are the relay ledger from which a retry plan continues.
+
+Every attempt starts from a snapshot; an attempt that fails before the client saw any chunk of
+it restores the snapshot, after visible output the committed state is kept, so the next attempt
+derenders on from it (no second role delta, no duplicate, no gap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.pipeline.errors import DerenderError
+from serving.pipeline.render.client import DerenderRetryable, RenderClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSettings:
+    """The streaming knobs (``settings.MOTOR_STREAM_*``)."""
+
+    # An engine that sends no event for this long has stalled: the attempt fails (relay / error).
+    chunk_timeout_s: float = 60.0
+    # Relays per request after a mid-stream engine failure (single prompt, n == 1).
+    max_relays: int = 2
+    # Derender retries of the same chunk with the same state, on connection errors and 5xx only;
+    # all tries of one chunk share one chunk timeout.
+    derender_retries: int = 1
+
+
+class ChoicePhase(enum.Enum):
+    PENDING = "pending"  # nothing derendered yet
+    STREAMING = "streaming"  # chunks committed, no finish reason yet
+    DONE = "done"  # finish reason committed
+    FAILED = "failed"  # the request ended with an error while this choice was open
+    CANCELLED = "cancelled"  # the client left, or a sibling's failure ended the request
+
+
+@dataclass
+class ChoiceRecord:
+    """Committed state of one choice: only what the client has been handed."""
+
+    index: int
+    phase: ChoicePhase = ChoicePhase.PENDING
+    stream_state: dict[str, Any] | None = None
+    output_ids: list[int] = field(default_factory=list)  # committed semantic output ids
+    visible: bool = False  # a chunk of this choice was handed to the client
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptSnapshot:
+    """The committed state when an attempt started: restored if it fails before visible output."""
+
+    attempt: int
+    instance: str
+    choices: tuple[tuple[int, ChoicePhase, dict[str, Any] | None, int, bool, str | None], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingChunk:
+    """A derendered chunk, not yet committed."""
+
+    chunk: dict[str, Any]
+    index: int | None  # the choice, or None for a usage-only event
+    next_state: dict[str, Any] | None
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+
+
+# The seams of the coalescing / hold-back work (render/coalesce.py, render/holdback.py): a reader
+# that may merge engine events waiting behind an in-flight derender, and a filter that sees each
+# derendered chunk before the client does. Identity until those land.
+EventReader = Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[dict[str, Any]]]
+ChunkFilter = Callable[[dict[str, Any]], "dict[str, Any] | None"]
+
+
+def _identity_reader(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    return events
+
+
+def _identity_filter(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    return chunk
+
+
+class StreamingRenderSession:
+    """Derender of one prompt's engine events across attempts; commits only what was handed on."""
+
+    def __init__(
+        self,
+        render: RenderClient,
+        kind: str,
+        body: dict[str, Any],
+        prompt_ids: list[int],
+        *,
+        request_id: str,
+        public_id: str,
+        prompt_index: int = 0,
+        settings: StreamSettings = StreamSettings(),
+        reader: EventReader = _identity_reader,
+        chunk_filter: ChunkFilter = _identity_filter,
+    ) -> None:
+        self.render = render
+        self.kind = kind
+        self.body = body
+        self.prompt_ids = prompt_ids  # the ORIGINAL prompt, for every attempt (never the replay)
+        self.request_id = request_id
+        self.public_id = public_id
+        self.prompt_index = prompt_index
+        self.settings = settings
+        self.reader = reader
+        self.chunk_filter = chunk_filter
+        self.choices: dict[int, ChoiceRecord] = {}
+        self.attempt = 0
+        self.instance = ""
+        self.relays = 0
+        self.derender_calls = 0
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def choice(self, index: int) -> ChoiceRecord:
+        record = self.choices.get(index)
+        if record is None:
+            record = self.choices[index] = ChoiceRecord(index)
+        return record
+
+    @property
+    def visible(self) -> bool:
+        return any(c.visible for c in self.choices.values())
+
+    @property
+    def committed_ids(self) -> list[int]:
+        """The relay ledger of a single-choice stream (choice 0)."""
+        return list(self.choice(0).output_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.output_ids) for c in self.choices.values())
+
+    def usage(self, extra_tokens: int = 0) -> dict[str, int]:
+        """The coordinator's own account: original prompt, every committed output token."""
+        completion = self.completion_tokens + extra_tokens
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
+                "total_tokens": len(self.prompt_ids) + completion}
+
+    def begin_attempt(self, attempt: int, instance: str) -> AttemptSnapshot:
+        self.attempt = attempt
+        self.instance = instance
+        return AttemptSnapshot(attempt, instance, tuple(
+            (c.index, c.phase, c.stream_state, len(c.output_ids), c.visible, c.finish_reason)
+            for c in self.choices.values()
+        ))
+
+    def restore(self, snapshot: AttemptSnapshot) -> None:
+        """Back to the state ``snapshot`` took (the attempt failed before visible output)."""
+        kept = {i for i, *_ in snapshot.choices}
+        self.choices = {i: c for i, c in self.choices.items() if i in kept}
+        for index, phase, state, count, visible, finish in snapshot.choices:
+            record = self.choices[index]
+            record.phase, record.stream_state, record.visible, record.finish_reason = phase, state, visible, finish
+            del record.output_ids[count:]
+
+    def end(self, phase: ChoicePhase) -> None:
+        """Mark every open choice ``phase`` (FAILED / CANCELLED) when the request ends early."""
+        for c in self.choices.values():
+            if c.phase in (ChoicePhase.PENDING, ChoicePhase.STREAMING):
+                c.phase = phase
+
+    def commit(self, pending: PendingChunk) -> None:
+        """The chunk was handed on: its state and tokens are now the client's."""
+        if pending.index is None:
+            return
+        record = self.choice(pending.index)
+        record.stream_state = pending.next_state
+        record.output_ids.extend(pending.token_ids)
+        record.visible = True
+        if pending.finish_reason is not None:
+            record.finish_reason = pending.finish_reason
+            record.phase = ChoicePhase.DONE
+        else:
+            record.phase = ChoicePhase.STREAMING
+
+    # -- derender --------------------------------------------------------------------------------
+
+    async def derender(self, event: dict[str, Any]) -> PendingChunk:
+        """Derender ``event`` with the committed state of its choice; commits nothing."""
+        choices = event.get("choices") or []
+        index = int(choices[0].get("index", 0)) if choices else None
+        token_ids = tuple(choices[0].get("token_ids") or ()) if choices else ()
+        finish = choices[0].get("finish_reason") if choices else None
+        state = self.choice(index).stream_state if index is not None else None
+        tries = 1 + max(0, self.settings.derender_retries)
+        try:
+            async with asyncio.timeout(self.settings.chunk_timeout_s):
+                for attempt in range(tries):
+                    self.derender_calls += 1
+                    try:
+                        chunk, next_state = await self.render.derender_chunk(
+                            self.kind, event, stream_state=state, prompt_token_ids=self.prompt_ids,
+                            request=self.body, model=self.body.get("model"),
+                        )
+                        break
+                    except DerenderRetryable as exc:
+                        # Same chunk, same previous state: derender is a pure function of both.
+                        if attempt + 1 >= tries:
+                            raise
+                        self._log_failure(index, exc, retrying=True)
+        except TimeoutError as exc:
+            err = DerenderError(f"derender of a chunk took over {self.settings.chunk_timeout_s:g}s", status=504)
+            self._log_failure(index, err)
+            raise err from exc
+        except BaseException as exc:
+            if not isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+                self._log_failure(index, exc)
+            raise
+        chunk["id"] = self.public_id
+        self._account(chunk, len(token_ids))
+        return PendingChunk(chunk, index, next_state, token_ids, finish)
+
+    def _account(self, chunk: dict[str, Any], new_tokens: int) -> None:
+        """Usage numbers are ours, never an engine's (a relayed attempt saw a longer prompt)."""
+        usage = chunk.get("usage")
+        if not isinstance(usage, dict):
+            return
+        # continuous_usage_stats: a choice chunk counts itself; the final usage chunk counts all.
+        usage.update(self.usage(new_tokens if chunk.get("choices") else 0))
+
+    def _log_failure(self, index: int | None, exc: BaseException, *, retrying: bool = False) -> None:
+        logger.warning(
+            "stream_derender request_id=%s prompt=%d choice=%s attempt=%d error=%s retrying=%s",
+            self.request_id, self.prompt_index, "-" if index is None else index, self.attempt,
+            type(exc).__name__, str(retrying).lower(),
+        )
+
+    async def chunks(self, events: AsyncIterator[dict[str, Any]]) -> AsyncGenerator[dict[str, Any], None]:
+        """Derendered chunks of one attempt's events; each is committed once the consumer resumes.
+
+        ``events`` are already through the engine boundary (semantic ids) and error checks.
+        """
+        # The coalescing reader wraps the engine events here, and only here.
+        reader = self.reader(events)
+        try:
+            async for event in reader:
+                pending = await self.derender(event)
+                # The hold-back filter sees every chunk here, before the client does.
+                out = self.chunk_filter(pending.chunk)
+                if out is not None:
+                    yield out
+                # Handed on (or held back by the filter, which now owns it): commit.
+                self.commit(pending)
+        finally:
+            # A reader of our own (coalescing) reads ``events`` in a task: stop it now, before the
+            # caller closes the engine stream under it ("aclose(): ... already running").
+            if reader is not events:
+                await reader.aclose()  # type: ignore[attr-defined]

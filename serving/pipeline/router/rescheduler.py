@@ -1,0 +1,64 @@
+"""Relay of a single-prompt stream after an engine failure: the retry plan.
+
+What the client already saw is final, so the next attempt continues from it instead of starting
+over (RFC 流式 replay 与重调度): its prompt is the original prompt ids plus the committed semantic
+output ids, its budget is what is left of the client's, and it is already final ids (no render).
+The plan is pure data; the pipeline places it like any other prompt (same scheduler, same topology
+rules, the obfuscation boundary re-obfuscates its ids on the way out).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from serving.pipeline.router.token_only import attempt_request_id, resolved_max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RetryRequestPlan:
+    """The engine request of relay attempt ``attempt`` of one prompt."""
+
+    base_request: Mapping[str, Any]  # render's GenerateRequest of the prompt (semantic ids)
+    prompt_ids: tuple[int, ...]  # the original prompt: derender and usage keep using these
+    committed_ids: tuple[int, ...]  # semantic output ids the client has seen
+    attempt: int  # the engine attempt number; names the engine request
+
+    @classmethod
+    def build(
+        cls, base_request: Mapping[str, Any], prompt_ids: Sequence[int], committed_ids: Sequence[int], *, attempt: int
+    ) -> RetryRequestPlan:
+        return cls(base_request, tuple(prompt_ids), tuple(committed_ids), attempt)
+
+    @property
+    def replay_ids(self) -> list[int]:
+        return [*self.prompt_ids, *self.committed_ids]
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Output budget left: the client's ``max_tokens`` minus what it already received."""
+        return resolved_max_tokens(dict(self.base_request)) - len(self.committed_ids)
+
+    @property
+    def request_id(self) -> str:
+        return attempt_request_id(str(self.base_request["request_id"]), self.attempt)
+
+    def request(self) -> dict[str, Any]:
+        """The GenerateRequest to place: replay ids, reduced budget, this attempt's own id.
+
+        Raises ``ValueError`` when no budget is left (the caller ends the stream instead).
+        """
+        remaining = self.remaining_tokens
+        if remaining < 1:
+            raise ValueError("no output budget left to relay")
+        req = copy.copy(dict(self.base_request))
+        params = dict(req.get("sampling_params") or {})
+        params["max_tokens"] = remaining
+        if params.get("min_tokens"):
+            params["min_tokens"] = max(0, int(params["min_tokens"]) - len(self.committed_ids))
+        req["sampling_params"] = params
+        req["token_ids"] = self.replay_ids
+        req["request_id"] = self.request_id
+        return req

@@ -1,0 +1,175 @@
+"""StreamingRenderSession: commit only after hand-off, rollback, attempt snapshots, usage account."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+import pytest
+
+from serving.pipeline.errors import DerenderError, UpstreamRequestError
+from serving.pipeline.render.client import DerenderRetryable
+from serving.pipeline.render.streaming import ChoicePhase, StreamingRenderSession, StreamSettings
+
+PROMPT = [1, 2, 3]
+
+
+class FakeRender:
+    """derender_chunk: text is the ids, the state counts chunks; ``fail`` raises on chosen calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, Any], dict[str, Any] | None, list[int]]] = []
+        self.fail: dict[int, BaseException] = {}  # call number (0-based) -> exception
+        self.hang = False
+
+    async def derender_chunk(self, kind: str, event: dict[str, Any], *, stream_state: Any, prompt_token_ids: list[int],
+                             request: dict[str, Any], model: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        number = len(self.calls)
+        self.calls.append((event, stream_state, prompt_token_ids))
+        if self.hang:
+            await asyncio.Event().wait()
+        if number in self.fail:
+            raise self.fail[number]
+        choices = event.get("choices") or []
+        if not choices:
+            return {"choices": [], "usage": dict(event["usage"])}, stream_state
+        c = choices[0]
+        seen = (stream_state or {}).get("chunks", 0)
+        delta: dict[str, Any] = {"content": "".join(f"<{t}>" for t in c["token_ids"])}
+        if seen == 0:
+            delta["role"] = "assistant"
+        chunk = {"choices": [{"index": c["index"], "delta": delta, "finish_reason": c.get("finish_reason")}],
+                 "usage": {"prompt_tokens": 999, "completion_tokens": 999, "total_tokens": 999} if "usage" in event else None}
+        return chunk, {"chunks": seen + 1}
+
+
+def event(token: int, index: int = 0, finish: str | None = None) -> dict[str, Any]:
+    return {"request_id": "g", "choices": [{"index": index, "token_ids": [token], "finish_reason": finish}]}
+
+
+async def events(*items: dict[str, Any] | BaseException) -> AsyncIterator[dict[str, Any]]:
+    for item in items:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def session(render: FakeRender, **settings: Any) -> StreamingRenderSession:
+    return StreamingRenderSession(
+        render, "chat", {"model": "m"}, PROMPT, request_id="r", public_id="chatcmpl-r",  # type: ignore[arg-type]
+        settings=StreamSettings(**{"chunk_timeout_s": 1.0, **settings}),
+    )
+
+
+async def test_a_chunk_is_committed_only_once_the_consumer_resumes() -> None:
+    render = FakeRender()
+    s = session(render)
+    chunks = s.chunks(events(event(7), event(8, finish="length")))
+
+    first = await anext(chunks)
+    assert first["id"] == "chatcmpl-r" and first["choices"][0]["delta"]["role"] == "assistant"
+    assert s.choice(0).output_ids == [] and s.choice(0).phase is ChoicePhase.PENDING  # handed, not yet committed
+
+    await anext(chunks)
+    assert s.choice(0).output_ids == [7] and s.choice(0).stream_state == {"chunks": 1}
+    with pytest.raises(StopAsyncIteration):
+        await anext(chunks)
+    assert s.choice(0).output_ids == [7, 8] and s.choice(0).phase is ChoicePhase.DONE
+    # The second derender went with the state committed by the first, and always the original prompt.
+    assert [c[1] for c in render.calls] == [None, {"chunks": 1}] and all(c[2] == PROMPT for c in render.calls)
+
+
+async def test_a_consumer_that_leaves_after_a_chunk_commits_nothing_of_it() -> None:
+    s = session(FakeRender())
+    chunks = s.chunks(events(event(7), event(8)))
+    await anext(chunks)
+    await chunks.aclose()
+    assert s.committed_ids == [] and not s.visible
+
+
+@pytest.mark.parametrize("exc", [
+    DerenderError("boom"), UpstreamRequestError(400, {"error": {"message": "invalid stream_state"}}, source="derender"),
+], ids=["5xx-like", "400-invalid-state"])
+async def test_a_failed_derender_commits_nothing(exc: BaseException) -> None:
+    render = FakeRender()
+    render.fail = {1: exc}
+    s = session(render, derender_retries=0)
+    got = []
+    with pytest.raises(type(exc)):
+        async for chunk in s.chunks(events(event(7), event(8))):
+            got.append(chunk)
+    assert len(got) == 1 and s.committed_ids == [7] and s.choice(0).stream_state == {"chunks": 1}
+
+
+async def test_a_retryable_derender_failure_is_retried_once_with_the_same_state() -> None:
+    render = FakeRender()
+    render.fail = {1: DerenderRetryable("unreachable")}
+    s = session(render)
+    out = [c async for c in s.chunks(events(event(7), event(8)))]
+    assert len(out) == 2 and s.committed_ids == [7, 8]
+    assert render.calls[1][1] == render.calls[2][1] == {"chunks": 1} and s.derender_calls == 3
+
+
+async def test_the_retry_budget_and_the_chunk_timeout_bound_derender() -> None:
+    render = FakeRender()
+    render.fail = {0: DerenderRetryable("5xx"), 1: DerenderRetryable("5xx")}
+    with pytest.raises(DerenderRetryable):
+        await s_first(session(render))
+    render = FakeRender()
+    render.hang = True
+    with pytest.raises(DerenderError) as info:
+        await s_first(session(render, chunk_timeout_s=0.05))
+    assert info.value.status == 504
+
+
+async def s_first(s: StreamingRenderSession) -> dict[str, Any]:
+    return await anext(s.chunks(events(event(7))))
+
+
+async def test_an_attempt_failing_before_visible_output_restores_its_snapshot() -> None:
+    s = session(FakeRender())
+    snap = s.begin_attempt(0, "e1")
+    with pytest.raises(RuntimeError):
+        async for _ in s.chunks(events(RuntimeError("drop"))):
+            pass
+    s.restore(snap)
+    assert s.choices == {} and not s.visible
+
+    # After visible output the committed state survives the next attempt's early failure.
+    async for _ in s.chunks(events(event(7), event(8))):
+        pass
+    snap = s.begin_attempt(1, "e2")
+    with pytest.raises(RuntimeError):
+        async for _ in s.chunks(events(RuntimeError("drop"))):
+            pass
+    s.restore(snap)
+    assert s.committed_ids == [7, 8] and s.choice(0).stream_state == {"chunks": 2} and s.attempt == 1
+
+
+async def test_restore_drops_what_a_failed_attempt_added() -> None:
+    s = session(FakeRender())
+    async for _ in s.chunks(events(event(7))):
+        pass
+    snap = s.begin_attempt(1, "e2")
+    async for _ in s.chunks(events(event(8), event(5, index=1))):
+        pass
+    s.restore(snap)
+    assert s.committed_ids == [7] and set(s.choices) == {0} and s.choice(0).stream_state == {"chunks": 1}
+
+
+async def test_usage_is_the_sessions_own_account() -> None:
+    s = session(FakeRender())
+    usage_event = {"request_id": "g", "choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": 1,
+                                                               "total_tokens": 51}}
+    continuous = {**event(8), "usage": {"prompt_tokens": 50, "completion_tokens": 1, "total_tokens": 51}}
+    out = [c async for c in s.chunks(events(event(7), continuous, usage_event))]
+    assert out[1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}  # this chunk counted
+    assert out[2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+async def test_end_marks_open_choices_only() -> None:
+    s = session(FakeRender())
+    async for _ in s.chunks(events(event(7, finish="stop"), event(5, index=1))):
+        pass
+    s.end(ChoicePhase.CANCELLED)
+    assert s.choice(0).phase is ChoicePhase.DONE and s.choice(1).phase is ChoicePhase.CANCELLED
