@@ -1,0 +1,212 @@
+"""Coalescing of engine events while derender is busy (serving/pipeline/render/coalesce.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from serving.pipeline.render.coalesce import coalesced, event_choice_index, merge_events
+
+
+def token_event(index: int, ids: list[int], *, finish: str | None = None, logprobs: bool = True,
+                usage: int | None = None, prompt: list[int] | None = None) -> dict[str, Any]:
+    event: dict[str, Any] = {
+        "request_id": "generate-tokens-x",
+        "output_mode": "tokens",
+        "usage": None if usage is None else {"prompt_tokens": 5, "completion_tokens": usage, "total_tokens": 5 + usage},
+        "choices": [{
+            "index": index, "finish_reason": finish, "stop_reason": None, "token_ids": ids,
+            "routed_experts": None, "sampling_mask": None, "weight_versions": None,
+            "logprobs": {"content": [{"token_id": t, "logprob": -1.0, "rank": None, "top_logprobs": []} for t in ids]}
+            if logprobs else None,
+        }],
+    }
+    if prompt is not None:
+        event["prompt_token_ids"] = prompt
+    return event
+
+
+USAGE_ONLY = {"request_id": "generate-tokens-x", "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9},
+              "output_mode": "tokens", "choices": []}
+ERROR = {"error": {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}}
+
+
+async def source(events: list[dict[str, Any]], *, fail: BaseException | None = None,
+                 gate: asyncio.Event | None = None) -> AsyncIterator[dict[str, Any]]:
+    for e in events:
+        yield e
+    if gate is not None:
+        await gate.wait()
+    if fail is not None:
+        raise fail
+
+
+async def drain_after_all_read(events: list[dict[str, Any]], **kw: Any) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Consume with the first event alone and the rest buffered: the reader is held at the gate."""
+    stats: dict[str, int] = {}
+    gate = asyncio.Event()
+
+    async def engine() -> AsyncIterator[dict[str, Any]]:
+        yield events[0]
+        await gate.wait()
+        for e in events[1:]:
+            yield e
+
+    gen = coalesced(engine(), stats=stats, **kw)
+    first = await gen.__anext__()
+    gate.set()
+    for _ in range(20):
+        await asyncio.sleep(0)  # the consumer is busy: the reader buffers the rest
+    out = [first] + [e async for e in gen]
+    return out, stats
+
+
+def test_it_merges_ids_logprobs_and_takes_finish_and_usage_from_the_last() -> None:
+    merged = merge_events([
+        token_event(0, [1, 2], prompt=[9, 9], usage=2),
+        token_event(0, [3], usage=3),
+        token_event(0, [4], finish="stop", usage=4),
+    ])
+    choice = merged["choices"][0]
+    assert choice["token_ids"] == [1, 2, 3, 4]
+    assert [c["token_id"] for c in choice["logprobs"]["content"]] == [1, 2, 3, 4]
+    assert choice["finish_reason"] == "stop"
+    assert merged["usage"]["completion_tokens"] == 4
+    assert merged["prompt_token_ids"] == [9, 9]
+
+
+def test_it_keeps_null_logprobs_null() -> None:
+    merged = merge_events([token_event(0, [1], logprobs=False), token_event(0, [2], logprobs=False)])
+    assert merged["choices"][0]["logprobs"] is None
+
+
+def test_it_refuses_to_merge_across_choices_or_with_usage() -> None:
+    with pytest.raises(ValueError):
+        merge_events([token_event(0, [1]), token_event(1, [2])])
+    with pytest.raises(ValueError):
+        merge_events([token_event(0, [1]), USAGE_ONLY])
+    assert event_choice_index(ERROR) is None
+    assert event_choice_index(USAGE_ONLY) is None
+
+
+async def test_it_passes_events_through_unchanged_for_a_consumer_that_keeps_up() -> None:
+    events = [token_event(0, [i]) for i in range(5)] + [USAGE_ONLY]
+    stats: dict[str, int] = {}
+    out = [e async for e in coalesced(source(events), stats=stats)]
+    # A consumer that never awaits between pulls may still see merges; what it sees must add up.
+    assert sum(len(e["choices"][0]["token_ids"]) for e in out if e["choices"]) == 5
+    assert out[-1] is USAGE_ONLY
+    assert stats["events_in"] == 6
+
+
+async def test_it_merges_what_queued_while_the_consumer_was_busy() -> None:
+    events = [token_event(0, [i], usage=i + 1) for i in range(6)]
+    events[-1]["choices"][0]["finish_reason"] = "length"
+    out, stats = await drain_after_all_read(events + [USAGE_ONLY])
+    assert out[0]["choices"][0]["token_ids"] == [0]
+    assert out[1]["choices"][0]["token_ids"] == [1, 2, 3, 4, 5]
+    assert out[1]["choices"][0]["finish_reason"] == "length"
+    assert out[1]["usage"]["completion_tokens"] == 6
+    assert out[2] is USAGE_ONLY
+    assert stats == {"events_in": 7, "events_out": 3, "high_water": 6}
+
+
+async def test_it_never_merges_across_choice_indices_and_keeps_per_choice_order() -> None:
+    events = [token_event(i % 2, [10 * (i % 2) + i]) for i in range(8)]
+    out, _ = await drain_after_all_read(events)
+    by_index: dict[int, list[int]] = {0: [], 1: []}
+    for e in out:
+        assert len(e["choices"]) == 1
+        by_index[e["choices"][0]["index"]] += e["choices"][0]["token_ids"]
+    assert by_index == {0: [0, 2, 4, 6], 1: [11, 13, 15, 17]}
+    assert len(out) == 3  # the first alone, then one merged event per choice
+
+
+async def test_it_delivers_an_error_event_unmerged_after_what_came_before() -> None:
+    out, _ = await drain_after_all_read([token_event(0, [1]), token_event(0, [2]), token_event(0, [3]), ERROR])
+    assert [e.get("choices", [{}])[0].get("token_ids") for e in out[:-1]] == [[1], [2, 3]]
+    assert out[-1] is ERROR
+
+
+async def test_it_raises_the_source_failure_after_the_events_read_before_it() -> None:
+    gate = asyncio.Event()
+    gen = coalesced(source([token_event(0, [1]), token_event(0, [2])], fail=ConnectionError("drop"), gate=gate))
+    seen = [await gen.__anext__()]
+    gate.set()
+    with pytest.raises(ConnectionError):
+        async for e in gen:
+            seen.append(e)
+    assert sum(len(e["choices"][0]["token_ids"]) for e in seen) == 2
+
+
+async def test_it_bounds_the_buffer_and_makes_the_reader_wait() -> None:
+    produced = 0
+
+    async def engine() -> AsyncIterator[dict[str, Any]]:
+        nonlocal produced
+        for i in range(50):
+            produced += 1
+            yield token_event(0, [i])
+
+    stats: dict[str, int] = {}
+    gen = coalesced(engine(), max_pending=4, stats=stats)
+    first = await gen.__anext__()
+    for _ in range(50):
+        await asyncio.sleep(0)
+    # The consumer paused after its first pull (which took a full buffer): the reader filled the
+    # buffer again and holds one more event while it waits, nothing beyond.
+    assert produced == 4 + 4 + 1
+    rest = [e async for e in gen]
+    ids = first["choices"][0]["token_ids"] + [t for e in rest for t in e["choices"][0]["token_ids"]]
+    assert ids == list(range(50))
+    assert stats["high_water"] <= 4
+
+
+async def test_it_cancels_the_reader_when_closed_early() -> None:
+    gate = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def engine() -> AsyncIterator[dict[str, Any]]:
+        try:
+            yield token_event(0, [1])
+            await gate.wait()  # a stalled engine
+        finally:
+            closed.set()
+
+    before = asyncio.all_tasks()
+    gen = coalesced(engine())
+    await gen.__anext__()
+    await gen.aclose()
+    assert closed.is_set()
+    assert asyncio.all_tasks() == before
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3), st.integers(0, 3)), min_size=1, max_size=30))
+def test_it_concatenates_to_the_uncoalesced_stream_per_choice(plan: list[tuple[int, int, int]]) -> None:
+    """Whatever the consumer's pauses, per choice the ids and logprobs add up to the originals."""
+
+    async def run() -> None:
+        events = [token_event(index, list(range(100 * index + k * 10, 100 * index + k * 10 + size)))
+                  for k, (index, size, _) in enumerate(plan)]
+        expected: dict[int, list[int]] = {}
+        for e in events:
+            expected.setdefault(e["choices"][0]["index"], []).extend(e["choices"][0]["token_ids"])
+        got: dict[int, list[int]] = {}
+        got_lp: dict[int, list[int]] = {}
+        k = 0
+        async for e in coalesced(source(events), max_pending=5):
+            c = e["choices"][0]
+            got.setdefault(c["index"], []).extend(c["token_ids"])
+            got_lp.setdefault(c["index"], []).extend(x["token_id"] for x in c["logprobs"]["content"])
+            for _ in range(plan[k % len(plan)][2]):
+                await asyncio.sleep(0)  # the consumer is busy for a while
+            k += 1
+        assert got == expected
+        assert got_lp == expected
+
+    asyncio.run(run())
