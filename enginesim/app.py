@@ -287,13 +287,11 @@ class SimHandlers:
             threshold = fault.tokens if fault is not None and fault.mode in _AFTER_TOKENS else None
             sent = 0
             first = True
-            fired = False
             try:
                 async with aclosing(generation.deltas()) as deltas:
                     async for delta in deltas:
                         if threshold is not None and sent >= threshold:
-                            fired = True
-                            break
+                            break  # the fault fires below, as it does at the end of a shorter output
                         counts[delta.index] += len(delta.token_ids)
                         usage = (
                             UsageInfo(

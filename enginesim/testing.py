@@ -97,7 +97,7 @@ class SSEReader:
                 chunk = await anext(self._chunks)
             except StopAsyncIteration:
                 if self._buffer:
-                    raise AssertionError(f"trailing bytes after last frame: {self._buffer!r}")
+                    raise AssertionError(f"trailing bytes after last frame: {self._buffer!r}") from None
                 return None
             self._buffer += chunk
         frame, _, self._buffer = self._buffer.partition(b"\n\n")

@@ -65,7 +65,8 @@ class UpstreamRequestError(MotorError):
     """A 4xx from render, an engine or derender about the request: passed through verbatim."""
 
     def __init__(self, status: int, body: dict[str, Any], *, source: str) -> None:
-        err = body.get("error") if isinstance(body.get("error"), dict) else {}
+        raw = body.get("error")
+        err: dict[str, Any] = raw if isinstance(raw, dict) else {}
         super().__init__(str(err.get("message") or body), param=err.get("param"), status=status)
         self.type = str(err.get("type") or "BadRequestError")
         self.source = source

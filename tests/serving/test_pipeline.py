@@ -15,20 +15,6 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from tests.serving.fakes import (
-    CHAT_PROMPT,
-    MODEL,
-    RENDER_URL,
-    FakeUpstreams,
-    StreamPlan,
-    completion_prompt_ids,
-    error_json,
-    fleet_snapshot,
-    instance,
-    output_ids,
-    parse_frames,
-    text_of,
-)
 from serving.pipeline.errors import (
     DerenderError,
     EngineBusy,
@@ -43,6 +29,20 @@ from serving.pipeline.render.streaming import StreamSettings
 from serving.pipeline.router.engine_client import EngineClient
 from serving.pipeline.router.scheduler import LoadTracker, Scheduler
 from serving.pipeline.service import EventStream, ServingPipeline
+from tests.serving.fakes import (
+    CHAT_PROMPT,
+    MODEL,
+    RENDER_URL,
+    FakeUpstreams,
+    StreamPlan,
+    completion_prompt_ids,
+    error_json,
+    fleet_snapshot,
+    instance,
+    output_ids,
+    parse_frames,
+    text_of,
+)
 
 WATCHDOG_S = 5.0  # a hung pipeline fails the test instead of stalling the suite
 
@@ -391,7 +391,7 @@ def assert_state_chains(upstreams: FakeUpstreams) -> None:
     assert chains
     for calls in chains.values():
         assert calls[0]["state_in"] is None
-        for prev, cur in zip(calls, calls[1:]):
+        for prev, cur in zip(calls, calls[1:], strict=False):
             assert cur["state_in"] == prev["state_out"]
 
 

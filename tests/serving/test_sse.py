@@ -85,7 +85,7 @@ async def test_frames_round_trip_through_httpx_line_splitting_across_chunk_bound
     raw = b"".join(frame(p) for p in payloads) + DONE
     # Cut the byte stream at awkward places: inside "data:", inside a UTF-8 sequence, between \n\n.
     cuts = [3, 11, raw.index("✓".encode()) + 1, len(raw) - len(DONE) + 1, len(raw) - 1]
-    pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])]
+    pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
     assert b"".join(pieces) == raw
 
     async def body() -> AsyncIterator[bytes]:

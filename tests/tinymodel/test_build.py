@@ -47,7 +47,7 @@ def test_it_gives_each_special_token_one_distinct_id(model_dir: Path) -> None:
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
     assert None not in ids and len(set(ids)) == len(SPECIAL_TOKENS)
-    for t, i in zip(SPECIAL_TOKENS, ids):
+    for t, i in zip(SPECIAL_TOKENS, ids, strict=True):
         assert tok.encode(t).ids == [i]
     # Control tokens vanish with skip_special_tokens; tool/think markers must survive decoding
     # so the hermes and qwen3 parsers can see them.

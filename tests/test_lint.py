@@ -1,0 +1,32 @@
+"""House rules the tools can check: ruff over the tree, mypy --strict over the data plane."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_ruff_finds_nothing() -> None:
+    result = _run("ruff", "check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_data_plane_type_checks_strictly() -> None:
+    result = _run("mypy", "--strict", "--ignore-missing-imports", "serving/pipeline")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_data_plane_imports_nothing_from_django() -> None:
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "serving" / "pipeline").rglob("*.py")
+        if any(line.startswith(("import django", "from django")) for line in p.read_text().splitlines())
+    ]
+    assert offenders == []
