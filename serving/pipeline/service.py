@@ -516,6 +516,38 @@ class GenerateContext:
         metrics.record_request(instance.name, time.perf_counter() - start, None, ok=True)  # TTFT = whole answer
         return response
 
+    async def stream_leg(
+        self, instance: InstanceView, request: dict[str, Any], *, phase: str, tokens: int, stack: AsyncExitStack
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Open one streaming generate on ``instance`` (established: HTTP 200); return its events.
+
+        Its admission lease, load hold and HTTP stream go on ``stack`` (the attempt's), so a failed
+        attempt releases them at once. The breaker hears the engine's own faults as in ``leg``.
+        """
+        p = self.pipeline
+        breakers = p.scheduler.breakers
+        if not breakers.begin(instance):
+            raise EngineBusy(f"{instance.name} is held off by its circuit breaker", instance=instance.name)
+        try:
+            lease = await p.scheduler.admission.acquire(instance, tokens)
+            stack.callback(lease.release)
+            stack.enter_context(p.scheduler.load.hold(instance))
+            events = await stack.enter_async_context(p.engines.generate_stream(instance, p.boundary.outbound(request, instance)))
+        except (EngineBusy, EngineLacksCapability):
+            breakers.release(instance)
+            raise
+        except EngineError as exc:
+            breakers.failure(instance, exc.message[:200])
+            metrics.record_request(instance.name, None, None, ok=False)
+            raise
+        except BaseException:
+            breakers.release(instance)
+            raise
+        breakers.success(instance)
+        logger.info("generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d result=established stream=true",
+                    self.request_id, self.prompt_index, instance.name, phase, self.attempt)
+        return metrics.TimedEvents(instance.name, events)
+
 
 TopologyRunner = Callable[[GenerateContext, Placement, dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -527,6 +559,26 @@ async def run_union(ctx: GenerateContext, placement: Placement, engine_req: dict
 
 # Handoff / Trigger register here (router/topologies.py): one signature for every topology.
 TOPOLOGY_RUNNERS: dict[str, TopologyRunner] = {"union": run_union}
+
+# Streaming P/D: (ctx, placement, budgeted engine request, the attempt's stack) -> (decode instance,
+# its leg's engine request id, D's events); the prefill side is over (or released) when it returns.
+StreamOpener = Callable[
+    [GenerateContext, Placement, dict[str, Any], AsyncExitStack],
+    Awaitable[tuple[InstanceView, str, AsyncIterator[dict[str, Any]]]],
+]
+STREAM_OPENERS: dict[str, StreamOpener] = {}
+
+
+def _no_pd_ineligibility(_engine_request: dict[str, Any]) -> str:
+    return ""
+
+
+# Why a request must stay on one instance (``topologies.pd_ineligible``, registered with the runners).
+PD_INELIGIBLE: Callable[[dict[str, Any]], str] = _no_pd_ineligibility
+
+
+class TriggerMultiPromptStream(NoCapacity):
+    """A multi-prompt streaming request was placed on Trigger: the RFC serves it natively."""
 
 
 class ServingPipeline:
@@ -699,7 +751,7 @@ class ServingPipeline:
             try:
                 placement = self.scheduler.place(
                     self.snapshot, tokenized.model, prompt.token_ids, tokens=estimate, exclude=excluded,
-                    requires_tokenizer=requires_tokenizer,
+                    requires_tokenizer=requires_tokenizer, pd_ineligible=PD_INELIGIBLE(dict(prompt.generate_request)),
                 )
             except NoCapacity:
                 if last is not None:
@@ -833,12 +885,17 @@ class ServingPipeline:
 
     async def _open(
         self, body: dict[str, Any], kind: str, request_id: str, tokenized: TokenizedRequest, requires_tokenizer: bool
-    ) -> EventStream:
+    ) -> EventStream | NativeStream | dict[str, Any]:
         """Establish every engine stream of the request before the client sees a byte."""
         streams: list[OpenStream] = []
         try:
             for index in range(len(tokenized.prompts)):
                 streams.append(await self._open_one(tokenized, index, requires_tokenizer))
+        except TriggerMultiPromptStream:
+            # RFC: Trigger 多 prompt 流式仍沿用原生链路. Nothing reached the client yet.
+            for s in streams:
+                await s.aclose(self.engines)
+            return await self._native(kind, body, request_id, "trigger_multi_prompt_stream")
         except BaseException:
             for s in streams:
                 await s.aclose(self.engines)
@@ -889,67 +946,66 @@ class ServingPipeline:
         token_ids = plan.replay_ids if plan is not None else prompt.token_ids
         excluded = self._too_small(prompt) | set(exclude)
         last: EngineError | None = None
-        breakers = self.scheduler.breakers
         first = plan.attempt if plan is not None else first_attempt
+        multi_prompt = len(tokenized.prompts) > 1
         for attempt in range(first, first + self.max_attempts):
             base = replace(plan, attempt=attempt).request() if plan is not None else dict(prompt.generate_request)
             n = int(base.get("sampling_params", {}).get("n") or 1)
             estimate = len(token_ids) + resolved_max_tokens(base) * n
+            ineligible = PD_INELIGIBLE(base)
             try:
-                # A relay is placed like any prompt (same scheduler, same topology rules).
+                # A relay is placed like any prompt (same scheduler, same topology rules): in P/D,
+                # P and D both get the replay ids.
                 placement = self.scheduler.place(
                     self.snapshot, tokenized.model, token_ids, tokens=estimate, exclude=excluded,
-                    requires_tokenizer=requires_tokenizer,
+                    requires_tokenizer=requires_tokenizer, pd_ineligible=ineligible,
                 )
             except NoCapacity:
                 if last is not None:
                     raise last from None
                 raise
-            # Streams run union (the decode instance of a P/D placement) until the P/D runners
-            # learn a streaming decode leg.
+            if placement.topology == "trigger" and multi_prompt:
+                logger.info("route request_id=%s prompt=%d path=native reason=trigger_multi_prompt_stream instances=%s",
+                            prompt.request_id, index, placement.names)
+                raise TriggerMultiPromptStream("multi-prompt streaming on Trigger takes the native path")
+            # The decode instance's context bounds the budget (union: the one instance).
             instance = placement.instances[-1]
             engine_req, tokens = self._budget_request(base, len(token_ids), instance)
             rid = engine_req["request_id"] = attempt_request_id(prompt.request_id, attempt)
-            if not breakers.begin(instance):
-                excluded.add(instance.name)
-                continue
+            logger.info(
+                "placement request_id=%s prompt=%d attempt=%d topology=%s instances=%s prefix_hit_blocks=%d tokens=%d "
+                "stream=true pd_ineligible=%s", rid, index, attempt, placement.topology, placement.names,
+                placement.prefix_hit_blocks, tokens, ineligible or "-",
+            )
+            ctx = GenerateContext(self, prompt.request_id, prompt, index, attempt, tokens)
             attempt_stack = AsyncExitStack()
             try:
-                # Per attempt: a failed attempt releases its hold now, not when the request ends.
-                lease = await self.scheduler.admission.acquire(instance, tokens)
-                attempt_stack.callback(lease.release)
-                attempt_stack.enter_context(self.scheduler.load.hold(instance))
-                events = await attempt_stack.enter_async_context(
-                    self.engines.generate_stream(instance, self.boundary.outbound(engine_req, instance))
-                )
-            except (EngineBusy, EngineLacksCapability) as exc:
+                # Per attempt: a failed attempt releases its holds now, not when the request ends.
+                if placement.topology == "union":
+                    events = await ctx.stream_leg(instance, engine_req, phase="union", tokens=tokens, stack=attempt_stack)
+                    stream_instance, stream_rid = instance, rid
+                else:
+                    opener = STREAM_OPENERS.get(placement.topology)
+                    if opener is None:
+                        raise NoCapacity(f"no streaming runner for topology {placement.topology!r}")
+                    stream_instance, stream_rid, events = await opener(ctx, placement, engine_req, attempt_stack)
+            except EngineLacksCapability:
                 await attempt_stack.aclose()
-                breakers.release(instance)
-                if isinstance(exc, EngineLacksCapability):
-                    raise
-                last = exc
-                excluded.add(instance.name)
-                logger.warning("generate request_id=%s prompt=%d instance=%s phase=union attempt=%d result=%s stream=true",
-                               rid, index, instance.name, attempt, type(exc).__name__)
-                continue
+                raise
             except EngineError as exc:
                 await attempt_stack.aclose()
-                breakers.failure(instance, exc.message[:200])
                 last = exc
-                excluded.add(instance.name)
-                metrics.record_request(instance.name, None, None, ok=False)
-                logger.warning("generate request_id=%s prompt=%d instance=%s phase=union attempt=%d result=%s stream=true",
-                               rid, index, instance.name, attempt, type(exc).__name__)
+                # The failed instance (its breaker already heard it in the leg); a P/D placement
+                # without a named culprit moves off both.
+                failed = {exc.instance} if exc.instance else {i.name for i in placement.instances}
+                excluded.update(failed)
+                logger.warning("generate request_id=%s prompt=%d instances=%s topology=%s attempt=%d result=%s stream=true",
+                               rid, index, ",".join(sorted(failed)), placement.topology, attempt, type(exc).__name__)
                 continue
             except BaseException:
                 await attempt_stack.aclose()
-                breakers.release(instance)
                 raise
-            breakers.success(instance)
-            logger.info("generate request_id=%s prompt=%d instance=%s phase=union attempt=%d result=established",
-                        rid, index, instance.name, attempt)
-            return OpenStream(index, instance, rid, metrics.TimedEvents(instance.name, events),
-                              stack=attempt_stack, attempt=attempt)
+            return OpenStream(index, stream_instance, stream_rid, events, stack=attempt_stack, attempt=attempt)
         if last is not None:
             raise last
         raise NoCapacity(f"no engine instance can serve model {tokenized.model!r} right now")

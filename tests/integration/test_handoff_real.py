@@ -8,6 +8,7 @@ engines, where PD Hybrid places it on P and D.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import uuid
@@ -174,6 +175,37 @@ def test_a_long_chat_through_the_coordinator_takes_the_handoff(pd_coordinator: s
     prompt_tokens = out["usage"]["prompt_tokens"]
     assert prompt_tokens >= PDPolicy().min_prompt_tokens  # long enough for PD Hybrid to pick P/D
     # D decoded it, with the whole prompt's KV from P and none computed itself.
+    assert _metric(after, "external_kv_transfer") - _metric(before, "external_kv_transfer") == prompt_tokens
+    assert _metric(after, "local_compute") == _metric(before, "local_compute")
+
+
+def test_a_long_streaming_chat_through_the_coordinator_takes_the_handoff(pd_coordinator: stack.StackConfig) -> None:
+    """Streaming Handoff: P's leg non-streaming, D's decode leg streamed with P's params; the
+    streamed text equals the union engine's own answer and D computed no prompt token."""
+    cfg = pd_coordinator
+    body = {"model": "tiny", "messages": messages("notion"), "max_tokens": 24, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    before = httpx.get(cfg.decode_urls[0] + "/metrics", trust_env=False).text
+    chunks: list[dict] = []
+    with httpx.stream(
+        "POST", cfg.coordinator_url + "/v1/chat/completions", json=body,
+        headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120.0, trust_env=False,
+    ) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    after = httpx.get(cfg.decode_urls[0] + "/metrics", trust_env=False).text
+    assert not any("error" in c for c in chunks), chunks[-3:]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    theirs = httpx.post(
+        cfg.engine_urls[0] + "/v1/chat/completions", json={**body, "stream": False, "stream_options": None},
+        timeout=120.0, trust_env=False,
+    ).json()
+    assert text == theirs["choices"][0]["message"]["content"]
+    (usage,) = [c["usage"] for c in chunks if c.get("usage")]
+    prompt_tokens = usage["prompt_tokens"]
+    assert prompt_tokens == theirs["usage"]["prompt_tokens"] >= PDPolicy().min_prompt_tokens
     assert _metric(after, "external_kv_transfer") - _metric(before, "external_kv_transfer") == prompt_tokens
     assert _metric(after, "local_compute") == _metric(before, "local_compute")
 

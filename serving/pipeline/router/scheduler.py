@@ -144,18 +144,20 @@ class Scheduler:
 
     def place(
         self, snapshot: FleetSnapshot, model: str, prompt_ids: Sequence[int], *, tokens: int = 0,
-        exclude: Collection[str] = (), requires_tokenizer: bool = False,
+        exclude: Collection[str] = (), requires_tokenizer: bool = False, pd_ineligible: str = "",
     ) -> Placement:
         """Choose where one prompt runs; raise ``NoCapacity`` when no instance can take it.
 
         ``prompt_ids`` are semantic; affinity and the topology policy see ``engine_ids`` of them.
+        ``pd_ineligible`` (``topologies.pd_ineligible``: why P/D cannot serve the request exactly)
+        keeps the request on union, away from the topology policy.
         """
         ids = self.engine_ids(snapshot, prompt_ids) if self.engine_ids is not None else prompt_ids
         candidates = self.candidates(
             snapshot, model, exclude=exclude, requires_tokenizer=requires_tokenizer, tokens=tokens
         )
         placed: Placement | None = None
-        if self.topology_policy is not None and not requires_tokenizer:
+        if self.topology_policy is not None and not requires_tokenizer and not pd_ineligible:
             placed = self.topology_policy(snapshot, model, ids, candidates, exclude)
         if placed is None:
             if not candidates:

@@ -16,6 +16,12 @@ The choice functions are pure (the scheduler calls them with what it knows); ``r
 (load holds, engine requests, metaserver registration) exactly once on every exit path. They make
 one attempt: a failure raises ``EngineError`` naming the failed instance so the caller's breaker and
 retry budget act on the right one. Each leg is its own engine request with its own id.
+
+Streaming (``open_handoff_stream`` / ``open_trigger_stream``, the router's ``STREAM_OPENERS``):
+the same legs, with D's decode leg opened as a stream on the attempt's exit stack; the prefill
+leg stays non-streaming. They return once D's stream is established (Trigger: and P answered), with
+every other piece of P/D state released, so the stream then only holds D (its abort names D's leg
+id). A relay is placed like a new prompt with the replay ids, so P and D both get them.
 """
 
 from __future__ import annotations
@@ -25,9 +31,20 @@ import copy
 import enum
 import logging
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, AsyncExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Iterable, Mapping, Protocol, Sequence
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Mapping,
+    Protocol,
+    Sequence,
+)
 
 from serving.pipeline import service
 from serving.pipeline.errors import EngineError, NoCapacity
@@ -248,6 +265,11 @@ class PDPlacement(Protocol):
 # The router's per-leg work (breaker, token admission, load, boundary, validation):
 # ``GenerateContext.leg`` bound to one attempt; (instance, request, phase, admission tokens).
 LegFn = Callable[[InstanceView, dict[str, Any], str, int], Awaitable[dict[str, Any]]]
+# The streaming leg: ``GenerateContext.stream_leg`` bound to one attempt; (instance, request, phase,
+# admission tokens, the attempt's stack that takes the leg's holds and HTTP stream) -> events.
+StreamLegFn = Callable[
+    [InstanceView, dict[str, Any], str, int, AsyncExitStack], Awaitable[AsyncIterator[dict[str, Any]]]
+]
 
 
 @dataclass
@@ -267,6 +289,8 @@ class PDContext:
     callback_timeout_s: float = 30.0
     # Trigger: picks P when the callback arrives (default: the placement's P).
     pick_prefill: Callable[[], InstanceView] | None = None
+    # Streaming: opens the decode leg's stream (``open_handoff_stream`` / ``open_trigger_stream``).
+    stream_fn: StreamLegFn | None = None
 
 
 def _ms(start: float) -> float:
@@ -398,6 +422,126 @@ async def _await_callback(
     )
 
 
+# -- streaming ----------------------------------------------------------------------------
+
+# What a stream opener returns: the decode instance, its leg's engine request id (what an abort
+# names) and D's events. Everything else the run held is released before it returns.
+OpenedStream = tuple[InstanceView, str, AsyncIterator[dict[str, Any]]]
+
+
+async def _stream_leg(
+    ctx: PDContext, instance: InstanceView, request: dict[str, Any], stack: AsyncExitStack
+) -> AsyncIterator[dict[str, Any]]:
+    if ctx.stream_fn is None:
+        raise NoCapacity("a streaming prefill/decode run needs the router's streaming leg")
+    return await ctx.stream_fn(instance, request, "decode", ctx.tokens, stack)
+
+
+async def open_handoff_stream(
+    ctx: PDContext, placement: PDPlacement, engine_request: dict[str, Any], stack: AsyncExitStack
+) -> OpenedStream:
+    """Streaming Handoff: the prefill leg on P as in ``run_handoff`` (non-streaming, one token),
+    then D's decode leg opened as a stream with P's ``kv_transfer_params`` verbatim.
+
+    Established once D answered 200; D's holds and HTTP stream go on ``stack`` (the attempt's),
+    P's leg is over by then. Failures raise ``EngineError`` naming the failed instance.
+    """
+    prefill, decode = _sides(placement)
+    p_id, d_id = leg_ids(engine_request["request_id"])
+    p_request = prefill_request(engine_request, request_id=p_id, kv_transfer_params=dict(PREFILL_KV_PARAMS))
+    p_response = await _leg(ctx, "prefill", prefill, p_request, len(engine_request["token_ids"]) + 1)
+    kv = p_response.get("kv_transfer_params")
+    if not isinstance(kv, dict) or not kv:
+        raise EngineError(
+            f"{prefill.name} answered the prefill leg without kv_transfer_params (is it a KV producer?)",
+            instance=prefill.name,
+        )
+    d_request = decode_request(engine_request, request_id=d_id, kv_transfer_params=kv)
+    return decode, d_id, await _stream_leg(ctx, decode, d_request, stack)
+
+
+async def open_trigger_stream(
+    ctx: PDContext, placement: PDPlacement, engine_request: dict[str, Any], stack: AsyncExitStack
+) -> OpenedStream:
+    """Streaming Trigger: D's stream opened first (``do_remote_prefill`` + metaserver callback),
+    the prefill dispatched on P when the callback arrives, as in ``run_trigger``.
+
+    Returns once D's stream is open *and* P's prefill leg answered: a decode engine may answer
+    200 before the KV arrived, and a prefill failure must still be retryable with a proper
+    status, so the registration and both legs' tasks are over when this returns (released or
+    aborted exactly once on every exit path, cancellation included). Only D's stream and holds
+    outlive it, on ``stack``.
+    """
+    if ctx.metaserver is None:
+        raise NoCapacity("Trigger needs this process's metaserver, and none is configured")
+    placed_prefill, decode = _sides(placement)
+    p_id, d_id = leg_ids(engine_request["request_id"])
+    with ctx.metaserver.register(ctx.request_id, engine_request_id=engine_request_id(d_id)) as reg:
+        d_params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": reg.url}
+        d_request = decode_request(engine_request, request_id=d_id, kv_transfer_params=d_params)
+        # D's holds and stream live on their own stack until the run succeeded; then ``stack`` owns them.
+        d_stack = AsyncExitStack()
+        d_task = asyncio.create_task(_stream_leg(ctx, decode, d_request, d_stack))
+        p_task: asyncio.Task[dict[str, Any]] | None = None
+        ok = False
+        try:
+            callback = await _await_stream_callback(ctx, reg, d_task, decode)
+            prefill = ctx.pick_prefill() if ctx.pick_prefill is not None else placed_prefill
+            p_request = prefill_request(engine_request, request_id=p_id, kv_transfer_params=push_prefill_params(callback))
+            p_task = asyncio.create_task(_leg(ctx, "prefill", prefill, p_request, len(engine_request["token_ids"]) + 1))
+            pending: set[asyncio.Task[Any]] = {p_task, d_task}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                # D first: when D gave up, P's push had nowhere to go and D's failure is the cause.
+                for finished in sorted(done, key=lambda t: t is not d_task):
+                    finished.result()
+            events = d_task.result()
+            ok = True
+        finally:
+            for task in (p_task, d_task):
+                if task is not None and not task.done():
+                    task.cancel()
+            await asyncio.wait([t for t in (p_task, d_task) if t is not None])
+            for task in (p_task, d_task):
+                if task is not None and not task.cancelled():
+                    task.exception()  # retrieved: raised above already, or superseded by ours
+            if not ok:
+                # D may hold the request waiting for a push that will never come: free its slot.
+                await asyncio.shield(_close_failed_decode(ctx, decode, d_id, d_stack))
+    stack.push_async_callback(d_stack.aclose)
+    return decode, d_id, events
+
+
+async def _close_failed_decode(ctx: PDContext, decode: InstanceView, d_id: str, d_stack: AsyncExitStack) -> None:
+    try:
+        await d_stack.aclose()
+    finally:
+        await ctx.engines.abort(decode, [d_id])
+
+
+async def _await_stream_callback(
+    ctx: PDContext, reg: Registration, d_task: asyncio.Task[Any], decode: InstanceView
+) -> dict[str, Any]:
+    """Wait for D's callback; D's stream may open before it (a real D answers 200 at once) or
+    fail first (its failure is raised). The timeout counts from the request to D."""
+    wait = asyncio.create_task(reg.wait(ctx.callback_timeout_s))
+    try:
+        pending: set[asyncio.Task[Any]] = {wait, d_task}
+        while wait in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if d_task in done and d_task.exception() is not None:
+                d_task.result()
+    finally:
+        if not wait.done():
+            wait.cancel()
+            await asyncio.wait([wait])
+    if wait.exception() is not None:
+        raise EngineError(
+            f"{decode.name} did not call the metaserver back within {ctx.callback_timeout_s:g}s", instance=decode.name
+        )
+    return wait.result()
+
+
 # -- the router's seam ----------------------------------------------------------------------
 
 
@@ -408,6 +552,11 @@ def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s
 
     async def leg(instance: InstanceView, request: dict[str, Any], phase: str, tokens: int) -> dict[str, Any]:
         return await ctx.leg(instance, request, phase=phase, tokens=tokens)
+
+    async def stream_leg(
+        instance: InstanceView, request: dict[str, Any], phase: str, tokens: int, stack: AsyncExitStack
+    ) -> AsyncIterator[dict[str, Any]]:
+        return await ctx.stream_leg(instance, request, phase=phase, tokens=tokens, stack=stack)
 
     def pick_prefill() -> InstanceView:
         # Trigger, at callback time: the P placed earlier, unless its breaker opened meanwhile.
@@ -424,6 +573,7 @@ def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s
     return PDContext(
         pipeline.engines, ctx.request_id, ctx.prompt_index, leg_fn=leg, tokens=ctx.tokens,
         metaserver=process_metaserver(), callback_timeout_s=callback_timeout_s, pick_prefill=pick_prefill,
+        stream_fn=stream_leg,
     )
 
 
@@ -437,9 +587,26 @@ async def trigger(ctx: GenerateContext, placement: Placement, engine_request: di
     return await run_trigger(pd_context(ctx, placement), placement, engine_request)
 
 
+async def handoff_stream(
+    ctx: GenerateContext, placement: Placement, engine_request: dict[str, Any], stack: AsyncExitStack
+) -> OpenedStream:
+    """``STREAM_OPENERS["handoff"]``: ``open_handoff_stream`` with the router's legs."""
+    return await open_handoff_stream(pd_context(ctx, placement), placement, engine_request, stack)
+
+
+async def trigger_stream(
+    ctx: GenerateContext, placement: Placement, engine_request: dict[str, Any], stack: AsyncExitStack
+) -> OpenedStream:
+    """``STREAM_OPENERS["trigger"]``: ``open_trigger_stream`` with the router's legs and metaserver."""
+    return await open_trigger_stream(pd_context(ctx, placement), placement, engine_request, stack)
+
+
 # One signature for every topology: registered in the router's table when this module is imported.
 RUNNERS = {Topology.HANDOFF.value: handoff, Topology.TRIGGER.value: trigger}
+STREAM_RUNNERS = {Topology.HANDOFF.value: handoff_stream, Topology.TRIGGER.value: trigger_stream}
 service.TOPOLOGY_RUNNERS.update(RUNNERS)
+service.STREAM_OPENERS.update(STREAM_RUNNERS)
+service.PD_INELIGIBLE = pd_ineligible
 
 
 def pd_topology_policy(
@@ -448,11 +615,15 @@ def pd_topology_policy(
     eligible: Callable[[InstanceView], bool] = lambda _i: True,
     cached_tokens: Callable[[FleetSnapshot, str, Sequence[int]], Mapping[str, int]] | None = None,
     policy: PDPolicy = PDPolicy(),
+    block_size: Callable[[str], int] = lambda _name: _BLOCK_SIZE,
 ) -> Callable[[FleetSnapshot, str, Sequence[int], list[InstanceView], Collection[str]], Placement | None]:
     """A ``Scheduler(topology_policy=...)`` for PD Hybrid: a P/D ``Placement``, or None for union.
 
     ``load`` and ``eligible`` are the scheduler's (load per instance, breaker and probe verdict);
-    ``cached_tokens`` is KV affinity's prefix-hit lookup (tokens cached per instance name).
+    ``cached_tokens`` is KV affinity's prefix-hit lookup (tokens cached per instance name) and
+    ``block_size`` each instance's KV block size (prefix hits are reported in P's blocks).
+    Requests P/D cannot serve exactly (``pd_ineligible``) never reach it: the scheduler keeps
+    them on union (``Scheduler.place(pd_ineligible=...)``).
     """
 
     def place(
@@ -475,7 +646,7 @@ def pd_topology_policy(
                      model, len(prompt_ids), choice.topology.value, choice.reason)
         if choice.topology is Topology.UNION or choice.prefill is None or choice.decode is None:
             return None
-        hit = cached.get(choice.prefill.name, 0) // max(1, _BLOCK_SIZE)
+        hit = cached.get(choice.prefill.name, 0) // max(1, block_size(choice.prefill.name))
         return Placement(choice.topology.value, (choice.prefill, choice.decode), prefix_hit_blocks=hit)
 
     return place
@@ -485,17 +656,22 @@ def install(scheduler: Scheduler, *, index: KVAffinityIndex | None = None, polic
     """Turn PD Hybrid on in ``scheduler`` (``serving.runtime`` calls this once per process).
 
     A fleet without P/D instances is unaffected: the policy then leaves every request to union.
-    ``index`` (KV affinity) adds prefix hits to the choice when the process has one.
+    ``index`` (KV affinity, the scheduler's own by default) adds prefix hits to the choice, in
+    each instance's own block size.
     """
-
-    def cached(snapshot: FleetSnapshot, model: str, prompt_ids: Sequence[int]) -> Mapping[str, int]:
-        assert index is not None
-        names = [i.name for i in snapshot.instances if i.model == model]
-        return {name: blocks * index.block_size(name) for name, blocks in index.scores(names, prompt_ids).items()}
+    index = index if index is not None else scheduler.affinity
+    cached: Callable[[FleetSnapshot, str, Sequence[int]], Mapping[str, int]] | None = None
+    if index is not None and index is scheduler.affinity:
+        cached = scheduler.cached_tokens  # the runtime's case: one index for placement and policy
+    elif index is not None:
+        def cached(snapshot: FleetSnapshot, model: str, prompt_ids: Sequence[int]) -> Mapping[str, int]:
+            names = [i.name for i in snapshot.instances if i.model == model]
+            return {name: n * index.block_size(name) for name, n in index.scores(names, prompt_ids).items() if n}
 
     scheduler.topology_policy = pd_topology_policy(
         lambda i: scheduler.load.inflight(i.name) / max(i.weight, 1),
         eligible=scheduler.eligible,
-        cached_tokens=cached if index is not None else None,
+        cached_tokens=cached,
         policy=policy,
+        block_size=index.block_size if index is not None else (lambda _name: _BLOCK_SIZE),
     )
