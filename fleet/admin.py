@@ -14,7 +14,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from fleet import services
-from fleet.api import inflight_tokens
+from fleet.api import ObfuscationStatus, inflight_tokens
 from fleet.models import (
     ApiKey,
     AuditReport,
@@ -122,7 +122,7 @@ class EngineInstanceAdmin(admin.ModelAdmin):
     form = EngineInstanceForm
     list_display = (
         "name", "url", "role", "served_model", "state", "breaker", "health_column", "drift", "inflight",
-        "last_probe_at", "capabilities",
+        "obfuscation", "last_probe_at", "capabilities",
     )
     list_filter = (BreakerOpenFilter, ProbeFailingFilter, VersionDriftFilter, DrainingFilter, "role", "state", "served_model")
     list_select_related = ("served_model", "breaker")
@@ -142,7 +142,16 @@ class EngineInstanceAdmin(admin.ModelAdmin):
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> Any:
         # One call per page, not per row: the in-flight column reads this dict.
         self._inflight = inflight_tokens()
+        # Likewise one render-config read per page for the obfuscation column.
+        self._obfuscation = ObfuscationStatus.current()
         return super().changelist_view(request, extra_context)
+
+    @admin.display(description="obfuscation")
+    def obfuscation(self, obj: EngineInstance) -> str:
+        status = getattr(self, "_obfuscation", None)
+        if status is None:
+            return "-"
+        return status.excluded_reason(obj) or ("ok" if status.render.obfuscation else "-")
 
     @admin.display(description="capabilities")
     def capabilities(self, obj: EngineInstance) -> str:

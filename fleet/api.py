@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from django.http import HttpRequest
 from ninja import Field, Query, Router, Schema
@@ -12,6 +13,13 @@ from ninja.responses import Status
 
 from fleet import services
 from fleet.models import ApiKey, BreakerState, EngineInstance, ProbeResult
+from serving import obfuscation_keys
+from serving.models import RenderConfig
+from serving.pipeline import obfuscation
+from serving.pipeline.snapshot import RenderView
+
+if TYPE_CHECKING:
+    from serving.pipeline.snapshot import InstanceView
 
 router = Router(tags=["fleet"])
 
@@ -118,6 +126,9 @@ class InstanceOut(Schema):
     ep: int
     model_dir: str
     reported_version: str
+    obfuscation_excluded_reason: str | None = Field(
+        description="Why this instance takes no traffic under the render config's obfuscation setting; null when eligible."
+    )
 
 
 class ProbeOut(Schema):
@@ -158,7 +169,55 @@ def inflight_tokens() -> dict[str, int] | None:
         return None
 
 
-def instance_out(i: EngineInstance, inflight: dict[str, int] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class ObfuscationStatus:
+    """The render config's obfuscation setting, read once per page or response, never per row."""
+
+    render: RenderView
+    key_error: str  # why the configured key cannot serve traffic; "" when it can (or obfuscation is off)
+
+    @classmethod
+    def current(cls) -> ObfuscationStatus:
+        return cls.of(RenderConfig.objects.order_by("id").first())
+
+    @classmethod
+    def of(cls, cfg: RenderConfig | None) -> ObfuscationStatus:
+        """From a render config the caller already fetched (None: the defaults, obfuscation off)."""
+        cfg = cfg or RenderConfig()
+        render = RenderView(
+            enable=cfg.enable, base_url="", timeout_s=0.0,
+            obfuscation=cfg.obfuscation, obfuscation_key_id=cfg.obfuscation_key_id,
+        )
+        return cls(render, _key_error(cfg) if cfg.obfuscation else "")
+
+    def excluded_reason(self, instance: EngineInstance) -> str | None:
+        # eligible() reads only obfuscation_key_id, which the model row carries under the same name.
+        ok, why = obfuscation.eligible(cast("InstanceView", instance), self.render)
+        if not ok:
+            return why
+        return self.key_error or None
+
+
+def _key_error(cfg: RenderConfig) -> str:
+    """Why ``cfg``'s key refuses traffic, checked here rather than trusted from this process's last snapshot.
+
+    The admin may run in a process that never built a snapshot, so ``load_error`` alone could be
+    empty; it still adds what only loading finds (the model's vocabulary).
+    """
+    if not cfg.obfuscation_key_ref:
+        return "the render config has no obfuscation key reference"
+    try:
+        found = obfuscation_keys.key_id_of(cfg.obfuscation_key_ref)
+    except obfuscation_keys.KeyUnavailable as exc:
+        return f"obfuscation key {cfg.obfuscation_key_id or '(no id)'} unavailable: {exc}"
+    if found != cfg.obfuscation_key_id:
+        return f"the key at {cfg.obfuscation_key_ref} has id {found}, the render config names {cfg.obfuscation_key_id or '(none)'}"
+    return obfuscation.load_error()
+
+
+def instance_out(
+    i: EngineInstance, inflight: dict[str, int] | None = None, obfuscated: ObfuscationStatus | None = None
+) -> dict[str, Any]:
     try:
         breaker: BreakerState | None = i.breaker
     except BreakerState.DoesNotExist:
@@ -169,6 +228,7 @@ def instance_out(i: EngineInstance, inflight: dict[str, int] | None = None) -> d
         breaker=breaker,
         breaker_state=breaker.state if breaker else "closed",
         inflight_tokens=inflight.get(i.name, 0) if inflight is not None else None,
+        obfuscation_excluded_reason=(obfuscated or ObfuscationStatus.current()).excluded_reason(i),
     )
     return data
 
@@ -183,13 +243,14 @@ def _one(instance_id: int) -> dict[str, Any]:
     i = _instances().filter(id=instance_id).first()
     if i is None:
         raise services.NotFoundError(f"No engine instance with id {instance_id}.")
-    return instance_out(i, inflight_tokens())
+    return instance_out(i, inflight_tokens(), ObfuscationStatus.current())
 
 
 @router.get("/instances", response=list[InstanceOut], summary="List engine instances")
 def list_instances(request: HttpRequest) -> list[dict[str, Any]]:
     inflight = inflight_tokens()
-    return [instance_out(i, inflight) for i in _instances()]
+    obfuscated = ObfuscationStatus.current()
+    return [instance_out(i, inflight, obfuscated) for i in _instances()]
 
 
 @router.post("/instances", response={201: InstanceOut, 404: Detail, 409: Detail, 422: Detail}, summary="Register an instance")

@@ -18,6 +18,7 @@ from django.shortcuts import render
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
+from fleet.api import ObfuscationStatus
 from fleet.models import BreakerState, EngineInstance
 from serving.models import Health, RenderConfig
 from serving.pipeline import metrics
@@ -60,9 +61,13 @@ class Row:
     why: list[str]
     plots: dict[str, SafeString]
     latest: dict[str, Any]
+    obfuscation_excluded: str | None = None  # why obfuscation keeps this instance out of traffic
 
 
-def _row(instance: EngineInstance, series: metrics.InstanceSeries | None, in_flight: int) -> Row:
+def _row(
+    instance: EngineInstance, series: metrics.InstanceSeries | None, in_flight: int,
+    obfuscation: ObfuscationStatus | None = None,
+) -> Row:
     try:
         breaker = instance.breaker.state
     except BreakerState.DoesNotExist:
@@ -76,6 +81,9 @@ def _row(instance: EngineInstance, series: metrics.InstanceSeries | None, in_fli
         why.append("version drift")
     if instance.state == EngineInstance.State.QUARANTINED:
         why.append("quarantined")
+    excluded = obfuscation.excluded_reason(instance) if obfuscation is not None else None
+    if excluded:
+        why.append("kept out by obfuscation")
     points = series.points if series else ()
     ttft = [p.ttft_s * 1000 if p.ttft_s is not None else None for p in points]
     tpot = [p.tpot_s * 1000 if p.tpot_s is not None else None for p in points]
@@ -94,7 +102,7 @@ def _row(instance: EngineInstance, series: metrics.InstanceSeries | None, in_fli
         "rate": sparkline(rate, label=f"{instance.name} requests per bucket"),
         "errors": sparkline(errors, label=f"{instance.name} errors per bucket", color="#ba2121"),
     }
-    return Row(instance, breaker, in_flight, bool(why), why, plots, latest)
+    return Row(instance, breaker, in_flight, bool(why), why, plots, latest, excluded)
 
 
 def dashboard(request: HttpRequest) -> HttpResponse:
@@ -103,12 +111,14 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     series = metrics.snapshot()
     in_flight = inflight_tokens()
     instances = EngineInstance.objects.select_related("served_model", "breaker").order_by("name")
-    rows = [_row(i, series.get(i.name), in_flight.get(i.name, 0)) for i in instances]
+    render_config = RenderConfig.objects.order_by("id").first()
+    obfuscation = ObfuscationStatus.of(render_config)  # once per page, not per row
+    rows = [_row(i, series.get(i.name), in_flight.get(i.name, 0), obfuscation) for i in instances]
     context = {
         **admin.site.each_context(request),
         "title": "Fleet dashboard",
         "rows": rows,
-        "render": RenderConfig.objects.order_by("id").first(),
+        "render": render_config,
         "sick_count": sum(r.sick for r in rows),
         "bucket_s": metrics.REGISTRY.bucket_s,
         "window_min": metrics.REGISTRY.bucket_s * metrics.REGISTRY.buckets // 60,
