@@ -31,6 +31,7 @@ from serving.pipeline.errors import (
     error_body,
     error_headers,
 )
+from serving.pipeline.router import rate_limit
 from serving.pipeline.router.native import NativeStream
 from serving.pipeline.service import EventStream
 from serving.pipeline.snapshot import FleetSnapshot
@@ -82,7 +83,13 @@ def _check_key(request: HttpRequest, snapshot: FleetSnapshot) -> None:
     token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
     if snapshot.client_keys_managed:
         # A dict lookup by sha256 of the token: the hash hides timing of the stored key bytes.
-        if token and hashlib.sha256(token.encode("utf-8")).hexdigest() in snapshot.client_keys:
+        digest = hashlib.sha256(token.encode("utf-8")).hexdigest() if token else ""
+        key = snapshot.client_keys.get(digest) if digest else None
+        if key is not None:
+            # The limit is charged after render, once the token count is known (rate_limit.charge).
+            rate_limit.bind(
+                rate_limit.KeyLimit(digest, key.name, key.tokens_per_minute) if key.tokens_per_minute else None
+            )
             return
         raise Unauthorized("Missing or invalid API key: send `Authorization: Bearer <key>`.")
     keys = settings.MOTOR_API_KEYS

@@ -56,6 +56,7 @@ from serving.pipeline.render.tokenization import (
     TokenizedPrompt,
     TokenizedRequest,
 )
+from serving.pipeline.router import rate_limit
 from serving.pipeline.router.engine_client import EngineClient
 from serving.pipeline.router.native import (
     NativeClient,
@@ -655,6 +656,8 @@ class ServingPipeline:
             raise
         self._log_render(request_id, model.name, tokenized, tokenized.tokenizer_source, tokenized.fallback_reason)
         self._check_poison(tokenized, model)
+        # The client key's tokens-per-minute window is charged once the real count is known.
+        rate_limit.charge(sum(_requested_tokens(p) for p in tokenized.prompts))
         requires_tokenizer = engine_tokenizer_feature(kind, body) is not None
         try:
             if body.get("stream"):

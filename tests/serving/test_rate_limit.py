@@ -1,0 +1,207 @@
+"""Tokens-per-minute limits per client key: the sliding window (fake clock) and the /v1 view's
+binding of the caller's key, charged the way the pipeline charges it after render."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterator
+
+import pytest
+from django.test import AsyncClient
+
+from fleet.services import api_key_create
+from serving import snapshots
+from serving.models import RenderConfig, ServedModel
+from serving.pipeline.router import rate_limit
+from serving.pipeline.router.rate_limit import KeyLimit, TokenRateLimited, TokenRateLimiter
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def limiter(clock: Clock) -> TokenRateLimiter:
+    return TokenRateLimiter(clock=clock)
+
+
+KEY = KeyLimit("a" * 64, "team-a", 100)
+
+
+def test_charges_up_to_the_limit_then_refuses_with_retry_after(limiter: TokenRateLimiter, clock: Clock) -> None:
+    limiter.charge(KEY, 60)
+    clock.now += 10
+    limiter.charge(KEY, 40)
+    assert limiter.used(KEY.key_id) == 100
+    with pytest.raises(TokenRateLimited) as exc:
+        limiter.charge(KEY, 1)
+    assert exc.value.status == 429
+    assert exc.value.type == "RateLimitError"
+    # The first charge (60 tokens at t=1000) frees room at t=1060; now is t=1010.
+    assert exc.value.retry_after_s == 50
+    assert limiter.used(KEY.key_id) == 100  # a refused request is not charged
+
+
+def test_the_window_slides(limiter: TokenRateLimiter, clock: Clock) -> None:
+    limiter.charge(KEY, 60)
+    clock.now += 30
+    limiter.charge(KEY, 40)
+    clock.now += 30  # the first charge leaves the window exactly now
+    assert limiter.used(KEY.key_id) == 40
+    limiter.charge(KEY, 60)
+    with pytest.raises(TokenRateLimited) as exc:
+        limiter.charge(KEY, 10)
+    assert exc.value.retry_after_s == 30  # when the 40-token charge leaves
+
+
+def test_retry_after_counts_only_what_must_leave(limiter: TokenRateLimiter, clock: Clock) -> None:
+    for _ in range(4):
+        limiter.charge(KEY, 25)
+        clock.now += 5
+    # 100 used (charged at +0, +5, +10, +15), now +20: 30 tokens need two charges to leave.
+    with pytest.raises(TokenRateLimited) as exc:
+        limiter.charge(KEY, 30)
+    assert exc.value.retry_after_s == 45
+
+
+def test_a_request_larger_than_the_limit_can_never_pass(limiter: TokenRateLimiter) -> None:
+    with pytest.raises(TokenRateLimited, match="Request too large") as exc:
+        limiter.charge(KEY, 101)
+    assert exc.value.retry_after_s == 60
+    assert limiter.used(KEY.key_id) == 0
+
+
+def test_keys_are_independent_and_idle_keys_are_forgotten(limiter: TokenRateLimiter, clock: Clock) -> None:
+    other = KeyLimit("b" * 64, "team-b", 100)
+    limiter.charge(KEY, 100)
+    limiter.charge(other, 100)
+    assert limiter.used(KEY.key_id) == 100
+    clock.now += 60
+    assert limiter.used(KEY.key_id) == limiter.used(other.key_id) == 0
+    assert limiter._log == {} and limiter._used == {}
+
+
+def test_charge_without_a_bound_limit_is_free(limiter: TokenRateLimiter) -> None:
+    rate_limit.bind(None)
+    rate_limit.charge(10**9, limiter)
+    assert limiter._log == {}
+
+
+# --------------------------------------------------------------------------- through the view
+
+
+class ChargingPipeline:
+    """Stands in for ServingPipeline: charges ``tokens`` as ``_serve`` does after render."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.served = 0
+
+    async def chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        rate_limit.charge(self.tokens)
+        self.served += 1
+        return {"id": request_id, "object": "chat.completion", "choices": []}
+
+
+@pytest.fixture
+def pipeline(transactional_db: None, monkeypatch: pytest.MonkeyPatch, clock: Clock) -> Iterator[ChargingPipeline]:
+    ServedModel.objects.create(name="tiny", model_path="/models/tiny", max_model_len=2048)
+    RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
+    fake = ChargingPipeline(tokens=40)
+    monkeypatch.setattr("serving.views.pipeline_for", lambda snapshot: fake)
+    monkeypatch.setattr(rate_limit, "LIMITER", TokenRateLimiter(clock=clock))
+    snapshots.invalidate()
+    yield fake
+    snapshots.invalidate()
+
+
+async def post_chat(client: AsyncClient, key: str) -> Any:
+    return await client.post(
+        "/v1/chat/completions",
+        data={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {key}"},
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_key_over_its_limit_gets_429_with_retry_after(
+    async_client: AsyncClient, pipeline: ChargingPipeline, clock: Clock
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    _, limited = await sync_to_async(api_key_create)(name="limited", scope="client", tokens_per_minute=100)
+    _, free = await sync_to_async(api_key_create)(name="free", scope="client")
+    snapshots.invalidate()
+    assert (await post_chat(async_client, limited)).status_code == 200
+    assert (await post_chat(async_client, limited)).status_code == 200
+    response = await post_chat(async_client, limited)  # 120 > 100
+    assert response.status_code == 429
+    assert response["Retry-After"] == "60"
+    error = response.json()["error"]
+    assert error["type"] == "RateLimitError" and error["code"] == 429
+    assert "limited" in error["message"] and "100 tokens per minute" in error["message"]
+    # A key without a limit is not held back by another key's window.
+    for _ in range(5):
+        assert (await post_chat(async_client, free)).status_code == 200
+    clock.now += 60
+    assert (await post_chat(async_client, limited)).status_code == 200
+    assert pipeline.served == 8
+
+
+# --------------------------------------------------------------------------- through the real pipeline
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_pipeline_charges_after_render_and_refuses_before_any_engine(
+    async_client: AsyncClient, upstreams: Any, mock_client: Any, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    from fleet.models import EngineInstance
+    from tests.serving.fakes import ENGINE_URLS, MODEL
+
+    def fleet() -> None:
+        model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048)
+        RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
+        for name, url in ENGINE_URLS.items():
+            EngineInstance.objects.create(name=name, url=url, served_model=model)
+
+    await sync_to_async(fleet)()
+    monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: mock_client)
+    monkeypatch.setattr(rate_limit, "LIMITER", TokenRateLimiter())
+    _, tiny = await sync_to_async(api_key_create)(name="tiny", scope="client", tokens_per_minute=10)
+    _, big = await sync_to_async(api_key_create)(name="big", scope="client", tokens_per_minute=10**6)
+    snapshots.invalidate()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 20, "stream": stream}
+    try:
+        ok = await async_client.post(
+            "/v1/chat/completions", data=body, content_type="application/json",
+            headers={"Authorization": f"Bearer {big}"},
+        )
+        assert ok.status_code == 200
+        if stream:
+            b"".join([chunk async for chunk in ok.streaming_content])
+        generated = len(upstreams.calls_of("generate"))
+        refused = await async_client.post(
+            "/v1/chat/completions", data=body, content_type="application/json",
+            headers={"Authorization": f"Bearer {tiny}"},
+        )
+        assert refused.status_code == 429  # 20 output tokens alone exceed 10 per minute
+        assert refused["Retry-After"] == "60"
+        assert refused.json()["error"]["type"] == "RateLimitError"
+        assert len(upstreams.calls_of("render")) == 2  # charged after render ...
+        assert len(upstreams.calls_of("generate")) == generated  # ... and before any engine
+        assert rate_limit.LIMITER.used(hashlib.sha256(tiny.encode()).hexdigest()) == 0
+    finally:
+        snapshots.invalidate()
