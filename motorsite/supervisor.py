@@ -31,7 +31,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -258,15 +258,19 @@ class Supervisor:
                     child.spec.name, returncode, log_tail(child.spec.log_path, child.log_offset)
                 )
 
-    def wait(self) -> int:
+    def wait(self, tick: Callable[[], None] | None = None, tick_interval: float = 1.0) -> int:
         """Block until SIGINT/SIGTERM or a child's death, stop everything and return an exit code.
 
-        Returns 0 after a signal, 1 when a child died (logged with its log tail, kept in
-        `self.died`) or a port stayed bound after stop. Raises RuntimeError unless running.
+        ``tick`` (if given) runs every ``tick_interval`` seconds in this loop, so a launcher can
+        react to outside state (e.g. replace a child with ``add``/``retire``) on the one thread
+        that owns the children and the signals. Returns 0 after a signal, 1 when a child died
+        (logged with its log tail, kept in `self.died`) or a port stayed bound after stop.
+        Raises RuntimeError unless running.
         """
         if self.state is not SupervisorState.RUNNING:
             raise RuntimeError(f"cannot wait on a supervisor in state {self.state.name}")
         self._waiting = True
+        next_tick = time.monotonic() + tick_interval
         try:
             while self._signal_received is None:
                 try:
@@ -274,6 +278,12 @@ class Supervisor:
                 except ChildDied as exc:
                     self.died = exc
                     break
+                if tick is not None and time.monotonic() >= next_tick:
+                    try:
+                        tick()
+                    except Interrupted:
+                        break  # a signal while tick() waited for a new child: stop as after any
+                    next_tick = time.monotonic() + tick_interval
                 time.sleep(WAIT_POLL_INTERVAL)
         finally:
             self._waiting = False
@@ -288,6 +298,39 @@ class Supervisor:
             logger.error("%s", exc)
             return 1
         return 1 if self.died is not None else 0
+
+    def add(self, spec: ProcessSpec) -> None:
+        """Start one more child while running (a replacement, say) and wait until it is ready.
+
+        On failure the new child is stopped and the error propagates (ChildDied,
+        ReadinessTimeout, PortInUse, Interrupted); the running children are untouched.
+        Raises ValueError when the name or a port is taken by a running child.
+        """
+        if self.state is not SupervisorState.RUNNING:
+            raise RuntimeError(f"cannot add a child to a supervisor in state {self.state.name}")
+        if any(c.spec.name == spec.name for c in self._children):
+            raise ValueError(f"a child named {spec.name!r} is running")
+        ports = {port: c.spec.name for c in self._children for _host, port in c.spec.ports}
+        for _host, port in spec.ports:
+            if port in ports:
+                raise ValueError(f"port {port} claimed by {ports[port]!r} and {spec.name!r}")
+        check_ports([spec])
+        child = self._spawn(spec)
+        try:
+            self._wait_ready(child)
+        except BaseException:
+            _terminate(child)
+            raise
+        self._children.append(child)
+        logger.info("%s ready (pid %d)", spec.name, child.popen.pid)
+
+    def retire(self, name: str) -> None:
+        """Stop the running child ``name`` (its whole process group) and forget it."""
+        child = next((c for c in self._children if c.spec.name == name), None)
+        if child is None:
+            raise ValueError(f"no child named {name!r}")
+        _terminate(child)
+        self._children.remove(child)
 
     def stop(self, *, check_ports_free: bool = True) -> None:
         """Terminate every child's process group in reverse start order; idempotent.

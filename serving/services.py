@@ -121,3 +121,31 @@ def render_config_get(*, config_id: int) -> RenderConfig:
         return RenderConfig.objects.get(id=config_id)
     except RenderConfig.DoesNotExist:
         raise NotFoundError(f"No render config with id {config_id}.") from None
+
+
+def render_sidecar_moved(*, config_id: int, expected: dict[str, Any], port: int, actor: str) -> bool:
+    """Point the config at a replacement sidecar on ``port``, if it is still as ``expected``.
+
+    The launcher's side of a graceful restart: the new sidecar is ready before this runs, so
+    coordinators switch to it within a poll interval. No restart is owed for this port change
+    (the sidecar on it was started for it). False, changing nothing, when the config changed
+    meanwhile: the launcher then starts over from the newer config.
+    """
+    with transaction.atomic():
+        moved = RenderConfig.objects.filter(id=config_id, **expected).update(port=port)
+        if moved:
+            bump_control_version()
+    logger.info("render sidecar moved config_id=%s port=%s moved=%s actor=%s", config_id, port, bool(moved), actor)
+    return bool(moved)
+
+
+def render_sidecar_restarted(*, config_id: int, expected: dict[str, Any], actor: str) -> bool:
+    """Clear ``restart_required`` once a sidecar started for ``expected`` serves (compare-and-set).
+
+    A change published while the restart ran leaves the flag set, so it gets its own restart.
+    """
+    cleared = RenderConfig.objects.filter(id=config_id, restart_required=True, **expected).update(
+        restart_required=False
+    )
+    logger.info("render sidecar restarted config_id=%s cleared=%s actor=%s", config_id, bool(cleared), actor)
+    return bool(cleared)

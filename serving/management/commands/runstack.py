@@ -2,16 +2,120 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import secrets
 import sys
-from typing import Any
+import time
+from typing import Any, Callable
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from motorsite import stack
-from motorsite.supervisor import Interrupted, PortInUse, Supervisor, SupervisorError, check_ports
+from motorsite.supervisor import (
+    Interrupted,
+    PortInUse,
+    ProcessSpec,
+    Supervisor,
+    SupervisorError,
+    check_ports,
+    free_port,
+)
+from serving import services
+from serving.models import RenderConfig
+
+logger = logging.getLogger(__name__)
+
+# How long a replaced sidecar keeps running after coordinators were pointed away from it: a
+# stream keeps the sidecar it began with for its whole life (its pipeline holds the snapshot),
+# so its derender calls must still find that one. Streams longer than this lose derender.
+RENDER_DRAIN_S = float(os.environ.get("MOTOR_RENDER_DRAIN_S", "30"))
+# After a failed restart the running sidecar keeps serving; try again this much later.
+RENDER_RETRY_S = 60.0
+
+
+class RenderRestarter:
+    """Restarts the managed render sidecar gracefully when a published config needs it.
+
+    Called every second from the supervisor's wait loop (``tick``). When the render config's
+    ``restart_required`` is set: start a replacement first (on the config's port if the operator
+    moved it, else on a free port, since the old one still holds the current port), point the
+    config at it (bumping the control version, so coordinators switch within a poll interval),
+    keep the old one for ``drain_s`` while streams that began on it finish, then stop it and
+    clear the flag if the config is still what the replacement was started for. Requests that
+    find no sidecar in between (the operator's new port before the replacement is up) fall
+    back to the local tokenizer as on any render outage.
+    """
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        cfg: stack.StackConfig,
+        *,
+        drain_s: float = RENDER_DRAIN_S,
+        clock: Callable[[], float] = time.monotonic,
+        spec_for: Callable[[stack.StackConfig], ProcessSpec] = stack.render_spec,
+    ) -> None:
+        self.supervisor = supervisor
+        self.cfg = cfg
+        self.drain_s = drain_s
+        self.clock = clock
+        self.spec_for = spec_for
+        self.current = "render"  # the supervisor's name for the sidecar coordinators use
+        self.port = cfg.render_port
+        self.generation = 1
+        # (old child's name, stop it at, config id, the config the replacement was started for)
+        self.retiring: tuple[str, float, int, dict[str, Any]] | None = None
+        self.retry_at = 0.0
+
+    def tick(self) -> None:
+        try:
+            self._tick()
+        except Interrupted:
+            raise  # the supervisor stops everything
+        except Exception:
+            # Never take the stack down over a restart: the running sidecar keeps serving.
+            logger.exception("render sidecar restart failed; retrying in %.0fs", RENDER_RETRY_S)
+            self.retry_at = self.clock() + RENDER_RETRY_S
+
+    def _tick(self) -> None:
+        if self.retiring is not None:
+            old, stop_at, config_id, expected = self.retiring
+            if self.clock() < stop_at:
+                return
+            self.supervisor.retire(old)
+            self.retiring = None
+            services.render_sidecar_restarted(config_id=config_id, expected=expected, actor="launcher")
+            return
+        if self.clock() < self.retry_at:
+            return
+        # The same row the coordinators' snapshot uses (serving.snapshots.build_snapshot).
+        config = RenderConfig.objects.order_by("id").first()
+        if config is None or not config.restart_required:
+            return
+        if config.host not in (stack.HOST, "localhost"):
+            logger.warning("render config points at %s, not a sidecar this launcher manages; not restarting", config.host)
+            self.retry_at = self.clock() + RENDER_RETRY_S
+            return
+        expected = {k: getattr(config, k) for k in RenderConfig.RESTART_KEYS}
+        port = config.port if config.port != self.port else free_port()
+        self.generation += 1
+        name = f"render-{self.generation}"
+        spec = dataclasses.replace(
+            self.spec_for(dataclasses.replace(self.cfg, render_port=port, render_workers=config.renderer_num_workers)),
+            name=name,
+        )
+        logger.info("render config %s needs a restart: starting %s on port %d", config.name, name, port)
+        self.supervisor.add(spec)  # blocks until ready; the old sidecar serves meanwhile
+        if port != config.port:
+            if not services.render_sidecar_moved(config_id=config.pk, expected=expected, port=port, actor="launcher"):
+                self.supervisor.retire(name)  # changed again while starting: begin anew next tick
+                return
+            expected["port"] = port
+        self.retiring = (self.current, self.clock() + self.drain_s, config.pk, expected)
+        self.current, self.port = name, port
 
 
 def _required_env(name: str) -> str:
@@ -94,6 +198,6 @@ class Command(BaseCommand):
             )
         )
         self.stdout.flush()
-        code = supervisor.wait()
+        code = supervisor.wait(tick=RenderRestarter(supervisor, cfg).tick, tick_interval=1.0)
         if code:
             raise CommandError("a process died; see its log tail above")
