@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import random
 import sys
 import time
@@ -31,12 +29,15 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import loadavg, machine, write_section  # noqa: E402
+from bench.common import nearest_rank as pct  # noqa: E402
 from enginesim import SimConfig  # noqa: E402
 from enginesim.testing import LiveServer  # noqa: E402
 from motorsite.supervisor import free_port  # noqa: E402
 from serving.pipeline.router.kv_affinity import KVAffinityIndex  # noqa: E402
 from serving.pipeline.router.kv_events import KVEventSubscriber  # noqa: E402
 
+SECTION = "## bench/affinity.py"
 BLOCK = 128
 INSTANCES = 4
 TENANTS = 12
@@ -165,11 +166,6 @@ async def wait_subscribed(servers: dict[str, LiveServer], subscribers: list[KVEv
     raise RuntimeError("KV event subscribers never received an event")
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def microbench() -> list[tuple[int, float, float]]:
     """(instances, µs per decision with the index, µs for hashing the prompt alone)."""
     rng = random.Random(3)
@@ -241,25 +237,16 @@ async def main_async() -> tuple[list[Result], list[tuple[int, float, float]]]:
     return results, microbench()
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{os.cpu_count()} CPUs ({cpu}), Linux {platform.release()}, Python {platform.python_version()}; load average {load} at the end"
+def machine_line() -> str:
+    return f"{machine(memory=False)}; load average {loadavg()} at the end"
 
 
 def report(results: list[Result], micro: list[tuple[int, float, float]]) -> str:
     lines = [
-        "## bench/affinity.py",
+        SECTION,
         "",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- machine: {machine()} (shared with other work: compare columns, not runs)",
+        f"- machine: {machine_line()} (shared with other work: compare columns, not runs)",
         "- command: `python3 -m toolchain exec bench/affinity.py --write` (from the repository root)",
         f"- workload: {REQUESTS} streaming generate requests, concurrency {CONCURRENCY}, {TENANTS} tenants "
         f"(Zipf-like popularity), each prompt = the tenant's {SYSTEM_BLOCKS * BLOCK}-token system prompt + "
@@ -295,18 +282,6 @@ def report(results: list[Result], micro: list[tuple[int, float, float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(section: str) -> None:
-    path = ROOT / "bench" / "RESULTS.md"
-    text = path.read_text(encoding="utf-8")
-    start = text.find("## bench/affinity.py")
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + ("" if end == -1 else "\n" + text[end + 1 :])
-    path.write_text(text, encoding="utf-8")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--write", action="store_true", help="rewrite this section of bench/RESULTS.md")
@@ -315,7 +290,7 @@ def main() -> None:
     section = report(results, micro)
     print(section)
     if args.write:
-        write_section(section)
+        write_section(SECTION, section)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,6 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
-import os
-import platform
-import re
 import statistics
 import sys
 import time
@@ -40,6 +37,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import loadavg, machine, write_section  # noqa: E402
+from bench.common import nearest_rank as pct  # noqa: E402
 from enginesim import SimConfig  # noqa: E402
 from enginesim.testing import LiveServer  # noqa: E402
 from serving.pipeline.render.client import RenderClient  # noqa: E402
@@ -49,7 +48,6 @@ from serving.pipeline.router.scheduler import LoadTracker, Scheduler  # noqa: E4
 from serving.pipeline.service import EventStream, ServingPipeline  # noqa: E402
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams, fleet_snapshot, instance  # noqa: E402
 
-RESULTS = ROOT / "bench" / "RESULTS.md"
 SECTION = "## bench/cancel.py"
 TPOT_MS = 20.0
 
@@ -95,11 +93,6 @@ async def one_run(scenario: str, sims: list[LiveServer], http: httpx.AsyncClient
     return released, idle
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 async def run(runs: int) -> dict[str, tuple[list[float], list[float]]]:
     sims = [LiveServer(SimConfig(tpot_ms=TPOT_MS, eos_probability=0.0, seed=0)) for _ in range(2)]
     for s in sims:
@@ -125,13 +118,11 @@ async def run(runs: int) -> dict[str, tuple[list[float], list[float]]]:
 
 def report(results: dict[str, tuple[list[float], list[float]]], runs: int) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     lines = [
         SECTION,
         "",
         f"- date: {now}",
-        f"- machine: {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, Python {platform.python_version()}; "
-        f"load average {load} at the end (shared with other work)",
+        f"- machine: {machine(model=False, memory=False)}; load average {loadavg()} at the end (shared with other work)",
         "- command: `python3 -m toolchain exec bench/cancel.py --write` (from the repository root)",
         f"- workload: {runs} runs per scenario; streaming completions, max_tokens 500; two in-process enginesim "
         f"instances over real HTTP ({TPOT_MS:g} ms per output token, no eos); fake render/derender in process; "
@@ -153,13 +144,7 @@ def report(results: dict[str, tuple[list[float], list[float]]], runs: int) -> st
 
 
 def write_results(text: str) -> None:
-    current = RESULTS.read_text()
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(current):
-        new = pattern.sub(lambda _m: text + "\n", current, count=1)
-    else:
-        new = current.rstrip("\n") + "\n\n" + text
-    RESULTS.write_text(new.rstrip("\n") + "\n")
+    write_section(SECTION, text)
 
 
 def main() -> None:

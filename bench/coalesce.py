@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import datetime
 import json
-import re
 import sqlite3
 import sys
 import tempfile
@@ -36,12 +35,20 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.first_path import _env, command_line, group_cpu_seconds, loadavg, machine, percentile  # noqa: E402
+from bench.common import (  # noqa: E402
+    command_line,
+    group_cpu_seconds,
+    loadavg,
+    machine,
+    percentile,
+    require_env,
+    write_section,
+)
 from motorsite import stack, tiers  # noqa: E402
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port  # noqa: E402
 
-RESULTS = ROOT / "bench" / "RESULTS.md"
 SECTION = "## bench/coalesce.py"
+SCRIPT = "bench/coalesce.py"
 API_KEY = "sk-bench-" + uuid.uuid4().hex[:12]
 TIMEOUT = httpx.Timeout(300.0)
 
@@ -137,11 +144,7 @@ def table(rows: list[tuple[int, str, Run]]) -> str:
 
 
 def write_results(text: str) -> None:
-    current = RESULTS.read_text()
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _m: text + "\n", current, count=1) if pattern.search(current) \
-        else current.rstrip("\n") + "\n\n" + text
-    RESULTS.write_text(new.rstrip("\n") + "\n")
+    write_section(SECTION, text)
 
 
 def coordinator(cfg: stack.StackConfig, db: Path, coalesce: bool) -> stack.StackConfig:
@@ -168,8 +171,8 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="motorsite-bench-coalesce-"))
     print(f"logs: {tmp}")
     cfg = stack.StackConfig(
-        model_dir=_env("MOTOR_MODEL_DIR"), render_python=_env("MOTOR_RENDER_PYTHON"),
-        engine_python=_env("MOTOR_ENGINE_PYTHON"), engines="sim", render_port=free_port(),
+        model_dir=require_env("MOTOR_MODEL_DIR", SCRIPT), render_python=require_env("MOTOR_RENDER_PYTHON", SCRIPT),
+        engine_python=require_env("MOTOR_ENGINE_PYTHON", SCRIPT), engines="sim", render_port=free_port(),
         engine_ports=(free_port(),), prefill_ports=(), decode_ports=(), api_keys=(API_KEY,), log_dir=tmp,
     )
     argv, env = tiers.render_sidecar_command(

@@ -30,10 +30,6 @@ import asyncio
 import contextlib
 import datetime
 import json
-import os
-import platform
-import re
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -49,10 +45,19 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import (  # noqa: E402
+    RESULTS,
+    command_line,
+    group_cpu_seconds,
+    loadavg,
+    machine,
+    percentile,
+    require_env,
+    write_section,
+)
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, SupervisorError, free_port, log_tail  # noqa: E402
 
-RESULTS = ROOT / "bench" / "RESULTS.md"
 SECTION = "## bench/first_path.py"
 RESULTS_INTRO = (
     "# Benchmark results\n\n"
@@ -220,25 +225,6 @@ async def one_generate(client: httpx.AsyncClient, url: str, body: dict[str, Any]
     return sample
 
 
-def group_cpu_seconds(pgid: int | None) -> float:
-    """utime+stime (all threads) of every live process in process group ``pgid``."""
-    if pgid is None:
-        return 0.0
-    ticks = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        # After the command name: state(0) ppid(1) pgrp(2) ... utime(11) stime(12)
-        if len(fields) > 12 and int(fields[2]) == pgid:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class Target:
     key: str
@@ -314,17 +300,6 @@ def _swap_pairs(order: list[Target]) -> list[Target]:
 # --------------------------------------------------------------------------- reporting
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def _metric(res: PathResult | None, name: str, q: float) -> float | None:
     if res is None or res.skipped:
         return None
@@ -384,33 +359,6 @@ def table(results: dict[str, PathResult]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-def machine() -> str:
-    model = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    mem = ""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = f", {int(line.split()[1]) / 1024 / 1024:.1f} GiB RAM"
-    return f"{os.cpu_count()} CPUs ({model}){mem}, Linux {platform.release()}, Python {platform.python_version()}"
-
-
-def command_line() -> str:
-    # Under `python3 -m toolchain exec`, argv[0] is the script path as given.
-    script = os.path.relpath(Path(sys.argv[0]).resolve(), ROOT)
-    return shlex.join(["python3", "-m", "toolchain", "exec", script, *sys.argv[1:]])
-
-
-def loadavg() -> str:
-    with contextlib.suppress(OSError):
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    return "unknown"
-
-
 def section(
     args: argparse.Namespace, results: dict[str, PathResult], notes: list[str], load: tuple[str, str]
 ) -> str:
@@ -446,23 +394,14 @@ def section(
 
 
 def write_results(text: str) -> None:
-    current = RESULTS.read_text() if RESULTS.exists() else RESULTS_INTRO
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(current):
-        new = pattern.sub(lambda _m: text + "\n", current, count=1)
-    else:
-        new = current.rstrip("\n") + "\n\n" + text
-    RESULTS.write_text(new.rstrip("\n") + "\n")
-
-
-# --------------------------------------------------------------------------- the stack
+    write_section(SECTION, text, intro=RESULTS_INTRO)
 
 
 def _env(name: str) -> str:
-    value = os.environ.get(name)
-    if not value:
-        sys.exit(f"{name} is not set; run through `python3 -m toolchain exec bench/first_path.py` (or `make bench`)")
-    return value
+    return require_env(name, "bench/first_path.py", " (or `make bench`)")
+
+
+# --------------------------------------------------------------------------- the stack
 
 
 def _report_failure(what: str, exc: BaseException, log: Path | None) -> str:

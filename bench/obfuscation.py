@@ -21,7 +21,6 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import loadavg, write_section  # noqa: E402
 from serving.pipeline.obfuscation import (  # noqa: E402
     TokenMapping,
     deobfuscate_event,
@@ -41,7 +41,6 @@ from serving.pipeline.obfuscation import (  # noqa: E402
     obfuscate_request,
 )
 
-RESULTS = ROOT / "bench" / "RESULTS.md"
 SECTION = "## bench/obfuscation.py"
 KEY = b"bench-obfuscation-key-not-a-secret"
 VOCABS = (4096, 151936)
@@ -116,7 +115,7 @@ def measure(repeat: int) -> list[tuple[str, dict[int, str]]]:
 
 
 def section(rows: list[tuple[str, dict[int, str]]], command: str) -> str:
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = loadavg()
     lines = [
         SECTION,
         "",
@@ -137,13 +136,7 @@ def section(rows: list[tuple[str, dict[int, str]]], command: str) -> str:
 
 
 def write_results(text: str) -> None:
-    current = RESULTS.read_text()
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(current):
-        new = pattern.sub(lambda _m: text + "\n", current, count=1)
-    else:
-        new = current.rstrip("\n") + "\n\n" + text
-    RESULTS.write_text(new.rstrip("\n") + "\n")
+    write_section(SECTION, text)
 
 
 def main() -> None:

@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import os
-import re
 import shutil
 import sys
 import tempfile
@@ -40,14 +38,19 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from first_path import command_line, loadavg, machine, percentile  # noqa: E402
-
+from bench.common import (  # noqa: E402
+    RESULTS,  # noqa: E402
+    command_line,
+    loadavg,
+    machine,
+    percentile,
+    require_env,
+    write_section,
+)
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, free_port  # noqa: E402
 
-RESULTS = ROOT / "bench" / "RESULTS.md"
 SECTION = "## bench/propagation.py"
 CLIENT_KEY = "sk-bench-" + uuid.uuid4().hex[:12]
 ADMIN_KEY = "mk-bench-" + uuid.uuid4().hex[:12]
@@ -55,10 +58,7 @@ TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 
 
 def _env(name: str) -> str:
-    value = os.environ.get(name)
-    if not value:
-        sys.exit(f"{name} is not set; run through `python3 -m toolchain exec bench/propagation.py`")
-    return value
+    return require_env(name, "bench/propagation.py")
 
 
 class Probe:
@@ -187,13 +187,7 @@ def section(args: argparse.Namespace, rows: list[dict[str, float]], load: tuple[
 
 
 def write_results(text: str) -> None:
-    current = RESULTS.read_text()
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(current):
-        new = pattern.sub(lambda _m: text + "\n", current, count=1)
-    else:
-        new = current.rstrip("\n") + "\n\n" + text
-    RESULTS.write_text(new.rstrip("\n") + "\n")
+    write_section(SECTION, text)
 
 
 def main() -> int:

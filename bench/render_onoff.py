@@ -45,26 +45,21 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from first_path import (  # noqa: E402  (shared measurement helpers)
-    TIMEOUT,
-    Sample,
-    _ms,
-    _ratio,
+from bench.common import (  # noqa: E402
+    RESULTS,
     command_line,
     group_cpu_seconds,
     loadavg,
     machine,
-    one_chat,
     percentile,
-    prompt,
+    require_env,
+    write_section,
 )
-
+from bench.first_path import TIMEOUT, Sample, _ms, _ratio, one_chat, prompt  # noqa: E402  (the same client)
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, SupervisorError, free_port, log_tail  # noqa: E402
 
-RESULTS = ROOT / "bench" / "RESULTS.md"
 SECTION = "## bench/render_onoff.py"
 API_KEY = "sk-bench-" + uuid.uuid4().hex[:12]
 MODES = ("on", "off")
@@ -311,25 +306,14 @@ def section(
 
 
 def write_results(text: str) -> None:
-    import re
-
-    current = RESULTS.read_text()
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(current):
-        new = pattern.sub(lambda _m: text + "\n", current, count=1)
-    else:
-        new = current.rstrip("\n") + "\n\n" + text
-    RESULTS.write_text(new.rstrip("\n") + "\n")
+    write_section(SECTION, text)
 
 
 # --------------------------------------------------------------------------- the stack
 
 
 def _env(name: str) -> str:
-    value = os.environ.get(name)
-    if not value:
-        sys.exit(f"{name} is not set; run through `python3 -m toolchain exec bench/render_onoff.py`")
-    return value
+    return require_env(name, "bench/render_onoff.py")
 
 
 def _disable_render(cfg: stack.StackConfig) -> None:

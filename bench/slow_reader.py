@@ -22,7 +22,6 @@ import dataclasses
 import datetime
 import gc
 import json
-import re
 import sys
 import tracemalloc
 from collections import Counter
@@ -34,7 +33,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.first_path import command_line, loadavg, machine  # noqa: E402
+from bench.common import command_line, loadavg, machine, write_section  # noqa: E402
 from serving.pipeline.render.client import RenderClient  # noqa: E402
 from serving.pipeline.render.coalesce import MAX_PENDING  # noqa: E402
 from serving.pipeline.router.engine_client import EngineClient  # noqa: E402
@@ -42,7 +41,6 @@ from serving.pipeline.router.scheduler import LoadTracker, Scheduler  # noqa: E4
 from serving.pipeline.service import MERGE_QUEUE_SIZE, EventStream, ServingPipeline  # noqa: E402
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams, SSEBody, fleet_snapshot, instance, output_ids  # noqa: E402
 
-RESULTS = ROOT / "bench" / "RESULTS.md"
 SECTION = "## bench/slow_reader.py"
 
 
@@ -163,11 +161,7 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:
-        current = RESULTS.read_text()
-        pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-        new = pattern.sub(lambda _m: text + "\n", current, count=1) if pattern.search(current) \
-            else current.rstrip("\n") + "\n\n" + text
-        RESULTS.write_text(new.rstrip("\n") + "\n")
+        write_section(SECTION, text)
     return 0
 
 
