@@ -14,7 +14,9 @@ MotorError                      carries status, OpenAI ``type``, ``param`` and `
  |                              cannot do token-only at all; the native path may serve it instead
  +-- DerenderError              derender failed after inference: 502/504, never re-runs inference
  +-- NoCapacity                 no instance can take the request (503)
- +-- QueueFull                  admission queue full: 429 with ``Retry-After``
+ +-- RateLimited                429 with ``Retry-After``
+ |    +-- QueueFull             admission queue full
+ |    +-- TokenRateLimited      a key's tokens per minute (router/rate_limit.py)
  +-- AdmissionTimeout           waited past the admission deadline: 503
 
 Fault domains stay apart (architecture invariant 4), so each layer raises only its own kind.
@@ -120,7 +122,9 @@ class NoCapacity(MotorError):
     type = "ServiceUnavailableError"
 
 
-class QueueFull(MotorError):
+class RateLimited(MotorError):
+    """A 429 with ``Retry-After`` (``error_headers``): the one shape every rate limit answers with."""
+
     status = 429
     type = "RateLimitError"
     retryable = True
@@ -128,6 +132,10 @@ class QueueFull(MotorError):
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class QueueFull(RateLimited):
+    """The admission queue is full."""
 
 
 class AdmissionTimeout(MotorError):

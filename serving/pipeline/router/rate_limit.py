@@ -22,21 +22,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from serving.pipeline.errors import MotorError
+from serving.pipeline.errors import RateLimited
 
 WINDOW_S = 60.0
 
 
-class TokenRateLimited(MotorError):
+class TokenRateLimited(RateLimited):
     """429 with ``Retry-After``: the key's tokens in the last minute would exceed its limit."""
-
-    status = 429
-    type = "RateLimitError"
-    retryable = True
-
-    def __init__(self, message: str, *, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -321,6 +321,11 @@ async def _leg(ctx: PDContext, phase: str, instance: InstanceView, request: dict
     return response
 
 
+def _prefill_tokens(engine_request: Mapping[str, Any]) -> int:
+    """Admission tokens of a prefill leg: the prompt and its one sampled token."""
+    return len(engine_request["token_ids"]) + 1
+
+
 def _sides(placement: PDPlacement) -> tuple[InstanceView, InstanceView]:
     if len(placement.instances) != 2:
         raise NoCapacity("a prefill/decode placement needs a prefill and a decode instance")
@@ -336,10 +341,18 @@ async def run_handoff(ctx: PDContext, placement: PDPlacement, engine_request: di
     or answers without ``kv_transfer_params`` (D is then never called: invented params crash a real
     decode engine), and naming D when D fails; ``UpstreamRequestError`` for a leg's 4xx.
     """
+    decode, d_request = await _handoff_prefill(ctx, placement, engine_request)
+    return await _leg(ctx, "decode", decode, d_request, ctx.tokens)
+
+
+async def _handoff_prefill(
+    ctx: PDContext, placement: PDPlacement, engine_request: dict[str, Any]
+) -> tuple[InstanceView, dict[str, Any]]:
+    """Handoff's prefill leg on P (both the plain and the streaming run): D and its decode request."""
     prefill, decode = _sides(placement)
     p_id, d_id = leg_ids(engine_request["request_id"])
     p_request = prefill_request(engine_request, request_id=p_id, kv_transfer_params=dict(PREFILL_KV_PARAMS))
-    p_response = await _leg(ctx, "prefill", prefill, p_request, len(engine_request["token_ids"]) + 1)
+    p_response = await _leg(ctx, "prefill", prefill, p_request, _prefill_tokens(engine_request))
     kv = p_response.get("kv_transfer_params")
     if not isinstance(kv, dict) or not kv:
         raise EngineError(
@@ -347,8 +360,7 @@ async def run_handoff(ctx: PDContext, placement: PDPlacement, engine_request: di
             instance=prefill.name,
         )
     # Verbatim: the same dict object goes on the wire to D.
-    d_request = decode_request(engine_request, request_id=d_id, kv_transfer_params=kv)
-    return await _leg(ctx, "decode", decode, d_request, ctx.tokens)
+    return decode, decode_request(engine_request, request_id=d_id, kv_transfer_params=kv)
 
 
 def push_prefill_params(callback: Mapping[str, Any]) -> dict[str, Any]:
@@ -369,20 +381,15 @@ async def run_trigger(ctx: PDContext, placement: PDPlacement, engine_request: di
     calls back within ``ctx.callback_timeout_s``, naming P when the prefill fails (D's request is
     then aborted); ``NoCapacity`` without a metaserver or when no P is left at callback time.
     """
-    if ctx.metaserver is None:
-        raise NoCapacity("Trigger needs this process's metaserver, and none is configured")
-    placed_prefill, decode = _sides(placement)
+    metaserver, placed_prefill, decode = _trigger_sides(ctx, placement)
     p_id, d_id = leg_ids(engine_request["request_id"])
-    with ctx.metaserver.register(ctx.request_id, engine_request_id=engine_request_id(d_id)) as reg:
-        d_params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": reg.url}
-        d_request = decode_request(engine_request, request_id=d_id, kv_transfer_params=d_params)
+    with metaserver.register(ctx.request_id, engine_request_id=engine_request_id(d_id)) as reg:
+        d_request = _trigger_decode_request(engine_request, d_id, reg)
         d_task = asyncio.create_task(_leg(ctx, "decode", decode, d_request, ctx.tokens))
         p_task: asyncio.Task[dict[str, Any]] | None = None
         try:
             callback = await _await_callback(ctx, reg, d_task, decode)
-            prefill = ctx.pick_prefill() if ctx.pick_prefill is not None else placed_prefill
-            p_request = prefill_request(engine_request, request_id=p_id, kv_transfer_params=push_prefill_params(callback))
-            p_task = asyncio.create_task(_leg(ctx, "prefill", prefill, p_request, len(engine_request["token_ids"]) + 1))
+            p_task = _start_push_prefill(ctx, engine_request, placed_prefill, p_id, callback)
             await asyncio.wait([p_task, d_task], return_when=asyncio.FIRST_COMPLETED)
             if d_task.done() and d_task.exception() is not None:
                 # D failed while P ran: P's push has nowhere to go, and D's failure is the cause.
@@ -390,15 +397,44 @@ async def run_trigger(ctx: PDContext, placement: PDPlacement, engine_request: di
             await p_task  # P's own failure, naming P
             return await d_task
         finally:
-            # Each leg's own finally aborts its engine request; wait for that cleanup without
-            # taking on the legs' outcomes here (raised above already, or superseded by ours).
-            for task in (p_task, d_task):
-                if task is not None and not task.done():
-                    task.cancel()
-            await asyncio.wait([t for t in (p_task, d_task) if t is not None])
-            for task in (p_task, d_task):
-                if task is not None and not task.cancelled():
-                    task.exception()
+            await _settle(p_task, d_task)
+
+
+def _trigger_sides(ctx: PDContext, placement: PDPlacement) -> tuple[MetaServer, InstanceView, InstanceView]:
+    """The metaserver and the placed (P, D) of a Trigger run (plain or streaming)."""
+    if ctx.metaserver is None:
+        raise NoCapacity("Trigger needs this process's metaserver, and none is configured")
+    placed_prefill, decode = _sides(placement)
+    return ctx.metaserver, placed_prefill, decode
+
+
+def _trigger_decode_request(engine_request: dict[str, Any], d_id: str, reg: Registration) -> dict[str, Any]:
+    """D's leg in Trigger: remote prefill, with the registration's callback URL."""
+    d_params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": reg.url}
+    return decode_request(engine_request, request_id=d_id, kv_transfer_params=d_params)
+
+
+def _start_push_prefill(
+    ctx: PDContext, engine_request: dict[str, Any], placed_prefill: InstanceView, p_id: str,
+    callback: Mapping[str, Any],
+) -> asyncio.Task[dict[str, Any]]:
+    """D called back: pick P (the placed one unless ``ctx.pick_prefill`` says otherwise) and start
+    its prefill leg, pushing to where the callback says."""
+    prefill = ctx.pick_prefill() if ctx.pick_prefill is not None else placed_prefill
+    p_request = prefill_request(engine_request, request_id=p_id, kv_transfer_params=push_prefill_params(callback))
+    return asyncio.create_task(_leg(ctx, "prefill", prefill, p_request, _prefill_tokens(engine_request)))
+
+
+async def _settle(*tasks: asyncio.Task[Any] | None) -> None:
+    """Cancel the legs still running and wait for them: each leg's own finally aborts its engine
+    request. Their outcomes are retrieved, not taken on (raised already, or superseded by ours)."""
+    for task in tasks:
+        if task is not None and not task.done():
+            task.cancel()
+    await asyncio.wait([t for t in tasks if t is not None])
+    for task in tasks:
+        if task is not None and not task.cancelled():
+            task.exception()
 
 
 async def _await_callback(
@@ -446,18 +482,8 @@ async def open_handoff_stream(
     Established once D answered 200; D's holds and HTTP stream go on ``stack`` (the attempt's),
     P's leg is over by then. Failures raise ``EngineError`` naming the failed instance.
     """
-    prefill, decode = _sides(placement)
-    p_id, d_id = leg_ids(engine_request["request_id"])
-    p_request = prefill_request(engine_request, request_id=p_id, kv_transfer_params=dict(PREFILL_KV_PARAMS))
-    p_response = await _leg(ctx, "prefill", prefill, p_request, len(engine_request["token_ids"]) + 1)
-    kv = p_response.get("kv_transfer_params")
-    if not isinstance(kv, dict) or not kv:
-        raise EngineError(
-            f"{prefill.name} answered the prefill leg without kv_transfer_params (is it a KV producer?)",
-            instance=prefill.name,
-        )
-    d_request = decode_request(engine_request, request_id=d_id, kv_transfer_params=kv)
-    return decode, d_id, await _stream_leg(ctx, decode, d_request, stack)
+    decode, d_request = await _handoff_prefill(ctx, placement, engine_request)
+    return decode, d_request["request_id"], await _stream_leg(ctx, decode, d_request, stack)
 
 
 async def open_trigger_stream(
@@ -472,13 +498,10 @@ async def open_trigger_stream(
     aborted exactly once on every exit path, cancellation included). Only D's stream and holds
     outlive it, on ``stack``.
     """
-    if ctx.metaserver is None:
-        raise NoCapacity("Trigger needs this process's metaserver, and none is configured")
-    placed_prefill, decode = _sides(placement)
+    metaserver, placed_prefill, decode = _trigger_sides(ctx, placement)
     p_id, d_id = leg_ids(engine_request["request_id"])
-    with ctx.metaserver.register(ctx.request_id, engine_request_id=engine_request_id(d_id)) as reg:
-        d_params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": reg.url}
-        d_request = decode_request(engine_request, request_id=d_id, kv_transfer_params=d_params)
+    with metaserver.register(ctx.request_id, engine_request_id=engine_request_id(d_id)) as reg:
+        d_request = _trigger_decode_request(engine_request, d_id, reg)
         # D's holds and stream live on their own stack until the run succeeded; then ``stack`` owns them.
         d_stack = AsyncExitStack()
         d_task = asyncio.create_task(_stream_leg(ctx, decode, d_request, d_stack))
@@ -486,9 +509,7 @@ async def open_trigger_stream(
         ok = False
         try:
             callback = await _await_stream_callback(ctx, reg, d_task, decode)
-            prefill = ctx.pick_prefill() if ctx.pick_prefill is not None else placed_prefill
-            p_request = prefill_request(engine_request, request_id=p_id, kv_transfer_params=push_prefill_params(callback))
-            p_task = asyncio.create_task(_leg(ctx, "prefill", prefill, p_request, len(engine_request["token_ids"]) + 1))
+            p_task = _start_push_prefill(ctx, engine_request, placed_prefill, p_id, callback)
             pending: set[asyncio.Task[Any]] = {p_task, d_task}
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -498,13 +519,7 @@ async def open_trigger_stream(
             events = d_task.result()
             ok = True
         finally:
-            for task in (p_task, d_task):
-                if task is not None and not task.done():
-                    task.cancel()
-            await asyncio.wait([t for t in (p_task, d_task) if t is not None])
-            for task in (p_task, d_task):
-                if task is not None and not task.cancelled():
-                    task.exception()  # retrieved: raised above already, or superseded by ours
+            await _settle(p_task, d_task)
             if not ok:
                 # D may hold the request waiting for a push that will never come: free its slot.
                 await asyncio.shield(_close_failed_decode(ctx, decode, d_id, d_stack))
