@@ -14,6 +14,7 @@ Control API (test-only, unauthenticated):
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import time
@@ -112,6 +113,17 @@ def _logprobs_json(entries: list[TokenLogprobs]) -> GenerateLogProbs:
     return GenerateLogProbs(content=content)
 
 
+class _KV(enum.Enum):
+    """Where a request's prompt KV comes from."""
+
+    # Computed here (union, prefill, or a decode not asked for a remote prefill).
+    LOCAL = "local"
+    # Pulled from, or pushed by, a prefill instance.
+    REMOTE = "remote"
+    # Aborted while waiting for the push: the request ends with "abort", no tokens.
+    ABORTED = "aborted"
+
+
 class SimHandlers:
     """Route handlers bound to one engine."""
 
@@ -136,26 +148,27 @@ class SimHandlers:
         engine.admit(body)
         engine_request_id = f"generate-tokens-{request.headers.get('x-request-id', body.request_id)}"
         if body.stream:
-            remote_kv = await self._receive_kv(body, engine_request_id)
-            return SSEResponse(self._stream(request, body, engine_request_id, fault, remote_kv))
+            kv = await self._receive_kv(body, engine_request_id)
+            return SSEResponse(self._stream(request, body, engine_request_id, fault, kv))
         engine.validate(body)
-        remote_kv = await self._receive_kv(body, engine_request_id)
-        return await self._full(request, body, engine_request_id, fault, remote_kv)
+        kv = await self._receive_kv(body, engine_request_id)
+        return await self._full(request, body, engine_request_id, fault, kv)
 
-    async def _receive_kv(self, body: GenerateRequest, engine_request_id: str) -> bool:
+    async def _receive_kv(self, body: GenerateRequest, engine_request_id: str) -> _KV:
         """On a decode instance asked for a remote prefill, get the KV (pull, or wait for
-        the push); True when it arrived. Raises the KV-failure SimError otherwise."""
+        the push). Raises the KV-failure SimError when it cannot."""
         engine = self.engine
         params = body.kv_transfer_params
         if engine.config.role is not EngineRole.DECODE or not params:
-            return False
+            return _KV.LOCAL
         if params.get("do_remote_prefill") is not True:
-            return False
+            return _KV.LOCAL
         if engine.config.kv_transfer == "push":
-            await engine.kv.await_push(params, engine_request_id, len(body.token_ids))
+            if not await engine.kv.await_push(params, engine_request_id, len(body.token_ids)):
+                return _KV.ABORTED
         else:
             await engine.kv.pull(params, len(body.token_ids))
-        return True
+        return _KV.REMOTE
 
     async def _send_kv(self, body: GenerateRequest, engine_request_id: str) -> dict[str, Any] | None:
         """On a prefill instance asked for a remote decode, hold the KV for D's pull (and
@@ -185,10 +198,12 @@ class SimHandlers:
         body: GenerateRequest,
         engine_request_id: str,
         fault: Fault | None,
-        remote_kv: bool = False,
+        kv: _KV = _KV.LOCAL,
     ) -> Response:
         engine = self.engine
-        generation = engine.start(engine_request_id, body, remote_kv=remote_kv)
+        generation = engine.start(
+            engine_request_id, body, remote_kv=kv is _KV.REMOTE, aborted=kv is _KV.ABORTED
+        )
         logprobs: dict[int, list[TokenLogprobs]] = {c.index: [] for c in generation.choices}
         try:
             completed, fired = await race_disconnect(
@@ -262,7 +277,7 @@ class SimHandlers:
         body: GenerateRequest,
         engine_request_id: str,
         fault: Fault | None,
-        remote_kv: bool = False,
+        kv: _KV = _KV.LOCAL,
     ) -> AsyncIterator[str]:
         engine = self.engine
         engine.stats.active_streams += 1
@@ -278,7 +293,9 @@ class SimHandlers:
                 yield DONE_EVENT
                 ended = True
                 return
-            generation = engine.start(engine_request_id, body, remote_kv=remote_kv)
+            generation = engine.start(
+                engine_request_id, body, remote_kv=kv is _KV.REMOTE, aborted=kv is _KV.ABORTED
+            )
             options = body.stream_options
             include_usage = bool(options and options.include_usage)
             continuous = include_usage and bool(options and options.continuous_usage_stats)

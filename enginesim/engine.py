@@ -311,20 +311,28 @@ class SimEngine:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(
-        self, engine_request_id: str, request: GenerateRequest, *, remote_kv: bool = False
+        self,
+        engine_request_id: str,
+        request: GenerateRequest,
+        *,
+        remote_kv: bool = False,
+        aborted: bool = False,
     ) -> Generation:
         """Create and register a generation; pair with :meth:`finish` in a ``finally``.
 
         Only prompt tokens not found in the prefix cache cost prefill time; with
-        ``remote_kv`` (a decode instance that received the KV) none do.
+        ``remote_kv`` (a decode instance that received the KV) none do. ``aborted`` starts
+        a request aborted while it waited for remote KV: it ends at once with "abort".
         """
         prompt = request.token_ids
         cached = self.cache.cached_tokens(prompt)
         external = len(prompt) - cached if remote_kv else 0
-        uncached = len(prompt) - cached - external
-        # The prompt's blocks are in the cache from now on (vLLM caches them as the
-        # prefill fills them); received blocks too, like a real decode engine.
-        self.cache.store(prompt)
+        uncached = 0 if aborted else len(prompt) - cached - external
+        if not aborted:
+            # The prompt's blocks are in the cache from now on (vLLM caches them as the
+            # prefill fills them); received blocks too, like a real decode engine. An
+            # aborted wait computed and received nothing, so it caches nothing.
+            self.cache.store(prompt)
         generation = Generation(
             engine_request_id=engine_request_id,
             prompt=prompt,
@@ -335,6 +343,8 @@ class SimEngine:
             ttft_seconds=self.config.ttft_seconds(uncached),
         )
         generation.cached_tokens = cached
+        if aborted:
+            generation.abort()
         self._running.setdefault(engine_request_id, set()).add(generation)
         self.stats.prompt_tokens_total += len(generation.prompt)
         by_source = self.stats.prompt_tokens_by_source
@@ -359,9 +369,11 @@ class SimEngine:
                 self.stats.finished[choice.finish_reason] += 1
 
     def abort(self, engine_request_ids: Sequence[str]) -> int:
-        """Abort every running request with one of these ids; unknown ids are ignored."""
+        """Abort every running request with one of these ids, and every one still waiting
+        for a KV push (it then starts aborted); unknown ids are ignored."""
         hit = 0
         for rid in engine_request_ids:
+            hit += self.kv.abort_waiting(rid)
             for generation in self._running.get(rid, ()):
                 if not generation.aborted.is_set():
                     generation.abort()

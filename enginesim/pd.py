@@ -50,7 +50,10 @@ Two transfer modes, chosen per process with ``--kv-transfer``:
    only for a request waiting for exactly that push (else 404 / 409, and P answers 500).
    P's own answer is its usual one-token response with ``kv_transfer_params: null``.
 4. D, woken by the push, decodes with no prefill time. If no push arrives within
-   ``--kv-push-timeout-s`` (30 s), D fails the request (500) and forgets it.
+   ``--kv-push-timeout-s`` (30 s), D fails the request (500) and forgets it. An abort
+   (``/abort_requests`` with D's engine request id) releases the waiting request at once: it
+   ends with ``finish_reason: "abort"`` and no tokens, like vLLM aborting a request in
+   ``WAITING_FOR_REMOTE_KVS``; a later push for it is refused (404).
 
 D always caches the received blocks in its prefix cache (and publishes BlockStored for them),
 like a real decode engine. Output is a function of seed and context, so D's answer equals a
@@ -103,7 +106,9 @@ class _Waiting:
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    # Resolved by the push, or by an abort (then ``aborted`` is set first).
     pushed: asyncio.Future[None]
+    aborted: bool = False
 
 
 def _int(value: Any) -> int | None:
@@ -249,14 +254,18 @@ class KVTransfer:
 
     # -- D, push mode -----------------------------------------------------------------
 
-    async def await_push(self, params: dict[str, Any], engine_request_id: str, num_tokens: int) -> None:
-        """Announce the request to the metaserver, then wait for P's push."""
+    async def await_push(self, params: dict[str, Any], engine_request_id: str, num_tokens: int) -> bool:
+        """Announce the request to the metaserver, then wait for P's push.
+
+        True when the KV arrived, False when :meth:`abort_waiting` released the request.
+        """
         metaserver = params.get("metaserver")
         if not isinstance(metaserver, str) or not metaserver.startswith(("http://", "https://")):
             raise kv_failure("push mode needs kv_transfer_params.metaserver, an http(s) URL")
         block_ids = self._allocate(num_tokens)
         pushed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting[engine_request_id] = _Waiting(engine_request_id, block_ids, num_tokens, pushed)
+        waiting = _Waiting(engine_request_id, block_ids, num_tokens, pushed)
+        self._waiting[engine_request_id] = waiting
         try:
             announce = {
                 **params,
@@ -281,10 +290,23 @@ class KVTransfer:
                 raise kv_failure(
                     f"no KV pushed for {engine_request_id} within {self.push_timeout_seconds:g} s"
                 ) from None
+            return not waiting.aborted
         finally:
-            self._waiting.pop(engine_request_id, None)
+            # Only our own entry: a retry under the same id may have replaced it.
+            if self._waiting.get(engine_request_id) is waiting:
+                del self._waiting[engine_request_id]
             if not pushed.done():
                 pushed.cancel()
+
+    def abort_waiting(self, engine_request_id: str) -> bool:
+        """Release a request waiting for a push (an abort); True if one was waiting."""
+        waiting = self._waiting.get(engine_request_id)
+        if waiting is None or waiting.pushed.done():
+            return False
+        waiting.aborted = True
+        # Wakes await_push now, even while the metaserver call is still in flight.
+        waiting.pushed.set_result(None)
+        return True
 
     def accept_push(self, body: Any) -> tuple[int, str]:
         """Serve ``/sim/kv/push``: (status, reason); wakes the waiting request on success."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -216,6 +217,8 @@ class Metaserver:
         self.prefill_url = prefill_url
         self.status = status
         self.announcements: list[dict[str, Any]] = []
+        # Set (from the server thread) on the first announcement: D is waiting for the push.
+        self.announced = threading.Event()
         self.prefill_answers: list[httpx.Response] = []
         self._tasks: set[asyncio.Task[None]] = set()
         app = Starlette(routes=[Route("/meta/{token}", self.announce, methods=["POST"])])
@@ -240,6 +243,7 @@ class Metaserver:
         data = await request.json()
         data["path_token"] = request.path_params["token"]
         self.announcements.append(data)
+        self.announced.set()
         if self.status == 200 and self.prefill_url is not None:
             task = asyncio.create_task(self._dispatch(data))
             self._tasks.add(task)
@@ -303,6 +307,38 @@ async def test_it_gives_up_when_no_push_arrives(http: httpx.AsyncClient, push_de
         response = await http.post(push_decode.url + GENERATE, json=body(PROMPT, 4, params, "d3"))
     assert response.status_code == 500 and "no KV pushed" in response.json()["error"]["message"]
     assert (await stats(http, push_decode))["kv"]["waiting"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_it_releases_a_decode_waiting_for_a_push_when_aborted(
+    http: httpx.AsyncClient, push_decode: LiveServer, stream: bool
+) -> None:
+    rid = f"d-abort-{stream}"
+    with Metaserver(None) as meta:  # accepts, never dispatches: only the abort can end it
+        params = {"do_remote_prefill": True, "metaserver": meta.url}
+        request = body(PROMPT, 4, params, rid) | {"stream": stream}
+        answer = asyncio.create_task(http.post(push_decode.url + GENERATE, json=request))
+        assert await asyncio.to_thread(meta.announced.wait, 5.0), "D never announced itself"
+        abort = await http.post(
+            push_decode.url + "/inference/v1/abort_requests", json={"request_ids": [f"generate-tokens-{rid}"]}
+        )
+        assert abort.status_code == 200
+        # Before the 1 s push timeout, which would answer 500 "no KV pushed" instead.
+        response = await answer
+    assert response.status_code == 200, response.text
+    if stream:
+        frames = [line[6:] for line in response.text.split("\n\n") if line.startswith("data: ")]
+        assert frames[-1] == "[DONE]"
+        choices = [json.loads(frame)["choices"][0] for frame in frames[:-1]]
+        assert [(c["token_ids"], c["finish_reason"]) for c in choices] == [([], "abort")]
+    else:
+        (choice,) = response.json()["choices"]
+        assert (choice["token_ids"], choice["finish_reason"]) == ([], "abort")
+    state = await stats(http, push_decode)
+    assert state["kv"]["waiting"] == 0 and state["aborted"] >= 1 and state["finished"]["abort"] >= 1
+    # A push arriving after the abort finds nobody waiting.
+    late = {"remote_request_id": f"generate-tokens-{rid}", "remote_engine_id": state["kv"]["engine_id"]}
+    assert (await http.post(push_decode.url + "/sim/kv/push", json=late)).status_code == 404
 
 
 async def test_it_requires_a_metaserver_in_push_mode(http: httpx.AsyncClient, push_decode: LiveServer) -> None:
