@@ -1,4 +1,4 @@
-"""Render config operations shared by the admin, the REST API and ``manage.py import_render_config``.
+"""Render config and model revision operations shared by the admin, the REST API and management commands.
 
 An imported config is the RFC's ``render_config`` object (optionally wrapped as
 ``{"render_config": {...}}``) plus this project's keys. Unknown or misspelled keys are an error
@@ -7,14 +7,17 @@ naming the key, never dropped: a renamed key must not silently turn render off.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from django.db import transaction
 
-from fleet.services import InvalidError, NotFoundError, bump_control_version
-from serving.models import RenderConfig
+from fleet.services import ConflictError, InvalidError, NotFoundError, bump_control_version
+from serving.fingerprints import fingerprint_model_dir
+from serving.models import ModelRevision, RenderConfig, ServedModel
 
 logger = logging.getLogger(__name__)
 
@@ -149,3 +152,79 @@ def render_sidecar_restarted(*, config_id: int, expected: dict[str, Any], actor:
     )
     logger.info("render sidecar restarted config_id=%s cleared=%s actor=%s", config_id, bool(cleared), actor)
     return bool(cleared)
+
+
+# -- model revisions ----------------------------------------------------------------------------
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _special_tokens(model_dir: Path) -> dict[str, Any]:
+    """The named special tokens from ``tokenizer_config.json`` ({} when absent or unreadable)."""
+    try:
+        cfg = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(cfg, dict):
+        return {}
+    # A token may be a string or an AddedToken dict; keep only its text so both spell the same.
+    out: dict[str, Any] = {}
+    for key in _SPECIAL_TOKEN_KEYS:
+        value = cfg.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def _revision_key(rev: ModelRevision) -> tuple[Any, ...]:
+    return (*sorted(rev.fingerprint().items()), rev.reasoning_parser, rev.tool_parser, sorted(rev.special_tokens.items()))
+
+
+@dataclass(frozen=True)
+class RevisionResult:
+    revision: ModelRevision  # the served model's active revision after the call
+    created: bool  # False: the directory matched the active revision, nothing changed
+
+
+def revision_record(
+    *, served_model: ServedModel, model_dir: str | Path, actor: str, reasoning_parser: str = "", tool_parser: str = ""
+) -> RevisionResult:
+    """Fingerprint ``model_dir`` and make it ``served_model``'s active revision if it differs.
+
+    Idempotent: recording an unchanged directory (every ``make run``) creates no row, so the
+    version probe keeps comparing the engines against the same record. A new revision is set
+    active by compare-and-set on the revision read first; ``ConflictError`` when another
+    writer switched it meanwhile (the caller re-reads and decides again).
+    """
+    model_dir = Path(model_dir)
+    hashes = fingerprint_model_dir(model_dir)
+    candidate = ModelRevision(
+        served_model=served_model,
+        config_hash=hashes["config"],
+        tokenizer_hash=hashes["tokenizer"],
+        chat_template_hash=hashes["chat_template"],
+        generation_config_hash=hashes["generation_config"],
+        special_tokens=_special_tokens(model_dir),
+        reasoning_parser=reasoning_parser,
+        tool_parser=tool_parser,
+        label=hashes["tokenizer"][:8] + "/" + hashes["chat_template"][:8],
+    )
+    with transaction.atomic():
+        active_id = ServedModel.objects.filter(id=served_model.pk).values_list("active_revision_id", flat=True).get()
+        active = ModelRevision.objects.filter(id=active_id).first() if active_id else None
+        if active is not None and _revision_key(active) == _revision_key(candidate):
+            return RevisionResult(active, False)
+        candidate.save()
+        if not ServedModel.objects.filter(id=served_model.pk, active_revision_id=active_id).update(
+            active_revision=candidate
+        ):
+            raise ConflictError(f"The active revision of {served_model.name} changed meanwhile; try again.")
+        bump_control_version()
+    served_model.active_revision = candidate
+    logger.info(
+        "model revision recorded model=%s revision=%s previous=%s actor=%s",
+        served_model.name, candidate.pk, active_id, actor,
+    )
+    return RevisionResult(candidate, True)

@@ -12,6 +12,7 @@ from django.db import transaction
 from fleet.models import ApiKey, BreakerState, EngineInstance
 from fleet.services import api_key_ensure, bump_control_version
 from serving.models import RenderConfig, ServedModel
+from serving.services import revision_record
 
 
 class Command(BaseCommand):
@@ -44,6 +45,8 @@ class Command(BaseCommand):
             name=opts["served_model_name"],
             defaults={"model_path": opts["model_dir"], "max_model_len": opts["max_model_len"]},
         )
+        # The version probe compares engines against this record; unchanged files add no row.
+        revision_record(served_model=model, model_dir=opts["model_dir"], actor="demo_fleet")
         RenderConfig.objects.update_or_create(
             name="default", defaults={"host": opts["render_host"], "port": opts["render_port"], "enable": True}
         )
