@@ -58,6 +58,13 @@ class LiveServer:
         self._thread.join(timeout=5)
         self._sock.close()
 
+    def __enter__(self) -> LiveServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def reset(self) -> None:
         """Disarm faults, drop scripts, zero the stats (call between tests)."""
         self.engine.faults.clear()

@@ -13,6 +13,8 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -223,25 +225,23 @@ def weights(vocab: int) -> dict[str, np.ndarray]:
     return w
 
 
-def _dump(path: Path, data: Any) -> None:
+def dump_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def build(out: Path) -> Path:
-    """Write the model to ``out`` (which must not exist or be empty) and return it."""
-    out = Path(out).resolve()
+@contextmanager
+def staged_dir(out: Path, who: str) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out`` to fill; on success it becomes ``out`` in one rename.
+
+    A build that dies half-way leaves nothing at ``out``, so the toolchain's cache never holds
+    a partial model. Raises SystemExit when ``out`` exists and is not empty.
+    """
     if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"tinymodel: {out} exists and is not empty")
+        raise SystemExit(f"{who}: {out} exists and is not empty")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        tok = train_tokenizer()
-        (tmp / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
-        for name, data in tokenizer_files(tok).items():
-            _dump(tmp / name, data)
-        _dump(tmp / "config.json", model_config(tok))
-        _dump(tmp / "generation_config.json", generation_config(tok))
-        save_file(weights(tok.get_vocab_size()), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        yield tmp
         # mkdtemp makes the directory 0700 and safetensors writes 0600; the model is shared.
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
@@ -252,6 +252,19 @@ def build(out: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def build(out: Path) -> Path:
+    """Write the model to ``out`` (which must not exist or be empty) and return it."""
+    out = Path(out).resolve()
+    with staged_dir(out, "tinymodel") as tmp:
+        tok = train_tokenizer()
+        (tmp / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+        for name, data in tokenizer_files(tok).items():
+            dump_json(tmp / name, data)
+        dump_json(tmp / "config.json", model_config(tok))
+        dump_json(tmp / "generation_config.json", generation_config(tok))
+        save_file(weights(tok.get_vocab_size()), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 

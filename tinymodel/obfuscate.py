@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from serving.pipeline.obfuscation import TokenMapping
+from tinymodel.build import dump_json, staged_dir
 
 # Tensors with one row per vocabulary entry (Qwen2, untied embeddings).
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -84,41 +84,24 @@ def _read(path: Path) -> dict[str, Any]:
     return data
 
 
-def _dump(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def obfuscate(src: Path, out: Path, key: bytes) -> Path:
     """Write the obfuscated copy of ``src`` to ``out`` (absent or empty) and return it."""
     src, out = Path(src).resolve(), Path(out).resolve()
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"obfuscate: {out} exists and is not empty")
-    config = _read(src / "config.json")
-    mapping = TokenMapping.from_key(key, int(config["vocab_size"]))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        _dump(tmp / "config.json", map_config(config, mapping))
+    with staged_dir(out, "obfuscate") as tmp:
+        config = _read(src / "config.json")
+        mapping = TokenMapping.from_key(key, int(config["vocab_size"]))
+        dump_json(tmp / "config.json", map_config(config, mapping))
         if (src / "generation_config.json").exists():
-            _dump(tmp / "generation_config.json", map_config(_read(src / "generation_config.json"), mapping))
+            dump_json(tmp / "generation_config.json", map_config(_read(src / "generation_config.json"), mapping))
         if (src / "tokenizer_config.json").exists():
-            _dump(tmp / "tokenizer_config.json", map_tokenizer_config(_read(src / "tokenizer_config.json"), mapping))
+            dump_json(tmp / "tokenizer_config.json", map_tokenizer_config(_read(src / "tokenizer_config.json"), mapping))
         for name in COPIED:
             if (src / name).exists():
                 shutil.copyfile(src / name, tmp / name)
         tensors = load_file(str(src / "model.safetensors"))
         save_file(permute_weights(tensors, mapping), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         # The key id only: which key the weights need, for the instance's declaration.
-        _dump(tmp / MARKER, {"key_id": mapping.key_id, "vocab_size": mapping.vocab_size})
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        dump_json(tmp / MARKER, {"key_id": mapping.key_id, "vocab_size": mapping.vocab_size})
     return out
 
 

@@ -35,10 +35,8 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 
 
 def _server(**changes: Any) -> Iterator[LiveServer]:
-    server = LiveServer(dataclasses.replace(CONFIG, **changes))
-    server.start()
-    yield server
-    server.stop()
+    with LiveServer(dataclasses.replace(CONFIG, **changes)) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

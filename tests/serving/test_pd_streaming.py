@@ -44,10 +44,8 @@ CONFIG = SimConfig(
 
 
 def _server(**changes: Any) -> Iterator[LiveServer]:
-    server = LiveServer(dataclasses.replace(CONFIG, **changes))
-    server.start()
-    yield server
-    server.stop()
+    with LiveServer(dataclasses.replace(CONFIG, **changes)) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -206,10 +206,8 @@ PROMPT = list(range(10, 60))
 
 
 def _server(**changes: Any) -> Iterator[LiveServer]:
-    server = LiveServer(dataclasses.replace(CONFIG, **changes))
-    server.start()
-    yield server
-    server.stop()
+    with LiveServer(dataclasses.replace(CONFIG, **changes)) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
