@@ -42,12 +42,34 @@ def env_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name} must be a boolean, got {raw!r}")
 
 
-def database_from_url(url: str) -> dict[str, object]:
+def sqlite_options(timeout_s: float) -> dict[str, object]:
+    """OPTIONS that let the coordinator, Celery and the write-back thread share one SQLite file.
+
+    WAL: readers never block the writer and the writer never blocks readers. IMMEDIATE: a
+    transaction takes the write lock at BEGIN, so a read-then-update (the compare-and-set flips)
+    waits for the lock under the busy timeout; a DEFERRED one that read first cannot upgrade and
+    fails at once with "database is locked", whatever the timeout. synchronous=NORMAL is WAL's
+    usual setting: a power cut may lose the last commits, a process crash loses nothing.
+    ``timeout`` is Python's sqlite3 busy timeout (sqlite3_busy_timeout); a PRAGMA busy_timeout
+    would only repeat it.
+    """
+    return {
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL",
+        "transaction_mode": "IMMEDIATE",
+        "timeout": timeout_s,
+    }
+
+
+def database_from_url(url: str, *, sqlite_timeout_s: float = 5.0) -> dict[str, object]:
     parsed = urlparse(url)
     if parsed.scheme == "sqlite":
         # sqlite:///relative.db and sqlite:////absolute.db, as dj-database-url reads them.
         path = parsed.path[1:] if parsed.path.startswith("/") else parsed.path
-        return {"ENGINE": "django.db.backends.sqlite3", "NAME": path or ":memory:"}
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": path or ":memory:",
+            "OPTIONS": sqlite_options(sqlite_timeout_s),
+        }
     if parsed.scheme in ("postgres", "postgresql", "pgsql"):
         return {
             "ENGINE": "django.db.backends.postgresql",
@@ -106,7 +128,15 @@ TEMPLATES = [
     }
 ]
 
-DATABASES = {"default": database_from_url(env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / 'var' / 'db.sqlite3'}"))}
+# SQLite only: how long a write waits for another connection's write transaction before it fails
+# with "database is locked" (a 500). Writes here last milliseconds; only a stuck writer (a
+# migration, a sqlite3 shell in a transaction) should ever reach this.
+MOTOR_SQLITE_TIMEOUT_S = env_int("MOTOR_SQLITE_TIMEOUT_MS", 10000) / 1000
+DATABASES = {
+    "default": database_from_url(
+        env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / 'var' / 'db.sqlite3'}"), sqlite_timeout_s=MOTOR_SQLITE_TIMEOUT_S
+    )
+}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_str("REDIS_URL")
