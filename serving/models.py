@@ -107,3 +107,23 @@ class RenderConfig(models.Model):
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+class RenderStreamReport(models.Model):
+    """Requests one coordinator process still holds on each render sidecar (machine-owned).
+
+    Written by that process (``serving.stream_reports``) when its counts change, read by the
+    launcher's graceful restart, which retires a replaced sidecar only once no live process
+    reports a request on it (``serving.services.render_live_streams``).
+    """
+
+    host = models.CharField(max_length=255, help_text="The machine the process runs on.")
+    pid = models.PositiveIntegerField()
+    counts = models.JSONField(default=dict, blank=True, help_text="Sidecar base URL -> live requests on it.")
+    updated = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["host", "pid"], name="render_stream_report_process")]
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.pid}"

@@ -13,6 +13,10 @@ events (precise mode): ``pipeline_for`` syncs a ``KVEventHub`` with the snapshot
 whenever the snapshot version changes, started lazily on the running loop (one hub per loop, as
 the shared HTTP client); ``aclose_kv_events`` stops it. The others are indexed from placement
 decisions (approximate mode).
+
+Render sidecar use: ``live_streams`` counts the requests that may still call each sidecar, and
+``stream_reporter`` writes those counts to the database when they change (``serving.stream_reports``),
+so the launcher retires a replaced sidecar only once nothing uses it.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from typing import Any
 
 from django.conf import settings
 
+from serving import stream_reports
 from serving.pipeline import http
 from serving.pipeline.render.client import RenderClient
+from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.tokenization import RenderHealth
 from serving.pipeline.router.breaker import BreakerBoard
 from serving.pipeline.router.engine_client import EngineClient
@@ -113,6 +119,10 @@ scheduler = Scheduler(
 )
 counters = RouterCounters()
 render_health = RenderHealth()
+# Requests per render sidecar, reported to the database for the launcher's graceful restart.
+live_streams = LiveStreams()
+stream_reporter = stream_reports.StreamReporter(live_streams.counts)
+live_streams.on_change = stream_reporter.notify
 
 # Handoff / Trigger / PD Hybrid live in router/topologies.py: importing it registers their runners
 # in service.TOPOLOGY_RUNNERS and may install ``scheduler.topology_policy`` (via its ``install``).
@@ -231,4 +241,5 @@ def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
             chunk_timeout_s=settings.MOTOR_STREAM_CHUNK_TIMEOUT_S, max_relays=settings.MOTOR_STREAM_MAX_RELAYS,
             derender_retries=settings.MOTOR_DERENDER_CHUNK_RETRIES,
         ),
+        live_streams=live_streams,
     )

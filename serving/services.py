@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from django.db import transaction
+from django.utils import timezone
 
 from fleet.services import ConflictError, InvalidError, NotFoundError, bump_control_version
 from serving.fingerprints import fingerprint_model_dir
-from serving.models import ModelRevision, RenderConfig, ServedModel
+from serving.models import ModelRevision, RenderConfig, RenderStreamReport, ServedModel
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +155,46 @@ def render_sidecar_restarted(*, config_id: int, expected: dict[str, Any], actor:
     )
     logger.info("render sidecar restarted config_id=%s cleared=%s actor=%s", config_id, bool(cleared), actor)
     return bool(cleared)
+
+
+def render_streams_report(*, host: str, pid: int, counts: dict[str, int]) -> None:
+    """Record what the coordinator process ``host``/``pid`` holds on each sidecar (one row per process)."""
+    RenderStreamReport.objects.update_or_create(
+        host=host, pid=pid, defaults={"counts": counts, "updated": timezone.now()}
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def render_live_streams(
+    *, base_urls: Collection[str], host: str, alive: Callable[[int], bool] = _pid_alive
+) -> int:
+    """How many requests live processes on ``host`` report on any of ``base_urls``.
+
+    Only processes on this machine can reach a sidecar the launcher manages (it listens on
+    127.0.0.1), so only their rows count, and whether each is alive is asked of the kernel: a
+    process writes only when its counts change, so a timestamp could not tell an idle live
+    process from a dead one without a heartbeat of writes. Rows of dead processes are deleted.
+    """
+    total = 0
+    dead: list[int] = []
+    for row in RenderStreamReport.objects.filter(host=host):
+        if not alive(row.pid):
+            dead.append(row.pk)
+            continue
+        counts = row.counts if isinstance(row.counts, dict) else {}
+        total += sum(int(counts.get(url) or 0) for url in base_urls)
+    if dead:
+        RenderStreamReport.objects.filter(pk__in=dead).delete()
+    return total
 
 
 # -- model revisions ----------------------------------------------------------------------------

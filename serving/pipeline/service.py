@@ -46,6 +46,7 @@ from serving.pipeline.errors import (
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.coalesce import event_reader
 from serving.pipeline.render.holdback import ChunkHoldback, derender_request
+from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.local_tokenizer import model_vocab_size
 from serving.pipeline.render.streaming import ChoicePhase, StreamingRenderSession, StreamSettings
 from serving.pipeline.render.tokenization import (
@@ -59,6 +60,7 @@ from serving.pipeline.render.tokenization import (
 from serving.pipeline.router import rate_limit
 from serving.pipeline.router.engine_client import EngineClient
 from serving.pipeline.router.native import (
+    NATIVE_HINTS,
     NativeClient,
     NativeStream,
     engine_tokenizer_feature,
@@ -137,6 +139,8 @@ class EventStream:
     requires_tokenizer: bool = False
     n: int = 1
     sessions: list[StreamingRenderSession] = field(default_factory=list)
+    # Counts the stream on its sidecar (``LiveStreams``) until ``aclose``: set by ``_serve``.
+    release_render: Callable[[], None] | None = None
     _started: bool = field(default=False, init=False)
     _closed: bool = field(default=False, init=False)
     _visible: bool = field(default=False, init=False)
@@ -362,11 +366,15 @@ class EventStream:
             return
         self._closed = True
         errors: list[BaseException] = []
-        for s in self.streams:
-            try:
-                await s.aclose(self.pipeline.engines)
-            except BaseException as exc:  # close the others first, then raise
-                errors.append(exc)
+        try:
+            for s in self.streams:
+                try:
+                    await s.aclose(self.pipeline.engines)
+                except BaseException as exc:  # close the others first, then raise
+                    errors.append(exc)
+        finally:
+            if self.release_render is not None:
+                self.release_render()  # no derender call follows: the old sidecar may go
         if errors:
             raise errors[0]
 
@@ -392,6 +400,11 @@ def _first_motor_error(group: BaseExceptionGroup) -> BaseException:
             return _first_motor_error(exc)
         return exc
     return group
+
+
+def _hint(reason: str) -> str:
+    hint = NATIVE_HINTS.get(reason)
+    return f": {hint}." if hint else ""
 
 
 def _requested_tokens(prompt: TokenizedPrompt) -> int:
@@ -598,6 +611,7 @@ class ServingPipeline:
         boundary: EngineBoundary | None = None,
         render_health: RenderHealth | None = None,
         stream_settings: StreamSettings | None = None,
+        live_streams: LiveStreams | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.render = render
@@ -609,6 +623,7 @@ class ServingPipeline:
         self.boundary = boundary or EngineBoundary()
         self.render_health = render_health or RenderHealth()
         self.stream_settings = stream_settings or StreamSettings()
+        self.live_streams = live_streams or LiveStreams()
 
     # -- entry points ------------------------------------------------------------------------------
 
@@ -640,6 +655,24 @@ class ServingPipeline:
         reason = native_reason(kind, body, self.snapshot, model.name)
         if reason is not None:
             return await self._native(kind, body, request_id, reason)
+        # From render to the last derender this request calls the sidecar of its snapshot, even
+        # if the snapshot moves to a replacement meanwhile (a graceful restart): counted from
+        # here, not from the first chunk, so a request still waiting for admission counts too.
+        release = self.live_streams.hold(self.snapshot.render.base_url.rstrip("/"))
+        try:
+            result = await self._serve_token_only(kind, body, request_id, model)
+        except BaseException:
+            release()
+            raise
+        if isinstance(result, EventStream):
+            result.release_render = release  # the stream holds its sidecar until its aclose
+        else:
+            release()
+        return result
+
+    async def _serve_token_only(
+        self, kind: str, body: dict[str, Any], request_id: str, model: ModelView
+    ) -> dict[str, Any] | EventStream | NativeStream:
         tokenizer = TokenizationService(self.render, model, health=self.render_health)
         try:
             tokenized = await tokenizer.tokenize(kind, body, request_id)
@@ -823,7 +856,7 @@ class ServingPipeline:
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
             raise RequestError(
                 f"This request needs the engine's own OpenAI API ({reason}), which is not available while "
-                "token obfuscation is on.",
+                "token obfuscation is on." + _hint(reason),
             )
         self.counters.inc("motor_route_decisions_total", path="native", reason=reason)
         logger.info("route request_id=%s kind=%s path=native reason=%s", request_id, kind, reason)
@@ -838,7 +871,9 @@ class ServingPipeline:
             if not candidates:
                 if last is not None:
                     raise last
-                raise NoCapacity(f"no engine serves the native OpenAI API for model {model.name!r} ({reason})")
+                raise NoCapacity(
+                    f"no engine serves the native OpenAI API for model {model.name!r} ({reason})" + _hint(reason)
+                )
             instance = candidates[0]
             breakers = self.scheduler.breakers
             if not breakers.begin(instance):
@@ -882,7 +917,7 @@ class ServingPipeline:
             return result
         if last is not None:
             raise last
-        raise NoCapacity(f"no engine serves the native OpenAI API for model {model.name!r} ({reason})")
+        raise NoCapacity(f"no engine serves the native OpenAI API for model {model.name!r} ({reason})" + _hint(reason))
 
     # -- streaming -----------------------------------------------------------------------------------
 

@@ -1,10 +1,17 @@
 """The launcher's graceful render sidecar restart (runstack's RenderRestarter), with tiny real
-HTTP children standing in for the sidecar under a real Supervisor, and a fake clock."""
+HTTP children standing in for the sidecar under a real Supervisor, and a fake clock.
+
+What uses the old sidecar is what coordinator processes report in ``RenderStreamReport`` rows;
+the tests write those rows through the same service the reporter thread uses (this test
+process stands in for a live coordinator process). The stream kept alive across a restart
+through real processes is in tests/integration/test_render_restart_real.py.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -14,9 +21,10 @@ import pytest
 from fleet.services import read_control_version
 from motorsite import stack
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port
+from serving import stream_reports
 from serving.management.commands.runstack import RenderRestarter
-from serving.models import RenderConfig
-from serving.services import render_config_publish
+from serving.models import RenderConfig, RenderStreamReport
+from serving.services import render_config_publish, render_streams_report
 from tests.motorsite.test_supervisor import SERVER
 
 pytestmark = pytest.mark.django_db
@@ -60,7 +68,7 @@ def launched(tmp_path: Path) -> Iterator[tuple[Supervisor, RenderRestarter, Cloc
     RenderConfig.objects.create(port=cfg.render_port, renderer_num_workers=4)
     clock = Clock()
     with Supervisor([fake_sidecar(cfg)]) as sup:
-        yield sup, RenderRestarter(sup, cfg, drain_s=30, clock=clock, spec_for=fake_sidecar), clock
+        yield sup, RenderRestarter(sup, cfg, drain_s=30, settle_s=3, clock=clock, spec_for=fake_sidecar), clock
         pids = list(sup.pids.values())
     assert not any(alive(pid) for pid in pids)  # nothing leaked
 
@@ -70,6 +78,17 @@ def test_nothing_happens_without_the_flag(launched: tuple[Supervisor, RenderRest
     before = dict(sup.pids)
     restarter.tick()
     assert sup.pids == before
+
+
+def report(counts: dict[str, int], *, pid: int | None = None, host: str = stream_reports.HOST) -> None:
+    """What a coordinator process's reporter thread writes (this process: alive)."""
+    render_streams_report(host=host, pid=pid or os.getpid(), counts=counts)
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
 
 
 def test_a_workers_change_starts_a_replacement_first_then_retires_the_old_one(
@@ -89,14 +108,98 @@ def test_a_workers_change_starts_a_replacement_first_then_retires_the_old_one(
     assert read_control_version() > version  # coordinators switch within a poll interval
     assert config.restart_required  # owed until the old one is gone
 
-    clock.now += 29
-    restarter.tick()
+    clock.now += 2.9
+    restarter.tick()  # nothing reported, but a stream begun just before the switch may not be yet
     assert alive(old_pid)
-    clock.now += 1
+    clock.now += 0.1
     restarter.tick()
     assert set(sup.pids) == {"render-2"}
     assert not alive(old_pid)
     assert not RenderConfig.objects.get().restart_required
+
+
+def test_it_keeps_the_old_sidecar_while_a_stream_is_reported_on_it_and_retires_it_at_zero(
+    launched: tuple[Supervisor, RenderRestarter, Clock],
+) -> None:
+    sup, restarter, clock = launched
+    old_url = RenderConfig.objects.get().base_url
+    old_pid = sup.pids["render"]
+    report({old_url: 1})  # a stream began on the old sidecar and is still derendering there
+    render_config_publish(changes={"renderer_num_workers": 2}, actor="test")
+    restarter.tick()
+    new_url = RenderConfig.objects.get().base_url
+    for _ in range(5):
+        clock.now += 5
+        restarter.tick()
+    assert alive(old_pid) and set(sup.pids) == {"render", "render-2"}  # 25s: the stream lives on
+    report({old_url: 0, new_url: 7})  # it ended; new streams use the replacement only
+    clock.now += 1
+    restarter.tick()
+    assert set(sup.pids) == {"render-2"} and not alive(old_pid)  # retired at zero, before the cap
+    assert not RenderConfig.objects.get().restart_required
+
+
+def test_it_retires_the_old_sidecar_at_the_cap_even_with_a_stream_on_it(
+    launched: tuple[Supervisor, RenderRestarter, Clock],
+) -> None:
+    sup, restarter, clock = launched
+    old_url = RenderConfig.objects.get().base_url
+    report({old_url: 2})
+    render_config_publish(changes={"renderer_num_workers": 2}, actor="test")
+    restarter.tick()
+    clock.now += 29.9
+    restarter.tick()
+    assert set(sup.pids) == {"render", "render-2"}
+    clock.now += 0.1
+    restarter.tick()
+    assert set(sup.pids) == {"render-2"}  # MOTOR_RENDER_DRAIN_S is the cap
+    assert not RenderConfig.objects.get().restart_required
+
+
+def test_it_counts_a_stream_addressed_as_localhost(launched: tuple[Supervisor, RenderRestarter, Clock]) -> None:
+    sup, restarter, clock = launched
+    port = RenderConfig.objects.get().port
+    report({f"http://localhost:{port}": 1})
+    render_config_publish(changes={"renderer_num_workers": 2}, actor="test")
+    restarter.tick()
+    clock.now += 10
+    restarter.tick()
+    assert set(sup.pids) == {"render", "render-2"}
+
+
+def test_it_ignores_dead_processes_other_machines_and_other_sidecars(
+    launched: tuple[Supervisor, RenderRestarter, Clock],
+) -> None:
+    sup, restarter, clock = launched
+    old_url = RenderConfig.objects.get().base_url
+    report({old_url: 3}, pid=dead_pid())  # a coordinator that died mid-stream
+    report({old_url: 4}, host="another-machine")  # its 127.0.0.1 is another sidecar
+    report({"http://127.0.0.1:1": 5})  # a sidecar that is not being replaced
+    render_config_publish(changes={"renderer_num_workers": 2}, actor="test")
+    restarter.tick()
+    clock.now += 3
+    restarter.tick()
+    assert set(sup.pids) == {"render-2"}
+    assert not RenderStreamReport.objects.filter(counts__has_key=old_url, host=stream_reports.HOST).exists()
+
+
+def test_a_count_it_cannot_read_keeps_the_old_sidecar_until_the_cap(
+    launched: tuple[Supervisor, RenderRestarter, Clock],
+) -> None:
+    sup, restarter, clock = launched
+
+    def unavailable(base_urls: tuple[str, ...]) -> int:
+        raise RuntimeError("database is locked")
+
+    restarter.live_requests = unavailable
+    render_config_publish(changes={"renderer_num_workers": 2}, actor="test")
+    restarter.tick()
+    clock.now += 20
+    restarter.tick()
+    assert set(sup.pids) == {"render", "render-2"}  # unknown is not zero
+    clock.now += 10
+    restarter.tick()
+    assert set(sup.pids) == {"render-2"}
 
 
 def test_a_port_change_starts_the_replacement_on_the_operators_port(

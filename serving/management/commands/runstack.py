@@ -23,17 +23,41 @@ from motorsite.supervisor import (
     check_ports,
     free_port,
 )
-from serving import services
+from serving import services, stream_reports
 from serving.models import RenderConfig
 
 logger = logging.getLogger(__name__)
 
-# How long a replaced sidecar keeps running after coordinators were pointed away from it: a
+# The longest a replaced sidecar keeps running after coordinators were pointed away from it. A
 # stream keeps the sidecar it began with for its whole life (its pipeline holds the snapshot),
-# so its derender calls must still find that one. Streams longer than this lose derender.
+# so its derender calls must still find that one: the old sidecar is retired as soon as no
+# coordinator process reports a request on it, or at this cap, whichever comes first. Streams
+# still running at the cap lose derender (an error frame, then [DONE]).
 RENDER_DRAIN_S = float(os.environ.get("MOTOR_RENDER_DRAIN_S", "30"))
+# How long after the switch a zero count is not yet believed: a coordinator adopts the new
+# snapshot within MOTOR_SNAPSHOT_POLL_MS (250 ms) and writes a changed count within
+# stream_reports.REPORT_DELAY_S (1 s), so a stream begun just before the switch is in the
+# database by then.
+RENDER_SETTLE_S = 3.0
 # After a failed restart the running sidecar keeps serving; try again this much later.
 RENDER_RETRY_S = 60.0
+
+
+def live_requests_on(base_urls: tuple[str, ...]) -> int:
+    """What the coordinator processes on this machine report on the sidecar at ``base_urls``."""
+    return services.render_live_streams(base_urls=base_urls, host=stream_reports.HOST)
+
+
+@dataclasses.dataclass
+class Retiring:
+    """A replaced sidecar waiting for its last request (or the cap) before it is stopped."""
+
+    name: str  # the supervisor's name for it
+    base_urls: tuple[str, ...]  # how coordinators addressed it (the counts are keyed by these)
+    switched_at: float  # when coordinators were pointed away from it (the restarter's clock)
+    config_id: int
+    expected: dict[str, Any]  # the config the replacement was started for
+    live: int | None = None  # the last count read, for logging changes only
 
 
 class RenderRestarter:
@@ -43,10 +67,13 @@ class RenderRestarter:
     ``restart_required`` is set: start a replacement first (on the config's port if the operator
     moved it, else on a free port, since the old one still holds the current port), point the
     config at it (bumping the control version, so coordinators switch within a poll interval),
-    keep the old one for ``drain_s`` while streams that began on it finish, then stop it and
-    clear the flag if the config is still what the replacement was started for. Requests that
-    find no sidecar in between (the operator's new port before the replacement is up) fall
-    back to the local tokenizer as on any render outage.
+    keep the old one while requests that began on it still run, then stop it and clear the flag
+    if the config is still what the replacement was started for. The sidecar keeps no state per
+    stream, so what uses it is what the coordinator processes report (``live_requests``, from
+    ``serving.stream_reports``): the old one is stopped once that is zero (read no earlier than
+    ``settle_s`` after the switch) or at ``drain_s``, the cap. Requests that find no sidecar in
+    between (the operator's new port before the replacement is up) fall back to the local
+    tokenizer as on any render outage.
     """
 
     def __init__(
@@ -55,19 +82,22 @@ class RenderRestarter:
         cfg: stack.StackConfig,
         *,
         drain_s: float = RENDER_DRAIN_S,
+        settle_s: float = RENDER_SETTLE_S,
         clock: Callable[[], float] = time.monotonic,
         spec_for: Callable[[stack.StackConfig], ProcessSpec] = stack.render_spec,
+        live_requests: Callable[[tuple[str, ...]], int] = live_requests_on,
     ) -> None:
         self.supervisor = supervisor
         self.cfg = cfg
         self.drain_s = drain_s
+        self.settle_s = settle_s
         self.clock = clock
         self.spec_for = spec_for
+        self.live_requests = live_requests
         self.current = "render"  # the supervisor's name for the sidecar coordinators use
         self.port = cfg.render_port
         self.generation = 1
-        # (old child's name, stop it at, config id, the config the replacement was started for)
-        self.retiring: tuple[str, float, int, dict[str, Any]] | None = None
+        self.retiring: Retiring | None = None
         self.retry_at = 0.0
 
     def tick(self) -> None:
@@ -82,12 +112,7 @@ class RenderRestarter:
 
     def _tick(self) -> None:
         if self.retiring is not None:
-            old, stop_at, config_id, expected = self.retiring
-            if self.clock() < stop_at:
-                return
-            self.supervisor.retire(old)
-            self.retiring = None
-            services.render_sidecar_restarted(config_id=config_id, expected=expected, actor="launcher")
+            self._drain(self.retiring)
             return
         if self.clock() < self.retry_at:
             return
@@ -114,8 +139,36 @@ class RenderRestarter:
                 self.supervisor.retire(name)  # changed again while starting: begin anew next tick
                 return
             expected["port"] = port
-        self.retiring = (self.current, self.clock() + self.drain_s, config.pk, expected)
+        # Either host spelling reaches the sidecar this launcher started on 127.0.0.1.
+        old_urls = tuple(f"http://{host}:{self.port}" for host in (stack.HOST, "localhost"))
+        self.retiring = Retiring(self.current, old_urls, self.clock(), config.pk, expected)
         self.current, self.port = name, port
+
+    def _drain(self, r: Retiring) -> None:
+        """Stop the old sidecar once nothing uses it or the cap is reached; else wait."""
+        elapsed = self.clock() - r.switched_at
+        if elapsed < self.drain_s:
+            if elapsed < self.settle_s:
+                return  # a request begun just before the switch may not be reported yet
+            try:
+                live = self.live_requests(r.base_urls)
+            except Exception:
+                # Unknown is not zero: keep the old sidecar until the next read or the cap.
+                logger.warning("render sidecar %s: live request count unavailable; keeping it", r.name, exc_info=True)
+                return
+            if live > 0:
+                if live != r.live:
+                    logger.info("render sidecar %s drains: %d request(s) still on it (cap in %.0fs)",
+                                r.name, live, self.drain_s - elapsed)
+                r.live = live
+                return
+            why = "no request uses it any more"
+        else:
+            why = f"the {self.drain_s:g}s drain cap was reached ({r.live or 0} request(s) were still on it)"
+        logger.info("render sidecar %s retired after %.1fs: %s", r.name, elapsed, why)
+        self.supervisor.retire(r.name)
+        self.retiring = None
+        services.render_sidecar_restarted(config_id=r.config_id, expected=r.expected, actor="launcher")
 
 
 def _required_env(name: str) -> str:

@@ -4,7 +4,9 @@ Taken when the token-only path cannot serve a request exactly (``native_reason``
 disabled; ``echo``; the Responses and Anthropic Messages APIs, which have no derender; stop
 strings, structured output / guided decoding or a forced tool choice when no token-only engine
 of the model loads a tokenizer (a tokenizer-loaded engine takes those token-only); the local
-tokenizer fallback lacking render's metadata; an engine without token-only generate. Only
+tokenizer fallback lacking render's metadata; an engine without token-only generate; a
+streaming request when the sidecar has no streaming derender (older than vLLM 0.27, as the
+version probe records in ``RenderView.streaming_derender``). Only
 instances declaring ``native_openai`` serve it. With obfuscation on, the engines' weights are
 permuted and their own tokenizer would produce garbage, so such requests are refused (400).
 
@@ -63,12 +65,22 @@ def native_reason(kind: str, body: Mapping[str, Any], snapshot: FleetSnapshot, m
         return f"api:{kind}"
     if not snapshot.render.enable:
         return "render_disabled"
+    if body.get("stream") and not snapshot.render.streaming_derender:
+        # The sidecar derenders whole responses only: a stream's chunks would have nowhere to go.
+        return "no_streaming_derender"
     if kind == "completions" and body.get("echo"):
         return "echo"
     feature = engine_tokenizer_feature(kind, body)
     if feature is not None and not any(i.tokenizer for i in snapshot.union_instances(model)):
         return feature
     return None
+
+
+# What the client can do when a request of this reason finds no native path (refused or no engine).
+NATIVE_HINTS = {
+    "no_streaming_derender": "the render sidecar is older than vLLM 0.27 and cannot derender a stream; "
+    "send the request with `stream: false`, or upgrade the sidecar",
+}
 
 
 def native_instances(snapshot: FleetSnapshot, model: str) -> list[InstanceView]:
