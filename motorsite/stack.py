@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from motorsite import tiers
+from motorsite.restarts import RestartPolicy
 from motorsite.supervisor import ProcessSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +53,9 @@ class StackConfig:
     # Broker folders (filesystem transport) and beat's schedule: one per stack, so a test's worker
     # never takes the tasks of a `make run` in the same checkout.
     celery_dir: Path = ROOT / "var" / "celery"
+    # Every process but the coordinator is restarted when it exits (only under Supervisor.wait:
+    # `make run`); the coordinator's own death stops the stack. None: nothing is restarted.
+    restart: RestartPolicy | None = RestartPolicy()
 
     @property
     def coordinator_url(self) -> str:
@@ -88,6 +92,7 @@ def render_spec(cfg: StackConfig) -> ProcessSpec:
         ready_post=tiers.render_ready_request(cfg.served_model_name),
         ready_base_url=f"http://{HOST}:{cfg.render_port}",
         ready_timeout=120.0,
+        restart=cfg.restart,
     )
 
 
@@ -120,6 +125,7 @@ def engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
                 ready_post=tiers.engine_ready_request(cfg.served_model_name),
                 ready_base_url=f"http://{HOST}:{port}",
                 ready_timeout=timeout,
+                restart=cfg.restart,
             )
         )
     return specs
@@ -169,6 +175,7 @@ def pd_engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
                 ready_post=tiers.engine_ready_request(cfg.served_model_name),
                 ready_base_url=f"http://{HOST}:{port}",
                 ready_timeout=timeout,
+                restart=cfg.restart,
             )
         )
     return specs
@@ -235,6 +242,7 @@ def celery_specs(cfg: StackConfig) -> list[ProcessSpec]:
                 log_path=cfg.log_dir / f"{name}.log",
                 ready_argv=["test", "-f", str(ready)],
                 ready_timeout=60.0,
+                restart=cfg.restart,
             )
         )
     return specs

@@ -1,4 +1,4 @@
-"""Start motorsite's processes in order, health-check each, and stop them all together.
+"""Start motorsite's processes in order, health-check each, restart what dies, stop them together.
 
 `make run` and the integration tests start the same processes through this module (render
 sidecar, token engines, Celery, the coordinator under Daphne). Django-free on purpose: it runs
@@ -6,14 +6,17 @@ before any settings exist, and it must be importable from a plain test subproces
 
 Each child runs in its own session, hence its own process group, so that Ctrl-C in a terminal
 reaches only the supervisor, and `stop()` can signal a child together with every grandchild it
-spawned (a shell wrapper, vLLM's engine-core process, Celery's pool). A child that dies is
-reported with the tail of its log and is never restarted.
+spawned (``motorsite.processes``). While `wait()` runs, a child whose spec has a
+`RestartPolicy` is restarted when it exits, with exponential back-off, and left down alone when
+it crash-loops (``motorsite.restarts``); each exit is logged with the reason and the tail of its
+log, and reported to the `on_event` observer. The death of a child without a policy (the
+coordinator), a port taken at start, or SIGINT/SIGTERM stops the whole stack.
 
 Exceptions:
 
     SupervisorError
     ├── PortInUse         - a spec's port is taken before start, or still bound after stop
-    ├── ChildDied         - a child exited while starting or running
+    ├── ChildDied         - a child exited while starting, or one without a restart policy exited
     ├── ReadinessTimeout  - a child did not become ready within its `ready_timeout`
     └── Interrupted       - SIGINT or SIGTERM arrived while `start()` was waiting for readiness
 
@@ -27,34 +30,47 @@ import enum
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
+from motorsite.processes import (
+    PORT_RELEASE_TIMEOUT,
+    ProcessSpec,
+    can_bind,
+    describe_exit,
+    free_port,
+    log_tail,
+    probe,
+    terminate_group,
+    wait_port_free,
+)
+from motorsite.restarts import RestartPolicy, RestartTracker
+
+__all__ = [
+    "ChildDied", "ChildEvent", "ChildState", "ChildStatus", "Interrupted", "PortInUse", "ProcessSpec",
+    "ReadinessTimeout", "RestartPolicy", "Supervisor", "SupervisorError", "SupervisorState",
+    "check_ports", "free_port", "log_tail", "run", "wait_port_free",
+]
+
 logger = logging.getLogger(__name__)
 
-LOG_TAIL_LINES = 40
-# How long stop() waits for the kernel to release a dead child's listening sockets before it
-# reports the port as leaked; closing happens at process exit, so this only covers exit latency.
-PORT_RELEASE_TIMEOUT = 5.0
-# After SIGKILL a process cannot refuse to die; this only bounds a process stuck in the kernel
-# (uninterruptible I/O) so that stop() always returns.
-KILL_TIMEOUT = 5.0
 # Readiness polling starts fast (tests and small sidecars are up in well under a second) and
 # backs off so that a vLLM engine loading weights for minutes is not probed 10 times a second.
 POLL_INTERVAL_MIN = 0.05
 POLL_INTERVAL_MAX = 1.0
 # Cadence of wait()'s liveness check: the worst-case delay between a child's death (or a signal)
-# and the shutdown it triggers.
+# and the restart or shutdown it triggers.
 WAIT_POLL_INTERVAL = 0.1
+# One readiness probe of a restarting child runs inside wait()'s loop; this bounds how long it
+# can hold up noticing another child's death or a signal.
+RESTART_PROBE_TIMEOUT = 5.0
 
 
 class SupervisorError(Exception):
@@ -83,9 +99,9 @@ class ChildDied(SupervisorError):
         self.name = name
         self.returncode = returncode
         self.log_tail = log_tail
-        super().__init__(
-            f"{name!r} exited with {_describe_returncode(returncode)}; last log lines:\n{log_tail}"
-        )
+        # "exited with code 0 ... engine core killed by SIGILL": the code alone can mislead.
+        self.reason = describe_exit(returncode, log_tail)
+        super().__init__(f"{name!r} {self.reason}; last log lines:\n{log_tail}")
 
 
 class ReadinessTimeout(SupervisorError):
@@ -110,45 +126,6 @@ class Interrupted(SupervisorError):
         super().__init__(f"interrupted by {signal.Signals(signum).name} during start")
 
 
-@dataclass(frozen=True, slots=True)
-class ProcessSpec:
-    """How to run one child process and how to know it is ready.
-
-    Exactly one readiness check is set: `ready_url` (GET answers 2xx), `ready_post` (POST of
-    `(path, json_body)` against `ready_base_url` answers 2xx) or `ready_argv` (a command exits 0,
-    for processes without an HTTP port such as a Celery worker).
-
-    Raises ValueError when the readiness fields do not describe exactly one check.
-    """
-
-    name: str
-    argv: list[str]
-    log_path: Path
-    # Added on top of os.environ; the child inherits everything else.
-    env: dict[str, str] = field(default_factory=dict)
-    cwd: Path | None = None
-    # Every (host, port) the process will bind, checked before anything starts and after stop.
-    ports: list[tuple[str, int]] = field(default_factory=list)
-    ready_url: str | None = None
-    # A real request, not /health: vLLM answers /health before its model has ever run.
-    ready_post: tuple[str, dict[str, Any]] | None = None
-    ready_base_url: str | None = None
-    ready_argv: list[str] | None = None
-    ready_timeout: float = 60.0
-    stop_timeout: float = 10.0
-
-    def __post_init__(self) -> None:
-        checks = [self.ready_url, self.ready_post, self.ready_argv]
-        if sum(check is not None for check in checks) != 1:
-            raise ValueError(
-                f"{self.name!r}: set exactly one of ready_url, ready_post, ready_argv"
-            )
-        if self.ready_post is not None and self.ready_base_url is None:
-            raise ValueError(f"{self.name!r}: ready_post needs ready_base_url")
-        if not self.argv:
-            raise ValueError(f"{self.name!r}: argv is empty")
-
-
 class SupervisorState(enum.Enum):
     # Constructed; nothing has been spawned and no signal handler is installed.
     UNSTARTED = 1
@@ -162,6 +139,41 @@ class SupervisorState(enum.Enum):
     STOPPED = 5
 
 
+class ChildState(enum.Enum):
+    # Spawned (again) by wait(); its readiness check has not passed yet.
+    STARTING = 1
+    # Passed its readiness check and has not exited since.
+    RUNNING = 2
+    # Exited; wait() starts it again at `restart_at`.
+    BACKOFF = 3
+    # Crash-looped: left down for good while the rest of the stack runs on.
+    FAILED = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ChildEvent:
+    """What `wait()` tells its observer: a child exited, became ready again, or was given up."""
+
+    name: str
+    kind: Literal["exited", "ready", "gave_up"]
+    pid: int
+    restarts: int
+    # Why it exited ("killed by SIGKILL", "engine core killed by SIGILL ..."); "" for "ready".
+    reason: str = ""
+    log_tail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildStatus:
+    """One child as `Supervisor.status()` reports it (for a launcher's metrics and views)."""
+
+    name: str
+    state: ChildState
+    pid: int
+    restarts: int
+    last_exit: str
+
+
 @dataclass(slots=True)
 class _Child:
     spec: ProcessSpec
@@ -169,6 +181,21 @@ class _Child:
     # Where this run's output starts in the (appended) log file, so a tail never shows the
     # previous run's lines.
     log_offset: int
+    state: ChildState = ChildState.RUNNING
+    tracker: RestartTracker | None = None
+    # monotonic times: became ready; next start (BACKOFF); readiness deadline and next probe
+    # (STARTING).
+    up_since: float | None = None
+    restart_at: float = 0.0
+    ready_deadline: float = 0.0
+    next_probe_at: float = 0.0
+    probe_interval: float = POLL_INTERVAL_MIN
+    last_error: str = ""
+    last_exit: str = ""
+
+    @property
+    def restarts(self) -> int:
+        return self.tracker.restarts if self.tracker is not None else 0
 
 
 class Supervisor:
@@ -184,7 +211,9 @@ class Supervisor:
     Raises ValueError when two specs share a name or a port.
     """
 
-    def __init__(self, specs: Sequence[ProcessSpec]) -> None:
+    def __init__(
+        self, specs: Sequence[ProcessSpec], *, on_event: Callable[[ChildEvent], None] | None = None
+    ) -> None:
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate process names in {names}")
@@ -195,6 +224,9 @@ class Supervisor:
                     raise ValueError(f"port {port} claimed by {owners[port]!r} and {spec.name!r}")
                 owners[port] = spec.name
         self.specs = list(specs)
+        # Told of every exit, recovery and give-up while wait() runs (a launcher records them for
+        # /metrics and the admin); an observer's own failure is logged and never stops supervision.
+        self.on_event = on_event
         self.state = SupervisorState.UNSTARTED
         # Set when wait() ended because a child died, for callers that want more than the code.
         self.died: ChildDied | None = None
@@ -240,6 +272,7 @@ class Supervisor:
                 child = self._spawn(spec)
                 self._children.append(child)
                 self._wait_ready(child)
+                child.up_since = time.monotonic()
                 logger.info("%s ready (pid %d)", spec.name, child.popen.pid)
         except BaseException:
             self.stop(check_ports_free=False)
@@ -247,11 +280,17 @@ class Supervisor:
         self.state = SupervisorState.RUNNING
 
     def check_children(self) -> None:
-        """Return when every started child is still running.
+        """Return when every child that must be running still is.
 
-        Raises ChildDied for the first child (in start order) that has exited.
+        While starting, that is every child; once running (``add`` waits through this), only
+        those without a restart policy: wait() restarts the others. Raises ChildDied for the
+        first such child (in start order) that has exited.
         """
         for child in self._children:
+            if child.state in (ChildState.BACKOFF, ChildState.FAILED):
+                continue
+            if self.state is SupervisorState.RUNNING and child.spec.restart is not None:
+                continue
             returncode = child.popen.poll()
             if returncode is not None:
                 raise ChildDied(
@@ -259,32 +298,38 @@ class Supervisor:
                 )
 
     def wait(self, tick: Callable[[], None] | None = None, tick_interval: float = 1.0) -> int:
-        """Block until SIGINT/SIGTERM or a child's death, stop everything and return an exit code.
+        """Supervise until SIGINT/SIGTERM or a fatal death, stop everything, return an exit code.
 
-        ``tick`` (if given) runs every ``tick_interval`` seconds in this loop, so a launcher can
-        react to outside state (e.g. replace a child with ``add``/``retire``) on the one thread
-        that owns the children and the signals. Returns 0 after a signal, 1 when a child died
-        (logged with its log tail, kept in `self.died`) or a port stayed bound after stop.
-        Raises RuntimeError unless running.
+        A child with a restart policy that exits is restarted after its back-off and, while
+        starting, probed for readiness without blocking the loop for long; one that crash-loops
+        is left down (logged, reported as "gave_up") and the rest keeps running. The exit of a
+        child without a policy ends the loop. ``tick`` (if given) runs every ``tick_interval``
+        seconds in this loop, so a launcher can react to outside state (e.g. replace a child with
+        ``add``/``retire``) on the one thread that owns the children and the signals. Returns 0
+        after a signal, 1 when a child without a restart policy died (logged with its log tail,
+        kept in `self.died`) or a port stayed bound after stop. Raises RuntimeError unless
+        running.
         """
         if self.state is not SupervisorState.RUNNING:
             raise RuntimeError(f"cannot wait on a supervisor in state {self.state.name}")
         self._waiting = True
         next_tick = time.monotonic() + tick_interval
         try:
-            while self._signal_received is None:
-                try:
-                    self.check_children()
-                except ChildDied as exc:
-                    self.died = exc
-                    break
-                if tick is not None and time.monotonic() >= next_tick:
+            # trust_env=False: see _wait_ready.
+            with httpx.Client(trust_env=False) as client:
+                while self._signal_received is None:
                     try:
-                        tick()
-                    except Interrupted:
-                        break  # a signal while tick() waited for a new child: stop as after any
-                    next_tick = time.monotonic() + tick_interval
-                time.sleep(WAIT_POLL_INTERVAL)
+                        self.supervise_once(client)
+                    except ChildDied as exc:
+                        self.died = exc
+                        break
+                    if tick is not None and time.monotonic() >= next_tick:
+                        try:
+                            tick()
+                        except Interrupted:
+                            break  # a signal while tick() waited for a new child: stop as after any
+                        next_tick = time.monotonic() + tick_interval
+                    time.sleep(WAIT_POLL_INTERVAL)
         finally:
             self._waiting = False
         if self.died is not None:
@@ -298,6 +343,105 @@ class Supervisor:
             logger.error("%s", exc)
             return 1
         return 1 if self.died is not None else 0
+
+    def supervise_once(self, client: httpx.Client) -> None:
+        """One pass of wait()'s loop: notice exits, start children whose back-off is over, probe
+        starting ones. Raises ChildDied when a child without a restart policy has exited."""
+        for child in list(self._children):
+            if child.state in (ChildState.STARTING, ChildState.RUNNING):
+                returncode = child.popen.poll()
+                if returncode is not None:
+                    tail = log_tail(child.spec.log_path, child.log_offset)
+                    if child.spec.restart is None:
+                        raise ChildDied(child.spec.name, returncode, tail)
+                    self._on_exit(child, describe_exit(returncode, tail), tail)
+                elif child.state is ChildState.STARTING:
+                    self._probe_starting(child, client)
+            elif child.state is ChildState.BACKOFF and time.monotonic() >= child.restart_at:
+                self._restart(child)
+
+    def status(self) -> list[ChildStatus]:
+        """Every child in start order: state, current pid, restarts so far, why it last exited."""
+        return [
+            ChildStatus(c.spec.name, c.state, c.popen.pid, c.restarts, c.last_exit)
+            for c in self._children
+        ]
+
+    def _on_exit(self, child: _Child, reason: str, tail: str) -> None:
+        """Clean up after a restartable child that exited (or never became ready) and decide
+        when it starts again, or that it crash-loops."""
+        name, pid = child.spec.name, child.popen.pid
+        # Grandchildren (vLLM's engine core, a Celery pool) may outlive their leader.
+        terminate_group(child.spec, child.popen)
+        assert child.tracker is not None
+        now = time.monotonic()
+        delay = child.tracker.record_exit(now, child.up_since)
+        child.last_exit = reason
+        child.up_since = None
+        if delay is None:
+            child.state = ChildState.FAILED
+            policy = child.tracker.policy
+            logger.error(
+                "%s %s; crash loop (%d exits within %gs): not restarting it, the rest of the stack"
+                " keeps running; last log lines:\n%s",
+                name, reason, policy.crash_loop_exits, policy.crash_loop_window_s, tail,
+            )
+            self._emit(ChildEvent(name, "gave_up", pid, child.restarts, reason, tail))
+            return
+        child.state = ChildState.BACKOFF
+        child.restart_at = now + delay
+        logger.warning(
+            "%s %s; restarting it in %gs (restart %d); last log lines:\n%s",
+            name, reason, delay, child.restarts, tail,
+        )
+        self._emit(ChildEvent(name, "exited", pid, child.restarts, reason, tail))
+
+    def _restart(self, child: _Child) -> None:
+        spec = child.spec
+        taken = [(h, p) for h, p in spec.ports if not can_bind(h, p)]
+        if taken:
+            # Someone else took the port while this child was down: a failed start like any other,
+            # so a port that stays taken ends in the crash-loop verdict instead of a silent wait.
+            host, port = taken[0]
+            self._on_exit(child, f"could not restart: port {host}:{port} is in use", "")
+            return
+        fresh = self._spawn(spec)
+        child.popen, child.log_offset = fresh.popen, fresh.log_offset
+        now = time.monotonic()
+        child.state = ChildState.STARTING
+        child.ready_deadline = now + spec.ready_timeout
+        child.next_probe_at = now
+        child.probe_interval = POLL_INTERVAL_MIN
+        child.last_error = "not checked yet"
+
+    def _probe_starting(self, child: _Child, client: httpx.Client) -> None:
+        now = time.monotonic()
+        if now < child.next_probe_at:
+            return
+        remaining = child.ready_deadline - now
+        if remaining <= 0:
+            tail = log_tail(child.spec.log_path, child.log_offset)
+            reason = f"not ready {child.spec.ready_timeout:g}s after restart (last check: {child.last_error})"
+            self._on_exit(child, reason, tail)
+            return
+        child.last_error = probe(client, child.spec, min(remaining, RESTART_PROBE_TIMEOUT))
+        if child.last_error:
+            child.next_probe_at = time.monotonic() + child.probe_interval
+            child.probe_interval = min(child.probe_interval * 2, POLL_INTERVAL_MAX)
+            return
+        child.state = ChildState.RUNNING
+        child.up_since = time.monotonic()
+        logger.info("%s ready again (pid %d, restart %d)", child.spec.name, child.popen.pid, child.restarts)
+        self._emit(ChildEvent(child.spec.name, "ready", child.popen.pid, child.restarts))
+
+    def _emit(self, event: ChildEvent) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(event)
+        except Exception:
+            # A database that is down must not stop the restarts it was asked to record.
+            logger.exception("observer failed on %s %s", event.name, event.kind)
 
     def add(self, spec: ProcessSpec) -> None:
         """Start one more child while running (a replacement, say) and wait until it is ready.
@@ -319,8 +463,9 @@ class Supervisor:
         try:
             self._wait_ready(child)
         except BaseException:
-            _terminate(child)
+            terminate_group(child.spec, child.popen)
             raise
+        child.up_since = time.monotonic()
         self._children.append(child)
         logger.info("%s ready (pid %d)", spec.name, child.popen.pid)
 
@@ -329,7 +474,7 @@ class Supervisor:
         child = next((c for c in self._children if c.spec.name == name), None)
         if child is None:
             raise ValueError(f"no child named {name!r}")
-        _terminate(child)
+        terminate_group(child.spec, child.popen)
         self._children.remove(child)
 
     def stop(self, *, check_ports_free: bool = True) -> None:
@@ -344,7 +489,7 @@ class Supervisor:
         self.state = SupervisorState.STOPPING
         try:
             for child in reversed(self._children):
-                _terminate(child)
+                terminate_group(child.spec, child.popen)
         finally:
             self._restore_signal_handlers()
             self.state = SupervisorState.STOPPED
@@ -378,7 +523,8 @@ class Supervisor:
                 start_new_session=True,
             )
         logger.info("started %s (pid %d): %s", spec.name, popen.pid, spec.argv)
-        return _Child(spec=spec, popen=popen, log_offset=offset)
+        tracker = RestartTracker(spec.restart) if spec.restart is not None else None
+        return _Child(spec=spec, popen=popen, log_offset=offset, tracker=tracker)
 
     def _wait_ready(self, child: _Child) -> None:
         spec = child.spec
@@ -404,7 +550,7 @@ class Supervisor:
                     )
                 self._interruptible = True
                 try:
-                    last_error = _probe(client, spec, remaining)
+                    last_error = probe(client, spec, remaining)
                     if not last_error:
                         return
                     logger.debug("%s not ready: %s", spec.name, last_error)
@@ -471,166 +617,7 @@ def check_ports(specs: Sequence[ProcessSpec]) -> None:
     """
     for spec in specs:
         for host, port in spec.ports:
-            if not _can_bind(host, port):
+            if not can_bind(host, port):
                 raise PortInUse(spec.name, host, port)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a port that was free on `host` a moment ago (for tests; another process may race)."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_port_free(host: str, port: int, timeout: float) -> bool:
-    """Poll until `port` on `host` can be bound; return whether it became free within `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not _can_bind(host, port):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(POLL_INTERVAL_MIN)
-    return True
-
-
-def log_tail(path: Path, offset: int = 0, lines: int = LOG_TAIL_LINES) -> str:
-    """Return the last `lines` lines of `path` written after byte `offset` ("" if unreadable)."""
-    try:
-        with open(path, "rb") as log:
-            size = log.seek(0, os.SEEK_END)
-            # 64 KiB holds 40 lines of any sane log; reading only the end keeps a gigabyte
-            # vLLM log from being loaded to print 40 lines.
-            log.seek(max(offset, size - 65536))
-            data = log.read()
-    except OSError as exc:
-        return f"<cannot read {path}: {exc}>"
-    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
-
-
-def _probe(client: httpx.Client, spec: ProcessSpec, remaining: float) -> str:
-    """Run the spec's readiness check once; return "" when ready, else why not."""
-    if spec.ready_argv is not None:
-        try:
-            result = subprocess.run(
-                spec.ready_argv,
-                cwd=spec.cwd,
-                env={**os.environ, **spec.env},
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                timeout=remaining,
-            )
-        except subprocess.TimeoutExpired:
-            return f"{spec.ready_argv} timed out"
-        if result.returncode == 0:
-            return ""
-        output = (result.stdout + result.stderr).decode(errors="replace").strip()
-        return f"{spec.ready_argv} exited with {result.returncode}: {output[-200:]}"
-    # Connect fails fast while the child has not bound yet; the read may legitimately take long
-    # (a first real completion), so it may use the whole remaining readiness budget.
-    timeout = httpx.Timeout(remaining, connect=min(remaining, 2.0))
-    try:
-        if spec.ready_post is not None:
-            assert spec.ready_base_url is not None
-            path, body = spec.ready_post
-            url = spec.ready_base_url.rstrip("/") + path
-            response = client.post(url, json=body, timeout=timeout)
-        else:
-            assert spec.ready_url is not None
-            url = spec.ready_url
-            response = client.get(url, timeout=timeout)
-    except httpx.HTTPError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    if response.is_success:
-        return ""
-    return f"{response.status_code} from {url}: {response.text[:200]}"
-
-
-def _terminate(child: _Child) -> None:
-    """SIGTERM the child's process group, SIGKILL it after stop_timeout; reap the child."""
-    spec, pgid = child.spec, child.popen.pid
-    # The group is signalled even when the leader already died: its grandchildren may live on.
-    _signal_group(pgid, signal.SIGTERM)
-    if _wait_group_gone(child, spec.stop_timeout):
-        logger.info("stopped %s", spec.name)
-        return
-    logger.warning("%s did not stop within %gs; sending SIGKILL", spec.name, spec.stop_timeout)
-    _signal_group(pgid, signal.SIGKILL)
-    if not _wait_group_gone(child, KILL_TIMEOUT):
-        logger.error(
-            "%s: processes %s survived SIGKILL", spec.name, _live_group_members(pgid)
-        )
-
-
-def _wait_group_gone(child: _Child, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        # Reap the leader first: an unreaped leader is a zombie that still counts as a member.
-        child.popen.poll()
-        if child.popen.returncode is not None and not _live_group_members(child.popen.pid):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(POLL_INTERVAL_MIN)
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except ProcessLookupError:
-        pass  # The whole group is already gone.
-
-
-def _live_group_members(pgid: int) -> list[int]:
-    """Return the pids of non-zombie processes in process group `pgid`."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        # Without /proc (macOS) fall back to the kernel's view, which counts zombies too.
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return []
-        except PermissionError:
-            pass
-        return [pgid]
-    # Scan /proc instead of killpg(pgid, 0): orphaned grandchildren are re-parented to PID 1,
-    # and a container's PID 1 often never reaps them, so their zombies would keep the group
-    # "alive" forever although they hold no port and run no code.
-    members = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # Exited between listing and reading.
-        # Fields after the parenthesised command name (which may contain spaces or parens):
-        # state, ppid, pgrp, ...
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            members.append(int(entry.name))
-    return members
-
-
-def _can_bind(host: str, port: int) -> bool:
-    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
-        # SO_REUSEADDR as every server sets it: otherwise TIME_WAIT connections left by our own
-        # readiness probes would make a free port look taken for a minute after stop.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def _describe_returncode(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"signal {-returncode}"
-    return f"code {returncode}"

@@ -15,7 +15,12 @@ child, and a spawned interpreter imports ``site`` like any other). In order:
    SIGABRT) writes "Fatal Python error: <signal>" and every thread's traceback to the engine log
    before the process dies of that same signal. Enabled after the AMX request, because Linux
    refuses AMX to a process whose signal stacks are too small for its larger signal frame.
-3. Two fixes for NIXL engines on a small CPU box, each acting only when its environment
+3. Subprocess fates: when a multiprocessing child of this process (vLLM's engine core) ends
+   with a signal or a non-zero code, one line ``motorsite: subprocess NAME (pid N) killed by
+   SIGNAL`` goes to the log. vLLM's API server notices the death, logs only "engine core exited
+   unexpectedly" and then exits with code 0; the supervisor reads this line to say what really
+   happened (``motorsite.processes.describe_exit``). A SIGKILL leaves no other trace.
+4. Two fixes for NIXL engines on a small CPU box, each acting only when its environment
    variable is set (``motorsite.tiers.nixl_env``; vllm-on-cpu.md, "Prefill / decode on CPU"):
 
 - ``MOTOR_NIXL_PTHR_DELAY_US``: the ``nixl`` Python agent hard-codes ``pthrDelay = 0`` and vLLM
@@ -140,7 +145,39 @@ def _enable_faulthandler() -> None:
         faulthandler.enable(all_threads=True)
 
 
+def _report_subprocess_fates() -> None:
+    # popen_fork.Popen is the base of the spawn and forkserver Popens too; its poll() is where
+    # every Process.exitcode / join() / sentinel check learns the child's status.
+    import multiprocessing.popen_fork as popen_fork
+    import signal
+
+    cls = popen_fork.Popen
+    real_init, real_poll = cls.__init__, cls.poll
+
+    def __init__(self: Any, process_obj: Any) -> None:  # noqa: N807 - wrapping the dunder
+        self._motor_name = str(getattr(process_obj, "name", "?")).replace(" ", "_")
+        real_init(self, process_obj)
+
+    def poll(self: Any, flag: int = os.WNOHANG) -> int | None:
+        before = self.returncode
+        code: int | None = real_poll(self, flag)
+        if before is None and code is not None and code != 0 and sys.stderr is not None:
+            if code < 0:
+                try:
+                    fate = f"killed by {signal.Signals(-code).name}"
+                except ValueError:
+                    fate = f"killed by signal {-code}"
+            else:
+                fate = f"exited with code {code}"
+            name = getattr(self, "_motor_name", "?")
+            print(f"motorsite: subprocess {name} (pid {self.pid}) {fate}", file=sys.stderr, flush=True)
+        return code
+
+    cls.__init__, cls.poll = __init__, poll  # type: ignore[method-assign]
+
+
 _request_amx()
 _enable_faulthandler()
+_report_subprocess_fates()
 _install_pthr_delay()
 _install_core_clamp()

@@ -4,34 +4,42 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from motorsite.processes import describe_exit
 from motorsite.supervisor import (
     ChildDied,
+    ChildEvent,
+    ChildState,
     Interrupted,
     PortInUse,
     ProcessSpec,
     ReadinessTimeout,
+    RestartPolicy,
     Supervisor,
     SupervisorState,
     free_port,
     wait_port_free,
 )
+from motorsite.tiers import ENGINE_SITE_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # A configurable HTTP child. Options (one JSON argument): port; delay before binding;
 # require_url that must answer 2xx at startup (else exit 2); post_only (GET answers 405);
 # ready_file that must exist before anything answers 200; die_file whose appearance makes the
-# server print a line and exit 4.
+# server print a line and exit 4 (removing the file first with die_once).
 SERVER = r"""
 import http.server, json, os, sys, threading, time, urllib.request
 opts = json.loads(sys.argv[1])
@@ -63,6 +71,8 @@ def watch_die_file():
     while not os.path.exists(opts["die_file"]):
         time.sleep(0.02)
     print("dying on request", flush=True)
+    if opts.get("die_once"):
+        os.remove(opts["die_file"])  # the restarted server lives on
     os._exit(4)
 
 if opts.get("die_file"):
@@ -377,3 +387,196 @@ def test_it_stops_every_child_when_the_supervisor_gets_sigterm(tmp_path: Path) -
     assert all(gone(pid) for pid in everything)
     assert wait_port_free("127.0.0.1", port(sidecar), 0)
     assert wait_port_free("127.0.0.1", port(engine), 0)
+
+
+FAST_RESTARTS = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2, crash_loop_exits=3, crash_loop_window_s=60)
+
+
+def restartable(spec: ProcessSpec, policy: RestartPolicy = FAST_RESTARTS) -> ProcessSpec:
+    return replace(spec, restart=policy)
+
+
+def supervise_until(supervisor: Supervisor, done: Callable[[], bool], timeout: float = 20.0) -> int:
+    """Run wait() until ``done()`` holds (then SIGTERM ourselves, as Ctrl-C would) or ``timeout``."""
+    deadline = time.monotonic() + timeout
+
+    def tick() -> None:
+        if done() or time.monotonic() > deadline:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return supervisor.wait(tick=tick, tick_interval=0.02)
+
+
+def test_it_restarts_a_child_that_exits_and_keeps_the_others_running(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    die_file = tmp_path / "die"
+    sidecar = restartable(server_spec("sidecar", tmp_path, die_file=str(die_file), die_once=True))
+    coordinator = server_spec("coordinator", tmp_path)
+    events: list[ChildEvent] = []
+    supervisor = Supervisor([sidecar, coordinator], on_event=events.append)
+    supervisor.start()
+    first_pid, coordinator_pid = supervisor.pids["sidecar"], supervisor.pids["coordinator"]
+
+    die_file.touch()
+    with caplog.at_level(logging.INFO, logger="motorsite.supervisor"):
+        code = supervise_until(supervisor, lambda: any(e.kind == "ready" for e in events))
+
+    assert code == 0  # stopped by our SIGTERM, not by the sidecar's death
+    assert [(e.name, e.kind) for e in events] == [("sidecar", "exited"), ("sidecar", "ready")]
+    exited, ready = events
+    assert (exited.pid, exited.reason, exited.restarts) == (first_pid, "exited with code 4", 1)
+    assert "dying on request" in exited.log_tail
+    assert ready.pid != first_pid and ready.restarts == 1
+    assert "sidecar exited with code 4; restarting it in 0.05s (restart 1)" in caplog.text
+    assert "sidecar ready again" in caplog.text
+    # The coordinator was never touched, and everything is gone after the stop.
+    assert supervisor.pids["coordinator"] == coordinator_pid
+    assert gone(ready.pid) and gone(coordinator_pid)
+    assert wait_port_free("127.0.0.1", port(sidecar), 0)
+
+
+def test_it_gives_up_on_a_crash_looping_child_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    die_file = tmp_path / "die"  # never removed: every restart dies at once
+    engine = restartable(server_spec("engine", tmp_path, die_file=str(die_file)))
+    sidecar = restartable(server_spec("sidecar", tmp_path))
+    events: list[ChildEvent] = []
+    supervisor = Supervisor([sidecar, engine], on_event=events.append)
+    supervisor.start()
+
+    die_file.touch()
+    with caplog.at_level(logging.ERROR, logger="motorsite.supervisor"):
+        code = supervise_until(supervisor, lambda: any(e.kind == "gave_up" for e in events))
+
+    assert code == 0
+    kinds = [(e.name, e.kind) for e in events]
+    # Three exits within the window (FAST_RESTARTS): two restarts, then the verdict.
+    assert kinds == [("engine", "exited"), ("engine", "exited"), ("engine", "gave_up")]
+    assert "engine exited with code 4; crash loop (3 exits within 60s): not restarting it" in caplog.text
+    assert "dying on request" in events[-1].log_tail
+    states = {s.name: s.state for s in supervisor.status()}
+    # Read after stop: the verdicts stand, and the sidecar was running all along.
+    assert states == {"sidecar": ChildState.RUNNING, "engine": ChildState.FAILED}
+    assert [e.kind for e in events if e.name == "sidecar"] == []
+
+
+def test_it_restarts_a_child_that_never_becomes_ready_again_until_it_gives_up(tmp_path: Path) -> None:
+    # Ready at start, then the readiness file disappears: restarts run but never pass readiness.
+    ready_file = tmp_path / "ready"
+    ready_file.touch()
+    die_file = tmp_path / "die"
+    spec = replace(
+        server_spec("engine", tmp_path, ready_file=str(ready_file), die_file=str(die_file), die_once=True),
+        ready_timeout=0.5,
+        restart=RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.05, crash_loop_exits=2, crash_loop_window_s=60),
+    )
+    events: list[ChildEvent] = []
+    supervisor = Supervisor([spec], on_event=events.append)
+    supervisor.start()
+    ready_file.unlink()
+    die_file.touch()
+
+    assert supervise_until(supervisor, lambda: any(e.kind == "gave_up" for e in events)) == 0
+
+    assert [e.kind for e in events] == ["exited", "gave_up"]
+    assert events[-1].reason.startswith("not ready 0.5s after restart (last check: 503 from")
+    assert all(gone(pid) for pid in (events[0].pid, events[1].pid))
+
+
+def test_it_stops_everything_when_a_child_without_a_restart_policy_dies_while_others_restart(
+    tmp_path: Path,
+) -> None:
+    die_file = tmp_path / "die"
+    engine = restartable(server_spec("engine", tmp_path))
+    coordinator = server_spec("coordinator", tmp_path, die_file=str(die_file))
+    supervisor = Supervisor([engine, coordinator])
+    supervisor.start()
+
+    die_file.touch()
+    assert supervisor.wait() == 1
+
+    assert supervisor.died is not None and supervisor.died.name == "coordinator"
+    assert gone(supervisor.pids["engine"])
+
+
+def test_it_names_a_grandchild_killed_by_a_fatal_signal_when_the_leader_exits_normally(tmp_path: Path) -> None:
+    # Like vLLM's API server when its engine core dies: the leader exits 0 and only the log knows.
+    script = (
+        "import subprocess, sys, time\n"
+        "time.sleep(0.3)\n"
+        "core = subprocess.run([sys.executable, '-X', 'faulthandler', '-c',"
+        " 'import os, signal; os.kill(os.getpid(), signal.SIGILL)'])\n"
+        "print('engine core returned', core.returncode, flush=True)\n"
+    )
+    spec = ProcessSpec(
+        name="engine-1", argv=[sys.executable, "-c", script], log_path=tmp_path / "engine-1.log", ready_argv=["true"]
+    )
+    supervisor = Supervisor([spec])
+    supervisor.start()
+
+    assert supervisor.wait() == 1
+
+    died = supervisor.died
+    assert died is not None and died.returncode == 0
+    assert "Fatal Python error: Illegal instruction" in died.log_tail
+    assert died.reason == "a process of its group was killed by SIGILL (then the process exited with code 0)"
+    assert str(died).startswith("'engine-1' a process of its group was killed by SIGILL")
+
+
+@pytest.mark.parametrize(
+    ("returncode", "tail", "reason"),
+    [
+        (4, "", "exited with code 4"),
+        (-9, "", "killed by SIGKILL"),
+        (-11, "Fatal Python error: Segmentation fault\n", "killed by SIGSEGV"),
+        (
+            0,
+            "Fatal Python error: Illegal instruction\n\nThread 0x1 (most recent call first):\n",
+            "a process of its group was killed by SIGILL (then the process exited with code 0)",
+        ),
+        (
+            0,
+            "motorsite: subprocess EngineCore_DP0 (pid 77) killed by SIGILL\nEngineDeadError\n",
+            "engine core killed by SIGILL (then the process exited with code 0)",
+        ),
+        (
+            1,
+            "motorsite: subprocess Worker-1 (pid 5) exited with code 3\n",
+            "subprocess Worker-1 exited with code 3 (then the process exited with code 1)",
+        ),
+    ],
+)
+def test_it_describes_how_a_child_ended(returncode: int, tail: str, reason: str) -> None:
+    assert describe_exit(returncode, tail) == reason
+
+
+@pytest.mark.parametrize(("signum", "fate"), [(signal.SIGKILL, "SIGKILL"), (signal.SIGILL, "SIGILL")])
+def test_it_reports_the_engine_cores_fate_through_the_engine_site(tmp_path: Path, signum: int, fate: str) -> None:
+    # vLLM's shape: the API server spawns "EngineCore_DP0", sees it die, and exits with code 0.
+    script = (
+        "import multiprocessing as mp, os, sys, time\n"
+        "def core(signum):\n"
+        "    time.sleep(0.2)\n"
+        "    os.kill(os.getpid(), signum)\n"
+        "if __name__ == '__main__':\n"
+        f"    p = mp.get_context('spawn').Process(target=core, args=({int(signum)},), name='EngineCore_DP0')\n"
+        "    p.start(); p.join()\n"
+        "    print('engine core exited unexpectedly', flush=True)\n"
+    )
+    (tmp_path / "api_server.py").write_text(script)
+    spec = ProcessSpec(
+        name="engine-1",
+        argv=[sys.executable, str(tmp_path / "api_server.py")],
+        env={"PYTHONPATH": str(ENGINE_SITE_DIR)},
+        log_path=tmp_path / "engine-1.log",
+        ready_argv=["true"],
+    )
+    supervisor = Supervisor([spec])
+    supervisor.start()
+
+    assert supervisor.wait() == 1
+
+    died = supervisor.died
+    assert died is not None and died.returncode == 0
+    assert died.reason == f"engine core killed by {fate} (then the process exited with code 0)"
+    assert f"'engine-1' engine core killed by {fate}" in str(died)
