@@ -22,7 +22,9 @@ from fleet.models import (
     BreakerState,
     EngineInstance,
     InstanceEvent,
+    ManagedProcess,
     ProbeResult,
+    process_of,
 )
 
 MACHINE_OWNED = (
@@ -122,10 +124,10 @@ class EngineInstanceAdmin(admin.ModelAdmin):
     form = EngineInstanceForm
     list_display = (
         "name", "url", "role", "served_model", "state", "breaker", "health_column", "drift", "inflight",
-        "obfuscation", "last_probe_at", "capabilities",
+        "obfuscation", "process_column", "last_probe_at", "capabilities",
     )
     list_filter = (BreakerOpenFilter, ProbeFailingFilter, VersionDriftFilter, DrainingFilter, "role", "state", "served_model")
-    list_select_related = ("served_model", "breaker")
+    list_select_related = ("served_model", "breaker", "process")
     search_fields = ("name", "url")
     readonly_fields = MACHINE_OWNED
     fieldsets = (
@@ -177,6 +179,17 @@ class EngineInstanceAdmin(admin.ModelAdmin):
     @admin.display(description="drift", boolean=True, ordering="version_drift")
     def drift(self, obj: EngineInstance) -> bool:
         return obj.version_drift
+
+    @admin.display(description="process")
+    def process_column(self, obj: EngineInstance) -> str:
+        """The launcher's view of the engine's process: restarts and why it last exited."""
+        process = process_of(obj)
+        if process is None:
+            return "-"
+        text = f"{process.get_state_display()}, {process.restarts} restart(s)"
+        if process.last_exit_reason:
+            text += f"; last exit: {process.last_exit_reason}"
+        return text
 
     @admin.display(description="in-flight tokens")
     def inflight(self, obj: EngineInstance) -> str:
@@ -325,3 +338,18 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def revoke(self, request: HttpRequest, queryset: QuerySet) -> None:
         n = services.api_key_revoke(ids=list(queryset.values_list("id", flat=True)))
         self.message_user(request, f"Revoked {n} key(s)")
+
+
+@admin.register(ManagedProcess)
+class ManagedProcessAdmin(admin.ModelAdmin):
+    """Read-only: the launcher writes these rows; operators read restarts and exit reasons."""
+
+    list_display = ("name", "instance", "state", "pid", "restarts", "last_exit_reason", "last_exit_at", "updated")
+    list_filter = ("state",)
+    list_select_related = ("instance",)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

@@ -280,3 +280,44 @@ class ControlVersion(models.Model):
     """One row: bumped on every change of control data; each coordinator polls it."""
 
     value = models.BigIntegerField(default=0)
+
+
+class ManagedProcess(models.Model):
+    """A process that the launcher (``make run``) supervises, as the launcher last reported it.
+
+    Written only by the launcher through ``fleet.launcher``; engines are linked to their instance
+    (by URL) so the admin and the dashboard can show restarts next to health and breaker.
+    """
+
+    class State(models.TextChoices):
+        # Mirrors motorsite.supervisor.ChildState, plus the launcher's own stop.
+        STARTING = "starting", "starting"
+        RUNNING = "running", "running"
+        BACKOFF = "backoff", "restarting"
+        FAILED = "failed", "crash loop"
+        STOPPED = "stopped", "stopped"
+
+    name = models.CharField(max_length=100, unique=True)
+    instance = models.OneToOneField(
+        EngineInstance, models.SET_NULL, null=True, blank=True, related_name="process"
+    )
+    state = models.CharField(max_length=10, choices=State.choices, default=State.RUNNING)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    restarts = models.PositiveIntegerField(default=0)
+    last_exit_reason = models.CharField(max_length=500, blank=True)
+    last_exit_at = models.DateTimeField(null=True, blank=True)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def process_of(instance: EngineInstance) -> ManagedProcess | None:
+    """The launcher's process of ``instance``, or None when no launcher supervises it."""
+    try:
+        return instance.process  # type: ignore[no-any-return]
+    except ManagedProcess.DoesNotExist:
+        return None

@@ -10,15 +10,21 @@ from here before Django is set up.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
 from celery import shared_task
 
+# MOTOR_PROBE_INTERVAL_MS, as settings.MOTOR_PROBE_INTERVAL_S reads it: beat builds its schedule
+# from this module before Django is set up, so it reads the environment itself.
+PROBE_INTERVAL_S = int(os.environ.get("MOTOR_PROBE_INTERVAL_MS", "15000")) / 1000
+
 BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
-    # Health: with FALL=3 a dead engine is out of the snapshot within about 45 s, while a probe
-    # (one 1-token request) every 15 s costs a CPU engine well under 1% of its time.
-    "probe-health": {"task": "fleet.tasks.probe_health", "schedule": timedelta(seconds=15)},
+    # Health: with FALL=3 a dead engine is out of the snapshot within about 45 s (at once when the
+    # launcher saw it exit), while a probe (one 1-token request) every 15 s costs a CPU engine well
+    # under 1% of its time.
+    "probe-health": {"task": "fleet.tasks.probe_health", "schedule": timedelta(seconds=PROBE_INTERVAL_S)},
     # Versions change only when someone redeploys a tier: once a minute catches a mismatched
     # rollout quickly, and reading four model files and two small endpoints per engine is cheap.
     "probe-versions": {"task": "fleet.tasks.probe_versions", "schedule": timedelta(minutes=1)},

@@ -19,7 +19,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
 from fleet.api import ObfuscationStatus
-from fleet.models import BreakerState, EngineInstance
+from fleet.models import BreakerState, EngineInstance, ManagedProcess, process_of
 from serving.models import Health, RenderConfig
 from serving.pipeline import metrics
 
@@ -62,6 +62,7 @@ class Row:
     plots: dict[str, SafeString]
     latest: dict[str, Any]
     obfuscation_excluded: str | None = None  # why obfuscation keeps this instance out of traffic
+    process: ManagedProcess | None = None  # the launcher's process of this engine, if any
 
 
 def _row(
@@ -84,6 +85,9 @@ def _row(
     excluded = obfuscation.excluded_reason(instance) if obfuscation is not None else None
     if excluded:
         why.append("kept out by obfuscation")
+    process = process_of(instance)
+    if process is not None and process.state in (ManagedProcess.State.BACKOFF, ManagedProcess.State.FAILED):
+        why.append(f"process {process.get_state_display()}")
     points = series.points if series else ()
     ttft = [p.ttft_s * 1000 if p.ttft_s is not None else None for p in points]
     tpot = [p.tpot_s * 1000 if p.tpot_s is not None else None for p in points]
@@ -102,7 +106,7 @@ def _row(
         "rate": sparkline(rate, label=f"{instance.name} requests per bucket"),
         "errors": sparkline(errors, label=f"{instance.name} errors per bucket", color="#ba2121"),
     }
-    return Row(instance, breaker, in_flight, bool(why), why, plots, latest, excluded)
+    return Row(instance, breaker, in_flight, bool(why), why, plots, latest, excluded, process)
 
 
 def dashboard(request: HttpRequest) -> HttpResponse:
@@ -110,7 +114,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
 
     series = metrics.snapshot()
     in_flight = inflight_tokens()
-    instances = EngineInstance.objects.select_related("served_model", "breaker").order_by("name")
+    instances = EngineInstance.objects.select_related("served_model", "breaker", "process").order_by("name")
     render_config = RenderConfig.objects.order_by("id").first()
     obfuscation = ObfuscationStatus.of(render_config)  # once per page, not per row
     rows = [_row(i, series.get(i.name), in_flight.get(i.name, 0), obfuscation) for i in instances]

@@ -230,4 +230,31 @@ async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
     for (name, labels), n in sorted(router.get("counters", {}).items()):
         label_text = ",".join(f'{k}="{metrics.label_value(v)}"' for k, v in labels)
         lines.append(f"{name}{{{label_text}}} {float(n)!r}")
+    lines += await _process_lines()
     return HttpResponse(text + "\n".join(lines) + "\n", content_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _process_lines() -> list[str]:
+    """The launcher's processes (``make run``): restarts so far and whether each is up.
+
+    One query per scrape, not per request; the launcher writes these rows as its children exit
+    and recover (``fleet.launcher``).
+    """
+    from asgiref.sync import sync_to_async
+    from django.db import DatabaseError
+
+    from fleet.models import ManagedProcess
+    from serving.pipeline import metrics
+
+    try:
+        rows = await sync_to_async(list)(ManagedProcess.objects.values_list("name", "state", "restarts"))
+    except DatabaseError:
+        # The request path serves from its snapshot while the database is away; so does /metrics.
+        logger.warning("/metrics: launcher processes unavailable (database error)", exc_info=True)
+        return []
+    lines = []
+    for name, state, restarts in rows:
+        label = f'process="{metrics.label_value(name)}"'
+        lines.append(f"motor_process_restarts_total{{{label}}} {float(restarts)!r}")
+        lines.append(f"motor_process_up{{{label}}} {1.0 if state == ManagedProcess.State.RUNNING else 0.0!r}")
+    return lines

@@ -32,7 +32,7 @@ def fleet(served_model: ServedModel) -> list[EngineInstance]:
     [
         "/admin/fleet/engineinstance/", "/admin/fleet/engineinstance/?breaker=open", "/admin/fleet/engineinstance/?probe=failing",
         "/admin/fleet/engineinstance/?drift=yes", "/admin/fleet/engineinstance/?draining=yes", "/admin/fleet/breakerflip/",
-        "/admin/fleet/instanceevent/", "/admin/fleet/proberesult/", "/admin/fleet/auditreport/", "/admin/fleet/apikey/",
+        "/admin/fleet/instanceevent/", "/admin/fleet/managedprocess/", "/admin/fleet/proberesult/", "/admin/fleet/auditreport/", "/admin/fleet/apikey/",
         "/admin/serving/servedmodel/", "/admin/serving/renderconfig/", "/admin/serving/modelrevision/",
     ],
 )

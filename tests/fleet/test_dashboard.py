@@ -10,7 +10,7 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from fleet.models import BreakerState, EngineInstance
+from fleet.models import BreakerState, EngineInstance, ManagedProcess
 from fleet.services import instance_create
 from serving.models import RenderConfig, ServedModel
 from serving.pipeline import metrics
@@ -67,8 +67,30 @@ def test_it_is_linked_from_the_admin_index(staff_client: Client) -> None:
     assert 'href="/admin/fleet/dashboard/"' in staff_client.get("/admin/").content.decode()
 
 
-def test_it_serves_prometheus_metrics(client: Client, recorded: None) -> None:
+def test_it_serves_prometheus_metrics(client: Client, recorded: None, db: None) -> None:
     metrics.record_request("e1", 0.05, None, ok=True)
+    ManagedProcess.objects.create(name="engine-1", state=ManagedProcess.State.BACKOFF, restarts=2)
+    ManagedProcess.objects.create(name="render", state=ManagedProcess.State.RUNNING)
     response = client.get("/metrics")
     assert response.status_code == 200 and response["Content-Type"].startswith("text/plain")
-    assert 'motor_engine_requests_total{instance="e1"} 1.0' in response.content.decode()
+    text = response.content.decode()
+    assert 'motor_engine_requests_total{instance="e1"} 1.0' in text
+    # The launcher's processes: restarts so far, and engine-1 down while it waits to restart.
+    assert 'motor_process_restarts_total{process="engine-1"} 2.0' in text
+    assert 'motor_process_up{process="engine-1"} 0.0' in text
+    assert 'motor_process_up{process="render"} 1.0' in text
+
+
+def test_it_shows_the_launchers_restarts_and_last_exit(staff_client: Client, fleet: list[EngineInstance], recorded: None) -> None:
+    ManagedProcess.objects.create(
+        name="engine-3", instance=fleet[2], state=ManagedProcess.State.BACKOFF, restarts=3,
+        last_exit_reason="engine core killed by SIGILL (then the process exited with code 0)",
+    )
+    ManagedProcess.objects.create(name="engine-4", instance=fleet[3], state=ManagedProcess.State.RUNNING, restarts=1)
+    with CaptureQueriesContext(connection) as queries:
+        html = staff_client.get(URL).content.decode()
+    assert len(queries) <= 6  # the process rides along with the instance query
+    assert '<tr class="instance sick" data-instance="e3"' in html  # restarting: out of service
+    assert "process restarting" in html
+    assert "restarting, 3 restarts" in html and "last exit: engine core killed by SIGILL" in html
+    assert '<tr class="instance" data-instance="e4"' in html and "running, 1 restart<" in html

@@ -8,13 +8,17 @@ import os
 import secrets
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from motorsite import stack
+from fleet import launcher
+from fleet.models import ManagedProcess
+from motorsite import stack, tiers
 from motorsite.supervisor import (
+    ChildEvent,
     Interrupted,
     PortInUse,
     ProcessSpec,
@@ -190,6 +194,21 @@ class Command(BaseCommand):
             default=os.environ.get("MOTOR_ENGINE_PORTS", "8201,8202"),
             help="comma-separated, one engine per port",
         )
+        parser.add_argument(
+            "--prefill-ports",
+            default=os.environ.get("MOTOR_PREFILL_PORTS", "8211"),
+            help="comma-separated prefill engines for the Handoff topology; empty for none",
+        )
+        parser.add_argument(
+            "--decode-ports",
+            default=os.environ.get("MOTOR_DECODE_PORTS", "8221"),
+            help="comma-separated decode engines for the Handoff topology; empty for none",
+        )
+        parser.add_argument(
+            "--var-dir",
+            default=os.environ.get("MOTOR_VAR_DIR", str(stack.ROOT / "var")),
+            help="logs (log/) and the Celery broker folders (celery/) of this run",
+        )
 
     def handle(self, *args: Any, **opts: Any) -> None:
         # Both keys reach ``demo_fleet`` through the environment (MOTOR_API_KEYS, MOTOR_DEMO_ADMIN_KEY),
@@ -205,7 +224,11 @@ class Command(BaseCommand):
             engines=opts["engines"],
             coordinator_port=opts["port"],
             render_port=opts["render_port"],
-            engine_ports=tuple(int(p) for p in opts["engine_ports"].split(",") if p),
+            engine_ports=_ports(opts["engine_ports"]),
+            prefill_ports=_ports(opts["prefill_ports"]),
+            decode_ports=_ports(opts["decode_ports"]),
+            log_dir=Path(opts["var_dir"]) / "log",
+            celery_dir=Path(opts["var_dir"]) / "celery",
             database_url=os.environ.get("DATABASE_URL", ""),
             redis_url=settings.REDIS_URL,
             api_keys=(api_key,),
@@ -213,15 +236,24 @@ class Command(BaseCommand):
             extra_env={"MOTOR_DEMO_ADMIN_KEY": admin_key},
         )
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
-        specs = stack.build_specs(cfg)
+        try:
+            specs = stack.build_specs(cfg)
+        except tiers.UnsupportedCPU as exc:
+            raise CommandError(str(exc)) from None  # before anything starts: say what is missing
         try:
             # Fail fast, naming the port, before anything is started or written.
             check_ports(specs)
         except PortInUse as exc:
             raise CommandError(str(exc)) from None
         stack.prepare_database(cfg)
+        # The sidecar's thread pool is part of the render config an operator edits (and a
+        # change to it is one that restarts the sidecar): start with what the config holds.
+        config = RenderConfig.objects.order_by("id").first()
+        if config is not None and config.renderer_num_workers != cfg.render_workers:
+            cfg = dataclasses.replace(cfg, render_workers=config.renderer_num_workers)
+            specs = stack.build_specs(cfg)
         self.stdout.write(f"starting {len(specs)} processes ({cfg.engines} engines); logs in {cfg.log_dir}")
-        supervisor = Supervisor(specs)
+        supervisor = Supervisor(specs, on_event=record_event)
         try:
             supervisor.start()
         except (Interrupted, KeyboardInterrupt):
@@ -230,6 +262,9 @@ class Command(BaseCommand):
         except SupervisorError as exc:
             supervisor.stop(check_ports_free=False)
             raise CommandError(str(exc)) from None
+        launcher.processes_started(
+            children=[(spec.name, supervisor.pids[spec.name], spec.ready_base_url or "") for spec in specs]
+        )
         base = cfg.coordinator_url
         self.stdout.write(
             "\n".join(
@@ -251,6 +286,34 @@ class Command(BaseCommand):
             )
         )
         self.stdout.flush()
-        code = supervisor.wait(tick=RenderRestarter(supervisor, cfg).tick, tick_interval=1.0)
+        try:
+            code = supervisor.wait(tick=RenderRestarter(supervisor, cfg).tick, tick_interval=1.0)
+        finally:
+            try:
+                launcher.processes_stopped()
+            except Exception:
+                logger.exception("could not record the stop of the stack")
         if code:
-            raise CommandError("a process died; see its log tail above")
+            raise CommandError("the coordinator died; see its log tail above")
+
+
+# What the supervisor's child states mean for the ManagedProcess rows the admin shows.
+_EVENT_STATES = {
+    "exited": ManagedProcess.State.BACKOFF,
+    "gave_up": ManagedProcess.State.FAILED,
+    "ready": ManagedProcess.State.RUNNING,
+}
+
+
+def record_event(event: ChildEvent) -> None:
+    """The supervisor's observer: each exit, recovery and crash-loop verdict goes to the database."""
+    launcher.process_changed(
+        name=event.name, state=_EVENT_STATES[event.kind], pid=event.pid, restarts=event.restarts, reason=event.reason
+    )
+
+
+def _ports(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise CommandError(f"ports must be comma-separated numbers, not {text!r}") from None
