@@ -169,6 +169,10 @@ MOTOR_ENGINE_READ_TIMEOUT_S = env_int("MOTOR_ENGINE_READ_TIMEOUT_MS", 60000) / 1
 MOTOR_STREAM_CHUNK_TIMEOUT_S = env_int("MOTOR_STREAM_CHUNK_TIMEOUT_MS", 30000) / 1000
 MOTOR_STREAM_MAX_RELAYS = env_int("MOTOR_STREAM_MAX_RELAYS", 2)
 MOTOR_DERENDER_CHUNK_RETRIES = env_int("MOTOR_DERENDER_CHUNK_RETRIES", 1)
+# How long a derender waits for an unreachable sidecar to come back: its supervisor restarts it
+# after 1 s, and a vLLM sidecar starts in about 7 s on an idle 2-core box but took 38 s while two
+# engines restarted beside it under load. Render itself falls back to the local tokenizer at once.
+MOTOR_DERENDER_PATIENCE_S = env_int("MOTOR_DERENDER_PATIENCE_MS", 60000) / 1000
 # Each process reads fleet.ControlVersion at most this often and rebuilds its snapshot when it
 # changed: how long an admin/API edit takes to reach live traffic (one tiny query per interval).
 MOTOR_SNAPSHOT_POLL_S = env_int("MOTOR_SNAPSHOT_POLL_MS", 250) / 1000
@@ -184,6 +188,8 @@ CELERY_TASK_IGNORE_RESULT = True  # tasks write their outcome to the database
 # Probes (fleet.probes): one real request each, bounded by this timeout; a verdict flips after
 # RISE successes or FALL failures in a row, so one slow answer never flaps an instance.
 MOTOR_PROBE_TIMEOUT_S = env_int("MOTOR_PROBE_TIMEOUT_MS", 10000) / 1000
+# Cadence of health probes (beat reads the same variable in fleet.tasks, before Django is set up).
+MOTOR_PROBE_INTERVAL_S = env_int("MOTOR_PROBE_INTERVAL_MS", 15000) / 1000
 MOTOR_PROBE_RISE = env_int("MOTOR_PROBE_RISE", 2)
 MOTOR_PROBE_FALL = env_int("MOTOR_PROBE_FALL", 3)
 MOTOR_PROBE_RETENTION_DAYS = env_int("MOTOR_PROBE_RETENTION_DAYS", 7)

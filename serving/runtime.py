@@ -227,7 +227,9 @@ def obfuscation_mapping(snapshot: FleetSnapshot) -> Any:
 
 def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
     client = http.shared_client()
-    render = RenderClient(client, snapshot.render.base_url, snapshot.render.timeout_s)
+    render = RenderClient(
+        client, snapshot.render.base_url, snapshot.render.timeout_s, derender_patience_s=settings.MOTOR_DERENDER_PATIENCE_S
+    )
     from serving.pipeline.obfuscation import traffic_snapshot
     from serving.pipeline.render.streaming import StreamSettings
 

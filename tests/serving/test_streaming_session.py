@@ -21,6 +21,7 @@ class FakeRender:
         self.calls: list[tuple[dict[str, Any], dict[str, Any] | None, list[int]]] = []
         self.fail: dict[int, BaseException] = {}  # call number (0-based) -> exception
         self.hang = False
+        self.derender_patience_s = 0.0  # as RenderClient without patience: the chunk timeout alone
 
     async def derender_chunk(self, kind: str, event: dict[str, Any], *, stream_state: Any, prompt_token_ids: list[int],
                              request: dict[str, Any], model: str | None) -> tuple[dict[str, Any], dict[str, Any]]:

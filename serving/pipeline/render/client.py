@@ -8,6 +8,7 @@ render errors about the request go back to the client, an unusable render raises
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -21,6 +22,11 @@ CHAT_RENDER = "/v1/chat/completions/render"
 COMPLETIONS_RENDER = "/v1/completions/render"
 CHAT_DERENDER = "/v1/chat/completions/derender"
 COMPLETIONS_DERENDER = "/v1/completions/derender"
+
+
+# Retry cadence while the sidecar is unreachable: quick at first (a blip), then once a second.
+PATIENCE_DELAY_MIN_S = 0.05
+PATIENCE_DELAY_MAX_S = 1.0
 
 
 class DerenderRetryable(DerenderError):
@@ -46,12 +52,26 @@ def _is_request_error(status: int, body: Any) -> bool:
 
 
 class RenderClient:
-    """Calls one render sidecar over the shared HTTP client, each call bounded by ``timeout_s``."""
+    """Calls one render sidecar over the shared HTTP client, each call bounded by ``timeout_s``.
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str, timeout_s: float) -> None:
+    ``derender_patience_s``: how long a derender keeps retrying while the sidecar cannot be
+    reached. Render falls back to the local tokenizer at once, but a request rendered by the
+    sidecar needs its derender, and a sidecar that died is back within seconds under its
+    supervisor; derender is a pure function of its body (the stream state travels with it), so
+    the same call against the restarted sidecar continues exactly where it stopped.
+    """
+
+    def __init__(
+        self, client: httpx.AsyncClient, base_url: str, timeout_s: float, *, derender_patience_s: float = 0.0
+    ) -> None:
         self._client = client
         self._base_url = base_url.rstrip("/")
         self._timeout = httpx.Timeout(timeout_s)
+        self._patience_s = derender_patience_s
+
+    @property
+    def derender_patience_s(self) -> float:
+        return self._patience_s
 
     async def _post_render(self, path: str, body: dict[str, Any], request_id: str) -> Any:
         try:
@@ -85,12 +105,21 @@ class RenderClient:
         return out
 
     async def _post_derender(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            response = await self._client.post(self._base_url + path, json=body, timeout=self._timeout)
-        except httpx.TimeoutException as exc:
-            raise DerenderError(f"derender timed out: {exc!r}", status=504) from exc
-        except httpx.TransportError as exc:
-            raise DerenderRetryable(f"derender unreachable: {exc!r}") from exc
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._patience_s
+        delay = PATIENCE_DELAY_MIN_S
+        while True:
+            try:
+                response = await self._client.post(self._base_url + path, json=body, timeout=self._timeout)
+                break
+            except httpx.TimeoutException as exc:
+                raise DerenderError(f"derender timed out: {exc!r}", status=504) from exc
+            except httpx.TransportError as exc:
+                if loop.time() + delay > deadline:
+                    raise DerenderRetryable(f"derender unreachable: {exc!r}") from exc
+                logger.info("derender: sidecar unreachable (%r); retrying in %.2fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, PATIENCE_DELAY_MAX_S)
         payload = _json_or_none(response)
         if response.status_code == 200 and isinstance(payload, dict):
             return payload

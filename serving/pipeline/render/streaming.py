@@ -202,8 +202,10 @@ class StreamingRenderSession:
         finish = choices[0].get("finish_reason") if choices else None
         state = self.choice(index).stream_state if index is not None else None
         tries = 1 + max(0, self.settings.derender_retries)
+        # The chunk's own bound, plus the time derender may wait for a sidecar being restarted.
+        budget = self.settings.chunk_timeout_s + self.render.derender_patience_s
         try:
-            async with asyncio.timeout(self.settings.chunk_timeout_s):
+            async with asyncio.timeout(budget):
                 for attempt in range(tries):
                     self.derender_calls += 1
                     try:
@@ -218,7 +220,7 @@ class StreamingRenderSession:
                             raise
                         self._log_failure(index, exc, retrying=True)
         except TimeoutError as exc:
-            err = DerenderError(f"derender of a chunk took over {self.settings.chunk_timeout_s:g}s", status=504)
+            err = DerenderError(f"derender of a chunk took over {budget:g}s", status=504)
             self._log_failure(index, err)
             raise err from exc
         except BaseException as exc:
