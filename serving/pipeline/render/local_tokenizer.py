@@ -1,7 +1,7 @@
 """The served model's own tokenizer and chat template, for when the render sidecar cannot be used.
 
 Built from the model directory (``tokenizer.json``, ``tokenizer_config.json`` or
-``chat_template.jinja``, ``config.json``) with ``tokenizers`` and a
+``chat_template.jinja``, ``config.json``) with transformers' tokenizer (as render builds it) and a
 sandboxed ``jinja2`` environment configured as Hugging Face's ``apply_chat_template`` configures
 it, so the prompt ids equal render's (generation-config eos ids are not added: render leaves that to
 the engine's input processor too) for the requests the fallback accepts (plain text chats and
@@ -55,15 +55,33 @@ def model_vocab_size(model_path: str) -> int | None:
     return int(size) if isinstance(size, int) and size > 0 else None
 
 
+def _backend_tokenizer(root: Path) -> Tokenizer:
+    """The ``tokenizers`` object that transformers (render's library) builds for ``root``.
+
+    Not ``Tokenizer.from_file("tokenizer.json")``: transformers picks a tokenizer class from the
+    model's config, and the class may replace the file's pre-tokenizer (Qwen2's splits digits one
+    by one), so the file on its own can give other ids than render for the same text.
+    """
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise LocalTokenizerUnavailable(f"transformers is not installed: {exc}") from exc
+    try:
+        hf = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    except Exception as exc:  # OSError, ValueError, or whatever a broken file makes the loader raise
+        raise LocalTokenizerUnavailable(f"no usable tokenizer in {root}: {exc}") from exc
+    backend = getattr(hf, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise LocalTokenizerUnavailable(f"{root} has no fast tokenizer (tokenizer.json)")
+    return backend
+
+
 class LocalTokenizer:
     """Chat template + tokenizer of one model directory; thread-safe and immutable once built."""
 
     def __init__(self, model_path: str) -> None:
         root = Path(model_path)
-        try:
-            self._tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
-        except Exception as exc:  # tokenizers raises plain Exception for a missing or bad file
-            raise LocalTokenizerUnavailable(f"no usable tokenizer.json in {model_path}: {exc}") from exc
+        self._tokenizer = _backend_tokenizer(root)
         config = _read_json(root / "tokenizer_config.json")
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: Hugging Face picks "default"

@@ -1,0 +1,75 @@
+"""The local tokenizer fallback gives the real render sidecar's ids, not just its own template's.
+
+The fallback serves while the sidecar is down (a crash, a restart), and its requests must go
+on exactly as render would have started them: same prompt ids, same sampling parameters that
+matter, same decoded text. Compared here with the real vLLM 0.33 sidecar on the same model
+files, on chats and completions with digits (transformers' Qwen2 tokenizer splits them one by
+one where ``tokenizer.json`` alone would not), several turns, a system prompt and non-ASCII text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from motorsite import stack
+from serving.pipeline.render import local_tokenizer as lt
+from serving.pipeline.render.tokenization import local_render, local_unsupported
+from serving.pipeline.snapshot import ModelView
+
+pytestmark = pytest.mark.integration
+
+CHATS = [
+    [{"role": "user", "content": "restart case 1 chat"}],
+    [{"role": "user", "content": "What is 12345 + 67890? Answer in 3 words."}],
+    [
+        {"role": "system", "content": "You are terse. Reply in 2 lines."},
+        {"role": "user", "content": "List 3 primes below 20"},
+        {"role": "assistant", "content": "2, 3, 5"},
+        {"role": "user", "content": "Now 4 more, año 2026 — naïve café ✓"},
+    ],
+]
+PROMPTS: list[Any] = [
+    "restart case 1 completions",
+    "The year 1999 had 365 days and 12 months",
+    ["first 1", "second 22", "third 333 ümlaut"],
+]
+
+
+@pytest.fixture(scope="module")
+def render(tiers: stack.StackConfig) -> httpx.Client:
+    return httpx.Client(base_url=f"http://127.0.0.1:{tiers.render_port}", timeout=30)
+
+
+def model(tiers: stack.StackConfig) -> ModelView:
+    return ModelView(tiers.served_model_name, tiers.model_dir, tiers.max_model_len)
+
+
+@pytest.mark.parametrize("messages", CHATS, ids=["digits", "arithmetic", "multi-turn"])
+def test_it_renders_chats_as_the_sidecar_does(render: httpx.Client, tiers: stack.StackConfig, messages: list[dict[str, Any]]) -> None:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0.0}
+    assert local_unsupported("chat", body) is None  # a request the fallback takes
+    theirs = render.post("/v1/chat/completions/render", json=body).json()
+    (ours,) = local_render(lt.local_tokenizer(tiers.model_dir), "chat", body, "x", model(tiers))
+    assert ours["token_ids"] == theirs["token_ids"]
+    assert ours["sampling_params"]["max_tokens"] == theirs["sampling_params"]["max_tokens"] == 12
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["digits", "year", "batch"])
+def test_it_renders_completions_as_the_sidecar_does(render: httpx.Client, tiers: stack.StackConfig, prompt: Any) -> None:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0.0}
+    assert local_unsupported("completions", body) is None
+    theirs = render.post("/v1/completions/render", json=body).json()
+    ours = local_render(lt.local_tokenizer(tiers.model_dir), "completions", body, "x", model(tiers))
+    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in theirs]
+
+
+def test_it_decodes_as_the_sidecar_does(render: httpx.Client, tiers: stack.StackConfig) -> None:
+    tok = lt.local_tokenizer(tiers.model_dir)
+    text = "Count 1 2 3, año 2026 ✓"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    theirs = render.post("/v1/completions/render", json={"model": "tiny", "prompt": text, "max_tokens": 1}).json()
+    assert theirs[0]["token_ids"] == ids
