@@ -22,7 +22,7 @@ from fleet.services import read_control_version
 from motorsite import stack
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port
 from serving import stream_reports
-from serving.management.commands.runstack import RenderRestarter
+from serving.management.commands.runstack import RenderRestarter, with_render_config
 from serving.models import RenderConfig, RenderStreamReport
 from serving.services import render_config_publish, render_streams_report
 from tests.motorsite.test_supervisor import SERVER
@@ -275,3 +275,11 @@ def test_the_supervisor_wait_loop_calls_tick(tmp_path: Path) -> None:
         assert sup.wait(tick=tick, tick_interval=0.01) == 1
     assert len(ticks) == 3
     assert not alive(pid)
+
+
+def test_make_run_starts_the_sidecar_with_the_render_configs_workers(tmp_path: Path) -> None:
+    cfg = stack.StackConfig(model_dir="/m", render_python="py", engine_python="py", log_dir=tmp_path)
+    assert with_render_config(cfg) is cfg  # no config yet: the launcher's default (4)
+    RenderConfig.objects.create(renderer_num_workers=2)
+    argv = stack.render_spec(with_render_config(cfg)).argv
+    assert argv[argv.index("--renderer-num-workers") + 1] == "2"

@@ -175,6 +175,18 @@ class RenderRestarter:
         services.render_sidecar_restarted(config_id=r.config_id, expected=r.expected, actor="launcher")
 
 
+def with_render_config(cfg: stack.StackConfig) -> stack.StackConfig:
+    """``cfg`` with the sidecar settings the render config holds (its thread pool today).
+
+    The pool size is part of the config an operator edits, and changing it is one of the changes
+    that restart the sidecar; the first start must use it too, not the launcher's default.
+    """
+    config = RenderConfig.objects.order_by("id").first()
+    if config is None or config.renderer_num_workers == cfg.render_workers:
+        return cfg
+    return dataclasses.replace(cfg, render_workers=config.renderer_num_workers)
+
+
 def _required_env(name: str) -> str:
     value = os.environ.get(name)
     if not value:
@@ -246,12 +258,9 @@ class Command(BaseCommand):
         except PortInUse as exc:
             raise CommandError(str(exc)) from None
         stack.prepare_database(cfg)
-        # The sidecar's thread pool is part of the render config an operator edits (and a
-        # change to it is one that restarts the sidecar): start with what the config holds.
-        config = RenderConfig.objects.order_by("id").first()
-        if config is not None and config.renderer_num_workers != cfg.render_workers:
-            cfg = dataclasses.replace(cfg, render_workers=config.renderer_num_workers)
-            specs = stack.build_specs(cfg)
+        configured = with_render_config(cfg)
+        if configured != cfg:
+            cfg, specs = configured, stack.build_specs(configured)
         self.stdout.write(f"starting {len(specs)} processes ({cfg.engines} engines); logs in {cfg.log_dir}")
         supervisor = Supervisor(specs, on_event=record_event)
         try:
