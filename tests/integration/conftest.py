@@ -9,7 +9,6 @@ configuration: SQLite by default, PostgreSQL and Redis when they answer on 127.0
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import uuid
 from dataclasses import replace
@@ -20,6 +19,7 @@ import pytest
 
 from motorsite import stack
 from motorsite.supervisor import Supervisor, free_port
+from tests import prerequisites
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 API_KEY = "sk-test-" + uuid.uuid4().hex[:12]
@@ -30,14 +30,6 @@ def _env(name: str) -> str:
     if not value:
         pytest.fail(f"{name} is not set; run the suite with `make test`", pytrace=False)
     return value
-
-
-def _reachable(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +88,7 @@ def sim_stack(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="session")
 def pg_redis_coordinator(tiers: stack.StackConfig) -> Iterator[stack.StackConfig]:
     """A coordinator on PostgreSQL and Redis, when both answer on 127.0.0.1."""
-    if not (_reachable(5432) and _reachable(6379)):
+    if not (prerequisites.postgres_answers() and prerequisites.redis_answers()):
         pytest.skip("PostgreSQL or Redis is not running on 127.0.0.1")
     db = f"motorsite_test_{uuid.uuid4().hex[:8]}"
     admin = ["psql", "-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-v", "ON_ERROR_STOP=1", "-qc"]
