@@ -30,7 +30,9 @@ from motorsite import stack
 from motorsite.launched import LaunchedStack
 from motorsite.restarts import RestartPolicy
 
-pytestmark = pytest.mark.integration
+# Starts a whole stack, kills two of its processes and waits for their return: minutes, more on
+# a busy machine; the bound that matters is asserted inside, from the ready timeouts.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGS = ROOT / "artifacts" / "logs" / "restarts"
