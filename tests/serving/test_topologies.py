@@ -46,6 +46,7 @@ from serving.pipeline.router.topologies import (
 )
 from serving.pipeline.service import GenerateContext, ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
+from tests.pd_sims import pd_sim_fixtures, sim_server
 
 MODEL = "tiny"
 
@@ -206,13 +207,10 @@ PROMPT = list(range(10, 60))
 
 
 def _server(**changes: Any) -> Iterator[LiveServer]:
-    with LiveServer(dataclasses.replace(CONFIG, **changes)) as server:
-        yield server
+    yield from sim_server(CONFIG, **changes)
 
 
-@pytest.fixture(scope="module")
-def union() -> Iterator[LiveServer]:
-    yield from _server()
+union, prefill, decode, push_prefill, push_decode = pd_sim_fixtures(CONFIG, push_timeout_s=2.0)
 
 
 @pytest.fixture(scope="module")
@@ -221,34 +219,14 @@ def slow_union() -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="module")
-def prefill() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.PREFILL)
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.DECODE)
-
-
-@pytest.fixture(scope="module")
 def slow_decode() -> Iterator[LiveServer]:
     yield from _server(role=EngineRole.DECODE, tpot_ms=50.0)
-
-
-@pytest.fixture(scope="module")
-def push_prefill() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.PREFILL, kv_transfer="push")
 
 
 @pytest.fixture(scope="module")
 def slow_push_prefill() -> Iterator[LiveServer]:
     # 100 ms per prompt token: its push comes long after push_decode stopped waiting.
     yield from _server(role=EngineRole.PREFILL, kv_transfer="push", ttft_per_token_ms=100.0)
-
-
-@pytest.fixture(scope="module")
-def push_decode() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.DECODE, kv_transfer="push", kv_push_timeout_seconds=2.0)
 
 
 def view(server: LiveServer | str, role: str = "union", transfer: str = "") -> InstanceView:
