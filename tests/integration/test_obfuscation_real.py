@@ -280,3 +280,62 @@ async def test_it_answers_garbage_to_plain_ids(
     # Mapped properly, the same engine gives the model's answer.
     mapped = await obf.engines.generate(obf.instance, obfuscate_request(req, obf_model[1]))
     assert deobfuscate_response(mapped, obf_model[1])["choices"][0]["token_ids"] == expected
+
+
+@pytest.fixture
+def obf_coordinator(
+    tiers: stack.StackConfig, paths: tuple[Path_, Path_], obf_model: tuple[Path, TokenMapping],
+    tmp_path: Path,
+) -> Iterator[stack.StackConfig]:
+    """A real coordinator whose one instance is the obfuscated engine and declares the key's id,
+    and whose render config turns obfuscation on with the key behind a setting reference: the
+    boundary as deployed (snapshot, key loading, eligibility), not one built in the test."""
+    import sqlite3
+    from dataclasses import replace
+
+    obf_url = paths[1].instance.url
+    key_id = obf_model[1].key_id
+    cfg = replace(
+        tiers, engine_ports=(int(obf_url.rsplit(":", 1)[1]),), coordinator_port=free_port(),
+        database_url=f"sqlite:///{tmp_path / 'coordinator.sqlite3'}", log_dir=tiers.log_dir / "obf-coordinator",
+        # The key reaches the coordinator as deployments pass it: an environment variable the
+        # render config names (`setting:NAME`), never stored in the database.
+        extra_env={**tiers.extra_env, "MOTOR_OBF_COORDINATOR_KEY": _env("MOTOR_OBF_TEST_KEY")},
+    )
+    stack.prepare_database(cfg)
+    with sqlite3.connect(tmp_path / "coordinator.sqlite3") as conn:
+        assert conn.execute(
+            "UPDATE serving_renderconfig SET obfuscation = 1, obfuscation_key_ref = ?, obfuscation_key_id = ?",
+            ("setting:MOTOR_OBF_COORDINATOR_KEY", key_id),
+        ).rowcount == 1
+        # The obfuscated engine runs tokens-only: no native API, no tokenizer of its own.
+        assert conn.execute(
+            "UPDATE fleet_engineinstance SET obfuscation_key_id = ?, cap_native_openai = 0, cap_tokenizer = 0"
+            " WHERE url = ?", (key_id, obf_url),
+        ).rowcount == 1
+    with Supervisor([stack.coordinator_spec(cfg)]):
+        yield cfg
+
+
+@pytest.mark.timeout(900)  # the module's two float32 engines may start in this test's setup
+async def test_it_answers_through_a_coordinator_whose_instance_carries_the_key(
+    obf_coordinator: stack.StackConfig, paths: tuple[Path_, Path_], http: httpx.AsyncClient,
+) -> None:
+    from .conftest import API_KEY
+
+    _, obf = paths
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Through the coordinator."}],
+            "max_tokens": 16, "temperature": 0, "return_token_ids": True, "logprobs": True, "top_logprobs": 2}
+    completion = {"model": "tiny", "prompt": ["import os\n", "def g(y):"], "max_tokens": 8, "temperature": 0,
+                  "return_token_ids": True, "logprobs": 2}
+    for path, body, reference in (
+        ("/v1/chat/completions", chat, obf.chat), ("/v1/completions", completion, obf.completions),
+    ):
+        r = await http.post(obf_coordinator.coordinator_url + path, json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        # The same engine behind the in-test boundary: the coordinator mapped ids exactly as it
+        # does. Unmapped (semantic) ids on this engine answer something else entirely
+        # (test_it_answers_garbage_to_plain_ids), so a coordinator that skipped the boundary fails.
+        assert_same_answer(r.json(), await reference(body, f"obf-coordinator-{path.rsplit('/', 1)[1]}"))
+    assert r.json()["choices"][0]["text"]
