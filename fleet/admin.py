@@ -14,7 +14,6 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from fleet import services
-from fleet.api import ObfuscationStatus, inflight_tokens
 from fleet.models import (
     ApiKey,
     AuditReport,
@@ -26,6 +25,7 @@ from fleet.models import (
     ProbeResult,
     process_of,
 )
+from fleet.presenters import ObfuscationStatus, inflight_tokens
 
 MACHINE_OWNED = (
     "state", "health", "consecutive_successes", "consecutive_failures", "last_probe_at", "last_probe_ok",
@@ -252,7 +252,7 @@ class EngineInstanceAdmin(admin.ModelAdmin):
     def probe_now(self, request: HttpRequest, queryset: QuerySet) -> None:
         n = services.probes_enqueue(instance_ids=list(queryset.values_list("id", flat=True)))
         if n is None:
-            self.message_user(request, "Probes are unavailable: the Celery tasks (fleet.tasks) are not installed.", messages.WARNING)
+            self.message_user(request, "Probes are unavailable: the Celery broker refused the message.", messages.WARNING)
         else:
             self.message_user(request, f"Queued a probe of {n} engine(s)")
 

@@ -2,36 +2,24 @@
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal
 
 from django.http import HttpRequest
 from ninja import Field, Query, Router, Schema
 from ninja.responses import Status
 
 from fleet import services
-from fleet.models import ApiKey, BreakerState, EngineInstance, ProbeResult
-from serving import obfuscation_keys
-from serving.models import RenderConfig
-from serving.pipeline import obfuscation
-from serving.pipeline.snapshot import RenderView
-
-if TYPE_CHECKING:
-    from serving.pipeline.snapshot import InstanceView
+from fleet.models import BreakerState, EngineInstance, ProbeResult
+from fleet.presenters import ObfuscationStatus, inflight_tokens
+from motorsite.core import MAX_ID, Detail, InvalidError, NotFoundError, request_actor
 
 router = Router(tags=["fleet"])
 
-MAX_ID = 2**62  # beyond any row id; keeps nonsense ids out of the database driver
 Role = Literal["union", "prefill", "decode"]
 Connector = Literal["", "NixlConnector", "MooncakeConnector", "MooncakeLayerwiseConnector", "ExampleConnector"]
 Transfer = Literal["", "pull", "push"]
 PosInt = Field(ge=1, le=2**31 - 1)
-
-
-class Detail(Schema):
-    detail: str
 
 
 class InstanceIn(Schema):
@@ -152,69 +140,6 @@ class FleetStatusOut(Schema):
     render_restart_required: bool
 
 
-def request_actor(request: HttpRequest) -> str:
-    """Who an API call acts as, for history rows: ``api:<key name>``."""
-    key = getattr(request, "auth", None)
-    return f"api:{key.name}" if isinstance(key, ApiKey) else "api"
-
-
-def inflight_tokens() -> dict[str, int] | None:
-    """Tokens in flight per instance name, from ``serving.runtime.inflight_tokens()`` (this process only)."""
-    fn = getattr(importlib.import_module("serving.runtime"), "inflight_tokens", None)
-    if fn is None:
-        return None
-    try:
-        return dict(fn())
-    except Exception:  # a placeholder column must not break the admin or the API
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class ObfuscationStatus:
-    """The render config's obfuscation setting, read once per page or response, never per row."""
-
-    render: RenderView
-    key_error: str  # why the configured key cannot serve traffic; "" when it can (or obfuscation is off)
-
-    @classmethod
-    def current(cls) -> ObfuscationStatus:
-        return cls.of(RenderConfig.objects.order_by("id").first())
-
-    @classmethod
-    def of(cls, cfg: RenderConfig | None) -> ObfuscationStatus:
-        """From a render config the caller already fetched (None: the defaults, obfuscation off)."""
-        cfg = cfg or RenderConfig()
-        render = RenderView(
-            enable=cfg.enable, base_url="", timeout_s=0.0,
-            obfuscation=cfg.obfuscation, obfuscation_key_id=cfg.obfuscation_key_id,
-        )
-        return cls(render, _key_error(cfg) if cfg.obfuscation else "")
-
-    def excluded_reason(self, instance: EngineInstance) -> str | None:
-        # eligible() reads only obfuscation_key_id, which the model row carries under the same name.
-        ok, why = obfuscation.eligible(cast("InstanceView", instance), self.render)
-        if not ok:
-            return why
-        return self.key_error or None
-
-
-def _key_error(cfg: RenderConfig) -> str:
-    """Why ``cfg``'s key refuses traffic, checked here rather than trusted from this process's last snapshot.
-
-    The admin may run in a process that never built a snapshot, so ``load_error`` alone could be
-    empty; it still adds what only loading finds (the model's vocabulary).
-    """
-    if not cfg.obfuscation_key_ref:
-        return "the render config has no obfuscation key reference"
-    try:
-        found = obfuscation_keys.key_id_of(cfg.obfuscation_key_ref)
-    except obfuscation_keys.KeyUnavailable as exc:
-        return f"obfuscation key {cfg.obfuscation_key_id or '(no id)'} unavailable: {exc}"
-    if found != cfg.obfuscation_key_id:
-        return f"the key at {cfg.obfuscation_key_ref} has id {found}, the render config names {cfg.obfuscation_key_id or '(none)'}"
-    return obfuscation.load_error()
-
-
 def instance_out(
     i: EngineInstance, inflight: dict[str, int] | None = None, obfuscated: ObfuscationStatus | None = None
 ) -> dict[str, Any]:
@@ -239,10 +164,10 @@ def _instances() -> Any:
 
 def _one(instance_id: int) -> dict[str, Any]:
     if not 0 < instance_id < MAX_ID:
-        raise services.NotFoundError(f"No engine instance with id {instance_id}.")
+        raise NotFoundError(f"No engine instance with id {instance_id}.")
     i = _instances().filter(id=instance_id).first()
     if i is None:
-        raise services.NotFoundError(f"No engine instance with id {instance_id}.")
+        raise NotFoundError(f"No engine instance with id {instance_id}.")
     return instance_out(i, inflight_tokens(), ObfuscationStatus.current())
 
 
@@ -271,7 +196,7 @@ def patch_instance(request: HttpRequest, instance_id: int, body: InstancePatch) 
     for required in ("name", "url", "role", "served_model_id", "kind", "hardware_kind", "weight", "token_capacity",
                      "cap_token_generate", "cap_native_openai", "cap_tokenizer", "tp", "dp", "ep"):
         if required in changes and changes[required] is None:
-            raise services.InvalidError(f"{required} cannot be null.")
+            raise InvalidError(f"{required} cannot be null.")
     for blankable in ("kv_connector", "kv_transfer", "kv_events_endpoint", "model_dir", "obfuscation_key_id"):
         if blankable in changes and changes[blankable] is None:
             changes[blankable] = ""
@@ -342,7 +267,7 @@ def instance_probes(request: HttpRequest, instance_id: int, limit: int = Query(5
 def run_probes(request: HttpRequest) -> Status[dict[str, str]]:
     queued = services.probes_enqueue(instance_ids=list(EngineInstance.objects.values_list("id", flat=True)))
     if queued is None:
-        return Status(503, {"detail": "Probes are unavailable: the Celery tasks (fleet.tasks) are not installed."})
+        return Status(503, {"detail": "Probes are unavailable: the Celery broker refused the message."})
     return Status(202, {"detail": f"Queued probes of {queued} instance(s)."})
 
 

@@ -15,7 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from fleet.models import EngineInstance, InstanceEvent, ManagedProcess
-from fleet.services import bump_control_version
+from motorsite.core import bump_control_version
 from serving.models import Health
 
 ACTOR = "launcher"

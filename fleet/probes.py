@@ -26,8 +26,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from fleet.models import AuditReport, BreakerState, EngineInstance, InstanceEvent, ProbeResult
-from fleet.services import bump_control_version
 from motorsite import tiers
+from motorsite.core import bump_control_version, current_render_config
 from serving.fingerprints import fingerprint_model_dir
 from serving.models import Health, RenderConfig, ServedModel
 
@@ -245,13 +245,9 @@ def _record_engine_health(instance: EngineInstance, outcome: Outcome) -> ProbeRe
     return result
 
 
-def render_config() -> RenderConfig | None:
-    return RenderConfig.objects.order_by("id").first()
-
-
 def probe_render_health(*, client: httpx.Client | None = None) -> ProbeResult | None:
     """One real chat render on the sidecar; update the render config's verdict. None without one."""
-    cfg = render_config()
+    cfg = current_render_config()
     if cfg is None or not cfg.enable:
         return None
     model = ServedModel.objects.order_by("id").first()
@@ -314,7 +310,7 @@ def probe_versions(*, client: httpx.Client | None = None) -> VersionProbeSummary
     and from the served model's ``model_path`` (the directory the sidecar loads) otherwise.
     """
     summary = VersionProbeSummary()
-    cfg = render_config()
+    cfg = current_render_config()
     with _client(client) as c:
         references: dict[int, TierReport] = {}
         render_models: Any = {}
@@ -444,7 +440,7 @@ def prune_probe_results(*, now: Any = None) -> int:
 
 def audit_fleet() -> AuditReport:
     """Record the fleet's state as the control plane sees it now (one row, a JSON summary)."""
-    cfg = render_config()
+    cfg = current_render_config()
     instances = []
     for i in EngineInstance.objects.select_related("served_model", "breaker").order_by("name"):
         try:

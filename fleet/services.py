@@ -2,7 +2,7 @@
 
 Every function that changes control data ends with ``bump_control_version()`` (inside the same
 transaction), which is how coordinator processes learn that their snapshot is stale.
-Functions raise ``ServiceError`` subclasses with a message meant for the operator:
+Functions raise the ``motorsite.core`` error tree with a message meant for the operator:
 ``NotFoundError`` (-> 404), ``ConflictError`` (-> 409), ``InvalidError`` (-> 422).
 """
 
@@ -12,43 +12,24 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import F
+from django.db.models import Count
+from kombu.exceptions import OperationalError
 
-from fleet.models import ApiKey, BreakerState, ControlVersion, EngineInstance, hash_key
+from fleet import tasks
+from fleet.models import ApiKey, BreakerState, EngineInstance, hash_key
+from motorsite.core import (
+    ConflictError,
+    InvalidError,
+    NotFoundError,
+    bump_control_version,
+    current_render_config,
+    read_control_version,
+)
+from serving.models import Health, ServedModel
 
 logger = logging.getLogger(__name__)
-
-
-class ServiceError(Exception):
-    status = 400
-
-
-class NotFoundError(ServiceError):
-    status = 404
-
-
-class ConflictError(ServiceError):
-    status = 409
-
-
-class InvalidError(ServiceError):
-    status = 422
-
-
-# -- live config --------------------------------------------------------------------------------
-
-
-def bump_control_version() -> int:
-    """Increment the fleet's control version; return the new value."""
-    with transaction.atomic():
-        if not ControlVersion.objects.filter(id=1).update(value=F("value") + 1):
-            ControlVersion.objects.get_or_create(id=1, defaults={"value": 1})
-        return ControlVersion.objects.values_list("value", flat=True).get(id=1)
-
-
-def read_control_version() -> int:
-    return ControlVersion.objects.filter(id=1).values_list("value", flat=True).first() or 0
 
 
 # -- P/D validation -----------------------------------------------------------------------------
@@ -173,10 +154,6 @@ def instance_update(*, instance_id: int, actor: str, **fields: Any) -> EngineIns
 
 
 def instance_save(*, instance: EngineInstance, actor: str) -> EngineInstance:
-    from django.core.exceptions import ValidationError
-
-    from serving.models import ServedModel
-
     if not ServedModel.objects.filter(id=instance.served_model_id).exists():
         raise InvalidError(f"No served model with id {instance.served_model_id}.")
     try:
@@ -311,28 +288,25 @@ def api_key_lookup(key: str) -> ApiKey | None:
 
 
 def probes_enqueue(*, instance_ids: Iterable[int]) -> int | None:
-    """Queue a probe of each instance (after commit); None when the Celery tasks are not installed."""
-    try:
-        from fleet import tasks
-    except ImportError:
-        return None
-    probe = getattr(tasks, "probe_instance", None)
-    if probe is None:
-        return None
+    """Queue a health check of each instance (after commit); how many, or None when the broker refuses.
+
+    Outside a transaction (an API call, an admin action) ``delay_on_commit`` sends at once, so a
+    broker that is down shows here as kombu's ``OperationalError`` rather than as a lost probe.
+    """
     n = 0
-    for instance_id in instance_ids:
-        probe.delay_on_commit(instance_id)
-        n += 1
+    try:
+        for instance_id in instance_ids:
+            tasks.probe_instance.delay_on_commit(instance_id)
+            n += 1
+    except OperationalError:
+        logger.warning("probes not queued: the Celery broker is unavailable", exc_info=True)
+        return None
     return n
 
 
 def fleet_status() -> dict[str, Any]:
-    from django.db.models import Count
-
-    from serving.models import Health, RenderConfig
-
     by_state = dict(EngineInstance.objects.values_list("state").annotate(n=Count("id")).values_list("state", "n"))
-    render = RenderConfig.objects.order_by("id").first()
+    render = current_render_config()
     return {
         "control_version": read_control_version(),
         "instances": sum(by_state.values()),

@@ -18,9 +18,10 @@ from django.shortcuts import render
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
-from fleet.api import ObfuscationStatus
 from fleet.models import BreakerState, EngineInstance, ManagedProcess, process_of
-from serving.models import Health, RenderConfig
+from fleet.presenters import ObfuscationStatus, inflight_tokens
+from motorsite.core import current_render_config
+from serving.models import Health
 from serving.pipeline import metrics
 
 SPARK_W, SPARK_H = 120, 28
@@ -110,12 +111,10 @@ def _row(
 
 
 def dashboard(request: HttpRequest) -> HttpResponse:
-    from serving.runtime import inflight_tokens
-
     series = metrics.snapshot()
-    in_flight = inflight_tokens()
+    in_flight = inflight_tokens() or {}
     instances = EngineInstance.objects.select_related("served_model", "breaker", "process").order_by("name")
-    render_config = RenderConfig.objects.order_by("id").first()
+    render_config = current_render_config()
     obfuscation = ObfuscationStatus.of(render_config)  # once per page, not per row
     rows = [_row(i, series.get(i.name), in_flight.get(i.name, 0), obfuscation) for i in instances]
     context = {

@@ -13,7 +13,8 @@ from ninja import NinjaAPI
 from ninja.security import HttpBearer
 
 from fleet.models import ApiKey
-from fleet.services import ServiceError, api_key_lookup
+from fleet.services import api_key_lookup
+from motorsite.core import ServiceError
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from django.contrib import admin, messages
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 
-from fleet.services import InvalidError, bump_control_version
+from motorsite.core import InvalidError, bump_control_version
 from serving.models import ModelRevision, RenderConfig, ServedModel
 from serving.services import render_config_save
 

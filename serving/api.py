@@ -8,8 +8,7 @@ from typing import Any
 from django.http import HttpRequest
 from ninja import Body, Field, Router, Schema
 
-from fleet.api import MAX_ID, Detail, request_actor
-from fleet.services import NotFoundError
+from motorsite.core import MAX_ID, Detail, NotFoundError, request_actor
 from serving import services
 from serving.models import RenderConfig
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from django.db import transaction
 from django.utils import timezone
 
-from fleet.services import ConflictError, InvalidError, NotFoundError, bump_control_version
+from motorsite.core import ConflictError, InvalidError, NotFoundError, bump_control_version
 from serving.fingerprints import fingerprint_model_dir
 from serving.models import ModelRevision, RenderConfig, RenderStreamReport, ServedModel
 

@@ -19,7 +19,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from fleet.models import ApiKey, BreakerState, EngineInstance
-from fleet.services import read_control_version
+from motorsite.core import current_render_config, read_control_version
 from serving import obfuscation_keys
 from serving.models import Health, RenderConfig, ServedModel
 from serving.pipeline.snapshot import ClientKeyView, FleetSnapshot, InstanceView, ModelView, RenderView
@@ -37,7 +37,7 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
     if version is None:
         version = read_control_version()
     models = {m.name: ModelView(m.name, m.model_path, m.max_model_len) for m in ServedModel.objects.all()}
-    cfg = RenderConfig.objects.order_by("id").first() or RenderConfig()
+    cfg = current_render_config() or RenderConfig()
     # The key stays out of the snapshot; its mapping is registered with the data plane by key id.
     obfuscation_keys.load_for(cfg, models.values())
     render = RenderView(

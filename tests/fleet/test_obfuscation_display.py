@@ -9,7 +9,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from fleet import services
-from fleet.api import ObfuscationStatus
+from fleet.presenters import ObfuscationStatus
 from fleet.models import EngineInstance
 from serving.models import RenderConfig, ServedModel
 from serving.obfuscation_keys import key_id_of

@@ -10,7 +10,8 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
 
 from fleet.models import ApiKey, BreakerState, EngineInstance
-from fleet.services import api_key_ensure, bump_control_version
+from fleet.services import api_key_ensure
+from motorsite.core import bump_control_version
 from serving.models import RenderConfig, ServedModel
 from serving.services import revision_record
 

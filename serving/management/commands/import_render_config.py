@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from fleet.services import ServiceError
+from motorsite.core import ServiceError
 from serving.services import render_config_import
 
 

@@ -1,0 +1,86 @@
+"""The control plane's small core: the service-error tree, the control version, the current render config.
+
+Every control-plane module (catalog, fleet, launcher, API) may import this; it imports only the
+two apps' models, never their services, API or tasks, so nothing here can close an import cycle.
+
+Exceptions (raised by the apps' ``services`` with a message meant for the operator; the API maps
+``status`` to the response code):
+
+    ServiceError         - 400
+    ├── NotFoundError    - 404: the object named does not exist
+    ├── ConflictError    - 409: the object's state forbids the action
+    └── InvalidError     - 422: the input breaks a rule
+"""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.db.models import F
+from django.http import HttpRequest
+from ninja import Schema
+
+from fleet.models import ApiKey, ControlVersion
+from serving.models import RenderConfig
+
+
+class ServiceError(Exception):
+    status = 400
+
+
+class NotFoundError(ServiceError):
+    status = 404
+
+
+class ConflictError(ServiceError):
+    status = 409
+
+
+class InvalidError(ServiceError):
+    status = 422
+
+
+# -- control version ----------------------------------------------------------------------------
+
+
+def bump_control_version() -> int:
+    """Increment the control version; return the new value.
+
+    Every change of control data calls this inside its own transaction: it is how coordinator
+    processes learn that their snapshot is stale.
+    """
+    with transaction.atomic():
+        if not ControlVersion.objects.filter(id=1).update(value=F("value") + 1):
+            ControlVersion.objects.get_or_create(id=1, defaults={"value": 1})
+        return ControlVersion.objects.values_list("value", flat=True).get(id=1)
+
+
+def read_control_version() -> int:
+    """The current control version; 0 before the first change."""
+    return ControlVersion.objects.filter(id=1).values_list("value", flat=True).first() or 0
+
+
+# -- the render config --------------------------------------------------------------------------
+
+
+def current_render_config() -> RenderConfig | None:
+    """The render config in force: the oldest row (None when there is none yet).
+
+    The coordinators' snapshot, the probes, the launcher, the admin and the API all read this
+    one row, so they can never disagree about which sidecar is meant.
+    """
+    return RenderConfig.objects.order_by("id").first()
+
+
+# -- what every API router shares ---------------------------------------------------------------
+
+MAX_ID = 2**62  # beyond any row id; keeps nonsense ids out of the database driver
+
+
+class Detail(Schema):
+    detail: str
+
+
+def request_actor(request: HttpRequest) -> str:
+    """Who an API call acts as, for history rows: ``api:<key name>``."""
+    key = getattr(request, "auth", None)
+    return f"api:{key.name}" if isinstance(key, ApiKey) else "api"
