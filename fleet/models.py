@@ -285,7 +285,7 @@ class ControlVersion(models.Model):
 class ManagedProcess(models.Model):
     """A process that the launcher (``make run``) supervises, as the launcher last reported it.
 
-    Written only by the launcher through ``fleet.launcher``; engines are linked to their instance
+    Written only by the launcher through ``motorsite.launcher.records``; engines are linked to their instance
     (by URL) so the admin and the dashboard can show restarts next to health and breaker.
     """
 

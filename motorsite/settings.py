@@ -98,6 +98,7 @@ INSTALLED_APPS = [
     "channels",
     "serving",
     "fleet",
+    "motorsite.launcher",
 ]
 
 MIDDLEWARE = [

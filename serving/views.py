@@ -238,7 +238,7 @@ async def _process_lines() -> list[str]:
     """The launcher's processes (``make run``): restarts so far and whether each is up.
 
     One query per scrape, not per request; the launcher writes these rows as its children exit
-    and recover (``fleet.launcher``).
+    and recover (``motorsite.launcher.records``).
     """
     from asgiref.sync import sync_to_async
     from django.db import DatabaseError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet import launcher
+from motorsite.launcher import records
 from fleet.models import ControlVersion, EngineInstance, InstanceEvent, ManagedProcess
 from fleet.services import instance_create
 from serving.models import Health, ServedModel
@@ -26,7 +26,7 @@ def version() -> int:
 
 
 def test_it_links_each_engine_process_to_its_instance_by_port(engine: EngineInstance) -> None:
-    launcher.processes_started(children=[("render", 10, "http://127.0.0.1:8100"), ("engine-1", 11, "http://127.0.0.1:8201")])
+    records.processes_started(children=[("render", 10, "http://127.0.0.1:8100"), ("engine-1", 11, "http://127.0.0.1:8201")])
     rows = {p.name: p for p in ManagedProcess.objects.all()}
     assert rows["engine-1"].instance == engine and rows["engine-1"].pid == 11
     assert rows["render"].instance is None
@@ -34,10 +34,10 @@ def test_it_links_each_engine_process_to_its_instance_by_port(engine: EngineInst
 
 
 def test_it_takes_a_dead_engine_out_at_once_and_records_why(engine: EngineInstance) -> None:
-    launcher.processes_started(children=[("engine-1", 11, engine.url)])
+    records.processes_started(children=[("engine-1", 11, engine.url)])
     before = version()
 
-    launcher.process_changed(name="engine-1", state=ManagedProcess.State.BACKOFF, pid=11, restarts=1, reason="killed by SIGKILL")
+    records.process_changed(name="engine-1", state=ManagedProcess.State.BACKOFF, pid=11, restarts=1, reason="killed by SIGKILL")
 
     engine.refresh_from_db()
     assert engine.health == Health.FAILING and engine.consecutive_successes == 0
@@ -53,10 +53,10 @@ def test_it_takes_a_dead_engine_out_at_once_and_records_why(engine: EngineInstan
 
 
 def test_it_leaves_health_to_the_probes_when_the_engine_is_ready_again(engine: EngineInstance) -> None:
-    launcher.processes_started(children=[("engine-1", 11, engine.url)])
-    launcher.process_changed(name="engine-1", state=ManagedProcess.State.BACKOFF, pid=11, restarts=1, reason="killed by SIGKILL")
+    records.processes_started(children=[("engine-1", 11, engine.url)])
+    records.process_changed(name="engine-1", state=ManagedProcess.State.BACKOFF, pid=11, restarts=1, reason="killed by SIGKILL")
 
-    launcher.process_changed(name="engine-1", state=ManagedProcess.State.RUNNING, pid=12, restarts=1)
+    records.process_changed(name="engine-1", state=ManagedProcess.State.RUNNING, pid=12, restarts=1)
 
     engine.refresh_from_db()
     assert engine.health == Health.FAILING  # taken back by MOTOR_PROBE_RISE successful probes, not here
@@ -65,7 +65,7 @@ def test_it_leaves_health_to_the_probes_when_the_engine_is_ready_again(engine: E
 
 
 def test_it_ignores_processes_it_never_registered_and_marks_all_stopped(engine: EngineInstance) -> None:
-    launcher.processes_started(children=[("engine-1", 11, engine.url)])
-    assert launcher.process_changed(name="render-2", state="running", pid=5, restarts=0) is None
-    assert launcher.processes_stopped() == 1
+    records.processes_started(children=[("engine-1", 11, engine.url)])
+    assert records.process_changed(name="render-2", state="running", pid=5, restarts=0) is None
+    assert records.processes_stopped() == 1
     assert ManagedProcess.objects.get(name="engine-1").state == ManagedProcess.State.STOPPED

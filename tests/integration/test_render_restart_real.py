@@ -40,7 +40,7 @@ django.setup()
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s %(message)s")
 from motorsite import stack
 from motorsite.supervisor import Supervisor
-from serving.management.commands.runstack import RenderRestarter
+from motorsite.launcher.render_restarter import RenderRestarter
 opts = json.loads(sys.argv[1])
 cfg = stack.StackConfig(
     model_dir=opts["model_dir"], render_python=opts["render_python"], engine_python=opts["render_python"],

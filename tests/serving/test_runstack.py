@@ -1,4 +1,4 @@
-"""The launcher's graceful render sidecar restart (runstack's RenderRestarter), with tiny real
+"""The launcher's graceful render sidecar restart (motorsite.launcher.render_restarter), with tiny real
 HTTP children standing in for the sidecar under a real Supervisor, and a fake clock.
 
 What uses the old sidecar is what coordinator processes report in ``RenderStreamReport`` rows;
@@ -22,7 +22,7 @@ from fleet.services import read_control_version
 from motorsite import stack
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port
 from serving import stream_reports
-from serving.management.commands.runstack import RENDER_RETRY_S, RenderRestarter, with_render_config
+from motorsite.launcher.render_restarter import RENDER_RETRY_S, RenderRestarter, with_render_config
 from serving.models import RenderConfig, RenderStreamReport
 from serving.services import render_config_publish, render_streams_report
 from tests.motorsite.test_supervisor import SERVER

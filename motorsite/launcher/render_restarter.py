@@ -1,32 +1,20 @@
-"""``make run``: start the render sidecar, the demo engines and the coordinator; stop them on Ctrl-C."""
+"""The launcher's graceful restart of the render sidecar it manages, driven by the render config.
+
+``manage.py runstack`` runs ``RenderRestarter.tick`` every second in the supervisor's wait loop;
+``with_render_config`` gives the first start the sidecar settings the render config holds.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-import secrets
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
-from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError, CommandParser
-
-from fleet import launcher
-from fleet.models import ManagedProcess
-from motorsite import stack, tiers
-from motorsite.supervisor import (
-    ChildEvent,
-    Interrupted,
-    PortInUse,
-    ProcessSpec,
-    Supervisor,
-    SupervisorError,
-    check_ports,
-    free_port,
-)
+from motorsite import stack
+from motorsite.core import current_render_config
+from motorsite.supervisor import Interrupted, ProcessSpec, Supervisor, free_port
 from serving import services, stream_reports
 from serving.models import RenderConfig
 
@@ -121,7 +109,7 @@ class RenderRestarter:
         if self.clock() < self.retry_at:
             return
         # The same row the coordinators' snapshot uses (serving.snapshots.build_snapshot).
-        config = RenderConfig.objects.order_by("id").first()
+        config = current_render_config()
         if config is None or not config.restart_required:
             return
         if config.host not in (stack.HOST, "localhost"):
@@ -181,148 +169,7 @@ def with_render_config(cfg: stack.StackConfig) -> stack.StackConfig:
     The pool size is part of the config an operator edits, and changing it is one of the changes
     that restart the sidecar; the first start must use it too, not the launcher's default.
     """
-    config = RenderConfig.objects.order_by("id").first()
+    config = current_render_config()
     if config is None or config.renderer_num_workers == cfg.render_workers:
         return cfg
     return dataclasses.replace(cfg, render_workers=config.renderer_num_workers)
-
-
-def _required_env(name: str) -> str:
-    value = os.environ.get(name)
-    if not value:
-        raise CommandError(f"{name} is not set: start this through `make run` (python3 -m toolchain exec ...)")
-    return value
-
-
-class Command(BaseCommand):
-    help = "Run the whole stack on 127.0.0.1 until Ctrl-C or SIGTERM."
-
-    def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--engines", choices=["vllm", "sim"], default=os.environ.get("MOTOR_ENGINES", "vllm"))
-        parser.add_argument("--port", type=int, default=int(os.environ.get("MOTOR_PORT", "8000")))
-        parser.add_argument("--render-port", type=int, default=int(os.environ.get("MOTOR_RENDER_PORT", "8100")))
-        parser.add_argument(
-            "--engine-ports",
-            default=os.environ.get("MOTOR_ENGINE_PORTS", "8201,8202"),
-            help="comma-separated, one engine per port",
-        )
-        parser.add_argument(
-            "--prefill-ports",
-            default=os.environ.get("MOTOR_PREFILL_PORTS", "8211"),
-            help="comma-separated prefill engines for the Handoff topology; empty for none",
-        )
-        parser.add_argument(
-            "--decode-ports",
-            default=os.environ.get("MOTOR_DECODE_PORTS", "8221"),
-            help="comma-separated decode engines for the Handoff topology; empty for none",
-        )
-        parser.add_argument(
-            "--var-dir",
-            default=os.environ.get("MOTOR_VAR_DIR", str(stack.ROOT / "var")),
-            help="logs (log/) and the Celery broker folders (celery/) of this run",
-        )
-
-    def handle(self, *args: Any, **opts: Any) -> None:
-        # Both keys reach ``demo_fleet`` through the environment (MOTOR_API_KEYS, MOTOR_DEMO_ADMIN_KEY),
-        # which stores only their hashes as ApiKey records.
-        api_key = os.environ.get("MOTOR_DEMO_API_KEY") or "sk-motor-" + secrets.token_urlsafe(18)
-        admin_key = os.environ.get("MOTOR_DEMO_ADMIN_KEY") or "mk-admin-" + secrets.token_urlsafe(18)
-        admin_password = os.environ.get("MOTOR_DEMO_ADMIN_PASSWORD") or secrets.token_urlsafe(9)
-        cfg = stack.StackConfig(
-            model_dir=_required_env("MOTOR_MODEL_DIR"),
-            render_python=_required_env("MOTOR_RENDER_PYTHON"),
-            engine_python=_required_env("MOTOR_ENGINE_PYTHON"),
-            app_python=sys.executable,
-            engines=opts["engines"],
-            coordinator_port=opts["port"],
-            render_port=opts["render_port"],
-            engine_ports=_ports(opts["engine_ports"]),
-            prefill_ports=_ports(opts["prefill_ports"]),
-            decode_ports=_ports(opts["decode_ports"]),
-            log_dir=Path(opts["var_dir"]) / "log",
-            celery_dir=Path(opts["var_dir"]) / "celery",
-            database_url=os.environ.get("DATABASE_URL", ""),
-            redis_url=settings.REDIS_URL,
-            api_keys=(api_key,),
-            admin_password=admin_password,
-            extra_env={"MOTOR_DEMO_ADMIN_KEY": admin_key},
-        )
-        cfg.log_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            specs = stack.build_specs(cfg)
-        except tiers.UnsupportedCPU as exc:
-            raise CommandError(str(exc)) from None  # before anything starts: say what is missing
-        try:
-            # Fail fast, naming the port, before anything is started or written.
-            check_ports(specs)
-        except PortInUse as exc:
-            raise CommandError(str(exc)) from None
-        stack.prepare_database(cfg)
-        configured = with_render_config(cfg)
-        if configured != cfg:
-            cfg, specs = configured, stack.build_specs(configured)
-        self.stdout.write(f"starting {len(specs)} processes ({cfg.engines} engines); logs in {cfg.log_dir}")
-        supervisor = Supervisor(specs, on_event=record_event)
-        try:
-            supervisor.start()
-        except (Interrupted, KeyboardInterrupt):
-            supervisor.stop(check_ports_free=False)  # Ctrl-C while starting: a clean stop
-            return
-        except SupervisorError as exc:
-            supervisor.stop(check_ports_free=False)
-            raise CommandError(str(exc)) from None
-        launcher.processes_started(
-            children=[(spec.name, supervisor.pids[spec.name], spec.ready_base_url or "") for spec in specs]
-        )
-        base = cfg.coordinator_url
-        self.stdout.write(
-            "\n".join(
-                [
-                    "",
-                    "motorsite is running. Ctrl-C stops everything.",
-                    f"  OpenAI API      {base}/v1   (Authorization: Bearer {api_key})",
-                    f"  Django admin    {base}/admin/   (user admin, password {admin_password})",
-                    f"  REST API        {base}/api/   (Authorization: Bearer {admin_key}; docs at {base}/api/docs)",
-                    f"  render sidecar  http://127.0.0.1:{cfg.render_port}",
-                    *[f"  engine          {u}" for u in cfg.engine_urls],
-                    "",
-                    "try:",
-                    f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
-                    "-H 'Content-Type: application/json' "
-                    f"-d '{{\"model\": \"{cfg.served_model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}], \"max_tokens\": 20}}'",
-                    "",
-                ]
-            )
-        )
-        self.stdout.flush()
-        try:
-            code = supervisor.wait(tick=RenderRestarter(supervisor, cfg).tick, tick_interval=1.0)
-        finally:
-            try:
-                launcher.processes_stopped()
-            except Exception:
-                logger.exception("could not record the stop of the stack")
-        if code:
-            raise CommandError("the coordinator died; see its log tail above")
-
-
-# What the supervisor's child states mean for the ManagedProcess rows the admin shows.
-_EVENT_STATES = {
-    "exited": ManagedProcess.State.BACKOFF,
-    "gave_up": ManagedProcess.State.FAILED,
-    "ready": ManagedProcess.State.RUNNING,
-}
-
-
-def record_event(event: ChildEvent) -> None:
-    """The supervisor's observer: each exit, recovery and crash-loop verdict goes to the database."""
-    launcher.process_changed(
-        name=event.name, state=_EVENT_STATES[event.kind], pid=event.pid, restarts=event.restarts, reason=event.reason
-    )
-
-
-def _ports(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(p) for p in text.split(",") if p.strip())
-    except ValueError:
-        raise CommandError(f"ports must be comma-separated numbers, not {text!r}") from None
