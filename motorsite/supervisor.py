@@ -8,8 +8,9 @@ Each child runs in its own session, hence its own process group, so that Ctrl-C 
 reaches only the supervisor, and `stop()` can signal a child together with every grandchild it
 spawned (``motorsite.processes``). While `wait()` runs, a child whose spec has a
 `RestartPolicy` is restarted when it exits, with exponential back-off, and left down alone when
-it crash-loops (``motorsite.restarts``); each exit is logged with the reason and the tail of its
-log, and reported to the `on_event` observer. The death of a child without a policy (the
+it crash-loops (each child's own state machine, ``motorsite.children``, with the policy of
+``motorsite.restarts``); each exit is logged with the reason and the tail of its log, and
+reported to the `on_event` observer. The death of a child without a policy (the
 coordinator), a port taken at start, or SIGINT/SIGTERM stops the whole stack.
 
 Exceptions:
@@ -28,20 +29,25 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
+from motorsite.children import (
+    POLL_INTERVAL_MAX,
+    POLL_INTERVAL_MIN,
+    Child,
+    ChildEvent,
+    ChildState,
+    ChildStatus,
+    spawn,
+)
 from motorsite.processes import (
-    ORPHAN_GRACE,
     PORT_RELEASE_TIMEOUT,
     ProcessSpec,
     can_bind,
@@ -52,7 +58,7 @@ from motorsite.processes import (
     terminate_group,
     wait_port_free,
 )
-from motorsite.restarts import RestartPolicy, RestartTracker
+from motorsite.restarts import RestartPolicy
 
 __all__ = [
     "ChildDied", "ChildEvent", "ChildState", "ChildStatus", "Interrupted", "PortInUse", "ProcessSpec",
@@ -62,16 +68,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Readiness polling starts fast (tests and small sidecars are up in well under a second) and
-# backs off so that a vLLM engine loading weights for minutes is not probed 10 times a second.
-POLL_INTERVAL_MIN = 0.05
-POLL_INTERVAL_MAX = 1.0
 # Cadence of wait()'s liveness check: the worst-case delay between a child's death (or a signal)
 # and the restart or shutdown it triggers.
 WAIT_POLL_INTERVAL = 0.1
-# One readiness probe of a restarting child runs inside wait()'s loop; this bounds how long it
-# can hold up noticing another child's death or a signal.
-RESTART_PROBE_TIMEOUT = 5.0
 
 
 class SupervisorError(Exception):
@@ -140,65 +139,6 @@ class SupervisorState(enum.Enum):
     STOPPED = 5
 
 
-class ChildState(enum.Enum):
-    # Spawned (again) by wait(); its readiness check has not passed yet.
-    STARTING = 1
-    # Passed its readiness check and has not exited since.
-    RUNNING = 2
-    # Exited; wait() starts it again at `restart_at`.
-    BACKOFF = 3
-    # Crash-looped: left down for good while the rest of the stack runs on.
-    FAILED = 4
-
-
-@dataclass(frozen=True, slots=True)
-class ChildEvent:
-    """What `wait()` tells its observer: a child exited, became ready again, or was given up."""
-
-    name: str
-    kind: Literal["exited", "ready", "gave_up"]
-    pid: int
-    restarts: int
-    # Why it exited ("killed by SIGKILL", "engine core killed by SIGILL ..."); "" for "ready".
-    reason: str = ""
-    log_tail: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ChildStatus:
-    """One child as `Supervisor.status()` reports it (for a launcher's metrics and views)."""
-
-    name: str
-    state: ChildState
-    pid: int
-    restarts: int
-    last_exit: str
-
-
-@dataclass(slots=True)
-class _Child:
-    spec: ProcessSpec
-    popen: subprocess.Popen[bytes]
-    # Where this run's output starts in the (appended) log file, so a tail never shows the
-    # previous run's lines.
-    log_offset: int
-    state: ChildState = ChildState.RUNNING
-    tracker: RestartTracker | None = None
-    # monotonic times: became ready; next start (BACKOFF); readiness deadline and next probe
-    # (STARTING).
-    up_since: float | None = None
-    restart_at: float = 0.0
-    ready_deadline: float = 0.0
-    next_probe_at: float = 0.0
-    probe_interval: float = POLL_INTERVAL_MIN
-    last_error: str = ""
-    last_exit: str = ""
-
-    @property
-    def restarts(self) -> int:
-        return self.tracker.restarts if self.tracker is not None else 0
-
-
 class Supervisor:
     """Owns a fixed, ordered list of child processes from start to stop.
 
@@ -231,7 +171,7 @@ class Supervisor:
         self.state = SupervisorState.UNSTARTED
         # Set when wait() ended because a child died, for callers that want more than the code.
         self.died: ChildDied | None = None
-        self._children: list[_Child] = []
+        self._children: list[Child] = []
         self._signal_received: int | None = None
         # True only around readiness probes and sleeps in start(): the one place where the signal
         # handler may raise, so an interrupt never lands inside Popen() or in stop()'s cleanup.
@@ -270,7 +210,7 @@ class Supervisor:
         try:
             check_ports(self.specs)
             for spec in self.specs:
-                child = self._spawn(spec)
+                child = spawn(spec)
                 self._children.append(child)
                 self._wait_ready(child)
                 child.up_since = time.monotonic()
@@ -355,88 +295,18 @@ class Supervisor:
                     tail = log_tail(child.spec.log_path, child.log_offset)
                     if child.spec.restart is None:
                         raise ChildDied(child.spec.name, returncode, tail)
-                    self._on_exit(child, describe_exit(returncode, tail), tail)
+                    self._emit(child.exited(describe_exit(returncode, tail), tail))
                 elif child.state is ChildState.STARTING:
-                    self._probe_starting(child, client)
+                    self._emit(child.probe_starting(client))
             elif child.state is ChildState.BACKOFF and time.monotonic() >= child.restart_at:
-                self._restart(child)
+                self._emit(child.restart())
 
     def status(self) -> list[ChildStatus]:
         """Every child in start order: state, current pid, restarts so far, why it last exited."""
-        return [
-            ChildStatus(c.spec.name, c.state, c.popen.pid, c.restarts, c.last_exit)
-            for c in self._children
-        ]
+        return [c.status() for c in self._children]
 
-    def _on_exit(self, child: _Child, reason: str, tail: str) -> None:
-        """Clean up after a restartable child that exited (or never became ready) and decide
-        when it starts again, or that it crash-loops."""
-        name, pid = child.spec.name, child.popen.pid
-        # Grandchildren (vLLM's engine core, a Celery pool) may outlive their leader.
-        terminate_group(child.spec, child.popen, grace=ORPHAN_GRACE)
-        assert child.tracker is not None
-        now = time.monotonic()
-        delay = child.tracker.record_exit(now, child.up_since)
-        child.last_exit = reason
-        child.up_since = None
-        if delay is None:
-            child.state = ChildState.FAILED
-            policy = child.tracker.policy
-            logger.error(
-                "%s %s; crash loop (%d exits within %gs): not restarting it, the rest of the stack"
-                " keeps running; last log lines:\n%s",
-                name, reason, policy.crash_loop_exits, policy.crash_loop_window_s, tail,
-            )
-            self._emit(ChildEvent(name, "gave_up", pid, child.restarts, reason, tail))
-            return
-        child.state = ChildState.BACKOFF
-        child.restart_at = now + delay
-        logger.warning(
-            "%s %s; restarting it in %gs (restart %d); last log lines:\n%s",
-            name, reason, delay, child.restarts, tail,
-        )
-        self._emit(ChildEvent(name, "exited", pid, child.restarts, reason, tail))
-
-    def _restart(self, child: _Child) -> None:
-        spec = child.spec
-        taken = [(h, p) for h, p in spec.ports if not can_bind(h, p)]
-        if taken:
-            # Someone else took the port while this child was down: a failed start like any other,
-            # so a port that stays taken ends in the crash-loop verdict instead of a silent wait.
-            host, port = taken[0]
-            self._on_exit(child, f"could not restart: port {host}:{port} is in use", "")
-            return
-        fresh = self._spawn(spec)
-        child.popen, child.log_offset = fresh.popen, fresh.log_offset
-        now = time.monotonic()
-        child.state = ChildState.STARTING
-        child.ready_deadline = now + spec.ready_timeout
-        child.next_probe_at = now
-        child.probe_interval = POLL_INTERVAL_MIN
-        child.last_error = "not checked yet"
-
-    def _probe_starting(self, child: _Child, client: httpx.Client) -> None:
-        now = time.monotonic()
-        if now < child.next_probe_at:
-            return
-        remaining = child.ready_deadline - now
-        if remaining <= 0:
-            tail = log_tail(child.spec.log_path, child.log_offset)
-            reason = f"not ready {child.spec.ready_timeout:g}s after restart (last check: {child.last_error})"
-            self._on_exit(child, reason, tail)
-            return
-        child.last_error = probe(client, child.spec, min(remaining, RESTART_PROBE_TIMEOUT))
-        if child.last_error:
-            child.next_probe_at = time.monotonic() + child.probe_interval
-            child.probe_interval = min(child.probe_interval * 2, POLL_INTERVAL_MAX)
-            return
-        child.state = ChildState.RUNNING
-        child.up_since = time.monotonic()
-        logger.info("%s ready again (pid %d, restart %d)", child.spec.name, child.popen.pid, child.restarts)
-        self._emit(ChildEvent(child.spec.name, "ready", child.popen.pid, child.restarts))
-
-    def _emit(self, event: ChildEvent) -> None:
-        if self.on_event is None:
+    def _emit(self, event: ChildEvent | None) -> None:
+        if event is None or self.on_event is None:
             return
         try:
             self.on_event(event)
@@ -460,7 +330,7 @@ class Supervisor:
             if port in ports:
                 raise ValueError(f"port {port} claimed by {ports[port]!r} and {spec.name!r}")
         check_ports([spec])
-        child = self._spawn(spec)
+        child = spawn(spec)
         try:
             self._wait_ready(child)
         except BaseException:
@@ -501,33 +371,7 @@ class Supervisor:
                 if not wait_port_free(host, port, PORT_RELEASE_TIMEOUT):
                     raise PortInUse(child.spec.name, host, port, after_stop=True)
 
-    def _spawn(self, spec: ProcessSpec) -> _Child:
-        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        # Python children would otherwise block-buffer stdout into the log file, and the lines
-        # printed just before a crash are exactly the ones the log tail must show.
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.update(spec.env)
-        with open(spec.log_path, "ab") as log:
-            log.write(f"--- supervisor: starting {spec.name}: {spec.argv}\n".encode())
-            log.flush()
-            offset = log.tell()
-            popen = subprocess.Popen(
-                spec.argv,
-                env=env,
-                cwd=spec.cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Own session and process group: the terminal's Ctrl-C reaches only us, and
-                # killpg() reaches the child's grandchildren too.
-                start_new_session=True,
-            )
-        logger.info("started %s (pid %d): %s", spec.name, popen.pid, spec.argv)
-        tracker = RestartTracker(spec.restart) if spec.restart is not None else None
-        return _Child(spec=spec, popen=popen, log_offset=offset, tracker=tracker)
-
-    def _wait_ready(self, child: _Child) -> None:
+    def _wait_ready(self, child: Child) -> None:
         spec = child.spec
         deadline = time.monotonic() + spec.ready_timeout
         interval = POLL_INTERVAL_MIN
