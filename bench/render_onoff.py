@@ -319,7 +319,7 @@ def _env(name: str) -> str:
 def _disable_render(cfg: stack.StackConfig) -> None:
     """Flip RenderConfig.enable off in ``cfg``'s database (before its coordinator starts)."""
     env = {**os.environ, **stack.coordinator_env(cfg)}
-    code = "from serving.models import RenderConfig; assert RenderConfig.objects.update(enable=False) == 1"
+    code = "from catalog.models import RenderConfig; assert RenderConfig.objects.update(enable=False) == 1"
     subprocess.run([cfg.app_python, str(ROOT / "manage.py"), "shell", "-c", code], check=True, env=env, cwd=ROOT)
 
 

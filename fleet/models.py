@@ -16,7 +16,7 @@ from django.db import models, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from serving.models import Health, ServedModel
+from catalog.models import Health, ServedModel
 
 
 class EngineInstance(models.Model):

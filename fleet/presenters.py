@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+from catalog.models import RenderConfig
 from fleet.models import EngineInstance
 from motorsite.core import current_render_config
 from serving import obfuscation_keys
-from serving.models import RenderConfig
 from serving.pipeline import obfuscation
 from serving.pipeline.snapshot import RenderView
 

@@ -25,11 +25,11 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from catalog.fingerprints import fingerprint_model_dir
+from catalog.models import Health, RenderConfig, ServedModel
 from fleet.models import AuditReport, BreakerState, EngineInstance, InstanceEvent, ProbeResult
 from motorsite import tiers
 from motorsite.core import bump_control_version, current_render_config
-from serving.fingerprints import fingerprint_model_dir
-from serving.models import Health, RenderConfig, ServedModel
 
 logger = logging.getLogger(__name__)
 

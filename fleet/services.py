@@ -17,6 +17,7 @@ from django.db import transaction
 from django.db.models import Count
 from kombu.exceptions import OperationalError
 
+from catalog.models import Health, ServedModel
 from fleet import tasks
 from fleet.models import ApiKey, BreakerState, EngineInstance, hash_key
 from motorsite.core import (
@@ -27,7 +28,6 @@ from motorsite.core import (
     current_render_config,
     read_control_version,
 )
-from serving.models import Health, ServedModel
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from django.shortcuts import render
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
+from catalog.models import Health
 from fleet.models import BreakerState, EngineInstance, ManagedProcess, process_of
 from fleet.presenters import ObfuscationStatus, inflight_tokens
 from motorsite.core import current_render_config
-from serving.models import Health
 from serving.pipeline import metrics
 
 SPARK_W, SPARK_H = 120, 28

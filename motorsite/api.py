@@ -54,8 +54,8 @@ def forbidden(request: HttpRequest, exc: Forbidden) -> HttpResponse:
     return api.create_response(request, {"detail": str(exc)}, status=403)
 
 
+from catalog.api import router as catalog_router  # noqa: E402
 from fleet.api import router as fleet_router  # noqa: E402  (after the handlers: they are the API's)
-from serving.api import router as serving_router  # noqa: E402
 
 api.add_router("", fleet_router)
-api.add_router("", serving_router)
+api.add_router("", catalog_router)

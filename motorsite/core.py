@@ -19,8 +19,8 @@ from django.db.models import F
 from django.http import HttpRequest
 from ninja import Schema
 
+from catalog.models import RenderConfig
 from fleet.models import ApiKey, ControlVersion
-from serving.models import RenderConfig
 
 
 class ServiceError(Exception):

@@ -96,7 +96,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
-    "serving",
+    "catalog",
     "fleet",
     "motorsite.launcher",
 ]

@@ -29,7 +29,7 @@ from serving.pipeline import obfuscation
 from serving.pipeline.obfuscation import TokenMapping, key_id
 
 if TYPE_CHECKING:
-    from serving.models import RenderConfig
+    from catalog.models import RenderConfig
     from serving.pipeline.snapshot import ModelView
 
 logger = logging.getLogger(__name__)

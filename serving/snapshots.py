@@ -18,10 +18,10 @@ from typing import Callable
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
+from catalog.models import Health, RenderConfig, ServedModel
 from fleet.models import ApiKey, BreakerState, EngineInstance
 from motorsite.core import current_render_config, read_control_version
 from serving import obfuscation_keys
-from serving.models import Health, RenderConfig, ServedModel
 from serving.pipeline.snapshot import ClientKeyView, FleetSnapshot, InstanceView, ModelView, RenderView
 
 # The clock the freshness checks use; tests replace it to drive time without sleeping.

@@ -2,7 +2,7 @@
 
 The data plane counts them in memory (``serving.pipeline.render.live.LiveStreams``) and calls
 ``notify`` on every change; one daemon thread per process (as the breaker write-back) writes
-the counts through ``serving.services.render_streams_report`` at most once per
+the counts through ``catalog.services.render_streams_report`` at most once per
 ``REPORT_DELAY_S``, and only when they differ from what it last wrote. A request that starts
 and ends within that delay is never written at all, so steady short traffic costs no writes;
 a stream that outlives it is in the database about a second after it began, and its end about
@@ -91,7 +91,7 @@ class StreamReporter:
 def _write(counts: dict[str, int]) -> None:
     from django.db import close_old_connections, connection
 
-    from serving.services import render_streams_report
+    from catalog.services import render_streams_report
 
     close_old_connections()  # a long-lived thread must not reuse a connection the DB closed
     try:

@@ -14,9 +14,9 @@ from urllib.parse import urlsplit
 from django.db import transaction
 from django.utils import timezone
 
+from catalog.models import Health
 from fleet.models import EngineInstance, InstanceEvent, ManagedProcess
 from motorsite.core import bump_control_version
-from serving.models import Health
 
 ACTOR = "launcher"
 

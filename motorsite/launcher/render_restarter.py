@@ -12,11 +12,12 @@ import os
 import time
 from typing import Any, Callable
 
+from catalog import services
+from catalog.models import RenderConfig
 from motorsite import stack
 from motorsite.core import current_render_config
 from motorsite.supervisor import Interrupted, ProcessSpec, Supervisor, free_port
-from serving import services, stream_reports
-from serving.models import RenderConfig
+from serving import stream_reports
 
 logger = logging.getLogger(__name__)
 

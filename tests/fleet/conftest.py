@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from catalog.models import ServedModel
 from fleet.models import EngineInstance
 from fleet.services import instance_create
-from serving.models import ServedModel
 
 
 @pytest.fixture

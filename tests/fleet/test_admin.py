@@ -8,9 +8,9 @@ import pytest
 from django.contrib.auth.models import User
 from django.test import Client
 
+from catalog.models import RenderConfig, ServedModel
 from fleet import services
 from fleet.models import ApiKey, BreakerState, EngineInstance, hash_key
-from serving.models import RenderConfig, ServedModel
 
 
 @pytest.fixture

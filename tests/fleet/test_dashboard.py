@@ -10,9 +10,9 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
+from catalog.models import RenderConfig, ServedModel
 from fleet.models import BreakerState, EngineInstance, ManagedProcess
 from fleet.services import instance_create
-from serving.models import RenderConfig, ServedModel
 from serving.pipeline import metrics
 
 URL = "/admin/fleet/dashboard/"

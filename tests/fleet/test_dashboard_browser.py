@@ -8,9 +8,9 @@ from typing import Any, Iterator
 import pytest
 from django.contrib.auth.models import User
 
+from catalog.models import RenderConfig, ServedModel
 from fleet.models import BreakerState, EngineInstance, ManagedProcess
 from fleet.services import instance_create
-from serving.models import RenderConfig, ServedModel
 from serving.pipeline import metrics
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from motorsite.launcher import records
+from catalog.models import Health, ServedModel
 from fleet.models import ControlVersion, EngineInstance, InstanceEvent, ManagedProcess
 from fleet.services import instance_create
-from serving.models import Health, ServedModel
+from motorsite.launcher import records
 
 pytestmark = pytest.mark.django_db
 

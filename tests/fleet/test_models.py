@@ -7,10 +7,10 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from catalog.models import ServedModel
 from fleet import services
 from fleet.models import BreakerFlip, BreakerState, EngineInstance, InstanceEvent
 from fleet.services import PDDeclaration, pd_problems
-from serving.models import ServedModel
 
 
 def test_it_drains_once_and_writes_one_history_row(engine_up: EngineInstance) -> None:

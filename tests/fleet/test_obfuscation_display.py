@@ -8,10 +8,10 @@ import pytest
 from django.contrib.auth.models import User
 from django.test import Client
 
+from catalog.models import RenderConfig, ServedModel
 from fleet import services
-from fleet.presenters import ObfuscationStatus
 from fleet.models import EngineInstance
-from serving.models import RenderConfig, ServedModel
+from fleet.presenters import ObfuscationStatus
 from serving.obfuscation_keys import key_id_of
 from serving.pipeline import obfuscation
 

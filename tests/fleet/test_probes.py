@@ -11,12 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from catalog.fingerprints import fingerprint_model_dir
+from catalog.models import RenderConfig, ServedModel
 from fleet import probes
 from fleet.models import EngineInstance, InstanceEvent, ProbeResult
 from fleet.probes import Thresholds, TierReport, drift_reasons, next_health, parse_version, render_capabilities
 from fleet.services import instance_create, read_control_version
-from serving.fingerprints import fingerprint_model_dir
-from serving.models import RenderConfig, ServedModel
 from serving.snapshots import build_snapshot
 
 T = Thresholds(rise=2, fall=3)

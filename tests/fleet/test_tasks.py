@@ -9,11 +9,11 @@ import httpx
 import pytest
 from django.utils import timezone
 
+from catalog.models import RenderConfig, ServedModel
 from fleet import probes, tasks
 from fleet.models import AuditReport, EngineInstance, ProbeResult
 from fleet.services import instance_create
 from motorsite.celery import app
-from serving.models import RenderConfig, ServedModel
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from django.test import Client
 
+from catalog.models import ServedModel
 from fleet import services
 from fleet.models import BreakerFlip, EngineInstance, InstanceEvent, ProbeResult
-from serving.models import ServedModel
 
 pytestmark = pytest.mark.django_db
 

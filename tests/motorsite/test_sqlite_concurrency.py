@@ -35,9 +35,9 @@ INSTANCE_NAME = "e1"
 def _setup() -> dict[str, Any]:
     from django.core.management import call_command
 
+    from catalog.models import ServedModel
     from fleet import services
     from fleet.models import ControlVersion
-    from serving.models import ServedModel
 
     call_command("migrate", verbosity=0)
     model = ServedModel.objects.create(name="tiny", model_path="/models/tiny")

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from django.test import Client
 
+from catalog.models import RenderConfig
 from fleet import services
-from serving.models import RenderConfig
 
 pytestmark = pytest.mark.django_db
 

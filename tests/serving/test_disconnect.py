@@ -17,10 +17,10 @@ import pytest
 from channels.testing import ApplicationCommunicator
 from django.http import StreamingHttpResponse
 
+from catalog.models import RenderConfig, ServedModel
 from fleet.models import EngineInstance
 from motorsite.asgi import application
 from serving import runtime, snapshots, views
-from serving.models import RenderConfig, ServedModel
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams, StreamPlan
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
+from catalog.fingerprints import fingerprint_model_dir
+from catalog.models import RenderConfig
+from catalog.services import parse_render_config, render_config_publish
 from fleet import services as fleet_services
 from fleet.services import InvalidError
-from serving.fingerprints import fingerprint_model_dir
-from serving.models import RenderConfig
-from serving.services import parse_render_config, render_config_publish
 
 
 def write_model(d: Path, template: str, *, in_jinja: bool = False) -> Path:

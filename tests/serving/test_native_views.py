@@ -10,9 +10,9 @@ import httpx
 import pytest
 from django.test import AsyncClient
 
+from catalog.models import RenderConfig, ServedModel
 from fleet.models import EngineInstance
 from serving import runtime, snapshots
-from serving.models import RenderConfig, ServedModel
 from serving.pipeline.errors import QueueFull
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
 from tests.serving.router_fakes import NATIVE_PATHS, NativeEngines

@@ -445,7 +445,7 @@ def test_it_resolves_key_references(settings: Any, tmp_path: Any, monkeypatch: p
 
 
 def test_it_registers_the_configured_key_when_a_snapshot_is_built(settings: Any, tmp_path: Any) -> None:
-    from serving.models import RenderConfig
+    from catalog.models import RenderConfig
     from serving.obfuscation_keys import load_for
     from serving.pipeline.snapshot import ModelView
 
@@ -482,9 +482,9 @@ VIEW_KEY = "view-test-obfuscation-key-0001"
 @pytest.fixture
 def obf_fleet(transactional_db: None, settings: Any, upstreams: Any, mock_client: httpx.AsyncClient,
               monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    from catalog.models import RenderConfig, ServedModel
     from fleet.models import EngineInstance
     from serving import snapshots
-    from serving.models import RenderConfig, ServedModel
     from tests.serving.fakes import ENGINE_URLS, MODEL
 
     settings.MOTOR_API_KEYS = []

@@ -9,9 +9,9 @@ from typing import Any, Iterator
 import pytest
 from django.test import AsyncClient
 
+from catalog.models import RenderConfig, ServedModel
 from fleet.services import api_key_create
 from serving import snapshots
-from serving.models import RenderConfig, ServedModel
 from serving.pipeline.router import rate_limit
 from serving.pipeline.router.rate_limit import KeyLimit, TokenRateLimited, TokenRateLimiter
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 
+from catalog.fingerprints import fingerprint_model_dir
+from catalog.models import ModelRevision, ServedModel
+from catalog.services import revision_record
 from fleet.services import read_control_version
-from serving.fingerprints import fingerprint_model_dir
-from serving.models import ModelRevision, ServedModel
-from serving.services import revision_record
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_unchanged_directory_adds_no_revision(served_model: ServedModel, model_d
 
 def test_changed_chat_template_makes_a_new_active_revision(served_model: ServedModel, model_dir: Path) -> None:
     first = revision_record(served_model=served_model, model_dir=model_dir, actor="test")
-    # Wherever the template lived, a .jinja file now wins (see serving.fingerprints).
+    # Wherever the template lived, a .jinja file now wins (see catalog.fingerprints).
     (model_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }} changed", encoding="utf-8")
     second = revision_record(served_model=served_model, model_dir=model_dir, actor="test")
     assert second.created

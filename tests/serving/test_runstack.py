@@ -18,13 +18,13 @@ from typing import Iterator
 
 import pytest
 
+from catalog.models import RenderConfig, RenderStreamReport
+from catalog.services import render_config_publish, render_streams_report
 from fleet.services import read_control_version
 from motorsite import stack
+from motorsite.launcher.render_restarter import RENDER_RETRY_S, RenderRestarter, with_render_config
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port
 from serving import stream_reports
-from motorsite.launcher.render_restarter import RENDER_RETRY_S, RenderRestarter, with_render_config
-from serving.models import RenderConfig, RenderStreamReport
-from serving.services import render_config_publish, render_streams_report
 from tests.motorsite.test_supervisor import SERVER
 
 pytestmark = pytest.mark.django_db

@@ -11,10 +11,10 @@ from asgiref.sync import sync_to_async
 from django.db.backends import utils as db_utils
 from django.test import AsyncClient
 
+from catalog.models import RenderConfig, ServedModel
 from fleet import services
 from fleet.models import EngineInstance
 from serving import runtime, snapshots
-from serving.models import RenderConfig, ServedModel
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
 
 pytestmark = pytest.mark.django_db(transaction=True)

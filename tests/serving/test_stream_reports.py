@@ -1,5 +1,5 @@
 """The reporter that writes a coordinator process's live requests per sidecar to the database
-(serving.stream_reports), and the launcher's reading of those rows (serving.services)."""
+(serving.stream_reports), and the launcher's reading of those rows (catalog.services)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
+from catalog.models import RenderStreamReport
+from catalog.services import render_live_streams, render_streams_report
 from serving import stream_reports
-from serving.models import RenderStreamReport
 from serving.pipeline.render.live import LiveStreams
-from serving.services import render_live_streams, render_streams_report
 from serving.stream_reports import StreamReporter
 
 OLD = "http://127.0.0.1:8100"

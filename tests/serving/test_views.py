@@ -9,9 +9,9 @@ import httpx
 import pytest
 from django.test import AsyncClient
 
+from catalog.models import RenderConfig, ServedModel
 from fleet.models import EngineInstance
 from serving import runtime, snapshots
-from serving.models import RenderConfig, ServedModel
 from tests.serving.fakes import (
     CHAT_PROMPT,
     ENGINE_URLS,

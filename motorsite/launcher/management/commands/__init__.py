@@ -1,0 +1,1 @@
+"""``runstack`` (what ``make run`` runs) and ``demo_fleet`` (the fleet it serves)."""

@@ -9,11 +9,11 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
 
+from catalog.models import RenderConfig, ServedModel
+from catalog.services import revision_record
 from fleet.models import ApiKey, BreakerState, EngineInstance
 from fleet.services import api_key_ensure
 from motorsite.core import bump_control_version
-from serving.models import RenderConfig, ServedModel
-from serving.services import revision_record
 
 
 class Command(BaseCommand):

@@ -8,9 +8,9 @@ from typing import Any
 from django.http import HttpRequest
 from ninja import Body, Field, Router, Schema
 
+from catalog import services
+from catalog.models import RenderConfig
 from motorsite.core import MAX_ID, Detail, NotFoundError, request_actor
-from serving import services
-from serving.models import RenderConfig
 
 router = Router(tags=["render"])
 

@@ -30,7 +30,7 @@ class ServedModel(models.Model):
 
 
 class ModelRevision(models.Model):
-    """Fingerprints deciding whether two tiers serve the same model (see ``serving.fingerprints``)."""
+    """Fingerprints deciding whether two tiers serve the same model (see ``catalog.fingerprints``)."""
 
     served_model = models.ForeignKey(ServedModel, models.CASCADE, related_name="revisions")
     label = models.CharField(max_length=100, blank=True)
@@ -114,7 +114,7 @@ class RenderStreamReport(models.Model):
 
     Written by that process (``serving.stream_reports``) when its counts change, read by the
     launcher's graceful restart, which retires a replaced sidecar only once no live process
-    reports a request on it (``serving.services.render_live_streams``).
+    reports a request on it (``catalog.services.render_live_streams``).
     """
 
     host = models.CharField(max_length=255, help_text="The machine the process runs on.")

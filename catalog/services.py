@@ -18,9 +18,9 @@ from typing import Any, Callable
 from django.db import transaction
 from django.utils import timezone
 
+from catalog.fingerprints import fingerprint_model_dir
+from catalog.models import ModelRevision, RenderConfig, RenderStreamReport, ServedModel
 from motorsite.core import ConflictError, InvalidError, NotFoundError, bump_control_version
-from serving.fingerprints import fingerprint_model_dir
-from serving.models import ModelRevision, RenderConfig, RenderStreamReport, ServedModel
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from catalog.services import render_config_import
 from motorsite.core import ServiceError
-from serving.services import render_config_import
 
 
 class Command(BaseCommand):

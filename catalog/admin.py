@@ -9,9 +9,9 @@ from django.contrib import admin, messages
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 
+from catalog.models import ModelRevision, RenderConfig, ServedModel
+from catalog.services import render_config_save
 from motorsite.core import InvalidError, bump_control_version
-from serving.models import ModelRevision, RenderConfig, ServedModel
-from serving.services import render_config_save
 
 
 @admin.register(ServedModel)

@@ -1,0 +1,1 @@
+"""The catalog's management commands."""
