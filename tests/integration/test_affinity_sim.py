@@ -55,7 +55,7 @@ def affinity_stack(
         # demo_fleet names the instances union-1 and union-2 in engine order.
         script = (
             "from fleet.models import EngineInstance\n"
-            "from fleet.services import bump_control_version\n"
+            "from motorsite.core import bump_control_version\n"
             f"for name, endpoint in (('union-1', {endpoints[0]!r}), ('union-2', {endpoints[1]!r})):\n"
             "    EngineInstance.objects.filter(name=name).update(kv_events_endpoint=endpoint)\n"
             "bump_control_version()\n"

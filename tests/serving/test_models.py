@@ -12,7 +12,7 @@ from catalog.fingerprints import fingerprint_model_dir
 from catalog.models import RenderConfig
 from catalog.services import parse_render_config, render_config_publish
 from fleet import services as fleet_services
-from fleet.services import InvalidError
+from motorsite.core import InvalidError
 
 
 def write_model(d: Path, template: str, *, in_jinja: bool = False) -> Path:

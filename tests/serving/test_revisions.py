@@ -13,7 +13,7 @@ from django.core.management import call_command
 from catalog.fingerprints import fingerprint_model_dir
 from catalog.models import ModelRevision, ServedModel
 from catalog.services import revision_record
-from fleet.services import read_control_version
+from motorsite.core import read_control_version
 
 
 @pytest.fixture

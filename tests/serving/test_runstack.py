@@ -20,8 +20,8 @@ import pytest
 
 from catalog.models import RenderConfig, RenderStreamReport
 from catalog.services import render_config_publish, render_streams_report
-from fleet.services import read_control_version
 from motorsite import stack
+from motorsite.core import read_control_version
 from motorsite.launcher.render_restarter import RENDER_RETRY_S, RenderRestarter, with_render_config
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port
 from serving import stream_reports
