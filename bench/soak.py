@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import command_line, loadavg, machine, nearest_rank, require_env, write_section  # noqa: E402
 from motorsite import stack  # noqa: E402
-from motorsite.launched import LaunchedStack, LaunchError, metric_samples  # noqa: E402
+from motorsite.launched import LaunchedStack, LaunchError, greedy_answer, metric_samples  # noqa: E402
 from motorsite.restarts import RestartPolicy  # noqa: E402
 
 SECTION = "## bench/soak.py"
@@ -86,27 +86,9 @@ class Call:
 
     def run(self, client: openai.OpenAI) -> Answer:
         """(text, finish reason) of one greedy request."""
-        common = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
-        if self.kind == "chat":
-            messages = [{"role": "user", "content": self.prompt}]
-            if not self.stream:
-                r = client.chat.completions.create(messages=messages, **common)  # type: ignore[call-overload]
-                return r.choices[0].message.content or "", r.choices[0].finish_reason
-            text, finish = "", None
-            for chunk in client.chat.completions.create(messages=messages, stream=True, **common):  # type: ignore[call-overload]
-                for c in chunk.choices:
-                    text += c.delta.content or ""
-                    finish = c.finish_reason or finish
-            return text, finish
-        if not self.stream:
-            rc = client.completions.create(prompt=self.prompt, **common)  # type: ignore[call-overload]
-            return rc.choices[0].text, rc.choices[0].finish_reason
-        text, finish = "", None
-        for part in client.completions.create(prompt=self.prompt, stream=True, **common):  # type: ignore[call-overload]
-            for c in part.choices:
-                text += c.text
-                finish = c.finish_reason or finish
-        return text, finish
+        return greedy_answer(
+            client, self.kind, self.prompt, stream=self.stream, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True}
+        )
 
     @property
     def label(self) -> str:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -267,3 +267,36 @@ def metric_samples(text: str, name: str) -> dict[str, float]:
         if m and m.group(1) == name:
             out[m.group(2) or ""] = float(m.group(3))
     return out
+
+
+def greedy_answer(
+    client: Any, kind: str, prompt: str, *, stream: bool, max_tokens: int, extra_body: dict[str, Any] | None = None
+) -> tuple[str, str | None]:
+    """(text, finish reason) of one greedy chat or completion through an ``openai.OpenAI`` client.
+
+    A stream's text is its deltas joined, so a streamed answer compares equal to the same
+    request's JSON answer; the fault tests and the soak compare every answer with its twin.
+    """
+    common: dict[str, Any] = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0.0}
+    if extra_body:
+        common["extra_body"] = extra_body
+    if kind == "chat":
+        messages = [{"role": "user", "content": prompt}]
+        if not stream:
+            r = client.chat.completions.create(messages=messages, **common)
+            return r.choices[0].message.content or "", r.choices[0].finish_reason
+        text, finish = "", None
+        for chunk in client.chat.completions.create(messages=messages, stream=True, **common):
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                finish = c.finish_reason or finish
+        return text, finish
+    if not stream:
+        rc = client.completions.create(prompt=prompt, **common)
+        return rc.choices[0].text, rc.choices[0].finish_reason
+    text, finish = "", None
+    for part in client.completions.create(prompt=prompt, stream=True, **common):
+        for c in part.choices:
+            text += c.text
+            finish = c.finish_reason or finish
+    return text, finish

@@ -27,7 +27,7 @@ import pytest
 from django.conf import settings
 
 from motorsite import stack
-from motorsite.launched import LaunchedStack
+from motorsite.launched import LaunchedStack, greedy_answer
 from motorsite.restarts import RestartPolicy
 
 # Starts a whole stack, kills two of its processes and waits for their return: minutes, more on
@@ -71,27 +71,7 @@ class Call:
 
     def run(self, client: openai.OpenAI) -> tuple[str, str | None]:
         """(text, finish reason) of one greedy request."""
-        common = {"model": "tiny", "max_tokens": 12, "temperature": 0.0}
-        if self.kind == "chat":
-            messages = [{"role": "user", "content": self.prompt}]
-            if not self.stream:
-                r = client.chat.completions.create(messages=messages, **common)  # type: ignore[arg-type]
-                return r.choices[0].message.content or "", r.choices[0].finish_reason
-            text, finish = "", None
-            for chunk in client.chat.completions.create(messages=messages, stream=True, **common):  # type: ignore[arg-type]
-                for c in chunk.choices:
-                    text += c.delta.content or ""
-                    finish = c.finish_reason or finish
-            return text, finish
-        if not self.stream:
-            rc = client.completions.create(prompt=self.prompt, **common)  # type: ignore[arg-type]
-            return rc.choices[0].text, rc.choices[0].finish_reason
-        text, finish = "", None
-        for part in client.completions.create(prompt=self.prompt, stream=True, **common):  # type: ignore[arg-type]
-            for c in part.choices:
-                text += c.text
-                finish = c.finish_reason or finish
-        return text, finish
+        return greedy_answer(client, self.kind, self.prompt, stream=self.stream, max_tokens=12)
 
 
 CALLS = [Call(kind, stream, f"restart case {n} {kind}") for n in range(3) for kind in ("chat", "completions") for stream in (False, True)]
