@@ -15,7 +15,7 @@ from fleet import services
 from fleet.models import ApiKey, BreakerState, EngineInstance, ProbeResult
 from serving import obfuscation_keys
 from serving.models import RenderConfig
-from serving.pipeline import obfuscation
+from serving.pipeline.obfuscation import mapping as obfuscation
 from serving.pipeline.snapshot import RenderView
 
 if TYPE_CHECKING:

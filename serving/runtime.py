@@ -33,17 +33,24 @@ from django.conf import settings
 
 from serving import stream_reports
 from serving.pipeline import http
+from serving.pipeline.derender.session import StreamSettings
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.flow_control.admission import AdmissionSettings, RedisTokenAdmission, TokenAdmission
+from serving.pipeline.metrics import RouterCounters
+from serving.pipeline.obfuscation import mapping as obfuscation
+from serving.pipeline.obfuscation.boundary import EngineBoundary
+from serving.pipeline.obfuscation.mapping import TokenMapping
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex
+from serving.pipeline.placement.kv_events import KVEventHub
+from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.tokenization import RenderHealth
-from serving.pipeline.router.breaker import BreakerBoard
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.flow_control import AdmissionSettings, RedisTokenAdmission, TokenAdmission
-from serving.pipeline.router.kv_affinity import KVAffinityIndex
-from serving.pipeline.router.kv_events import KVEventHub
-from serving.pipeline.router.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, LoadTracker, Scheduler
-from serving.pipeline.service import EngineBoundary, RouterCounters, ServingPipeline
+from serving.pipeline.resilience.breaker import BreakerBoard
+from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot
+from serving.pipeline.topologies import hybrid
+from serving.pipeline.topologies.registry import TopologyRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -87,24 +94,10 @@ def submit_breaker_transition(
     open_until: float | None, open_seconds: float,
 ) -> None:
     """The breakers' sink: hand a request-path transition to the control plane's write-back."""
-    try:
-        from fleet import writeback
-    except ImportError:  # the control plane is not installed: the in-memory breaker still works
-        return
-    submit = getattr(writeback, "submit_breaker_transition", None)
-    if submit is not None:
-        submit(instance_id, new_state, reason, consecutive_failures, open_until, open_seconds)
+    # Imported here: fleet's models load after this module (it is imported while URLs load).
+    from fleet import writeback
 
-
-load = LoadTracker()
-breakers = BreakerBoard(
-    threshold=int(_knob("MOTOR_BREAKER_THRESHOLD", 3) or 3),
-    base_open_s=float(_knob("MOTOR_BREAKER_OPEN_S", 5.0) or 5.0),
-    max_open_s=float(_knob("MOTOR_BREAKER_MAX_OPEN_S", 120.0) or 120.0),
-    sink=submit_breaker_transition,
-)
-admission = _admission()
-affinity = KVAffinityIndex()
+    writeback.submit_breaker_transition(instance_id, new_state, reason, consecutive_failures, open_until, open_seconds)
 
 
 def engine_ids(snapshot: FleetSnapshot, prompt_ids: Sequence[int]) -> Sequence[int]:
@@ -113,29 +106,66 @@ def engine_ids(snapshot: FleetSnapshot, prompt_ids: Sequence[int]) -> Sequence[i
     return mapping.to_physical(prompt_ids) if mapping is not None else prompt_ids
 
 
-scheduler = Scheduler(
-    load, breakers=breakers, admission=admission, affinity=affinity, engine_ids=engine_ids,
-    load_margin_tokens=int(_knob("MOTOR_AFFINITY_LOAD_MARGIN_TOKENS", DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS) or 0),
-)
-counters = RouterCounters()
-render_health = RenderHealth()
-# Requests per render sidecar, reported to the database for the launcher's graceful restart.
-live_streams = LiveStreams()
-stream_reporter = stream_reports.StreamReporter(live_streams.counts)
-live_streams.on_change = stream_reporter.notify
+@dataclass(frozen=True)
+class Runtime:
+    """The process's data-plane objects, built once by ``build`` and shared by every request."""
 
-# Handoff / Trigger / PD Hybrid live in router/topologies.py: importing it registers their runners
-# in service.TOPOLOGY_RUNNERS and may install ``scheduler.topology_policy`` (via its ``install``).
-try:
-    from serving.pipeline.router import topologies as _topologies
-except ModuleNotFoundError as exc:
-    if exc.name != "serving.pipeline.router.topologies":
-        raise
-else:
-    _install = getattr(_topologies, "install", None)
-    if _install is not None:
-        # PD Hybrid weighs prefix hits too (``install`` turns the index into its ``cached_tokens``).
-        _install(scheduler, index=affinity)
+    load: LoadTracker
+    breakers: BreakerBoard
+    admission: TokenAdmission
+    affinity: KVAffinityIndex
+    scheduler: Scheduler
+    topologies: TopologyRegistry
+    counters: RouterCounters
+    # Not handed to pipelines yet (each request gets a fresh one, as before): sharing it turns
+    # on the render-down cooldown its docstring describes, a behaviour change of its own.
+    render_health: RenderHealth
+    # Requests per render sidecar, reported to the database for the launcher's graceful restart.
+    live_streams: LiveStreams
+    stream_reporter: stream_reports.StreamReporter
+
+
+def build() -> Runtime:
+    """The composition root: every process-wide data-plane object, wired explicitly.
+
+    PD Hybrid is on in the scheduler (``hybrid.install``; a fleet without P/D instances is
+    unaffected) and weighs prefix hits from the same KV affinity index placement uses.
+    """
+    load = LoadTracker()
+    breakers = BreakerBoard(
+        threshold=int(_knob("MOTOR_BREAKER_THRESHOLD", 3) or 3),
+        base_open_s=float(_knob("MOTOR_BREAKER_OPEN_S", 5.0) or 5.0),
+        max_open_s=float(_knob("MOTOR_BREAKER_MAX_OPEN_S", 120.0) or 120.0),
+        sink=submit_breaker_transition,
+    )
+    admission = _admission()
+    affinity = KVAffinityIndex()
+    scheduler = Scheduler(
+        load, breakers=breakers, admission=admission, affinity=affinity, engine_ids=engine_ids,
+        load_margin_tokens=int(_knob("MOTOR_AFFINITY_LOAD_MARGIN_TOKENS", DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS) or 0),
+    )
+    hybrid.install(scheduler, index=affinity)
+    live_streams = LiveStreams()
+    stream_reporter = stream_reports.StreamReporter(live_streams.counts)
+    live_streams.on_change = stream_reporter.notify
+    return Runtime(
+        load=load, breakers=breakers, admission=admission, affinity=affinity, scheduler=scheduler,
+        topologies=TopologyRegistry(), counters=RouterCounters(), render_health=RenderHealth(),
+        live_streams=live_streams, stream_reporter=stream_reporter,
+    )
+
+
+RUNTIME = build()
+# The process's objects by name, for the views, the dashboard and tests.
+load = RUNTIME.load
+breakers = RUNTIME.breakers
+admission = RUNTIME.admission
+affinity = RUNTIME.affinity
+scheduler = RUNTIME.scheduler
+counters = RUNTIME.counters
+render_health = RUNTIME.render_health
+live_streams = RUNTIME.live_streams
+stream_reporter = RUNTIME.stream_reporter
 
 
 @dataclass
@@ -210,19 +240,15 @@ def router_metrics() -> dict[str, Any]:
     }
 
 
-def obfuscation_mapping(snapshot: FleetSnapshot) -> Any:
+def obfuscation_mapping(snapshot: FleetSnapshot) -> TokenMapping | None:
     """The token mapping for the snapshot's obfuscation key (None when obfuscation is off).
 
-    Loading keys belongs to ``serving.pipeline.obfuscation``; until it provides a loader,
-    obfuscation on means no mapping, and ``require_mapping`` refuses traffic (fail closed).
+    Raises ``ObfuscationKeyError`` when obfuscation is on and the key is missing or not the
+    render config's (``require_mapping``: traffic is refused, fail closed).
     """
     if not snapshot.render.obfuscation:
         return None
-    from serving.pipeline import obfuscation
-
-    loader = getattr(obfuscation, "mapping_for", None)
-    mapping = loader(snapshot) if loader is not None else None
-    return obfuscation.require_mapping(snapshot.render, mapping)
+    return obfuscation.require_mapping(snapshot.render, obfuscation.mapping_for(snapshot))
 
 
 def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
@@ -230,12 +256,9 @@ def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
     render = RenderClient(
         client, snapshot.render.base_url, snapshot.render.timeout_s, derender_patience_s=settings.MOTOR_DERENDER_PATIENCE_S
     )
-    from serving.pipeline.obfuscation import traffic_snapshot
-    from serving.pipeline.render.streaming import StreamSettings
-
     boundary = EngineBoundary(obfuscation_mapping(snapshot))
     # Placement sees only instances whose declared key id fits the render config (obfuscation.eligible).
-    traffic = traffic_snapshot(snapshot)
+    traffic = obfuscation.traffic_snapshot(snapshot)
     sync_kv_events(traffic)
     return ServingPipeline(
         traffic, render, EngineClient(client), scheduler,
@@ -243,5 +266,5 @@ def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
             chunk_timeout_s=settings.MOTOR_STREAM_CHUNK_TIMEOUT_S, max_relays=settings.MOTOR_STREAM_MAX_RELAYS,
             derender_retries=settings.MOTOR_DERENDER_CHUNK_RETRIES,
         ),
-        live_streams=live_streams,
+        live_streams=live_streams, topologies=RUNTIME.topologies,
     )

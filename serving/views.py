@@ -22,6 +22,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
+from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import (
     ModelNotFound,
     MotorError,
@@ -31,8 +32,7 @@ from serving.pipeline.errors import (
     error_body,
     error_headers,
 )
-from serving.pipeline.router import rate_limit
-from serving.pipeline.router.native import NativeStream
+from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.service import EventStream
 from serving.pipeline.snapshot import FleetSnapshot
 from serving.runtime import pipeline_for

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -249,3 +250,26 @@ def prometheus_text(series: dict[str, InstanceSeries], in_flight_tokens: dict[st
 def label_value(value: str) -> str:
     """Escape a Prometheus label value."""
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class RouterCounters:
+    """Counters of routing decisions and phase outcomes, rendered by ``/metrics``.
+
+    Keys are ``(name, labels)`` with labels a sorted tuple of ``(label, value)`` pairs, e.g.
+    ``("motor_route_decisions_total", (("path", "native"), ("reason", "echo")))``.
+    """
+
+    def __init__(self) -> None:
+        self._counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+
+    def inc(self, name: str, **labels: str) -> None:
+        self._counts[(name, tuple(sorted(labels.items())))] += 1
+
+    def get(self, name: str, **labels: str) -> int:
+        return self._counts[(name, tuple(sorted(labels.items())))]
+
+    def snapshot(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], int]:
+        return dict(self._counts)
+
+    def clear(self) -> None:
+        self._counts.clear()

@@ -26,7 +26,7 @@ class RenderView:
     obfuscation: bool = False
     obfuscation_key_id: str = ""  # which key; the key itself never enters the snapshot
     streaming_derender: bool = True  # False: the sidecar is older than 0.27, streams take the native path
-    # Merge engine chunks queued behind a streaming derender (render/coalesce.py). On in the
+    # Merge engine chunks queued behind a streaming derender (derender/coalesce.py). On in the
     # database (RenderConfig); off for hand-built snapshots, whose tests count one call per event.
     derender_coalesce: bool = False
 

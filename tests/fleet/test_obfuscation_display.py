@@ -13,7 +13,7 @@ from fleet.api import ObfuscationStatus
 from fleet.models import EngineInstance
 from serving.models import RenderConfig, ServedModel
 from serving.obfuscation_keys import key_id_of
-from serving.pipeline import obfuscation
+from serving.pipeline.obfuscation import mapping as obfuscation
 
 KEY = "k" * 32
 SETTING = "MOTOR_TEST_OBFUSCATION_KEY"

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 import pytest
 
 from serving.pipeline.errors import AdmissionTimeout, QueueFull
-from serving.pipeline.router.flow_control import AdmissionSettings, RedisTokenAdmission, TokenAdmission
+from serving.pipeline.flow_control.admission import AdmissionSettings, RedisTokenAdmission, TokenAdmission
 from tests.serving.fakes import instance
 
 E1 = replace(instance("e1"), token_capacity=100)

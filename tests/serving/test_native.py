@@ -8,8 +8,8 @@ from typing import Any, AsyncIterator
 
 import pytest
 
+from serving.pipeline.engine.native import NativeStream, native_reason
 from serving.pipeline.errors import EngineError, NoCapacity, RequestError, UpstreamRequestError
-from serving.pipeline.router.native import NativeStream, native_reason
 from tests.serving.fakes import MODEL, FakeUpstreams, error_json
 from tests.serving.router_fakes import Rig, assert_no_leaks, chat_body, engine, make_rig, respond, snapshot_with
 

@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from enginesim import SimConfig
 from enginesim.testing import LiveServer
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.errors import RequestError
-from serving.pipeline.obfuscation import (
+from serving.pipeline.obfuscation.mapping import (
     ObfuscatedOutputInvalid,
     ObfuscationKeyError,
     ObfuscationRefused,
@@ -28,15 +30,12 @@ from serving.pipeline.obfuscation import (
     key_id,
     load_error,
     mapping_for,
-    native_fallback_allowed,
     obfuscate_request,
     permutation,
     register_mapping,
     require_mapping,
     traffic_snapshot,
 )
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.token_only import engine_request
 from serving.pipeline.snapshot import InstanceView, RenderView
 
 KEY = b"unit-test-obfuscation-key-0001"
@@ -255,7 +254,6 @@ def test_it_requires_the_configured_key_when_obfuscation_is_on() -> None:
     with pytest.raises(ObfuscationKeyError, match="no key id"):
         require_mapping(dataclasses.replace(ON, obfuscation_key_id=""), MAPPING)
     assert ObfuscationKeyError("x").status == 400
-    assert native_fallback_allowed(OFF) and not native_fallback_allowed(ON)
 
 
 def inst(name: str, key: str = "") -> InstanceView:
@@ -337,8 +335,8 @@ def big_sim() -> Iterator[LiveServer]:
 
 
 def _pipeline(http: httpx.AsyncClient, sim: LiveServer, render: RenderView, key: str) -> Any:
+    from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
     from serving.pipeline.render.client import RenderClient
-    from serving.pipeline.router.scheduler import LoadTracker, Scheduler
     from serving.pipeline.service import EngineBoundary, ServingPipeline
     from tests.serving.fakes import RENDER_URL, fleet_snapshot
 
@@ -347,7 +345,7 @@ def _pipeline(http: httpx.AsyncClient, sim: LiveServer, render: RenderView, key:
         render=dataclasses.replace(render, base_url=RENDER_URL),
     )
     mapping = require_mapping(snap.render, mapping_for(snap))
-    from serving.pipeline.obfuscation import traffic_snapshot
+    from serving.pipeline.obfuscation.mapping import traffic_snapshot
 
     return ServingPipeline(
         traffic_snapshot(snap), RenderClient(http, RENDER_URL, 5.0), EngineClient(http), Scheduler(LoadTracker()),

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from enginesim.kvcache import EventPublisher, PrefixCache
-from serving.pipeline import obfuscation
-from serving.pipeline.router.breaker import BreakerBoard
-from serving.pipeline.router.flow_control import TokenAdmission
-from serving.pipeline.router.kv_affinity import KVAffinityIndex
-from serving.pipeline.router.scheduler import LoadTracker, Placement, Scheduler
-from serving.pipeline.router.topologies import PDPolicy, pd_topology_policy
+from serving.pipeline.flow_control.admission import TokenAdmission
+from serving.pipeline.obfuscation import mapping as obfuscation
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex
+from serving.pipeline.placement.scheduler import LoadTracker, Placement, Scheduler
+from serving.pipeline.resilience.breaker import BreakerBoard
+from serving.pipeline.topologies.hybrid import PDPolicy, pd_topology_policy
 from tests.serving.fakes import MODEL, fleet_snapshot, instance
 
 E1, E2 = instance("e1"), instance("e2")

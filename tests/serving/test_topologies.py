@@ -21,31 +21,28 @@ from django.core.asgi import get_asgi_application
 
 from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer, eventually
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.leg import GenerateContext
 from serving.pipeline.errors import EngineError, NoCapacity
+from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.tokenization import TokenizedPrompt
-from serving.pipeline.router import metaserver as metaserver_module
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.metaserver import MetaServer
-from serving.pipeline.router.scheduler import LoadTracker, Scheduler
-from serving.pipeline.router.topologies import (
-    RUNNERS,
+from serving.pipeline.service import ServingPipeline
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
+from serving.pipeline.topologies import metaserver as metaserver_module
+from serving.pipeline.topologies.handoff import run_handoff
+from serving.pipeline.topologies.hybrid import (
     TRANSFER_TOPOLOGY,
-    PDContext,
     PDPolicy,
     Topology,
     choose_topology,
-    decode_request,
-    leg_ids,
     pd_ineligible,
     pd_instances,
     pd_topology_policy,
-    prefill_request,
-    push_prefill_params,
-    run_handoff,
-    run_trigger,
 )
-from serving.pipeline.service import GenerateContext, ServingPipeline
-from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
+from serving.pipeline.topologies.metaserver import MetaServer
+from serving.pipeline.topologies.pd import PDContext, decode_request, leg_ids, prefill_request
+from serving.pipeline.topologies.registry import TopologyRegistry
+from serving.pipeline.topologies.trigger import push_prefill_params, run_trigger
 
 MODEL = "tiny"
 
@@ -597,8 +594,8 @@ async def test_the_router_places_and_runs_pd_through_its_own_legs(
     assert scheduler.place(snapshot, MODEL, PROMPT[:10]).topology == "union"
 
     pipeline = ServingPipeline(snapshot, None, EngineClient(http), scheduler)  # type: ignore[arg-type]  # no render needed
-    ctx = GenerateContext(pipeline, "r9", TokenizedPrompt(PROMPT, request("r9")), 0, 0, len(PROMPT) + 12)
-    response = await RUNNERS[placement.topology](ctx, placement, request("r9"))
+    ctx = GenerateContext(pipeline.guard, snapshot, "r9", TokenizedPrompt(PROMPT, request("r9")), 0, 0, len(PROMPT) + 12)
+    response = await TopologyRegistry().runners[placement.topology](ctx, placement, request("r9"))
 
     assert response["choices"][0]["token_ids"] == await reference(http, union)
     assert load.snapshot() == {}

@@ -224,11 +224,6 @@ def eligible_instances(instances: Iterable[InstanceView], render: RenderView) ->
     return [i for i in instances if eligible(i, render)[0]]
 
 
-def native_fallback_allowed(render: RenderView) -> bool:
-    """An engine's native OpenAI API (or a local-tokenizer shortcut to it) carries text: never with obfuscation."""
-    return not render.obfuscation
-
-
 # --- the request boundary ----------------------------------------------------------------------
 
 # GenerateRequest fields (vllm-protocol.md 3.1) by how they cross the boundary. Anything not

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from serving.pipeline.errors import NoCapacity
-from serving.pipeline.router.breaker import BreakerBoard
-from serving.pipeline.router.flow_control import TokenAdmission
-from serving.pipeline.router.kv_affinity import KVAffinityIndex
+from serving.pipeline.flow_control.admission import TokenAdmission
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex
+from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 
 # How many more in-flight tokens than the least loaded candidate an instance holding the prompt's
@@ -190,10 +190,3 @@ class Scheduler:
         for instance in placement.instances:
             if not instance.kv_events_endpoint:
                 self.affinity.record(instance.name, ids)
-
-    def pick_union(self, snapshot: FleetSnapshot, model: str, *, exclude: set[str] = frozenset()) -> InstanceView:  # type: ignore[assignment]
-        """Return the least loaded union instance for ``model``; raise ``NoCapacity`` if none."""
-        candidates = self.candidates(snapshot, model, exclude=exclude)
-        if not candidates:
-            raise NoCapacity(f"no engine instance can serve model {model!r} right now")
-        return candidates[0]

@@ -80,9 +80,9 @@ class PendingChunk:
     finish_reason: str | None
 
 
-# The seams of the coalescing / hold-back work (render/coalesce.py, render/holdback.py): a reader
-# that may merge engine events waiting behind an in-flight derender, and a filter that sees each
-# derendered chunk before the client does. Identity until those land.
+# Coalescing (derender/coalesce.py) reads engine events and may merge those waiting behind an
+# in-flight derender; hold-back (derender/holdback.py) sees each derendered chunk before the client
+# does. The identity defaults serve sessions built without either (unit tests).
 EventReader = Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[dict[str, Any]]]
 ChunkFilter = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 

@@ -83,13 +83,6 @@ NATIVE_HINTS = {
 }
 
 
-def native_instances(snapshot: FleetSnapshot, model: str) -> list[InstanceView]:
-    return [
-        i for i in snapshot.instances
-        if i.model == model and i.native_openai and i.takes_new_requests and i.role == "union"
-    ]
-
-
 def _raise_for_status(instance: InstanceView, status: int, body: Any) -> None:
     if status == 503:
         raise EngineBusy(f"{instance.name} is busy", instance=instance.name)
