@@ -32,7 +32,7 @@ from typing import Any
 from django.conf import settings
 
 from serving import stream_reports
-from serving.pipeline import http
+from serving.pipeline import http, metric_names
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.flow_control.admission import AdmissionSettings, RedisTokenAdmission, TokenAdmission
@@ -226,12 +226,12 @@ def inflight_tokens() -> dict[str, int]:
 def router_metrics() -> dict[str, Any]:
     """The router's counters and gauges for ``/metrics``: ``{"counters": {(name, labels): n}, ...}``."""
     kv_counters: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {
-        ("motor_affinity_index_blocks", ()): len(affinity),
+        (metric_names.AFFINITY_INDEX_BLOCKS.name, ()): len(affinity),
     }
     hub = kv_event_hub()
     for name, subscriber in (hub.subscribers if hub is not None else {}).items():
-        kv_counters[("motor_kv_event_batches_total", (("instance", name),))] = subscriber.batches
-        kv_counters[("motor_kv_event_errors_total", (("instance", name),))] = subscriber.errors
+        kv_counters[(metric_names.KV_EVENT_BATCHES.name, (("instance", name),))] = subscriber.batches
+        kv_counters[(metric_names.KV_EVENT_ERRORS.name, (("instance", name),))] = subscriber.errors
     return {
         "counters": {**counters.snapshot(), **kv_counters},
         "inflight_tokens": inflight_tokens(),

@@ -29,6 +29,7 @@ import time
 from contextlib import AsyncExitStack
 from typing import Any
 
+from serving.pipeline import metric_names
 from serving.pipeline.derender.full import derender_full
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
@@ -200,7 +201,7 @@ class ServingPipeline:
         self, request_id: str, model: str, tokenized: TokenizedRequest | None, source: str,
         fallback: str | None, *, outcome: str = "ok",
     ) -> None:
-        self.counters.inc("motor_render_outcomes_total", source=source, result=outcome.split(":")[0],
+        self.counters.inc(metric_names.RENDER_OUTCOMES, source=source, result=outcome.split(":")[0],
                           fallback_reason=fallback or "")
         logger.info(
             "render request_id=%s model=%s result=%s prompts=%d prompt_tokens=%d latency_ms=%.1f "
@@ -257,13 +258,13 @@ class ServingPipeline:
         """Serve ``body`` on an engine's own OpenAI API, retrying elsewhere within the budget."""
         model = self._model(body)
         if self.snapshot.render.obfuscation:
-            self.counters.inc("motor_route_decisions_total", path="refused", reason=reason)
+            self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
             raise RequestError(
                 f"This request needs the engine's own OpenAI API ({reason}), which is not available while "
                 "token obfuscation is on." + _hint(reason),
             )
-        self.counters.inc("motor_route_decisions_total", path="native", reason=reason)
+        self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
         logger.info("route request_id=%s kind=%s path=native reason=%s", request_id, kind, reason)
         excluded: set[str] = set()
         last: EngineError | None = None
