@@ -204,7 +204,11 @@ def sync_kv_events(snapshot: FleetSnapshot) -> None:
     if state is None:
         state = _kv_events[loop] = _KVEvents(KVEventHub(affinity))
     if state.version != snapshot.version:
-        state.hub.sync({i.name: i.kv_events_endpoint for i in snapshot.instances if i.kv_events_endpoint})
+        # Only instances that may take this deployment's traffic (their obfuscation key fits).
+        state.hub.sync({
+            i.name: i.kv_events_endpoint for i in snapshot.instances
+            if i.kv_events_endpoint and obfuscation.eligible(i, snapshot.render)[0]
+        })
         names = frozenset(i.name for i in snapshot.instances)
         for gone in state.names - names:
             affinity.forget(gone)
@@ -257,11 +261,11 @@ def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
         client, snapshot.render.base_url, snapshot.render.timeout_s, derender_patience_s=settings.MOTOR_DERENDER_PATIENCE_S
     )
     boundary = EngineBoundary(obfuscation_mapping(snapshot))
-    # Placement sees only instances whose declared key id fits the render config (obfuscation.eligible).
-    traffic = obfuscation.traffic_snapshot(snapshot)
-    sync_kv_events(traffic)
+    # Placement keeps instances whose declared key id does not fit the render config out of
+    # traffic itself (placement/filters.py), so the pipeline gets the snapshot as it is.
+    sync_kv_events(snapshot)
     return ServingPipeline(
-        traffic, render, EngineClient(client), scheduler,
+        snapshot, render, EngineClient(client), scheduler,
         counters=counters, boundary=boundary, stream_settings=StreamSettings(
             chunk_timeout_s=settings.MOTOR_STREAM_CHUNK_TIMEOUT_S, max_relays=settings.MOTOR_STREAM_MAX_RELAYS,
             derender_retries=settings.MOTOR_DERENDER_CHUNK_RETRIES,

@@ -77,11 +77,3 @@ class FleetSnapshot:
     # client key record exists (even revoked): from then on only these keys open /v1.
     client_keys: Mapping[str, ClientKeyView] = field(default_factory=dict)
     client_keys_managed: bool = False
-
-    def union_instances(self, model: str) -> list[InstanceView]:
-        """Instances that can serve ``model`` token-only on their own, in a stable order."""
-        return [
-            i
-            for i in self.instances
-            if i.model == model and i.role == "union" and i.token_generate and i.takes_new_requests
-        ]

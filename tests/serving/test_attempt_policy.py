@@ -144,8 +144,7 @@ async def serve(client: httpx.AsyncClient, faults: list[Fault], attempts: int, *
 ]:
     scheduler = Scheduler(LoadTracker(), breakers=BreakerBoard(threshold=5))
     scheduler.topology_policy = pd_topology_policy(
-        lambda i: scheduler.load.inflight(i.name) / max(i.weight, 1), eligible=scheduler.eligible,
-        policy=PDPolicy(min_prompt_tokens=1),
+        lambda i: scheduler.load.inflight(i.name) / max(i.weight, 1), policy=PDPolicy(min_prompt_tokens=1),
     )
     scripted = Scripted(faults)
     snapshot = FleetSnapshot(

@@ -158,8 +158,7 @@ async def rig_factory(
         )
         scheduler = Scheduler(LoadTracker(), breakers=BreakerBoard())
         scheduler.topology_policy = pd_topology_policy(
-            lambda i: scheduler.load.inflight(i.name) / max(i.weight, 1), eligible=scheduler.eligible,
-            policy=PDPolicy(min_prompt_tokens=1),
+            lambda i: scheduler.load.inflight(i.name) / max(i.weight, 1), policy=PDPolicy(min_prompt_tokens=1),
         )
         engines = RecordingEngines(http)
         pipeline = ServingPipeline(

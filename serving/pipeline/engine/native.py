@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Mapping
 import httpx
 
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError, error_body
+from serving.pipeline.placement.filters import eligible_instances, union_role
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 from serving.pipeline.sse import DONE, frame
 
@@ -71,7 +72,7 @@ def native_reason(kind: str, body: Mapping[str, Any], snapshot: FleetSnapshot, m
     if kind == "completions" and body.get("echo"):
         return "echo"
     feature = engine_tokenizer_feature(kind, body)
-    if feature is not None and not any(i.tokenizer for i in snapshot.union_instances(model)):
+    if feature is not None and not any(i.tokenizer for i in union_role(eligible_instances(snapshot, model))):
         return feature
     return None
 

@@ -15,13 +15,13 @@ from typing import (
     TYPE_CHECKING,
     Any,
     Callable,
-    Collection,
     Iterable,
     Mapping,
     Sequence,
 )
 
 from serving.pipeline.errors import NoCapacity
+from serving.pipeline.placement.filters import eligible_instances, pd_role
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 
@@ -73,27 +73,16 @@ class TopologyChoice:
     prefill_candidates: tuple[InstanceView, ...] = ()
 
 
-def available(instance: InstanceView) -> bool:
-    """Whether ``instance`` may take a new leg (active, healthy, token-only, breaker not open)."""
-    return (
-        instance.takes_new_requests
-        and instance.healthy
-        and instance.token_generate
-        and instance.breaker_state != "open"
-    )
-
-
 def pd_instances(
-    snapshot: FleetSnapshot, model: str, role: str, *, exclude: Iterable[str] = ()
+    snapshot: FleetSnapshot, model: str, role: str, *, live: Callable[[InstanceView], bool] = lambda _i: True,
+    exclude: Iterable[str] = (),
 ) -> list[InstanceView]:
-    """Available instances of ``role`` ("prefill" | "decode") for ``model`` that transfer KV."""
-    skip = set(exclude)
-    return [
-        i
-        for i in snapshot.instances
-        if i.model == model and i.role == role and i.kv_transfer in TRANSFER_TOPOLOGY
-        and i.name not in skip and available(i)
-    ]
+    """Eligible instances of ``role`` ("prefill" | "decode") for ``model`` that transfer KV.
+
+    The placement's own eligibility set (``filters.eligible_instances``) with ``live`` as its
+    breaker verdict (``Scheduler.eligible``), narrowed to the role.
+    """
+    return pd_role(eligible_instances(snapshot, model, live=live, exclude=frozenset(exclude)), role)
 
 
 def pd_ineligible(engine_request: Mapping[str, Any]) -> str:
@@ -138,7 +127,7 @@ def choose_topology(
 ) -> TopologyChoice:
     """Pick the topology of one prompt (PD Hybrid); pure, so the scheduler can table-test it.
 
-    ``unions``/``prefills``/``decodes`` are the available instances of each role (see
+    ``unions``/``prefills``/``decodes`` are the eligible instances of each role (see
     ``pd_instances``); ``load`` is the scheduler's load of an instance; ``cached_tokens`` maps
     instance names to the prompt tokens their prefix cache holds (KV affinity). Returns a union
     choice (with no instance: the scheduler picks it) whenever P or D is missing; raises
@@ -180,14 +169,14 @@ def _with_reason(choice: TopologyChoice, reason: str) -> TopologyChoice:
 def pd_topology_policy(
     load: Callable[[InstanceView], float],
     *,
-    eligible: Callable[[InstanceView], bool] = lambda _i: True,
     cached_tokens: Callable[[FleetSnapshot, str, Sequence[int]], Mapping[str, int]] | None = None,
     policy: PDPolicy = PDPolicy(),
     block_size: Callable[[str], int] = lambda _name: _BLOCK_SIZE,
-) -> Callable[[FleetSnapshot, str, Sequence[int], list[InstanceView], Collection[str]], Placement | None]:
+) -> Callable[[FleetSnapshot, str, Sequence[int], list[InstanceView], list[InstanceView]], Placement | None]:
     """A ``Scheduler(topology_policy=...)`` for PD Hybrid: a P/D ``Placement``, or None for union.
 
-    ``load`` and ``eligible`` are the scheduler's (load per instance, breaker and probe verdict);
+    ``load`` is the scheduler's load per instance; the P and D candidates come from the
+    placement's eligibility set the scheduler hands over (``pool``, every role, already filtered);
     ``cached_tokens`` is KV affinity's prefix-hit lookup (tokens cached per instance name) and
     ``block_size`` each instance's KV block size (prefix hits are reported in P's blocks).
     Requests P/D cannot serve exactly (``pd_ineligible``) never reach it: the scheduler keeps
@@ -196,10 +185,10 @@ def pd_topology_policy(
 
     def place(
         snapshot: FleetSnapshot, model: str, prompt_ids: Sequence[int], unions: list[InstanceView],
-        exclude: Collection[str],
+        pool: list[InstanceView],
     ) -> Placement | None:
-        prefills = [i for i in pd_instances(snapshot, model, "prefill", exclude=exclude) if eligible(i)]
-        decodes = [i for i in pd_instances(snapshot, model, "decode", exclude=exclude) if eligible(i)]
+        prefills = pd_role(pool, "prefill")
+        decodes = pd_role(pool, "decode")
         if not prefills and not decodes:
             return None  # a union-only fleet: the scheduler's own path, no log noise
         cached = cached_tokens(snapshot, model, prompt_ids) if cached_tokens is not None else {}
@@ -238,7 +227,6 @@ def install(scheduler: Scheduler, *, index: KVAffinityIndex | None = None, polic
 
     scheduler.topology_policy = pd_topology_policy(
         lambda i: scheduler.load.inflight(i.name) / max(i.weight, 1),
-        eligible=scheduler.eligible,
         cached_tokens=cached,
         policy=policy,
         block_size=index.block_size if index is not None else (lambda _name: _BLOCK_SIZE),

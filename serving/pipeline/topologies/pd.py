@@ -211,8 +211,8 @@ def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s
         if scheduler.eligible(placed):
             return placed
         others = [
-            i for i in pd_instances(ctx.snapshot, placed.model, "prefill", exclude={placed.name})
-            if i.kv_transfer == placed.kv_transfer and scheduler.eligible(i)
+            i for i in pd_instances(ctx.snapshot, placed.model, "prefill", live=scheduler.eligible, exclude={placed.name})
+            if i.kv_transfer == placed.kv_transfer
         ]
         if not others:
             raise NoCapacity("no prefill instance is left to serve this Trigger request")
