@@ -56,6 +56,7 @@ from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.placement.filters import native_candidates
 from serving.pipeline.placement.scheduler import Scheduler
+from serving.pipeline.protocol import ApiKind, TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.local_tokenizer import model_vocab_size
@@ -144,7 +145,7 @@ class ServingPipeline:
             raise ModelNotFound(str(name))
         return model
 
-    async def _serve(self, kind: str, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream | NativeStream:
+    async def _serve(self, kind: TokenKind, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream | NativeStream:
         model = self._model(body)
         reason = native_reason(kind, body, self.snapshot, model.name)
         if reason is not None:
@@ -165,7 +166,7 @@ class ServingPipeline:
         return result
 
     async def _serve_token_only(
-        self, kind: str, body: dict[str, Any], request_id: str, model: ModelView
+        self, kind: TokenKind, body: dict[str, Any], request_id: str, model: ModelView
     ) -> dict[str, Any] | EventStream | NativeStream:
         tokenizer = TokenizationService(self.render, model, health=self.render_health)
         try:
@@ -247,14 +248,14 @@ class ServingPipeline:
         return [t.result() for t in tasks]
 
     async def _derender(
-        self, kind: str, body: dict[str, Any], request_id: str, tokenized: TokenizedRequest,
+        self, kind: TokenKind, body: dict[str, Any], request_id: str, tokenized: TokenizedRequest,
         responses: list[dict[str, Any]],
     ) -> dict[str, Any]:
         return await derender_full(self.render, self._model(body), kind, body, request_id, tokenized, responses)
 
     # -- the native path -----------------------------------------------------------------------------
 
-    async def _native(self, kind: str, body: dict[str, Any], request_id: str, reason: str) -> dict[str, Any] | NativeStream:
+    async def _native(self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str) -> dict[str, Any] | NativeStream:
         """Serve ``body`` on an engine's own OpenAI API, retrying elsewhere within the budget."""
         model = self._model(body)
         if self.snapshot.render.obfuscation:
@@ -311,7 +312,7 @@ class ServingPipeline:
         raise NoCapacity(f"no engine serves the native OpenAI API for model {model.name!r} ({reason})" + _hint(reason))
 
     async def _open(
-        self, body: dict[str, Any], kind: str, request_id: str, tokenized: TokenizedRequest, requires_tokenizer: bool
+        self, body: dict[str, Any], kind: TokenKind, request_id: str, tokenized: TokenizedRequest, requires_tokenizer: bool
     ) -> EventStream | NativeStream | dict[str, Any]:
         """Establish every engine stream of the request before the client sees a byte."""
         streams: list[OpenStream] = []

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from serving.pipeline.engine.requests import sorted_choices
+from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.tokenization import LocalDerenderer, TokenizationService, TokenizedRequest
 from serving.pipeline.snapshot import ModelView
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 async def derender_full(
-    render: RenderClient, model: ModelView, kind: str, body: dict[str, Any],
+    render: RenderClient, model: ModelView, kind: TokenKind, body: dict[str, Any],
     request_id: str, tokenized: TokenizedRequest, responses: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """The client's response for ``responses`` (one per prompt), with the public id set."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serving.pipeline.errors import DerenderError
+from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import DerenderRetryable, RenderClient
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class StreamingRenderSession:
     def __init__(
         self,
         render: RenderClient,
-        kind: str,
+        kind: TokenKind,
         body: dict[str, Any],
         prompt_ids: list[int],
         *,

@@ -24,6 +24,7 @@ from serving.pipeline.engine.requests import validate_generate_response
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.placement.scheduler import Scheduler
+from serving.pipeline.protocol import ApiKind
 from serving.pipeline.render.tokenization import TokenizedPrompt
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 
@@ -115,7 +116,7 @@ class EngineGuard:
         return self.boundary.inbound_event(event, instance)
 
     async def native(
-        self, instance: InstanceView, kind: str, body: dict[str, Any], request_id: str, *, tokens: int,
+        self, instance: InstanceView, kind: ApiKind, body: dict[str, Any], request_id: str, *, tokens: int,
         stack: AsyncExitStack,
     ) -> dict[str, Any] | NativeStream:
         """One call to an engine's own OpenAI API; a stream takes ``stack`` (its holds) over."""

@@ -42,6 +42,7 @@ from serving.pipeline.flow_control.admission import TokenAdmission
 from serving.pipeline.placement import scorers
 from serving.pipeline.placement.filters import eligible_instances, union_role
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex
+from serving.pipeline.protocol import TopologyName
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 
@@ -52,7 +53,7 @@ DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS = 8192
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    topology: str  # union | handoff | trigger
+    topology: TopologyName  # union: one instance; handoff / trigger: prefill then decode
     instances: tuple[InstanceView, ...]  # union: (engine,); handoff / trigger: (prefill, decode)
     prefix_hit_blocks: int = 0
 

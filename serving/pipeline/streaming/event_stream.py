@@ -23,6 +23,7 @@ from serving.pipeline.derender.holdback import ChunkHoldback, derender_request
 from serving.pipeline.derender.session import ChoicePhase, StreamingRenderSession, StreamSettings
 from serving.pipeline.engine.requests import GENERATE_PREFIX
 from serving.pipeline.errors import EngineError, MotorError, error_body
+from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.tokenization import TokenizedRequest
 from serving.pipeline.resilience.attempts import Attempts, OpenStream
@@ -49,7 +50,7 @@ class EventStream:
     attempts: Attempts
     render: RenderClient
     settings: StreamSettings
-    kind: str  # "chat" | "completions"
+    kind: TokenKind
     public_id: str
     body: dict[str, Any]
     tokenized: TokenizedRequest
