@@ -1,8 +1,12 @@
-"""Process-wide data-plane objects: the shared HTTP client's settings, the scheduler with its
-circuit breakers and token admission, live load counters and the router's counters.
+"""The data plane's composition root: ``build()`` wires the process-wide objects explicitly.
 
-One of each per coordinator process. ``MOTOR_GLOBAL_TOKEN_BUDGET`` (tokens in flight across all
-instances), ``MOTOR_ADMISSION_QUEUE`` (waiters), ``MOTOR_ADMISSION_WAIT_MS`` (their deadline)
+The shared HTTP client's settings, the scheduler with its circuit breakers, token admission and
+KV affinity, PD Hybrid (``hybrid.install``), the topology registry, live load counters and the
+router's counters: one of each per coordinator process, built once at import (``RUNTIME``) and
+handed to every request's pipeline by ``pipeline_for``. Nothing here probes for modules or
+relies on another module registering itself.
+
+``MOTOR_GLOBAL_TOKEN_BUDGET`` (tokens in flight across all instances), ``MOTOR_ADMISSION_QUEUE`` (waiters), ``MOTOR_ADMISSION_WAIT_MS`` (their deadline)
 and the breaker knobs are read from settings when present, else from the environment; with
 ``REDIS_URL`` set, admission is shared by every coordinator process through Redis leases.
 

@@ -72,7 +72,7 @@ async def run_trigger(ctx: PDContext, placement: PDPlacement, engine_request: di
         d_task = asyncio.create_task(_leg(ctx, "decode", decode, d_request, ctx.tokens))
         p_task: asyncio.Task[dict[str, Any]] | None = None
         try:
-            callback = await _await_callback(ctx, reg, d_task, decode)
+            callback = await _await_callback(ctx, reg, d_task, decode, d_opens_stream=False)
             p_task = _start_push_prefill(ctx, engine_request, placed_prefill, p_id, callback)
             await asyncio.wait([p_task, d_task], return_when=asyncio.FIRST_COMPLETED)
             if d_task.done() and d_task.exception() is not None:
@@ -110,26 +110,38 @@ def _start_push_prefill(
 
 
 
+
 async def _await_callback(
-    ctx: PDContext, reg: Registration, d_task: asyncio.Task[dict[str, Any]], decode: InstanceView
+    ctx: PDContext, reg: Registration, d_task: asyncio.Task[Any], decode: InstanceView, *, d_opens_stream: bool
 ) -> dict[str, Any]:
-    """Wait for D's callback, or for D's leg to end first (it failed, or answered without one)."""
+    """Wait for D's callback (plain and streaming runs); the timeout counts from the request to D.
+
+    D's task may end first: with a failure, that failure is raised (it is the cause, whether or
+    not the callback arrived meanwhile: P would push to nowhere); with success, that is normal
+    when the task only opens D's stream (``d_opens_stream``: a real D answers 200 at once) and a
+    protocol error when it is D's whole answer and no callback came (D answered without one).
+    """
     wait = asyncio.create_task(reg.wait(ctx.callback_timeout_s))
     try:
-        await asyncio.wait([wait, d_task], return_when=asyncio.FIRST_COMPLETED)
+        pending: set[asyncio.Task[Any]] = {wait, d_task}
+        while wait in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if d_task in done:
+                d_task.result()  # D's own failure, as it raised
+                if not d_opens_stream and wait in pending:
+                    raise EngineError(f"{decode.name} answered a Trigger request without calling back",
+                                      instance=decode.name)
     finally:
         if not wait.done():
             wait.cancel()
             await asyncio.wait([wait])
-    if wait.done() and not wait.cancelled() and wait.exception() is None:
-        return wait.result()
-    if d_task.done():
-        d_task.result()  # D's own failure, as it raised
-        raise EngineError(f"{decode.name} answered a Trigger request without calling back", instance=decode.name)
-    raise EngineError(
-        f"{decode.name} did not call the metaserver back within {ctx.callback_timeout_s:g}s", instance=decode.name
-    )
-
+    if wait.exception() is not None:
+        if not d_opens_stream and d_task.done():
+            raise EngineError(f"{decode.name} answered a Trigger request without calling back", instance=decode.name)
+        raise EngineError(
+            f"{decode.name} did not call the metaserver back within {ctx.callback_timeout_s:g}s", instance=decode.name
+        )
+    return wait.result()
 
 
 async def open_trigger_stream(
@@ -154,7 +166,7 @@ async def open_trigger_stream(
         p_task: asyncio.Task[dict[str, Any]] | None = None
         ok = False
         try:
-            callback = await _await_stream_callback(ctx, reg, d_task, decode)
+            callback = await _await_callback(ctx, reg, d_task, decode, d_opens_stream=True)
             p_task = _start_push_prefill(ctx, engine_request, placed_prefill, p_id, callback)
             pending: set[asyncio.Task[Any]] = {p_task, d_task}
             while pending:
@@ -178,29 +190,6 @@ async def _close_failed_decode(ctx: PDContext, decode: InstanceView, d_id: str, 
         await d_stack.aclose()
     finally:
         await ctx.engines.abort(decode, [d_id])
-
-
-async def _await_stream_callback(
-    ctx: PDContext, reg: Registration, d_task: asyncio.Task[Any], decode: InstanceView
-) -> dict[str, Any]:
-    """Wait for D's callback; D's stream may open before it (a real D answers 200 at once) or
-    fail first (its failure is raised). The timeout counts from the request to D."""
-    wait = asyncio.create_task(reg.wait(ctx.callback_timeout_s))
-    try:
-        pending: set[asyncio.Task[Any]] = {wait, d_task}
-        while wait in pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if d_task in done and d_task.exception() is not None:
-                d_task.result()
-    finally:
-        if not wait.done():
-            wait.cancel()
-            await asyncio.wait([wait])
-    if wait.exception() is not None:
-        raise EngineError(
-            f"{decode.name} did not call the metaserver back within {ctx.callback_timeout_s:g}s", instance=decode.name
-        )
-    return wait.result()
 
 
 
