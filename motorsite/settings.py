@@ -170,9 +170,11 @@ MOTOR_STREAM_CHUNK_TIMEOUT_S = env_int("MOTOR_STREAM_CHUNK_TIMEOUT_MS", 30000) /
 MOTOR_STREAM_MAX_RELAYS = env_int("MOTOR_STREAM_MAX_RELAYS", 2)
 MOTOR_DERENDER_CHUNK_RETRIES = env_int("MOTOR_DERENDER_CHUNK_RETRIES", 1)
 # How long a derender waits for an unreachable sidecar to come back: its supervisor restarts it
-# after 1 s, and a vLLM sidecar starts in about 7 s on an idle 2-core box but took 38 s while two
-# engines restarted beside it under load. Render itself falls back to the local tokenizer at once.
-MOTOR_DERENDER_PATIENCE_S = env_int("MOTOR_DERENDER_PATIENCE_MS", 60000) / 1000
+# after 1 s, and a vLLM sidecar starts in about 7 s on an idle 2-core box but took 38-78 s while
+# engines restarted beside it under load. As long as the launcher's readiness timeout for the
+# sidecar (motorsite.stack.render_spec): past it the restart itself has failed. Render falls back
+# to the local tokenizer at once.
+MOTOR_DERENDER_PATIENCE_S = env_int("MOTOR_DERENDER_PATIENCE_MS", 120000) / 1000
 # Each process reads fleet.ControlVersion at most this often and rebuilds its snapshot when it
 # changed: how long an admin/API edit takes to reach live traffic (one tiny query per interval).
 MOTOR_SNAPSHOT_POLL_S = env_int("MOTOR_SNAPSHOT_POLL_MS", 250) / 1000

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import httpx
 
 from motorsite.processes import (
+    ORPHAN_GRACE,
     PORT_RELEASE_TIMEOUT,
     ProcessSpec,
     can_bind,
@@ -372,7 +373,7 @@ class Supervisor:
         when it starts again, or that it crash-loops."""
         name, pid = child.spec.name, child.popen.pid
         # Grandchildren (vLLM's engine core, a Celery pool) may outlive their leader.
-        terminate_group(child.spec, child.popen)
+        terminate_group(child.spec, child.popen, grace=ORPHAN_GRACE)
         assert child.tracker is not None
         now = time.monotonic()
         delay = child.tracker.record_exit(now, child.up_since)

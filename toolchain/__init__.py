@@ -14,7 +14,7 @@ changed lock builds a new one beside the old:
 
 The browser test of the fleet dashboard needs Chromium from the distribution's packages
 (``/usr/bin/chromium``); ``ensure_chromium`` installs it with apt when it is missing and we are
-root (as on CI), and otherwise says how.
+root (as on CI), and otherwise fails saying how.
 
 The vLLM environments hold a CPU build of PyTorch. pip finds ``torch==2.13.0+cpu`` in its
 configured find-links where the machine has one; elsewhere set ``PIP_EXTRA_INDEX_URL`` to
@@ -223,14 +223,15 @@ CHROMIUM = Path("/usr/bin/chromium")
 def ensure_chromium() -> bool:
     """Install Debian's ``chromium`` package unless ``/usr/bin/chromium`` exists; return whether it does.
 
-    Only as root (CI, the project's machines): elsewhere print the command and return False, and
-    the browser test skips with the same hint rather than failing the whole run.
+    Only as root (CI, the project's machines): elsewhere report the missing browser and the
+    command on stderr and return False; the callers fail (``ensure chromium``, ``exec -m pytest``
+    under ``MOTOR_PREREQUISITES=required``) rather than go on without it.
     """
     if CHROMIUM.exists():
         return True
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        print(f"motorsite: {CHROMIUM} is missing; install it with `apt-get install chromium` "
-              "for the dashboard's browser test", flush=True)
+        print(f"motorsite: error: {CHROMIUM} is missing and cannot be installed here (needs root and apt-get); "
+              "install it with `apt-get install chromium` for the dashboard's browser test", file=sys.stderr, flush=True)
         return False
     with _locked():
         if not CHROMIUM.exists():

@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer, eventually, gen_body
+from tests.pd_sims import pd_sim_fixtures, sim_server
 
 GENERATE = "/inference/v1/generate"
 CONFIG = SimConfig(
@@ -35,33 +36,10 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 
 
 def _server(**changes: Any) -> Iterator[LiveServer]:
-    with LiveServer(dataclasses.replace(CONFIG, **changes)) as server:
-        yield server
+    yield from sim_server(CONFIG, **changes)
 
 
-@pytest.fixture(scope="module")
-def union() -> Iterator[LiveServer]:
-    yield from _server()
-
-
-@pytest.fixture(scope="module")
-def prefill() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.PREFILL)
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.DECODE)
-
-
-@pytest.fixture(scope="module")
-def push_prefill() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.PREFILL, kv_transfer="push")
-
-
-@pytest.fixture(scope="module")
-def push_decode() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.DECODE, kv_transfer="push", kv_push_timeout_seconds=1.0)
+union, prefill, decode, push_prefill, push_decode = pd_sim_fixtures(CONFIG, push_timeout_s=1.0)
 
 
 @pytest.fixture(autouse=True)

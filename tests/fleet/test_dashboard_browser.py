@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import pytest
 from django.contrib.auth.models import User
 
-from fleet.models import BreakerState, EngineInstance
+from fleet.models import BreakerState, EngineInstance, ManagedProcess
 from fleet.services import instance_create
 from serving.models import RenderConfig, ServedModel
 from serving.pipeline import metrics
@@ -43,6 +43,12 @@ def sick_fleet(transactional_db: None) -> list[EngineInstance]:
     EngineInstance.objects.filter(id=made[0].id).update(health="healthy")
     EngineInstance.objects.filter(id=made[1].id).update(health="failing", last_probe_ok=False, last_probe_error="ConnectError: refused")
     BreakerState.for_instance(made[2].id).force_open(actor="test", seconds=60)
+    # The launcher's view: union-1 came back after one crash; union-2's process is restarting.
+    ManagedProcess.objects.create(name="engine-1", instance=made[0], restarts=1, last_exit_reason="killed by SIGKILL")
+    ManagedProcess.objects.create(
+        name="engine-2", instance=made[1], state=ManagedProcess.State.BACKOFF, restarts=2,
+        last_exit_reason="engine core killed by SIGILL (then the process exited with code 0)",
+    )
     User.objects.create_user("ops", password="ops-pass-1", is_staff=True)
     # Traffic as the request path records it: union-2 keeps failing, union-1 is fine.
     metrics.REGISTRY.clear()
@@ -75,6 +81,10 @@ def test_it_shows_the_fleet_and_its_plots_in_chromium(sick_fleet: list[EngineIns
         assert sorted(sick.nth(i).get_attribute("data-instance") for i in range(sick.count())) == ["union-2", "union-3"]
         assert page.locator('tr[data-instance="union-2"] [data-field="health"]').inner_text().strip() == "failing"
         assert page.locator('tr[data-instance="union-3"] [data-field="breaker"]').inner_text().strip() == "open"
+        process = page.locator('tr[data-instance="union-2"] [data-field="process"]').inner_text()
+        assert "restarting, 2 restarts" in process and "engine core killed by SIGILL" in process
+        assert page.locator('tr[data-instance="union-1"] [data-field="process"]').inner_text().startswith("running, 1 restart")
+        assert page.locator('tr[data-instance="union-3"] [data-field="process"]').inner_text().strip() == "–"
         # Drawn lines, not empty boxes: union-1 has TTFT points, union-2 error points.
         assert page.locator('tr[data-instance="union-1"] [data-plot="ttft"] svg :is(polyline, circle)').count() >= 1
         assert page.locator('tr[data-instance="union-2"] [data-plot="errors"] svg :is(polyline, circle)').count() >= 1

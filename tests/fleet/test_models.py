@@ -41,9 +41,15 @@ def test_it_allows_state_changes_by_table(engine_up: EngineInstance, action: str
     EngineInstance.objects.filter(id=engine_up.id).update(state=start)
     if allowed:
         services.instance_set_state(instance_id=engine_up.id, action=action, actor="t")
+        after = {"drain": "draining", "undrain": "active", "quarantine": "quarantined",
+                 "disable": "disabled", "activate": "active"}[action]
+        assert EngineInstance.objects.get(id=engine_up.id).state == after
+        events = list(InstanceEvent.objects.filter(instance=engine_up).values_list("old", "new", "actor"))
+        assert events == [(start, after, "t")]
     else:
         with pytest.raises(services.ConflictError, match=f"Cannot {action}"):
             services.instance_set_state(instance_id=engine_up.id, action=action, actor="t")
+        assert EngineInstance.objects.get(id=engine_up.id).state == start
 
 
 def test_it_bumps_the_control_version_on_every_change(engine_up: EngineInstance) -> None:

@@ -9,7 +9,6 @@ worker's SQLite database.
 from __future__ import annotations
 
 import os
-import socket
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -22,20 +21,12 @@ from celery import Celery
 
 from motorsite import stack
 from motorsite.supervisor import Supervisor, free_port
+from tests import prerequisites
 
 REDIS_URL = "redis://127.0.0.1:6379/14"
 
 
-def _redis_answers() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 6379), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _redis_answers(), reason="Redis is not answering on 127.0.0.1:6379")
+pytestmark = pytest.mark.skipif(not prerequisites.redis_answers(), reason="Redis is not answering on 127.0.0.1:6379")
 
 
 def _flushdb() -> None:
@@ -119,13 +110,30 @@ def test_tasks_through_redis_reach_the_worker(base_config: stack.StackConfig, tm
         assert '"union-1"' in reports[0][0] and '"union-2"' in reports[0][0]
         probes = _wait_for(cfg, "SELECT instance_id, ok, kind FROM fleet_proberesult WHERE kind = 'health'", 2)
         assert sorted(probes) == sorted((i, 1, "health") for i, _ in instances)
+        # Read while the worker runs: the helper flushes db 14 on the way out, so afterwards
+        # an empty database would prove nothing.
+        assert _broker_drained(), "a task is still queued or unacknowledged in the Redis broker"
 
-    # Nothing left behind: the worker and engines are gone and the Redis database is empty.
+    # Nothing left behind: the worker and engines are gone.
     assert not [name for name, pid in pids.items() if _alive(pid)]
+
+
+def _broker_drained(timeout: float = 10.0) -> bool:
+    """Whether kombu's Redis transport holds no message: queue empty and nothing unacked.
+
+    The binding key proves the tasks went through this database (another broker would leave
+    db 14 empty too). The ack follows the database commit, so it is polled for briefly.
+    """
     import redis
 
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        assert client.dbsize() == 0
+        assert client.exists("_kombu.binding.celery"), "the worker never bound its queue in this Redis db"
+        deadline = time.monotonic() + timeout
+        while (client.llen("celery"), client.hlen("unacked")) != (0, 0):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
     finally:
         client.close()

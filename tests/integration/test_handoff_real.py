@@ -43,7 +43,7 @@ def messages(word: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": " ".join(f"{word}{i} and its meaning;" for i in range(80))}]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # only this module uses them: stopped when it ends
 def pd_tiers(tiers: stack.StackConfig) -> Iterator[tuple[stack.StackConfig, dict[str, int]]]:
     """A real prefill and a real decode engine next to the session's render sidecar and union engines."""
     cfg = replace(

@@ -73,3 +73,38 @@ def test_it_decodes_as_the_sidecar_does(render: httpx.Client, tiers: stack.Stack
     assert tok.decode(ids) == text
     theirs = render.post("/v1/completions/render", json={"model": "tiny", "prompt": text, "max_tokens": 1}).json()
     assert theirs[0]["token_ids"] == ids
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def _tool_turns(arguments: Any) -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris? 12 words, año 2026"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+        {"role": "assistant", "content": "It is 18C."},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+
+
+def test_it_renders_tools_and_tool_turns_as_the_sidecar_does(render: httpx.Client, tiers: stack.StackConfig) -> None:
+    # On the wire a tool call's arguments are a JSON string; vLLM parses them into the dict the
+    # template formats, which is what the local template is given here. tool_choice "none": the
+    # sidecar runs without a tool-call parser ("auto" is refused), and still renders the tools.
+    body = {"model": "tiny", "messages": _tool_turns('{"city": "Paris"}'), "tools": TOOLS, "tool_choice": "none",
+            "max_tokens": 12}
+    response = render.post("/v1/chat/completions/render", json=body)
+    assert response.status_code == 200, response.text
+    tok = lt.local_tokenizer(tiers.model_dir)
+    turns = _tool_turns({"city": "Paris"})
+    ours = tok.encode(tok.apply_chat_template(turns, add_generation_prompt=True, tools=TOOLS), add_special_tokens=False)
+    assert ours == response.json()["token_ids"]
+    # The tools are in that prompt: without them the template gives fewer ids.
+    assert len(tok.encode(tok.apply_chat_template(turns, add_generation_prompt=True), add_special_tokens=False)) < len(ours)
+    # The fallback still refuses such requests (they go native while render is down): only the
+    # plain chats above are served from these ids.
+    assert local_unsupported("chat", body) == "param:tools"

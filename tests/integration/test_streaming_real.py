@@ -64,13 +64,38 @@ def assert_idle(cfg: stack.StackConfig) -> None:
     while True:
         stats = [httpx.get(u + "/sim/stats").json() for u in cfg.engine_urls]
         metrics = httpx.get(cfg.coordinator_url + "/metrics").text
+        # Admission drops an instance's series when its last lease returns, so an idle instance
+        # has none; the family itself must be there, or a renamed gauge would read as idle.
+        assert "# TYPE motor_engine_in_flight_tokens gauge" in metrics, "no in-flight gauge in /metrics"
         inflight = [line for line in metrics.splitlines()
-                    if line.startswith("motor_engine_in_flight_tokens") and float(line.split()[-1]) != 0]
+                    if line.startswith("motor_engine_in_flight_tokens{") and float(line.split()[-1]) != 0]
         busy = [s for s in stats if s["running"] or s["active_streams"]]
         if not busy and not inflight:
             return
         assert time.monotonic() < deadline, (busy, inflight)
         time.sleep(0.05)
+
+
+def counters(urls: list[str]) -> list[tuple[int, int]]:
+    """Each sim's (requests received, streams the client hung up on), in fleet order.
+
+    A sim counts a disconnect only for a stream it did not end itself: a drop or an error event
+    is the sim ending the stream, a stall ends when the coordinator gives up and hangs up.
+    """
+    return [(s["requests_received"], s["disconnects"]) for s in (httpx.get(u + "/sim/stats").json() for u in urls)]
+
+
+def assert_moved(urls: list[str], before: list[tuple[int, int]], expected: list[tuple[int, int]]) -> None:
+    """The sims' counters moved by ``expected`` (sorted per sim: which sim went first is placement's
+    choice). A sim counts a disconnect when its stream's generator is closed, which may land just
+    after the client has its last byte, so this waits up to IDLE_WAIT_S for it."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    while True:
+        moved = sorted((r - r0, d - d0) for (r, d), (r0, d0) in zip(counters(urls), before, strict=True))
+        if moved == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert moved == expected
 
 
 def client(cfg: stack.StackConfig) -> openai.OpenAI:
@@ -83,11 +108,11 @@ def arm(urls: list[str], mode: str, tokens: int = 0, count: int = 1) -> None:
         r.raise_for_status()
 
 
-def stream_chat(c: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[str, Any, int]:
+def stream_chat(c: openai.OpenAI, prompt: str, max_tokens: int, **extra: Any) -> tuple[str, Any, int]:
     text, usage, roles = [], None, 0
     for chunk in c.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, extra_body=extra or None,
     ):
         if chunk.usage is not None:
             usage = chunk.usage
@@ -106,14 +131,23 @@ def test_a_relayed_stream_is_text_identical_with_the_right_usage(
 ) -> None:
     c = client(relay_stack)
     prompt = f"relay {mode} {tokens}"
-    reference, ref_usage, ref_roles = stream_chat(c, prompt, 24)
-    assert ref_usage.completion_tokens >= 1 and ref_roles == 1  # the sim may stop early (eos)
+    before = counters(sims)
+    # ignore_eos: all 24 tokens, so every fault fires inside the output. A fault armed past an
+    # early eos fires after the last choice finished, and the stream ends with no relay at all.
+    reference, ref_usage, ref_roles = stream_chat(c, prompt, 24, ignore_eos=True)
+    assert ref_usage.completion_tokens == 24 and ref_roles == 1
+    assert_moved(sims, before, [(0, 0), (1, 0)])  # fault-free: one request, finished
 
     # Armed once on both sims: the first attempt fails, the first relay fails too, the second
     # relay (back on the first sim) finishes: two relays, each from the committed state.
     arm(sims, mode, tokens)
-    text, usage, roles = stream_chat(c, prompt, 24)
+    before = counters(sims)
+    text, usage, roles = stream_chat(c, prompt, 24, ignore_eos=True)
 
+    # One sim took the first attempt and the second relay, the other the first relay; on a
+    # stall each was hung up on once. Identical text alone would also come from no fault.
+    hung_up = int(mode == "stall_after_tokens")
+    assert_moved(sims, before, [(1, hung_up), (2, hung_up)])
     assert text == reference
     assert roles == 1  # once per choice per request, not per attempt
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
@@ -124,8 +158,10 @@ def test_an_engine_400_is_a_proper_status_not_relayed(relay_stack: stack.StackCo
     c = client(relay_stack)
     for url in sims:
         httpx.post(url + "/sim/faults", json={"mode": "http_status", "status": 400, "count": 1}).raise_for_status()
+    before = counters(sims)
     with pytest.raises(openai.BadRequestError):
         stream_chat(c, "bad request", 8)
+    assert_moved(sims, before, [(0, 0), (1, 0)])  # one engine asked, the other never
 
 
 def _byte_tokens(model_dir: str, text: str) -> list[int]:
@@ -153,7 +189,9 @@ def test_a_multibyte_character_split_across_chunks_derenders_whole(
 
     if relay:
         arm(sims, "drop_after_tokens", 1)  # between the two bytes of é, then after the second
+    before = counters(sims)
     pieces = run()
+    assert_moved(sims, before, [(1, 0), (2, 0)] if relay else [(0, 0), (1, 0)])  # relay: two dropped attempts
     assert "".join(pieces) == "é x🙂"
     assert not any("\ufffd" in p for p in pieces)
     assert len([p for p in pieces if p]) >= 3  # really streamed in pieces, not one chunk

@@ -580,3 +580,25 @@ def test_it_reports_the_engine_cores_fate_through_the_engine_site(tmp_path: Path
     assert died is not None and died.returncode == 0
     assert died.reason == f"engine core killed by {fate} (then the process exited with code 0)"
     assert f"'engine-1' engine core killed by {fate}" in str(died)
+
+
+def test_it_kills_what_a_dead_leader_left_behind_quickly_before_restarting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As when vLLM's API server is SIGKILLed: its engine core lives on and ignores SIGTERM.
+    engine = restartable(replace(wrapper_spec("engine", tmp_path), stop_timeout=3))
+    events: list[ChildEvent] = []
+    supervisor = Supervisor([engine], on_event=events.append)
+    supervisor.start()
+    sleeper, server = grandchild_pids(tmp_path, "engine")
+    (tmp_path / "engine.pids").unlink()  # the restarted wrapper writes its own
+
+    os.kill(supervisor.pids["engine"], signal.SIGKILL)
+    with caplog.at_level(logging.WARNING, logger="motorsite.supervisor"):
+        assert supervise_until(supervisor, lambda: any(e.kind == "ready" for e in events)) == 0
+
+    assert [e.kind for e in events] == ["exited", "ready"]
+    assert events[0].reason == "killed by SIGKILL"
+    assert gone(sleeper) and gone(server)
+    # The orphan got ORPHAN_GRACE, not the spec's 3 s stop timeout, before SIGKILL.
+    assert "engine did not stop within 1s; sending SIGKILL" in caplog.text

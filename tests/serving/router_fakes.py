@@ -6,7 +6,6 @@ a pipeline factory with its own scheduler, breakers and admission, and the leak 
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -17,12 +16,14 @@ import pytest
 
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
+from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard
-from serving.pipeline.service import RouterCounters, ServingPipeline
+from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams, SSEBody, fleet_snapshot, instance
+from tests.serving.leaks import assert_nothing_held
 
 NATIVE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
@@ -92,25 +93,9 @@ def make_rig(upstreams: FakeUpstreams, *, admission: TokenAdmission | None = Non
     return Rig(upstreams, native, client, scheduler, RouterCounters())
 
 
-def _is_asyncgen_finalizer(task: asyncio.Task[Any]) -> bool:
-    return type(task.get_coro()).__name__ == "async_generator_athrow"
-
-
 async def assert_no_leaks(rig: Rig, before: set[asyncio.Task[Any]]) -> None:
-    """Nothing held: load, admission tokens and waiters, open upstream streams, stray tasks."""
-    assert rig.scheduler.load.snapshot() == {}
-    assert rig.scheduler.admission.inflight_tokens() == {}
-    assert rig.scheduler.admission.waiting() == 0
-    assert rig.upstreams.open_streams == set()
-    assert rig.native.open_streams == set()
-    gc.collect(1)
-    stray: set[asyncio.Task[Any]] = set()
-    for _ in range(20):
-        stray = asyncio.all_tasks() - before - {asyncio.current_task()}  # type: ignore[operator]
-        if not stray or not all(_is_asyncgen_finalizer(t) for t in stray):
-            break
-        await asyncio.sleep(0)
-    assert not stray, stray
+    """Nothing held: load, admission tokens and waiters, open upstream and native streams, stray tasks."""
+    await assert_nothing_held(rig.scheduler, before, rig.upstreams.open_streams, rig.native.open_streams)
 
 
 def snapshot_with(*instances: InstanceView, model_path: str | None = None, **render: Any) -> FleetSnapshot:

@@ -4,7 +4,6 @@ and leases released exactly once; in process and shared through the real Redis o
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 from dataclasses import replace
 from typing import AsyncIterator
@@ -13,6 +12,7 @@ import pytest
 
 from serving.pipeline.errors import AdmissionTimeout, QueueFull
 from serving.pipeline.flow_control.admission import AdmissionSettings, RedisTokenAdmission, TokenAdmission
+from tests import prerequisites
 from tests.serving.fakes import instance
 
 E1 = replace(instance("e1"), token_capacity=100)
@@ -104,17 +104,9 @@ async def test_concurrent_requests_leave_zero_in_flight() -> None:
 # -- Redis ----------------------------------------------------------------------------------------
 
 
-def _redis_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 6379), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
 @pytest.fixture
 async def redis_client() -> AsyncIterator[object]:
-    if not _redis_up():
+    if not prerequisites.redis_answers():
         pytest.skip("Redis is not running on 127.0.0.1:6379")
     import redis.asyncio
 

@@ -340,9 +340,10 @@ def big_sim() -> Iterator[LiveServer]:
 
 
 def _pipeline(http: httpx.AsyncClient, sim: LiveServer, render: RenderView, key: str) -> Any:
+    from serving.pipeline.obfuscation.boundary import EngineBoundary
     from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
     from serving.pipeline.render.client import RenderClient
-    from serving.pipeline.service import EngineBoundary, ServingPipeline
+    from serving.pipeline.service import ServingPipeline
     from tests.serving.fakes import RENDER_URL, fleet_snapshot
 
     snap = dataclasses.replace(

@@ -34,6 +34,7 @@ from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, Re
 from serving.pipeline.topologies import metaserver as metaserver_module
 from serving.pipeline.topologies.hybrid import PDPolicy, pd_topology_policy
 from serving.pipeline.topologies.metaserver import MetaServer
+from tests.pd_sims import pd_sim_fixtures, sim_server
 from tests.serving.fakes import CHAT_PROMPT, MODEL, RENDER_URL, parse_frames
 
 WATCHDOG_S = 20.0
@@ -44,33 +45,10 @@ CONFIG = SimConfig(
 
 
 def _server(**changes: Any) -> Iterator[LiveServer]:
-    with LiveServer(dataclasses.replace(CONFIG, **changes)) as server:
-        yield server
+    yield from sim_server(CONFIG, **changes)
 
 
-@pytest.fixture(scope="module")
-def union() -> Iterator[LiveServer]:
-    yield from _server()
-
-
-@pytest.fixture(scope="module")
-def prefill() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.PREFILL)
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.DECODE)
-
-
-@pytest.fixture(scope="module")
-def push_prefill() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.PREFILL, kv_transfer="push")
-
-
-@pytest.fixture(scope="module")
-def push_decode() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.DECODE, kv_transfer="push", kv_push_timeout_seconds=5.0)
+union, prefill, decode, push_prefill, push_decode = pd_sim_fixtures(CONFIG, push_timeout_s=5.0)
 
 
 def view(server: LiveServer, role: str = "union", transfer: str = "") -> InstanceView:

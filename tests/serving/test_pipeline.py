@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import gc
 import json
 from collections import defaultdict
 from typing import Any, Callable
@@ -43,6 +42,7 @@ from tests.serving.fakes import (
     parse_frames,
     text_of,
 )
+from tests.serving.leaks import assert_nothing_held
 
 WATCHDOG_S = 5.0  # a hung pipeline fails the test instead of stalling the suite
 
@@ -52,26 +52,11 @@ def scheduler() -> Scheduler:
     return Scheduler(LoadTracker())
 
 
-def _is_asyncgen_finalizer(task: asyncio.Task) -> bool:
-    # The loop closes a dropped, suspended async generator in a task of its own. httpx's nested
-    # aiter_lines/aiter_text/aiter_raw generators end up there after iter_events stops at [DONE].
-    return type(task.get_coro()).__name__ == "async_generator_athrow"
-
-
 @pytest.fixture(autouse=True)
 async def no_leaks(scheduler: Scheduler, upstreams: FakeUpstreams):
     before = asyncio.all_tasks()
     yield
-    assert scheduler.load.snapshot() == {}
-    assert scheduler.admission.inflight_tokens() == {}  # every lease released
-    assert upstreams.open_streams == set()  # every engine stream closed
-    gc.collect(1)  # young cyclic garbage (dropped generators) is finalized now, inside this test
-    for _ in range(20):  # bounded loop turns (no wall clock) for finalizers to finish
-        stray = asyncio.all_tasks() - before - {asyncio.current_task()}
-        if not stray or not all(_is_asyncgen_finalizer(t) for t in stray):
-            break
-        await asyncio.sleep(0)
-    assert not stray, stray  # a producer, an orphaned generate or a hung close is a leak
+    await assert_nothing_held(scheduler, before, upstreams.open_streams)
 
 
 @pytest.fixture

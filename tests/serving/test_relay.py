@@ -9,7 +9,6 @@ check (load, admission, open engine streams, stray tasks).
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -33,6 +32,7 @@ from tests.serving.fakes import (
     fleet_snapshot,
     parse_frames,
 )
+from tests.serving.leaks import assert_nothing_held
 
 WATCHDOG_S = 5.0
 
@@ -153,18 +153,7 @@ def scheduler() -> Scheduler:
 async def no_leaks(scheduler: Scheduler, upstreams: FakeUpstreams):
     before = asyncio.all_tasks()
     yield
-    assert scheduler.load.snapshot() == {}
-    assert scheduler.admission.inflight_tokens() == {}
-    assert scheduler.admission.waiting() == 0
-    assert upstreams.open_streams == set()
-    gc.collect(1)
-    stray: set[asyncio.Task[Any]] = set()
-    for _ in range(20):
-        stray = asyncio.all_tasks() - before - {asyncio.current_task()}  # type: ignore[operator]
-        if not stray or not all(type(t.get_coro()).__name__ == "async_generator_athrow" for t in stray):
-            break
-        await asyncio.sleep(0)
-    assert not stray, stray
+    await assert_nothing_held(scheduler, before, upstreams.open_streams)
 
 
 @pytest.fixture
@@ -412,8 +401,8 @@ async def test_one_derender_retry_succeeds_with_the_same_state(
 async def test_relay_with_obfuscation_replays_semantic_ids_re_obfuscated(
     mock_client: httpx.AsyncClient, scheduler: Scheduler, engines: ContextEngines, upstreams: FakeUpstreams,
 ) -> None:
+    from serving.pipeline.obfuscation.boundary import EngineBoundary
     from serving.pipeline.obfuscation.mapping import TokenMapping
-    from serving.pipeline.service import EngineBoundary
 
     mapping = TokenMapping.from_key(b"relay-test-obfuscation-key-0001", 152000)
     pipeline = ServingPipeline(

@@ -155,10 +155,13 @@ async def test_consecutive_engine_failures_trip_the_breaker_and_traffic_moves(ri
 async def test_busy_and_request_errors_never_touch_the_breaker(rig: Rig, answer: Any, retried: bool) -> None:
     rig.upstreams.override("e1", "generate", answer)
     for i in range(3):
-        try:
+        if retried:
+            # Busy is e1's problem, not the request's: e2 must answer every one of them.
             await rig.pipeline().chat(chat_body(), f"f8-{i}")
-        except UpstreamRequestError:
-            pass
+        else:
+            with pytest.raises(UpstreamRequestError) as info:
+                await rig.pipeline().chat(chat_body(), f"f8-{i}")
+            assert info.value.status == 400
     assert rig.scheduler.breakers.state(engine("e1")) is State.CLOSED
     # busy: each request moved on to e2; 4xx: no retry anywhere
     assert len(rig.upstreams.calls_of("generate")) == (6 if retried else 3)

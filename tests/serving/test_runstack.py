@@ -22,7 +22,7 @@ from fleet.services import read_control_version
 from motorsite import stack
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port
 from serving import stream_reports
-from serving.management.commands.runstack import RenderRestarter, with_render_config
+from serving.management.commands.runstack import RENDER_RETRY_S, RenderRestarter, with_render_config
 from serving.models import RenderConfig, RenderStreamReport
 from serving.services import render_config_publish, render_streams_report
 from tests.motorsite.test_supervisor import SERVER
@@ -240,8 +240,10 @@ def test_a_replacement_that_fails_to_start_leaves_the_old_one_serving(
     launched: tuple[Supervisor, RenderRestarter, Clock], tmp_path: Path,
 ) -> None:
     sup, restarter, clock = launched
+    attempts: list[int] = []  # one entry per replacement the restarter tried to start
 
     def broken(cfg: stack.StackConfig) -> ProcessSpec:
+        attempts.append(cfg.render_port)
         return ProcessSpec(
             name="render", argv=[sys.executable, "-c", "raise SystemExit(3)"], log_path=tmp_path / "broken.log",
             ready_url=f"http://127.0.0.1:{cfg.render_port}/health", ready_timeout=10,
@@ -251,11 +253,15 @@ def test_a_replacement_that_fails_to_start_leaves_the_old_one_serving(
     port = RenderConfig.objects.get().port
     render_config_publish(changes={"renderer_num_workers": 2}, actor="test")
     restarter.tick()
-    assert set(sup.pids) == {"render"}
+    assert set(sup.pids) == {"render"} and len(attempts) == 1
     config = RenderConfig.objects.get()
     assert config.port == port and config.restart_required
-    restarter.tick()  # backs off instead of retrying every second
-    assert set(sup.pids) == {"render"}
+    clock.now += 1
+    restarter.tick()  # the next second's tick backs off instead of retrying
+    assert len(attempts) == 1
+    clock.now += RENDER_RETRY_S
+    restarter.tick()  # the back-off is over: one more attempt, which fails the same way
+    assert set(sup.pids) == {"render"} and len(attempts) == 2
 
 
 def test_the_supervisor_wait_loop_calls_tick(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ exactly takes the native path. Uses the real tiny model's files (MOTOR_MODEL_DIR
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any, AsyncIterator, Callable
 
@@ -59,10 +60,28 @@ FALLBACKS = [
 ]
 
 
+@functools.cache
+def hf_tokenizer() -> Any:
+    """transformers' own tokenizer for the tiny model: what render (vLLM) builds, not our code."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir(), local_files_only=True)
+
+
+def hf_prompt(messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    """The prompt transformers' ``apply_chat_template`` renders for ``messages`` (generation prompt on)."""
+    text = hf_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert isinstance(text, str)
+    return text
+
+
+def hf_ids(text: str, *, add_special_tokens: bool) -> list[int]:
+    return list(hf_tokenizer()(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
 def expected_chat_ids() -> list[int]:
-    tok = lt.local_tokenizer(model_dir())
-    text = tok.apply_chat_template([{"role": "user", "content": "Say hi"}], add_generation_prompt=True, tools=None)
-    return tok.encode(text, add_special_tokens=False)
+    """The ids for chat_body()'s messages as transformers renders and tokenizes them."""
+    return hf_ids(hf_prompt([{"role": "user", "content": "Say hi"}]), add_special_tokens=False)
 
 
 @pytest.mark.parametrize(("fault", "reason"), FALLBACKS, ids=[r for _, r in FALLBACKS[:-3]] + ["403", "500", "no-ids"])
@@ -83,7 +102,7 @@ async def test_it_falls_back_to_the_local_tokenizer(
     assert out["id"] == "chatcmpl-t1" and out["prompt_token_ids"] == expected_chat_ids()
     choice = out["choices"][0]
     assert choice["token_ids"] == gen.response["choices"][0]["token_ids"]
-    assert choice["message"]["content"] == lt.local_tokenizer(model_dir()).decode(choice["token_ids"])
+    assert choice["message"]["content"] == hf_tokenizer().decode(choice["token_ids"], skip_special_tokens=True)
     assert out["usage"]["prompt_tokens"] == len(expected_chat_ids())
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("render "))
     assert "request_id=t1" in line and "tokenizer_source=local" in line and f"fallback_reason={reason}" in line
@@ -97,9 +116,8 @@ async def test_completions_fall_back_per_prompt_in_order(rig: Rig) -> None:
 
     out = await pipeline.completions({"model": MODEL, "prompt": ["def f", [5, 6, 7]], "max_tokens": 3}, "t2")
 
-    tok = lt.local_tokenizer(model_dir())
     gens = sorted(rig.upstreams.calls_of("generate"), key=lambda c: c.body["request_id"])
-    assert [g.body["token_ids"] for g in gens] == [tok.encode("def f", add_special_tokens=True), [5, 6, 7]]
+    assert [g.body["token_ids"] for g in gens] == [hf_ids("def f", add_special_tokens=True), [5, 6, 7]]
     assert [g.body["request_id"] for g in gens] == ["cmpl-t2-0", "cmpl-t2-1"]
     assert [c["index"] for c in out["choices"]] == [0, 1]
     assert out["usage"]["prompt_tokens"] == len(gens[0].body["token_ids"]) + 3
@@ -236,3 +254,31 @@ async def test_a_render_found_down_is_skipped_for_a_cooldown(rig: Rig) -> None:
     now[0] += 5.0
     await pipeline.completions({"model": MODEL, "prompt": "x"}, "t12")  # tried again, answered
     assert len(rig.upstreams.calls_of("render")) == 2 and not health.skip()
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TURNS: list[dict[str, Any]] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris? 12 words, año 2026"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+    {"role": "assistant", "content": "It is 18C."},
+    {"role": "user", "content": "And tomorrow?"},
+]
+
+
+@pytest.mark.parametrize(("messages", "tools"), [
+    ([m for m in TURNS if m["role"] in ("system", "user")] + [{"role": "assistant", "content": "Sunny."},
+                                                              {"role": "user", "content": "Sure?"}], None),
+    (TURNS, TOOLS),
+], ids=["multi-turn", "tools-and-tool-turns"])
+def test_the_local_template_renders_what_transformers_renders(messages: list[dict[str, Any]], tools: Any) -> None:
+    # The fallback serves only the first kind (tools and tool turns take the native path, see
+    # local_unsupported); the template must still agree on both, or that boundary is all that
+    # keeps wrong ids from an engine.
+    tok = lt.local_tokenizer(model_dir())
+    ours = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    assert ours == hf_prompt(messages, tools=tools)
+    assert tok.encode(ours, add_special_tokens=False) == hf_ids(ours, add_special_tokens=False)

@@ -44,6 +44,7 @@ from serving.pipeline.topologies.metaserver import MetaServer
 from serving.pipeline.topologies.pd import PDContext, decode_request, leg_ids, prefill_request
 from serving.pipeline.topologies.registry import TopologyRegistry
 from serving.pipeline.topologies.trigger import push_prefill_params, run_trigger
+from tests.pd_sims import pd_sim_fixtures, sim_server
 
 MODEL = "tiny"
 
@@ -231,13 +232,10 @@ PROMPT = list(range(10, 60))
 
 
 def _server(**changes: Any) -> Iterator[LiveServer]:
-    with LiveServer(dataclasses.replace(CONFIG, **changes)) as server:
-        yield server
+    yield from sim_server(CONFIG, **changes)
 
 
-@pytest.fixture(scope="module")
-def union() -> Iterator[LiveServer]:
-    yield from _server()
+union, prefill, decode, push_prefill, push_decode = pd_sim_fixtures(CONFIG, push_timeout_s=2.0)
 
 
 @pytest.fixture(scope="module")
@@ -246,34 +244,14 @@ def slow_union() -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="module")
-def prefill() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.PREFILL)
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.DECODE)
-
-
-@pytest.fixture(scope="module")
 def slow_decode() -> Iterator[LiveServer]:
     yield from _server(role=EngineRole.DECODE, tpot_ms=50.0)
-
-
-@pytest.fixture(scope="module")
-def push_prefill() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.PREFILL, kv_transfer="push")
 
 
 @pytest.fixture(scope="module")
 def slow_push_prefill() -> Iterator[LiveServer]:
     # 100 ms per prompt token: its push comes long after push_decode stopped waiting.
     yield from _server(role=EngineRole.PREFILL, kv_transfer="push", ttft_per_token_ms=100.0)
-
-
-@pytest.fixture(scope="module")
-def push_decode() -> Iterator[LiveServer]:
-    yield from _server(role=EngineRole.DECODE, kv_transfer="push", kv_push_timeout_seconds=2.0)
 
 
 def view(server: LiveServer | str, role: str = "union", transfer: str = "") -> InstanceView:

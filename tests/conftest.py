@@ -1,0 +1,39 @@
+"""Suite-wide policy: under ``make test`` a skipped test is a failed test.
+
+Every skip in this suite is for a missing prerequisite (Redis, PostgreSQL, Chromium, a built
+tier; see ``tests/prerequisites.py``). A run that skipped one of them would be green without
+having run it, so with ``MOTOR_PREREQUISITES=required`` (set by ``toolchain exec -m pytest``,
+which ``make test`` and ``.ci/run`` use) each skip is reported as a failure naming its reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+
+from tests import prerequisites
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome: Any = yield
+    report: pytest.TestReport = outcome.get_result()
+    # xfail is reported as skipped too; it is an expectation, not a missing prerequisite.
+    if report.skipped and not hasattr(report, "wasxfail") and prerequisites.required():
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = (
+            f"skipped under MOTOR_PREREQUISITES=required (make test): {reason}\n"
+            "install what is missing, or run with MOTOR_PREREQUISITES=optional to allow the skip"
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome: Any = yield
+    report: pytest.CollectReport = outcome.get_result()
+    # A module skipped as a whole (``pytest.skip(..., allow_module_level=True)``) is the same case.
+    if report.skipped and prerequisites.required():
+        report.outcome = "failed"
+        report.longrepr = f"module skipped under MOTOR_PREREQUISITES=required (make test): {report.longrepr}"

@@ -1,0 +1,51 @@
+"""The simulated engines of the P/D tests: a union, a prefill and a decode, pull and push, in-process.
+
+One definition for the simulator's own P/D tests (tests/enginesim/test_pd.py) and the
+coordinator's (tests/serving/test_topologies.py, tests/serving/test_pd_streaming.py). Each module
+passes its ``SimConfig`` (vocabulary and served name differ) and how long its push decode waits
+for a push, and binds the fixtures under their usual names::
+
+    union, prefill, decode, push_prefill, push_decode = pd_sim_fixtures(CONFIG, push_timeout_s=1.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+import pytest
+
+from enginesim import EngineRole, SimConfig
+from enginesim.testing import LiveServer
+
+
+def sim_server(config: SimConfig, **changes: Any) -> Iterator[LiveServer]:
+    """A live simulator on ``config`` with ``changes``, for a fixture to ``yield from``."""
+    with LiveServer(dataclasses.replace(config, **changes)) as server:
+        yield server
+
+
+def pd_sim_fixtures(config: SimConfig, *, push_timeout_s: float) -> tuple[Any, Any, Any, Any, Any]:
+    """Module-scoped fixtures ``union``, ``prefill``, ``decode``, ``push_prefill``, ``push_decode``."""
+
+    @pytest.fixture(scope="module", name="union")
+    def union() -> Iterator[LiveServer]:
+        yield from sim_server(config)
+
+    @pytest.fixture(scope="module", name="prefill")
+    def prefill() -> Iterator[LiveServer]:
+        yield from sim_server(config, role=EngineRole.PREFILL)
+
+    @pytest.fixture(scope="module", name="decode")
+    def decode() -> Iterator[LiveServer]:
+        yield from sim_server(config, role=EngineRole.DECODE)
+
+    @pytest.fixture(scope="module", name="push_prefill")
+    def push_prefill() -> Iterator[LiveServer]:
+        yield from sim_server(config, role=EngineRole.PREFILL, kv_transfer="push")
+
+    @pytest.fixture(scope="module", name="push_decode")
+    def push_decode() -> Iterator[LiveServer]:
+        yield from sim_server(config, role=EngineRole.DECODE, kv_transfer="push", kv_push_timeout_seconds=push_timeout_s)
+
+    return union, prefill, decode, push_prefill, push_decode
