@@ -80,13 +80,16 @@ def sample(name: str, labels: tuple[tuple[str, str], ...], value: float) -> str:
     return f"{name}{{{text}}} {value!r}"
 
 
-def exposition(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> list[str]:
+def exposition(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], *, declare: tuple[Family, ...] = ()
+) -> list[str]:
     """Lines for ``samples`` keyed ``(series name, labels)``: each family's header once, then its series.
 
-    A summary's ``_sum`` and ``_count`` series belong to their family's header. Raises
-    ``KeyError`` for a series of no registered family.
+    A summary's ``_sum`` and ``_count`` series belong to their family's header. Families in
+    ``declare`` get their header even without a series (an idle gauge is still exported, so a
+    scraper can tell idle from missing). Raises ``KeyError`` for a series of no registered family.
     """
-    by_family: dict[str, list[str]] = {}
+    by_family: dict[str, list[str]] = {f.name: [] for f in declare}
     for (name, labels), value in sorted(samples.items()):
         family = FAMILIES.get(name) or FAMILIES[name.removesuffix("_sum").removesuffix("_count")]
         by_family.setdefault(family.name, []).append(sample(name, labels, value))

@@ -235,9 +235,12 @@ def prometheus_text(series: dict[str, InstanceSeries], in_flight_tokens: dict[st
         samples[(names.ENGINE_TTFT.name + "_count", labels)] = float(s.ttft_count)
         samples[(names.ENGINE_TPOT.name + "_sum", labels)] = s.tpot_sum_s
         samples[(names.ENGINE_TPOT.name + "_count", labels)] = float(s.tpot_count)
-    for name, value in (in_flight_tokens or {}).items():
-        samples[(names.ENGINE_IN_FLIGHT_TOKENS.name, (("instance", name),))] = float(value)
-    return "\n".join(names.exposition(samples)) + "\n"
+    declare = [names.ENGINE_REQUESTS, names.ENGINE_ERRORS, names.ENGINE_TTFT, names.ENGINE_TPOT]
+    if in_flight_tokens is not None:
+        declare.append(names.ENGINE_IN_FLIGHT_TOKENS)
+        for name, value in in_flight_tokens.items():
+            samples[(names.ENGINE_IN_FLIGHT_TOKENS.name, (("instance", name),))] = float(value)
+    return "\n".join(names.exposition(samples, declare=tuple(declare))) + "\n"
 
 
 class RouterCounters:

@@ -150,3 +150,11 @@ def test_it_declares_each_family_once_before_its_series() -> None:
     ]
     with pytest.raises(KeyError):
         exposition({("motor_not_registered_total", ()): 1.0})
+
+
+def test_it_exports_every_engine_family_even_when_idle() -> None:
+    text = prometheus_text({}, {})
+    for family in ("motor_engine_requests_total counter", "motor_engine_ttft_seconds summary",
+                   "motor_engine_in_flight_tokens gauge"):
+        assert f"# TYPE {family}" in text
+    assert "motor_engine_in_flight_tokens" not in prometheus_text({})  # no gauge asked for
