@@ -34,8 +34,8 @@ from bench.common import nearest_rank as pct  # noqa: E402
 from enginesim import SimConfig  # noqa: E402
 from enginesim.testing import LiveServer  # noqa: E402
 from motorsite.supervisor import free_port  # noqa: E402
-from serving.pipeline.router.kv_affinity import KVAffinityIndex  # noqa: E402
-from serving.pipeline.router.kv_events import KVEventSubscriber  # noqa: E402
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex  # noqa: E402
+from serving.pipeline.placement.kv_events import KVEventSubscriber  # noqa: E402
 
 SECTION = "## bench/affinity.py"
 BLOCK = 128
@@ -183,7 +183,7 @@ def microbench() -> list[tuple[int, float, float]]:
         for _ in range(rounds):
             choose(index, names, inflight, prompt, record=False)
         per = (time.perf_counter() - start) / rounds * 1e6
-        from serving.pipeline.router.kv_affinity import chain_hashes
+        from serving.pipeline.placement.kv_affinity import chain_hashes
 
         start = time.perf_counter()
         for _ in range(rounds):

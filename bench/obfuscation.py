@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import loadavg, write_section  # noqa: E402
-from serving.pipeline.obfuscation import (  # noqa: E402
+from serving.pipeline.obfuscation.mapping import (  # noqa: E402
     TokenMapping,
     deobfuscate_event,
     deobfuscate_response,

@@ -34,11 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import command_line, loadavg, machine, write_section  # noqa: E402
+from serving.pipeline.derender.coalesce import MAX_PENDING  # noqa: E402
+from serving.pipeline.engine.client import EngineClient  # noqa: E402
+from serving.pipeline.placement.scheduler import LoadTracker, Scheduler  # noqa: E402
 from serving.pipeline.render.client import RenderClient  # noqa: E402
-from serving.pipeline.render.coalesce import MAX_PENDING  # noqa: E402
-from serving.pipeline.router.engine_client import EngineClient  # noqa: E402
-from serving.pipeline.router.scheduler import LoadTracker, Scheduler  # noqa: E402
-from serving.pipeline.service import MERGE_QUEUE_SIZE, EventStream, ServingPipeline  # noqa: E402
+from serving.pipeline.service import EventStream, ServingPipeline  # noqa: E402
+from serving.pipeline.streaming.fanout import MERGE_QUEUE_SIZE  # noqa: E402
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams, SSEBody, fleet_snapshot, instance, output_ids  # noqa: E402
 
 SECTION = "## bench/slow_reader.py"

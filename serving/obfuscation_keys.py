@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Iterable
 
 from django.conf import settings
 
-from serving.pipeline import obfuscation
-from serving.pipeline.obfuscation import TokenMapping, key_id
+from serving.pipeline.obfuscation import mapping as obfuscation
+from serving.pipeline.obfuscation.mapping import TokenMapping, key_id
 
 if TYPE_CHECKING:
     from catalog.models import RenderConfig

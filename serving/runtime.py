@@ -1,8 +1,12 @@
-"""Process-wide data-plane objects: the shared HTTP client's settings, the scheduler with its
-circuit breakers and token admission, live load counters and the router's counters.
+"""The data plane's composition root: ``build()`` wires the process-wide objects explicitly.
 
-One of each per coordinator process. ``MOTOR_GLOBAL_TOKEN_BUDGET`` (tokens in flight across all
-instances), ``MOTOR_ADMISSION_QUEUE`` (waiters), ``MOTOR_ADMISSION_WAIT_MS`` (their deadline)
+The shared HTTP client's settings, the scheduler with its circuit breakers, token admission and
+KV affinity, PD Hybrid (``hybrid.install``), the topology registry, live load counters and the
+router's counters: one of each per coordinator process, built once at import (``RUNTIME``) and
+handed to every request's pipeline by ``pipeline_for``. Nothing here probes for modules or
+relies on another module registering itself.
+
+``MOTOR_GLOBAL_TOKEN_BUDGET`` (tokens in flight across all instances), ``MOTOR_ADMISSION_QUEUE`` (waiters), ``MOTOR_ADMISSION_WAIT_MS`` (their deadline)
 and the breaker knobs are read from settings when present, else from the environment; with
 ``REDIS_URL`` set, admission is shared by every coordinator process through Redis leases.
 
@@ -32,18 +36,25 @@ from typing import Any
 from django.conf import settings
 
 from serving import stream_reports
-from serving.pipeline import http
+from serving.pipeline import http, metric_names
+from serving.pipeline.derender.session import StreamSettings
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.flow_control.admission import AdmissionSettings, RedisTokenAdmission, TokenAdmission
+from serving.pipeline.metrics import RouterCounters
+from serving.pipeline.obfuscation import mapping as obfuscation
+from serving.pipeline.obfuscation.boundary import EngineBoundary
+from serving.pipeline.obfuscation.mapping import TokenMapping
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex
+from serving.pipeline.placement.kv_events import KVEventHub
+from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.tokenization import RenderHealth
-from serving.pipeline.router.breaker import BreakerBoard
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.flow_control import AdmissionSettings, RedisTokenAdmission, TokenAdmission
-from serving.pipeline.router.kv_affinity import KVAffinityIndex
-from serving.pipeline.router.kv_events import KVEventHub
-from serving.pipeline.router.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, LoadTracker, Scheduler
-from serving.pipeline.service import EngineBoundary, RouterCounters, ServingPipeline
+from serving.pipeline.resilience.breaker import BreakerBoard
+from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot
+from serving.pipeline.topologies import hybrid
+from serving.pipeline.topologies.registry import TopologyRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -87,24 +98,10 @@ def submit_breaker_transition(
     open_until: float | None, open_seconds: float,
 ) -> None:
     """The breakers' sink: hand a request-path transition to the control plane's write-back."""
-    try:
-        from fleet import writeback
-    except ImportError:  # the control plane is not installed: the in-memory breaker still works
-        return
-    submit = getattr(writeback, "submit_breaker_transition", None)
-    if submit is not None:
-        submit(instance_id, new_state, reason, consecutive_failures, open_until, open_seconds)
+    # Imported here: fleet's models load after this module (it is imported while URLs load).
+    from fleet import writeback
 
-
-load = LoadTracker()
-breakers = BreakerBoard(
-    threshold=int(_knob("MOTOR_BREAKER_THRESHOLD", 3) or 3),
-    base_open_s=float(_knob("MOTOR_BREAKER_OPEN_S", 5.0) or 5.0),
-    max_open_s=float(_knob("MOTOR_BREAKER_MAX_OPEN_S", 120.0) or 120.0),
-    sink=submit_breaker_transition,
-)
-admission = _admission()
-affinity = KVAffinityIndex()
+    writeback.submit_breaker_transition(instance_id, new_state, reason, consecutive_failures, open_until, open_seconds)
 
 
 def engine_ids(snapshot: FleetSnapshot, prompt_ids: Sequence[int]) -> Sequence[int]:
@@ -113,29 +110,66 @@ def engine_ids(snapshot: FleetSnapshot, prompt_ids: Sequence[int]) -> Sequence[i
     return mapping.to_physical(prompt_ids) if mapping is not None else prompt_ids
 
 
-scheduler = Scheduler(
-    load, breakers=breakers, admission=admission, affinity=affinity, engine_ids=engine_ids,
-    load_margin_tokens=int(_knob("MOTOR_AFFINITY_LOAD_MARGIN_TOKENS", DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS) or 0),
-)
-counters = RouterCounters()
-render_health = RenderHealth()
-# Requests per render sidecar, reported to the database for the launcher's graceful restart.
-live_streams = LiveStreams()
-stream_reporter = stream_reports.StreamReporter(live_streams.counts)
-live_streams.on_change = stream_reporter.notify
+@dataclass(frozen=True)
+class Runtime:
+    """The process's data-plane objects, built once by ``build`` and shared by every request."""
 
-# Handoff / Trigger / PD Hybrid live in router/topologies.py: importing it registers their runners
-# in service.TOPOLOGY_RUNNERS and may install ``scheduler.topology_policy`` (via its ``install``).
-try:
-    from serving.pipeline.router import topologies as _topologies
-except ModuleNotFoundError as exc:
-    if exc.name != "serving.pipeline.router.topologies":
-        raise
-else:
-    _install = getattr(_topologies, "install", None)
-    if _install is not None:
-        # PD Hybrid weighs prefix hits too (``install`` turns the index into its ``cached_tokens``).
-        _install(scheduler, index=affinity)
+    load: LoadTracker
+    breakers: BreakerBoard
+    admission: TokenAdmission
+    affinity: KVAffinityIndex
+    scheduler: Scheduler
+    topologies: TopologyRegistry
+    counters: RouterCounters
+    # Not handed to pipelines yet (each request gets a fresh one, as before): sharing it turns
+    # on the render-down cooldown its docstring describes, a behaviour change of its own.
+    render_health: RenderHealth
+    # Requests per render sidecar, reported to the database for the launcher's graceful restart.
+    live_streams: LiveStreams
+    stream_reporter: stream_reports.StreamReporter
+
+
+def build() -> Runtime:
+    """The composition root: every process-wide data-plane object, wired explicitly.
+
+    PD Hybrid is on in the scheduler (``hybrid.install``; a fleet without P/D instances is
+    unaffected) and weighs prefix hits from the same KV affinity index placement uses.
+    """
+    load = LoadTracker()
+    breakers = BreakerBoard(
+        threshold=int(_knob("MOTOR_BREAKER_THRESHOLD", 3) or 3),
+        base_open_s=float(_knob("MOTOR_BREAKER_OPEN_S", 5.0) or 5.0),
+        max_open_s=float(_knob("MOTOR_BREAKER_MAX_OPEN_S", 120.0) or 120.0),
+        sink=submit_breaker_transition,
+    )
+    admission = _admission()
+    affinity = KVAffinityIndex()
+    scheduler = Scheduler(
+        load, breakers=breakers, admission=admission, affinity=affinity, engine_ids=engine_ids,
+        load_margin_tokens=int(_knob("MOTOR_AFFINITY_LOAD_MARGIN_TOKENS", DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS) or 0),
+    )
+    hybrid.install(scheduler, index=affinity)
+    live_streams = LiveStreams()
+    stream_reporter = stream_reports.StreamReporter(live_streams.counts)
+    live_streams.on_change = stream_reporter.notify
+    return Runtime(
+        load=load, breakers=breakers, admission=admission, affinity=affinity, scheduler=scheduler,
+        topologies=TopologyRegistry(), counters=RouterCounters(), render_health=RenderHealth(),
+        live_streams=live_streams, stream_reporter=stream_reporter,
+    )
+
+
+RUNTIME = build()
+# The process's objects by name, for the views, the dashboard and tests.
+load = RUNTIME.load
+breakers = RUNTIME.breakers
+admission = RUNTIME.admission
+affinity = RUNTIME.affinity
+scheduler = RUNTIME.scheduler
+counters = RUNTIME.counters
+render_health = RUNTIME.render_health
+live_streams = RUNTIME.live_streams
+stream_reporter = RUNTIME.stream_reporter
 
 
 @dataclass
@@ -174,7 +208,11 @@ def sync_kv_events(snapshot: FleetSnapshot) -> None:
     if state is None:
         state = _kv_events[loop] = _KVEvents(KVEventHub(affinity))
     if state.version != snapshot.version:
-        state.hub.sync({i.name: i.kv_events_endpoint for i in snapshot.instances if i.kv_events_endpoint})
+        # Only instances that may take this deployment's traffic (their obfuscation key fits).
+        state.hub.sync({
+            i.name: i.kv_events_endpoint for i in snapshot.instances
+            if i.kv_events_endpoint and obfuscation.eligible(i, snapshot.render)[0]
+        })
         names = frozenset(i.name for i in snapshot.instances)
         for gone in state.names - names:
             affinity.forget(gone)
@@ -196,12 +234,12 @@ def inflight_tokens() -> dict[str, int]:
 def router_metrics() -> dict[str, Any]:
     """The router's counters and gauges for ``/metrics``: ``{"counters": {(name, labels): n}, ...}``."""
     kv_counters: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {
-        ("motor_affinity_index_blocks", ()): len(affinity),
+        (metric_names.AFFINITY_INDEX_BLOCKS.name, ()): len(affinity),
     }
     hub = kv_event_hub()
     for name, subscriber in (hub.subscribers if hub is not None else {}).items():
-        kv_counters[("motor_kv_event_batches_total", (("instance", name),))] = subscriber.batches
-        kv_counters[("motor_kv_event_errors_total", (("instance", name),))] = subscriber.errors
+        kv_counters[(metric_names.KV_EVENT_BATCHES.name, (("instance", name),))] = subscriber.batches
+        kv_counters[(metric_names.KV_EVENT_ERRORS.name, (("instance", name),))] = subscriber.errors
     return {
         "counters": {**counters.snapshot(), **kv_counters},
         "inflight_tokens": inflight_tokens(),
@@ -210,19 +248,15 @@ def router_metrics() -> dict[str, Any]:
     }
 
 
-def obfuscation_mapping(snapshot: FleetSnapshot) -> Any:
+def obfuscation_mapping(snapshot: FleetSnapshot) -> TokenMapping | None:
     """The token mapping for the snapshot's obfuscation key (None when obfuscation is off).
 
-    Loading keys belongs to ``serving.pipeline.obfuscation``; until it provides a loader,
-    obfuscation on means no mapping, and ``require_mapping`` refuses traffic (fail closed).
+    Raises ``ObfuscationKeyError`` when obfuscation is on and the key is missing or not the
+    render config's (``require_mapping``: traffic is refused, fail closed).
     """
     if not snapshot.render.obfuscation:
         return None
-    from serving.pipeline import obfuscation
-
-    loader = getattr(obfuscation, "mapping_for", None)
-    mapping = loader(snapshot) if loader is not None else None
-    return obfuscation.require_mapping(snapshot.render, mapping)
+    return obfuscation.require_mapping(snapshot.render, obfuscation.mapping_for(snapshot))
 
 
 def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
@@ -230,18 +264,15 @@ def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
     render = RenderClient(
         client, snapshot.render.base_url, snapshot.render.timeout_s, derender_patience_s=settings.MOTOR_DERENDER_PATIENCE_S
     )
-    from serving.pipeline.obfuscation import traffic_snapshot
-    from serving.pipeline.render.streaming import StreamSettings
-
     boundary = EngineBoundary(obfuscation_mapping(snapshot))
-    # Placement sees only instances whose declared key id fits the render config (obfuscation.eligible).
-    traffic = traffic_snapshot(snapshot)
-    sync_kv_events(traffic)
+    # Placement keeps instances whose declared key id does not fit the render config out of
+    # traffic itself (placement/filters.py), so the pipeline gets the snapshot as it is.
+    sync_kv_events(snapshot)
     return ServingPipeline(
-        traffic, render, EngineClient(client), scheduler,
+        snapshot, render, EngineClient(client), scheduler,
         counters=counters, boundary=boundary, stream_settings=StreamSettings(
             chunk_timeout_s=settings.MOTOR_STREAM_CHUNK_TIMEOUT_S, max_relays=settings.MOTOR_STREAM_MAX_RELAYS,
             derender_retries=settings.MOTOR_DERENDER_CHUNK_RETRIES,
         ),
-        live_streams=live_streams,
+        live_streams=live_streams, topologies=RUNTIME.topologies,
     )

@@ -22,6 +22,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
+from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import (
     ModelNotFound,
     MotorError,
@@ -31,8 +32,7 @@ from serving.pipeline.errors import (
     error_body,
     error_headers,
 )
-from serving.pipeline.router import rate_limit
-from serving.pipeline.router.native import NativeStream
+from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.service import EventStream
 from serving.pipeline.snapshot import FleetSnapshot
 from serving.runtime import pipeline_for
@@ -222,19 +222,18 @@ async def healthz(request: HttpRequest) -> HttpResponse:
 async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
     """This process's per-instance request totals, in-flight tokens and router counters, as Prometheus text."""
     from serving import runtime
-    from serving.pipeline import metrics
+    from serving.pipeline import metric_names, metrics
 
     text = metrics.prometheus_text(metrics.snapshot(), runtime.inflight_tokens())
     router = runtime.router_metrics()
-    lines = [f"motor_admission_waiting {float(router.get('admission_waiting') or 0)!r}"]
-    for (name, labels), n in sorted(router.get("counters", {}).items()):
-        label_text = ",".join(f'{k}="{metrics.label_value(v)}"' for k, v in labels)
-        lines.append(f"{name}{{{label_text}}} {float(n)!r}")
-    lines += await _process_lines()
+    samples = {key: float(n) for key, n in router.get("counters", {}).items()}
+    samples[(metric_names.ADMISSION_WAITING.name, ())] = float(router.get("admission_waiting") or 0)
+    samples.update(await _process_samples())
+    lines = metric_names.exposition(samples)
     return HttpResponse(text + "\n".join(lines) + "\n", content_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-async def _process_lines() -> list[str]:
+async def _process_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The launcher's processes (``make run``): restarts so far and whether each is up.
 
     One query per scrape, not per request; the launcher writes these rows as its children exit
@@ -244,17 +243,17 @@ async def _process_lines() -> list[str]:
     from django.db import DatabaseError
 
     from fleet.models import ManagedProcess
-    from serving.pipeline import metrics
+    from serving.pipeline import metric_names
 
     try:
         rows = await sync_to_async(list)(ManagedProcess.objects.values_list("name", "state", "restarts"))
     except DatabaseError:
         # The request path serves from its snapshot while the database is away; so does /metrics.
         logger.warning("/metrics: launcher processes unavailable (database error)", exc_info=True)
-        return []
-    lines = []
+        return {}
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for name, state, restarts in rows:
-        label = f'process="{metrics.label_value(name)}"'
-        lines.append(f"motor_process_restarts_total{{{label}}} {float(restarts)!r}")
-        lines.append(f"motor_process_up{{{label}}} {1.0 if state == ManagedProcess.State.RUNNING else 0.0!r}")
-    return lines
+        label = (("process", name),)
+        samples[(metric_names.PROCESS_RESTARTS.name, label)] = float(restarts)
+        samples[(metric_names.PROCESS_UP.name, label)] = 1.0 if state == ManagedProcess.State.RUNNING else 0.0
+    return samples

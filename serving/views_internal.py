@@ -2,7 +2,7 @@
 
 A decode engine in the Trigger topology posts its transfer parameters to the URL the coordinator
 handed it (``/internal/metaserver/<token>``). The per-request token is the credential (engines
-hold no API key); the registry in ``serving.pipeline.router.metaserver`` refuses forged, replayed
+hold no API key); the registry in ``serving.pipeline.topologies.metaserver`` refuses forged, replayed
 and misdirected callbacks, and the request's own task starts the prefill.
 """
 
@@ -14,7 +14,7 @@ import logging
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from serving.pipeline.router.metaserver import CallbackRefused, process_metaserver
+from serving.pipeline.topologies.metaserver import CallbackRefused, process_metaserver
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ The key comes from the environment variable named by ``--key-env`` (default
 - no ``tokenizer.json`` and no chat template: the engine never needs them, and a tokenizer
   beside obfuscated weights would encode text straight into ids the model does not use.
 
-The permutation is ``serving.pipeline.obfuscation.permutation``, the same function the
+The permutation is ``serving.pipeline.obfuscation.mapping.permutation``, the same function the
 coordinator maps requests with. Output goes to a sibling temporary directory renamed into place.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from serving.pipeline.obfuscation import TokenMapping
+from serving.pipeline.obfuscation.mapping import TokenMapping
 from tinymodel.build import dump_json, staged_dir
 
 # Tensors with one row per vocabulary entry (Qwen2, untied embeddings).

@@ -45,7 +45,7 @@ MODEL_SOURCES = [
     p for p in sorted((ROOT / "tinymodel").glob("*.py")) if p.name != "obfuscate.py"
 ] + sorted((ROOT / "tinymodel").glob("*.jinja"))
 # The obfuscated copy depends on the model, its own builder and the permutation it applies.
-OBF_MODEL_SOURCES = [ROOT / "tinymodel" / "obfuscate.py", ROOT / "serving" / "pipeline" / "obfuscation.py"]
+OBF_MODEL_SOURCES = [ROOT / "tinymodel" / "obfuscate.py", ROOT / "serving" / "pipeline" / "obfuscation" / "mapping.py"]
 # A public test key, not a secret: the obfuscated tiny model exists to prove the boundary.
 OBF_TEST_KEY = "motorsite-test-obfuscation-key-v1"
 MARKER = ".motorsite-complete"

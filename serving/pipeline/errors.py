@@ -14,9 +14,10 @@ MotorError                      carries status, OpenAI ``type``, ``param`` and `
  |                              cannot do token-only at all; the native path may serve it instead
  +-- DerenderError              derender failed after inference: 502/504, never re-runs inference
  +-- NoCapacity                 no instance can take the request (503)
+ |    +-- TriggerMultiPromptStream  placed on Trigger with several prompts, streaming: native path
  +-- RateLimited                429 with ``Retry-After``
  |    +-- QueueFull             admission queue full
- |    +-- TokenRateLimited      a key's tokens per minute (router/rate_limit.py)
+ |    +-- TokenRateLimited      a key's tokens per minute (flow_control/rate_limit.py)
  +-- AdmissionTimeout           waited past the admission deadline: 503
 
 Fault domains stay apart (architecture invariant 4), so each layer raises only its own kind.
@@ -120,6 +121,10 @@ class DerenderError(MotorError):
 class NoCapacity(MotorError):
     status = 503
     type = "ServiceUnavailableError"
+
+
+class TriggerMultiPromptStream(NoCapacity):
+    """A multi-prompt streaming request was placed on Trigger: the RFC serves it natively."""
 
 
 class RateLimited(MotorError):

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from serving.pipeline import metric_names as names
 from serving.pipeline.errors import EngineError
+from serving.pipeline.metric_names import Family
 
 BUCKET_S = 10
 BUCKETS = 60
@@ -163,12 +166,16 @@ class TimedEvents:
     and the stream's owner (the engine client's context manager) still closes the stream itself.
     """
 
-    def __init__(self, instance: str, events: AsyncIterator[dict[str, Any]], registry: MetricsRegistry | None = None) -> None:
+    def __init__(
+        self, instance: str, events: AsyncIterator[dict[str, Any]], registry: MetricsRegistry | None = None,
+        *, clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self._instance = instance
         self._events = events
         self._registry = registry or REGISTRY
+        self._clock = clock  # monotonic seconds; durations only, so not the registry's wall clock
         # Established (HTTP 200) is the start: the engine sends headers before it has a token.
-        self._start = time.perf_counter()
+        self._start = clock()
         self._first: float | None = None
         self._last = 0.0
         self._tokens = 0
@@ -188,7 +195,7 @@ class TimedEvents:
             raise
         tokens = sum(len(c.get("token_ids") or ()) for c in event.get("choices") or ())
         if tokens:
-            now = time.perf_counter()
+            now = self._clock()
             if self._first is None:
                 self._first = now
             self._last = now
@@ -218,34 +225,45 @@ def snapshot() -> dict[str, InstanceSeries]:
 
 
 def prometheus_text(series: dict[str, InstanceSeries], in_flight_tokens: dict[str, int] | None = None) -> str:
-    """Render totals in Prometheus' text exposition format (counters and sums, one series per instance)."""
-    lines: list[str] = []
-
-    def family(name: str, kind: str, help_: str, values: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        for instance, value in values:
-            lines.append(f'{name}{{instance="{label_value(instance)}"}} {value!r}')
-
-    names = sorted(series)
-    family("motor_engine_requests_total", "counter", "Engine requests finished (ok or failed).",
-           [(n, float(series[n].requests_total)) for n in names])
-    family("motor_engine_errors_total", "counter", "Engine requests that failed on the engine's side.",
-           [(n, float(series[n].errors_total)) for n in names])
-    family("motor_engine_ttft_seconds_sum", "counter", "Sum of time to first token.",
-           [(n, series[n].ttft_sum_s) for n in names])
-    family("motor_engine_ttft_seconds_count", "counter", "Requests with a measured time to first token.",
-           [(n, float(series[n].ttft_count)) for n in names])
-    family("motor_engine_tpot_seconds_sum", "counter", "Sum of time per output token.",
-           [(n, series[n].tpot_sum_s) for n in names])
-    family("motor_engine_tpot_seconds_count", "counter", "Streams with a measured time per output token.",
-           [(n, float(series[n].tpot_count)) for n in names])
+    """Render totals in Prometheus' text exposition format (counters and summaries, one series per instance)."""
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for name, s in series.items():
+        labels = (("instance", name),)
+        samples[(names.ENGINE_REQUESTS.name, labels)] = float(s.requests_total)
+        samples[(names.ENGINE_ERRORS.name, labels)] = float(s.errors_total)
+        samples[(names.ENGINE_TTFT.name + "_sum", labels)] = s.ttft_sum_s
+        samples[(names.ENGINE_TTFT.name + "_count", labels)] = float(s.ttft_count)
+        samples[(names.ENGINE_TPOT.name + "_sum", labels)] = s.tpot_sum_s
+        samples[(names.ENGINE_TPOT.name + "_count", labels)] = float(s.tpot_count)
+    declare = [names.ENGINE_REQUESTS, names.ENGINE_ERRORS, names.ENGINE_TTFT, names.ENGINE_TPOT]
     if in_flight_tokens is not None:
-        family("motor_engine_in_flight_tokens", "gauge", "Prompt + output tokens this process has in flight.",
-               [(n, float(v)) for n, v in sorted(in_flight_tokens.items())])
-    return "\n".join(lines) + "\n"
+        declare.append(names.ENGINE_IN_FLIGHT_TOKENS)
+        for name, value in in_flight_tokens.items():
+            samples[(names.ENGINE_IN_FLIGHT_TOKENS.name, (("instance", name),))] = float(value)
+    return "\n".join(names.exposition(samples, declare=tuple(declare))) + "\n"
 
 
-def label_value(value: str) -> str:
-    """Escape a Prometheus label value."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class RouterCounters:
+    """Counters of routing decisions and phase outcomes, rendered by ``/metrics``.
+
+    Keys are ``(name, labels)`` with labels a sorted tuple of ``(label, value)`` pairs, e.g.
+    ``("motor_route_decisions_total", (("path", "native"), ("reason", "echo")))``. Families come
+    from ``metric_names``; ``inc`` raises ``ValueError`` for labels the family does not declare.
+    """
+
+    def __init__(self) -> None:
+        self._counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+
+    def inc(self, family: Family, **labels: str) -> None:
+        family.check(labels)
+        self._counts[(family.name, tuple(sorted(labels.items())))] += 1
+
+    def get(self, family: Family | str, **labels: str) -> int:
+        name = family if isinstance(family, str) else family.name
+        return self._counts[(name, tuple(sorted(labels.items())))]
+
+    def snapshot(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], int]:
+        return dict(self._counts)
+
+    def clear(self) -> None:
+        self._counts.clear()

@@ -26,7 +26,7 @@ class RenderView:
     obfuscation: bool = False
     obfuscation_key_id: str = ""  # which key; the key itself never enters the snapshot
     streaming_derender: bool = True  # False: the sidecar is older than 0.27, streams take the native path
-    # Merge engine chunks queued behind a streaming derender (render/coalesce.py). On in the
+    # Merge engine chunks queued behind a streaming derender (derender/coalesce.py). On in the
     # database (RenderConfig); off for hand-built snapshots, whose tests count one call per event.
     derender_coalesce: bool = False
 
@@ -77,11 +77,3 @@ class FleetSnapshot:
     # client key record exists (even revoked): from then on only these keys open /v1.
     client_keys: Mapping[str, ClientKeyView] = field(default_factory=dict)
     client_keys_managed: bool = False
-
-    def union_instances(self, model: str) -> list[InstanceView]:
-        """Instances that can serve ``model`` token-only on their own, in a stable order."""
-        return [
-            i
-            for i in self.instances
-            if i.model == model and i.role == "union" and i.token_generate and i.takes_new_requests
-        ]

@@ -21,12 +21,14 @@ import pytest
 
 from motorsite import stack
 from motorsite.supervisor import Supervisor, free_port
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.requests import engine_request
+from serving.pipeline.placement.scheduler import LoadTracker
 from serving.pipeline.render.client import RenderClient
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.scheduler import LoadTracker
-from serving.pipeline.router.token_only import engine_request
-from serving.pipeline.router.topologies import PDContext, PDPolicy, run_handoff
 from serving.pipeline.snapshot import InstanceView
+from serving.pipeline.topologies.handoff import run_handoff
+from serving.pipeline.topologies.hybrid import PDPolicy
+from serving.pipeline.topologies.pd import PDContext
 
 from .conftest import API_KEY, _coordinator
 

@@ -14,8 +14,8 @@ import pytest
 from enginesim.kvcache import block_stored
 from motorsite import tiers
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port
-from serving.pipeline.router.kv_affinity import KVAffinityIndex, block_size_from_metrics
-from serving.pipeline.router.kv_events import KVEventSubscriber
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex, block_size_from_metrics
+from serving.pipeline.placement.kv_events import KVEventSubscriber
 
 pytestmark = pytest.mark.integration
 

@@ -29,10 +29,10 @@ import pytest
 from motorsite import stack
 from motorsite import tiers as tier_commands
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port
-from serving.pipeline.obfuscation import TokenMapping, deobfuscate_response, obfuscate_request
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.requests import engine_request, sorted_choices
+from serving.pipeline.obfuscation.mapping import TokenMapping, deobfuscate_response, obfuscate_request
 from serving.pipeline.render.client import RenderClient
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.token_only import engine_request, sorted_choices
 from serving.pipeline.snapshot import InstanceView
 
 # The first test's setup starts the session's tiers and then this module's two engines, one

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from motorsite import stack
 from motorsite import tiers as tier_commands
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port
-from serving.pipeline.render.coalesce import merge_events
+from serving.pipeline.derender.coalesce import merge_events
 
 from .conftest import API_KEY
 

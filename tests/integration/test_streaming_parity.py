@@ -3,7 +3,7 @@
 The reference is a real union engine's own ``/v1/chat/completions`` / ``/v1/completions`` with the
 same body. Streaming requests with stop strings stay on the token-only path (the engines load a
 tokenizer, so they stop on the string themselves; the coordinator holds back and cuts, see
-``serving/pipeline/render/holdback.py``). Every test runs against a coordinator with derender
+``serving/pipeline/dederender/holdback.py``). Every test runs against a coordinator with derender
 coalescing on (the database default) and one with it off. Compared per choice: concatenated
 text, concatenated logprobs, finish and stop reason; and the usage chunk.
 """

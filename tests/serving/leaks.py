@@ -10,7 +10,7 @@ import asyncio
 import gc
 from typing import Any
 
-from serving.pipeline.router.scheduler import Scheduler
+from serving.pipeline.placement.scheduler import Scheduler
 
 
 def _is_asyncgen_finalizer(task: asyncio.Task[Any]) -> bool:

@@ -14,12 +14,13 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 import pytest
 
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
+from serving.pipeline.metrics import RouterCounters
+from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
-from serving.pipeline.router.breaker import BreakerBoard
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.flow_control import AdmissionSettings, TokenAdmission
-from serving.pipeline.router.scheduler import LoadTracker, Scheduler
-from serving.pipeline.service import RouterCounters, ServingPipeline
+from serving.pipeline.resilience.breaker import BreakerBoard
+from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams, SSEBody, fleet_snapshot, instance
 from tests.serving.leaks import assert_nothing_held

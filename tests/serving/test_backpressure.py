@@ -19,12 +19,13 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-from serving.pipeline import service
-from serving.pipeline.render import coalesce
+from serving.pipeline.derender import coalesce
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.requests import GENERATE_PREFIX
+from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.scheduler import LoadTracker, Scheduler
 from serving.pipeline.service import EventStream, ServingPipeline
+from serving.pipeline.streaming import fanout
 from tests.serving.fakes import (
     MODEL,
     RENDER_URL,
@@ -79,7 +80,7 @@ def pulled(upstreams: FakeUpstreams) -> Counter[str]:
 @pytest.fixture(params=[False, True], ids=["coalesce-off", "coalesce-on"])
 def pipeline(request: pytest.FixtureRequest, mock_client: httpx.AsyncClient, scheduler: Scheduler,
              monkeypatch: pytest.MonkeyPatch) -> ServingPipeline:
-    monkeypatch.setattr(service, "MERGE_QUEUE_SIZE", QUEUE)
+    monkeypatch.setattr(fanout, "MERGE_QUEUE_SIZE", QUEUE)
     monkeypatch.setattr(coalesce, "MAX_PENDING", PENDING)
     snap = fleet_snapshot()
     snap = dataclasses.replace(snap, render=dataclasses.replace(snap.render, derender_coalesce=request.param))
@@ -165,7 +166,7 @@ async def test_a_client_that_leaves_while_producers_wait_releases_everything(
         await frames.aclose()  # the client hangs up while every producer is blocked
     assert upstreams.open_streams == set()
     assert sorted(rid for _, rid in upstreams.aborted_ids()) == sorted(
-        service.GENERATE_PREFIX + g.body["request_id"] for g in upstreams.calls_of("generate"))
+        GENERATE_PREFIX + g.body["request_id"] for g in upstreams.calls_of("generate"))
     assert scheduler.load.snapshot() == {}
     assert scheduler.admission.inflight_tokens() == {}
     gc.collect(1)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from serving.pipeline.router.breaker import BreakerBoard, State
+from serving.pipeline.resilience.breaker import BreakerBoard, State
 from tests.serving.fakes import instance
 
 E1 = instance("e1")

@@ -1,4 +1,4 @@
-"""Coalescing of engine events while derender is busy (serving/pipeline/render/coalesce.py)."""
+"""Coalescing of engine events while derender is busy (serving/pipeline/dederender/coalesce.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving.pipeline.render.coalesce import coalesced, event_choice_index, merge_events
+from serving.pipeline.derender.coalesce import coalesced, event_choice_index, merge_events
 
 
 def token_event(index: int, ids: list[int], *, finish: str | None = None, logprobs: bool = True,

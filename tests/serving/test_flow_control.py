@@ -11,7 +11,7 @@ from typing import AsyncIterator
 import pytest
 
 from serving.pipeline.errors import AdmissionTimeout, QueueFull
-from serving.pipeline.router.flow_control import AdmissionSettings, RedisTokenAdmission, TokenAdmission
+from serving.pipeline.flow_control.admission import AdmissionSettings, RedisTokenAdmission, TokenAdmission
 from tests import prerequisites
 from tests.serving.fakes import instance
 

@@ -1,4 +1,4 @@
-"""Stop-string hold-back on the streaming token-only path (serving/pipeline/render/holdback.py).
+"""Stop-string hold-back on the streaming token-only path (serving/pipeline/dederender/holdback.py).
 
 The reference is a transcription of vLLM's ``BaseIncrementalDetokenizer.update`` /
 ``get_next_output_text`` and ``check_stop_strings`` (vllm/v1/engine/detokenizer.py), fed one
@@ -13,7 +13,7 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving.pipeline.render.holdback import ChunkHoldback, StopHoldback, derender_request, stop_strings
+from serving.pipeline.derender.holdback import ChunkHoldback, StopHoldback, derender_request, stop_strings
 
 
 def check_stop_strings(output_text: str, new_char_count: int, stop: list[str], include: bool) -> tuple[str, int] | None:

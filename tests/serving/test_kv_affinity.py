@@ -14,8 +14,8 @@ from enginesim import SimConfig
 from enginesim.kvcache import block_hashes as sim_hashes
 from enginesim.testing import LiveServer, eventually, gen_body
 from motorsite.supervisor import free_port
-from serving.pipeline.router.kv_affinity import KVAffinityIndex, block_size_from_metrics, chain_hashes
-from serving.pipeline.router.kv_events import KVEventSubscriber, decode_message, subscriber_address
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex, block_size_from_metrics, chain_hashes
+from serving.pipeline.placement.kv_events import KVEventSubscriber, decode_message, subscriber_address
 
 BS = 128
 SYSTEM = list(range(1000, 1000 + 3 * BS))  # a shared three-block prefix
@@ -246,7 +246,7 @@ def test_it_scores_like_probing_each_instance_after_any_history() -> None:
 
 
 async def test_it_keeps_one_subscriber_per_instance_in_sync_with_the_fleet() -> None:
-    from serving.pipeline.router.kv_events import KVEventHub
+    from serving.pipeline.placement.kv_events import KVEventHub
 
     index = KVAffinityIndex()
     hub = KVEventHub(index, topic="kv")

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 from django.test import AsyncClient
 
-from serving.pipeline.router import metaserver as metaserver_module
-from serving.pipeline.router.metaserver import CALLBACK_PATH, CallbackRefused, CallbackState, MetaServer
+from serving.pipeline.topologies import metaserver as metaserver_module
+from serving.pipeline.topologies.metaserver import CALLBACK_PATH, CallbackRefused, CallbackState, MetaServer
 
 BASE = "http://127.0.0.1:8000"
 

@@ -7,7 +7,8 @@ from typing import Any, AsyncIterator
 import pytest
 
 from serving.pipeline.errors import EngineError
-from serving.pipeline.metrics import MetricsRegistry, TimedEvents, prometheus_text
+from serving.pipeline.metric_names import FAMILIES, ROUTE_DECISIONS, exposition
+from serving.pipeline.metrics import MetricsRegistry, RouterCounters, TimedEvents, prometheus_text
 
 
 class Clock:
@@ -68,14 +69,26 @@ def _tok(n: int) -> dict[str, Any]:
     return {"choices": [{"index": 0, "token_ids": list(range(n))}]}
 
 
+async def _timed_events(clock: Clock, steps: list[tuple[float, dict[str, Any]]]) -> AsyncIterator[dict[str, Any]]:
+    """Each event arrives ``delay`` seconds (on ``clock``) after the one before."""
+    for delay, event in steps:
+        clock.now += delay
+        yield event
+
+
 async def test_it_times_a_stream_once_when_it_ends() -> None:
+    clock = Clock(50.0)
     reg = MetricsRegistry(clock=Clock())
-    timed = TimedEvents("e1", _events([_tok(1), _tok(1), {"choices": []}, _tok(2)]), reg)
+    # Established at 50.0; tokens at 50.25 (1), 50.5 (1), an empty event at 50.75, then 2 at 51.5.
+    events = _timed_events(clock, [(0.25, _tok(1)), (0.25, _tok(1)), (0.25, {"choices": []}), (0.75, _tok(2))])
+    timed = TimedEvents("e1", events, reg, clock=clock)
     got = [e async for e in timed]
     assert len(got) == 4
     series = reg.snapshot()["e1"]
     assert (series.requests_total, series.errors_total, series.ttft_count, series.tpot_count) == (1, 0, 1, 1)
-    assert series.ttft_sum_s >= 0 and series.tpot_sum_s >= 0
+    # TTFT: 200 -> first token. TPOT: (last token - first token) / (4 tokens - 1).
+    assert series.ttft_sum_s == pytest.approx(0.25)
+    assert series.tpot_sum_s == pytest.approx((51.5 - 50.25) / 3)
 
 
 async def test_it_counts_a_stream_that_fails_as_an_error() -> None:
@@ -104,3 +117,44 @@ def test_it_renders_prometheus_text() -> None:
     assert 'motor_engine_ttft_seconds_sum{instance="we\\"ird"} 0.25' in text
     assert 'motor_engine_in_flight_tokens{instance="e1"} 3.0' in text
     assert text.endswith("\n")
+
+
+def test_it_names_every_family_the_prometheus_way() -> None:
+    for family in FAMILIES.values():
+        assert family.name.startswith("motor_"), family
+        # Counters and only counters end in _total; timings are summaries in base units.
+        assert family.name.endswith("_total") == (family.type == "counter"), family
+        if family.type == "summary":
+            assert family.name.endswith("_seconds"), family
+
+
+def test_it_refuses_labels_a_family_does_not_declare() -> None:
+    counters = RouterCounters()
+    with pytest.raises(ValueError, match="takes labels"):
+        counters.inc(ROUTE_DECISIONS, path="native")
+    counters.inc(ROUTE_DECISIONS, path="native", reason="echo")
+    assert counters.get(ROUTE_DECISIONS, path="native", reason="echo") == 1
+    assert counters.get("motor_route_decisions_total", path="native", reason="echo") == 1
+
+
+def test_it_declares_each_family_once_before_its_series() -> None:
+    reg = MetricsRegistry(clock=Clock())
+    reg.record_request("e1", 0.5, 0.1, ok=True)
+    reg.record_request("e2", 0.25, None, ok=True)
+    lines = prometheus_text(reg.snapshot()).splitlines()
+    assert lines.count("# TYPE motor_engine_ttft_seconds summary") == 1
+    header = lines.index("# TYPE motor_engine_ttft_seconds summary")
+    assert lines[header + 1:header + 5] == [
+        'motor_engine_ttft_seconds_count{instance="e1"} 1.0', 'motor_engine_ttft_seconds_count{instance="e2"} 1.0',
+        'motor_engine_ttft_seconds_sum{instance="e1"} 0.5', 'motor_engine_ttft_seconds_sum{instance="e2"} 0.25',
+    ]
+    with pytest.raises(KeyError):
+        exposition({("motor_not_registered_total", ()): 1.0})
+
+
+def test_it_exports_every_engine_family_even_when_idle() -> None:
+    text = prometheus_text({}, {})
+    for family in ("motor_engine_requests_total counter", "motor_engine_ttft_seconds summary",
+                   "motor_engine_in_flight_tokens gauge"):
+        assert f"# TYPE {family}" in text
+    assert "motor_engine_in_flight_tokens" not in prometheus_text({})  # no gauge asked for

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 import pytest
 
+from serving.pipeline.engine.native import NativeStream, native_reason
 from serving.pipeline.errors import EngineError, NoCapacity, RequestError, UpstreamRequestError
-from serving.pipeline.router.native import NativeStream, native_reason
 from tests.serving.fakes import MODEL, FakeUpstreams, error_json
 from tests.serving.router_fakes import Rig, assert_no_leaks, chat_body, engine, make_rig, respond, snapshot_with
 
@@ -151,6 +152,8 @@ async def test_a_not_found_error_about_the_model_is_the_requests_fault(rig: Rig)
 
 async def test_a_missing_capability_with_obfuscation_on_is_not_sent_native(rig: Rig) -> None:
     rig.upstreams.override("e1", "generate", respond(404, {"detail": "Not Found"}))
+    # The engines carry the deployment's key: only such engines may take obfuscated traffic.
+    keyed = [replace(e, obfuscation_key_id="k1") for e in PLAIN]
     with pytest.raises(EngineError):
-        await rig.pipeline(snapshot_with(*PLAIN, obfuscation=True)).chat(chat_body(), "n14")
+        await rig.pipeline(snapshot_with(*keyed, obfuscation=True, obfuscation_key_id="k1")).chat(chat_body(), "n14")
     assert rig.native.calls == []

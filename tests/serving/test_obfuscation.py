@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from enginesim import SimConfig
 from enginesim.testing import LiveServer
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.errors import RequestError
-from serving.pipeline.obfuscation import (
+from serving.pipeline.obfuscation.mapping import (
     ObfuscatedOutputInvalid,
     ObfuscationKeyError,
     ObfuscationRefused,
@@ -24,20 +26,16 @@ from serving.pipeline.obfuscation import (
     deobfuscate_event,
     deobfuscate_response,
     eligible,
-    eligible_instances,
     key_id,
     load_error,
     mapping_for,
-    native_fallback_allowed,
     obfuscate_request,
     permutation,
     register_mapping,
     require_mapping,
-    traffic_snapshot,
 )
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.token_only import engine_request
-from serving.pipeline.snapshot import InstanceView, RenderView
+from serving.pipeline.placement import filters
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView, RenderView
 
 KEY = b"unit-test-obfuscation-key-0001"
 VOCAB = 512
@@ -255,7 +253,11 @@ def test_it_requires_the_configured_key_when_obfuscation_is_on() -> None:
     with pytest.raises(ObfuscationKeyError, match="no key id"):
         require_mapping(dataclasses.replace(ON, obfuscation_key_id=""), MAPPING)
     assert ObfuscationKeyError("x").status == 400
-    assert native_fallback_allowed(OFF) and not native_fallback_allowed(ON)
+
+
+def key_pool(instances: list[InstanceView], render: RenderView) -> list[InstanceView]:
+    snapshot = FleetSnapshot(version=1, models={}, render=render, instances=tuple(instances))
+    return filters.eligible_instances(snapshot, instances[0].model)
 
 
 def inst(name: str, key: str = "") -> InstanceView:
@@ -276,13 +278,14 @@ def test_it_keeps_mismatched_instances_out_of_traffic() -> None:
     assert eligible(plain, OFF) == (True, "")
     ok, why = eligible(keyed, OFF)
     assert not ok and "obfuscation is off" in why
-    assert eligible_instances([plain, keyed, other], ON) == [keyed]
-    assert eligible_instances([plain, keyed, other], OFF) == [plain]
+    # Placement's eligibility set applies the same verdict to the deployment's traffic.
+    assert key_pool([plain, keyed, other], ON) == [keyed]
+    assert key_pool([plain, keyed, other], OFF) == [plain]
     # Rotation: a new key id on the render config moves traffic to the engines that declare it.
     rotated = TokenMapping.from_key(b"rotated-key-0002-for-tests", VOCAB)
     new = inst("new", rotated.key_id)
     on2 = dataclasses.replace(ON, obfuscation_key_id=rotated.key_id)
-    assert eligible_instances([keyed, new], on2) == [new]
+    assert key_pool([keyed, new], on2) == [new]
 
 
 # --- a keyed simulator behind the boundary ---------------------------------------------------
@@ -337,9 +340,10 @@ def big_sim() -> Iterator[LiveServer]:
 
 
 def _pipeline(http: httpx.AsyncClient, sim: LiveServer, render: RenderView, key: str) -> Any:
+    from serving.pipeline.obfuscation.boundary import EngineBoundary
+    from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
     from serving.pipeline.render.client import RenderClient
-    from serving.pipeline.router.scheduler import LoadTracker, Scheduler
-    from serving.pipeline.service import EngineBoundary, ServingPipeline
+    from serving.pipeline.service import ServingPipeline
     from tests.serving.fakes import RENDER_URL, fleet_snapshot
 
     snap = dataclasses.replace(
@@ -347,10 +351,8 @@ def _pipeline(http: httpx.AsyncClient, sim: LiveServer, render: RenderView, key:
         render=dataclasses.replace(render, base_url=RENDER_URL),
     )
     mapping = require_mapping(snap.render, mapping_for(snap))
-    from serving.pipeline.obfuscation import traffic_snapshot
-
     return ServingPipeline(
-        traffic_snapshot(snap), RenderClient(http, RENDER_URL, 5.0), EngineClient(http), Scheduler(LoadTracker()),
+        snap, RenderClient(http, RENDER_URL, 5.0), EngineClient(http), Scheduler(LoadTracker()),
         boundary=EngineBoundary(mapping),
     )
 
@@ -374,7 +376,7 @@ async def test_it_serves_chat_and_multi_prompt_completions_through_the_boundary(
         big_sim.reset()
         pipeline = _pipeline(http, big_sim, on, BIG.key_id)
         # e2 (plain weights) is not even a candidate: nothing can reach its dead address.
-        assert [i.name for i in pipeline.snapshot.instances] == ["e1"]
+        assert [i.name for i in pipeline.scheduler.pool(pipeline.snapshot, "tiny")] == ["e1"]
         await pipeline.chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}, "c1")
         stats = (await http.get(f"{big_sim.url}/sim/stats")).json()
         assert stats["last_token_ids"] == BIG.to_physical(CHAT_PROMPT)
@@ -411,10 +413,10 @@ async def test_it_refuses_all_traffic_without_the_configured_key(big_sim: LiveSe
 
 
 def test_it_leaves_a_plain_deployment_unchanged() -> None:
-    from tests.serving.fakes import fleet_snapshot
+    from tests.serving.fakes import MODEL, fleet_snapshot
 
     snap = fleet_snapshot()
-    assert traffic_snapshot(snap) is snap
+    assert filters.eligible_instances(snap, MODEL) == list(snap.instances)
     assert mapping_for(snap) is None and require_mapping(snap.render, None) is None
 
 

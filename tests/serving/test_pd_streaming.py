@@ -23,17 +23,17 @@ from django.core.asgi import get_asgi_application
 
 from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer, eventually
+from serving.pipeline.derender.session import StreamSettings
+from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.errors import NoCapacity
+from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
-from serving.pipeline.render.streaming import StreamSettings
-from serving.pipeline.router import metaserver as metaserver_module
-from serving.pipeline.router.breaker import BreakerBoard
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.metaserver import MetaServer
-from serving.pipeline.router.scheduler import LoadTracker, Scheduler
-from serving.pipeline.router.topologies import PDPolicy, pd_topology_policy
+from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import EventStream, ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
+from serving.pipeline.topologies import metaserver as metaserver_module
+from serving.pipeline.topologies.hybrid import PDPolicy, pd_topology_policy
+from serving.pipeline.topologies.metaserver import MetaServer
 from tests.pd_sims import pd_sim_fixtures, sim_server
 from tests.serving.fakes import CHAT_PROMPT, MODEL, RENDER_URL, parse_frames
 
@@ -136,8 +136,7 @@ async def rig_factory(
         )
         scheduler = Scheduler(LoadTracker(), breakers=BreakerBoard())
         scheduler.topology_policy = pd_topology_policy(
-            lambda i: scheduler.load.inflight(i.name) / max(i.weight, 1), eligible=scheduler.eligible,
-            policy=PDPolicy(min_prompt_tokens=1),
+            lambda i: scheduler.load.inflight(i.name) / max(i.weight, 1), policy=PDPolicy(min_prompt_tokens=1),
         )
         engines = RecordingEngines(http)
         pipeline = ServingPipeline(

@@ -14,6 +14,8 @@ from typing import Any, Callable
 import httpx
 import pytest
 
+from serving.pipeline.derender.session import StreamSettings
+from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.errors import (
     DerenderError,
     EngineBusy,
@@ -23,10 +25,8 @@ from serving.pipeline.errors import (
     UpstreamRequestError,
     error_body,
 )
+from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
-from serving.pipeline.render.streaming import StreamSettings
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.scheduler import LoadTracker, Scheduler
 from serving.pipeline.service import EventStream, ServingPipeline
 from tests.serving.fakes import (
     CHAT_PROMPT,

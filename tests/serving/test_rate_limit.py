@@ -12,8 +12,8 @@ from django.test import AsyncClient
 from catalog.models import RenderConfig, ServedModel
 from fleet.services import api_key_create
 from serving import snapshots
-from serving.pipeline.router import rate_limit
-from serving.pipeline.router.rate_limit import KeyLimit, TokenRateLimited, TokenRateLimiter
+from serving.pipeline.flow_control import rate_limit
+from serving.pipeline.flow_control.rate_limit import KeyLimit, TokenRateLimited, TokenRateLimiter
 
 
 class Clock:

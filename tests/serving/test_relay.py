@@ -16,11 +16,11 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 import pytest
 
+from serving.pipeline.derender.session import StreamSettings
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
-from serving.pipeline.render.streaming import StreamSettings
-from serving.pipeline.router.breaker import BreakerBoard
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.scheduler import LoadTracker, Scheduler
+from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import EventStream, ServingPipeline
 from tests.serving.fakes import (
     CHAT_PROMPT,
@@ -401,8 +401,8 @@ async def test_one_derender_retry_succeeds_with_the_same_state(
 async def test_relay_with_obfuscation_replays_semantic_ids_re_obfuscated(
     mock_client: httpx.AsyncClient, scheduler: Scheduler, engines: ContextEngines, upstreams: FakeUpstreams,
 ) -> None:
-    from serving.pipeline.obfuscation import TokenMapping
-    from serving.pipeline.service import EngineBoundary
+    from serving.pipeline.obfuscation.boundary import EngineBoundary
+    from serving.pipeline.obfuscation.mapping import TokenMapping
 
     mapping = TokenMapping.from_key(b"relay-test-obfuscation-key-0001", 152000)
     pipeline = ServingPipeline(
@@ -427,7 +427,7 @@ async def test_relay_with_obfuscation_replays_semantic_ids_re_obfuscated(
 
 
 def test_retry_plan_replays_committed_ids_with_the_rest_of_the_budget() -> None:
-    from serving.pipeline.router.rescheduler import RetryRequestPlan
+    from serving.pipeline.streaming.relay import RetryRequestPlan
 
     base = {"request_id": "chatcmpl-x", "token_ids": [1, 2], "sampling_params": {"max_tokens": 10, "min_tokens": 4}}
     plan = RetryRequestPlan.build(base, [1, 2], [7, 8, 9], attempt=2)

@@ -11,9 +11,9 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
+from serving.pipeline.engine.native import NativeStream, native_reason
 from serving.pipeline.errors import NoCapacity, RequestError, error_body
 from serving.pipeline.render.live import LiveStreams
-from serving.pipeline.router.native import NativeStream, native_reason
 from serving.pipeline.service import EventStream
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams
 from tests.serving.router_fakes import Rig, assert_no_leaks, chat_body, engine, make_rig, snapshot_with

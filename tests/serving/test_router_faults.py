@@ -19,8 +19,8 @@ from serving.pipeline.errors import (
     RequestError,
     UpstreamRequestError,
 )
-from serving.pipeline.router.breaker import BreakerBoard, State
-from serving.pipeline.router.flow_control import AdmissionSettings, TokenAdmission
+from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
+from serving.pipeline.resilience.breaker import BreakerBoard, State
 from tests.serving.fakes import CHAT_PROMPT, MODEL, FakeUpstreams, completion_prompt_ids, error_json
 from tests.serving.router_fakes import (
     Rig,

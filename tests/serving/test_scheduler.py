@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from serving.pipeline.errors import NoCapacity
-from serving.pipeline.router.breaker import BreakerBoard
-from serving.pipeline.router.flow_control import TokenAdmission
-from serving.pipeline.router.scheduler import LoadTracker, Placement, Scheduler
+from serving.pipeline.flow_control.admission import TokenAdmission
+from serving.pipeline.placement.scheduler import LoadTracker, Placement, Scheduler
+from serving.pipeline.resilience.breaker import BreakerBoard
 from tests.serving.fakes import MODEL, fleet_snapshot, instance
 
 E1, E2 = instance("e1"), instance("e2")

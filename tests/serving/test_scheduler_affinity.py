@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from enginesim.kvcache import EventPublisher, PrefixCache
-from serving.pipeline import obfuscation
-from serving.pipeline.router.breaker import BreakerBoard
-from serving.pipeline.router.flow_control import TokenAdmission
-from serving.pipeline.router.kv_affinity import KVAffinityIndex
-from serving.pipeline.router.scheduler import LoadTracker, Placement, Scheduler
-from serving.pipeline.router.topologies import PDPolicy, pd_topology_policy
+from serving.pipeline.flow_control.admission import TokenAdmission
+from serving.pipeline.obfuscation import mapping as obfuscation
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex
+from serving.pipeline.placement.scheduler import LoadTracker, Placement, Scheduler
+from serving.pipeline.resilience.breaker import BreakerBoard
+from serving.pipeline.topologies.hybrid import PDPolicy, pd_topology_policy
 from tests.serving.fakes import MODEL, fleet_snapshot, instance
 
 E1, E2 = instance("e1"), instance("e2")
@@ -136,7 +136,9 @@ def test_obfuscation_scores_and_records_physical_ids() -> None:
     mapping = obfuscation.TokenMapping.from_key(b"affinity-test-key", 4096)
     obfuscation.register_mapping(mapping)
     try:
-        snap = fleet_snapshot(E1, E2)
+        # Engines that take obfuscated traffic declare the deployment's key id.
+        e1, e2 = (replace(e, obfuscation_key_id=mapping.key_id) for e in (E1, E2))
+        snap = fleet_snapshot(e1, e2)
         snap = replace(snap, render=replace(snap.render, obfuscation=True, obfuscation_key_id=mapping.key_id))
         physical = mapping.to_physical(PREFIX)
         assert physical != PREFIX
@@ -145,7 +147,7 @@ def test_obfuscation_scores_and_records_physical_ids() -> None:
         assert s.affinity is not None
         s.affinity.record("e2", physical)
         s.affinity.record("e1", PREFIX)  # the semantic ids no engine ever sees
-        assert s.place(snap, MODEL, prompt(1)) == Placement("union", (E2,), 3)
+        assert s.place(snap, MODEL, prompt(1)) == Placement("union", (e2,), 3)
 
         fresh = [(11 * i + 5) % 4000 for i in range(2 * BLOCK)]
         placed = s.place(snap, MODEL, fresh)
@@ -165,7 +167,7 @@ def test_the_topology_policy_gets_engine_ids_and_a_cached_tokens_lookup_of_its_s
     snap = fleet_snapshot(E1, E2, p, d)
     assert s.cached_tokens(snap, MODEL, shifted) == {"e2": 3 * BLOCK}
     seen: list[list[int]] = []
-    pd = pd_topology_policy(lambda _i: 0.0, eligible=s.eligible, cached_tokens=s.cached_tokens,
+    pd = pd_topology_policy(lambda _i: 0.0, cached_tokens=s.cached_tokens,
                             policy=PDPolicy(min_prompt_tokens=1))
 
     def policy(snapshot, model, ids, candidates, exclude):  # type: ignore[no-untyped-def]

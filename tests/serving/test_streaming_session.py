@@ -7,9 +7,9 @@ from typing import Any, AsyncIterator
 
 import pytest
 
+from serving.pipeline.derender.session import ChoicePhase, StreamingRenderSession, StreamSettings
 from serving.pipeline.errors import DerenderError, UpstreamRequestError
 from serving.pipeline.render.client import DerenderRetryable
-from serving.pipeline.render.streaming import ChoicePhase, StreamingRenderSession, StreamSettings
 
 PROMPT = [1, 2, 3]
 

@@ -1,4 +1,4 @@
-"""Unit tests of the engine-request builder (serving.pipeline.router.token_only)."""
+"""Unit tests of the engine-request builder (serving.pipeline.engine.requests)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from serving.pipeline.router.token_only import (
+from serving.pipeline.engine.requests import (
     RENDER_OMITTED_MAX_TOKENS,
     engine_request,
     resolved_max_tokens,

@@ -15,10 +15,10 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 import pytest
 
+from serving.pipeline.engine.native import native_reason
 from serving.pipeline.errors import RenderUnavailable, RequestError, UpstreamRequestError
 from serving.pipeline.render import local_tokenizer as lt
 from serving.pipeline.render.tokenization import local_render, local_unsupported
-from serving.pipeline.router.native import native_reason
 from tests.serving.fakes import CHAT_PROMPT, MODEL, FakeUpstreams, error_json
 from tests.serving.router_fakes import (
     Rig,

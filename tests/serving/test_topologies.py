@@ -21,31 +21,29 @@ from django.core.asgi import get_asgi_application
 
 from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer, eventually
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.leg import GenerateContext
 from serving.pipeline.errors import EngineError, NoCapacity
+from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.tokenization import TokenizedPrompt
-from serving.pipeline.router import metaserver as metaserver_module
-from serving.pipeline.router.engine_client import EngineClient
-from serving.pipeline.router.metaserver import MetaServer
-from serving.pipeline.router.scheduler import LoadTracker, Scheduler
-from serving.pipeline.router.topologies import (
-    RUNNERS,
+from serving.pipeline.resilience.breaker import BreakerBoard
+from serving.pipeline.service import ServingPipeline
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
+from serving.pipeline.topologies import metaserver as metaserver_module
+from serving.pipeline.topologies.handoff import run_handoff
+from serving.pipeline.topologies.hybrid import (
     TRANSFER_TOPOLOGY,
-    PDContext,
     PDPolicy,
     Topology,
     choose_topology,
-    decode_request,
-    leg_ids,
     pd_ineligible,
     pd_instances,
     pd_topology_policy,
-    prefill_request,
-    push_prefill_params,
-    run_handoff,
-    run_trigger,
 )
-from serving.pipeline.service import GenerateContext, ServingPipeline
-from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
+from serving.pipeline.topologies.metaserver import MetaServer
+from serving.pipeline.topologies.pd import PDContext, decode_request, leg_ids, prefill_request
+from serving.pipeline.topologies.registry import TopologyRegistry
+from serving.pipeline.topologies.trigger import push_prefill_params, run_trigger
 from tests.pd_sims import pd_sim_fixtures, sim_server
 
 MODEL = "tiny"
@@ -137,9 +135,36 @@ def test_pd_instances_skips_what_cannot_take_a_leg() -> None:
             dataclasses.replace(inst("p6", "prefill", transfer="pull"), model="other"),
         ),
     )
-    assert pd_instances(snapshot, MODEL, "prefill") == [P1]
-    assert pd_instances(snapshot, MODEL, "prefill", exclude={"p1"}) == []
-    assert pd_instances(snapshot, MODEL, "decode") == [D1]
+    # The live verdict (probe health, the breaker board that adopts p2's open breaker) is the scheduler's.
+    live = Scheduler(LoadTracker()).eligible
+    assert pd_instances(snapshot, MODEL, "prefill", live=live) == [P1]
+    assert pd_instances(snapshot, MODEL, "prefill", live=live, exclude={"p1"}) == []
+    assert pd_instances(snapshot, MODEL, "decode", live=live) == [D1]
+
+
+def test_a_prefill_instance_whose_breaker_opened_gets_its_half_open_trial_like_union() -> None:
+    """P/D and union place from one eligibility set: the breaker board decides, not the snapshot.
+
+    The drift this pins: P/D candidates used to be filtered by the snapshot's breaker_state too.
+    The board's own open transition is written back there, and only the half-open trial (which
+    a request claims) writes the next state, so a P/D instance whose breaker opened on the
+    request path never got its trial and stayed out until an operator reset it; union did not.
+    """
+    now = [100.0]
+    breakers = BreakerBoard(threshold=1, base_open_s=5.0, clock=lambda: now[0])
+    scheduler = Scheduler(LoadTracker(), breakers=breakers)
+    scheduler.topology_policy = pd_topology_policy(lambda _i: 0.0, policy=PDPolicy(min_prompt_tokens=1))
+    p1 = dataclasses.replace(P1, id=11)
+    fleet = (dataclasses.replace(U1, id=1), p1, dataclasses.replace(D1, id=21))
+    snapshot = FleetSnapshot(version=1, models={MODEL: ModelView(MODEL, "/m", 4096)},
+                             render=RenderView(True, "http://r", 5.0), instances=fleet)
+    assert scheduler.place(snapshot, MODEL, list(range(LONG))).names == "p1,d1"
+    breakers.failure(p1, "prefill leg failed")
+    # The write-back reached the database and the next snapshot: p1's breaker is open there.
+    opened = dataclasses.replace(snapshot, version=2, instances=(fleet[0], dataclasses.replace(p1, breaker_state="open"), fleet[2]))
+    assert scheduler.place(opened, MODEL, list(range(LONG))).topology == "union"
+    now[0] += 5.0  # the open time passed: the board lets one trial through, as for union
+    assert scheduler.place(opened, MODEL, list(range(LONG))).names == "p1,d1"
 
 
 @pytest.mark.parametrize(
@@ -566,8 +591,7 @@ async def test_the_router_places_and_runs_pd_through_its_own_legs(
     load = LoadTracker()
     scheduler = Scheduler(load)
     scheduler.topology_policy = pd_topology_policy(
-        lambda i: load.inflight(i.name) / max(i.weight, 1), eligible=scheduler.eligible,
-        policy=PDPolicy(min_prompt_tokens=len(PROMPT)),
+        lambda i: load.inflight(i.name) / max(i.weight, 1), policy=PDPolicy(min_prompt_tokens=len(PROMPT)),
     )
     placement = scheduler.place(snapshot, MODEL, PROMPT, tokens=len(PROMPT) + 12)
     assert (placement.topology, placement.instances) == (TRANSFER_TOPOLOGY[transfer].value, (p, d))
@@ -575,8 +599,8 @@ async def test_the_router_places_and_runs_pd_through_its_own_legs(
     assert scheduler.place(snapshot, MODEL, PROMPT[:10]).topology == "union"
 
     pipeline = ServingPipeline(snapshot, None, EngineClient(http), scheduler)  # type: ignore[arg-type]  # no render needed
-    ctx = GenerateContext(pipeline, "r9", TokenizedPrompt(PROMPT, request("r9")), 0, 0, len(PROMPT) + 12)
-    response = await RUNNERS[placement.topology](ctx, placement, request("r9"))
+    ctx = GenerateContext(pipeline.guard, snapshot, "r9", TokenizedPrompt(PROMPT, request("r9")), 0, 0, len(PROMPT) + 12)
+    response = await TopologyRegistry().runners[placement.topology](ctx, placement, request("r9"))
 
     assert response["choices"][0]["token_ids"] == await reference(http, union)
     assert load.snapshot() == {}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from serving.pipeline.obfuscation import TokenMapping
+from serving.pipeline.obfuscation.mapping import TokenMapping
 from tinymodel.obfuscate import main, obfuscate
 
 KEY = b"tinymodel-obfuscate-test-key"

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from serving.pipeline.errors import DerenderError, RenderUnavailable, UpstreamRequestError
+from serving.pipeline.protocol import TokenKind
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class RenderClient:
 
     async def derender_chunk(
         self,
-        kind: str,
+        kind: TokenKind,
         generate_chunk: dict[str, Any],
         *,
         stream_state: dict[str, Any] | None,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from serving.pipeline.errors import RenderUnavailable, RequestError
+from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.local_tokenizer import LocalTokenizer, LocalTokenizerUnavailable, local_tokenizer
 from serving.pipeline.snapshot import ModelView
@@ -49,7 +50,7 @@ class TokenizedPrompt:
 class TokenizedRequest:
     """A whole request after render: one prompt for chat, one or more for completions."""
 
-    kind: str  # chat | completions
+    kind: TokenKind
     model: str
     prompts: tuple[TokenizedPrompt, ...]
     tokenizer_source: str  # render | local
@@ -83,7 +84,7 @@ _COMPLETIONS_KEYS = _COMMON_KEYS | {"prompt"}
 _DEFAULT_VALUES: tuple[Any, ...] = (None, False, [], {}, "none")
 
 
-def local_unsupported(kind: str, body: Mapping[str, Any]) -> str | None:
+def local_unsupported(kind: TokenKind, body: Mapping[str, Any]) -> str | None:
     """Why the local fallback cannot tokenize ``body`` exactly, or None when it can.
 
     Refused: streaming (its derender needs the sidecar too), any key outside the plain sampling
@@ -154,7 +155,7 @@ class TokenizationService:
         self.health = health or RenderHealth()
         self._loader = loader
 
-    async def tokenize(self, kind: str, body: dict[str, Any], request_id: str) -> TokenizedRequest:
+    async def tokenize(self, kind: TokenKind, body: dict[str, Any], request_id: str) -> TokenizedRequest:
         """Return the request's prompts; raise ``UpstreamRequestError`` for render's verdicts on the
         request, ``NeedsNative`` when only the native path can serve it exactly, and
         ``RenderUnavailable`` when neither render nor the local tokenizer is usable."""
@@ -179,7 +180,7 @@ class TokenizationService:
         return await asyncio.to_thread(self._loader, self.model.model_path)
 
     async def _fallback(
-        self, kind: str, body: dict[str, Any], request_id: str, cause: RenderUnavailable, start: float
+        self, kind: TokenKind, body: dict[str, Any], request_id: str, cause: RenderUnavailable, start: float
     ) -> TokenizedRequest:
         reason = cause.reason
         unsupported = local_unsupported(kind, body)
@@ -194,7 +195,7 @@ class TokenizationService:
         return TokenizedRequest(kind, self.model.name, prompts, "local", reason, (time.perf_counter() - start) * 1000)
 
 
-def _max_tokens(kind: str, body: Mapping[str, Any], prompt_len: int, max_model_len: int) -> int:
+def _max_tokens(kind: TokenKind, body: Mapping[str, Any], prompt_len: int, max_model_len: int) -> int:
     """vLLM's resolution: the client's value, else 16 (completions) or the room left (chat)."""
     room = max_model_len - prompt_len
     if room <= 0:
@@ -217,7 +218,7 @@ def _max_tokens(kind: str, body: Mapping[str, Any], prompt_len: int, max_model_l
     return min(requested, room)
 
 
-def _sampling_params(kind: str, body: Mapping[str, Any], prompt_len: int, max_model_len: int) -> dict[str, Any]:
+def _sampling_params(kind: TokenKind, body: Mapping[str, Any], prompt_len: int, max_model_len: int) -> dict[str, Any]:
     stop = body.get("stop") or []
     params: dict[str, Any] = {
         "n": int(body.get("n") or 1),
@@ -249,7 +250,7 @@ def _text(content: Any) -> Any:
 
 
 def local_render(
-    tok: LocalTokenizer, kind: str, body: Mapping[str, Any], request_id: str, model: ModelView
+    tok: LocalTokenizer, kind: TokenKind, body: Mapping[str, Any], request_id: str, model: ModelView
 ) -> list[dict[str, Any]]:
     """Build the GenerateRequest(s) render would, for a request ``local_unsupported`` accepts."""
     if kind == "chat":

@@ -25,6 +25,8 @@ from typing import Any, AsyncIterator, Mapping
 import httpx
 
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError, error_body
+from serving.pipeline.placement.filters import eligible_instances, union_role
+from serving.pipeline.protocol import ApiKind
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 from serving.pipeline.sse import DONE, frame
 
@@ -38,7 +40,7 @@ NATIVE_PATHS = {
 }
 
 
-def engine_tokenizer_feature(kind: str, body: Mapping[str, Any]) -> str | None:
+def engine_tokenizer_feature(kind: ApiKind, body: Mapping[str, Any]) -> str | None:
     """The feature of ``body`` that needs a tokenizer on the engine, or None.
 
     Stop strings are matched on detokenized text, structured output compiles a grammar over the
@@ -59,7 +61,7 @@ def engine_tokenizer_feature(kind: str, body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def native_reason(kind: str, body: Mapping[str, Any], snapshot: FleetSnapshot, model: str) -> str | None:
+def native_reason(kind: ApiKind, body: Mapping[str, Any], snapshot: FleetSnapshot, model: str) -> str | None:
     """Why ``body`` must take the native path before render, or None for token-only."""
     if kind in ("responses", "messages"):
         return f"api:{kind}"
@@ -71,7 +73,7 @@ def native_reason(kind: str, body: Mapping[str, Any], snapshot: FleetSnapshot, m
     if kind == "completions" and body.get("echo"):
         return "echo"
     feature = engine_tokenizer_feature(kind, body)
-    if feature is not None and not any(i.tokenizer for i in snapshot.union_instances(model)):
+    if feature is not None and not any(i.tokenizer for i in union_role(eligible_instances(snapshot, model))):
         return feature
     return None
 
@@ -81,13 +83,6 @@ NATIVE_HINTS = {
     "no_streaming_derender": "the render sidecar is older than vLLM 0.27 and cannot derender a stream; "
     "send the request with `stream: false`, or upgrade the sidecar",
 }
-
-
-def native_instances(snapshot: FleetSnapshot, model: str) -> list[InstanceView]:
-    return [
-        i for i in snapshot.instances
-        if i.model == model and i.native_openai and i.takes_new_requests and i.role == "union"
-    ]
 
 
 def _raise_for_status(instance: InstanceView, status: int, body: Any) -> None:
@@ -107,7 +102,7 @@ def _raise_for_status(instance: InstanceView, status: int, body: Any) -> None:
 class NativeStream:
     """A relayed SSE body from an engine's own API; owns the upstream response until closed."""
 
-    kind: str
+    kind: ApiKind
     instance: InstanceView
     request_id: str
     response: httpx.Response
@@ -155,7 +150,7 @@ class NativeClient:
         self._client = client
 
     async def call(
-        self, instance: InstanceView, kind: str, body: dict[str, Any], request_id: str, stack: AsyncExitStack
+        self, instance: InstanceView, kind: ApiKind, body: dict[str, Any], request_id: str, stack: AsyncExitStack
     ) -> dict[str, Any] | NativeStream:
         """Send ``body`` to ``instance``; a stream is returned only once the engine answered 200.
 

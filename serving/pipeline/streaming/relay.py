@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from serving.pipeline.router.token_only import attempt_request_id, resolved_max_tokens
+from serving.pipeline.engine.requests import attempt_request_id, resolved_max_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from serving.pipeline.protocol import TokenKind
+
 
 def stop_strings(body: Mapping[str, Any]) -> list[str]:
     """The request's stop strings as vLLM's ``SamplingParams`` normalizes them (empty ones dropped)."""
@@ -96,7 +98,7 @@ class StopHoldback:
 class ChunkHoldback:
     """Hold-back for the derendered chunks of one engine stream: one ``StopHoldback`` per choice."""
 
-    def __init__(self, kind: str, body: Mapping[str, Any]) -> None:
+    def __init__(self, kind: TokenKind, body: Mapping[str, Any]) -> None:
         self.kind = kind
         self.stop = stop_strings(body)
         self.include_in_output = bool(body.get("include_stop_str_in_output"))

@@ -2,10 +2,13 @@
 
 ``Scheduler.place`` returns a ``Placement``: the topology ("union" | "handoff" | "trigger"),
 its instances (union: one; handoff / trigger: prefill then decode) and the prefix-hit blocks
-that decided it. Candidates are the model's token-only instances that take new requests, pass
-their health probe and whose circuit breaker lets traffic through; among them the least loaded
-(in-flight requests per weight, then in-flight tokens) wins, so concurrent requests spread.
-P/D topologies plug in through ``topology_policy`` (topologies.py).
+that decided it. Filter -> score -> pick: the eligibility set is computed once per placement
+(``filters.eligible_instances``: serves the model, takes new requests, passes its health probe,
+fits the obfuscation key, not excluded, breaker lets traffic through); union candidates are
+scored (``scorers.union_key``: room now, requests per weight, tokens per capacity) so the least
+loaded comes first and concurrent requests spread; then KV affinity may pick a prefix holder
+instead (below). P/D topologies pick from the same set through ``topology_policy``
+(``topologies/hybrid.py``).
 
 KV-cache affinity (``affinity``, a ``KVAffinityIndex``) then bends the union choice toward the
 instance that already caches the prompt's leading blocks. The rule, in tokens:
@@ -35,9 +38,12 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from serving.pipeline.errors import NoCapacity
-from serving.pipeline.router.breaker import BreakerBoard
-from serving.pipeline.router.flow_control import TokenAdmission
-from serving.pipeline.router.kv_affinity import KVAffinityIndex
+from serving.pipeline.flow_control.admission import TokenAdmission
+from serving.pipeline.placement import scorers
+from serving.pipeline.placement.filters import eligible_instances, union_role
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex
+from serving.pipeline.protocol import TopologyName
+from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 
 # How many more in-flight tokens than the least loaded candidate an instance holding the prompt's
@@ -47,7 +53,7 @@ DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS = 8192
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    topology: str  # union | handoff | trigger
+    topology: TopologyName  # union: one instance; handoff / trigger: prefill then decode
     instances: tuple[InstanceView, ...]  # union: (engine,); handoff / trigger: (prefill, decode)
     prefix_hit_blocks: int = 0
 
@@ -56,10 +62,11 @@ class Placement:
         return ",".join(i.name for i in self.instances)
 
 
-# A topology policy may replace the union default: given the request's prompt ids and the
-# eligible union candidates (best first), return a Placement or None to keep union.
-# The prompt ids it receives are the engines' (``Scheduler.engine_ids``), so prefix lookups match.
-TopologyPolicy = Callable[[FleetSnapshot, str, Sequence[int], list[InstanceView], Collection[str]], "Placement | None"]
+# A topology policy may replace the union default: given the request's prompt ids, the eligible
+# union candidates (best first) and the whole eligibility set (``filters.eligible_instances``,
+# every role), return a Placement or None to keep union. The prompt ids it receives are the
+# engines' (``Scheduler.engine_ids``), so prefix lookups match.
+TopologyPolicy = Callable[[FleetSnapshot, str, Sequence[int], list[InstanceView], list[InstanceView]], "Placement | None"]
 
 # The ids the engines see for a prompt's semantic ids under ``snapshot`` (obfuscation's
 # ``to_physical`` when a mapping is active); None: they are the same.
@@ -113,22 +120,20 @@ class Scheduler:
         """Probe health and the breaker are separate signals; either keeps traffic away."""
         return instance.healthy and self.breakers.allows(instance)
 
+    def pool(self, snapshot: FleetSnapshot, model: str, *, exclude: Collection[str] = ()) -> list[InstanceView]:
+        """The eligibility set of one placement (``filters.eligible_instances`` with this scheduler's
+        live verdict): what union, P/D and the native path all pick from."""
+        return eligible_instances(snapshot, model, live=self.eligible, exclude=exclude)
+
     def candidates(
         self, snapshot: FleetSnapshot, model: str, *, exclude: Collection[str] = (), requires_tokenizer: bool = False,
-        tokens: int = 0,
+        tokens: int = 0, pool: list[InstanceView] | None = None,
     ) -> list[InstanceView]:
-        """Eligible union instances for ``model``, best first."""
-        out = [
-            i for i in snapshot.union_instances(model)
-            if i.name not in exclude and self.eligible(i) and (i.tokenizer or not requires_tokenizer)
-        ]
-        inflight = self.admission.inflight_tokens()
-        return sorted(out, key=lambda i: (
-            not self.admission.has_room(i, tokens),
-            self.load.inflight(i.name) / max(i.weight, 1),
-            inflight.get(i.name, 0) / max(i.token_capacity, 1),
-            i.name,
-        ))
+        """Eligible union instances for ``model``, best first (``scorers.union_key``)."""
+        if pool is None:
+            pool = self.pool(snapshot, model, exclude=exclude)
+        key = scorers.union_key(self.load, self.admission, tokens)
+        return sorted(union_role(pool, requires_tokenizer=requires_tokenizer), key=key)
 
     def cached_tokens(self, snapshot: FleetSnapshot, model: str, engine_prompt_ids: Sequence[int]) -> dict[str, int]:
         """Prefix-hit lookup: leading cached tokens per instance of ``model`` (any role).
@@ -153,12 +158,14 @@ class Scheduler:
         keeps the request on union, away from the topology policy.
         """
         ids = self.engine_ids(snapshot, prompt_ids) if self.engine_ids is not None else prompt_ids
+        # Filter once: every topology below picks from this one set.
+        pool = self.pool(snapshot, model, exclude=exclude)
         candidates = self.candidates(
-            snapshot, model, exclude=exclude, requires_tokenizer=requires_tokenizer, tokens=tokens
+            snapshot, model, requires_tokenizer=requires_tokenizer, tokens=tokens, pool=pool
         )
         placed: Placement | None = None
         if self.topology_policy is not None and not requires_tokenizer and not pd_ineligible:
-            placed = self.topology_policy(snapshot, model, ids, candidates, exclude)
+            placed = self.topology_policy(snapshot, model, ids, candidates, pool)
         if placed is None:
             if not candidates:
                 raise NoCapacity(f"no engine instance can serve model {model!r} right now")
@@ -190,10 +197,3 @@ class Scheduler:
         for instance in placement.instances:
             if not instance.kv_events_endpoint:
                 self.affinity.record(instance.name, ids)
-
-    def pick_union(self, snapshot: FleetSnapshot, model: str, *, exclude: set[str] = frozenset()) -> InstanceView:  # type: ignore[assignment]
-        """Return the least loaded union instance for ``model``; raise ``NoCapacity`` if none."""
-        candidates = self.candidates(snapshot, model, exclude=exclude)
-        if not candidates:
-            raise NoCapacity(f"no engine instance can serve model {model!r} right now")
-        return candidates[0]

@@ -33,10 +33,9 @@ MotorError
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -218,15 +217,6 @@ def eligible(instance: InstanceView, render: RenderView) -> tuple[bool, str]:
     if instance.obfuscation_key_id:
         return False, f"instance serves weights obfuscated with key {instance.obfuscation_key_id} but obfuscation is off"
     return True, ""
-
-
-def eligible_instances(instances: Iterable[InstanceView], render: RenderView) -> list[InstanceView]:
-    return [i for i in instances if eligible(i, render)[0]]
-
-
-def native_fallback_allowed(render: RenderView) -> bool:
-    """An engine's native OpenAI API (or a local-tokenizer shortcut to it) carries text: never with obfuscation."""
-    return not render.obfuscation
 
 
 # --- the request boundary ----------------------------------------------------------------------
@@ -442,23 +432,3 @@ def mapping_for(snapshot: FleetSnapshot) -> TokenMapping | None:
     if not snapshot.render.obfuscation:
         return None
     return _mappings.get(snapshot.render.obfuscation_key_id) or _latest
-
-
-_traffic_cache: tuple[FleetSnapshot, FleetSnapshot] | None = None
-
-
-def traffic_snapshot(snapshot: FleetSnapshot) -> FleetSnapshot:
-    """``snapshot`` without the instances ``eligible`` keeps out of this deployment's traffic.
-
-    Every topology places from the snapshot, so filtering here covers union, P/D legs and
-    retries alike. Returns ``snapshot`` itself when every instance is eligible (the usual case
-    without obfuscation); the last result is cached, so a snapshot is filtered once.
-    """
-    global _traffic_cache
-    cached = _traffic_cache
-    if cached is not None and cached[0] is snapshot:
-        return cached[1]
-    keep = tuple(eligible_instances(snapshot.instances, snapshot.render))
-    out = snapshot if len(keep) == len(snapshot.instances) else dataclasses.replace(snapshot, instances=keep)
-    _traffic_cache = (snapshot, out)
-    return out

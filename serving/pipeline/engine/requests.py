@@ -9,6 +9,8 @@ from typing import Any
 # cached small int), and generate then re-defaults it to the remaining context. After render
 # max_tokens is always an int, so a missing key means 16 (vllm-protocol.md section 3.2).
 RENDER_OMITTED_MAX_TOKENS = 16
+# The prefix an engine puts before the request id in its generate answers and events.
+GENERATE_PREFIX = "generate-tokens-"
 
 
 def resolved_max_tokens(generate_request: dict[str, Any]) -> int:

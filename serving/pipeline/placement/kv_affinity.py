@@ -12,7 +12,7 @@ Two ways to fill it, usable together:
 - approximate: :meth:`KVAffinityIndex.record` after placing a request (assumes the engine
   keeps what it computed; eviction is only guessed by the index's own LRU);
 - precise: :meth:`KVAffinityIndex.apply_events` with the engine's KV cache events
-  (``serving.pipeline.router.kv_events``): BlockStored blocks are indexed by the token ids the
+  (``serving.pipeline.placement.kv_events``): BlockStored blocks are indexed by the token ids the
   event carries, chained through the engine's parent hash; BlockRemoved and AllBlocksCleared
   forget.
 

@@ -27,7 +27,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from serving.pipeline.router.kv_affinity import KVAffinityIndex
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex
 
 logger = logging.getLogger(__name__)
 

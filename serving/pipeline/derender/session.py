@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serving.pipeline.errors import DerenderError
+from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import DerenderRetryable, RenderClient
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,9 @@ class PendingChunk:
     finish_reason: str | None
 
 
-# The seams of the coalescing / hold-back work (render/coalesce.py, render/holdback.py): a reader
-# that may merge engine events waiting behind an in-flight derender, and a filter that sees each
-# derendered chunk before the client does. Identity until those land.
+# Coalescing (derender/coalesce.py) reads engine events and may merge those waiting behind an
+# in-flight derender; hold-back (derender/holdback.py) sees each derendered chunk before the client
+# does. The identity defaults serve sessions built without either (unit tests).
 EventReader = Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[dict[str, Any]]]
 ChunkFilter = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 
@@ -101,7 +102,7 @@ class StreamingRenderSession:
     def __init__(
         self,
         render: RenderClient,
-        kind: str,
+        kind: TokenKind,
         body: dict[str, Any],
         prompt_ids: list[int],
         *,

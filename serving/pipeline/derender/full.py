@@ -1,0 +1,56 @@
+"""Full (non-streaming) derender: the engines' GenerateResponses -> one OpenAI response.
+
+Render's derender, or the local tokenizer's for a request render could not tokenize (its
+derender would be unusable too). Called once, after inference; a failure never re-runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from serving.pipeline.engine.requests import sorted_choices
+from serving.pipeline.protocol import TokenKind
+from serving.pipeline.render.client import RenderClient
+from serving.pipeline.render.tokenization import LocalDerenderer, TokenizationService, TokenizedRequest
+from serving.pipeline.snapshot import ModelView
+
+logger = logging.getLogger(__name__)
+
+
+async def derender_full(
+    render: RenderClient, model: ModelView, kind: TokenKind, body: dict[str, Any],
+    request_id: str, tokenized: TokenizedRequest, responses: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The client's response for ``responses`` (one per prompt), with the public id set."""
+    start = time.perf_counter()
+    prompt_ids = [p.token_ids for p in tokenized.prompts]
+    result = "ok"
+    try:
+        if tokenized.tokenizer_source == "local":
+            # Render was unusable for this request; its derender would be too.
+            local = LocalDerenderer(await TokenizationService(render, model).local_tokenizer())
+            if kind == "chat":
+                out = local.chat(responses[0], prompt_ids=prompt_ids[0], body=body)
+            else:
+                out = local.completions(responses, prompt_ids=prompt_ids, body=body)
+        elif kind == "chat":
+            out = await render.derender_chat(
+                responses[0], prompt_token_ids=prompt_ids[0], chat_request=body, model=body.get("model")
+            )
+        else:
+            out = await render.derender_completions(
+                [sorted_choices(r) for r in responses], prompt_token_ids=prompt_ids,
+                completion_request=body, model=body.get("model"),
+            )
+    except BaseException as exc:
+        result = type(exc).__name__
+        raise
+    finally:
+        logger.info(
+            "derender request_id=%s kind=%s source=%s result=%s latency_ms=%.1f",
+            request_id, kind, tokenized.tokenizer_source, result, (time.perf_counter() - start) * 1000,
+        )
+    out["id"] = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
+    return out

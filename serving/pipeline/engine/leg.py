@@ -1,0 +1,180 @@
+"""The guarded leg: every engine call, in every topology and both modes, goes through here.
+
+``EngineGuard`` holds what each call needs around it: the instance's circuit breaker, token
+admission, the load hold, the obfuscation boundary and response validation. The breaker hears
+only the engine's own faults: a busy engine, a missing capability, a 4xx about the request,
+admission refusals and cancellation leave it as it was (``breaker_scope``).
+
+``GenerateContext`` binds the guard to one attempt of one prompt, for the topology runners.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from serving.pipeline import metrics
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.native import NativeClient, NativeStream
+from serving.pipeline.engine.requests import validate_generate_response
+from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability
+from serving.pipeline.obfuscation.boundary import EngineBoundary
+from serving.pipeline.placement.scheduler import Scheduler
+from serving.pipeline.protocol import ApiKind
+from serving.pipeline.render.tokenization import TokenizedPrompt
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView
+
+logger = logging.getLogger(__name__)
+
+
+class BreakerOpen(EngineBusy):
+    """The instance's breaker holds it off (open, or its half-open probe slot is taken)."""
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1000
+
+
+class EngineGuard:
+    """Breaker, admission, load, boundary and validation around every engine call."""
+
+    def __init__(self, scheduler: Scheduler, engines: EngineClient, boundary: EngineBoundary, native: NativeClient) -> None:
+        self.scheduler = scheduler
+        self.engines = engines
+        self.boundary = boundary
+        self.native_client = native
+
+    @asynccontextmanager
+    async def breaker_scope(self, instance: InstanceView, *, record_failure: bool = True) -> AsyncIterator[None]:
+        """Let one call through ``instance``'s breaker and tell it the call's outcome.
+
+        Raises ``EngineBusy`` when the breaker holds the instance off. ``record_failure``: an
+        engine fault also counts as a failed request in the instance's metrics (token-only legs).
+        """
+        breakers = self.scheduler.breakers
+        if not breakers.begin(instance):
+            raise BreakerOpen(f"{instance.name} is held off by its circuit breaker", instance=instance.name)
+        try:
+            yield
+        except (EngineBusy, EngineLacksCapability):
+            breakers.release(instance)
+            raise
+        except EngineError as exc:
+            breakers.failure(instance, exc.message[:200])
+            if record_failure:
+                metrics.record_request(instance.name, None, None, ok=False)
+            raise
+        except BaseException:
+            breakers.release(instance)
+            raise
+        breakers.success(instance)
+
+    def stream_failed(self, instance: InstanceView, exc: EngineError) -> None:
+        """An established stream failed mid-way: the engine's fault, its breaker hears it."""
+        self.scheduler.breakers.failure(instance, exc.message[:200])
+        metrics.record_request(instance.name, None, None, ok=False)
+
+    async def _hold(self, instance: InstanceView, tokens: int, stack: AsyncExitStack) -> None:
+        """Admission lease and load hold on ``stack``, released when the stack closes."""
+        lease = await self.scheduler.admission.acquire(instance, tokens)
+        stack.callback(lease.release)
+        stack.enter_context(self.scheduler.load.hold(instance))
+
+    async def generate(self, instance: InstanceView, request: dict[str, Any], *, tokens: int) -> dict[str, Any]:
+        """One non-streaming generate; returns the validated, semantic GenerateResponse."""
+        start = time.perf_counter()
+        async with self.breaker_scope(instance):
+            async with AsyncExitStack() as holds:
+                await self._hold(instance, tokens, holds)
+                raw = await self.engines.generate(instance, self.boundary.outbound(request, instance))
+            response = self.boundary.inbound(raw, instance)
+            problem = validate_generate_response(response, n=int(request.get("sampling_params", {}).get("n") or 1))
+            if problem is not None:
+                raise EngineError(f"{instance.name} answered an unusable GenerateResponse: {problem}", instance=instance.name)
+        metrics.record_request(instance.name, time.perf_counter() - start, None, ok=True)  # TTFT = whole answer
+        return response
+
+    async def open_stream(
+        self, instance: InstanceView, request: dict[str, Any], *, tokens: int, stack: AsyncExitStack
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Open one streaming generate (established: HTTP 200); its holds and stream go on ``stack``.
+
+        The events are raw (physical when obfuscated): ``inbound_event`` turns each semantic.
+        """
+        async with self.breaker_scope(instance):
+            await self._hold(instance, tokens, stack)
+            events = await stack.enter_async_context(
+                self.engines.generate_stream(instance, self.boundary.outbound(request, instance))
+            )
+        return metrics.TimedEvents(instance.name, events)
+
+    def inbound_event(self, event: dict[str, Any], instance: InstanceView) -> dict[str, Any]:
+        return self.boundary.inbound_event(event, instance)
+
+    async def native(
+        self, instance: InstanceView, kind: ApiKind, body: dict[str, Any], request_id: str, *, tokens: int,
+        stack: AsyncExitStack,
+    ) -> dict[str, Any] | NativeStream:
+        """One call to an engine's own OpenAI API; a stream takes ``stack`` (its holds) over."""
+        async with self.breaker_scope(instance, record_failure=False):
+            await self._hold(instance, tokens, stack)
+            return await self.native_client.call(instance, kind, body, request_id, stack)
+
+    async def abort(self, instance: InstanceView, request_ids: list[str]) -> None:
+        await self.engines.abort(instance, request_ids)
+
+
+@dataclass
+class GenerateContext:
+    """What one attempt of one prompt carries through a topology runner.
+
+    Runners (``topologies/``) only sequence legs; ``leg`` and ``stream_leg`` do the per-engine
+    work every topology shares, through the guard.
+    """
+
+    guard: EngineGuard
+    snapshot: FleetSnapshot
+    request_id: str  # the client-facing request id (logs)
+    prompt: TokenizedPrompt
+    prompt_index: int
+    attempt: int
+    tokens: int  # prompt + resolved max output: what admission holds on the decoding instance
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.guard.scheduler
+
+    @property
+    def engines(self) -> EngineClient:
+        return self.guard.engines
+
+    async def leg(
+        self, instance: InstanceView, request: dict[str, Any], *, phase: str, tokens: int | None = None
+    ) -> dict[str, Any]:
+        """One non-streaming generate on ``instance`` through the guard, logged once."""
+        start = time.perf_counter()
+        result = "ok"
+        try:
+            return await self.guard.generate(instance, request, tokens=self.tokens if tokens is None else tokens)
+        except BaseException as exc:
+            result = type(exc).__name__
+            raise
+        finally:
+            log = logger.info if result == "ok" else logger.warning
+            log(
+                "generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d result=%s latency_ms=%.1f",
+                self.request_id, self.prompt_index, instance.name, phase, self.attempt, result, _ms(start),
+            )
+
+    async def stream_leg(
+        self, instance: InstanceView, request: dict[str, Any], *, phase: str, tokens: int, stack: AsyncExitStack
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Open one streaming generate on ``instance`` through the guard; return its events."""
+        events = await self.guard.open_stream(instance, request, tokens=tokens, stack=stack)
+        logger.info("generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d result=established stream=true",
+                    self.request_id, self.prompt_index, instance.name, phase, self.attempt)
+        return events

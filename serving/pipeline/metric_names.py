@@ -1,0 +1,99 @@
+"""Every metric this process exports: its name, type, help and label names, in one registry.
+
+Names follow Prometheus' conventions: a ``motor_`` prefix, base units in the name (``_seconds``,
+``_tokens``), ``_total`` on counters, a summary's ``_sum`` and ``_count`` under one family.
+New metrics are added here first; ``RouterCounters.inc`` and the ``/metrics`` text take a
+``Family`` and refuse labels it does not declare, so a typo cannot start a new series.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One metric family: what ``# HELP`` and ``# TYPE`` say, and the labels its series carry."""
+
+    name: str
+    type: Literal["counter", "gauge", "summary"]
+    help: str
+    labels: tuple[str, ...] = ()
+
+    def check(self, labels: dict[str, str]) -> None:
+        """Raise ``ValueError`` unless ``labels`` are exactly this family's label names."""
+        if set(labels) != set(self.labels):
+            raise ValueError(f"{self.name} takes labels {self.labels}, got {tuple(sorted(labels))}")
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.type}"]
+
+
+# -- per engine instance (``metrics.MetricsRegistry``) ---------------------------------------
+ENGINE_REQUESTS = Family("motor_engine_requests_total", "counter", "Engine requests finished (ok or failed).",
+                         ("instance",))
+ENGINE_ERRORS = Family("motor_engine_errors_total", "counter", "Engine requests that failed on the engine's side.",
+                       ("instance",))
+ENGINE_TTFT = Family("motor_engine_ttft_seconds", "summary", "Time to first token.", ("instance",))
+ENGINE_TPOT = Family("motor_engine_tpot_seconds", "summary", "Time per output token.", ("instance",))
+ENGINE_IN_FLIGHT_TOKENS = Family("motor_engine_in_flight_tokens", "gauge",
+                                 "Prompt + output tokens this process has in flight.", ("instance",))
+
+# -- the router (``metrics.RouterCounters``) --------------------------------------------------
+ROUTE_DECISIONS = Family("motor_route_decisions_total", "counter",
+                         "Requests sent to an engine's native OpenAI API, or refused it, by reason.", ("path", "reason"))
+RENDER_OUTCOMES = Family("motor_render_outcomes_total", "counter",
+                         "Tokenizations by source (render or local), result and fallback reason.",
+                         ("source", "result", "fallback_reason"))
+ADMISSION_WAITING = Family("motor_admission_waiting", "gauge", "Requests waiting in the admission queue.")
+
+# -- KV affinity (``placement/``) -------------------------------------------------------------
+AFFINITY_INDEX_BLOCKS = Family("motor_affinity_index_blocks", "gauge", "Prefix blocks held by the KV affinity index.")
+KV_EVENT_BATCHES = Family("motor_kv_event_batches_total", "counter", "KV cache event batches received.",
+                          ("instance",))
+KV_EVENT_ERRORS = Family("motor_kv_event_errors_total", "counter", "KV cache event subscriber errors.",
+                         ("instance",))
+
+# -- the launcher's processes (``serving.views``, from the database) -------------------------
+PROCESS_RESTARTS = Family("motor_process_restarts_total", "counter", "Restarts of a launcher child so far.",
+                          ("process",))
+PROCESS_UP = Family("motor_process_up", "gauge", "Whether a launcher child is running (1) or not (0).", ("process",))
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    ENGINE_REQUESTS, ENGINE_ERRORS, ENGINE_TTFT, ENGINE_TPOT, ENGINE_IN_FLIGHT_TOKENS, ROUTE_DECISIONS,
+    RENDER_OUTCOMES, ADMISSION_WAITING, AFFINITY_INDEX_BLOCKS, KV_EVENT_BATCHES, KV_EVENT_ERRORS,
+    PROCESS_RESTARTS, PROCESS_UP,
+)}
+
+
+def label_value(value: str) -> str:
+    """Escape a Prometheus label value."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def sample(name: str, labels: tuple[tuple[str, str], ...], value: float) -> str:
+    """One exposition line: ``name{label="value",...} value``."""
+    if not labels:
+        return f"{name} {value!r}"
+    text = ",".join(f'{k}="{label_value(v)}"' for k, v in labels)
+    return f"{name}{{{text}}} {value!r}"
+
+
+def exposition(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], *, declare: tuple[Family, ...] = ()
+) -> list[str]:
+    """Lines for ``samples`` keyed ``(series name, labels)``: each family's header once, then its series.
+
+    A summary's ``_sum`` and ``_count`` series belong to their family's header. Families in
+    ``declare`` get their header even without a series (an idle gauge is still exported, so a
+    scraper can tell idle from missing). Raises ``KeyError`` for a series of no registered family.
+    """
+    by_family: dict[str, list[str]] = {f.name: [] for f in declare}
+    for (name, labels), value in sorted(samples.items()):
+        family = FAMILIES.get(name) or FAMILIES[name.removesuffix("_sum").removesuffix("_count")]
+        by_family.setdefault(family.name, []).append(sample(name, labels, value))
+    lines: list[str] = []
+    for name, series in by_family.items():
+        lines += FAMILIES[name].header() + series
+    return lines

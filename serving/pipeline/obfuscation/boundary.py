@@ -1,0 +1,35 @@
+"""The engine boundary: the one place engine requests leave and engine answers arrive.
+
+Without a mapping it is a no-op. With one (``RenderView.obfuscation`` on), every request is
+passed through ``obfuscate_request`` right before it is sent and every response or event
+through ``deobfuscate_response`` / ``deobfuscate_event`` right after it arrives, so the rest of
+the pipeline only ever sees semantic ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serving.pipeline.obfuscation.mapping import (
+    TokenMapping,
+    deobfuscate_event,
+    deobfuscate_response,
+    obfuscate_request,
+)
+from serving.pipeline.snapshot import InstanceView
+
+
+class EngineBoundary:
+    """Semantic -> physical ids on the way out, physical -> semantic on the way in."""
+
+    def __init__(self, mapping: TokenMapping | None = None) -> None:
+        self.mapping = mapping
+
+    def outbound(self, request: dict[str, Any], instance: InstanceView) -> dict[str, Any]:
+        return request if self.mapping is None else obfuscate_request(request, self.mapping)
+
+    def inbound(self, response: dict[str, Any], instance: InstanceView) -> dict[str, Any]:
+        return response if self.mapping is None else deobfuscate_response(response, self.mapping)
+
+    def inbound_event(self, event: dict[str, Any], instance: InstanceView) -> dict[str, Any]:
+        return event if self.mapping is None else deobfuscate_event(event, self.mapping)

@@ -1,0 +1,69 @@
+"""Placement filters: the one eligibility set every path places from, and its role filters.
+
+An instance is eligible when it serves the model, takes new requests (active, not draining),
+fits the deployment's obfuscation (``obfuscation.eligible``: the key id its weights were
+permuted with), is not excluded by an earlier attempt, and passes the live verdict
+(``Scheduler.eligible``: its health probe and its circuit breaker). Without a live verdict the
+set is the snapshot's static one (what routing asks before placement: does any engine load a
+tokenizer). Union, P/D and the native path
+then only pick roles and capabilities out of that one set; scoring and picking follow in
+``scheduler.py`` (union) and ``topologies/hybrid.py`` (P/D).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+from typing import TYPE_CHECKING
+
+from serving.pipeline.obfuscation.mapping import eligible as key_eligible
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView
+
+if TYPE_CHECKING:
+    from serving.pipeline.placement.scheduler import Scheduler
+
+# The KV transfer modes a P/D pair can run (pull: Handoff, push: Trigger).
+KV_TRANSFER_MODES = ("pull", "push")
+
+# The live half of eligibility (probe health and the in-memory breaker): ``Scheduler.eligible``.
+Live = Callable[[InstanceView], bool]
+
+
+def _always(_instance: InstanceView) -> bool:
+    return True
+
+
+def eligible_instances(
+    snapshot: FleetSnapshot, model: str, *, live: Live = _always, exclude: Collection[str] = ()
+) -> list[InstanceView]:
+    """The eligibility set of ``model`` (see the module docstring), in snapshot order."""
+    return [
+        i for i in snapshot.instances
+        if i.model == model and i.name not in exclude and i.takes_new_requests
+        and key_eligible(i, snapshot.render)[0] and live(i)
+    ]
+
+
+def union_role(pool: Iterable[InstanceView], *, requires_tokenizer: bool = False) -> list[InstanceView]:
+    """Token-only instances that prefill and decode on their own (with a tokenizer when asked)."""
+    return [
+        i for i in pool
+        if i.role == "union" and i.token_generate and (i.tokenizer or not requires_tokenizer)
+    ]
+
+
+def pd_role(pool: Iterable[InstanceView], role: str) -> list[InstanceView]:
+    """Token-only instances of ``role`` ("prefill" | "decode") that transfer KV."""
+    return [i for i in pool if i.role == role and i.token_generate and i.kv_transfer in KV_TRANSFER_MODES]
+
+
+def native_role(pool: Iterable[InstanceView]) -> list[InstanceView]:
+    """Union instances that serve their own OpenAI API."""
+    return [i for i in pool if i.role == "union" and i.native_openai]
+
+
+def native_candidates(
+    snapshot: FleetSnapshot, scheduler: Scheduler, model: str, *, exclude: Collection[str] = ()
+) -> list[InstanceView]:
+    """Eligible native-API instances of ``model``, least loaded (requests per weight) first."""
+    pool = eligible_instances(snapshot, model, live=scheduler.eligible, exclude=exclude)
+    return sorted(native_role(pool), key=lambda i: (scheduler.load.inflight(i.name) / max(i.weight, 1), i.name))

@@ -1,0 +1,222 @@
+"""Attempts: one placement and execution of one prompt, and the bounded retry around them.
+
+``AttemptPolicy`` is the one rule for both modes: what a failed attempt excludes from the next
+and whether another attempt follows. ``Attempts`` runs the same loop for a non-streaming prompt
+(``run``: the topology's runner) and a streaming one (``open``: the topology's opener, returning
+an established ``OpenStream``), so the two modes cannot drift apart again.
+
+The exclusion rule, after a failed attempt: every instance of its placement (union: the one;
+P/D: both P and D), whichever instance the error names. The named instance's breaker already
+heard the fault in the guarded leg; its partner is excluded too because a P/D failure can lie
+in the pair (the KV transfer between them, a P whose KV D could not use) and the budget is small,
+so the next attempt should be the most different one. Streaming used to exclude only the named
+instance while non-streaming excluded both; both now exclude both.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Collection
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.leg import EngineGuard, GenerateContext
+from serving.pipeline.engine.requests import attempt_request_id, resolved_max_tokens, with_max_tokens
+from serving.pipeline.errors import EngineError, EngineLacksCapability, NoCapacity, TriggerMultiPromptStream
+from serving.pipeline.placement.scheduler import Placement
+from serving.pipeline.render.tokenization import TokenizedPrompt, TokenizedRequest
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView
+from serving.pipeline.streaming.relay import RetryRequestPlan
+from serving.pipeline.topologies.registry import TopologyRegistry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptPolicy:
+    """What a failed attempt excludes and whether the request tries again (both modes)."""
+
+    max_attempts: int = 2  # engine attempts per prompt (or per relay), across instances
+
+    def retries(self, exc: EngineError) -> bool:
+        """A missing capability moves the whole request (native path), not the attempt."""
+        return not isinstance(exc, EngineLacksCapability)
+
+    def excluded_after(self, exc: EngineError, placement: Placement) -> frozenset[str]:
+        """Instances the next attempt avoids after ``placement`` failed with ``exc``: all of them."""
+        return frozenset(i.name for i in placement.instances)
+
+    def excluded_after_stream_failure(self, instance: InstanceView) -> frozenset[str]:
+        """A relay after an established stream failed mid-way avoids the instance that streamed
+        (in P/D: D; P's leg was over and answered)."""
+        return frozenset({instance.name})
+
+    def excluded_after_restart(self, exc: EngineError) -> frozenset[str]:
+        """A whole-request restart (nothing visible yet) avoids the instance the error names."""
+        return frozenset({exc.instance})
+
+
+@dataclass
+class OpenStream:
+    """One established engine stream (one attempt of one prompt): its engine, id and holds.
+
+    ``stack`` holds the attempt's admission lease, load hold and HTTP stream, so a failed attempt
+    releases them at once while the request relays on to a new one.
+    """
+
+    prompt_index: int
+    instance: InstanceView
+    request_id: str
+    events: AsyncIterator[dict[str, Any]]
+    stack: AsyncExitStack = field(default_factory=AsyncExitStack)
+    attempt: int = 0
+    finished: bool = False
+    _closed: bool = field(default=False, init=False)
+
+    async def aclose(self, engines: EngineClient) -> None:
+        """Close the stream and free its holds; abort the engine request unless it finished."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.stack.aclose()
+        finally:
+            if not self.finished:
+                # The client left or the attempt failed: free the engine's slot now.
+                await engines.abort(self.instance, [self.request_id])
+
+
+def requested_tokens(prompt: TokenizedPrompt) -> int:
+    """Prompt + resolved max output (per choice), before any engine's context budget clamps it."""
+    n = int(prompt.sampling_params.get("n") or 1)
+    return len(prompt.token_ids) + resolved_max_tokens(dict(prompt.generate_request)) * n
+
+
+class Attempts:
+    """Places and runs the attempts of one request's prompts within the policy's budget."""
+
+    def __init__(
+        self, snapshot: FleetSnapshot, guard: EngineGuard, topologies: TopologyRegistry, policy: AttemptPolicy,
+        *, request_id: str,
+    ) -> None:
+        self.snapshot = snapshot
+        self.guard = guard
+        self.topologies = topologies
+        self.policy = policy
+        self.request_id = request_id  # the client-facing id (logs)
+
+    def budget(self, request: dict[str, Any], prompt_tokens: int, instance: InstanceView) -> tuple[dict[str, Any], int]:
+        """The engine request for ``instance`` and its admission tokens (prompt + max output).
+
+        ``max_tokens`` is resolved first (render's omitted 16); with the context budget on it is
+        clamped to the room the instance has left and written into ``sampling_params``.
+        """
+        req = dict(request)
+        max_tokens = resolved_max_tokens(req)
+        if self.snapshot.render.context_budget:
+            room = instance.max_model_len - prompt_tokens
+            max_tokens = max(1, min(max_tokens, room))
+        req = with_max_tokens(req, max_tokens)
+        n = int(req["sampling_params"].get("n") or 1)
+        return req, prompt_tokens + max_tokens * n
+
+    def too_small(self, prompt: TokenizedPrompt) -> set[str]:
+        """Instances whose own context cannot hold the prompt plus one output token."""
+        return {i.name for i in self.snapshot.instances if i.max_model_len <= len(prompt.token_ids)}
+
+    async def run(self, tokenized: TokenizedRequest, index: int, requires_tokenizer: bool) -> dict[str, Any]:
+        """Non-streaming generate of prompt ``index``; returns its GenerateResponse."""
+        result = await self._attempts(tokenized, index, requires_tokenizer, stream=False)
+        assert isinstance(result, dict)
+        return result
+
+    async def open(
+        self, tokenized: TokenizedRequest, index: int, requires_tokenizer: bool, *,
+        plan: RetryRequestPlan | None = None, exclude: Collection[str] = (), first_attempt: int = 0,
+    ) -> OpenStream:
+        """Open one engine stream of prompt ``index`` (or of a relay ``plan``), established (HTTP 200)."""
+        result = await self._attempts(
+            tokenized, index, requires_tokenizer, stream=True, plan=plan, exclude=exclude, first_attempt=first_attempt
+        )
+        assert isinstance(result, OpenStream)
+        return result
+
+    async def _attempts(
+        self, tokenized: TokenizedRequest, index: int, requires_tokenizer: bool, *, stream: bool,
+        plan: RetryRequestPlan | None = None, exclude: Collection[str] = (), first_attempt: int = 0,
+    ) -> dict[str, Any] | OpenStream:
+        """The one attempt loop of both modes: place, budget, run or open, and on an engine
+        failure exclude what the policy says and try again while the budget lasts."""
+        prompt = tokenized.prompts[index]
+        token_ids = plan.replay_ids if plan is not None else prompt.token_ids
+        excluded = self.too_small(prompt) | set(exclude)
+        last: EngineError | None = None
+        first = plan.attempt if plan is not None else first_attempt
+        for attempt in range(first, first + self.policy.max_attempts):
+            base = replace(plan, attempt=attempt).request() if plan is not None else dict(prompt.generate_request)
+            n = int(base.get("sampling_params", {}).get("n") or 1)
+            estimate = len(token_ids) + resolved_max_tokens(base) * n
+            ineligible = self.topologies.pd_ineligible(base)
+            try:
+                # A relay is placed like any prompt (same scheduler, same topology rules): in P/D,
+                # P and D both get the replay ids.
+                placement = self.guard.scheduler.place(
+                    self.snapshot, tokenized.model, token_ids, tokens=estimate, exclude=excluded,
+                    requires_tokenizer=requires_tokenizer, pd_ineligible=ineligible,
+                )
+            except NoCapacity:
+                if last is not None:
+                    raise last from None
+                raise
+            if stream and placement.topology == "trigger" and len(tokenized.prompts) > 1:
+                logger.info("route request_id=%s prompt=%d path=native reason=trigger_multi_prompt_stream instances=%s",
+                            prompt.request_id, index, placement.names)
+                raise TriggerMultiPromptStream("multi-prompt streaming on Trigger takes the native path")
+            # The decode instance's context bounds the budget (union: the one instance).
+            engine_req, tokens = self.budget(base, len(token_ids), placement.instances[-1])
+            rid = engine_req["request_id"] = attempt_request_id(prompt.request_id, attempt)
+            logger.info(
+                "placement request_id=%s prompt=%d attempt=%d topology=%s instances=%s prefix_hit_blocks=%d tokens=%d "
+                "stream=%s pd_ineligible=%s", rid, index, attempt, placement.topology, placement.names,
+                placement.prefix_hit_blocks, tokens, str(stream).lower(), ineligible or "-",
+            )
+            ctx = GenerateContext(self.guard, self.snapshot, self.request_id, prompt, index, attempt, tokens)
+            try:
+                if stream:
+                    return await self._open_attempt(ctx, placement, engine_req, index, attempt)
+                return await self._run_attempt(ctx, placement, engine_req)
+            except EngineError as exc:
+                if not self.policy.retries(exc):
+                    raise
+                last = exc
+                failed = self.policy.excluded_after(exc, placement)
+                excluded.update(failed)
+                logger.warning("generate request_id=%s prompt=%d instances=%s topology=%s attempt=%d result=%s stream=%s",
+                               rid, index, ",".join(sorted(failed)), placement.topology, attempt,
+                               type(exc).__name__, str(stream).lower())
+        if last is not None:
+            raise last
+        raise NoCapacity(f"no engine instance can serve model {tokenized.model!r} right now")
+
+    async def _run_attempt(self, ctx: GenerateContext, placement: Placement, engine_req: dict[str, Any]) -> dict[str, Any]:
+        runner = self.topologies.runners.get(placement.topology)
+        if runner is None:
+            raise NoCapacity(f"no runner for topology {placement.topology!r}")
+        return await runner(ctx, placement, engine_req)
+
+    async def _open_attempt(
+        self, ctx: GenerateContext, placement: Placement, engine_req: dict[str, Any], index: int, attempt: int
+    ) -> OpenStream:
+        opener = self.topologies.openers.get(placement.topology)
+        if opener is None:
+            raise NoCapacity(f"no streaming runner for topology {placement.topology!r}")
+        # Per attempt: a failed attempt releases its holds now, not when the request ends.
+        stack = AsyncExitStack()
+        try:
+            instance, rid, events = await opener(ctx, placement, engine_req, stack)
+        except BaseException:
+            await stack.aclose()
+            raise
+        return OpenStream(index, instance, rid, events, stack=stack, attempt=attempt)

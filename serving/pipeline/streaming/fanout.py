@@ -1,0 +1,84 @@
+"""Fan-in of sub-streams that live and die together (vLLM's ``merge_async_iterators``).
+
+Producers run under one ``asyncio.TaskGroup`` and feed a bounded queue, so a slow reader makes
+them wait; the first failure cancels the others and is raised to the reader; a reader that
+leaves cancels and awaits every producer before the sources are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
+from typing import TypeVar
+
+from serving.pipeline.errors import MotorError
+
+T = TypeVar("T")
+
+# Bounded queue between per-prompt producers and the client: a slow reader makes producers wait.
+MERGE_QUEUE_SIZE = 64
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The first leaf exception of ``group`` (a TaskGroup's failure is its first producer's)."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return first_error(exc)
+        return exc
+    return group
+
+
+async def fan_in(
+    sources: Sequence[Callable[[], AsyncGenerator[T, None]]],
+    *,
+    on_stop: Callable[[list[int], BaseException], None] = lambda _failed, _exc: None,
+) -> AsyncGenerator[T, None]:
+    """Items of every source as they come; raises the first source's ``MotorError``.
+
+    ``on_stop(failed_indexes, exc)`` is told when the fan-in ends early (a failure, or the
+    reader left), after every producer stopped.
+    """
+    queue: asyncio.Queue[tuple[T] | None] = asyncio.Queue(MERGE_QUEUE_SIZE)
+    failed: list[int] = []
+
+    async def produce(index: int) -> None:
+        try:
+            async with aclosing(sources[index]()) as items:
+                async for item in items:
+                    await queue.put((item,))
+        except MotorError:
+            failed.append(index)
+            raise
+
+    async def run_all() -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for i in range(len(sources)):
+                    tg.create_task(produce(i))
+        except asyncio.CancelledError:
+            # The consumer is gone and cancelled us: nobody reads a sentinel, and putting one
+            # into a full queue would block this task (and the client's cleanup) forever.
+            raise
+        except BaseException:
+            await queue.put(None)
+            raise
+        await queue.put(None)
+
+    runner = asyncio.create_task(run_all())
+    try:
+        while (item := await queue.get()) is not None:
+            yield item[0]
+        await runner  # re-raises a producer's failure
+    except BaseException as exc:
+        runner.cancel()
+        # Wait for the producers to stop without taking on their outcome. asyncio.wait raises
+        # only our own cancellation, which must propagate (``except BaseException: pass``
+        # around ``await runner`` swallowed it).
+        await asyncio.wait([runner])
+        if not runner.cancelled():
+            runner.exception()  # retrieved: re-raised below as exc, or superseded by it
+        on_stop(failed, exc)
+        if isinstance(exc, BaseExceptionGroup):
+            raise first_error(exc) from exc
+        raise

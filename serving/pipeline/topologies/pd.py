@@ -1,0 +1,225 @@
+"""What the P/D topologies share: the legs' requests and ids, the run's context, one leg.
+
+Each leg is its own engine request with its own id, run through the router's guarded leg
+(``GenerateContext.leg`` / ``stream_leg``: breaker, admission, load, boundary, validation), and
+aborted on the engine if the run leaves before its answer. Handoff (``handoff.py``) and Trigger
+(``trigger.py``) only sequence legs and release their P/D state exactly once on every exit path.
+They make one attempt: a failure raises ``EngineError`` naming the failed instance, and the
+attempt policy (``resilience/attempts.py``) decides what the next attempt excludes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from contextlib import AbstractContextManager, AsyncExitStack, nullcontext
+from dataclasses import dataclass, field
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Protocol,
+)
+
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.errors import NoCapacity
+from serving.pipeline.placement.scheduler import Placement
+from serving.pipeline.snapshot import InstanceView
+from serving.pipeline.topologies.hybrid import pd_instances
+from serving.pipeline.topologies.metaserver import MetaServer, process_metaserver
+
+if TYPE_CHECKING:
+    from serving.pipeline.engine.leg import GenerateContext
+
+logger = logging.getLogger(__name__)
+
+# What the prefill leg asks for: vLLM's NIXL pattern (vllm-protocol.md section 6.3).
+PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+
+# -- the legs' requests -------------------------------------------------------------------
+
+
+def prefill_request(
+    engine_request: Mapping[str, Any], *, request_id: str, kv_transfer_params: dict[str, Any]
+) -> dict[str, Any]:
+    """The prefill leg of ``engine_request``: same prompt ids, one token, non-streaming.
+
+    Stream events carry no ``kv_transfer_params``, so no stream and no stream options; vLLM's
+    ``SamplingParams`` rejects ``min_tokens > max_tokens``, so both are 1.
+    """
+    req = copy.copy(dict(engine_request))
+    params = dict(req.get("sampling_params") or {})
+    params["max_tokens"] = 1
+    params["min_tokens"] = 1
+    req["sampling_params"] = params
+    req["stream"] = False
+    req.pop("stream_options", None)
+    req["request_id"] = request_id
+    req["kv_transfer_params"] = kv_transfer_params
+    return req
+
+
+def decode_request(
+    engine_request: Mapping[str, Any], *, request_id: str, kv_transfer_params: dict[str, Any]
+) -> dict[str, Any]:
+    """The decode leg: ``engine_request`` as the client's budget made it, with the given params
+    (in Handoff P's, the very object P returned: never rebuilt, trimmed or extended)."""
+    req = copy.copy(dict(engine_request))
+    req["request_id"] = request_id
+    req["kv_transfer_params"] = kv_transfer_params
+    return req
+
+
+def leg_ids(request_id: str) -> tuple[str, str]:
+    """Engine request ids of the prefill and decode legs: distinct, so aborting one never hits the other."""
+    return f"{request_id}-prefill", f"{request_id}-decode"
+
+
+# -- running ------------------------------------------------------------------------------
+
+
+class PDPlacement(Protocol):
+    """What the runners read from the scheduler's ``Placement``: ``instances == (prefill, decode)``
+    (in Trigger the prefill is the best candidate at placement time; ``pick_prefill`` may replace it)."""
+
+    @property
+    def instances(self) -> tuple[InstanceView, ...]: ...
+
+
+# The router's per-leg work (breaker, token admission, load, boundary, validation):
+# ``GenerateContext.leg`` bound to one attempt; (instance, request, phase, admission tokens).
+LegFn = Callable[[InstanceView, dict[str, Any], str, int], Awaitable[dict[str, Any]]]
+# The streaming leg: ``GenerateContext.stream_leg`` bound to one attempt; (instance, request, phase,
+# admission tokens, the attempt's stack that takes the leg's holds and HTTP stream) -> events.
+StreamLegFn = Callable[
+    [InstanceView, dict[str, Any], str, int, AsyncExitStack], Awaitable[AsyncIterator[dict[str, Any]]]
+]
+
+
+@dataclass
+class PDContext:
+    """What a P/D run needs from the router around it."""
+
+    engines: EngineClient  # for aborts (and for the generate itself when ``leg_fn`` is None)
+    request_id: str  # the public request id, for logs
+    prompt_index: int = 0
+    # Without ``leg_fn``: the per-instance hold around each leg's plain generate.
+    hold: Callable[[InstanceView], AbstractContextManager[object]] = field(default=lambda _i: nullcontext())
+    leg_fn: LegFn | None = None
+    # Admission tokens of the decode leg (prompt + resolved output); the prefill leg holds prompt + 1.
+    tokens: int = 0
+    metaserver: MetaServer | None = None
+    # Trigger: how long D's callback may take to arrive once D accepted the request.
+    callback_timeout_s: float = 30.0
+    # Trigger: picks P when the callback arrives (default: the placement's P).
+    pick_prefill: Callable[[], InstanceView] | None = None
+    # Streaming: opens the decode leg's stream (``open_handoff_stream`` / ``open_trigger_stream``).
+    stream_fn: StreamLegFn | None = None
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1000
+
+
+async def _leg(ctx: PDContext, phase: str, instance: InstanceView, request: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """Run one leg; abort it on the engine if we leave before its answer (cancelled, timed out)."""
+    rid = request["request_id"]
+    start = time.perf_counter()
+    done = False
+    try:
+        if ctx.leg_fn is not None:
+            response = await ctx.leg_fn(instance, request, phase, tokens)
+        else:
+            with ctx.hold(instance):
+                response = await ctx.engines.generate(instance, request)
+        done = True
+    finally:
+        if not done:
+            logger.warning(
+                "generate request_id=%s prompt=%d instance=%s phase=%s engine_request_id=%s result=failed latency_ms=%.1f",
+                ctx.request_id, ctx.prompt_index, instance.name, phase, rid, _ms(start),
+            )
+            # The engine may still be working on it: free its slot now. Shielded, so a second
+            # cancellation cannot interrupt the abort and leak the slot.
+            await asyncio.shield(ctx.engines.abort(instance, [rid]))
+    return response
+
+
+def _prefill_tokens(engine_request: Mapping[str, Any]) -> int:
+    """Admission tokens of a prefill leg: the prompt and its one sampled token."""
+    return len(engine_request["token_ids"]) + 1
+
+
+def _sides(placement: PDPlacement) -> tuple[InstanceView, InstanceView]:
+    if len(placement.instances) != 2:
+        raise NoCapacity("a prefill/decode placement needs a prefill and a decode instance")
+    prefill, decode = placement.instances
+    return prefill, decode
+
+
+
+async def _settle(*tasks: asyncio.Task[Any] | None) -> None:
+    """Cancel the legs still running and wait for them: each leg's own finally aborts its engine
+    request. Their outcomes are retrieved, not taken on (raised already, or superseded by ours)."""
+    for task in tasks:
+        if task is not None and not task.done():
+            task.cancel()
+    await asyncio.wait([t for t in tasks if t is not None])
+    for task in tasks:
+        if task is not None and not task.cancelled():
+            task.exception()
+
+
+# -- streaming ----------------------------------------------------------------------------
+
+# What a stream opener returns: the decode instance, its leg's engine request id (what an abort
+# names) and D's events. Everything else the run held is released before it returns.
+OpenedStream = tuple[InstanceView, str, AsyncIterator[dict[str, Any]]]
+
+
+async def _stream_leg(
+    ctx: PDContext, instance: InstanceView, request: dict[str, Any], stack: AsyncExitStack
+) -> AsyncIterator[dict[str, Any]]:
+    if ctx.stream_fn is None:
+        raise NoCapacity("a streaming prefill/decode run needs the router's streaming leg")
+    return await ctx.stream_fn(instance, request, "decode", ctx.tokens, stack)
+
+
+# -- the router's seam ----------------------------------------------------------------------
+
+
+def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s: float = 30.0) -> PDContext:
+    """A ``PDContext`` whose legs go through the router's guarded leg (``GenerateContext``)."""
+    scheduler = ctx.scheduler
+    placed = placement.instances[0]
+
+    async def leg(instance: InstanceView, request: dict[str, Any], phase: str, tokens: int) -> dict[str, Any]:
+        return await ctx.leg(instance, request, phase=phase, tokens=tokens)
+
+    async def stream_leg(
+        instance: InstanceView, request: dict[str, Any], phase: str, tokens: int, stack: AsyncExitStack
+    ) -> AsyncIterator[dict[str, Any]]:
+        return await ctx.stream_leg(instance, request, phase=phase, tokens=tokens, stack=stack)
+
+    def pick_prefill() -> InstanceView:
+        # Trigger, at callback time: the P placed earlier, unless its breaker opened meanwhile.
+        if scheduler.eligible(placed):
+            return placed
+        others = [
+            i for i in pd_instances(ctx.snapshot, placed.model, "prefill", live=scheduler.eligible, exclude={placed.name})
+            if i.kv_transfer == placed.kv_transfer
+        ]
+        if not others:
+            raise NoCapacity("no prefill instance is left to serve this Trigger request")
+        return min(others, key=lambda i: (scheduler.load.inflight(i.name) / max(i.weight, 1), i.name))
+
+    return PDContext(
+        ctx.engines, ctx.request_id, ctx.prompt_index, leg_fn=leg, tokens=ctx.tokens,
+        metaserver=process_metaserver(), callback_timeout_s=callback_timeout_s, pick_prefill=pick_prefill,
+        stream_fn=stream_leg,
+    )

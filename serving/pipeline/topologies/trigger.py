@@ -1,0 +1,208 @@
+"""Trigger (push connectors such as the layer-wise Mooncake one): D is called first with
+``do_remote_prefill`` and a metaserver callback URL (``metaserver.py``); the callback's arrival
+picks P and starts its prefill with ``do_remote_decode``; P pushes the KV and D decodes.
+
+Streaming returns once D's stream is open *and* P answered, with the registration and both
+legs' tasks over, so only D's stream and holds outlive the run (on the attempt's stack).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import AsyncExitStack
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Mapping,
+)
+
+from serving.pipeline.engine.client import engine_request_id
+from serving.pipeline.errors import EngineError, NoCapacity
+from serving.pipeline.placement.scheduler import Placement
+from serving.pipeline.snapshot import InstanceView
+from serving.pipeline.topologies.metaserver import MetaServer, Registration
+
+if TYPE_CHECKING:
+    from serving.pipeline.engine.leg import GenerateContext
+
+from serving.pipeline.topologies.pd import (
+    PREFILL_KV_PARAMS,
+    OpenedStream,
+    PDContext,
+    PDPlacement,
+    _leg,
+    _prefill_tokens,
+    _settle,
+    _sides,
+    _stream_leg,
+    decode_request,
+    leg_ids,
+    pd_context,
+    prefill_request,
+)
+
+logger = logging.getLogger(__name__)
+
+# The keys of D's Trigger callback that P needs to push to it (enginesim/pd.py, push mode).
+_PUSH_TARGET_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_num_tokens")
+
+def push_prefill_params(callback: Mapping[str, Any]) -> dict[str, Any]:
+    """P's ``kv_transfer_params`` in Trigger, from D's callback: where to push, for which request."""
+    params: dict[str, Any] = dict(PREFILL_KV_PARAMS)
+    for key in _PUSH_TARGET_KEYS:
+        if key in callback:
+            params[key] = callback[key]
+    params["remote_request_id"] = callback["request_id"]
+    return params
+
+
+async def run_trigger(ctx: PDContext, placement: PDPlacement, engine_request: dict[str, Any]) -> dict[str, Any]:
+    """Decode on D first; its metaserver callback starts the prefill on P (``placement.instances``).
+
+    Returns D's GenerateResponse. The registration is released, and a leg still running on an
+    engine is aborted, on every exit path. Raises ``EngineError`` naming D when D fails or never
+    calls back within ``ctx.callback_timeout_s``, naming P when the prefill fails (D's request is
+    then aborted); ``NoCapacity`` without a metaserver or when no P is left at callback time.
+    """
+    metaserver, placed_prefill, decode = _trigger_sides(ctx, placement)
+    p_id, d_id = leg_ids(engine_request["request_id"])
+    with metaserver.register(ctx.request_id, engine_request_id=engine_request_id(d_id)) as reg:
+        d_request = _trigger_decode_request(engine_request, d_id, reg)
+        d_task = asyncio.create_task(_leg(ctx, "decode", decode, d_request, ctx.tokens))
+        p_task: asyncio.Task[dict[str, Any]] | None = None
+        try:
+            callback = await _await_callback(ctx, reg, d_task, decode, d_opens_stream=False)
+            p_task = _start_push_prefill(ctx, engine_request, placed_prefill, p_id, callback)
+            await asyncio.wait([p_task, d_task], return_when=asyncio.FIRST_COMPLETED)
+            if d_task.done() and d_task.exception() is not None:
+                # D failed while P ran: P's push has nowhere to go, and D's failure is the cause.
+                d_task.result()
+            await p_task  # P's own failure, naming P
+            return await d_task
+        finally:
+            await _settle(p_task, d_task)
+
+
+def _trigger_sides(ctx: PDContext, placement: PDPlacement) -> tuple[MetaServer, InstanceView, InstanceView]:
+    """The metaserver and the placed (P, D) of a Trigger run (plain or streaming)."""
+    if ctx.metaserver is None:
+        raise NoCapacity("Trigger needs this process's metaserver, and none is configured")
+    placed_prefill, decode = _sides(placement)
+    return ctx.metaserver, placed_prefill, decode
+
+
+def _trigger_decode_request(engine_request: dict[str, Any], d_id: str, reg: Registration) -> dict[str, Any]:
+    """D's leg in Trigger: remote prefill, with the registration's callback URL."""
+    d_params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": reg.url}
+    return decode_request(engine_request, request_id=d_id, kv_transfer_params=d_params)
+
+
+def _start_push_prefill(
+    ctx: PDContext, engine_request: dict[str, Any], placed_prefill: InstanceView, p_id: str,
+    callback: Mapping[str, Any],
+) -> asyncio.Task[dict[str, Any]]:
+    """D called back: pick P (the placed one unless ``ctx.pick_prefill`` says otherwise) and start
+    its prefill leg, pushing to where the callback says."""
+    prefill = ctx.pick_prefill() if ctx.pick_prefill is not None else placed_prefill
+    p_request = prefill_request(engine_request, request_id=p_id, kv_transfer_params=push_prefill_params(callback))
+    return asyncio.create_task(_leg(ctx, "prefill", prefill, p_request, _prefill_tokens(engine_request)))
+
+
+
+
+async def _await_callback(
+    ctx: PDContext, reg: Registration, d_task: asyncio.Task[Any], decode: InstanceView, *, d_opens_stream: bool
+) -> dict[str, Any]:
+    """Wait for D's callback (plain and streaming runs); the timeout counts from the request to D.
+
+    D's task may end first: with a failure, that failure is raised (it is the cause, whether or
+    not the callback arrived meanwhile: P would push to nowhere); with success, that is normal
+    when the task only opens D's stream (``d_opens_stream``: a real D answers 200 at once) and a
+    protocol error when it is D's whole answer and no callback came (D answered without one).
+    """
+    wait = asyncio.create_task(reg.wait(ctx.callback_timeout_s))
+    try:
+        pending: set[asyncio.Task[Any]] = {wait, d_task}
+        while wait in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if d_task in done:
+                d_task.result()  # D's own failure, as it raised
+                if not d_opens_stream and wait in pending:
+                    raise EngineError(f"{decode.name} answered a Trigger request without calling back",
+                                      instance=decode.name)
+    finally:
+        if not wait.done():
+            wait.cancel()
+            await asyncio.wait([wait])
+    if wait.exception() is not None:
+        if not d_opens_stream and d_task.done():
+            raise EngineError(f"{decode.name} answered a Trigger request without calling back", instance=decode.name)
+        raise EngineError(
+            f"{decode.name} did not call the metaserver back within {ctx.callback_timeout_s:g}s", instance=decode.name
+        )
+    return wait.result()
+
+
+async def open_trigger_stream(
+    ctx: PDContext, placement: PDPlacement, engine_request: dict[str, Any], stack: AsyncExitStack
+) -> OpenedStream:
+    """Streaming Trigger: D's stream opened first (``do_remote_prefill`` + metaserver callback),
+    the prefill dispatched on P when the callback arrives, as in ``run_trigger``.
+
+    Returns once D's stream is open *and* P's prefill leg answered: a decode engine may answer
+    200 before the KV arrived, and a prefill failure must still be retryable with a proper
+    status, so the registration and both legs' tasks are over when this returns (released or
+    aborted exactly once on every exit path, cancellation included). Only D's stream and holds
+    outlive it, on ``stack``.
+    """
+    metaserver, placed_prefill, decode = _trigger_sides(ctx, placement)
+    p_id, d_id = leg_ids(engine_request["request_id"])
+    with metaserver.register(ctx.request_id, engine_request_id=engine_request_id(d_id)) as reg:
+        d_request = _trigger_decode_request(engine_request, d_id, reg)
+        # D's holds and stream live on their own stack until the run succeeded; then ``stack`` owns them.
+        d_stack = AsyncExitStack()
+        d_task = asyncio.create_task(_stream_leg(ctx, decode, d_request, d_stack))
+        p_task: asyncio.Task[dict[str, Any]] | None = None
+        ok = False
+        try:
+            callback = await _await_callback(ctx, reg, d_task, decode, d_opens_stream=True)
+            p_task = _start_push_prefill(ctx, engine_request, placed_prefill, p_id, callback)
+            pending: set[asyncio.Task[Any]] = {p_task, d_task}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                # D first: when D gave up, P's push had nowhere to go and D's failure is the cause.
+                for finished in sorted(done, key=lambda t: t is not d_task):
+                    finished.result()
+            events = d_task.result()
+            ok = True
+        finally:
+            await _settle(p_task, d_task)
+            if not ok:
+                # D may hold the request waiting for a push that will never come: free its slot.
+                await asyncio.shield(_close_failed_decode(ctx, decode, d_id, d_stack))
+    stack.push_async_callback(d_stack.aclose)
+    return decode, d_id, events
+
+
+async def _close_failed_decode(ctx: PDContext, decode: InstanceView, d_id: str, d_stack: AsyncExitStack) -> None:
+    try:
+        await d_stack.aclose()
+    finally:
+        await ctx.engines.abort(decode, [d_id])
+
+
+
+async def trigger(ctx: GenerateContext, placement: Placement, engine_request: dict[str, Any]) -> dict[str, Any]:
+    """The registry's Trigger runner: ``run_trigger`` with the router's legs and this process's metaserver."""
+    return await run_trigger(pd_context(ctx, placement), placement, engine_request)
+
+
+
+async def trigger_stream(
+    ctx: GenerateContext, placement: Placement, engine_request: dict[str, Any], stack: AsyncExitStack
+) -> OpenedStream:
+    """The registry's Trigger opener: ``open_trigger_stream`` with the router's legs and metaserver."""
+    return await open_trigger_stream(pd_context(ctx, placement), placement, engine_request, stack)
+
+
