@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 import httpx
 import pytest
 
 from tests.serving.fakes import FakeUpstreams
+from tests.serving.router_fakes import Rig, assert_no_leaks, make_rig
 
 
 @pytest.fixture
@@ -20,3 +22,13 @@ async def mock_client(upstreams: FakeUpstreams) -> AsyncIterator[httpx.AsyncClie
     client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams.handler))
     yield client
     await client.aclose()
+
+
+@pytest.fixture
+async def rig(upstreams: FakeUpstreams) -> AsyncIterator[Rig]:
+    """A pipeline over fake upstreams with the default breakers; ends by asserting nothing leaked."""
+    before = asyncio.all_tasks()
+    r = make_rig(upstreams)
+    yield r
+    await assert_no_leaks(r, before)
+    await r.client.aclose()

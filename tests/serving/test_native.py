@@ -3,28 +3,19 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
 from serving.pipeline.engine.native import NativeStream, native_reason
 from serving.pipeline.errors import EngineError, NoCapacity, RequestError, UpstreamRequestError
-from tests.serving.fakes import MODEL, FakeUpstreams, error_json
-from tests.serving.router_fakes import Rig, assert_no_leaks, chat_body, engine, make_rig, respond, snapshot_with
+from tests.serving.fakes import MODEL, error_json
+from tests.serving.router_fakes import Rig, chat_body, engine, respond, snapshot_with
 
 PLAIN = (engine("e1", native_openai=True), engine("e2", native_openai=True))  # tokens-only fleet
 WITH_TOKENIZER = (engine("e1", native_openai=True), engine("e2", native_openai=True, tokenizer=True))
 
-
-@pytest.fixture
-async def rig(upstreams: FakeUpstreams) -> AsyncIterator[Rig]:
-    before = asyncio.all_tasks()
-    r = make_rig(upstreams)
-    yield r
-    await assert_no_leaks(r, before)
-    await r.client.aclose()
 
 
 @pytest.mark.parametrize(

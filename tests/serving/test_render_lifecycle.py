@@ -6,7 +6,7 @@ test_native.py (tests/serving/router_fakes.py)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -16,19 +16,11 @@ from serving.pipeline.errors import NoCapacity, RequestError, error_body
 from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.service import EventStream
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams
-from tests.serving.router_fakes import Rig, assert_no_leaks, chat_body, engine, make_rig, snapshot_with
+from tests.serving.router_fakes import Rig, chat_body, engine, snapshot_with
 
 NATIVE_FLEET = (engine("e1", native_openai=True), engine("e2", native_openai=True))
 OLD_SIDECAR = {"streaming_derender": False}  # what the version probe writes for a sidecar < 0.27
 
-
-@pytest.fixture
-async def rig(upstreams: FakeUpstreams) -> AsyncIterator[Rig]:
-    before = asyncio.all_tasks()
-    r = make_rig(upstreams)
-    yield r
-    await assert_no_leaks(r, before)
-    await r.client.aclose()
 
 
 async def read_all(stream: EventStream | NativeStream) -> bytes:

@@ -7,10 +7,9 @@ exactly takes the native path. Uses the real tiny model's files (MOTOR_MODEL_DIR
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 import httpx
 import pytest
@@ -19,26 +18,15 @@ from serving.pipeline.engine.native import native_reason
 from serving.pipeline.errors import RenderUnavailable, RequestError, UpstreamRequestError
 from serving.pipeline.render import local_tokenizer as lt
 from serving.pipeline.render.tokenization import local_render, local_unsupported
-from tests.serving.fakes import CHAT_PROMPT, MODEL, FakeUpstreams, error_json
+from tests.serving.fakes import CHAT_PROMPT, MODEL, error_json
 from tests.serving.router_fakes import (
     Rig,
-    assert_no_leaks,
     chat_body,
     engine,
-    make_rig,
     model_dir,
     respond,
     snapshot_with,
 )
-
-
-@pytest.fixture
-async def rig(upstreams: FakeUpstreams) -> AsyncIterator[Rig]:
-    before = asyncio.all_tasks()
-    r = make_rig(upstreams)
-    yield r
-    await assert_no_leaks(r, before)
-    await r.client.aclose()
 
 
 def connect_error(request: httpx.Request, _body: Any) -> httpx.Response:
