@@ -22,15 +22,23 @@ from typing import Literal
 
 import httpx
 
-from motorsite.processes import ORPHAN_GRACE, ProcessSpec, can_bind, log_tail, probe, terminate_group
+from motorsite.processes import (
+    ORPHAN_GRACE,
+    POLL_INTERVAL_MIN,
+    ProcessSpec,
+    can_bind,
+    log_tail,
+    probe,
+    terminate_group,
+)
 from motorsite.restarts import RestartTracker
 
 # One logger for the whole supervisor (as motorsite.processes): operators filter on one name.
 logger = logging.getLogger("motorsite.supervisor")
 
-# Readiness polling starts fast (tests and small sidecars are up in well under a second) and
-# backs off so that a vLLM engine loading weights for minutes is not probed 10 times a second.
-POLL_INTERVAL_MIN = 0.05
+# Readiness polling starts fast (POLL_INTERVAL_MIN: tests and small sidecars are up in well under a
+# second) and backs off to this, so that a vLLM engine loading weights for minutes is not probed 10
+# times a second.
 POLL_INTERVAL_MAX = 1.0
 # One readiness probe of a restarting child runs inside wait()'s loop; this bounds how long it
 # can hold up noticing another child's death or a signal.
@@ -137,8 +145,7 @@ class Child:
             # so a port that stays taken ends in the crash-loop verdict instead of a silent wait.
             host, port = taken[0]
             return self.exited(f"could not restart: port {host}:{port} is in use", "")
-        fresh = spawn(spec)
-        self.popen, self.log_offset = fresh.popen, fresh.log_offset
+        self.popen, self.log_offset = _launch(spec)
         now = time.monotonic()
         self.state = ChildState.STARTING
         self.ready_deadline = now + spec.ready_timeout
@@ -171,6 +178,13 @@ class Child:
 
 def spawn(spec: ProcessSpec) -> Child:
     """Start ``spec``'s argv in its own session, its output appended to its log file."""
+    popen, offset = _launch(spec)
+    tracker = RestartTracker(spec.restart) if spec.restart is not None else None
+    return Child(spec=spec, popen=popen, log_offset=offset, tracker=tracker)
+
+
+def _launch(spec: ProcessSpec) -> tuple[subprocess.Popen[bytes], int]:
+    """Run ``spec``'s argv; return the process and where this run's output starts in its log."""
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     # Python children would otherwise block-buffer stdout into the log file, and the lines
@@ -193,5 +207,4 @@ def spawn(spec: ProcessSpec) -> Child:
             start_new_session=True,
         )
     logger.info("started %s (pid %d): %s", spec.name, popen.pid, spec.argv)
-    tracker = RestartTracker(spec.restart) if spec.restart is not None else None
-    return Child(spec=spec, popen=popen, log_offset=offset, tracker=tracker)
+    return popen, offset

@@ -40,7 +40,6 @@ import httpx
 
 from motorsite.children import (
     POLL_INTERVAL_MAX,
-    POLL_INTERVAL_MIN,
     Child,
     ChildEvent,
     ChildState,
@@ -48,6 +47,7 @@ from motorsite.children import (
     spawn,
 )
 from motorsite.processes import (
+    POLL_INTERVAL_MIN,
     PORT_RELEASE_TIMEOUT,
     ProcessSpec,
     can_bind,
