@@ -27,7 +27,7 @@ import pytest
 from django.conf import settings
 
 from motorsite import stack
-from motorsite.launched import LaunchedStack, greedy_answer
+from motorsite.launched import LaunchedStack, greedy_answer, metric_samples
 from motorsite.restarts import RestartPolicy
 
 # Starts a whole stack, kills two of its processes and waits for their return: minutes, more on
@@ -109,8 +109,8 @@ class Load:
 
 def _in_flight_is_zero(base: str) -> bool:
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    gauges = [line for line in text.splitlines() if line.startswith(("motor_engine_in_flight_tokens", "motor_admission_waiting"))]
-    return bool(gauges) and all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in gauges)
+    gauges = [v for name in ("motor_engine_in_flight_tokens", "motor_admission_waiting") for v in metric_samples(text, name).values()]
+    return bool(gauges) and all(v == 0.0 for v in gauges)
 
 
 def test_it_answers_every_request_while_the_sidecar_and_an_engine_are_killed(launcher: LaunchedStack) -> None:
@@ -171,7 +171,7 @@ def test_it_answers_every_request_while_the_sidecar_and_an_engine_are_killed(lau
     )
     # The restarted engine serves again: its own counter of finished requests moved.
     metrics = httpx.get(f"{engine_url}/metrics", timeout=10).text
-    served = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("vllm:request_success_total"))
+    served = sum(metric_samples(metrics, "vllm:request_success_total").values())
     assert served > 0
     # Nothing left in flight once the load has stopped.
     launcher.until(lambda: _in_flight_is_zero(launcher.base), 10, "in-flight tokens back to zero")
