@@ -21,6 +21,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,31 +167,58 @@ async def wait_subscribed(servers: dict[str, LiveServer], subscribers: list[KVEv
     raise RuntimeError("KV event subscribers never received an event")
 
 
-def microbench() -> list[tuple[int, float, float]]:
-    """(instances, µs per decision with the index, µs for hashing the prompt alone)."""
+def microbench() -> list[tuple[int, float, float, float]]:
+    """Per instance count: µs per ``Scheduler.place``, µs scoring every candidate as the previous
+    scheduler did (``candidates()`` sorted, the index asked about each rival), µs hashing alone."""
     rng = random.Random(3)
-    rows = []
     prompt = [rng.randrange(10, 4000) for _ in range(2048)]  # 16 blocks
-    for count in (10, 100, 1000):
-        index = KVAffinityIndex()
-        names = [f"i{n}" for n in range(count)]
-        for n in names:
-            for _ in range(4):
-                index.record(n, prompt[: rng.randrange(1, 16) * BLOCK] + [rng.randrange(10, 4000)] * BLOCK)
-        inflight: Counter[str] = Counter({n: rng.randrange(0, 4) for n in names})
-        rounds = max(20, 20_000 // count)
-        start = time.perf_counter()
-        for _ in range(rounds):
-            choose(index, names, inflight, prompt, record=False)
-        per = (time.perf_counter() - start) / rounds * 1e6
-        from serving.pipeline.placement.kv_affinity import chain_hashes
+    return [(count, *decision_costs(count, rng, prompt)) for count in (10, 100, 1000)]
 
+
+def decision_costs(count: int, rng: random.Random, prompt: list[int]) -> tuple[float, float, float]:
+    from contextlib import ExitStack
+    from dataclasses import replace
+
+    from serving.pipeline.flow_control.admission import TokenAdmission
+    from serving.pipeline.placement.kv_affinity import chain_hashes
+    from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+    from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
+
+    template = InstanceView(
+        id=0, name="", url="", role="union", model="m", weight=1, token_capacity=65536,
+        max_model_len=4096, token_generate=True, native_openai=False, tokenizer=False, state="active",
+    )
+    fleet = tuple(replace(template, id=n, name=f"i{n}", url=f"http://127.0.0.1:{10000 + n}") for n in range(count))
+    snapshot = FleetSnapshot(
+        version=1, models={"m": ModelView("m", "/m", 4096)},
+        render=RenderView(enable=True, base_url="http://127.0.0.1:1", timeout_s=5.0), instances=fleet,
+    )
+    index = KVAffinityIndex()
+    scheduler = Scheduler(LoadTracker(), admission=TokenAdmission(), affinity=index)
+    for i in fleet:
+        for _ in range(4):
+            index.record(i.name, prompt[: rng.randrange(1, 16) * BLOCK] + [rng.randrange(10, 4000)] * BLOCK)
+    rounds = max(50, 50_000 // count)
+
+    def per_call(fn: Callable[[], object]) -> float:
         start = time.perf_counter()
         for _ in range(rounds):
-            chain_hashes(prompt, BLOCK)
-        hashing = (time.perf_counter() - start) / rounds * 1e6
-        rows.append((count, per, hashing))
-    return rows
+            fn()
+        return (time.perf_counter() - start) / rounds * 1e6
+
+    def scored_all() -> object:
+        candidates = scheduler.candidates(snapshot, "m", tokens=len(prompt))
+        scores = index.scores([c.name for c in candidates], prompt)
+        return max(candidates, key=lambda c: scores[c.name])
+
+    with ExitStack() as held:
+        for i in fleet:  # three in four instances busy, 0-3 requests each
+            for _ in range(rng.randrange(0, 4)):
+                held.enter_context(scheduler.load.hold(i))
+        place = per_call(lambda: scheduler.place(snapshot, "m", prompt, tokens=len(prompt)))
+        previous = per_call(scored_all)
+        hashing = per_call(lambda: chain_hashes(prompt, BLOCK))
+    return place, previous, hashing
 
 
 async def main_async() -> tuple[list[Result], list[tuple[int, float, float]]]:
@@ -241,7 +269,21 @@ def machine_line() -> str:
     return f"{machine(memory=False)}; load average {loadavg()} at the end"
 
 
-def report(results: list[Result], micro: list[tuple[int, float, float]]) -> str:
+def decision_table(micro: list[tuple[int, float, float, float]]) -> list[str]:
+    return [
+        "Cost of one placement decision: the coordinator's `Scheduler.place` (filter, score, pick, KV-affinity "
+        "lookup and the approximate-mode record, prefix hashing included) beside scoring every candidate as the "
+        "previous scheduler did (sort all candidates by load, ask the index about each), in the same run; "
+        "a 2048-token prompt (16 blocks of 128), each instance indexed with 4 prompts, three in four instances busy:",
+        "",
+        "| instances | µs per `Scheduler.place` | µs scoring every candidate (previous algorithm, this hashing) | ratio | µs hashing the prompt alone |",
+        "|---:|---:|---:|---:|---:|",
+        *(f"| {count} | {place:.1f} | {previous:.1f} | {previous / place:.1f}x | {hashing:.1f} |"
+          for count, place, previous, hashing in micro),
+    ]
+
+
+def report(results: list[Result], micro: list[tuple[int, float, float, float]]) -> str:
     lines = [
         SECTION,
         "",
@@ -269,23 +311,18 @@ def report(results: list[Result], micro: list[tuple[int, float, float]]) -> str:
             f"| {r.policy} | {rate:.1%} | {pct(r.ttft, 0.5) * 1000:.1f} | {pct(r.ttft, 0.9) * 1000:.1f} "
             f"| {len(r.ttft) / r.elapsed:.1f} | {spread} |"
         )
-    lines += [
-        "",
-        "Scoring cost per decision (pure function: chained hashes of a 2048-token prompt, lookup on every "
-        "candidate, load-penalised max; each instance indexed with 4 prompts):",
-        "",
-        "| instances | µs per decision | of which hashing the prompt (µs) |",
-        "|---:|---:|---:|",
-    ]
-    for count, per, hashing in micro:
-        lines.append(f"| {count} | {per:.1f} | {hashing:.1f} |")
+    lines += ["", *decision_table(micro)]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--write", action="store_true", help="rewrite this section of bench/RESULTS.md")
+    parser.add_argument("--decisions", action="store_true", help="only time placement decisions; print, never write")
     args = parser.parse_args()
+    if args.decisions:
+        print("\n".join(decision_table(microbench())))
+        return
     results, micro = asyncio.run(main_async())
     section = report(results, micro)
     print(section)

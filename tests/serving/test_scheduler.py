@@ -77,14 +77,22 @@ def test_exclusions_and_no_capacity() -> None:
 
 
 def test_a_topology_policy_can_choose_handoff() -> None:
-    p, d = replace(E1, role="prefill"), replace(E2, role="decode")
+    p = replace(E1, id=3, name="p1", role="prefill", kv_transfer="pull")
+    d = replace(E2, id=4, name="d1", role="decode", kv_transfer="pull")
     seen = []
 
-    def policy(snapshot, model, prompt_ids, candidates, exclude):  # type: ignore[no-untyped-def]
-        seen.append((model, list(prompt_ids), [c.name for c in candidates]))
+    def policy(snapshot, model, prompt_ids, candidates, pool):  # type: ignore[no-untyped-def]
+        seen.append((model, list(prompt_ids), [c.name for c in candidates], [i.name for i in pool]))
         return Placement("handoff", (p, d), prefix_hit_blocks=2)
 
     s = scheduler(topology_policy=policy)
-    placement = s.place(fleet_snapshot(E1, E2), MODEL, [7, 8])
-    assert placement.topology == "handoff" and placement.names == "e1,e2" and placement.prefix_hit_blocks == 2
-    assert seen == [(MODEL, [7, 8], ["e1", "e2"])]
+    placement = s.place(fleet_snapshot(E1, E2, p, d), MODEL, [7, 8])
+    assert placement.topology == "handoff" and placement.names == "p1,d1" and placement.prefix_hit_blocks == 2
+    assert seen == [(MODEL, [7, 8], ["e1", "e2"], ["e1", "e2", "p1", "d1"])]
+
+
+def test_a_topology_policy_is_not_consulted_for_a_union_only_model() -> None:
+    def policy(*_args):  # type: ignore[no-untyped-def]
+        raise AssertionError("consulted without prefill or decode instances")
+
+    assert scheduler(topology_policy=policy).place(fleet_snapshot(E1, E2), MODEL, [7]).instances == (E1,)

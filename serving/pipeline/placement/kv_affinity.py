@@ -23,10 +23,8 @@ not thread-safe (one per event loop).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
-from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,9 +48,10 @@ def block_size_from_metrics(text: str) -> int | None:
 
 
 def _block_key(parent: int | None, tokens: Sequence[int]) -> int:
-    data = array("q", tokens).tobytes()
-    prefix = b"\x00" * 8 if parent is None else parent.to_bytes(8, "little")
-    return int.from_bytes(hashlib.blake2b(prefix + data, digest_size=8).digest(), "little")
+    # CPython's tuple hash over ints: 64-bit, the same in every process (PYTHONHASHSEED salts
+    # only str and bytes), and about six times cheaper than blake2b over packed ids. A collision
+    # only misplaces one request; engines check their own hashes.
+    return hash((0 if parent is None else parent, tuple(tokens)))
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -63,6 +62,36 @@ def chain_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
         parent = _block_key(parent, token_ids[start : start + block_size])
         keys.append(parent)
     return keys
+
+
+class PromptBlocks:
+    """One prompt's chained block hashes, computed once per block size and then reused.
+
+    One placement looks a prompt up and then records it; hashing is most of what either costs,
+    so the scheduler hashes through one of these per decision.
+    """
+
+    __slots__ = ("token_ids", "_keys")
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = token_ids
+        self._keys: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def keys(self, block_size: int) -> list[int]:
+        keys = self._keys.get(block_size)
+        if keys is None:
+            keys = self._keys[block_size] = chain_hashes(self.token_ids, block_size)
+        return keys
+
+
+Prompt = Sequence[int] | PromptBlocks
+
+
+def prompt_blocks(prompt: Prompt) -> PromptBlocks:
+    return prompt if isinstance(prompt, PromptBlocks) else PromptBlocks(prompt)
 
 
 @dataclass(slots=True)
@@ -180,12 +209,12 @@ class KVAffinityIndex:
         state = self._instances.get(instance)
         return len(state.blocks) if state is not None else 0
 
-    def match(self, instance: str, token_ids: Sequence[int]) -> int:
+    def match(self, instance: str, token_ids: Prompt) -> int:
         """Number of leading full blocks of ``token_ids`` cached on ``instance``."""
         state = self._instances.get(instance)
         if state is None or not state.blocks:
             return 0
-        return self._match(state, chain_hashes(token_ids, state.block_size))
+        return self._match(state, prompt_blocks(token_ids).keys(state.block_size))
 
     @staticmethod
     def _match(state: _Instance, keys: Sequence[int]) -> int:
@@ -197,36 +226,55 @@ class KVAffinityIndex:
             n += 1
         return n
 
-    def scores(self, candidates: Iterable[str], token_ids: Sequence[int]) -> dict[str, int]:
-        """Leading cached blocks per candidate; hashes the prompt once per block size.
-
-        Walks the prompt's chain once, narrowing the set of candidates that still hold every
-        block so far with C-level set intersections; Python-level work is per candidate
-        only when it drops out.
-        """
-        out = dict.fromkeys(candidates, 0)
-        wanted = out.keys()
-        for size, members in self._by_size.items():
-            alive = members & wanted
-            depth = 0
-            if alive:
-                for key in chain_hashes(token_ids, size):
-                    holders = self._holders.get(key)
-                    if not holders:
-                        break
-                    narrowed = alive & holders
-                    if len(narrowed) < len(alive):
-                        for name in alive - narrowed:
-                            out[name] = depth
-                    alive = narrowed
-                    depth += 1
-                    if not alive:
-                        break
-                for name in alive:
-                    out[name] = depth
+    def depths(self, token_ids: Prompt) -> dict[str, int]:
+        """Leading cached blocks per instance that holds at least the first one."""
+        out: dict[str, int] = {}
+        for levels in self.levels(token_ids):
+            for depth, names in enumerate(levels, start=1):
+                for name in names:
+                    if out.get(name, 0) == depth - 1:
+                        out[name] = depth
         return out
 
-    def best(self, candidates: Sequence[str], token_ids: Sequence[int]) -> tuple[str | None, int]:
+    def levels(self, token_ids: Prompt) -> list[list[set[str]]]:
+        """Per block size, the holders of each of the prompt's leading blocks, until a block
+        nobody holds: ``levels[k]`` holds block k (an instance's depth is how many leading
+        levels it is in). Dictionary lookups only: the cost follows the prompt, not the fleet.
+        """
+        blocks = prompt_blocks(token_ids)
+        out: list[list[set[str]]] = []
+        for size in self._by_size:
+            levels: list[set[str]] = []
+            for key in blocks.keys(size):
+                holders = self._holders.get(key)
+                if not holders:
+                    break
+                levels.append(holders)
+            if levels:
+                out.append(levels)
+        return out
+
+    def depth_of(self, name: str, levels: list[list[set[str]]]) -> int:
+        """``name``'s leading cached blocks, from ``levels(...)``."""
+        for chain in levels:
+            depth = 0
+            for holders in chain:
+                if name not in holders:
+                    break
+                depth += 1
+            if depth:
+                return depth
+        return 0
+
+    def scores(self, candidates: Iterable[str], token_ids: Prompt) -> dict[str, int]:
+        """Leading cached blocks per candidate (0 for those holding none)."""
+        out = dict.fromkeys(candidates, 0)
+        for name, depth in self.depths(token_ids).items():
+            if name in out:
+                out[name] = depth
+        return out
+
+    def best(self, candidates: Sequence[str], token_ids: Prompt) -> tuple[str | None, int]:
         """The candidate with the most cached leading blocks and that count.
 
         Ties (including no hit anywhere) go to the earliest candidate, so a caller that
@@ -241,14 +289,15 @@ class KVAffinityIndex:
 
     # -- updates ----------------------------------------------------------------------
 
-    def record(self, instance: str, token_ids: Sequence[int]) -> int:
+    def record(self, instance: str, token_ids: Prompt) -> int:
         """Approximate mode: assume ``instance`` now caches ``token_ids``' full blocks.
 
         Returns how many blocks were new to the index.
         """
         state = self._get(instance)
         self.stats.recorded += 1
-        return self._insert(instance, state, [(k, None) for k in chain_hashes(token_ids, state.block_size)])
+        keys = prompt_blocks(token_ids).keys(state.block_size)
+        return self._insert(instance, state, [(k, None) for k in keys])
 
     def _insert(self, instance: str, state: _Instance, entries: Sequence[tuple[int, Hashable | None]]) -> int:
         blocks = state.blocks

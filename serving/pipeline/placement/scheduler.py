@@ -32,7 +32,7 @@ events (precise mode, ``serving.runtime`` keeps the subscriptions).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, KeysView
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -41,7 +41,8 @@ from serving.pipeline.errors import NoCapacity
 from serving.pipeline.flow_control.admission import TokenAdmission
 from serving.pipeline.placement import scorers
 from serving.pipeline.placement.filters import eligible_instances, union_role
-from serving.pipeline.placement.kv_affinity import KVAffinityIndex
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex, PromptBlocks
+from serving.pipeline.placement.pools import ModelPool, PoolCache
 from serving.pipeline.protocol import TopologyName
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
@@ -65,7 +66,8 @@ class Placement:
 # A topology policy may replace the union default: given the request's prompt ids, the eligible
 # union candidates (best first) and the whole eligibility set (``filters.eligible_instances``,
 # every role), return a Placement or None to keep union. The prompt ids it receives are the
-# engines' (``Scheduler.engine_ids``), so prefix lookups match.
+# engines' (``Scheduler.engine_ids``), so prefix lookups match. It is consulted only for models
+# with prefill or decode instances: without them there is no topology to choose.
 TopologyPolicy = Callable[[FleetSnapshot, str, Sequence[int], list[InstanceView], list[InstanceView]], "Placement | None"]
 
 # The ids the engines see for a prompt's semantic ids under ``snapshot`` (obfuscation's
@@ -95,6 +97,10 @@ class LoadTracker:
     def snapshot(self) -> dict[str, int]:
         return dict(self._inflight)
 
+    def busy(self) -> KeysView[str]:
+        """Names with a request in flight (a live view)."""
+        return self._inflight.keys()
+
 
 class Scheduler:
     def __init__(
@@ -115,6 +121,7 @@ class Scheduler:
         self.affinity = affinity
         self.load_margin_tokens = load_margin_tokens
         self.engine_ids = engine_ids
+        self._pools = PoolCache()
 
     def eligible(self, instance: InstanceView) -> bool:
         """Probe health and the breaker are separate signals; either keeps traffic away."""
@@ -136,7 +143,7 @@ class Scheduler:
         return sorted(union_role(pool, requires_tokenizer=requires_tokenizer), key=key)
 
     def cached_tokens(self, snapshot: FleetSnapshot, model: str, engine_prompt_ids: Sequence[int]) -> dict[str, int]:
-        """Prefix-hit lookup: leading cached tokens per instance of ``model`` (any role).
+        """Prefix-hit lookup: leading cached tokens per placeable instance of ``model`` (any role).
 
         The shape ``topologies.pd_topology_policy(cached_tokens=...)`` takes; ``engine_prompt_ids``
         are the engines' ids, as the scheduler hands them to its topology policy.
@@ -144,8 +151,11 @@ class Scheduler:
         if self.affinity is None:
             return {}
         index = self.affinity
-        names = [i.name for i in snapshot.instances if i.model == model]
-        return {name: n * index.block_size(name) for name, n in index.scores(names, engine_prompt_ids).items() if n}
+        # Only instances placement may pick matter, and only prefix holders have a hit.
+        placeable = self._pools.get(snapshot, model).by_name
+        return {
+            name: n * index.block_size(name) for name, n in index.depths(engine_prompt_ids).items() if name in placeable
+        }
 
     def place(
         self, snapshot: FleetSnapshot, model: str, prompt_ids: Sequence[int], *, tokens: int = 0,
@@ -158,38 +168,108 @@ class Scheduler:
         keeps the request on union, away from the topology policy.
         """
         ids = self.engine_ids(snapshot, prompt_ids) if self.engine_ids is not None else prompt_ids
-        # Filter once: every topology below picks from this one set.
-        pool = self.pool(snapshot, model, exclude=exclude)
-        candidates = self.candidates(
-            snapshot, model, requires_tokenizer=requires_tokenizer, tokens=tokens, pool=pool
-        )
+        blocks = PromptBlocks(ids)  # hashed at most once per block size, for lookup and record
+        static = self._pools.get(snapshot, model)
         placed: Placement | None = None
-        if self.topology_policy is not None and not requires_tokenizer and not pd_ineligible:
+        if self.topology_policy is not None and static.has_pd and not requires_tokenizer and not pd_ineligible:
+            # Filter once: every topology below picks from this one set.
+            pool = self.pool(snapshot, model, exclude=exclude)
+            candidates = self.candidates(
+                snapshot, model, requires_tokenizer=requires_tokenizer, tokens=tokens, pool=pool
+            )
             placed = self.topology_policy(snapshot, model, ids, candidates, pool)
-        if placed is None:
-            if not candidates:
+            if placed is None:
+                if not candidates:
+                    raise NoCapacity(f"no engine instance can serve model {model!r} right now")
+                placed = self._union(candidates[0], static, blocks, tokens, exclude)
+        else:
+            least = self._least_loaded(static, tokens, exclude, requires_tokenizer)
+            if least is None:
                 raise NoCapacity(f"no engine instance can serve model {model!r} right now")
-            placed = self._union(candidates, ids, tokens)
-        self._record(placed, ids)
+            placed = self._union(least, static, blocks, tokens, exclude, requires_tokenizer)
+        self._record(placed, blocks)
         return placed
 
-    def _union(self, candidates: list[InstanceView], ids: Sequence[int], tokens: int) -> Placement:
-        """The union placement by the module docstring's rule (candidates least loaded first)."""
-        least = candidates[0]
+    def _least_loaded(
+        self, static: ModelPool, tokens: int, exclude: Collection[str], requires_tokenizer: bool
+    ) -> InstanceView | None:
+        """``candidates(...)[0]`` without scoring the whole fleet.
+
+        An instance with nothing in flight always fits (admission admits one request of any
+        size on an idle instance) and scores zero load, so every idle instance ties and ranks
+        before every busy one: the first live idle instance in name order is the least loaded.
+        Only when all are busy are the busy ones scored.
+        """
+        busy_requests = self.load.busy()
+        inflight = self.admission.inflight_tokens()
+        busy: list[InstanceView] = []
+        for i in static.union_tokenizer if requires_tokenizer else static.union:
+            if i.name in exclude or not self.breakers.allows(i):
+                continue
+            if i.name in busy_requests or i.name in inflight:
+                busy.append(i)
+                continue
+            return i
+        if not busy:
+            return None
+        return min(busy, key=scorers.union_key(self.load, self.admission, tokens, inflight=inflight))
+
+    def _union(
+        self, least: InstanceView, static: ModelPool, blocks: PromptBlocks, tokens: int, exclude: Collection[str],
+        requires_tokenizer: bool = False,
+    ) -> Placement:
+        """The union placement by the module docstring's rule (``least``: the least loaded).
+
+        Only instances holding more of the prompt's leading blocks than ``least`` can beat it, so
+        the index's holder sets are read from the deepest block down (``KVAffinityIndex.levels``)
+        and the first level with a live union candidate as able to start as ``least`` decides:
+        among its instances the least loaded wins. The cost follows the prefix's holders, not
+        the fleet.
+        """
         if self.affinity is None:
             return Placement("union", (least,))
+        index = self.affinity
+        levels = index.levels(blocks)
+        least_depth = index.depth_of(least.name, levels)
         room = self.admission.has_room(least, tokens)
-        # Only candidates as able to start now as the least loaded one compete.
-        rivals = [i for i in candidates if self.admission.has_room(i, tokens) == room]
-        scores = self.affinity.scores([i.name for i in rivals], ids)
-        best = max(rivals, key=lambda i: scores[i.name])  # max keeps the first of equals: least loaded
-        if best is not least and scores[best.name] > scores[least.name]:
-            inflight = self.admission.inflight_tokens()
-            if inflight.get(best.name, 0) - inflight.get(least.name, 0) <= self.load_margin_tokens:
-                return Placement("union", (best,), scores[best.name])
-        return Placement("union", (least,), scores[least.name])
 
-    def _record(self, placement: Placement, ids: Sequence[int]) -> None:
+        def rival(name: str) -> InstanceView | None:
+            i = static.by_name.get(name)
+            if (
+                i is not None and i.role == "union" and i.token_generate and (i.tokenizer or not requires_tokenizer)
+                and name not in exclude and self.breakers.allows(i) and self.admission.has_room(i, tokens) == room
+            ):
+                return i
+            return None
+
+        best: list[InstanceView] = []
+        depth = least_depth
+        if len(levels) == 1:
+            chain = levels[0]
+            # Deepest level first; an instance counts at its real depth (a gap in its chain
+            # moves it down), so the first level with a rival holds the deepest ones.
+            for level in range(len(chain), least_depth, -1):
+                best = [
+                    i for name in chain[level - 1]
+                    if (i := rival(name)) is not None and index.depth_of(name, levels) == level
+                ]
+                if best:
+                    depth = level
+                    break
+        elif levels:  # instances of several block sizes: compare every holder's depth
+            for name, d in index.depths(blocks).items():
+                if d > depth and (i := rival(name)) is not None:
+                    best, depth = [i], d
+                elif d == depth > least_depth and (i := rival(name)) is not None:
+                    best.append(i)
+        if best:
+            winner = min(best, key=scorers.union_key(self.load, self.admission, tokens))
+            inflight = self.admission.inflight_tokens()
+            if inflight.get(winner.name, 0) - inflight.get(least.name, 0) <= self.load_margin_tokens:
+                return Placement("union", (winner,), depth)
+        return Placement("union", (least,), least_depth)
+
+    def _record(self, placement: Placement, ids: PromptBlocks) -> None:
         """Approximate mode: the placed instances will hold the prompt's blocks (a failed attempt
         leaves a guess the engine does not hold; the retry excludes that instance anyway)."""
         if self.affinity is None:

@@ -6,7 +6,7 @@ order (a later one only breaks ties of the earlier), then the name, so the order
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from serving.pipeline.flow_control.admission import TokenAdmission
@@ -19,10 +19,14 @@ Scorer = Callable[[InstanceView], float]
 
 
 def union_key(
-    load: LoadTracker, admission: TokenAdmission, tokens: int
+    load: LoadTracker, admission: TokenAdmission, tokens: int, *, inflight: Mapping[str, int] | None = None
 ) -> Callable[[InstanceView], tuple[float | str, ...]]:
-    """The sort key of union candidates for a request of ``tokens`` admission tokens."""
-    inflight = admission.inflight_tokens()  # once per placement, not once per candidate
+    """The sort key of union candidates for a request of ``tokens`` admission tokens.
+
+    ``inflight`` is ``admission.inflight_tokens()`` when the caller already read it.
+    """
+    if inflight is None:
+        inflight = admission.inflight_tokens()  # once per placement, not once per candidate
 
     def no_room(i: InstanceView) -> float:
         # An instance that can start the request now beats one it would wait on.
