@@ -21,6 +21,7 @@ record in one pass.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shlex
 from dataclasses import dataclass, field
@@ -83,6 +84,14 @@ class AscendLaunch:
     def command_line(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
         return (env + " " if env else "") + shlex.join(self.argv)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def tp_ratio_problem(p_name: str, p_tp: int, d_name: str, d_tp: int) -> str | None:
@@ -201,8 +210,9 @@ def launch_config(record: EngineRecord, fleet: Sequence[EngineRecord]) -> Ascend
     if record.tokens_only:
         # motorsite sends token ids to /inference/v1/generate; no tokenizer needed on the engine.
         argv.append("--tokens-only")
-    # HCCL picks the interface whose address this is for KV traffic (the vllm-ascend tutorials).
-    env = {"HCCL_IF_IP": record.host}
+    # HCCL picks the interface whose address this is for KV traffic (the vllm-ascend tutorials);
+    # it takes an IP only, so a record that names its host by name leaves it to the host's setup.
+    env = {"HCCL_IF_IP": record.host} if _is_ip(record.host) else {}
     config: dict[str, Any] | None = None
     if record.role in KV_ROLES:
         group = [r for r in fleet if r.served_model_id == record.served_model_id and r.name != record.name] + [record]

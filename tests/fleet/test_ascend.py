@@ -56,7 +56,7 @@ def test_it_builds_the_pull_pair_as_vllm_ascend_expects() -> None:
     assert flags["--served-model-name"] == "ds" and flags["--max-model-len"] == "4096"
     assert "--tokens-only" in launch.argv
     assert json.loads(launch.argv[launch.argv.index("--kv-transfer-config") + 1]) == launch.kv_transfer_config
-    assert launch.env == {"HCCL_IF_IP": "p1.npu"}
+    assert launch.env == {}  # HCCL_IF_IP takes an address; p1.npu is a name
     decode = launch_config(d, [p]).kv_transfer_config
     assert decode is not None and decode["kv_role"] == "kv_consumer"
     assert decode["kv_connector_extra_config"] == launch.kv_transfer_config["kv_connector_extra_config"]
@@ -76,8 +76,8 @@ def test_a_union_engine_gets_no_kv_transfer_config() -> None:
 
 
 def test_the_command_line_is_shell_quoted() -> None:
-    line = launch_config(rec("p1", "prefill"), [rec("d1", "decode")]).command_line()
-    assert line.startswith("HCCL_IF_IP=p1.npu vllm serve /models/ds ")
+    line = launch_config(rec("p1", "prefill", host="192.0.0.1"), [rec("d1", "decode")]).command_line()
+    assert line.startswith("HCCL_IF_IP=192.0.0.1 vllm serve /models/ds ")
     assert "'{\"kv_connector\":\"MooncakeConnectorV1\"" in line
 
 
