@@ -1,7 +1,7 @@
 """docker/compose.yaml runs what ``make run`` runs: held against motorsite.stack's process specs.
 
 No container engine runs on these machines (``docker`` is only the client; see the README), so
-this is a static check: every process ``make run`` starts is a compose service with the same
+these are static checks: docker-compose's own schema check of the file, and every process ``make run`` starts is a compose service with the same
 arguments, environment and readiness request, up to the differences a container implies (bind
 0.0.0.0, the model at /model, ``taskset`` as ``cpuset``, the repository at /app), each named here.
 """
@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import ast
 import io
+import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ DATABASE_URL = "postgresql://motorsite:${POSTGRES_PASSWORD:-motorsite}@postgres:
 REDIS_URL = "redis://redis:6379/0"
 API_KEY = "${MOTOR_DEMO_API_KEY:?set a client key}"
 VLLM_PREFIX = ["python", "-m", "vllm.entrypoints.cli.main"]  # the vLLM image's ENTRYPOINT
+DOCKER_COMPOSE = shutil.which("docker-compose")
 
 
 @pytest.fixture
@@ -152,3 +156,23 @@ def test_the_sidecar_image_is_the_render_configs(db: None) -> None:
     out = io.StringIO()
     call_command("render_image", stdout=out)
     assert out.getvalue().strip() == "registry.example/render:0.33.0-custom"
+
+
+def test_the_compose_file_passes_compose_s_own_schema_check(tmp_path: Path) -> None:
+    # docker-compose parses and validates without a Docker engine; the toolchain installs it for the suite.
+    if DOCKER_COMPOSE is None:
+        pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
+    env = {**os.environ, "MOTOR_MODEL_DIR": str(tmp_path), "MOTOR_DEMO_API_KEY": "sk-test"}
+    for profile in ([], ["--profile", "ascend"]):
+        done = subprocess.run(
+            [DOCKER_COMPOSE, "-f", str(ROOT / "docker" / "compose.yaml"), *profile, "config", "--services"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        # Compose 1.29 lists profiled services too; which start by default is checked above.
+        assert set(done.stdout.split()) == set(SERVICES)
+    # And it does refuse what it does not know (the check above can fail).
+    bad = tmp_path / "compose.yaml"
+    bad.write_text((ROOT / "docker" / "compose.yaml").read_text().replace('    cpuset: "1"', '    cpusett: "1"', 1))
+    done = subprocess.run([DOCKER_COMPOSE, "-f", str(bad), "config", "-q"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "cpusett" in done.stderr
