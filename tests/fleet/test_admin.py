@@ -140,11 +140,10 @@ def test_the_site_is_titled_for_the_project(staff_client: Client) -> None:
 
 def test_the_changelist_draws_no_alarm_for_a_healthy_engine(staff_client: Client, fleet: list[EngineInstance]) -> None:
     EngineInstance.objects.filter(id=fleet[1].id).update(version_drift=True, drift_reason="root differs")
-    rows = {
-        row.split("</th>")[0].rsplit(">", 2)[-2].split("<")[0]: row
-        for row in staff_client.get("/admin/fleet/engineinstance/").content.decode().split('<tr')[2:]
-    }
-    healthy, drifted = rows["e0"], rows["e1"]
+    page = staff_client.get("/admin/fleet/engineinstance/").content.decode()
+    rows = page.split('<tbody>', 1)[1].split("</tbody>", 1)[0].split("<tr")[1:]
+    [healthy] = [r for r in rows if f'href="/admin/fleet/engineinstance/{fleet[0].id}/change/' in r]
+    [drifted] = [r for r in rows if f'href="/admin/fleet/engineinstance/{fleet[1].id}/change/' in r]
     # Django's boolean icons drew "no drift" as a red cross; the column is words now.
     assert "icon-no.svg" not in healthy and '<td class="field-drift">none</td>' in healthy
     assert '<td class="field-drift">drifted: root differs</td>' in drifted
