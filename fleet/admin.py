@@ -6,11 +6,13 @@ actions, which call ``fleet.services`` (compare-and-set, history rows, control v
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
 from django.db.models import QuerySet
+from django.forms.models import construct_instance
 from django.http import HttpRequest
 
 from fleet import services
@@ -114,6 +116,8 @@ class EngineInstanceForm(forms.ModelForm):
         )
         try:
             services.validate_pd(declaration)
+            # The form's values on a copy: the instance itself changes only when the form saves.
+            services.validate_ports(construct_instance(self, copy.copy(self.instance)))
         except services.InvalidError as exc:
             raise forms.ValidationError(str(exc)) from None
         return data
@@ -123,18 +127,19 @@ class EngineInstanceForm(forms.ModelForm):
 class EngineInstanceAdmin(admin.ModelAdmin):
     form = EngineInstanceForm
     list_display = (
-        "name", "url", "role", "served_model", "state", "breaker", "health_column", "drift", "inflight",
+        "name", "url", "role", "served_model", "state", "breaker_column", "health_column", "drift", "inflight",
         "obfuscation", "process_column", "last_probe_at", "capabilities",
     )
     list_filter = (BreakerOpenFilter, ProbeFailingFilter, VersionDriftFilter, DrainingFilter, "role", "state", "served_model")
     list_select_related = ("served_model", "breaker", "process")
     search_fields = ("name", "url")
-    readonly_fields = MACHINE_OWNED
+    readonly_fields = (*MACHINE_OWNED, "ascend_launch")
     fieldsets = (
         (None, {"fields": ("name", "url", "role", "served_model", "kind", "state")}),
         ("Capacity", {"fields": ("weight", "token_capacity", "max_model_len")}),
         ("Capabilities", {"fields": ("cap_token_generate", "cap_native_openai", "cap_tokenizer")}),
-        ("Deployment (P/D)", {"fields": ("hardware_kind", "kv_connector", "kv_transfer", "kv_events_endpoint", "tp", "dp", "ep")}),
+        ("Deployment (P/D)", {"fields": ("hardware_kind", "kv_connector", "kv_transfer", "kv_port", "kv_events_endpoint", "tp", "dp", "ep")}),
+        ("vllm-ascend launch", {"fields": ("ascend_launch",)}),
         ("Model files", {"fields": ("model_dir", "obfuscation_key_id")}),
         ("Health probe", {"fields": ("health", "consecutive_successes", "consecutive_failures", "last_probe_at", "last_probe_ok", "last_probe_error")}),
         ("Version probe", {"fields": ("reported_version", "reported_root", "reported_max_model_len", "reported_fingerprint", "version_drift", "drift_reason")}),
@@ -160,8 +165,10 @@ class EngineInstanceAdmin(admin.ModelAdmin):
         caps = [("token-only", obj.cap_token_generate), ("native", obj.cap_native_openai), ("tokenizer", obj.cap_tokenizer)]
         return ", ".join(name for name, on in caps if on) or "-"
 
+    # Not named "breaker": list_display would resolve that to the reverse one-to-one field and
+    # print the BreakerState's str ("9: closed") instead of this column.
     @admin.display(description="breaker", ordering="breaker__state")
-    def breaker(self, obj: EngineInstance) -> str:
+    def breaker_column(self, obj: EngineInstance) -> str:
         try:
             b = obj.breaker
         except BreakerState.DoesNotExist:
@@ -176,9 +183,24 @@ class EngineInstanceAdmin(admin.ModelAdmin):
             return f"failing ×{obj.consecutive_failures}"
         return obj.health
 
-    @admin.display(description="drift", boolean=True, ordering="version_drift")
-    def drift(self, obj: EngineInstance) -> bool:
-        return obj.version_drift
+    # Text, not Django's boolean icons: "no drift" is the healthy state, and a red "False" cross
+    # read as an alarm on every healthy engine.
+    @admin.display(description="drift", ordering="version_drift")
+    def drift(self, obj: EngineInstance) -> str:
+        if not obj.version_drift:
+            return "none"
+        return f"drifted: {obj.drift_reason}" if obj.drift_reason else "drifted"
+
+    @admin.display(description="vllm-ascend command")
+    def ascend_launch(self, obj: EngineInstance) -> str:
+        """The launch command and --kv-transfer-config of an Ascend engine, or why it cannot launch."""
+        if obj.pk is None or not obj.is_ascend:
+            return "- (not an Ascend engine)"
+        try:
+            launch = services.instance_ascend_launch(instance=obj)
+        except services.InvalidError as exc:
+            return f"cannot launch: {exc}"
+        return launch.command_line()
 
     @admin.display(description="process")
     def process_column(self, obj: EngineInstance) -> str:
@@ -197,6 +219,14 @@ class EngineInstanceAdmin(admin.ModelAdmin):
         if inflight is None:
             return "-"
         return str(inflight.get(obj.name, 0))
+
+    def history_view(self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None) -> Any:
+        # Django's history lists only edits made in this admin; operators also act through the
+        # REST API and the launcher, whose changes live in InstanceEvent and BreakerFlip.
+        extra = dict(extra_context or {})
+        if object_id.isdigit():
+            extra["fleet_history"] = services.instance_history(instance_id=int(object_id))
+        return super().history_view(request, object_id, extra)
 
     def save_model(self, request: HttpRequest, obj: EngineInstance, form: Any, change: bool) -> None:
         services.instance_save(instance=obj, actor=_actor(request))

@@ -19,6 +19,7 @@ router = Router(tags=["fleet"])
 Role = Literal["union", "prefill", "decode"]
 Connector = Literal["", "NixlConnector", "MooncakeConnector", "MooncakeLayerwiseConnector", "ExampleConnector"]
 Transfer = Literal["", "pull", "push"]
+Hardware = Literal["cpu", "cuda", "A2", "A3", "A5", "310P"]  # EngineInstance.Hardware
 PosInt = Field(ge=1, le=2**31 - 1)
 
 
@@ -34,9 +35,10 @@ class InstanceIn(Schema):
     cap_native_openai: bool = False
     cap_tokenizer: bool = False
     kind: Literal["vllm", "sim"] = "vllm"
-    hardware_kind: str = Field("cpu", min_length=1, max_length=30)
+    hardware_kind: Hardware = Field("cpu", description="Hardware generation; P and D of one served model share it.")
     kv_connector: Connector = ""
     kv_transfer: Transfer = ""
+    kv_port: int | None = Field(None, ge=1, le=65535)
     kv_events_endpoint: str = Field("", max_length=200)
     tp: int = Field(1, ge=1, le=2**31 - 1)
     dp: int = Field(1, ge=1, le=2**31 - 1)
@@ -61,9 +63,10 @@ class InstancePatch(Schema):
     cap_native_openai: bool | None = None
     cap_tokenizer: bool | None = None
     kind: Literal["vllm", "sim"] | None = None
-    hardware_kind: str | None = Field(None, min_length=1, max_length=30)
+    hardware_kind: Hardware | None = None
     kv_connector: Connector | None = None
     kv_transfer: Transfer | None = None
+    kv_port: int | None = Field(None, ge=1, le=65535)
     kv_events_endpoint: str | None = Field(None, max_length=200)
     tp: int | None = Field(None, ge=1, le=2**31 - 1)
     dp: int | None = Field(None, ge=1, le=2**31 - 1)
@@ -108,6 +111,7 @@ class InstanceOut(Schema):
     hardware_kind: str
     kv_connector: str
     kv_transfer: str
+    kv_port: int | None
     kv_events_endpoint: str
     tp: int
     dp: int
@@ -202,6 +206,24 @@ def patch_instance(request: HttpRequest, instance_id: int, body: InstancePatch) 
             changes[blankable] = ""
     services.instance_update(instance_id=instance_id, actor=request_actor(request), **changes)
     return _one(instance_id)
+
+
+class AscendLaunchOut(Schema):
+    command_line: str = Field(description="What to run on the engine's host (shell-quoted).")
+    argv: list[str]
+    env: dict[str, str]
+    kv_transfer_config: dict[str, Any] | None
+
+
+@router.get(
+    "/instances/{instance_id}/ascend-launch", response={200: AscendLaunchOut, 404: Detail, 422: Detail},
+    summary="vllm-ascend launch arguments",
+)
+def ascend_launch(request: HttpRequest, instance_id: int) -> dict[str, Any]:
+    """The vllm-ascend command for this instance; 422 names every DFX rule it breaks."""
+    launch = services.instance_ascend_launch(instance=services.instance_get(instance_id=instance_id))
+    return {"command_line": launch.command_line(), "argv": launch.argv, "env": launch.env,
+            "kv_transfer_config": launch.kv_transfer_config}
 
 
 @router.delete("/instances/{instance_id}", response={204: None, 404: Detail})

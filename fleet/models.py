@@ -11,12 +11,15 @@ from __future__ import annotations
 import hashlib
 import secrets
 from datetime import datetime, timedelta
+from urllib.parse import urlsplit
 
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models, transaction
 from django.db.models import F
 from django.utils import timezone
 
 from catalog.models import Health, ServedModel
+from fleet.ascend import ASCEND_GENERATIONS
 
 
 class EngineInstance(models.Model):
@@ -40,6 +43,16 @@ class EngineInstance(models.Model):
         MOONCAKE_LAYERWISE = "MooncakeLayerwiseConnector", "MooncakeLayerwiseConnector"  # push (Trigger)
         EXAMPLE = "ExampleConnector", "ExampleConnector"  # vLLM's shared-storage example, tests only
 
+    class Hardware(models.TextChoices):
+        # The generations vllm-ascend tells apart (vllm_ascend/utils.py AscendDeviceType, 0.23.0.post1);
+        # KV moves only between engines of one generation (the P/D seed's limits).
+        CPU = "cpu", "CPU"
+        CUDA = "cuda", "NVIDIA GPU (CUDA)"
+        A2 = "A2", "Ascend A2 (Atlas 800I/800T A2, 910B)"
+        A3 = "A3", "Ascend A3 (Atlas A3 SuperPoD, 910C)"
+        A5 = "A5", "Ascend A5"
+        ATLAS_310P = "310P", "Ascend 310P"
+
     class KVTransfer(models.TextChoices):
         NONE = "", "none"
         PULL = "pull", "pull"  # D pulls the KV P computed (Handoff)
@@ -56,9 +69,17 @@ class EngineInstance(models.Model):
     cap_native_openai = models.BooleanField("native OpenAI API", default=False)
     cap_tokenizer = models.BooleanField("tokenizer loaded", default=False)
     kind = models.CharField(max_length=20, default="vllm", help_text="vllm or sim")
-    hardware_kind = models.CharField(max_length=30, default="cpu", help_text="cpu, cuda, npu, ...")
+    hardware_kind = models.CharField(
+        "hardware generation", max_length=10, choices=Hardware.choices, default=Hardware.CPU,
+        help_text="P and D of one served model must be of the same generation.",
+    )
     kv_connector = models.CharField(max_length=40, choices=KVConnector.choices, default="", blank=True)
     kv_transfer = models.CharField(max_length=4, choices=KVTransfer.choices, default="", blank=True)
+    kv_port = models.PositiveIntegerField(
+        "KV port", null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(65535)],
+        help_text="Base of the KV connector's handshake ports (Mooncake kv_port); the engine holds "
+        "kv_port .. kv_port + DP×TP − 1 on its host.",
+    )
     kv_events_endpoint = models.CharField(max_length=200, blank=True, help_text="ZMQ endpoint of KV cache events.")
     tp = models.PositiveIntegerField("TP", default=1)
     dp = models.PositiveIntegerField("DP", default=1)
@@ -87,6 +108,30 @@ class EngineInstance(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def is_ascend(self) -> bool:
+        return self.hardware_kind in ASCEND_GENERATIONS
+
+    def endpoint(self) -> tuple[str, int]:
+        """Host and HTTP port of ``url`` (the scheme's default port when it names none)."""
+        parts = urlsplit(self.url)
+        default = 443 if parts.scheme == "https" else 80
+        try:
+            port = parts.port or default
+        except ValueError:  # a port out of range: full_clean's URL check reports it
+            port = default
+        return parts.hostname or "", port
+
+    def bound_ports(self) -> dict[int, str]:
+        """The ports this engine binds on its host, each with what it is for (HTTP, KV handshake)."""
+        _, http = self.endpoint()
+        ports = {http: "HTTP"}
+        if self.kv_port is not None:
+            # Mooncake binds kv_port + dp_rank*tp + tp_rank: one port per device of the engine.
+            for offset in range(self.dp * self.tp):
+                ports.setdefault(self.kv_port + offset, "KV handshake")
+        return ports
 
     def _transition(self, allowed_from: tuple[str, ...], new: str, *, actor: str, reason: str = "") -> bool:
         """Compare-and-set ``state`` from one of ``allowed_from`` to ``new``; True if this call flipped it."""

@@ -18,8 +18,8 @@ from django.db.models import Count
 from kombu.exceptions import OperationalError
 
 from catalog.models import Health, ServedModel
-from fleet import tasks
-from fleet.models import ApiKey, BreakerState, EngineInstance, hash_key
+from fleet import ascend, tasks
+from fleet.models import ApiKey, BreakerFlip, BreakerState, EngineInstance, InstanceEvent, hash_key
 from motorsite.core import (
     ConflictError,
     InvalidError,
@@ -94,8 +94,9 @@ def pd_problems(candidate: PDDeclaration, others: Iterable[PDDeclaration]) -> li
         if other.served_model_id != candidate.served_model_id or other.role != opposite:
             continue
         if other.hardware_kind != candidate.hardware_kind:
+            # The seed's limits: KV moves only within one generation (no P on A2 with D on A3).
             problems.append(
-                f"P and D of one served model must use the same hardware kind: {candidate.name!r} is "
+                f"P and D of one served model must be of the same hardware generation: {candidate.name!r} is "
                 f"{candidate.hardware_kind}, {other.name!r} is {other.hardware_kind}"
             )
         if candidate.kv_connector and other.kv_connector and _transfer(candidate) != _transfer(other):
@@ -104,11 +105,9 @@ def pd_problems(candidate: PDDeclaration, others: Iterable[PDDeclaration]) -> li
                 f"({_transfer(candidate)}), {other.name!r} uses {other.kv_connector} ({_transfer(other)})"
             )
         p, d = (candidate, other) if candidate.role == EngineInstance.Role.PREFILL else (other, candidate)
-        if p.tp != d.tp and not (p.tp > d.tp and p.tp % d.tp == 0):
-            problems.append(
-                f"unequal TP is accepted only when P's TP is a larger multiple of D's: "
-                f"P {p.name!r} has tp={p.tp}, D {d.name!r} has tp={d.tp}"
-            )
+        ratio = ascend.tp_ratio_problem(p.name, p.tp, d.name, d.tp)
+        if ratio:
+            problems.append(ratio)
     return problems
 
 
@@ -123,12 +122,66 @@ def validate_pd(candidate: PDDeclaration) -> None:
         raise InvalidError("; ".join(problems))
 
 
+# -- vllm-ascend launch arguments ---------------------------------------------------------------
+
+
+def engine_record(instance: EngineInstance) -> ascend.EngineRecord:
+    """``instance`` as ``fleet.ascend`` reads it (``served_model`` should be selected with it)."""
+    host, http_port = instance.endpoint()
+    return ascend.EngineRecord(
+        name=instance.name,
+        role=instance.role,
+        served_model_id=instance.served_model_id,
+        served_model_name=instance.served_model.name,
+        model_path=instance.model_dir or instance.served_model.model_path,
+        hardware=instance.hardware_kind,
+        kv_connector=instance.kv_connector,
+        kv_transfer=instance.kv_transfer,
+        host=host,
+        http_port=http_port,
+        kv_port=instance.kv_port,
+        tp=instance.tp,
+        dp=instance.dp,
+        ep=instance.ep,
+        max_model_len=instance.max_model_len or instance.served_model.max_model_len,
+        # An engine that also serves the native OpenAI API needs its tokenizer: no --tokens-only.
+        tokens_only=instance.cap_token_generate and not (instance.cap_native_openai or instance.cap_tokenizer),
+        ports=instance.bound_ports(),
+    )
+
+
+def _fleet_records(exclude_id: int | None = None) -> list[ascend.EngineRecord]:
+    rows = EngineInstance.objects.select_related("served_model").exclude(id=exclude_id)
+    return [engine_record(i) for i in rows]
+
+
+def instance_ascend_launch(*, instance: EngineInstance) -> ascend.AscendLaunch:
+    """vllm-ascend's command for ``instance`` among the fleet; ``InvalidError`` lists every DFX problem."""
+    try:
+        return ascend.launch_config(engine_record(instance), _fleet_records(exclude_id=instance.id))
+    except ascend.AscendConfigError as exc:
+        raise InvalidError(str(exc)) from None
+
+
+def validate_ports(instance: EngineInstance) -> None:
+    """Refuse an instance with a KV port whose ports another engine on its host already binds.
+
+    Only instances with a KV port are checked: they are the ones whose launch motorsite produces,
+    and a fleet registered before KV ports existed must still save.
+    """
+    if instance.kv_port is None:
+        return
+    problems = ascend.port_conflicts(engine_record(instance), _fleet_records(exclude_id=instance.id))
+    if problems:
+        raise InvalidError("; ".join(problems))
+
+
 # -- instances ----------------------------------------------------------------------------------
 
 INSTANCE_FIELDS = (
     "name", "url", "role", "served_model_id", "weight", "token_capacity", "max_model_len",
     "cap_token_generate", "cap_native_openai", "cap_tokenizer", "kind", "hardware_kind", "kv_connector",
-    "kv_transfer", "kv_events_endpoint", "tp", "dp", "ep", "model_dir", "obfuscation_key_id",
+    "kv_transfer", "kv_port", "kv_events_endpoint", "tp", "dp", "ep", "model_dir", "obfuscation_key_id",
 )
 
 
@@ -137,6 +190,11 @@ def _get(instance_id: int) -> EngineInstance:
         return EngineInstance.objects.select_related("served_model").get(id=instance_id)
     except EngineInstance.DoesNotExist:
         raise NotFoundError(f"No engine instance with id {instance_id}.") from None
+
+
+def instance_get(*, instance_id: int) -> EngineInstance:
+    """The instance with its served model; ``NotFoundError`` when there is none."""
+    return _get(instance_id)
 
 
 def instance_create(*, actor: str, **fields: Any) -> EngineInstance:
@@ -161,9 +219,19 @@ def instance_save(*, instance: EngineInstance, actor: str) -> EngineInstance:
     except ValidationError as exc:
         raise InvalidError("; ".join(f"{k}: {' '.join(v)}" for k, v in exc.message_dict.items())) from None
     validate_pd(PDDeclaration.of(instance))
+    validate_ports(instance)
+    before = EngineInstance.objects.filter(id=instance.id).values(*INSTANCE_FIELDS).first() if instance.id else None
     with transaction.atomic():
         instance.save()
         BreakerState.objects.get_or_create(instance=instance)
+        # One history row per edit, whoever made it (admin form, API, command), so the instance's
+        # history shows API edits next to the admin's. (A creation is the row itself.)
+        if before is not None:
+            changed = [f for f in INSTANCE_FIELDS if before[f] != getattr(instance, f)]
+            if changed:
+                InstanceEvent.objects.create(
+                    instance=instance, kind="config", new="changed", actor=actor, reason=", ".join(changed)[:500]
+                )
         bump_control_version()
     logger.info("instance saved id=%s name=%s actor=%s", instance.id, instance.name, actor)
     return instance
@@ -246,6 +314,29 @@ def breaker_record(
         )
         bump_control_version()
     return changed
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One line of an instance's history: a state, health, config or breaker change."""
+
+    created: Any
+    actor: str
+    what: str
+    reason: str
+
+
+def instance_history(*, instance_id: int, limit: int = 200) -> list[HistoryEntry]:
+    """State, health, config and breaker changes of an instance, newest first, from any actor."""
+    entries = [
+        HistoryEntry(e.created, e.actor, f"{e.kind}: {e.old} → {e.new}" if e.old else f"{e.kind}: {e.new}", e.reason)
+        for e in InstanceEvent.objects.filter(instance_id=instance_id)[:limit]
+    ] + [
+        HistoryEntry(f.created, f.actor, f"breaker: {f.old_state} → {f.new_state}", f.reason)
+        for f in BreakerFlip.objects.filter(instance_id=instance_id)[:limit]
+    ]
+    entries.sort(key=lambda e: e.created, reverse=True)
+    return entries[:limit]
 
 
 # -- API keys -----------------------------------------------------------------------------------

@@ -5,6 +5,11 @@ from fleet.views import dashboard
 from motorsite.api import api
 from serving import views, views_internal
 
+# The admin is the fleet's console: titled for the project, not "Django administration".
+admin.site.site_header = "motorsite fleet administration"
+admin.site.site_title = "motorsite admin"
+admin.site.index_title = "Fleet, models and keys"
+
 urlpatterns = [
     # Before admin/: the admin would answer its own 404 for an unknown fleet/ page.
     path("admin/fleet/dashboard/", admin.site.admin_view(dashboard), name="fleet-dashboard"),

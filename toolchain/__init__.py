@@ -13,8 +13,9 @@ changed lock builds a new one beside the old:
 - ``model-obf``: its copy obfuscated with the public test key (``tinymodel.obfuscate``).
 
 The browser test of the fleet dashboard needs Chromium from the distribution's packages
-(``/usr/bin/chromium``); ``ensure_chromium`` installs it with apt when it is missing and we are
-root (as on CI), and otherwise fails saying how.
+(``/usr/bin/chromium``), and the compose file's schema check Debian's ``docker-compose``;
+``ensure_chromium`` and ``ensure_docker_compose`` install them with apt when they are missing and
+we are root (as on CI), and otherwise fail saying how.
 
 The vLLM environments hold a CPU build of PyTorch. pip finds ``torch==2.13.0+cpu`` in its
 configured find-links where the machine has one; elsewhere set ``PIP_EXTRA_INDEX_URL`` to
@@ -218,25 +219,38 @@ def relock(kind: str) -> None:
 
 
 CHROMIUM = Path("/usr/bin/chromium")
+# Compose v1 from Debian: `docker-compose config` checks docker/compose.yaml against the compose
+# schema with no Docker engine (none runs on the project's machines).
+DOCKER_COMPOSE = Path("/usr/bin/docker-compose")
 
 
-def ensure_chromium() -> bool:
-    """Install Debian's ``chromium`` package unless ``/usr/bin/chromium`` exists; return whether it does.
+def ensure_debian(program: Path, package: str, purpose: str) -> bool:
+    """Install Debian's ``package`` unless ``program`` exists; return whether it does.
 
-    Only as root (CI, the project's machines): elsewhere report the missing browser and the
+    Only as root (CI, the project's machines): elsewhere report the missing program and the
     command on stderr and return False; the callers fail (``ensure chromium``, ``exec -m pytest``
     under ``MOTOR_PREREQUISITES=required``) rather than go on without it.
     """
-    if CHROMIUM.exists():
+    if program.exists():
         return True
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        print(f"motorsite: error: {CHROMIUM} is missing and cannot be installed here (needs root and apt-get); "
-              "install it with `apt-get install chromium` for the dashboard's browser test", file=sys.stderr, flush=True)
+        print(f"motorsite: error: {program} is missing and cannot be installed here (needs root and apt-get); "
+              f"install it with `apt-get install {package}` for {purpose}", file=sys.stderr, flush=True)
         return False
     with _locked():
-        if not CHROMIUM.exists():
+        if not program.exists():
             env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
             # The package lists of a fresh container are empty, so install alone finds nothing.
             _run("apt-get", "update", "-q", env=env)
-            _run("apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium", env=env)
-    return CHROMIUM.exists()
+            _run("apt-get", "install", "-y", "-q", "--no-install-recommends", package, env=env)
+    return program.exists()
+
+
+def ensure_chromium() -> bool:
+    """Debian's ``chromium`` for the dashboard's browser test (``ensure_debian``)."""
+    return ensure_debian(CHROMIUM, "chromium", "the dashboard's browser test")
+
+
+def ensure_docker_compose() -> bool:
+    """Debian's ``docker-compose`` for the compose file's schema check (``ensure_debian``)."""
+    return ensure_debian(DOCKER_COMPOSE, "docker-compose", "the compose file's schema check")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import OBF_TEST_KEY, ROOT, ensure, ensure_chromium, location, python, relock
+from . import OBF_TEST_KEY, ROOT, ensure, ensure_chromium, ensure_docker_compose, location, python, relock
 
 KINDS = ("app", "render", "engine", "model", "model-obf")
 
@@ -17,8 +17,8 @@ def main(argv: list[str]) -> int:
     cmd, args = argv[0], argv[1:]
     if cmd == "ensure":
         for kind in args or KINDS:
-            if kind == "chromium":
-                if not ensure_chromium():
+            if kind in ("chromium", "docker-compose"):
+                if not (ensure_chromium() if kind == "chromium" else ensure_docker_compose()):
                     return 1
             else:
                 ensure(kind)
@@ -39,11 +39,13 @@ def main(argv: list[str]) -> int:
             # `make test` runs every test: a skip for a missing prerequisite fails the run
             # (tests/conftest.py). MOTOR_PREREQUISITES=optional in the caller's environment allows it.
             env.setdefault("MOTOR_PREREQUISITES", "required")
-            # Only the test suite drives a browser; `make run` never waits for a Chromium install.
-            if not ensure_chromium() and env["MOTOR_PREREQUISITES"] == "required":
-                print("motorsite: the test suite needs Chromium (MOTOR_PREREQUISITES=required); "
-                      "install it or set MOTOR_PREREQUISITES=optional", file=sys.stderr, flush=True)
-                return 1
+            # Only the test suite drives a browser or checks the compose file; `make run` never
+            # waits for these installs.
+            for name, ensured in (("Chromium", ensure_chromium), ("docker-compose", ensure_docker_compose)):
+                if not ensured() and env["MOTOR_PREREQUISITES"] == "required":
+                    print(f"motorsite: the test suite needs {name} (MOTOR_PREREQUISITES=required); "
+                          "install it or set MOTOR_PREREQUISITES=optional", file=sys.stderr, flush=True)
+                    return 1
         exe = str(python("app"))
         os.execve(exe, [exe, *args], env)
     print(f"unknown command {cmd!r}", file=sys.stderr)

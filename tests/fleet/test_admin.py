@@ -130,3 +130,41 @@ def test_a_render_config_change_needing_a_restart_is_flagged(staff_client: Clien
     assert any("restarts" in m for m in messages_of(response))
     config.refresh_from_db()
     assert config.port == 8101 and config.restart_required
+
+
+def test_the_site_is_titled_for_the_project(staff_client: Client) -> None:
+    page = staff_client.get("/admin/").content.decode()
+    assert "motorsite fleet administration" in page and "<title>Fleet, models and keys | motorsite admin</title>" in page
+    assert "Django administration" not in page and "Django site admin" not in page
+
+
+def test_the_changelist_draws_no_alarm_for_a_healthy_engine(staff_client: Client, fleet: list[EngineInstance]) -> None:
+    EngineInstance.objects.filter(id=fleet[1].id).update(version_drift=True, drift_reason="root differs")
+    page = staff_client.get("/admin/fleet/engineinstance/").content.decode()
+    rows = page.split('<tbody>', 1)[1].split("</tbody>", 1)[0].split("<tr")[1:]
+    [healthy] = [r for r in rows if f'href="/admin/fleet/engineinstance/{fleet[0].id}/change/' in r]
+    [drifted] = [r for r in rows if f'href="/admin/fleet/engineinstance/{fleet[1].id}/change/' in r]
+    # Django's boolean icons drew "no drift" as a red cross; the column is words now.
+    assert "icon-no.svg" not in healthy and '<td class="field-drift">none</td>' in healthy
+    assert '<td class="field-drift">drifted: root differs</td>' in drifted
+    # The breaker column is the state, not the BreakerState's str ("9: closed").
+    assert '<td class="field-breaker_column">closed</td>' in healthy and ": closed" not in healthy
+
+
+def test_api_actions_appear_in_the_instance_history_next_to_admin_ones(staff_client: Client, fleet: list[EngineInstance]) -> None:
+    _, key = services.api_key_create(name="ops", scope="admin")
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {key}"}
+    e0 = fleet[0]
+    assert staff_client.post(f"/api/instances/{e0.id}/drain", **auth).status_code == 200
+    assert staff_client.patch(f"/api/instances/{e0.id}", {"weight": 3}, content_type="application/json", **auth).status_code == 200
+    assert staff_client.post(f"/api/instances/{e0.id}/breaker/open", **auth).status_code == 200
+    action(staff_client, "quarantine", [e0.id])
+    page = staff_client.get(f"/admin/fleet/engineinstance/{e0.id}/history/").content.decode()
+    table = page.split('id="fleet-history"', 1)[1].split("</table>", 1)[0]
+    rows = [r for r in table.split("<tr>")[2:]]
+    assert len(rows) == 4
+    # Newest first: the admin's quarantine, then the API's breaker, edit and drain.
+    assert "admin:admin" in rows[0] and "state: draining → quarantined" in rows[0]
+    assert "api:ops" in rows[1] and "breaker: closed → open" in rows[1]
+    assert "api:ops" in rows[2] and "config: changed" in rows[2] and "weight" in rows[2]
+    assert "api:ops" in rows[3] and "state: active → draining" in rows[3]

@@ -94,7 +94,9 @@ def _d(name: str, role: str, *, hw: str = "cpu", conn: str = "NixlConnector", tr
     ("p", "d", "problem"),
     [
         (_d("p", "prefill"), _d("d", "decode"), None),
-        (_d("p", "prefill", hw="npu"), _d("d", "decode"), "same hardware kind"),
+        (_d("p", "prefill", hw="A2"), _d("d", "decode"), "same hardware generation"),
+        (_d("p", "prefill", hw="A2"), _d("d", "decode", hw="A3"), "'d' is A3"),
+        (_d("p", "prefill", hw="A3"), _d("d", "decode", hw="A3"), None),
         (_d("p", "prefill", conn="MooncakeLayerwiseConnector"), _d("d", "decode"), "incompatible KV connectors"),
         (_d("p", "prefill", conn="MooncakeLayerwiseConnector", transfer="pull"), _d("d", "decode"), "Handoff (pull) needs a pull connector"),
         (_d("p", "prefill", conn="NixlConnector", transfer="push"), _d("d", "decode", conn="MooncakeLayerwiseConnector"), "Trigger (push) needs a push"),
@@ -120,9 +122,9 @@ def test_it_refuses_a_decode_instance_incompatible_with_the_registered_prefill(s
         actor="t", name="p1", url="http://p1.test:1", role="prefill", served_model_id=served_model.id,
         kv_connector="NixlConnector", tp=2,
     )
-    with pytest.raises(services.InvalidError, match="hardware kind: 'd1' is npu, 'p1' is cpu"):
+    with pytest.raises(services.InvalidError, match="same hardware generation: 'd1' is A3, 'p1' is cpu"):
         services.instance_create(
             actor="t", name="d1", url="http://d1.test:1", role="decode", served_model_id=served_model.id,
-            kv_connector="NixlConnector", hardware_kind="npu",
+            kv_connector="NixlConnector", hardware_kind="A3",
         )
     assert not EngineInstance.objects.filter(name="d1").exists()

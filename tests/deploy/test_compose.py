@@ -1,0 +1,178 @@
+"""docker/compose.yaml runs what ``make run`` runs: held against motorsite.stack's process specs.
+
+No container engine runs on these machines (``docker`` is only the client; see the README), so
+these are static checks: docker-compose's own schema check of the file, and every process ``make run`` starts is a compose service with the same
+arguments, environment and readiness request, up to the differences a container implies (bind
+0.0.0.0, the model at /model, ``taskset`` as ``cpuset``, the repository at /app), each named here.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from django.core.management import call_command
+
+from catalog.management.commands.render_image import DEFAULT_RENDER_IMAGE
+from catalog.models import RenderConfig
+from fleet.ascend import EngineRecord, launch_config
+from motorsite import stack, tiers
+from motorsite.supervisor import ProcessSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+# What compose passes where make run passes a local value (kept literal: compose interpolates it).
+DATABASE_URL = "postgresql://motorsite:${POSTGRES_PASSWORD:-motorsite}@postgres:5432/motorsite"
+REDIS_URL = "redis://redis:6379/0"
+API_KEY = "${MOTOR_DEMO_API_KEY:?set a client key}"
+VLLM_PREFIX = ["python", "-m", "vllm.entrypoints.cli.main"]  # the vLLM image's ENTRYPOINT
+DOCKER_COMPOSE = shutil.which("docker-compose")
+
+
+@pytest.fixture
+def specs(monkeypatch: pytest.MonkeyPatch) -> dict[str, ProcessSpec]:
+    # The compose file is written for a 2-core host, as make run's pinning is on this one.
+    monkeypatch.setattr(stack.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(tiers, "check_engine_cpu", lambda: None)
+    cfg = stack.StackConfig(
+        model_dir="/model", render_python="python", engine_python="python", app_python="python", engines="vllm",
+        database_url=DATABASE_URL, redis_url=REDIS_URL, api_keys=(API_KEY,), celery_dir=Path("/data/celery"),
+    )
+    return {spec.name: spec for spec in stack.build_specs(cfg)}
+
+
+def in_container(spec: ProcessSpec) -> tuple[list[str], str | None]:
+    """The spec's argv as the container runs it, and the core it was pinned to."""
+    argv, core = list(spec.argv), None
+    if argv[0] == "taskset":
+        core, argv = argv[2], argv[3:]
+    if argv[:3] == VLLM_PREFIX:
+        argv = argv[3:]
+    for flag in ("--host", "-b"):  # a container binds all its interfaces; its network is its own
+        if flag in argv:
+            argv[argv.index(flag) + 1] = "0.0.0.0"
+    # The worker's node name carries a fresh id per make run; one name per container is enough.
+    return [re.sub(r"^motor-[0-9a-f]+@%h$", "motor@%h", a) for a in argv], core
+
+
+def expected_env(spec: ProcessSpec) -> dict[str, str]:
+    env = dict(spec.env)
+    if "PYTHONPATH" in env:
+        env["PYTHONPATH"] = {str(tiers.ENGINE_SITE_DIR): "/opt/motorsite/engine_site", str(stack.ROOT): "/app"}[env["PYTHONPATH"]]
+    if "MOTOR_METASERVER_BASE_URL" in env:
+        env["MOTOR_METASERVER_BASE_URL"] = "http://coordinator:8000"
+    if "MOTOR_CELERY_READY_FILE" in env:
+        env["MOTOR_CELERY_READY_FILE"] = "/tmp/celery-ready"
+    return env
+
+
+def health_request(service: dict[str, Any]) -> tuple[str, Any]:
+    """The URL and JSON body a service's healthcheck posts (or gets: body None)."""
+    test = " ".join(service["healthcheck"]["test"][1:])
+    url = re.search(r"'(http://[^']+)'", test)
+    assert url, test
+    body = re.search(r"json\.dumps\((\{.*\})\)\.encode", test)
+    return url.group(1), ast.literal_eval(body.group(1)) if body else None
+
+
+def test_every_make_run_process_is_a_compose_service(specs: dict[str, ProcessSpec]) -> None:
+    assert set(specs) <= set(SERVICES), set(specs) - set(SERVICES)
+    # Beyond make run: the servers it finds on the host, the migration step, and Ascend (a profile).
+    extra = set(SERVICES) - set(specs)
+    assert extra == {"postgres", "redis", "migrate", "ascend-prefill-1", "ascend-decode-1"}
+    started_by_default = {name for name, s in SERVICES.items() if not s.get("profiles")}
+    assert started_by_default == set(specs) | {"postgres", "redis", "migrate"}
+
+
+def test_each_service_runs_the_same_command_and_environment(specs: dict[str, ProcessSpec]) -> None:
+    for name, spec in specs.items():
+        service = SERVICES[name]
+        argv, core = in_container(spec)
+        assert [str(a) for a in service["command"]] == argv, name
+        assert (str(service["cpuset"]) if "cpuset" in service else None) == core, name
+        env = {k: str(v) for k, v in service["environment"].items()}
+        missing = {k: v for k, v in expected_env(spec).items() if env.get(k) != v}
+        assert not missing, (name, missing, {k: env.get(k) for k in missing})
+
+
+def test_each_service_is_checked_by_the_request_make_run_checks_it_with(specs: dict[str, ProcessSpec]) -> None:
+    for name, spec in specs.items():
+        service = SERVICES[name]
+        if spec.ready_post is not None:
+            path, body = spec.ready_post
+            port = spec.ready_base_url.rsplit(":", 1)[1]
+            assert health_request(service) == (f"http://127.0.0.1:{port}{path}", body), name
+        elif spec.ready_url is not None:
+            assert health_request(service) == (spec.ready_url, None), name
+        else:  # Celery: make run waits for the ready file; the worker's check also pings it through the broker
+            test = " ".join(service["healthcheck"]["test"])
+            assert "/tmp/celery-ready" in test or "inspect ping" in test, name
+
+
+def test_the_fleet_registered_is_the_fleet_started(specs: dict[str, ProcessSpec]) -> None:
+    script = SERVICES["migrate"]["command"][-1]
+    assert "manage.py migrate --noinput" in script
+    args = shlex.split(script.split("&&", 1)[1])
+    values = {flag: [args[i + 1] for i, a in enumerate(args) if a == flag] for flag in ("--engine", "--prefill", "--decode", "--render-port")}
+    # decode-1 lives in prefill-1's network namespace, so it is reached at prefill-1.
+    hosts = {name: SERVICES[name].get("network_mode", f"service:{name}").split(":", 1)[1] for name in specs}
+    for flag, role in (("--engine", "engine"), ("--prefill", "prefill"), ("--decode", "decode")):
+        names = sorted(n for n in specs if n.startswith(role + "-"))
+        ports = [specs[n].ports[0][1] for n in names]
+        assert values[flag] == [f"http://{hosts[n]}:{p}" for n, p in zip(names, ports, strict=True)], flag
+    assert values["--render-port"] == [str(specs["render"].ports[0][1])]
+    assert SERVICES["coordinator"]["ports"] == ["8000:8000"]
+
+
+def test_the_ascend_services_run_what_fleet_ascend_makes() -> None:
+    common = dict(served_model_id=1, served_model_name="tiny", model_path="/model", hardware="A3",
+                  kv_connector="MooncakeConnector", kv_transfer="", max_model_len=2048)
+    p = EngineRecord(name="ascend-prefill-1", role="prefill", host="ascend-prefill-1", http_port=8301, kv_port=36000, tp=2, **common)
+    d = EngineRecord(name="ascend-decode-1", role="decode", host="ascend-decode-1", http_port=8302, kv_port=36200, **common)
+    for record, peer in ((p, d), (d, p)):
+        launch = launch_config(record, [peer])
+        service = SERVICES[record.name]
+        assert service["command"] == launch.argv and service.get("environment", {}) == launch.env
+        assert service["profiles"] == ["ascend"]
+        assert health_request(service)[0] == f"http://127.0.0.1:{record.http_port}/inference/v1/generate"
+
+
+def test_the_sidecar_image_is_the_render_configs(db: None) -> None:
+    assert SERVICES["render"]["image"] == "${MOTOR_RENDER_IMAGE:-" + DEFAULT_RENDER_IMAGE + "}"
+    out = io.StringIO()
+    call_command("render_image", stdout=out)
+    assert out.getvalue().strip() == DEFAULT_RENDER_IMAGE  # no render config yet
+    RenderConfig.objects.create(image_name="registry.example/render:0.33.0-custom")
+    out = io.StringIO()
+    call_command("render_image", stdout=out)
+    assert out.getvalue().strip() == "registry.example/render:0.33.0-custom"
+
+
+def test_the_compose_file_passes_compose_s_own_schema_check(tmp_path: Path) -> None:
+    # docker-compose parses and validates without a Docker engine; the toolchain installs it for the suite.
+    if DOCKER_COMPOSE is None:
+        pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
+    env = {**os.environ, "MOTOR_MODEL_DIR": str(tmp_path), "MOTOR_DEMO_API_KEY": "sk-test"}
+    for profile in ([], ["--profile", "ascend"]):
+        done = subprocess.run(
+            [DOCKER_COMPOSE, "-f", str(ROOT / "docker" / "compose.yaml"), *profile, "config", "--services"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        # Compose 1.29 lists profiled services too; which start by default is checked above.
+        assert set(done.stdout.split()) == set(SERVICES)
+    # And it does refuse what it does not know (the check above can fail).
+    bad = tmp_path / "compose.yaml"
+    bad.write_text((ROOT / "docker" / "compose.yaml").read_text().replace('    cpuset: "1"', '    cpusett: "1"', 1))
+    done = subprocess.run([DOCKER_COMPOSE, "-f", str(bad), "config", "-q"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "cpusett" in done.stderr
