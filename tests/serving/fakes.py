@@ -98,6 +98,7 @@ class FakeUpstreams:
         self.closed_streams: list[str] = []
         self.stream_derenders: list[dict[str, Any]] = []  # (prompt, index, state_in, state_out)
         self._state_counter = itertools.count()
+        self._prompt_of_state: dict[str, tuple[int, ...]] = {}
 
     # -- configuration -------------------------------------------------------------------------
     def override(self, host: str, kind: str, fn: Override, *, times: int | None = None) -> None:
@@ -375,8 +376,17 @@ class FakeUpstreams:
             "logprob_text_offset": 0, "output_token_ids": [], "output_chunk_lens": [],
             "tools_streamed": False, "last_tool_call_ids": [],
         }
+        # Like the real plain path, only a choice's first call needs the prompt; later calls are
+        # tied to it through the state they carry.
+        if "prompt_token_ids" in body:
+            prompt = tuple(body["prompt_token_ids"])
+        else:
+            assert state_in is not None, "a choice's first derender call must carry the prompt ids"
+            prompt = self._prompt_of_state[state_in["prev_tokens"][0]]
+        self._prompt_of_state[state_out["prev_tokens"][0]] = prompt
         self.stream_derenders.append({
-            "prompt": tuple(body["prompt_token_ids"]), "index": c["index"],
+            "prompt": prompt, "index": c["index"], "carried_prompt": "prompt_token_ids" in body,
+            "request": body.get("chat_request" if chat else "completion_request"),
             "state_in": state_in, "state_out": state_out,
         })
         return {"chunk": {**base, "choices": [choice], "usage": None, "system_fingerprint": None,

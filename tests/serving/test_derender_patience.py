@@ -30,7 +30,8 @@ async def test_it_resumes_a_stream_on_the_restarted_sidecar_with_the_same_state(
     client, seen = sidecar_down_for(3)
     render = RenderClient(client, RENDER_URL, 5.0, derender_patience_s=10.0)
     chunk, state = await render.derender_chunk(
-        "chat", CHUNK, stream_state={"n": 0}, prompt_token_ids=[1, 2], request={"messages": []}, model="tiny"
+        "chat", CHUNK, stream_state={"n": 0}, prompt_tokens=2, prompt_token_ids=[1, 2], request={"messages": []},
+        model="tiny",
     )
     assert chunk["choices"][0]["delta"] == {"content": "x"} and state == {"n": 1}
     # Four identical posts: the committed state went unchanged to the sidecar that came back.

@@ -415,8 +415,17 @@ async def test_streaming_chat(pipeline: ServingPipeline, upstreams: FakeUpstream
     assert_state_chains(upstreams)
     ders = upstreams.calls_of("derender")
     assert len(ders) == 7  # 6 token events + the usage event; [DONE] never goes to derender
-    assert all(d.body["stream"] is True and d.body["chat_request"] == sent for d in ders)
-    assert all(d.body["prompt_token_ids"] == CHAT_PROMPT and d.body["prompt_tokens"] == 10 for d in ders)
+    assert all(d.body["stream"] is True and d.body["prompt_tokens"] == 10 for d in ders)
+    # A choice's first call and the usage event carry the whole request and the prompt; once a
+    # state without a replay buffer proved the plain path, the messages and prompt ids stay home.
+    full = [d for d in ders if d.body.get("stream_state") is None]
+    slim = [d for d in ders if d.body.get("stream_state") is not None]
+    assert len(full) == 3 and len(slim) == 4
+    assert all(d.body["chat_request"] == sent and d.body["prompt_token_ids"] == CHAT_PROMPT for d in full)
+    assert all(
+        "prompt_token_ids" not in d.body and d.body["chat_request"] == {**sent, "messages": [{"role": "user", "content": ""}]}
+        for d in slim
+    )
     (gen,) = upstreams.calls_of("generate")
     assert gen.body["stream"] is True
     assert upstreams.open_streams == set() and upstreams.closed_streams == ["chatcmpl-r20"]

@@ -233,7 +233,8 @@ async def test_a_relayed_stream_equals_the_fault_free_stream(
     else:
         assert len(gens) == 1  # the whole budget was out: nothing to relay, the stream just ends
     # Derender always saw the original prompt ids, never the replay prompt.
-    assert all(d.body["prompt_token_ids"] == CHAT_PROMPT for d in upstreams.calls_of("derender"))
+    carried = [d.body["prompt_token_ids"] for d in upstreams.calls_of("derender") if "prompt_token_ids" in d.body]
+    assert carried and all(ids == CHAT_PROMPT for ids in carried)
     assert ("e1", "generate-tokens-chatcmpl-r1") in upstreams.aborted_ids()
     assert scheduler.breakers._get(pipeline.snapshot.instances[0]).failures == 1  # the breaker heard it
 
@@ -423,7 +424,8 @@ async def test_relay_with_obfuscation_replays_semantic_ids_re_obfuscated(
         physical_out.append(next_token(first.body["token_ids"] + physical_out))
     assert relay.body["token_ids"] == first.body["token_ids"] + physical_out
     assert mapping.to_semantic(relay.body["token_ids"]) == CHAT_PROMPT + mapping.to_semantic(physical_out)
-    assert all(d.body["prompt_token_ids"] == CHAT_PROMPT for d in upstreams.calls_of("derender"))
+    carried = [d.body["prompt_token_ids"] for d in upstreams.calls_of("derender") if "prompt_token_ids" in d.body]
+    assert carried and all(ids == CHAT_PROMPT for ids in carried)
 
 
 def test_retry_plan_replays_committed_ids_with_the_rest_of_the_budget() -> None:

@@ -18,15 +18,20 @@ class FakeRender:
     """derender_chunk: text is the ids, the state counts chunks; ``fail`` raises on chosen calls."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[dict[str, Any], dict[str, Any] | None, list[int]]] = []
+        self.calls: list[tuple[dict[str, Any], dict[str, Any] | None, list[int] | None]] = []
+        self.requests: list[dict[str, Any]] = []
         self.fail: dict[int, BaseException] = {}  # call number (0-based) -> exception
+        self.replay_buffer = False  # answer like the parser path: the state carries every output id
         self.hang = False
         self.derender_patience_s = 0.0  # as RenderClient without patience: the chunk timeout alone
 
-    async def derender_chunk(self, kind: str, event: dict[str, Any], *, stream_state: Any, prompt_token_ids: list[int],
-                             request: dict[str, Any], model: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    async def derender_chunk(self, kind: str, event: dict[str, Any], *, stream_state: Any, prompt_tokens: int,
+                             prompt_token_ids: list[int] | None, request: dict[str, Any],
+                             model: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        assert prompt_tokens == len(PROMPT)
         number = len(self.calls)
         self.calls.append((event, stream_state, prompt_token_ids))
+        self.requests.append(request)
         if self.hang:
             await asyncio.Event().wait()
         if number in self.fail:
@@ -41,7 +46,10 @@ class FakeRender:
             delta["role"] = "assistant"
         chunk = {"choices": [{"index": c["index"], "delta": delta, "finish_reason": c.get("finish_reason")}],
                  "usage": {"prompt_tokens": 999, "completion_tokens": 999, "total_tokens": 999} if "usage" in event else None}
-        return chunk, {"chunks": seen + 1}
+        state: dict[str, Any] = {"chunks": seen + 1}
+        if self.replay_buffer:
+            state["output_token_ids"] = (stream_state or {}).get("output_token_ids", []) + list(c["token_ids"])
+        return chunk, state
 
 
 def event(token: int, index: int = 0, finish: str | None = None) -> dict[str, Any]:
@@ -76,8 +84,10 @@ async def test_a_chunk_is_committed_only_once_the_consumer_resumes() -> None:
     with pytest.raises(StopAsyncIteration):
         await anext(chunks)
     assert s.choice(0).output_ids == [7, 8] and s.choice(0).phase is ChoicePhase.DONE
-    # The second derender went with the state committed by the first, and always the original prompt.
-    assert [c[1] for c in render.calls] == [None, {"chunks": 1}] and all(c[2] == PROMPT for c in render.calls)
+    # The second derender went with the state committed by the first; the first seeded it from the
+    # original prompt, and a state without a replay buffer (the plain path) needs no prompt after.
+    assert [c[1] for c in render.calls] == [None, {"chunks": 1}]
+    assert [c[2] for c in render.calls] == [PROMPT, None]
 
 
 async def test_a_consumer_that_leaves_after_a_chunk_commits_nothing_of_it() -> None:
@@ -174,3 +184,33 @@ async def test_end_marks_open_choices_only() -> None:
         pass
     s.end(ChoicePhase.CANCELLED)
     assert s.choice(0).phase is ChoicePhase.DONE and s.choice(1).phase is ChoicePhase.CANCELLED
+
+
+async def test_the_prompt_stays_home_only_once_the_sidecar_shows_the_plain_path() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "a long conversation"}], "logprobs": True}
+    plain, parser = FakeRender(), FakeRender()
+    parser.replay_buffer = True
+    for render in (plain, parser):
+        s = StreamingRenderSession(
+            render, "chat", body, PROMPT, request_id="r", public_id="chatcmpl-r",  # type: ignore[arg-type]
+            settings=StreamSettings(chunk_timeout_s=1.0),
+        )
+        out = [c async for c in s.chunks(events(event(7), event(8), event(9, finish="stop")))]
+        assert len(out) == 3
+    # Plain path: the first call seeds from the prompt, later ones carry only the decoding options.
+    assert [c[2] for c in plain.calls] == [PROMPT, None, None]
+    assert plain.requests[0] is body
+    assert plain.requests[1] == plain.requests[2] == {**body, "messages": [{"role": "user", "content": ""}]}
+    # Parser path: it replays from scratch on every call, so every call carries everything.
+    assert [c[2] for c in parser.calls] == [PROMPT] * 3 and all(r is body for r in parser.requests)
+
+
+async def test_an_echoed_completion_always_carries_its_prompt() -> None:
+    render = FakeRender()
+    body = {"model": "m", "prompt": "say it again", "echo": True}
+    s = StreamingRenderSession(
+        render, "completions", body, PROMPT, request_id="r", public_id="cmpl-r",  # type: ignore[arg-type]
+        settings=StreamSettings(chunk_timeout_s=1.0),
+    )
+    assert len([c async for c in s.chunks(events(event(7), event(8, finish="stop")))]) == 2
+    assert all(r is body for r in render.requests) and [c[2] for c in render.calls] == [PROMPT, PROMPT]

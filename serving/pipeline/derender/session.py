@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.pipeline.derender.payload import proves_plain_path, slim_request
 from serving.pipeline.errors import DerenderError
 from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import DerenderRetryable, RenderClient
@@ -128,6 +129,9 @@ class StreamingRenderSession:
         self.instance = ""
         self.relays = 0
         self.derender_calls = 0
+        # Set once the sidecar has shown it runs the plain path (derender/payload.py): later
+        # calls carry the slim request and no prompt ids.
+        self._slim: dict[str, Any] | None = None
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -202,6 +206,9 @@ class StreamingRenderSession:
         token_ids = tuple(choices[0].get("token_ids") or ()) if choices else ()
         finish = choices[0].get("finish_reason") if choices else None
         state = self.choice(index).stream_state if index is not None else None
+        slim = self._slim if state is not None else None  # a choice's first call seeds from the prompt
+        request = slim if slim is not None else self.body
+        prompt_ids = None if slim is not None else self.prompt_ids
         tries = 1 + max(0, self.settings.derender_retries)
         # The chunk's own bound, plus the time derender may wait for a sidecar being restarted.
         budget = self.settings.chunk_timeout_s + self.render.derender_patience_s
@@ -211,8 +218,8 @@ class StreamingRenderSession:
                     self.derender_calls += 1
                     try:
                         chunk, next_state = await self.render.derender_chunk(
-                            self.kind, event, stream_state=state, prompt_token_ids=self.prompt_ids,
-                            request=self.body, model=self.body.get("model"),
+                            self.kind, event, stream_state=state, prompt_tokens=len(self.prompt_ids),
+                            prompt_token_ids=prompt_ids, request=request, model=self.body.get("model"),
                         )
                         break
                     except DerenderRetryable as exc:
@@ -228,6 +235,8 @@ class StreamingRenderSession:
             if not isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
                 self._log_failure(index, exc)
             raise
+        if self._slim is None and proves_plain_path(token_ids, next_state):
+            self._slim = slim_request(self.kind, self.body)
         chunk["id"] = self.public_id
         self._account(chunk, len(token_ids))
         return PendingChunk(chunk, index, next_state, token_ids, finish)

@@ -176,19 +176,25 @@ class RenderClient:
         generate_chunk: dict[str, Any],
         *,
         stream_state: dict[str, Any] | None,
-        prompt_token_ids: list[int],
+        prompt_tokens: int,
+        prompt_token_ids: list[int] | None,
         request: dict[str, Any],
         model: str | None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Derender one generate event with the previous state; return ``(chunk, next_state)``."""
+        """Derender one generate event with the previous state; return ``(chunk, next_state)``.
+
+        ``prompt_token_ids`` None leaves them out (a plain-path call after the first,
+        ``derender/payload.py``); ``prompt_tokens`` is always sent, for usage.
+        """
         body: dict[str, Any] = {
             "stream": True,
             "model": model,
             "generate_chunk": generate_chunk,
             "stream_state": stream_state,
-            "prompt_tokens": len(prompt_token_ids),
-            "prompt_token_ids": prompt_token_ids,
+            "prompt_tokens": prompt_tokens,
         }
+        if prompt_token_ids is not None:
+            body["prompt_token_ids"] = prompt_token_ids
         body["chat_request" if kind == "chat" else "completion_request"] = request
         out = await self._post_derender(CHAT_DERENDER if kind == "chat" else COMPLETIONS_DERENDER, body)
         chunk = out.get("chunk")
