@@ -5,7 +5,8 @@ admission, the load hold, the obfuscation boundary and response validation. The 
 only the engine's own faults: a busy engine, a missing capability, a 4xx about the request,
 admission refusals and cancellation leave it as it was (``breaker_scope``).
 
-``GenerateContext`` binds the guard to one attempt of one prompt, for the topology runners.
+``GenerateContext`` binds the guard to one attempt of one prompt, in the attempt's mode, for the
+topology openers; ``open_leg`` is the attempt's last leg (union, or P/D's decode) in that mode.
 """
 
 from __future__ import annotations
@@ -129,11 +130,29 @@ class EngineGuard:
 
 
 @dataclass
-class GenerateContext:
-    """What one attempt of one prompt carries through a topology runner.
+class Opened:
+    """What a topology's opener returns: the instance of the attempt's last leg, that leg's engine
+    request id (what an abort names) and its output in the attempt's mode: the established
+    ``events`` when streaming, the whole GenerateResponse (``response``) when not.
 
-    Runners (``topologies/``) only sequence legs; ``leg`` and ``stream_leg`` do the per-engine
-    work every topology shares, through the guard.
+    Non-streaming keeps the engine's JSON answer rather than collecting stream events: only the
+    JSON carries ``prompt_logprobs``, ``usage.prompt_tokens_details``, ``metrics`` and
+    ``kv_transfer_params`` (vllm-protocol.md sections 3.4 and 3.5), and it is one parse, not one
+    per token. Everything else the opener held is released before it returns.
+    """
+
+    instance: InstanceView
+    request_id: str
+    events: AsyncIterator[dict[str, Any]] | None = None
+    response: dict[str, Any] | None = None
+
+
+@dataclass
+class GenerateContext:
+    """What one attempt of one prompt carries through a topology opener.
+
+    Openers (``topologies/``) only sequence legs; ``leg``, ``stream_leg`` and ``open_leg`` do
+    the per-engine work every topology shares, through the guard.
     """
 
     guard: EngineGuard
@@ -143,6 +162,7 @@ class GenerateContext:
     prompt_index: int
     attempt: int
     tokens: int  # prompt + resolved max output: what admission holds on the decoding instance
+    stream: bool = False  # the attempt's mode: whether its last leg streams
 
     @property
     def scheduler(self) -> Scheduler:
@@ -178,3 +198,15 @@ class GenerateContext:
         logger.info("generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d result=established stream=true",
                     self.request_id, self.prompt_index, instance.name, phase, self.attempt)
         return events
+
+    async def open_leg(
+        self, instance: InstanceView, request: dict[str, Any], *, phase: str, stack: AsyncExitStack,
+        tokens: int | None = None,
+    ) -> Opened:
+        """The attempt's last leg in its mode: a stream whose holds go on ``stack``, or one answer."""
+        tokens = self.tokens if tokens is None else tokens
+        if self.stream:
+            events = await self.stream_leg(instance, request, phase=phase, tokens=tokens, stack=stack)
+            return Opened(instance, request["request_id"], events=events)
+        response = await self.leg(instance, request, phase=phase, tokens=tokens)
+        return Opened(instance, request["request_id"], response=response)

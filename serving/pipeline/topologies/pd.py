@@ -27,6 +27,7 @@ from typing import (
 )
 
 from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.leg import Opened
 from serving.pipeline.errors import NoCapacity
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import InstanceView
@@ -84,7 +85,7 @@ def leg_ids(request_id: str) -> tuple[str, str]:
 
 
 class PDPlacement(Protocol):
-    """What the runners read from the scheduler's ``Placement``: ``instances == (prefill, decode)``
+    """What the openers read from the scheduler's ``Placement``: ``instances == (prefill, decode)``
     (in Trigger the prefill is the best candidate at placement time; ``pick_prefill`` may replace it)."""
 
     @property
@@ -118,7 +119,9 @@ class PDContext:
     callback_timeout_s: float = 30.0
     # Trigger: picks P when the callback arrives (default: the placement's P).
     pick_prefill: Callable[[], InstanceView] | None = None
-    # Streaming: opens the decode leg's stream (``open_handoff_stream`` / ``open_trigger_stream``).
+    # The run's mode: whether D's leg streams (through ``stream_fn``) or answers whole.
+    stream: bool = False
+    # Streaming: opens the decode leg's stream.
     stream_fn: StreamLegFn | None = None
 
 
@@ -165,29 +168,41 @@ def _sides(placement: PDPlacement) -> tuple[InstanceView, InstanceView]:
 
 async def _settle(*tasks: asyncio.Task[Any] | None) -> None:
     """Cancel the legs still running and wait for them: each leg's own finally aborts its engine
-    request. Their outcomes are retrieved, not taken on (raised already, or superseded by ours)."""
-    for task in tasks:
-        if task is not None and not task.done():
+    request. Their outcomes are retrieved, not taken on (raised already, or superseded by ours).
+
+    A second cancellation (the client's disconnect landing on a deadline's, say) does not cut
+    the wait short: leaving early would let the run release its registration and holds while a
+    leg still runs, so the legs are awaited to the end and the cancellation is raised after.
+    """
+    live = [t for t in tasks if t is not None]
+    for task in live:
+        if not task.done():
             task.cancel()
-    await asyncio.wait([t for t in tasks if t is not None])
-    for task in tasks:
-        if task is not None and not task.cancelled():
+    interrupted = False
+    while not all(t.done() for t in live):
+        try:
+            await asyncio.wait(live)
+        except asyncio.CancelledError:
+            interrupted = True
+    for task in live:
+        if not task.cancelled():
             task.exception()
+    if interrupted:
+        raise asyncio.CancelledError
 
 
-# -- streaming ----------------------------------------------------------------------------
-
-# What a stream opener returns: the decode instance, its leg's engine request id (what an abort
-# names) and D's events. Everything else the run held is released before it returns.
-OpenedStream = tuple[InstanceView, str, AsyncIterator[dict[str, Any]]]
+# -- the attempt's last leg ---------------------------------------------------------------
 
 
-async def _stream_leg(
-    ctx: PDContext, instance: InstanceView, request: dict[str, Any], stack: AsyncExitStack
-) -> AsyncIterator[dict[str, Any]]:
+async def _final_leg(ctx: PDContext, instance: InstanceView, request: dict[str, Any], stack: AsyncExitStack) -> Opened:
+    """D's leg in the run's mode: its stream (holds and HTTP stream on ``stack``), or its answer
+    (through ``_leg``, so D is aborted if the run leaves before it answered)."""
+    rid = request["request_id"]
+    if not ctx.stream:
+        return Opened(instance, rid, response=await _leg(ctx, "decode", instance, request, ctx.tokens))
     if ctx.stream_fn is None:
         raise NoCapacity("a streaming prefill/decode run needs the router's streaming leg")
-    return await ctx.stream_fn(instance, request, "decode", ctx.tokens, stack)
+    return Opened(instance, rid, events=await ctx.stream_fn(instance, request, "decode", ctx.tokens, stack))
 
 
 # -- the router's seam ----------------------------------------------------------------------
@@ -221,5 +236,5 @@ def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s
     return PDContext(
         ctx.engines, ctx.request_id, ctx.prompt_index, leg_fn=leg, tokens=ctx.tokens,
         metaserver=process_metaserver(), callback_timeout_s=callback_timeout_s, pick_prefill=pick_prefill,
-        stream_fn=stream_leg,
+        stream=ctx.stream, stream_fn=stream_leg,
     )
