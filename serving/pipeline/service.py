@@ -118,7 +118,9 @@ class ServingPipeline:
 
     def attempts(self, request_id: str) -> Attempts:
         """The attempt loop of one request (both modes), on this pipeline's snapshot and guard."""
-        return Attempts(self.snapshot, self.guard, self.topologies, self.policy, request_id=request_id)
+        return Attempts(
+            self.snapshot, self.guard, self.topologies, self.policy, request_id=request_id, counters=self.counters
+        )
 
     # -- entry points ------------------------------------------------------------------------------
 

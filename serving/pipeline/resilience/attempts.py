@@ -25,7 +25,9 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import EngineGuard, GenerateContext
 from serving.pipeline.engine.requests import attempt_request_id, resolved_max_tokens, with_max_tokens
 from serving.pipeline.errors import EngineError, EngineLacksCapability, NoCapacity, TriggerMultiPromptStream
+from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.placement.scheduler import Placement
+from serving.pipeline.protocol import TopologyName
 from serving.pipeline.render.tokenization import TokenizedPrompt, TokenizedRequest
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 from serving.pipeline.streaming.relay import RetryRequestPlan
@@ -72,6 +74,7 @@ class OpenStream:
     events: AsyncIterator[dict[str, Any]]
     stack: AsyncExitStack = field(default_factory=AsyncExitStack)
     attempt: int = 0
+    topology: TopologyName = "union"
     finished: bool = False
     _closed: bool = field(default=False, init=False)
 
@@ -99,13 +102,14 @@ class Attempts:
 
     def __init__(
         self, snapshot: FleetSnapshot, guard: EngineGuard, topologies: TopologyRegistry, policy: AttemptPolicy,
-        *, request_id: str,
+        *, request_id: str, counters: RouterCounters | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.guard = guard
         self.topologies = topologies
         self.policy = policy
         self.request_id = request_id  # the client-facing id (logs)
+        self.counters = counters or RouterCounters()  # the process's, for relays
 
     def budget(self, request: dict[str, Any], prompt_tokens: int, instance: InstanceView) -> tuple[dict[str, Any], int]:
         """The engine request for ``instance`` and its admission tokens (prompt + max output).
@@ -216,4 +220,7 @@ class Attempts:
             await stack.aclose()
             assert opened.response is not None
             return opened.response
-        return OpenStream(index, opened.instance, opened.request_id, opened.events, stack=stack, attempt=attempt)
+        return OpenStream(
+            index, opened.instance, opened.request_id, opened.events, stack=stack, attempt=attempt,
+            topology=placement.topology,
+        )
