@@ -38,7 +38,7 @@ from django.conf import settings
 from serving import stream_reports
 from serving.pipeline import http, metric_names
 from serving.pipeline.derender.session import StreamSettings
-from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.client import EngineClient, ReplyDeadline
 from serving.pipeline.flow_control.admission import AdmissionSettings, RedisTokenAdmission, TokenAdmission
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation import mapping as obfuscation
@@ -277,8 +277,9 @@ def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
     # Placement keeps instances whose declared key id does not fit the render config out of
     # traffic itself (placement/filters.py), so the pipeline gets the snapshot as it is.
     sync_kv_events(snapshot)
+    deadline = ReplyDeadline(settings.MOTOR_ENGINE_READ_TIMEOUT_S, settings.MOTOR_ENGINE_REPLY_S_PER_TOKEN)
     return ServingPipeline(
-        snapshot, render, EngineClient(client), scheduler,
+        snapshot, render, EngineClient(client, deadline=deadline), scheduler,
         counters=counters, boundary=boundary, stream_settings=StreamSettings(
             chunk_timeout_s=settings.MOTOR_STREAM_CHUNK_TIMEOUT_S, max_relays=settings.MOTOR_STREAM_MAX_RELAYS,
             derender_retries=settings.MOTOR_DERENDER_CHUNK_RETRIES,
