@@ -23,8 +23,9 @@ from django.core.asgi import get_asgi_application
 from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer, eventually
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.engine.leg import GenerateContext, Opened
-from serving.pipeline.errors import EngineError, NoCapacity
+from serving.pipeline.engine.leg import BreakerOpen, GenerateContext, Opened
+from serving.pipeline.errors import AdmissionTimeout, EngineError, NoCapacity
+from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
 from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.tokenization import TokenizedPrompt
 from serving.pipeline.resilience.breaker import BreakerBoard
@@ -42,7 +43,7 @@ from serving.pipeline.topologies.hybrid import (
     pd_topology_policy,
 )
 from serving.pipeline.topologies.metaserver import MetaServer
-from serving.pipeline.topologies.pd import PDContext, PDPlacement, decode_request, leg_ids, prefill_request
+from serving.pipeline.topologies.pd import PDContext, PDPlacement, _settle, decode_request, leg_ids, prefill_request
 from serving.pipeline.topologies.registry import TopologyRegistry
 from serving.pipeline.topologies.trigger import open_trigger, push_prefill_params
 from tests.pd_sims import pd_sim_fixtures, sim_server
@@ -620,3 +621,64 @@ async def test_the_router_places_and_runs_pd_through_its_own_legs(
     assert response["choices"][0]["token_ids"] == await reference(http, union)
     assert load.snapshot() == {}
     assert scheduler.admission.inflight_tokens() in ({}, {p.name: 0, d.name: 0})
+
+
+@pytest.mark.parametrize("refusal", ["admission", "breaker"])
+async def test_a_decode_side_that_refuses_refuses_the_handoff_before_any_prefill(
+    http: httpx.AsyncClient, prefill: LiveServer, decode: LiveServer, refusal: str,
+) -> None:
+    p, d = view(prefill, "prefill", "pull"), view(decode, "decode", "pull")
+    snapshot = FleetSnapshot(
+        version=1, models={MODEL: ModelView(MODEL, "/m", 4096)}, render=RenderView(True, "http://r", 5.0),
+        instances=(p, d),
+    )
+    admission = TokenAdmission(AdmissionSettings(wait_s=0.2))
+    scheduler = Scheduler(LoadTracker(), breakers=BreakerBoard(threshold=1), admission=admission)
+    engines = RecordingEngines(http)
+    full = await admission.acquire(d, d.token_capacity) if refusal == "admission" else None
+    if refusal == "breaker":
+        scheduler.breakers.failure(d, "tripped by the test")  # threshold 1: open
+    held_before = (await stats(http, prefill))["kv"]["held"]
+    pipeline = ServingPipeline(snapshot, None, engines, scheduler)  # type: ignore[arg-type]  # no render needed
+    ctx = GenerateContext(pipeline.guard, snapshot, "r10", TokenizedPrompt(PROMPT, request("r10")), 0, 0, len(PROMPT) + 12)
+
+    with pytest.raises(AdmissionTimeout if refusal == "admission" else BreakerOpen):
+        async with AsyncExitStack() as stack:
+            await TopologyRegistry().openers["handoff"](ctx, Placed(p, d), request("r10"), stack)
+
+    assert engines.sent == []  # P never prefilled: no KV pinned on it for a decode that cannot come
+    assert (await stats(http, prefill))["kv"]["held"] == held_before
+    if full is not None:
+        full.release()
+    assert scheduler.load.snapshot() == {}
+    assert not any(admission.inflight_tokens().values())
+    # Neither breaker heard a failure of this attempt (D's was opened by the test, P's untouched).
+    assert scheduler.breakers._get(p).failures == 0
+    assert scheduler.breakers._get(d).failures == (1 if refusal == "breaker" else 0)
+    assert scheduler.breakers.begin(p)  # P's slot is free (no half-open slot left taken)
+    scheduler.breakers.release(p)
+
+
+async def test_the_settle_step_waits_its_legs_out_through_a_second_cancellation() -> None:
+    aborting = asyncio.Event()  # each leg's abort is still on its way when the second cancel lands
+    cleaned: list[str] = []
+
+    async def leg(name: str) -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await aborting.wait()
+            cleaned.append(name)
+
+    p_task, d_task = asyncio.create_task(leg("prefill")), asyncio.create_task(leg("decode"))
+    await asyncio.sleep(0)
+    settle = asyncio.create_task(_settle(p_task, d_task))
+    await asyncio.sleep(0.01)
+    settle.cancel()  # the second cancellation: the first one is what started the settling
+    await asyncio.sleep(0.01)
+    assert not settle.done()  # still waiting for both legs' aborts
+    aborting.set()
+    with pytest.raises(asyncio.CancelledError):
+        await settle
+    assert sorted(cleaned) == ["decode", "prefill"]
+    assert p_task.cancelled() and d_task.cancelled()

@@ -26,6 +26,7 @@ from serving.pipeline.topologies.pd import (
     _final_leg,
     _leg,
     _prefill_tokens,
+    _reserve,
     _sides,
     decode_request,
     leg_ids,
@@ -50,17 +51,25 @@ async def open_handoff(
     """
     prefill, decode = _sides(placement)
     p_id, d_id = leg_ids(engine_request["request_id"])
-    p_request = prefill_request(engine_request, request_id=p_id, kv_transfer_params=dict(PREFILL_KV_PARAMS))
-    p_response = await _leg(ctx, "prefill", prefill, p_request, _prefill_tokens(engine_request))
-    kv = p_response.get("kv_transfer_params")
-    if not isinstance(kv, dict) or not kv:
-        raise EngineError(
-            f"{prefill.name} answered the prefill leg without kv_transfer_params (is it a KV producer?)",
-            instance=prefill.name,
-        )
-    # Verbatim: the same dict object goes on the wire to D.
-    d_request = decode_request(engine_request, request_id=d_id, kv_transfer_params=kv)
-    return await _final_leg(ctx, decode, d_request, stack)
+    # D first: a decode side that is held off or full refuses the attempt before P prefills KV
+    # that would stay pinned on P, waiting for a pull that never comes.
+    reserved = await _reserve(ctx, decode)
+    try:
+        p_request = prefill_request(engine_request, request_id=p_id, kv_transfer_params=dict(PREFILL_KV_PARAMS))
+        p_response = await _leg(ctx, "prefill", prefill, p_request, _prefill_tokens(engine_request))
+        kv = p_response.get("kv_transfer_params")
+        if not isinstance(kv, dict) or not kv:
+            raise EngineError(
+                f"{prefill.name} answered the prefill leg without kv_transfer_params (is it a KV producer?)",
+                instance=prefill.name,
+            )
+        # Verbatim: the same dict object goes on the wire to D.
+        d_request = decode_request(engine_request, request_id=d_id, kv_transfer_params=kv)
+        return await _final_leg(ctx, decode, d_request, stack, reserved)
+    finally:
+        if reserved is not None:
+            # Unused when P failed (D's breaker stays as it was); a no-op once D's leg took it.
+            await reserved.aclose()
 
 
 async def handoff(

@@ -27,7 +27,7 @@ from typing import (
 )
 
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.engine.leg import Opened
+from serving.pipeline.engine.leg import Opened, Reservation
 from serving.pipeline.errors import NoCapacity
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import InstanceView
@@ -93,13 +93,17 @@ class PDPlacement(Protocol):
 
 
 # The router's per-leg work (breaker, token admission, load, boundary, validation):
-# ``GenerateContext.leg`` bound to one attempt; (instance, request, phase, admission tokens).
-LegFn = Callable[[InstanceView, dict[str, Any], str, int], Awaitable[dict[str, Any]]]
+# ``GenerateContext.leg`` bound to one attempt; (instance, request, phase, admission tokens, the
+# instance's reservation when one was taken).
+LegFn = Callable[[InstanceView, dict[str, Any], str, int, "Reservation | None"], Awaitable[dict[str, Any]]]
 # The streaming leg: ``GenerateContext.stream_leg`` bound to one attempt; (instance, request, phase,
-# admission tokens, the attempt's stack that takes the leg's holds and HTTP stream) -> events.
+# admission tokens, the attempt's stack that takes the leg's holds and HTTP stream, reservation) -> events.
 StreamLegFn = Callable[
-    [InstanceView, dict[str, Any], str, int, AsyncExitStack], Awaitable[AsyncIterator[dict[str, Any]]]
+    [InstanceView, dict[str, Any], str, int, AsyncExitStack, "Reservation | None"],
+    Awaitable[AsyncIterator[dict[str, Any]]],
 ]
+# Takes an instance's breaker slot, admission lease and load hold ahead of its leg.
+ReserveFn = Callable[[InstanceView, int], Awaitable["Reservation"]]
 
 
 @dataclass
@@ -123,20 +127,25 @@ class PDContext:
     stream: bool = False
     # Streaming: opens the decode leg's stream.
     stream_fn: StreamLegFn | None = None
+    # Handoff: reserves D before P's prefill (without it, D's leg takes its holds when it runs).
+    reserve_fn: ReserveFn | None = None
 
 
 def _ms(start: float) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-async def _leg(ctx: PDContext, phase: str, instance: InstanceView, request: dict[str, Any], tokens: int) -> dict[str, Any]:
+async def _leg(
+    ctx: PDContext, phase: str, instance: InstanceView, request: dict[str, Any], tokens: int,
+    reserved: Reservation | None = None,
+) -> dict[str, Any]:
     """Run one leg; abort it on the engine if we leave before its answer (cancelled, timed out)."""
     rid = request["request_id"]
     start = time.perf_counter()
     done = False
     try:
         if ctx.leg_fn is not None:
-            response = await ctx.leg_fn(instance, request, phase, tokens)
+            response = await ctx.leg_fn(instance, request, phase, tokens, reserved)
         else:
             with ctx.hold(instance):
                 response = await ctx.engines.generate(instance, request)
@@ -194,15 +203,23 @@ async def _settle(*tasks: asyncio.Task[Any] | None) -> None:
 # -- the attempt's last leg ---------------------------------------------------------------
 
 
-async def _final_leg(ctx: PDContext, instance: InstanceView, request: dict[str, Any], stack: AsyncExitStack) -> Opened:
+async def _final_leg(
+    ctx: PDContext, instance: InstanceView, request: dict[str, Any], stack: AsyncExitStack,
+    reserved: Reservation | None = None,
+) -> Opened:
     """D's leg in the run's mode: its stream (holds and HTTP stream on ``stack``), or its answer
     (through ``_leg``, so D is aborted if the run leaves before it answered)."""
     rid = request["request_id"]
     if not ctx.stream:
-        return Opened(instance, rid, response=await _leg(ctx, "decode", instance, request, ctx.tokens))
+        return Opened(instance, rid, response=await _leg(ctx, "decode", instance, request, ctx.tokens, reserved))
     if ctx.stream_fn is None:
         raise NoCapacity("a streaming prefill/decode run needs the router's streaming leg")
-    return Opened(instance, rid, events=await ctx.stream_fn(instance, request, "decode", ctx.tokens, stack))
+    return Opened(instance, rid, events=await ctx.stream_fn(instance, request, "decode", ctx.tokens, stack, reserved))
+
+
+async def _reserve(ctx: PDContext, instance: InstanceView) -> Reservation | None:
+    """D's holds taken ahead of P's prefill, when the run has the router's guard to take them."""
+    return await ctx.reserve_fn(instance, ctx.tokens) if ctx.reserve_fn is not None else None
 
 
 # -- the router's seam ----------------------------------------------------------------------
@@ -213,13 +230,16 @@ def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s
     scheduler = ctx.scheduler
     placed = placement.instances[0]
 
-    async def leg(instance: InstanceView, request: dict[str, Any], phase: str, tokens: int) -> dict[str, Any]:
-        return await ctx.leg(instance, request, phase=phase, tokens=tokens)
+    async def leg(
+        instance: InstanceView, request: dict[str, Any], phase: str, tokens: int, reserved: Reservation | None
+    ) -> dict[str, Any]:
+        return await ctx.leg(instance, request, phase=phase, tokens=tokens, reserved=reserved)
 
     async def stream_leg(
-        instance: InstanceView, request: dict[str, Any], phase: str, tokens: int, stack: AsyncExitStack
+        instance: InstanceView, request: dict[str, Any], phase: str, tokens: int, stack: AsyncExitStack,
+        reserved: Reservation | None,
     ) -> AsyncIterator[dict[str, Any]]:
-        return await ctx.stream_leg(instance, request, phase=phase, tokens=tokens, stack=stack)
+        return await ctx.stream_leg(instance, request, phase=phase, tokens=tokens, stack=stack, reserved=reserved)
 
     def pick_prefill() -> InstanceView:
         # Trigger, at callback time: the P placed earlier, unless its breaker opened meanwhile.
@@ -236,5 +256,5 @@ def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s
     return PDContext(
         ctx.engines, ctx.request_id, ctx.prompt_index, leg_fn=leg, tokens=ctx.tokens,
         metaserver=process_metaserver(), callback_timeout_s=callback_timeout_s, pick_prefill=pick_prefill,
-        stream=ctx.stream, stream_fn=stream_leg,
+        stream=ctx.stream, stream_fn=stream_leg, reserve_fn=ctx.guard.reserve,
     )
