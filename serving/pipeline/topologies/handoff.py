@@ -8,17 +8,12 @@ from __future__ import annotations
 import logging
 from contextlib import AsyncExitStack
 from typing import (
-    TYPE_CHECKING,
     Any,
 )
 
-from serving.pipeline.engine.leg import Opened
+from serving.pipeline.engine.leg import GenerateContext, Opened
 from serving.pipeline.errors import EngineError
 from serving.pipeline.placement.scheduler import Placement
-
-if TYPE_CHECKING:
-    from serving.pipeline.engine.leg import GenerateContext
-
 from serving.pipeline.topologies.pd import (
     PREFILL_KV_PARAMS,
     PDContext,

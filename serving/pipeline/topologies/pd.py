@@ -2,8 +2,10 @@
 
 Each leg is its own engine request with its own id, run through the router's guarded leg
 (``GenerateContext.leg`` / ``stream_leg``: breaker, admission, load, boundary, validation), and
-aborted on the engine if the run leaves before its answer. Handoff (``handoff.py``) and Trigger
-(``trigger.py``) only sequence legs and release their P/D state exactly once on every exit path.
+aborted on the engine if the run leaves before its answer. The prefill leg is JSON in both modes;
+the decode leg streams when the attempt does (``PDContext.stream``). Handoff (``handoff.py``) and
+Trigger (``trigger.py``) only sequence legs and release their P/D state exactly once on every exit
+path; Handoff reserves D's holds before P prefills (``ReserveFn``).
 They make one attempt: a failure raises ``EngineError`` naming the failed instance, and the
 attempt policy (``resilience/attempts.py``) decides what the next attempt excludes.
 """
@@ -17,7 +19,6 @@ import time
 from contextlib import AbstractContextManager, AsyncExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import (
-    TYPE_CHECKING,
     Any,
     AsyncIterator,
     Awaitable,
@@ -27,15 +28,12 @@ from typing import (
 )
 
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.engine.leg import Opened, Reservation
+from serving.pipeline.engine.leg import GenerateContext, Opened, Reservation
 from serving.pipeline.errors import NoCapacity
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.topologies.hybrid import pd_instances
 from serving.pipeline.topologies.metaserver import MetaServer, process_metaserver
-
-if TYPE_CHECKING:
-    from serving.pipeline.engine.leg import GenerateContext
 
 logger = logging.getLogger(__name__)
 
@@ -95,15 +93,15 @@ class PDPlacement(Protocol):
 # The router's per-leg work (breaker, token admission, load, boundary, validation):
 # ``GenerateContext.leg`` bound to one attempt; (instance, request, phase, admission tokens, the
 # instance's reservation when one was taken).
-LegFn = Callable[[InstanceView, dict[str, Any], str, int, "Reservation | None"], Awaitable[dict[str, Any]]]
+LegFn = Callable[[InstanceView, dict[str, Any], str, int, Reservation | None], Awaitable[dict[str, Any]]]
 # The streaming leg: ``GenerateContext.stream_leg`` bound to one attempt; (instance, request, phase,
 # admission tokens, the attempt's stack that takes the leg's holds and HTTP stream, reservation) -> events.
 StreamLegFn = Callable[
-    [InstanceView, dict[str, Any], str, int, AsyncExitStack, "Reservation | None"],
+    [InstanceView, dict[str, Any], str, int, AsyncExitStack, Reservation | None],
     Awaitable[AsyncIterator[dict[str, Any]]],
 ]
 # Takes an instance's breaker slot, admission lease and load hold ahead of its leg.
-ReserveFn = Callable[[InstanceView, int], Awaitable["Reservation"]]
+ReserveFn = Callable[[InstanceView, int], Awaitable[Reservation]]
 
 
 @dataclass

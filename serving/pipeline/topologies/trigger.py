@@ -13,21 +13,16 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 from typing import (
-    TYPE_CHECKING,
     Any,
     Mapping,
 )
 
 from serving.pipeline.engine.client import engine_request_id
-from serving.pipeline.engine.leg import Opened
+from serving.pipeline.engine.leg import GenerateContext, Opened
 from serving.pipeline.errors import EngineError, NoCapacity
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.topologies.metaserver import MetaServer, Registration
-
-if TYPE_CHECKING:
-    from serving.pipeline.engine.leg import GenerateContext
-
 from serving.pipeline.topologies.pd import (
     PREFILL_KV_PARAMS,
     PDContext,
