@@ -19,9 +19,10 @@ second. No prefill/decode engines: four vLLM engines do not fit a 2-core machine
 
 Counted: requests answered; client-visible errors (an exception from the client, an error frame
 included); mismatches against the request's twin; restarts (``motor_process_restarts_total`` on
-the coordinator's ``/metrics``); failed engine attempts (``motor_engine_errors_total``); relays,
-retries and stream restarts from the coordinator's log lines (``/metrics`` has no counter for
-them); seconds from each kill until the engine was running again and until it was healthy.
+the coordinator's ``/metrics``); failed engine attempts (``motor_engine_errors_total``); relays
+(``motor_stream_relays_total``); retries and stream restarts from the coordinator's log lines
+(``/metrics`` has no counter for them); seconds from each kill until the engine was running
+again and until it was healthy.
 
     python3 -m toolchain exec bench/soak.py [--kills 5] [--duration 300] [--threads 4] [--write]
 
@@ -151,36 +152,26 @@ class Kill:
     pid: int
     running_s: float | None = None  # kill -> launcher recorded it running again (new pid)
     healthy_s: float | None = None  # kill -> probes took it back (instance healthy)
-    relays: int = 0  # relays logged from this kill to the next one (or the end)
+    relays: float = 0.0  # relays (``motor_stream_relays_total``) from this kill to the next one (or the end)
     restarts_after: int = 0
 
 
 # --------------------------------------------------------------------------- the coordinator's log
 
-_RELAY = re.compile(r" relay request_id=\S+ .*new_instance=(\S+)")
 _PLACEMENT = re.compile(r" placement request_id=\S+ prompt=\d+ attempt=(\d+)")
 _STREAM_RESTART = re.compile(r" stream_restart request_id=")
 
 
 @dataclass
 class LogCounts:
-    relays: int = 0
     replacements: int = 0  # placements of an attempt after the first (relays, retries, restarts)
     stream_restarts: int = 0
-
-    @property
-    def retries(self) -> int:
-        """Attempts moved to another instance before anything reached the client (not relays)."""
-        return self.replacements - self.relays
 
 
 def count_log(text: str) -> LogCounts:
     counts = LogCounts()
     for line in text.splitlines():
-        if m := _RELAY.search(line):
-            # A relay with nothing left to generate (new_instance=-) places nothing.
-            counts.relays += m.group(1) != "-"
-        elif m := _PLACEMENT.search(line):
+        if m := _PLACEMENT.search(line):
             counts.replacements += int(m.group(1)) > 0
         elif _STREAM_RESTART.search(line):
             counts.stream_restarts += 1
@@ -210,6 +201,7 @@ class Run:
     phases: list[Phase] = field(default_factory=list)
     kills: list[Kill] = field(default_factory=list)
     log: LogCounts = field(default_factory=LogCounts)
+    relays: float = 0.0  # ``motor_stream_relays_total`` over the soak
     restarts: dict[str, float] = field(default_factory=dict)
     engine_errors: float = 0.0
     engine_requests: float = 0.0
@@ -262,13 +254,13 @@ def soak(args: argparse.Namespace, launched: LaunchedStack, run: Run) -> None:
         workers = [pool.submit(load.worker, k) for k in range(args.threads)]
         try:
             time.sleep(WARMUP_S)
-            offsets: list[int] = []
+            relay_marks: list[float] = []  # the relay counter at each kill
             while len(run.kills) < args.kills and time.monotonic() - start < args.duration:
                 name = rng.choice(sorted(names))
                 old = launched.processes()[name]
                 pid = old.pid
                 assert pid is not None and old.state == "running", old
-                offsets.append(log_path.stat().st_size)
+                relay_marks.append(relays_so_far(launched.metrics()))
                 os.kill(pid, signal.SIGKILL)
                 kill = Kill(name, pid)
                 run.kills.append(kill)
@@ -294,13 +286,13 @@ def soak(args: argparse.Namespace, launched: LaunchedStack, run: Run) -> None:
     run.phases.append(Phase(f"soak, {len(run.kills)} kills", time.monotonic() - start, load))
     run.load_after = loadavg()
 
-    # Relays per kill window: from each kill to the next (the last one to the end of the load).
-    raw = read_from(log_path, log_start)
-    bounds = [o - log_start for o in offsets] + [len(raw)]
-    for kill, a, b in zip(run.kills, bounds[:-1], bounds[1:], strict=True):
-        kill.relays = count_log(raw[a:b].decode("utf-8", "replace")).relays
-    run.log = count_log(raw.decode("utf-8", "replace"))
     after = launched.metrics()
+    # Relays per kill window: from each kill to the next (the last one to the end of the load).
+    marks = relay_marks + [relays_so_far(after)]
+    for kill, a, b in zip(run.kills, marks[:-1], marks[1:], strict=True):
+        kill.relays = b - a
+    run.relays = relays_so_far(after) - relays_so_far(before)
+    run.log = count_log(read_from(log_path, log_start).decode("utf-8", "replace"))
     for name in [*names, "render", "coordinator", "celery-worker", "celery-beat"]:
         label = f'process="{name}"'
         run.restarts[name] = metric_samples(after, "motor_process_restarts_total").get(label, 0.0) - metric_samples(
@@ -309,6 +301,17 @@ def soak(args: argparse.Namespace, launched: LaunchedStack, run: Run) -> None:
     for metric, attr in (("motor_engine_errors_total", "engine_errors"), ("motor_engine_requests_total", "engine_requests")):
         delta = sum(metric_samples(after, metric).values()) - sum(metric_samples(before, metric).values())
         setattr(run, attr, delta)
+
+
+def relays_so_far(metrics_text: str) -> float:
+    """Every relay the coordinator counted so far, all topologies and reasons together."""
+    return sum(metric_samples(metrics_text, "motor_stream_relays_total").values())
+
+
+def retries(run: Run) -> float:
+    """Attempts moved to another instance before anything reached the client (placements after
+    the first, less the relays: each relay places one attempt too)."""
+    return run.log.replacements - run.relays
 
 
 def _s(v: float | None) -> str:
@@ -354,7 +357,7 @@ def report(args: argparse.Namespace, run: Run) -> str:
         "|---:|---|---:|---:|---:|---:|",
     ]
     for n, k in enumerate(run.kills, 1):
-        lines.append(f"| {n} | {k.engine} | {_s(k.running_s)} | {_s(k.healthy_s)} | {k.relays} | {k.restarts_after} |")
+        lines.append(f"| {n} | {k.engine} | {_s(k.running_s)} | {_s(k.healthy_s)} | {k.relays:g} | {k.restarts_after} |")
     healthy = [k.healthy_s for k in run.kills if k.healthy_s is not None]
     restarts = ", ".join(f"{k} {v:g}" for k, v in run.restarts.items())
     lines += [
@@ -364,10 +367,11 @@ def report(args: argparse.Namespace, run: Run) -> str:
         ) + f"; bound allowed {run.recovery_bound_s:.0f} s (engine ready timeout + first back-off + rise × interval)",
         f"- restarts during the soak (`motor_process_restarts_total` delta): {restarts}",
         f"- coordinator, during the soak: {run.engine_requests:g} engine requests finished, {run.engine_errors:g} of them "
-        f"failed (`motor_engine_errors_total`); {run.log.relays} relays (a stream moved to the other engine after "
-        f"output reached the client), {run.log.retries} retries (an attempt moved before anything reached the client), "
-        f"{run.log.stream_restarts} stream restarts: counted from the coordinator's log lines (`relay`, `placement "
-        f"attempt>0`, `stream_restart`), as `/metrics` has no relay or retry counter",
+        f"failed (`motor_engine_errors_total`); {run.relays:g} relays (a stream moved to the other engine after "
+        f"output reached the client, `motor_stream_relays_total`), {retries(run):g} retries (an attempt moved before "
+        f"anything reached the client) and {run.log.stream_restarts} stream restarts: these two counted from the "
+        f"coordinator's log lines (`placement attempt>0` less the relays, `stream_restart`), as `/metrics` has no "
+        f"retry counter",
         f"- stop: launcher exit code {run.stop_code}, ports still bound: {list(run.bound_ports) or 'none'}",
     ]
     if run.failure:

@@ -165,6 +165,9 @@ MOTOR_API_KEYS = [k for k in env_str("MOTOR_API_KEYS", env_str("MOTOR_DEMO_API_K
 # Bounds of the data plane, each a named knob (the pipeline never invents its own timeouts).
 MOTOR_CONNECT_TIMEOUT_S = env_int("MOTOR_CONNECT_TIMEOUT_MS", 2000) / 1000  # TCP connect to render/engines
 MOTOR_ENGINE_READ_TIMEOUT_S = env_int("MOTOR_ENGINE_READ_TIMEOUT_MS", 60000) / 1000  # per chunk / non-stream reply
+# A non-streaming reply may take this much longer per token of its max_tokens (a long generation
+# on a slow engine is not a failure); 100 ms is a slow CPU engine's time per output token.
+MOTOR_ENGINE_REPLY_S_PER_TOKEN = env_int("MOTOR_ENGINE_REPLY_MS_PER_TOKEN", 100) / 1000
 # Streaming: an engine silent this long mid-stream has stalled (relay or error frame); relays per
 # request after a mid-stream engine failure; retries of one derender chunk on connection errors / 5xx.
 MOTOR_STREAM_CHUNK_TIMEOUT_S = env_int("MOTOR_STREAM_CHUNK_TIMEOUT_MS", 30000) / 1000

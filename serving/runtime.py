@@ -38,7 +38,7 @@ from django.conf import settings
 from serving import stream_reports
 from serving.pipeline import http, metric_names
 from serving.pipeline.derender.session import StreamSettings
-from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.client import EngineClient, ReplyDeadline
 from serving.pipeline.flow_control.admission import AdmissionSettings, RedisTokenAdmission, TokenAdmission
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation import mapping as obfuscation
@@ -121,9 +121,10 @@ class Runtime:
     scheduler: Scheduler
     topologies: TopologyRegistry
     counters: RouterCounters
-    # Not handed to pipelines yet (each request gets a fresh one, as before): sharing it turns
-    # on the render-down cooldown its docstring describes, a behaviour change of its own.
-    render_health: RenderHealth
+    # The render-down cooldown, one per sidecar base URL: a sidecar found down is skipped for a
+    # few seconds by every request of the process, but its replacement (a graceful restart moves
+    # the snapshot to a new URL) is tried at once.
+    render_health: dict[str, RenderHealth]
     # Requests per render sidecar, reported to the database for the launcher's graceful restart.
     live_streams: LiveStreams
     stream_reporter: stream_reports.StreamReporter
@@ -154,7 +155,7 @@ def build() -> Runtime:
     live_streams.on_change = stream_reporter.notify
     return Runtime(
         load=load, breakers=breakers, admission=admission, affinity=affinity, scheduler=scheduler,
-        topologies=TopologyRegistry(), counters=RouterCounters(), render_health=RenderHealth(),
+        topologies=TopologyRegistry(), counters=RouterCounters(), render_health={},
         live_streams=live_streams, stream_reporter=stream_reporter,
     )
 
@@ -167,7 +168,6 @@ admission = RUNTIME.admission
 affinity = RUNTIME.affinity
 scheduler = RUNTIME.scheduler
 counters = RUNTIME.counters
-render_health = RUNTIME.render_health
 live_streams = RUNTIME.live_streams
 stream_reporter = RUNTIME.stream_reporter
 
@@ -259,6 +259,15 @@ def obfuscation_mapping(snapshot: FleetSnapshot) -> TokenMapping | None:
     return obfuscation.require_mapping(snapshot.render, obfuscation.mapping_for(snapshot))
 
 
+def render_health_for(base_url: str) -> RenderHealth:
+    """The process's render-down memory for the sidecar at ``base_url`` (made on first use)."""
+    key = base_url.rstrip("/")
+    health = RUNTIME.render_health.get(key)
+    if health is None:
+        health = RUNTIME.render_health[key] = RenderHealth()
+    return health
+
+
 def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
     client = http.shared_client()
     render = RenderClient(
@@ -268,11 +277,13 @@ def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
     # Placement keeps instances whose declared key id does not fit the render config out of
     # traffic itself (placement/filters.py), so the pipeline gets the snapshot as it is.
     sync_kv_events(snapshot)
+    deadline = ReplyDeadline(settings.MOTOR_ENGINE_READ_TIMEOUT_S, settings.MOTOR_ENGINE_REPLY_S_PER_TOKEN)
     return ServingPipeline(
-        snapshot, render, EngineClient(client), scheduler,
+        snapshot, render, EngineClient(client, deadline=deadline), scheduler,
         counters=counters, boundary=boundary, stream_settings=StreamSettings(
             chunk_timeout_s=settings.MOTOR_STREAM_CHUNK_TIMEOUT_S, max_relays=settings.MOTOR_STREAM_MAX_RELAYS,
             derender_retries=settings.MOTOR_DERENDER_CHUNK_RETRIES,
         ),
         live_streams=live_streams, topologies=RUNTIME.topologies,
+        render_health=render_health_for(snapshot.render.base_url),
     )

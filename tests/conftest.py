@@ -8,6 +8,7 @@ which ``make test`` and ``.ci/run`` use) each skip is reported as a failure nami
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Iterator
 
 import pytest
@@ -37,3 +38,13 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     if report.skipped and prerequisites.required():
         report.outcome = "failed"
         report.longrepr = f"module skipped under MOTOR_PREREQUISITES=required (make test): {report.longrepr}"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_render_health() -> Iterator[None]:
+    """Each test starts with no sidecar marked down: the coordinator process's render-down marks
+    (``serving.runtime``, a cooldown of a few seconds) would carry one test's fault into the next."""
+    yield
+    runtime = sys.modules.get("serving.runtime")
+    if runtime is not None:
+        runtime.RUNTIME.render_health.clear()

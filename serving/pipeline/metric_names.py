@@ -46,6 +46,10 @@ ROUTE_DECISIONS = Family("motor_route_decisions_total", "counter",
 RENDER_OUTCOMES = Family("motor_render_outcomes_total", "counter",
                          "Tokenizations by source (render or local), result and fallback reason.",
                          ("source", "result", "fallback_reason"))
+STREAM_RELAYS = Family("motor_stream_relays_total", "counter",
+                       "Streams moved to another instance after output reached the client, by the failed "
+                       "stream's topology and why it failed (stall: no chunk within the chunk timeout; "
+                       "failure: anything else the engine did).", ("topology", "reason"))
 ADMISSION_WAITING = Family("motor_admission_waiting", "gauge", "Requests waiting in the admission queue.")
 
 # -- KV affinity (``placement/``) -------------------------------------------------------------
@@ -62,7 +66,7 @@ PROCESS_UP = Family("motor_process_up", "gauge", "Whether a launcher child is ru
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     ENGINE_REQUESTS, ENGINE_ERRORS, ENGINE_TTFT, ENGINE_TPOT, ENGINE_IN_FLIGHT_TOKENS, ROUTE_DECISIONS,
-    RENDER_OUTCOMES, ADMISSION_WAITING, AFFINITY_INDEX_BLOCKS, KV_EVENT_BATCHES, KV_EVENT_ERRORS,
+    RENDER_OUTCOMES, STREAM_RELAYS, ADMISSION_WAITING, AFFINITY_INDEX_BLOCKS, KV_EVENT_BATCHES, KV_EVENT_ERRORS,
     PROCESS_RESTARTS, PROCESS_UP,
 )}
 

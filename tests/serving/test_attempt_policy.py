@@ -1,7 +1,7 @@
 """One fault table through the non-streaming and the streaming path: the same retry decisions.
 
-The topology registry is the pipeline's seam (``TopologyRegistry``): each attempt's runner or
-opener looks up what the table says for that attempt. A fault is raised inside the guard's
+The topology registry is the pipeline's seam (``TopologyRegistry``): each attempt's opener (the
+one primitive of both modes) looks up what the table says for that attempt. A fault is raised inside the guard's
 breaker scope of the instance it names (as a real leg would raise it), so the breakers hear it as
 they would; a success runs the real guarded leg on the decode (or union) instance against the
 fake engines. Both modes must place the same attempts, exclude the same instances, leave the
@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.engine.leg import GenerateContext
+from serving.pipeline.engine.leg import GenerateContext, Opened
 from serving.pipeline.errors import (
     EngineBusy,
     EngineError,
@@ -34,7 +34,6 @@ from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
 from serving.pipeline.streaming.event_stream import EventStream
 from serving.pipeline.topologies.hybrid import PDPolicy, pd_topology_policy
-from serving.pipeline.topologies.pd import OpenedStream
 from serving.pipeline.topologies.registry import TopologyRegistry
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams, error_json, parse_frames
 
@@ -98,7 +97,7 @@ TABLE: list[tuple[str, list[Fault], int, list[str], dict[str, int], str]] = [
 
 
 class Scripted:
-    """Runners and openers that follow the fault table, attempt by attempt."""
+    """An opener that follows the fault table, attempt by attempt."""
 
     def __init__(self, faults: list[Fault]) -> None:
         self.faults = faults
@@ -116,21 +115,14 @@ class Scripted:
         async with ctx.guard.breaker_scope(named):
             raise fault.exception(named.name)
 
-    async def run(self, ctx: GenerateContext, placement: Placement, engine_req: dict[str, Any]) -> dict[str, Any]:
-        target = await self._fault(ctx, placement)
-        return await ctx.leg(target, engine_req, phase="decode")
-
     async def open(
         self, ctx: GenerateContext, placement: Placement, engine_req: dict[str, Any], stack: AsyncExitStack
-    ) -> OpenedStream:
+    ) -> Opened:
         target = await self._fault(ctx, placement)
-        events = await ctx.stream_leg(target, engine_req, phase="decode", tokens=ctx.tokens, stack=stack)
-        return target, engine_req["request_id"], events
+        return await ctx.open_leg(target, engine_req, phase="decode", stack=stack)
 
     def registry(self) -> TopologyRegistry:
-        return TopologyRegistry(
-            runners={"union": self.run, "handoff": self.run}, openers={"union": self.open, "handoff": self.open}
-        )
+        return TopologyRegistry(openers={"union": self.open, "handoff": self.open})
 
 
 @pytest.fixture

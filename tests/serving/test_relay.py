@@ -224,7 +224,10 @@ async def test_a_relayed_stream_equals_the_fault_free_stream(
     assert frames[-1] == "[DONE]" and not any(isinstance(c, dict) and "error" in c for c in frames)
     gens = upstreams.calls_of("generate")
     committed = min(fault.after, 8)
+    relays = {reason: pipeline.counters.get("motor_stream_relays_total", topology="union", reason=reason)
+              for reason in ("stall", "failure")}
     if committed < 8:
+        assert relays == {"stall": int(fault.mode == "hang"), "failure": int(fault.mode != "hang")}
         first, relay = gens
         assert (first.host, relay.host) == ("e1", "e2")
         assert relay.body["request_id"] == "chatcmpl-r1-a1" != first.body["request_id"]
@@ -232,6 +235,7 @@ async def test_a_relayed_stream_equals_the_fault_free_stream(
         assert relay.body["sampling_params"]["max_tokens"] == 8 - committed
     else:
         assert len(gens) == 1  # the whole budget was out: nothing to relay, the stream just ends
+        assert relays == {"stall": 0, "failure": 0}
     # Derender always saw the original prompt ids, never the replay prompt.
     carried = [d.body["prompt_token_ids"] for d in upstreams.calls_of("derender") if "prompt_token_ids" in d.body]
     assert carried and all(ids == CHAT_PROMPT for ids in carried)
@@ -261,6 +265,7 @@ async def test_relays_are_bounded(pipeline: ServingPipeline, engines: ContextEng
     assert frames[-2]["error"]["code"] == 502 and frames[-1] == "[DONE]"
     ids = [g.body["request_id"] for g in upstreams.calls_of("generate")]
     assert ids == ["chatcmpl-r3", "chatcmpl-r3-a1", "chatcmpl-r3-a2"]  # 1 + max_relays, each its own id
+    assert pipeline.counters.get("motor_stream_relays_total", topology="union", reason="failure") == 2
 
 
 async def test_n_greater_than_one_does_not_relay_after_visible_output(

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import httpx
@@ -22,15 +23,16 @@ from django.core.asgi import get_asgi_application
 from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer, eventually
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.engine.leg import GenerateContext
-from serving.pipeline.errors import EngineError, NoCapacity
+from serving.pipeline.engine.leg import BreakerOpen, GenerateContext, Opened
+from serving.pipeline.errors import AdmissionTimeout, EngineError, NoCapacity
+from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
 from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.tokenization import TokenizedPrompt
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
 from serving.pipeline.topologies import metaserver as metaserver_module
-from serving.pipeline.topologies.handoff import run_handoff
+from serving.pipeline.topologies.handoff import open_handoff
 from serving.pipeline.topologies.hybrid import (
     TRANSFER_TOPOLOGY,
     PDPolicy,
@@ -41,12 +43,23 @@ from serving.pipeline.topologies.hybrid import (
     pd_topology_policy,
 )
 from serving.pipeline.topologies.metaserver import MetaServer
-from serving.pipeline.topologies.pd import PDContext, decode_request, leg_ids, prefill_request
+from serving.pipeline.topologies.pd import PDContext, PDPlacement, _settle, decode_request, leg_ids, prefill_request
 from serving.pipeline.topologies.registry import TopologyRegistry
-from serving.pipeline.topologies.trigger import push_prefill_params, run_trigger
+from serving.pipeline.topologies.trigger import open_trigger, push_prefill_params
 from tests.pd_sims import pd_sim_fixtures, sim_server
 
 MODEL = "tiny"
+
+
+async def whole(
+    opener: Callable[[PDContext, PDPlacement, dict[str, Any], AsyncExitStack], Awaitable[Opened]],
+    ctx: PDContext, placement: PDPlacement, engine_request: dict[str, Any],
+) -> dict[str, Any]:
+    """A non-streaming run: the opener's whole answer (``ctx.stream`` is off)."""
+    async with AsyncExitStack() as stack:
+        opened = await opener(ctx, placement, engine_request, stack)
+    assert opened.events is None and opened.response is not None
+    return opened.response
 
 
 def inst(name: str, role: str = "union", *, transfer: str = "", url: str = "http://127.0.0.1:9", **kw: Any) -> InstanceView:
@@ -339,7 +352,7 @@ async def test_handoff_answers_like_a_union_instance(
     ctx = PDContext(engines, "r1", hold=load.hold)
     p, d = view(prefill, "prefill", "pull"), view(decode, "decode", "pull")
 
-    response = await run_handoff(ctx, Placed(p, d), request())
+    response = await whole(open_handoff, ctx, Placed(p, d), request())
 
     assert response["choices"][0]["token_ids"] == await reference(http, union)
     after = (await stats(http, decode))["prompt_tokens_by_source"].get("external_kv_transfer", 0)
@@ -362,7 +375,7 @@ async def test_handoff_never_calls_decode_when_prefill_returns_no_params(
     # A union instance answers the prefill leg but produces no kv_transfer_params.
     p, d = view(union, "prefill", "pull"), view(decode, "decode", "pull")
     with pytest.raises(EngineError) as info:
-        await run_handoff(PDContext(engines, "r1", hold=load.hold), Placed(p, d), request())
+        await whole(open_handoff, PDContext(engines, "r1", hold=load.hold), Placed(p, d), request())
     assert info.value.instance == p.name
     assert [name for name, _ in engines.sent] == [p.name]
 
@@ -372,7 +385,7 @@ async def test_handoff_blames_an_unreachable_prefill_instance(
 ) -> None:
     p, d = view(closed_url(), "prefill", "pull"), view(decode, "decode", "pull")
     with pytest.raises(EngineError) as info:
-        await run_handoff(PDContext(engines, "r1", hold=load.hold), Placed(p, d), request())
+        await whole(open_handoff, PDContext(engines, "r1", hold=load.hold), Placed(p, d), request())
     assert info.value.instance == p.name
     assert [name for name, _ in engines.sent] == [p.name]
 
@@ -382,7 +395,7 @@ async def test_handoff_blames_an_unreachable_decode_instance(
 ) -> None:
     p, d = view(prefill, "prefill", "pull"), view(closed_url(), "decode", "pull")
     with pytest.raises(EngineError) as info:
-        await run_handoff(PDContext(engines, "r1", hold=load.hold), Placed(p, d), request())
+        await whole(open_handoff, PDContext(engines, "r1", hold=load.hold), Placed(p, d), request())
     assert info.value.instance == d.name
     assert [name for name, _ in engines.sent] == [p.name, d.name]
 
@@ -393,7 +406,7 @@ async def test_handoff_without_a_placed_decode_is_no_capacity(engines: Recording
         instances: tuple[InstanceView, ...]
 
     with pytest.raises(NoCapacity):
-        await run_handoff(PDContext(engines, "r1"), Half((view(prefill, "prefill", "pull"),)), request())
+        await whole(open_handoff, PDContext(engines, "r1"), Half((view(prefill, "prefill", "pull"),)), request())
     assert engines.sent == []
 
 
@@ -402,7 +415,7 @@ async def test_a_cancelled_handoff_aborts_the_running_leg_and_releases_its_hold(
     prefill: LiveServer, slow_decode: LiveServer,
 ) -> None:
     p, d = view(prefill, "prefill", "pull"), view(slow_decode, "decode", "pull")
-    task = asyncio.create_task(run_handoff(PDContext(engines, "r1", hold=load.hold), Placed(p, d), request(max_tokens=400)))
+    task = asyncio.create_task(whole(open_handoff, PDContext(engines, "r1", hold=load.hold), Placed(p, d), request(max_tokens=400)))
 
     async def decoding() -> bool:
         return load.inflight(d.name) == 1
@@ -451,7 +464,7 @@ async def test_trigger_answers_like_a_union_instance(
     p, d = view(push_prefill, "prefill", "push"), view(push_decode, "decode", "push")
     ctx = PDContext(engines, "r1", hold=load.hold, metaserver=metaserver, callback_timeout_s=5.0)
 
-    response = await run_trigger(ctx, Placed(p, d), request())
+    response = await whole(open_trigger, ctx, Placed(p, d), request())
 
     assert response["choices"][0]["token_ids"] == await reference(http, union)
     after = (await stats(http, push_decode))["prompt_tokens_by_source"].get("external_kv_transfer", 0)
@@ -482,7 +495,7 @@ async def test_trigger_picks_the_prefill_instance_when_the_callback_arrives(
 
     ctx = PDContext(engines, "r2", hold=load.hold, metaserver=metaserver, pick_prefill=pick)
     # The placement named another P; the one picked when the callback arrives runs the prefill.
-    response = await run_trigger(ctx, Placed(view(closed_url(), "prefill", "push"), d), request("r2"))
+    response = await whole(open_trigger, ctx, Placed(view(closed_url(), "prefill", "push"), d), request("r2"))
     assert response["choices"][0]["token_ids"] == await reference(http, union)
     assert picked == [p.name]
 
@@ -494,7 +507,7 @@ async def test_trigger_aborts_decode_when_the_prefill_fails(
     p, d = view(closed_url(), "prefill", "push"), view(push_decode, "decode", "push")
     ctx = PDContext(engines, "r3", hold=load.hold, metaserver=metaserver, callback_timeout_s=5.0)
     with pytest.raises(EngineError) as info:
-        await run_trigger(ctx, Placed(p, d), request("r3"))
+        await whole(open_trigger, ctx, Placed(p, d), request("r3"))
     assert info.value.instance == p.name
     assert (d.name, ["r3-decode"]) in engines.aborted
 
@@ -511,7 +524,7 @@ async def test_trigger_blames_the_decode_instance_that_gave_up_while_prefill_ran
     p, d = view(slow_push_prefill, "prefill", "push"), view(push_decode, "decode", "push")
     ctx = PDContext(engines, "r8", hold=load.hold, metaserver=metaserver, callback_timeout_s=5.0)
     with pytest.raises(EngineError) as info:
-        await run_trigger(ctx, Placed(p, d), request("r8"))
+        await whole(open_trigger, ctx, Placed(p, d), request("r8"))
     assert info.value.instance == d.name
     # P's leg was still running: it is aborted rather than left prefilling for nobody.
     assert (p.name, ["r8-prefill"]) in engines.aborted
@@ -525,7 +538,7 @@ async def test_trigger_blames_a_decode_instance_that_never_calls_back(
     p, d = view(push_prefill, "prefill", "push"), view(slow_union, "decode", "push")
     ctx = PDContext(engines, "r4", hold=load.hold, metaserver=metaserver, callback_timeout_s=0.2)
     with pytest.raises(EngineError) as info:
-        await run_trigger(ctx, Placed(p, d), request("r4", max_tokens=400))
+        await whole(open_trigger, ctx, Placed(p, d), request("r4", max_tokens=400))
     assert info.value.instance == d.name
     assert "did not call the metaserver back" in info.value.message
     assert engines.aborted == [(d.name, ["r4-decode"])]
@@ -539,13 +552,13 @@ async def test_trigger_blames_a_decode_instance_that_answers_without_calling_bac
     p, d = view(push_prefill, "prefill", "push"), view(union, "decode", "push")
     ctx = PDContext(engines, "r5", hold=load.hold, metaserver=metaserver, callback_timeout_s=5.0)
     with pytest.raises(EngineError) as info:
-        await run_trigger(ctx, Placed(p, d), request("r5"))
+        await whole(open_trigger, ctx, Placed(p, d), request("r5"))
     assert info.value.instance == d.name and "without calling back" in info.value.message
 
 
 async def test_trigger_needs_a_metaserver(engines: RecordingEngines, push_decode: LiveServer) -> None:
     with pytest.raises(NoCapacity):
-        await run_trigger(
+        await whole(open_trigger,
             PDContext(engines, "r6"), Placed(view(push_decode, "prefill", "push"), view(push_decode, "decode", "push")),
             request("r6"),
         )
@@ -561,7 +574,7 @@ async def test_a_cancelled_trigger_releases_everything(
     p = view(push_prefill, "prefill", "push")
     d = view(slow_union, "decode", "push")
     ctx = PDContext(engines, "r7", hold=load.hold, metaserver=metaserver, callback_timeout_s=30.0)
-    task = asyncio.create_task(run_trigger(ctx, Placed(p, d), request("r7", max_tokens=400)))
+    task = asyncio.create_task(whole(open_trigger, ctx, Placed(p, d), request("r7", max_tokens=400)))
 
     async def registered() -> bool:
         return metaserver.pending == 1 and load.inflight(d.name) == 1
@@ -600,8 +613,72 @@ async def test_the_router_places_and_runs_pd_through_its_own_legs(
 
     pipeline = ServingPipeline(snapshot, None, EngineClient(http), scheduler)  # type: ignore[arg-type]  # no render needed
     ctx = GenerateContext(pipeline.guard, snapshot, "r9", TokenizedPrompt(PROMPT, request("r9")), 0, 0, len(PROMPT) + 12)
-    response = await TopologyRegistry().runners[placement.topology](ctx, placement, request("r9"))
+    async with AsyncExitStack() as stack:
+        opened = await TopologyRegistry().openers[placement.topology](ctx, placement, request("r9"), stack)
+    response = opened.response
+    assert response is not None and opened.events is None
 
     assert response["choices"][0]["token_ids"] == await reference(http, union)
     assert load.snapshot() == {}
     assert scheduler.admission.inflight_tokens() in ({}, {p.name: 0, d.name: 0})
+
+
+@pytest.mark.parametrize("refusal", ["admission", "breaker"])
+async def test_a_decode_side_that_refuses_refuses_the_handoff_before_any_prefill(
+    http: httpx.AsyncClient, prefill: LiveServer, decode: LiveServer, refusal: str,
+) -> None:
+    p, d = view(prefill, "prefill", "pull"), view(decode, "decode", "pull")
+    snapshot = FleetSnapshot(
+        version=1, models={MODEL: ModelView(MODEL, "/m", 4096)}, render=RenderView(True, "http://r", 5.0),
+        instances=(p, d),
+    )
+    admission = TokenAdmission(AdmissionSettings(wait_s=0.2))
+    scheduler = Scheduler(LoadTracker(), breakers=BreakerBoard(threshold=1), admission=admission)
+    engines = RecordingEngines(http)
+    full = await admission.acquire(d, d.token_capacity) if refusal == "admission" else None
+    if refusal == "breaker":
+        scheduler.breakers.failure(d, "tripped by the test")  # threshold 1: open
+    held_before = (await stats(http, prefill))["kv"]["held"]
+    pipeline = ServingPipeline(snapshot, None, engines, scheduler)  # type: ignore[arg-type]  # no render needed
+    ctx = GenerateContext(pipeline.guard, snapshot, "r10", TokenizedPrompt(PROMPT, request("r10")), 0, 0, len(PROMPT) + 12)
+
+    with pytest.raises(AdmissionTimeout if refusal == "admission" else BreakerOpen):
+        async with AsyncExitStack() as stack:
+            await TopologyRegistry().openers["handoff"](ctx, Placed(p, d), request("r10"), stack)
+
+    assert engines.sent == []  # P never prefilled: no KV pinned on it for a decode that cannot come
+    assert (await stats(http, prefill))["kv"]["held"] == held_before
+    if full is not None:
+        full.release()
+    assert scheduler.load.snapshot() == {}
+    assert not any(admission.inflight_tokens().values())
+    # Neither breaker heard a failure of this attempt (D's was opened by the test, P's untouched).
+    assert scheduler.breakers._get(p).failures == 0
+    assert scheduler.breakers._get(d).failures == (1 if refusal == "breaker" else 0)
+    assert scheduler.breakers.begin(p)  # P's slot is free (no half-open slot left taken)
+    scheduler.breakers.release(p)
+
+
+async def test_the_settle_step_waits_its_legs_out_through_a_second_cancellation() -> None:
+    aborting = asyncio.Event()  # each leg's abort is still on its way when the second cancel lands
+    cleaned: list[str] = []
+
+    async def leg(name: str) -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await aborting.wait()
+            cleaned.append(name)
+
+    p_task, d_task = asyncio.create_task(leg("prefill")), asyncio.create_task(leg("decode"))
+    await asyncio.sleep(0)
+    settle = asyncio.create_task(_settle(p_task, d_task))
+    await asyncio.sleep(0.01)
+    settle.cancel()  # the second cancellation: the first one is what started the settling
+    await asyncio.sleep(0.01)
+    assert not settle.done()  # still waiting for both legs' aborts
+    aborting.set()
+    with pytest.raises(asyncio.CancelledError):
+        await settle
+    assert sorted(cleaned) == ["decode", "prefill"]
+    assert p_task.cancelled() and d_task.cancelled()

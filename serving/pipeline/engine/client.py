@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Mapping
 
 import httpx
 
@@ -61,14 +62,54 @@ def raise_for_error_event(instance: InstanceView, event: dict[str, Any]) -> None
     raise EngineError(f"{instance.name} failed mid-stream: {str(err)[:200]}", instance=instance.name)
 
 
+@dataclass(frozen=True, slots=True)
+class ReplyDeadline:
+    """How long a non-streaming generate may take to answer: ``base_s`` plus ``per_token_s`` for
+    each token of its output budget (``sampling_params.max_tokens``; the choices of ``n`` decode
+    side by side, so they do not add up).
+
+    A non-streaming engine sends nothing until it is done, so one flat read timeout would cut a
+    slow but alive engine off in the middle of a long generation, count it as a breaker failure
+    and run the whole generation again on a second engine.
+    """
+
+    base_s: float = 60.0
+    per_token_s: float = 0.1
+
+    def seconds(self, request: Mapping[str, Any]) -> float:
+        max_tokens = (request.get("sampling_params") or {}).get("max_tokens")
+        budget = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0
+        return self.base_s + self.per_token_s * budget
+
+
 class EngineClient:
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: httpx.AsyncClient, *, deadline: ReplyDeadline | None = None) -> None:
         self._client = client
+        # None: a non-streaming reply gets the shared client's read timeout, whatever its budget.
+        self.deadline = deadline
+
+    def _reply_timeout(self, request: Mapping[str, Any]) -> httpx.Timeout | None:
+        if self.deadline is None:
+            return None
+        t = self._client.timeout
+        return httpx.Timeout(connect=t.connect, read=self.deadline.seconds(request), write=t.write, pool=t.pool)
 
     async def generate(self, instance: InstanceView, request: dict[str, Any]) -> dict[str, Any]:
-        """Non-streaming generate; returns the GenerateResponse JSON as the engine wrote it."""
+        """Non-streaming generate; returns the GenerateResponse JSON as the engine wrote it.
+
+        The reply may take as long as ``deadline`` gives this request's budget.
+        """
+        timeout = self._reply_timeout(request)
         try:
-            response = await self._client.post(instance.url + GENERATE, json=request)
+            if timeout is None:
+                response = await self._client.post(instance.url + GENERATE, json=request)
+            else:
+                response = await self._client.post(instance.url + GENERATE, json=request, timeout=timeout)
+        except httpx.ReadTimeout as exc:
+            raise EngineError(
+                f"{instance.name} gave no answer in time ({exc!r}, budget {timeout.read if timeout else '-'}s)",
+                instance=instance.name,
+            ) from exc
         except httpx.HTTPError as exc:
             raise EngineError(f"{instance.name} unreachable: {exc!r}", instance=instance.name) from exc
         try:

@@ -5,16 +5,17 @@ admission, the load hold, the obfuscation boundary and response validation. The 
 only the engine's own faults: a busy engine, a missing capability, a 4xx about the request,
 admission refusals and cancellation leave it as it was (``breaker_scope``).
 
-``GenerateContext`` binds the guard to one attempt of one prompt, for the topology runners.
+``GenerateContext`` binds the guard to one attempt of one prompt, in the attempt's mode, for the
+topology openers; ``open_leg`` is the attempt's last leg (union, or P/D's decode) in that mode.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from serving.pipeline import metrics
@@ -39,6 +40,35 @@ def _ms(start: float) -> float:
     return (time.perf_counter() - start) * 1000
 
 
+@dataclass
+class Reservation:
+    """One instance's breaker slot, admission lease and load hold, taken before its call.
+
+    The call ``take``s the holds over (and reports to the breaker); ``aclose`` gives back a
+    reservation that was never used (the call before it failed), leaving the breaker as it was.
+    """
+
+    instance: InstanceView
+    holds: AsyncExitStack
+    release_breaker: Callable[[], None]
+    _taken: bool = field(default=False, init=False)
+
+    def take(self) -> AsyncExitStack:
+        if self._taken:
+            raise RuntimeError(f"the reservation on {self.instance.name} was used already")
+        self._taken = True
+        return self.holds
+
+    async def aclose(self) -> None:
+        if self._taken:
+            return
+        self._taken = True
+        try:
+            await self.holds.aclose()
+        finally:
+            self.release_breaker()
+
+
 class EngineGuard:
     """Breaker, admission, load, boundary and validation around every engine call."""
 
@@ -48,16 +78,15 @@ class EngineGuard:
         self.boundary = boundary
         self.native_client = native
 
-    @asynccontextmanager
-    async def breaker_scope(self, instance: InstanceView, *, record_failure: bool = True) -> AsyncIterator[None]:
-        """Let one call through ``instance``'s breaker and tell it the call's outcome.
-
-        Raises ``EngineBusy`` when the breaker holds the instance off. ``record_failure``: an
-        engine fault also counts as a failed request in the instance's metrics (token-only legs).
-        """
-        breakers = self.scheduler.breakers
-        if not breakers.begin(instance):
+    def _admit(self, instance: InstanceView) -> None:
+        """Take a call slot in ``instance``'s breaker; raise ``BreakerOpen`` when it holds it off."""
+        if not self.scheduler.breakers.begin(instance):
             raise BreakerOpen(f"{instance.name} is held off by its circuit breaker", instance=instance.name)
+
+    @asynccontextmanager
+    async def _outcome(self, instance: InstanceView, *, record_failure: bool = True) -> AsyncIterator[None]:
+        """Tell ``instance``'s breaker how the call in the block (whose slot was taken) ended."""
+        breakers = self.scheduler.breakers
         try:
             yield
         except (EngineBusy, EngineLacksCapability):
@@ -73,6 +102,17 @@ class EngineGuard:
             raise
         breakers.success(instance)
 
+    @asynccontextmanager
+    async def breaker_scope(self, instance: InstanceView, *, record_failure: bool = True) -> AsyncIterator[None]:
+        """Let one call through ``instance``'s breaker and tell it the call's outcome.
+
+        Raises ``EngineBusy`` when the breaker holds the instance off. ``record_failure``: an
+        engine fault also counts as a failed request in the instance's metrics (token-only legs).
+        """
+        self._admit(instance)
+        async with self._outcome(instance, record_failure=record_failure):
+            yield
+
     def stream_failed(self, instance: InstanceView, exc: EngineError) -> None:
         """An established stream failed mid-way: the engine's fault, its breaker hears it."""
         self.scheduler.breakers.failure(instance, exc.message[:200])
@@ -84,12 +124,44 @@ class EngineGuard:
         stack.callback(lease.release)
         stack.enter_context(self.scheduler.load.hold(instance))
 
-    async def generate(self, instance: InstanceView, request: dict[str, Any], *, tokens: int) -> dict[str, Any]:
+    async def reserve(self, instance: InstanceView, tokens: int) -> Reservation:
+        """Take ``instance``'s breaker slot, admission lease and load hold now, for a call later.
+
+        P/D reserves the decode side before the prefill runs: a decode engine that is held off or
+        full then refuses the attempt before any KV was prefilled (and pinned) for it. Raises what
+        the breaker or admission raise, holding nothing.
+        """
+        self._admit(instance)
+        holds = AsyncExitStack()
+        try:
+            await self._hold(instance, tokens, holds)
+        except BaseException:
+            try:
+                await holds.aclose()
+            finally:
+                self.scheduler.breakers.release(instance)
+            raise
+        return Reservation(instance, holds, lambda: self.scheduler.breakers.release(instance))
+
+    async def _holds(
+        self, instance: InstanceView, tokens: int, reserved: Reservation | None, stack: AsyncExitStack
+    ) -> None:
+        """The call's holds on ``stack``: the reservation's (its breaker slot was taken) or new ones."""
+        if reserved is None:
+            await self._hold(instance, tokens, stack)
+        else:
+            stack.push_async_callback(reserved.take().aclose)
+
+    async def generate(
+        self, instance: InstanceView, request: dict[str, Any], *, tokens: int, reserved: Reservation | None = None
+    ) -> dict[str, Any]:
         """One non-streaming generate; returns the validated, semantic GenerateResponse."""
         start = time.perf_counter()
-        async with self.breaker_scope(instance):
+        if reserved is None:
+            self._admit(instance)
+        async with self._outcome(instance):
             async with AsyncExitStack() as holds:
-                await self._hold(instance, tokens, holds)
+                await self._holds(instance, tokens, reserved, holds)
                 raw = await self.engines.generate(instance, self.boundary.outbound(request, instance))
             response = self.boundary.inbound(raw, instance)
             problem = validate_generate_response(response, n=int(request.get("sampling_params", {}).get("n") or 1))
@@ -99,14 +171,17 @@ class EngineGuard:
         return response
 
     async def open_stream(
-        self, instance: InstanceView, request: dict[str, Any], *, tokens: int, stack: AsyncExitStack
+        self, instance: InstanceView, request: dict[str, Any], *, tokens: int, stack: AsyncExitStack,
+        reserved: Reservation | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Open one streaming generate (established: HTTP 200); its holds and stream go on ``stack``.
 
         The events are raw (physical when obfuscated): ``inbound_event`` turns each semantic.
         """
-        async with self.breaker_scope(instance):
-            await self._hold(instance, tokens, stack)
+        if reserved is None:
+            self._admit(instance)
+        async with self._outcome(instance):
+            await self._holds(instance, tokens, reserved, stack)
             events = await stack.enter_async_context(
                 self.engines.generate_stream(instance, self.boundary.outbound(request, instance))
             )
@@ -129,11 +204,29 @@ class EngineGuard:
 
 
 @dataclass
-class GenerateContext:
-    """What one attempt of one prompt carries through a topology runner.
+class Opened:
+    """What a topology's opener returns: the instance of the attempt's last leg, that leg's engine
+    request id (what an abort names) and its output in the attempt's mode: the established
+    ``events`` when streaming, the whole GenerateResponse (``response``) when not.
 
-    Runners (``topologies/``) only sequence legs; ``leg`` and ``stream_leg`` do the per-engine
-    work every topology shares, through the guard.
+    Non-streaming keeps the engine's JSON answer rather than collecting stream events: only the
+    JSON carries ``prompt_logprobs``, ``usage.prompt_tokens_details``, ``metrics`` and
+    ``kv_transfer_params`` (vllm-protocol.md sections 3.4 and 3.5), and it is one parse, not one
+    per token. Everything else the opener held is released before it returns.
+    """
+
+    instance: InstanceView
+    request_id: str
+    events: AsyncIterator[dict[str, Any]] | None = None
+    response: dict[str, Any] | None = None
+
+
+@dataclass
+class GenerateContext:
+    """What one attempt of one prompt carries through a topology opener.
+
+    Openers (``topologies/``) only sequence legs; ``leg``, ``stream_leg`` and ``open_leg`` do
+    the per-engine work every topology shares, through the guard.
     """
 
     guard: EngineGuard
@@ -143,6 +236,7 @@ class GenerateContext:
     prompt_index: int
     attempt: int
     tokens: int  # prompt + resolved max output: what admission holds on the decoding instance
+    stream: bool = False  # the attempt's mode: whether its last leg streams
 
     @property
     def scheduler(self) -> Scheduler:
@@ -153,13 +247,16 @@ class GenerateContext:
         return self.guard.engines
 
     async def leg(
-        self, instance: InstanceView, request: dict[str, Any], *, phase: str, tokens: int | None = None
+        self, instance: InstanceView, request: dict[str, Any], *, phase: str, tokens: int | None = None,
+        reserved: Reservation | None = None,
     ) -> dict[str, Any]:
         """One non-streaming generate on ``instance`` through the guard, logged once."""
         start = time.perf_counter()
         result = "ok"
         try:
-            return await self.guard.generate(instance, request, tokens=self.tokens if tokens is None else tokens)
+            return await self.guard.generate(
+                instance, request, tokens=self.tokens if tokens is None else tokens, reserved=reserved
+            )
         except BaseException as exc:
             result = type(exc).__name__
             raise
@@ -171,10 +268,23 @@ class GenerateContext:
             )
 
     async def stream_leg(
-        self, instance: InstanceView, request: dict[str, Any], *, phase: str, tokens: int, stack: AsyncExitStack
+        self, instance: InstanceView, request: dict[str, Any], *, phase: str, tokens: int, stack: AsyncExitStack,
+        reserved: Reservation | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Open one streaming generate on ``instance`` through the guard; return its events."""
-        events = await self.guard.open_stream(instance, request, tokens=tokens, stack=stack)
+        events = await self.guard.open_stream(instance, request, tokens=tokens, stack=stack, reserved=reserved)
         logger.info("generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d result=established stream=true",
                     self.request_id, self.prompt_index, instance.name, phase, self.attempt)
         return events
+
+    async def open_leg(
+        self, instance: InstanceView, request: dict[str, Any], *, phase: str, stack: AsyncExitStack,
+        tokens: int | None = None,
+    ) -> Opened:
+        """The attempt's last leg in its mode: a stream whose holds go on ``stack``, or one answer."""
+        tokens = self.tokens if tokens is None else tokens
+        if self.stream:
+            events = await self.stream_leg(instance, request, phase=phase, tokens=tokens, stack=stack)
+            return Opened(instance, request["request_id"], events=events)
+        response = await self.leg(instance, request, phase=phase, tokens=tokens)
+        return Opened(instance, request["request_id"], response=response)

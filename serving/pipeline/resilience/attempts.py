@@ -1,9 +1,9 @@
 """Attempts: one placement and execution of one prompt, and the bounded retry around them.
 
 ``AttemptPolicy`` is the one rule for both modes: what a failed attempt excludes from the next
-and whether another attempt follows. ``Attempts`` runs the same loop for a non-streaming prompt
-(``run``: the topology's runner) and a streaming one (``open``: the topology's opener, returning
-an established ``OpenStream``), so the two modes cannot drift apart again.
+and whether another attempt follows. ``Attempts`` runs the same loop and the same topology
+opener for a non-streaming prompt (``run``: the opener's whole answer) and a streaming one
+(``open``: an established ``OpenStream``), so the two modes cannot drift apart again.
 
 The exclusion rule, after a failed attempt: every instance of its placement (union: the one;
 P/D: both P and D), whichever instance the error names. The named instance's breaker already
@@ -25,7 +25,9 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import EngineGuard, GenerateContext
 from serving.pipeline.engine.requests import attempt_request_id, resolved_max_tokens, with_max_tokens
 from serving.pipeline.errors import EngineError, EngineLacksCapability, NoCapacity, TriggerMultiPromptStream
+from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.placement.scheduler import Placement
+from serving.pipeline.protocol import TopologyName
 from serving.pipeline.render.tokenization import TokenizedPrompt, TokenizedRequest
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 from serving.pipeline.streaming.relay import RetryRequestPlan
@@ -72,6 +74,7 @@ class OpenStream:
     events: AsyncIterator[dict[str, Any]]
     stack: AsyncExitStack = field(default_factory=AsyncExitStack)
     attempt: int = 0
+    topology: TopologyName = "union"
     finished: bool = False
     _closed: bool = field(default=False, init=False)
 
@@ -99,13 +102,14 @@ class Attempts:
 
     def __init__(
         self, snapshot: FleetSnapshot, guard: EngineGuard, topologies: TopologyRegistry, policy: AttemptPolicy,
-        *, request_id: str,
+        *, request_id: str, counters: RouterCounters | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.guard = guard
         self.topologies = topologies
         self.policy = policy
         self.request_id = request_id  # the client-facing id (logs)
+        self.counters = counters or RouterCounters()  # the process's, for relays
 
     def budget(self, request: dict[str, Any], prompt_tokens: int, instance: InstanceView) -> tuple[dict[str, Any], int]:
         """The engine request for ``instance`` and its admission tokens (prompt + max output).
@@ -182,11 +186,9 @@ class Attempts:
                 "stream=%s pd_ineligible=%s", rid, index, attempt, placement.topology, placement.names,
                 placement.prefix_hit_blocks, tokens, str(stream).lower(), ineligible or "-",
             )
-            ctx = GenerateContext(self.guard, self.snapshot, self.request_id, prompt, index, attempt, tokens)
+            ctx = GenerateContext(self.guard, self.snapshot, self.request_id, prompt, index, attempt, tokens, stream)
             try:
-                if stream:
-                    return await self._open_attempt(ctx, placement, engine_req, index, attempt)
-                return await self._run_attempt(ctx, placement, engine_req)
+                return await self._open_attempt(ctx, placement, engine_req, index, attempt)
             except EngineError as exc:
                 if not self.policy.retries(exc):
                     raise
@@ -200,23 +202,25 @@ class Attempts:
             raise last
         raise NoCapacity(f"no engine instance can serve model {tokenized.model!r} right now")
 
-    async def _run_attempt(self, ctx: GenerateContext, placement: Placement, engine_req: dict[str, Any]) -> dict[str, Any]:
-        runner = self.topologies.runners.get(placement.topology)
-        if runner is None:
-            raise NoCapacity(f"no runner for topology {placement.topology!r}")
-        return await runner(ctx, placement, engine_req)
-
     async def _open_attempt(
         self, ctx: GenerateContext, placement: Placement, engine_req: dict[str, Any], index: int, attempt: int
-    ) -> OpenStream:
+    ) -> dict[str, Any] | OpenStream:
         opener = self.topologies.openers.get(placement.topology)
         if opener is None:
-            raise NoCapacity(f"no streaming runner for topology {placement.topology!r}")
+            raise NoCapacity(f"no opener for topology {placement.topology!r}")
         # Per attempt: a failed attempt releases its holds now, not when the request ends.
         stack = AsyncExitStack()
         try:
-            instance, rid, events = await opener(ctx, placement, engine_req, stack)
+            opened = await opener(ctx, placement, engine_req, stack)
         except BaseException:
             await stack.aclose()
             raise
-        return OpenStream(index, instance, rid, events, stack=stack, attempt=attempt)
+        if opened.events is None:
+            # The whole answer: nothing of the attempt outlives it.
+            await stack.aclose()
+            assert opened.response is not None
+            return opened.response
+        return OpenStream(
+            index, opened.instance, opened.request_id, opened.events, stack=stack, attempt=attempt,
+            topology=placement.topology,
+        )

@@ -18,6 +18,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.pipeline import metric_names
 from serving.pipeline.derender.coalesce import event_reader
 from serving.pipeline.derender.holdback import ChunkHoldback, derender_request
 from serving.pipeline.derender.session import ChoicePhase, StreamingRenderSession, StreamSettings
@@ -270,6 +271,9 @@ class EventStream:
             self.tokenized, failed.prompt_index, self.requires_tokenizer, plan=plan,
             exclude=self.attempts.policy.excluded_after_stream_failure(failed.instance),
         )
+        # Labels from fixed sets only: the failed stream's topology, and whether it stalled.
+        reason = "stall" if isinstance(exc.__cause__, TimeoutError) else "failure"
+        self.attempts.counters.inc(metric_names.STREAM_RELAYS, topology=failed.topology, reason=reason)
         logger.warning(
             "relay request_id=%s prompt=%d committed_tokens=%d remaining_tokens=%d old_instance=%s new_instance=%s "
             "old_engine_request_id=%s new_engine_request_id=%s relay=%d error=%s",

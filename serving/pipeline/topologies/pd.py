@@ -2,8 +2,10 @@
 
 Each leg is its own engine request with its own id, run through the router's guarded leg
 (``GenerateContext.leg`` / ``stream_leg``: breaker, admission, load, boundary, validation), and
-aborted on the engine if the run leaves before its answer. Handoff (``handoff.py``) and Trigger
-(``trigger.py``) only sequence legs and release their P/D state exactly once on every exit path.
+aborted on the engine if the run leaves before its answer. The prefill leg is JSON in both modes;
+the decode leg streams when the attempt does (``PDContext.stream``). Handoff (``handoff.py``) and
+Trigger (``trigger.py``) only sequence legs and release their P/D state exactly once on every exit
+path; Handoff reserves D's holds before P prefills (``ReserveFn``).
 They make one attempt: a failure raises ``EngineError`` naming the failed instance, and the
 attempt policy (``resilience/attempts.py``) decides what the next attempt excludes.
 """
@@ -17,7 +19,6 @@ import time
 from contextlib import AbstractContextManager, AsyncExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import (
-    TYPE_CHECKING,
     Any,
     AsyncIterator,
     Awaitable,
@@ -27,14 +28,12 @@ from typing import (
 )
 
 from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.leg import GenerateContext, Opened, Reservation
 from serving.pipeline.errors import NoCapacity
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.topologies.hybrid import pd_instances
 from serving.pipeline.topologies.metaserver import MetaServer, process_metaserver
-
-if TYPE_CHECKING:
-    from serving.pipeline.engine.leg import GenerateContext
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ def leg_ids(request_id: str) -> tuple[str, str]:
 
 
 class PDPlacement(Protocol):
-    """What the runners read from the scheduler's ``Placement``: ``instances == (prefill, decode)``
+    """What the openers read from the scheduler's ``Placement``: ``instances == (prefill, decode)``
     (in Trigger the prefill is the best candidate at placement time; ``pick_prefill`` may replace it)."""
 
     @property
@@ -92,13 +91,17 @@ class PDPlacement(Protocol):
 
 
 # The router's per-leg work (breaker, token admission, load, boundary, validation):
-# ``GenerateContext.leg`` bound to one attempt; (instance, request, phase, admission tokens).
-LegFn = Callable[[InstanceView, dict[str, Any], str, int], Awaitable[dict[str, Any]]]
+# ``GenerateContext.leg`` bound to one attempt; (instance, request, phase, admission tokens, the
+# instance's reservation when one was taken).
+LegFn = Callable[[InstanceView, dict[str, Any], str, int, Reservation | None], Awaitable[dict[str, Any]]]
 # The streaming leg: ``GenerateContext.stream_leg`` bound to one attempt; (instance, request, phase,
-# admission tokens, the attempt's stack that takes the leg's holds and HTTP stream) -> events.
+# admission tokens, the attempt's stack that takes the leg's holds and HTTP stream, reservation) -> events.
 StreamLegFn = Callable[
-    [InstanceView, dict[str, Any], str, int, AsyncExitStack], Awaitable[AsyncIterator[dict[str, Any]]]
+    [InstanceView, dict[str, Any], str, int, AsyncExitStack, Reservation | None],
+    Awaitable[AsyncIterator[dict[str, Any]]],
 ]
+# Takes an instance's breaker slot, admission lease and load hold ahead of its leg.
+ReserveFn = Callable[[InstanceView, int], Awaitable[Reservation]]
 
 
 @dataclass
@@ -118,22 +121,29 @@ class PDContext:
     callback_timeout_s: float = 30.0
     # Trigger: picks P when the callback arrives (default: the placement's P).
     pick_prefill: Callable[[], InstanceView] | None = None
-    # Streaming: opens the decode leg's stream (``open_handoff_stream`` / ``open_trigger_stream``).
+    # The run's mode: whether D's leg streams (through ``stream_fn``) or answers whole.
+    stream: bool = False
+    # Streaming: opens the decode leg's stream.
     stream_fn: StreamLegFn | None = None
+    # Handoff: reserves D before P's prefill (without it, D's leg takes its holds when it runs).
+    reserve_fn: ReserveFn | None = None
 
 
 def _ms(start: float) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-async def _leg(ctx: PDContext, phase: str, instance: InstanceView, request: dict[str, Any], tokens: int) -> dict[str, Any]:
+async def _leg(
+    ctx: PDContext, phase: str, instance: InstanceView, request: dict[str, Any], tokens: int,
+    reserved: Reservation | None = None,
+) -> dict[str, Any]:
     """Run one leg; abort it on the engine if we leave before its answer (cancelled, timed out)."""
     rid = request["request_id"]
     start = time.perf_counter()
     done = False
     try:
         if ctx.leg_fn is not None:
-            response = await ctx.leg_fn(instance, request, phase, tokens)
+            response = await ctx.leg_fn(instance, request, phase, tokens, reserved)
         else:
             with ctx.hold(instance):
                 response = await ctx.engines.generate(instance, request)
@@ -165,29 +175,49 @@ def _sides(placement: PDPlacement) -> tuple[InstanceView, InstanceView]:
 
 async def _settle(*tasks: asyncio.Task[Any] | None) -> None:
     """Cancel the legs still running and wait for them: each leg's own finally aborts its engine
-    request. Their outcomes are retrieved, not taken on (raised already, or superseded by ours)."""
-    for task in tasks:
-        if task is not None and not task.done():
+    request. Their outcomes are retrieved, not taken on (raised already, or superseded by ours).
+
+    A second cancellation (the client's disconnect landing on a deadline's, say) does not cut
+    the wait short: leaving early would let the run release its registration and holds while a
+    leg still runs, so the legs are awaited to the end and the cancellation is raised after.
+    """
+    live = [t for t in tasks if t is not None]
+    for task in live:
+        if not task.done():
             task.cancel()
-    await asyncio.wait([t for t in tasks if t is not None])
-    for task in tasks:
-        if task is not None and not task.cancelled():
+    interrupted = False
+    while not all(t.done() for t in live):
+        try:
+            await asyncio.wait(live)
+        except asyncio.CancelledError:
+            interrupted = True
+    for task in live:
+        if not task.cancelled():
             task.exception()
+    if interrupted:
+        raise asyncio.CancelledError
 
 
-# -- streaming ----------------------------------------------------------------------------
-
-# What a stream opener returns: the decode instance, its leg's engine request id (what an abort
-# names) and D's events. Everything else the run held is released before it returns.
-OpenedStream = tuple[InstanceView, str, AsyncIterator[dict[str, Any]]]
+# -- the attempt's last leg ---------------------------------------------------------------
 
 
-async def _stream_leg(
-    ctx: PDContext, instance: InstanceView, request: dict[str, Any], stack: AsyncExitStack
-) -> AsyncIterator[dict[str, Any]]:
+async def _final_leg(
+    ctx: PDContext, instance: InstanceView, request: dict[str, Any], stack: AsyncExitStack,
+    reserved: Reservation | None = None,
+) -> Opened:
+    """D's leg in the run's mode: its stream (holds and HTTP stream on ``stack``), or its answer
+    (through ``_leg``, so D is aborted if the run leaves before it answered)."""
+    rid = request["request_id"]
+    if not ctx.stream:
+        return Opened(instance, rid, response=await _leg(ctx, "decode", instance, request, ctx.tokens, reserved))
     if ctx.stream_fn is None:
         raise NoCapacity("a streaming prefill/decode run needs the router's streaming leg")
-    return await ctx.stream_fn(instance, request, "decode", ctx.tokens, stack)
+    return Opened(instance, rid, events=await ctx.stream_fn(instance, request, "decode", ctx.tokens, stack, reserved))
+
+
+async def _reserve(ctx: PDContext, instance: InstanceView) -> Reservation | None:
+    """D's holds taken ahead of P's prefill, when the run has the router's guard to take them."""
+    return await ctx.reserve_fn(instance, ctx.tokens) if ctx.reserve_fn is not None else None
 
 
 # -- the router's seam ----------------------------------------------------------------------
@@ -198,13 +228,16 @@ def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s
     scheduler = ctx.scheduler
     placed = placement.instances[0]
 
-    async def leg(instance: InstanceView, request: dict[str, Any], phase: str, tokens: int) -> dict[str, Any]:
-        return await ctx.leg(instance, request, phase=phase, tokens=tokens)
+    async def leg(
+        instance: InstanceView, request: dict[str, Any], phase: str, tokens: int, reserved: Reservation | None
+    ) -> dict[str, Any]:
+        return await ctx.leg(instance, request, phase=phase, tokens=tokens, reserved=reserved)
 
     async def stream_leg(
-        instance: InstanceView, request: dict[str, Any], phase: str, tokens: int, stack: AsyncExitStack
+        instance: InstanceView, request: dict[str, Any], phase: str, tokens: int, stack: AsyncExitStack,
+        reserved: Reservation | None,
     ) -> AsyncIterator[dict[str, Any]]:
-        return await ctx.stream_leg(instance, request, phase=phase, tokens=tokens, stack=stack)
+        return await ctx.stream_leg(instance, request, phase=phase, tokens=tokens, stack=stack, reserved=reserved)
 
     def pick_prefill() -> InstanceView:
         # Trigger, at callback time: the P placed earlier, unless its breaker opened meanwhile.
@@ -221,5 +254,5 @@ def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s
     return PDContext(
         ctx.engines, ctx.request_id, ctx.prompt_index, leg_fn=leg, tokens=ctx.tokens,
         metaserver=process_metaserver(), callback_timeout_s=callback_timeout_s, pick_prefill=pick_prefill,
-        stream_fn=stream_leg,
+        stream=ctx.stream, stream_fn=stream_leg, reserve_fn=ctx.guard.reserve,
     )

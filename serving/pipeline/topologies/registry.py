@@ -1,7 +1,9 @@
-"""The topology registry: each topology's runner (non-streaming) and opener (streaming).
+"""The topology registry: each topology's opener, the one attempt primitive of both modes.
 
-Built once by the composition root (``serving/runtime.py``) or by a test, and handed to the
-pipeline; nothing registers itself by being imported.
+An opener runs one attempt of one prompt and returns an ``Opened``: the established stream when
+the attempt streams, the whole answer when it does not (``GenerateContext.stream``). Built once
+by the composition root (``serving/runtime.py``) or by a test, and handed to the pipeline;
+nothing registers itself by being imported.
 """
 
 from __future__ import annotations
@@ -11,34 +13,26 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.pipeline.engine.leg import GenerateContext
+from serving.pipeline.engine.leg import GenerateContext, Opened
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.topologies import handoff, trigger, union
 from serving.pipeline.topologies.hybrid import Topology, pd_ineligible
-from serving.pipeline.topologies.pd import OpenedStream
 
-# (the attempt's context, its placement, the budgeted engine request) -> D's (or union's) response.
-TopologyRunner = Callable[[GenerateContext, Placement, dict[str, Any]], Awaitable[dict[str, Any]]]
-# (..., the attempt's stack) -> (streaming instance, its leg's engine request id, its events); the
-# prefill side is over (or released) when it returns, the stream's holds are on the stack.
-StreamOpener = Callable[[GenerateContext, Placement, dict[str, Any], AsyncExitStack], Awaitable[OpenedStream]]
+# (the attempt's context, its placement, the budgeted engine request, the attempt's stack) ->
+# the last leg's instance, id and output; the prefill side is over (or released) when it
+# returns, a stream's holds are on the stack.
+TopologyOpener = Callable[[GenerateContext, Placement, dict[str, Any], AsyncExitStack], Awaitable[Opened]]
 
 
-def _runners() -> dict[str, TopologyRunner]:
-    return {Topology.UNION.value: union.run_union, Topology.HANDOFF.value: handoff.handoff,
+def _openers() -> dict[str, TopologyOpener]:
+    return {Topology.UNION.value: union.open_union, Topology.HANDOFF.value: handoff.handoff,
             Topology.TRIGGER.value: trigger.trigger}
-
-
-def _openers() -> dict[str, StreamOpener]:
-    return {Topology.UNION.value: union.open_union, Topology.HANDOFF.value: handoff.handoff_stream,
-            Topology.TRIGGER.value: trigger.trigger_stream}
 
 
 @dataclass(frozen=True)
 class TopologyRegistry:
-    """Runners and openers by topology name, and why a request must stay on one instance."""
+    """Openers by topology name, and why a request must stay on one instance."""
 
-    runners: Mapping[str, TopologyRunner] = field(default_factory=_runners)
-    openers: Mapping[str, StreamOpener] = field(default_factory=_openers)
+    openers: Mapping[str, TopologyOpener] = field(default_factory=_openers)
     # Why an engine request must stay on one instance ("" when P/D can serve it exactly).
     pd_ineligible: Callable[[Mapping[str, Any]], str] = pd_ineligible

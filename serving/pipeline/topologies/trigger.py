@@ -2,8 +2,9 @@
 ``do_remote_prefill`` and a metaserver callback URL (``metaserver.py``); the callback's arrival
 picks P and starts its prefill with ``do_remote_decode``; P pushes the KV and D decodes.
 
-Streaming returns once D's stream is open *and* P answered, with the registration and both
-legs' tasks over, so only D's stream and holds outlive the run (on the attempt's stack).
+The run returns once D's leg (its answer, or its open stream when the attempt streams) *and* P
+answered, with the registration and both legs' tasks over, so only D's stream and holds outlive
+the run (on the attempt's stack).
 """
 
 from __future__ import annotations
@@ -12,30 +13,25 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 from typing import (
-    TYPE_CHECKING,
     Any,
     Mapping,
 )
 
 from serving.pipeline.engine.client import engine_request_id
+from serving.pipeline.engine.leg import GenerateContext, Opened
 from serving.pipeline.errors import EngineError, NoCapacity
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.topologies.metaserver import MetaServer, Registration
-
-if TYPE_CHECKING:
-    from serving.pipeline.engine.leg import GenerateContext
-
 from serving.pipeline.topologies.pd import (
     PREFILL_KV_PARAMS,
-    OpenedStream,
     PDContext,
     PDPlacement,
+    _final_leg,
     _leg,
     _prefill_tokens,
     _settle,
     _sides,
-    _stream_leg,
     decode_request,
     leg_ids,
     pd_context,
@@ -55,33 +51,6 @@ def push_prefill_params(callback: Mapping[str, Any]) -> dict[str, Any]:
             params[key] = callback[key]
     params["remote_request_id"] = callback["request_id"]
     return params
-
-
-async def run_trigger(ctx: PDContext, placement: PDPlacement, engine_request: dict[str, Any]) -> dict[str, Any]:
-    """Decode on D first; its metaserver callback starts the prefill on P (``placement.instances``).
-
-    Returns D's GenerateResponse. The registration is released, and a leg still running on an
-    engine is aborted, on every exit path. Raises ``EngineError`` naming D when D fails or never
-    calls back within ``ctx.callback_timeout_s``, naming P when the prefill fails (D's request is
-    then aborted); ``NoCapacity`` without a metaserver or when no P is left at callback time.
-    """
-    metaserver, placed_prefill, decode = _trigger_sides(ctx, placement)
-    p_id, d_id = leg_ids(engine_request["request_id"])
-    with metaserver.register(ctx.request_id, engine_request_id=engine_request_id(d_id)) as reg:
-        d_request = _trigger_decode_request(engine_request, d_id, reg)
-        d_task = asyncio.create_task(_leg(ctx, "decode", decode, d_request, ctx.tokens))
-        p_task: asyncio.Task[dict[str, Any]] | None = None
-        try:
-            callback = await _await_callback(ctx, reg, d_task, decode, d_opens_stream=False)
-            p_task = _start_push_prefill(ctx, engine_request, placed_prefill, p_id, callback)
-            await asyncio.wait([p_task, d_task], return_when=asyncio.FIRST_COMPLETED)
-            if d_task.done() and d_task.exception() is not None:
-                # D failed while P ran: P's push has nowhere to go, and D's failure is the cause.
-                d_task.result()
-            await p_task  # P's own failure, naming P
-            return await d_task
-        finally:
-            await _settle(p_task, d_task)
 
 
 def _trigger_sides(ctx: PDContext, placement: PDPlacement) -> tuple[MetaServer, InstanceView, InstanceView]:
@@ -112,14 +81,14 @@ def _start_push_prefill(
 
 
 async def _await_callback(
-    ctx: PDContext, reg: Registration, d_task: asyncio.Task[Any], decode: InstanceView, *, d_opens_stream: bool
+    ctx: PDContext, reg: Registration, d_task: asyncio.Task[Any], decode: InstanceView
 ) -> dict[str, Any]:
-    """Wait for D's callback (plain and streaming runs); the timeout counts from the request to D.
+    """Wait for D's callback; the timeout counts from the request to D.
 
     D's task may end first: with a failure, that failure is raised (it is the cause, whether or
     not the callback arrived meanwhile: P would push to nowhere); with success, that is normal
-    when the task only opens D's stream (``d_opens_stream``: a real D answers 200 at once) and a
-    protocol error when it is D's whole answer and no callback came (D answered without one).
+    when the task only opens D's stream (a real D answers 200 at once) and a protocol error when
+    it is D's whole answer and no callback came (D answered without one).
     """
     wait = asyncio.create_task(reg.wait(ctx.callback_timeout_s))
     try:
@@ -128,7 +97,7 @@ async def _await_callback(
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if d_task in done:
                 d_task.result()  # D's own failure, as it raised
-                if not d_opens_stream and wait in pending:
+                if not ctx.stream and wait in pending:
                     raise EngineError(f"{decode.name} answered a Trigger request without calling back",
                                       instance=decode.name)
     finally:
@@ -136,7 +105,7 @@ async def _await_callback(
             wait.cancel()
             await asyncio.wait([wait])
     if wait.exception() is not None:
-        if not d_opens_stream and d_task.done():
+        if not ctx.stream and d_task.done():
             raise EngineError(f"{decode.name} answered a Trigger request without calling back", instance=decode.name)
         raise EngineError(
             f"{decode.name} did not call the metaserver back within {ctx.callback_timeout_s:g}s", instance=decode.name
@@ -144,17 +113,19 @@ async def _await_callback(
     return wait.result()
 
 
-async def open_trigger_stream(
+async def open_trigger(
     ctx: PDContext, placement: PDPlacement, engine_request: dict[str, Any], stack: AsyncExitStack
-) -> OpenedStream:
-    """Streaming Trigger: D's stream opened first (``do_remote_prefill`` + metaserver callback),
-    the prefill dispatched on P when the callback arrives, as in ``run_trigger``.
+) -> Opened:
+    """Decode on D first (``do_remote_prefill`` + metaserver callback), in the run's mode; the
+    prefill is dispatched on P when the callback arrives.
 
-    Returns once D's stream is open *and* P's prefill leg answered: a decode engine may answer
-    200 before the KV arrived, and a prefill failure must still be retryable with a proper
-    status, so the registration and both legs' tasks are over when this returns (released or
-    aborted exactly once on every exit path, cancellation included). Only D's stream and holds
-    outlive it, on ``stack``.
+    Returns once D's leg (its whole answer, or its open stream) *and* P's prefill leg answered: a
+    decode engine may answer 200 before the KV arrived, and a prefill failure must still be
+    retryable with a proper status, so the registration and both legs' tasks are over when this
+    returns (released or aborted exactly once on every exit path, cancellation included). Only
+    D's stream and holds outlive it, on ``stack``. Raises ``EngineError`` naming D when D fails
+    or never calls back within ``ctx.callback_timeout_s``, naming P when the prefill fails (D's
+    request is then aborted); ``NoCapacity`` without a metaserver or when no P is left.
     """
     metaserver, placed_prefill, decode = _trigger_sides(ctx, placement)
     p_id, d_id = leg_ids(engine_request["request_id"])
@@ -162,11 +133,11 @@ async def open_trigger_stream(
         d_request = _trigger_decode_request(engine_request, d_id, reg)
         # D's holds and stream live on their own stack until the run succeeded; then ``stack`` owns them.
         d_stack = AsyncExitStack()
-        d_task = asyncio.create_task(_stream_leg(ctx, decode, d_request, d_stack))
+        d_task = asyncio.create_task(_final_leg(ctx, decode, d_request, d_stack))
         p_task: asyncio.Task[dict[str, Any]] | None = None
         ok = False
         try:
-            callback = await _await_callback(ctx, reg, d_task, decode, d_opens_stream=True)
+            callback = await _await_callback(ctx, reg, d_task, decode)
             p_task = _start_push_prefill(ctx, engine_request, placed_prefill, p_id, callback)
             pending: set[asyncio.Task[Any]] = {p_task, d_task}
             while pending:
@@ -174,15 +145,18 @@ async def open_trigger_stream(
                 # D first: when D gave up, P's push had nowhere to go and D's failure is the cause.
                 for finished in sorted(done, key=lambda t: t is not d_task):
                     finished.result()
-            events = d_task.result()
+            opened = d_task.result()
             ok = True
         finally:
-            await _settle(p_task, d_task)
-            if not ok:
-                # D may hold the request waiting for a push that will never come: free its slot.
-                await asyncio.shield(_close_failed_decode(ctx, decode, d_id, d_stack))
+            try:
+                await _settle(p_task, d_task)
+            finally:
+                if not ok and ctx.stream:
+                    # D may hold the request waiting for a push that will never come: free its
+                    # slot (a non-streaming D leg aborts itself in ``_leg``).
+                    await asyncio.shield(_close_failed_decode(ctx, decode, d_id, d_stack))
     stack.push_async_callback(d_stack.aclose)
-    return decode, d_id, events
+    return opened
 
 
 async def _close_failed_decode(ctx: PDContext, decode: InstanceView, d_id: str, d_stack: AsyncExitStack) -> None:
@@ -192,17 +166,8 @@ async def _close_failed_decode(ctx: PDContext, decode: InstanceView, d_id: str, 
         await ctx.engines.abort(decode, [d_id])
 
 
-
-async def trigger(ctx: GenerateContext, placement: Placement, engine_request: dict[str, Any]) -> dict[str, Any]:
-    """The registry's Trigger runner: ``run_trigger`` with the router's legs and this process's metaserver."""
-    return await run_trigger(pd_context(ctx, placement), placement, engine_request)
-
-
-
-async def trigger_stream(
+async def trigger(
     ctx: GenerateContext, placement: Placement, engine_request: dict[str, Any], stack: AsyncExitStack
-) -> OpenedStream:
-    """The registry's Trigger opener: ``open_trigger_stream`` with the router's legs and metaserver."""
-    return await open_trigger_stream(pd_context(ctx, placement), placement, engine_request, stack)
-
-
+) -> Opened:
+    """The registry's Trigger opener: ``open_trigger`` with the router's legs and this process's metaserver."""
+    return await open_trigger(pd_context(ctx, placement), placement, engine_request, stack)
