@@ -39,7 +39,8 @@ from serving import stream_reports
 from serving.pipeline import http, metric_names
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.flow_control.admission import AdmissionSettings, RedisTokenAdmission, TokenAdmission
+from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
+from serving.pipeline.flow_control.redis_admission import RedisTokenAdmission
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation import mapping as obfuscation
 from serving.pipeline.obfuscation.boundary import EngineBoundary
