@@ -14,6 +14,10 @@ instance, a bounded local queue, a deadline, ``reserve_together``), with the sta
   may take tokens, a waiter that times out or is cancelled removes itself, and one whose process
   died drops out after three missed heartbeats.
 
+The global budget is checked in the same script, first come first served across instances: the
+in-process rule that a waiter held only by the budget holds back every later request is not
+kept across processes (a per-instance head always goes first on its own instance).
+
 Wake-ups come through Redis pub/sub: a release, a granted head with others behind it, a waiter
 that leaves or an expiry publishes the instance's name on ``<prefix>:wake``; one subscriber per
 process (running only while it has waiters) retries the first local waiter of that instance.
