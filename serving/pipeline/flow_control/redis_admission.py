@@ -282,7 +282,9 @@ class RedisTokenAdmission(TokenAdmission):
                 local[0].event.set()  # only a queue's head can be granted; it wakes the next
 
     async def _ensure_listener(self) -> None:
-        if self._listener is None or self._listener.done() or self._subscribed is None:
+        listener = self._listener
+        if listener is None or listener.done() or self._subscribed is None \
+                or listener.get_loop() is not asyncio.get_running_loop():
             self._subscribed = asyncio.Event()
             self._listener = asyncio.get_running_loop().create_task(self._listen(self._subscribed))
         await self._subscribed.wait()  # a release published before we listen would be missed

@@ -156,7 +156,8 @@ class SharedBreakerBoard(BreakerBoard):
         except RuntimeError:
             return  # no loop (a synchronous caller): the local verdict stands, the next read syncs
         self._ops.append(op)
-        if self._worker is None or self._worker.done():
+        # (A worker of another, closed loop never finishes: start one on this loop.)
+        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
             self._worker = loop.create_task(self._drain())
 
     async def _drain(self) -> None:
