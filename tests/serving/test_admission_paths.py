@@ -13,7 +13,8 @@ from serving.pipeline.errors import AdmissionUnavailable, RequestError
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.rate_limit import KeyLimit, TokenRateLimited, TokenRateLimiter
 from tests.serving.fakes import MODEL
-from tests.serving.router_fakes import Rig, chat_body, engine, snapshot_with
+from tests.serving.router_fakes import Rig, chat_body, engine, model_dir, respond, snapshot_with
+from tests.serving.test_tokenization import connect_error, expected_chat_ids
 
 PLAIN = (engine("e1", native_openai=True), engine("e2", native_openai=True))
 KEY = KeyLimit("c" * 64, "team-c", 100)
@@ -36,6 +37,31 @@ async def test_the_native_path_is_charged(rig: Rig, limiter: TokenRateLimiter) -
         await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=60), "t2")
     assert len(rig.native.calls) == 1  # refused before any engine
     assert limiter.used(KEY.key_id) == 60
+
+
+async def test_the_local_fallback_is_charged(rig: Rig, limiter: TokenRateLimiter) -> None:
+    rig.upstreams.override("render", "render", connect_error)  # render unreachable: local tokenizer
+    await rig.pipeline(snapshot_with(model_path=model_dir())).chat(chat_body(max_tokens=5), "t7")
+    assert limiter.used(KEY.key_id) == len(expected_chat_ids()) + 5
+
+
+async def test_a_fallback_that_goes_native_is_charged_once(rig: Rig, limiter: TokenRateLimiter) -> None:
+    rig.upstreams.override("render", "render", connect_error)
+    snap = snapshot_with(engine("e1", native_openai=True), engine("e2"), model_path=model_dir())
+    await rig.pipeline(snap).chat(chat_body(max_tokens=7, tools=[{"type": "function", "function": {"name": "f"}}]), "t8")
+    assert len(rig.native.calls) == 1
+    assert limiter.used(KEY.key_id) == 7  # the native estimate, charged on the native path
+
+
+async def test_a_request_moved_from_token_only_to_native_is_not_charged_twice(
+    rig: Rig, limiter: TokenRateLimiter
+) -> None:
+    for host in ("e1", "e2"):  # no token-only generate: the request moves to the native path
+        rig.upstreams.override(host, "generate", respond(404, {"detail": "Not Found"}))
+    out = await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(max_tokens=9), "t9")
+    assert out["path"] == "/v1/chat/completions"
+    (render,) = rig.upstreams.calls_of("render")
+    assert limiter.used(KEY.key_id) == len(render.response["token_ids"]) + 9  # after render, only
 
 
 async def test_a_native_request_with_negative_max_tokens_is_refused_before_any_engine(
