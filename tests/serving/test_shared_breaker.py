@@ -120,3 +120,26 @@ async def test_without_redis_the_board_falls_back_to_its_local_state_machine() -
     assert board.state(E1) is State.OPEN and not board.begin(E1)
     assert sink.flips == [(E1.id, "open")]  # its own flip, reported as a per-process board does
     await gone.aclose()
+
+
+async def test_a_success_on_a_healthy_breaker_costs_no_redis_call(two: Any) -> None:
+    a, _, _, _ = two
+    a.refresh_s = 3600  # no re-reads either: count the verdicts alone
+    calls: list[Any] = []
+    script = a._script
+
+    async def counted(**kwargs: Any) -> Any:
+        calls.append(kwargs["args"][0])
+        return await script(**kwargs)
+
+    a._script = counted  # type: ignore[method-assign]
+    a.allows(E1)  # the first sight reads once
+    await a.flush()
+    for _ in range(5):
+        a.success(E1)
+    await a.flush()
+    assert calls == ["read"]
+    a.failure(E1, "boom")
+    a.success(E1)  # this one resets a counted failure: Redis must hear it
+    await a.flush()
+    assert calls == ["read", "failure", "success"]

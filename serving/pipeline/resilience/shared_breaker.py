@@ -132,9 +132,14 @@ class SharedBreakerBoard(BreakerBoard):
         self._enqueue(_Op("adopt", instance, b.epoch, reason=instance.breaker_state))  # (the operator's state)
 
     def success(self, instance: InstanceView) -> None:
+        b = self._get(instance)
+        # Most requests succeed on a closed breaker with no failures counted (as last read): then
+        # Redis has nothing to learn, and the request path costs it no call.
+        news = b.state is not State.CLOSED or b.failures > 0
         self._moved = None
         super().success(instance)
-        self._enqueue(_Op("success", instance, self._get(instance).epoch, "trial succeeded", self._moved))
+        if news:
+            self._enqueue(_Op("success", instance, b.epoch, "trial succeeded", self._moved))
 
     def failure(self, instance: InstanceView, reason: str) -> None:
         self._moved = None
