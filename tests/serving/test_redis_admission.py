@@ -27,6 +27,9 @@ async def settle(*admissions: RedisTokenAdmission) -> None:
     for a in admissions:
         await a.aclose()
         assert a.inflight_tokens() == {} and a.waiting() == 0
+        # No task left: subscriber, lease renewers, pending removals.
+        assert a._listener is None and a._removals == set()
+        assert all(t.done() for t in a._renewers.values())
 
 
 async def test_a_release_in_one_process_wakes_a_waiter_in_another_by_pub_sub(redis_client: Any, prefix: str) -> None:
