@@ -1,5 +1,6 @@
-"""Token admission: per-instance capacity, a global budget, a bounded FIFO queue with a deadline,
-and leases released exactly once; in process and shared through the real Redis on 127.0.0.1."""
+"""Token admission in process: per-instance capacity, a global budget, a bounded FIFO queue per
+instance with a deadline, prompts reserved together, and leases released exactly once (the Redis
+implementation: test_redis_admission.py)."""
 
 from __future__ import annotations
 
