@@ -269,7 +269,7 @@ class ServingPipeline:
         self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
         logger.info("route request_id=%s kind=%s path=native reason=%s", request_id, kind, reason)
         # The body is the client's; the tokens are only an estimate (no prompt ids here).
-        max_out = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        max_out = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens") or 16
         tokens = int(max_out) if isinstance(max_out, int) else 16
         # Charged here too (once per request: a request that moved from token-only is not charged twice).
         await rate_limit.charge_request(tokens)

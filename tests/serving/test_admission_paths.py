@@ -39,6 +39,11 @@ async def test_the_native_path_is_charged(rig: Rig, limiter: TokenRateLimiter) -
     assert limiter.used(KEY.key_id) == 60
 
 
+async def test_responses_are_charged_their_max_output_tokens(rig: Rig, limiter: TokenRateLimiter) -> None:
+    await rig.pipeline(snapshot_with(*PLAIN)).responses({"model": MODEL, "input": "hi", "max_output_tokens": 33}, "t10")
+    assert limiter.used(KEY.key_id) == 33
+
+
 async def test_the_local_fallback_is_charged(rig: Rig, limiter: TokenRateLimiter) -> None:
     rig.upstreams.override("render", "render", connect_error)  # render unreachable: local tokenizer
     await rig.pipeline(snapshot_with(model_path=model_dir())).chat(chat_body(max_tokens=5), "t7")
