@@ -307,8 +307,11 @@ class RedisTokenAdmission(TokenAdmission):
                     await self._beat()
                     self._wake_local("*")
         except (RedisError, OSError) as exc:
-            # Waiters find out themselves: their next script fails and they answer 503.
+            # Waiters find out themselves: their next script fails and they answer 503, or it
+            # works and one of them starts a new subscriber; not before a pause, so a subscriber
+            # that keeps failing costs one attempt per re-check, not a busy loop.
             logger.warning("admission wake-up subscriber failed: %r", exc)
+            await asyncio.sleep(self.recheck_s)
             subscribed.set()
             self._wake_local("*")
         finally:
