@@ -21,6 +21,7 @@ from tests.serving.shared_redis import keys
 
 E1 = replace(instance("e1"), token_capacity=100)
 E2 = replace(instance("e2"), token_capacity=100)
+E3 = replace(instance("e2"), id=3, name="e3", token_capacity=100)
 
 
 async def settle(*admissions: RedisTokenAdmission) -> None:
@@ -178,3 +179,33 @@ async def test_redis_away_is_503_with_retry_after() -> None:
     assert info.value.status == 503 and info.value.retry_after_s == 2
     await settle(a)
     await gone.aclose()
+
+
+async def test_a_waiter_held_only_by_the_global_budget_holds_back_later_requests_across_processes(
+    redis_client: Any, prefix: str
+) -> None:
+    other = shared_redis.client()
+    settings = AdmissionSettings(global_budget=150, wait_s=5.0)
+    a = RedisTokenAdmission(redis_client, settings, prefix=prefix, recheck_s=0.2)
+    b = RedisTokenAdmission(other, settings, prefix=prefix, recheck_s=0.2)
+    try:
+        big = await a.acquire(E1, 100)
+        budget_bound = asyncio.create_task(b.acquire(E2, 80))  # e2 is empty; the budget is not
+        while await redis_client.zcard(f"{prefix}:budget_queue") == 0:
+            await asyncio.sleep(0.01)
+        later = asyncio.create_task(a.acquire(E3, 10))  # fits the budget now, but must not starve it
+        while await redis_client.zcard(f"{prefix}:queue:e3") == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # a few re-checks: both still wait
+        assert not budget_bound.done() and not later.done()
+        big.release()
+        async with asyncio.timeout(3):
+            first = await budget_bound
+            second = await later
+        assert b.inflight_tokens() == {"e2": 80} and a.inflight_tokens() == {"e3": 10}
+        first.release()
+        second.release()
+        await settle(a, b)
+    finally:
+        await other.aclose()
+    assert await keys(redis_client, prefix) == []

@@ -14,9 +14,10 @@ instance, a bounded local queue, a deadline, ``reserve_together``), with the sta
   may take tokens, a waiter that times out or is cancelled removes itself, and one whose process
   died drops out after three missed heartbeats.
 
-The global budget is checked in the same script, first come first served across instances: the
-in-process rule that a waiter held only by the budget holds back every later request is not
-kept across processes (a per-instance head always goes first on its own instance).
+The global budget is checked in the same script, with the in-process rule: an instance's head
+that fits its instance but not the budget joins ``<prefix>:budget_queue`` (by its arrival, with
+the same heartbeat), and while that queue is not empty only its head may take budget, on any
+instance (a release then wakes every instance's head, not only its own).
 
 Wake-ups come through Redis pub/sub: a release, a granted head with others behind it, a waiter
 that leaves or an expiry publishes the instance's name on ``<prefix>:wake``; one subscriber per
@@ -58,8 +59,8 @@ from serving.pipeline.snapshot import InstanceView
 
 logger = logging.getLogger(__name__)
 
-# KEYS: 1 leases, 2 lease_tokens, 3 lease_instance, 4 held, 5 total, 6 queue, 7 queue_expiry.
-# ARGV[1] is the wake channel in every script.
+# KEYS: 1 leases, 2 lease_tokens, 3 lease_instance, 4 held, 5 total, 6 queue, 7 queue_expiry,
+# 8 budget_queue, 9 budget_expiry. ARGV[1] is the wake channel in every script.
 _COMMON = """
 local function now_ms()
   local t = redis.call('TIME')
@@ -88,6 +89,17 @@ local function prune_queue(now, instance)
     redis.call('ZREM', KEYS[7], w)
   end
   if #gone > 0 then redis.call('PUBLISH', ARGV[1], instance) end
+  gone = redis.call('ZRANGEBYSCORE', KEYS[9], '-inf', now)
+  for _, w in ipairs(gone) do
+    redis.call('ZREM', KEYS[8], w)
+    redis.call('ZREM', KEYS[9], w)
+  end
+  if #gone > 0 then redis.call('PUBLISH', ARGV[1], '*') end
+end
+local function wake(instance)
+  -- The budget spans instances: while anyone waits for it, every instance's head may be next.
+  if redis.call('ZCARD', KEYS[8]) > 0 then instance = '*' end
+  redis.call('PUBLISH', ARGV[1], instance)
 end
 """
 
@@ -109,16 +121,28 @@ if head == nil or head == id then
   local here = tonumber(redis.call('HGET', KEYS[4], instance) or '0')
   local all = tonumber(redis.call('GET', KEYS[5]) or '0')
   local budget = tonumber(ARGV[5])
-  if (here + tokens <= tonumber(ARGV[4]) or here == 0) and (budget < 0 or all + tokens <= budget or all == 0) then
+  local fits_here = here + tokens <= tonumber(ARGV[4]) or here == 0
+  local bhead = redis.call('ZRANGE', KEYS[8], 0, 0)[1]
+  local fits_budget = budget < 0 or ((all + tokens <= budget or all == 0) and (bhead == nil or bhead == id))
+  if fits_here and not fits_budget and budget >= 0 and ARGV[8] == '1' then
+    -- An instance's head held only by the budget holds back every later request, on any instance.
+    if not redis.call('ZSCORE', KEYS[8], id) then
+      redis.call('ZADD', KEYS[8], queued or (tonumber(t[1]) * 1000000 + tonumber(t[2])), id)
+    end
+    redis.call('ZADD', KEYS[9], now + tonumber(ARGV[7]), id)
+  end
+  if fits_here and fits_budget then
     redis.call('ZADD', KEYS[1], now + tonumber(ARGV[6]), id)
     redis.call('HSET', KEYS[2], id, tokens)
     redis.call('HSET', KEYS[3], id, instance)
     redis.call('HINCRBY', KEYS[4], instance, tokens)
     redis.call('INCRBY', KEYS[5], tokens)
+    redis.call('ZREM', KEYS[8], id)
+    redis.call('ZREM', KEYS[9], id)
     if queued then
       redis.call('ZREM', KEYS[6], id)
       redis.call('ZREM', KEYS[7], id)
-      if redis.call('ZCARD', KEYS[6]) > 0 then redis.call('PUBLISH', ARGV[1], instance) end
+      if redis.call('ZCARD', KEYS[6]) > 0 or redis.call('ZCARD', KEYS[8]) > 0 then wake(instance) end
     end
     return 1
   end
@@ -135,13 +159,14 @@ return 0
 _FORGET = _COMMON + """
 local id, instance = ARGV[2], ARGV[3]
 prune(now_ms())
-local changed = redis.call('ZREM', KEYS[6], id)
+local changed = redis.call('ZREM', KEYS[6], id) + redis.call('ZREM', KEYS[8], id)
 redis.call('ZREM', KEYS[7], id)
+redis.call('ZREM', KEYS[9], id)
 if redis.call('ZSCORE', KEYS[1], id) then
   drop(id)
   changed = 1
 end
-if changed > 0 then redis.call('PUBLISH', ARGV[1], instance) end
+if changed > 0 then wake(instance) end
 return changed
 """
 
@@ -159,7 +184,10 @@ _HEARTBEAT = _COMMON + """
 local now = now_ms()
 prune(now)
 prune_queue(now, ARGV[2])
-for i = 4, #ARGV do redis.call('ZADD', KEYS[7], 'XX', now + tonumber(ARGV[3]), ARGV[i]) end
+for i = 4, #ARGV do
+  redis.call('ZADD', KEYS[7], 'XX', now + tonumber(ARGV[3]), ARGV[i])
+  redis.call('ZADD', KEYS[9], 'XX', now + tonumber(ARGV[3]), ARGV[i])
+end
 return 1
 """
 
@@ -197,7 +225,7 @@ class RedisTokenAdmission(TokenAdmission):
         p = self.prefix
         return [
             f"{p}:leases", f"{p}:lease_tokens", f"{p}:lease_instance", f"{p}:held", f"{p}:total",
-            f"{p}:queue:{instance}", f"{p}:queue_expiry:{instance}",
+            f"{p}:queue:{instance}", f"{p}:queue_expiry:{instance}", f"{p}:budget_queue", f"{p}:budget_expiry",
         ]
 
     def waiting(self) -> int:
