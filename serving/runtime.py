@@ -7,8 +7,11 @@ handed to every request's pipeline by ``pipeline_for``. Nothing here probes for 
 relies on another module registering itself.
 
 ``MOTOR_GLOBAL_TOKEN_BUDGET`` (tokens in flight across all instances), ``MOTOR_ADMISSION_QUEUE`` (waiters), ``MOTOR_ADMISSION_WAIT_MS`` (their deadline)
-and the breaker knobs are read from settings when present, else from the environment; with
-``REDIS_URL`` set, admission is shared by every coordinator process through Redis leases.
+and the breaker knobs are read from settings when present, else from the environment. With
+``REDIS_URL`` set, every coordinator process shares token admission (Redis leases), the
+tokens-per-minute windows (``RedisTokenRateLimiter``, installed as ``rate_limit.LIMITER``) and the
+circuit breakers (``SharedBreakerBoard``) through one Redis client, each call bounded by
+``MOTOR_REDIS_TIMEOUT_MS``; without it each process keeps its own.
 
 KV-cache affinity: one ``KVAffinityIndex`` per process feeds placement
 (``MOTOR_AFFINITY_LOAD_MARGIN_TOKENS`` bounds how much busier than the least loaded instance a
@@ -39,7 +42,9 @@ from serving import stream_reports
 from serving.pipeline import http, metric_names
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient, ReplyDeadline
-from serving.pipeline.flow_control.admission import AdmissionSettings, RedisTokenAdmission, TokenAdmission
+from serving.pipeline.flow_control import rate_limit
+from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
+from serving.pipeline.flow_control.redis_admission import RedisTokenAdmission
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation import mapping as obfuscation
 from serving.pipeline.obfuscation.boundary import EngineBoundary
@@ -51,6 +56,7 @@ from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.tokenization import RenderHealth
 from serving.pipeline.resilience.breaker import BreakerBoard
+from serving.pipeline.resilience.shared_breaker import SharedBreakerBoard
 from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot
 from serving.pipeline.topologies import hybrid
@@ -84,13 +90,37 @@ def _admission_settings() -> AdmissionSettings:
     )
 
 
-def _admission() -> TokenAdmission:
+def _redis() -> Any | None:
+    """The process's Redis client for shared live state, or None without ``REDIS_URL``."""
     redis_url = getattr(settings, "REDIS_URL", "") or ""
-    if redis_url:
-        import redis.asyncio
+    if not redis_url:
+        return None
+    import redis.asyncio
 
-        return RedisTokenAdmission(redis.asyncio.Redis.from_url(redis_url), _admission_settings())
+    # Bounds how long one admission, limit or breaker call waits for an unresponsive Redis before
+    # the request gets 503 with Retry-After (admission, limit) or the breaker falls back to local.
+    timeout_s = float(_knob("MOTOR_REDIS_TIMEOUT_MS", 2000) or 2000) / 1000
+    return redis.asyncio.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
+def _admission(redis: Any | None) -> TokenAdmission:
+    if redis is not None:
+        return RedisTokenAdmission(redis, _admission_settings())
     return TokenAdmission(_admission_settings())
+
+
+def _rate_limiter(redis: Any | None) -> rate_limit.TokenRateLimiter:
+    return rate_limit.RedisTokenRateLimiter(redis) if redis is not None else rate_limit.TokenRateLimiter()
+
+
+def _breakers(redis: Any | None) -> BreakerBoard:
+    knobs: dict[str, Any] = {
+        "threshold": int(_knob("MOTOR_BREAKER_THRESHOLD", 3) or 3),
+        "base_open_s": float(_knob("MOTOR_BREAKER_OPEN_S", 5.0) or 5.0),
+        "max_open_s": float(_knob("MOTOR_BREAKER_MAX_OPEN_S", 120.0) or 120.0),
+        "sink": submit_breaker_transition,
+    }
+    return SharedBreakerBoard(redis, **knobs) if redis is not None else BreakerBoard(**knobs)
 
 
 def submit_breaker_transition(
@@ -117,6 +147,7 @@ class Runtime:
     load: LoadTracker
     breakers: BreakerBoard
     admission: TokenAdmission
+    rate_limiter: rate_limit.TokenRateLimiter
     affinity: KVAffinityIndex
     scheduler: Scheduler
     topologies: TopologyRegistry
@@ -137,13 +168,11 @@ def build() -> Runtime:
     unaffected) and weighs prefix hits from the same KV affinity index placement uses.
     """
     load = LoadTracker()
-    breakers = BreakerBoard(
-        threshold=int(_knob("MOTOR_BREAKER_THRESHOLD", 3) or 3),
-        base_open_s=float(_knob("MOTOR_BREAKER_OPEN_S", 5.0) or 5.0),
-        max_open_s=float(_knob("MOTOR_BREAKER_MAX_OPEN_S", 120.0) or 120.0),
-        sink=submit_breaker_transition,
-    )
-    admission = _admission()
+    redis = _redis()
+    breakers = _breakers(redis)
+    admission = _admission(redis)
+    rate_limiter = _rate_limiter(redis)
+    rate_limit.install(rate_limiter)  # the views bind keys to it; the pipeline charges it
     affinity = KVAffinityIndex()
     scheduler = Scheduler(
         load, breakers=breakers, admission=admission, affinity=affinity, engine_ids=engine_ids,
@@ -154,8 +183,8 @@ def build() -> Runtime:
     stream_reporter = stream_reports.StreamReporter(live_streams.counts)
     live_streams.on_change = stream_reporter.notify
     return Runtime(
-        load=load, breakers=breakers, admission=admission, affinity=affinity, scheduler=scheduler,
-        topologies=TopologyRegistry(), counters=RouterCounters(), render_health={},
+        load=load, breakers=breakers, admission=admission, rate_limiter=rate_limiter, affinity=affinity,
+        scheduler=scheduler, topologies=TopologyRegistry(), counters=RouterCounters(), render_health={},
         live_streams=live_streams, stream_reporter=stream_reporter,
     )
 

@@ -86,7 +86,7 @@ def _check_key(request: HttpRequest, snapshot: FleetSnapshot) -> None:
         digest = hashlib.sha256(token.encode("utf-8")).hexdigest() if token else ""
         key = snapshot.client_keys.get(digest) if digest else None
         if key is not None:
-            # The limit is charged after render, once the token count is known (rate_limit.charge).
+            # The limit is charged once the token count is known (rate_limit.charge_request).
             rate_limit.bind(
                 rate_limit.KeyLimit(digest, key.name, key.tokens_per_minute) if key.tokens_per_minute else None
             )

@@ -19,6 +19,8 @@ MotorError                      carries status, OpenAI ``type``, ``param`` and `
  |    +-- QueueFull             admission queue full
  |    +-- TokenRateLimited      a key's tokens per minute (flow_control/rate_limit.py)
  +-- AdmissionTimeout           waited past the admission deadline: 503
+      +-- AdmissionUnavailable  admission cannot decide now (shared state unreachable) or would
+                                wait on the request's own leases: 503 with ``Retry-After``
 
 Fault domains stay apart (architecture invariant 4), so each layer raises only its own kind.
 """
@@ -147,6 +149,14 @@ class AdmissionTimeout(MotorError):
     status = 503
     type = "ServiceUnavailableError"
     retryable = True
+
+
+class AdmissionUnavailable(AdmissionTimeout):
+    """503 with ``Retry-After``: Redis is unreachable, or a request would wait on its own leases."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 def error_headers(exc: BaseException) -> dict[str, str]:

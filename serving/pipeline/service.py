@@ -52,6 +52,7 @@ from serving.pipeline.errors import (
     TriggerMultiPromptStream,
 )
 from serving.pipeline.flow_control import rate_limit
+from serving.pipeline.flow_control.admission import reserve_together
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.placement.filters import native_candidates
@@ -187,7 +188,7 @@ class ServingPipeline:
         self._log_render(request_id, model.name, tokenized, tokenized.tokenizer_source, tokenized.fallback_reason)
         self._check_poison(tokenized, model)
         # The client key's tokens-per-minute window is charged once the real count is known.
-        rate_limit.charge(sum(requested_tokens(p) for p in tokenized.prompts))
+        await rate_limit.charge_request(sum(requested_tokens(p) for p in tokenized.prompts))
         requires_tokenizer = engine_tokenizer_feature(kind, body) is not None
         try:
             if body.get("stream"):
@@ -269,6 +270,11 @@ class ServingPipeline:
             )
         self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
         logger.info("route request_id=%s kind=%s path=native reason=%s", request_id, kind, reason)
+        # The body is the client's; the tokens are only an estimate (no prompt ids here).
+        max_out = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens") or 16
+        tokens = int(max_out) if isinstance(max_out, int) else 16
+        # Charged here too (once per request: a request that moved from token-only is not charged twice).
+        await rate_limit.charge_request(tokens)
         excluded: set[str] = set()
         last: EngineError | None = None
         for attempt in range(self.policy.max_attempts):
@@ -283,9 +289,6 @@ class ServingPipeline:
             start = time.perf_counter()
             stack = AsyncExitStack()
             try:
-                # The body is the client's; the tokens are only an estimate (no prompt ids here).
-                max_out = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-                tokens = int(max_out) if isinstance(max_out, int) else 16
                 result = await self.guard.native(instance, kind, body, request_id, tokens=tokens, stack=stack)
             except BreakerOpen:
                 # Raced a half-open probe slot: not this request's failure, just not this instance.
@@ -320,8 +323,10 @@ class ServingPipeline:
         streams: list[OpenStream] = []
         attempts = self.attempts(request_id)
         try:
-            for index in range(len(tokenized.prompts)):
-                streams.append(await attempts.open(tokenized, index, requires_tokenizer))
+            # Every prompt's lease at once or fail fast: the client reads none before all are open.
+            with reserve_together():
+                for index in range(len(tokenized.prompts)):
+                    streams.append(await attempts.open(tokenized, index, requires_tokenizer))
         except TriggerMultiPromptStream:
             # RFC: Trigger 多 prompt 流式仍沿用原生链路. Nothing reached the client yet.
             for s in streams:

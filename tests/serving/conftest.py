@@ -10,6 +10,7 @@ import pytest
 
 from tests.serving.fakes import FakeUpstreams
 from tests.serving.router_fakes import Rig, assert_no_leaks, make_rig
+from tests.serving.shared_redis import prefix, redis_client  # noqa: F401  (fixtures of the Redis-backed tests)
 
 
 @pytest.fixture

@@ -1,22 +1,21 @@
-"""Token admission: per-instance capacity, a global budget, a bounded FIFO queue with a deadline,
-and leases released exactly once; in process and shared through the real Redis on 127.0.0.1."""
+"""Token admission in process: per-instance capacity, a global budget, a bounded FIFO queue per
+instance with a deadline, prompts reserved together, and leases released exactly once (the Redis
+implementation: test_redis_admission.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from dataclasses import replace
-from typing import AsyncIterator
 
 import pytest
 
-from serving.pipeline.errors import AdmissionTimeout, QueueFull
-from serving.pipeline.flow_control.admission import AdmissionSettings, RedisTokenAdmission, TokenAdmission
-from tests import prerequisites
+from serving.pipeline.errors import AdmissionTimeout, AdmissionUnavailable, QueueFull, RequestError
+from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission, reserve_together
 from tests.serving.fakes import instance
 
 E1 = replace(instance("e1"), token_capacity=100)
 E2 = replace(instance("e2"), token_capacity=100)
+E3 = replace(instance("e2"), id=3, name="e3", token_capacity=100)
 
 
 async def test_it_admits_within_capacity_and_releases_once() -> None:
@@ -101,46 +100,85 @@ async def test_concurrent_requests_leave_zero_in_flight() -> None:
     assert adm.inflight_tokens() == {} and adm.waiting() == 0
 
 
-# -- Redis ----------------------------------------------------------------------------------------
+async def test_it_refuses_a_non_positive_amount() -> None:
+    adm = TokenAdmission()
+    for amount in (0, -5, True):
+        with pytest.raises(RequestError) as info:
+            await adm.acquire(E1, amount)
+        assert info.value.status == 400
+    assert adm.inflight_tokens() == {} and adm.waiting() == 0
+    async with await adm.acquire(E1, 100):  # capacity still applies: nothing went negative
+        assert adm.has_room(E1, 1) is False
 
 
-@pytest.fixture
-async def redis_client() -> AsyncIterator[object]:
-    if not prerequisites.redis_answers():
-        pytest.skip("Redis is not running on 127.0.0.1:6379")
-    import redis.asyncio
-
-    client = redis.asyncio.Redis.from_url("redis://127.0.0.1:6379/15")
-    yield client
-    await client.aclose()
-
-
-async def test_redis_admission_is_shared_between_processes(redis_client: object) -> None:
-    prefix = f"motor:test:{uuid.uuid4().hex}"
-    settings = AdmissionSettings(wait_s=0.2)
-    a = RedisTokenAdmission(redis_client, settings, prefix=prefix, poll_s=0.01)
-    b = RedisTokenAdmission(redis_client, settings, prefix=prefix, poll_s=0.01)
-    lease = await a.acquire(E1, 80)
-    with pytest.raises(AdmissionTimeout):
-        await b.acquire(E1, 50)  # the other "process" sees a's tokens
-    lease.release()
-    await a.aclose()
-    async with await b.acquire(E1, 50):
-        assert b.inflight_tokens() == {"e1": 50}
-    await b.aclose()
-    assert await redis_client.zcard(f"{prefix}:instance:e1") == 0  # type: ignore[attr-defined]
-    assert a.inflight_tokens() == {} and b.inflight_tokens() == {}
+async def test_a_waiter_for_a_full_instance_does_not_stall_another_instance() -> None:
+    adm = TokenAdmission()
+    held = await adm.acquire(E1, 100)
+    waiter = asyncio.create_task(adm.acquire(E1, 50))
+    await asyncio.sleep(0)
+    assert adm.waiting() == 1 and adm.has_room(E2, 10) and not adm.has_room(E1, 10)
+    other = asyncio.create_task(adm.acquire(E2, 10))
+    await asyncio.sleep(0)
+    assert other.done()  # granted at once, not queued behind e1's waiter
+    other.result().release()
+    held.release()
+    (await waiter).release()
+    assert adm.inflight_tokens() == {} and adm.waiting() == 0
 
 
-async def test_a_crashed_holders_lease_comes_back_after_it_expires(redis_client: object) -> None:
-    prefix = f"motor:test:{uuid.uuid4().hex}"
-    crashed = RedisTokenAdmission(redis_client, AdmissionSettings(), prefix=prefix, lease_ttl_s=0.3)
-    lease = await crashed.acquire(E1, 100)
-    # The process dies: no release, no renewal.
-    crashed._renewers.pop(lease.lease_id).cancel()
+async def test_the_wake_loop_skips_a_head_that_does_not_fit_and_grants_another_instance() -> None:
+    adm = TokenAdmission()
+    on_e1, on_e2 = await adm.acquire(E1, 80), await adm.acquire(E2, 100)
+    first = asyncio.create_task(adm.acquire(E1, 50))  # e1 stays too full for it
+    second = asyncio.create_task(adm.acquire(E2, 50))
+    third = asyncio.create_task(adm.acquire(E1, 10))  # fits e1, but FIFO behind ``first``
+    await asyncio.sleep(0)
+    on_e2.release()
+    await asyncio.sleep(0)
+    assert second.done() and not first.done() and not third.done()
+    second.result().release()
+    on_e1.release()
+    for lease in (await first, await third):
+        lease.release()
+    assert adm.inflight_tokens() == {} and adm.waiting() == 0
 
-    survivor = RedisTokenAdmission(redis_client, AdmissionSettings(wait_s=5.0), prefix=prefix, poll_s=0.02)
-    async with await survivor.acquire(E1, 100):
-        assert survivor.inflight_tokens() == {"e1": 100}
-    await survivor.aclose()
-    assert await redis_client.zcard(f"{prefix}:global") == 0  # type: ignore[attr-defined]
+
+async def test_a_waiter_held_only_by_the_global_budget_holds_back_later_requests() -> None:
+    adm = TokenAdmission(AdmissionSettings(global_budget=150))
+    big = await adm.acquire(E1, 100)
+    budget_bound = asyncio.create_task(adm.acquire(E2, 80))  # e2 is empty; the budget is not
+    await asyncio.sleep(0)
+    later = asyncio.create_task(adm.acquire(E3, 10))  # would fit, but must not starve the first
+    await asyncio.sleep(0)
+    assert not budget_bound.done() and not later.done() and adm.waiting() == 2
+    big.release()
+    for lease in (await budget_bound, await later):
+        lease.release()
+    assert adm.inflight_tokens() == {} and adm.waiting() == 0
+
+
+async def test_prompts_reserved_together_fail_fast_instead_of_waiting_on_themselves() -> None:
+    adm = TokenAdmission(AdmissionSettings(wait_s=30.0, retry_after_s=2))
+    async with asyncio.timeout(5):  # watchdog: waiting out wait_s would be the bug
+        with reserve_together():
+            first = await adm.acquire(E1, 60)
+            with pytest.raises(AdmissionUnavailable) as info:
+                await adm.acquire(E1, 60)  # only this request's own first prompt is in the way
+            assert info.value.status == 503 and info.value.retry_after_s == 2
+            assert adm.waiting() == 0  # it never queued, so it stalled nobody
+            second = await adm.acquire(E2, 60)  # what fits is still granted together
+        first.release()
+        second.release()
+    assert adm.inflight_tokens() == {} and adm.waiting() == 0
+
+
+async def test_a_request_holding_nothing_inside_reserve_together_may_still_wait() -> None:
+    adm = TokenAdmission()
+    other = await adm.acquire(E1, 100)
+    with reserve_together():
+        waiting = asyncio.create_task(adm.acquire(E1, 60))  # holds nothing yet: may wait its turn
+        await asyncio.sleep(0)
+        assert adm.waiting() == 1
+        other.release()
+        (await waiting).release()
+    assert adm.inflight_tokens() == {} and adm.waiting() == 0

@@ -78,3 +78,23 @@ async def test_a_full_admission_queue_is_429_with_retry_after(
                                        content_type="application/json")
     assert response.status_code == 429 and response["Retry-After"] == "2"
     assert response.json()["error"]["type"] == "RateLimitError"
+
+
+async def test_admission_with_redis_away_is_503_with_retry_after(
+    async_client: AsyncClient, native: NativeEngines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis.asyncio
+
+    from serving.pipeline.flow_control.admission import AdmissionSettings
+    from serving.pipeline.flow_control.redis_admission import RedisTokenAdmission
+
+    gone = redis.asyncio.Redis.from_url("redis://127.0.0.1:1/14", socket_connect_timeout=0.5, socket_timeout=0.5)
+    shared = RedisTokenAdmission(gone, AdmissionSettings(retry_after_s=3), prefix="motor:test:gone")
+    monkeypatch.setattr(runtime.admission, "acquire", shared.acquire)
+    response = await async_client.post("/v1/responses", data={"model": MODEL, "input": "x"},
+                                       content_type="application/json")
+    assert response.status_code == 503 and response["Retry-After"] == "3"
+    assert response.json()["error"]["type"] == "ServiceUnavailableError"
+    assert native.calls == [] and runtime.admission.inflight_tokens() == {}
+    await shared.aclose()
+    await gone.aclose()

@@ -12,6 +12,7 @@ from django.test import AsyncClient
 from catalog.models import RenderConfig, ServedModel
 from fleet.services import api_key_create
 from serving import snapshots
+from serving.pipeline.errors import RequestError
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.rate_limit import KeyLimit, TokenRateLimited, TokenRateLimiter
 
@@ -90,10 +91,34 @@ def test_keys_are_independent_and_idle_keys_are_forgotten(limiter: TokenRateLimi
     assert limiter._log == {} and limiter._used == {}
 
 
-def test_charge_without_a_bound_limit_is_free(limiter: TokenRateLimiter) -> None:
+async def test_charge_without_a_bound_limit_is_free(limiter: TokenRateLimiter) -> None:
     rate_limit.bind(None)
-    rate_limit.charge(10**9, limiter)
+    await rate_limit.charge_request(10**9, limiter)
     assert limiter._log == {}
+
+
+@pytest.mark.parametrize("amount", [0, -5])
+async def test_a_non_positive_amount_is_refused_never_charged(limiter: TokenRateLimiter, amount: int) -> None:
+    with pytest.raises(RequestError):
+        limiter.charge(KEY, amount)
+    rate_limit.bind(KEY)
+    with pytest.raises(RequestError):
+        await rate_limit.charge_request(amount, limiter)
+    rate_limit.bind(None)
+    with pytest.raises(RequestError):  # a wrong count is wrong for an unlimited key too
+        await rate_limit.charge_request(amount, limiter)
+    assert limiter.used(KEY.key_id) == 0 and limiter._log == {}
+
+
+async def test_a_request_is_charged_once_whichever_paths_it_takes(limiter: TokenRateLimiter) -> None:
+    rate_limit.bind(KEY)
+    await rate_limit.charge_request(30, limiter)  # after render
+    await rate_limit.charge_request(16, limiter)  # then moved to the native path: not again
+    assert limiter.used(KEY.key_id) == 30
+    rate_limit.bind(KEY)  # the next request
+    await rate_limit.charge_request(30, limiter)
+    assert limiter.used(KEY.key_id) == 60
+    rate_limit.bind(None)
 
 
 # --------------------------------------------------------------------------- through the view
@@ -107,7 +132,7 @@ class ChargingPipeline:
         self.served = 0
 
     async def chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        rate_limit.charge(self.tokens)
+        await rate_limit.charge_request(self.tokens)
         self.served += 1
         return {"id": request_id, "object": "chat.completion", "choices": []}
 

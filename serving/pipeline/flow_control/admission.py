@@ -1,30 +1,45 @@
 """Admission by tokens: a request holds ``prompt + resolved max output`` tokens on its instance.
 
 Two limits: each instance's ``token_capacity`` and a coordinator-wide budget. A request that does
-not fit waits in a bounded FIFO queue up to a deadline: a full queue is ``QueueFull`` (429 with
+not fit waits in a bounded queue up to a deadline: a full queue is ``QueueFull`` (429 with
 ``Retry-After``), a passed deadline ``AdmissionTimeout`` (503). A request larger than an
 instance's whole capacity is admitted when that instance is otherwise idle, so it cannot starve.
+
+Fairness: one FIFO queue per instance. A waiter for a full instance holds back only later
+requests for that same instance (so a large request is not overtaken forever by small ones),
+never requests for other instances. The global budget is the one thing every instance shares:
+a waiter that fits its instance but not the budget holds back every later request, for the same
+reason.
+
+A request that already holds leases and needs another (the prompts of one stream, opened one
+after another inside ``reserve_together``) never waits: its own leases would only come back
+once the client reads the stream, which cannot start before every prompt is open. So it gets the
+next lease at once or fails fast with ``AdmissionUnavailable`` (503), releasing what it holds.
+
+``acquire`` refuses a non-positive amount with ``RequestError`` (400): the callers validate
+first, but a negative count would make capacity stop applying, so the mechanism fails closed.
 
 Every ``Lease`` is released exactly once, whatever the exit path: ``release()`` is idempotent
 and leases are used as context managers, so success, error, cancellation and retry all return
 the tokens (tests assert ``inflight_tokens() == {}`` after each).
 
-``TokenAdmission`` is in-process. ``RedisTokenAdmission`` shares one budget among coordinator
-processes: each lease is a member of a sorted set scored by its expiry, renewed while held, so a
-crashed process's tokens come back when its leases expire.
+``TokenAdmission`` is in-process; ``redis_admission.RedisTokenAdmission`` shares one budget and
+the same queues among coordinator processes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-import time
 import uuid
 from collections import Counter, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
-from serving.pipeline.errors import AdmissionTimeout, QueueFull
+from serving.pipeline.errors import AdmissionTimeout, AdmissionUnavailable, QueueFull, RequestError
 from serving.pipeline.snapshot import InstanceView
 
 logger = logging.getLogger(__name__)
@@ -35,14 +50,18 @@ class AdmissionSettings:
     global_budget: int | None = None  # tokens in flight across all instances; None = unlimited
     queue_size: int = 256  # waiters beyond this are refused at once (429)
     wait_s: float = 30.0  # how long a request may wait for room before 503
-    retry_after_s: int = 1  # the hint sent with 429
+    retry_after_s: int = 1  # the hint sent with 429 and with a fail-fast 503
+
+
+class _Releaser(Protocol):
+    def _release(self, lease: Lease) -> None: ...
 
 
 @dataclass(eq=False)
 class Lease:
     """Tokens held on one instance; ``release()`` may be called any number of times."""
 
-    admission: TokenAdmission
+    admission: _Releaser
     instance: str
     tokens: int
     lease_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -60,6 +79,68 @@ class Lease:
         self.release()
 
 
+@dataclass(eq=False)
+class _Together:
+    """The leases one request took inside ``reserve_together``."""
+
+    leases: list[Lease] = field(default_factory=list)
+
+    def holding(self) -> bool:
+        return any(not lease.released for lease in self.leases)
+
+
+_together: contextvars.ContextVar[_Together | None] = contextvars.ContextVar("motor_admission_together", default=None)
+
+
+@contextmanager
+def reserve_together() -> Iterator[None]:
+    """Within this block, an ``acquire`` made while holding an earlier one never waits.
+
+    Used around opening a multi-prompt stream: every prompt's lease is taken at once or the
+    request fails fast (``AdmissionUnavailable``), never waiting on its own leases.
+    """
+    token = _together.set(_Together())
+    try:
+        yield
+    finally:
+        _together.reset(token)
+
+
+def check_tokens(tokens: object) -> int:
+    """``tokens`` as a positive int; raises ``RequestError`` otherwise (fail closed)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise RequestError(f"a request must hold a positive number of tokens, not {tokens!r}")
+    return tokens
+
+
+def must_not_wait(settings: AdmissionSettings, tokens: int) -> AdmissionUnavailable:
+    """The fail-fast error of a request that would wait on its own leases."""
+    return AdmissionUnavailable(
+        f"no engine capacity for {tokens} more tokens while this request holds its other prompts' "
+        "tokens: the prompts of one stream are admitted together or not at all",
+        retry_after_s=settings.retry_after_s,
+    )
+
+
+def timed_out(settings: AdmissionSettings, tokens: int) -> AdmissionTimeout:
+    return AdmissionTimeout(f"no engine capacity for {tokens} tokens within {settings.wait_s:g}s")
+
+
+def queue_full(settings: AdmissionSettings, waiting: int) -> QueueFull:
+    return QueueFull(
+        f"too many requests are waiting for engine capacity ({waiting} queued)",
+        retry_after_s=settings.retry_after_s,
+    )
+
+
+@dataclass(eq=False)
+class _Waiter:
+    future: asyncio.Future[None]
+    instance: str
+    capacity: int
+    tokens: int
+
+
 class TokenAdmission:
     """In-process token admission (one coordinator process)."""
 
@@ -67,7 +148,9 @@ class TokenAdmission:
         self.settings = settings or AdmissionSettings()
         self._inflight: Counter[str] = Counter()
         self._total = 0
-        self._waiters: deque[tuple[asyncio.Future[None], str, int, int]] = deque()
+        self._waiters: deque[_Waiter] = deque()  # arrival order, every instance
+        self._queued: Counter[str] = Counter()  # waiters per instance
+        self._budget_blocked = False  # some waiter fits its instance but not the global budget
 
     def inflight_tokens(self) -> dict[str, int]:
         """Tokens held per instance name (instances holding none are absent)."""
@@ -76,51 +159,78 @@ class TokenAdmission:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    def _fits(self, instance: str, capacity: int, tokens: int) -> bool:
+    def _instance_fits(self, instance: str, capacity: int, tokens: int) -> bool:
         held = self._inflight[instance]
-        budget = self.settings.global_budget
-        if budget is not None and self._total + tokens > budget and self._total > 0:
-            return False
         return held + tokens <= capacity or held == 0
 
+    def _budget_fits(self, tokens: int) -> bool:
+        budget = self.settings.global_budget
+        return budget is None or self._total + tokens <= budget or self._total == 0
+
+    def _may_pass(self, instance: str, capacity: int, tokens: int) -> bool:
+        """Whether a new request may take its tokens now without overtaking a waiter."""
+        return (
+            not self._queued[instance] and not self._budget_blocked
+            and self._instance_fits(instance, capacity, tokens) and self._budget_fits(tokens)
+        )
+
     def has_room(self, instance: InstanceView, tokens: int) -> bool:
-        return not self._waiters and self._fits(instance.name, instance.token_capacity, tokens)
+        return self._may_pass(instance.name, instance.token_capacity, tokens)
 
     def _take(self, instance: str, tokens: int) -> None:
         self._inflight[instance] += tokens
         self._total += tokens
 
     async def acquire(self, instance: InstanceView, tokens: int) -> Lease:
-        """Hold ``tokens`` on ``instance``, waiting FIFO for room; raise QueueFull / AdmissionTimeout."""
+        """Hold ``tokens`` on ``instance``, waiting FIFO for room.
+
+        Raises ``RequestError`` for a non-positive amount, ``QueueFull``, ``AdmissionTimeout``,
+        or ``AdmissionUnavailable`` inside ``reserve_together`` when it would have to wait.
+        """
+        tokens = check_tokens(tokens)
         name, capacity = instance.name, instance.token_capacity
-        if not self._waiters and self._fits(name, capacity, tokens):
+        together = _together.get()
+        if self._may_pass(name, capacity, tokens):
             self._take(name, tokens)
-            return Lease(self, name, tokens)
+            return self._granted(Lease(self, name, tokens), together)
+        if together is not None and together.holding():
+            raise must_not_wait(self.settings, tokens)
         if len(self._waiters) >= self.settings.queue_size:
-            raise QueueFull(
-                f"too many requests are waiting for engine capacity ({len(self._waiters)} queued)",
-                retry_after_s=self.settings.retry_after_s,
-            )
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (future, name, capacity, tokens)
-        self._waiters.append(entry)
+            raise queue_full(self.settings, len(self._waiters))
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), name, capacity, tokens)
+        self._waiters.append(waiter)
+        self._queued[name] += 1
+        self._wake()  # may set _budget_blocked for those who come after
         try:
             async with asyncio.timeout(self.settings.wait_s):
-                await future
+                await waiter.future
         except BaseException as exc:
             # Cancelled after being granted but before resuming: the tokens were taken for us.
-            if future.done() and not future.cancelled():
+            if waiter.future.done() and not waiter.future.cancelled():
                 self._release_tokens(name, tokens)
             if isinstance(exc, TimeoutError):
-                raise AdmissionTimeout(
-                    f"no engine capacity for {tokens} tokens within {self.settings.wait_s:g}s"
-                ) from None
+                raise timed_out(self.settings, tokens) from None
             raise
         finally:
-            if entry in self._waiters:
-                self._waiters.remove(entry)
-                self._wake()
-        return Lease(self, name, tokens)
+            if self._dequeue(waiter):
+                self._wake()  # a head that left may unblock those behind it
+        return self._granted(Lease(self, name, tokens), together)
+
+    @staticmethod
+    def _granted(lease: Lease, together: _Together | None) -> Lease:
+        if together is not None:
+            together.leases.append(lease)
+        return lease
+
+    def _dequeue(self, waiter: _Waiter) -> bool:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            return False
+        self._queued[waiter.instance] -= 1
+        if not self._queued[waiter.instance]:
+            del self._queued[waiter.instance]
+        return True
 
     def _release(self, lease: Lease) -> None:
         self._release_tokens(lease.instance, lease.tokens)
@@ -133,146 +243,22 @@ class TokenAdmission:
         self._wake()
 
     def _wake(self) -> None:
-        # FIFO: grant from the head while it fits; a head that does not fit blocks the rest, so a
-        # large request is not overtaken forever by small ones.
-        while self._waiters:
-            future, name, capacity, tokens = self._waiters[0]
-            if future.done():
-                self._waiters.popleft()
+        """Grant waiters in arrival order, skipping instances whose head does not fit."""
+        blocked: set[str] = set()
+        self._budget_blocked = False
+        for waiter in list(self._waiters):
+            if waiter.future.done():  # cancelled; its acquire dequeues it
+                blocked.add(waiter.instance)  # keep its place until then: FIFO per instance
                 continue
-            if not self._fits(name, capacity, tokens):
+            if waiter.instance in blocked:
+                continue
+            if not self._instance_fits(waiter.instance, waiter.capacity, waiter.tokens):
+                blocked.add(waiter.instance)  # the head of a full instance holds back only its own
+                continue
+            if not self._budget_fits(waiter.tokens):
+                # The budget spans instances: a waiter held only by it holds back everyone later.
+                self._budget_blocked = True
                 return
-            self._waiters.popleft()
-            self._take(name, tokens)
-            future.set_result(None)
-
-
-# -- Redis -----------------------------------------------------------------------------------------
-
-# KEYS[1] = the instance's lease set, KEYS[2] = the global lease set. Members are
-# "<lease id>:<tokens>", scores their expiry (ms). Expired leases are dropped first, so a
-# crashed holder's tokens come back after at most one TTL.
-_ACQUIRE = """
-local now = tonumber(ARGV[1])
-local expiry = tonumber(ARGV[2])
-local member = ARGV[3]
-local tokens = tonumber(ARGV[4])
-local capacity = tonumber(ARGV[5])
-local budget = tonumber(ARGV[6])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-local function held(key)
-  local total = 0
-  for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
-    total = total + tonumber(string.match(m, ':(%d+)$'))
-  end
-  return total
-end
-local here = held(KEYS[1])
-local all = held(KEYS[2])
-if budget >= 0 and all + tokens > budget and all > 0 then return 0 end
-if here + tokens > capacity and here > 0 then return 0 end
-redis.call('ZADD', KEYS[1], expiry, member)
-redis.call('ZADD', KEYS[2], expiry, member)
-return 1
-"""
-
-_RENEW = """
-redis.call('ZADD', KEYS[1], 'XX', ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[2], 'XX', ARGV[1], ARGV[2])
-return 1
-"""
-
-
-class RedisTokenAdmission(TokenAdmission):
-    """Token admission shared by every coordinator process through Redis leases that expire."""
-
-    def __init__(
-        self, redis: Any, settings: AdmissionSettings | None = None, *, prefix: str = "motor:admission",
-        lease_ttl_s: float = 15.0, poll_s: float = 0.02,
-    ) -> None:
-        super().__init__(settings)
-        self.redis = redis
-        self.prefix = prefix
-        self.lease_ttl_s = lease_ttl_s  # how long a crashed holder keeps its tokens
-        self.poll_s = poll_s  # waiters poll: Redis has no cross-process wake-up here
-        self._acquire = redis.register_script(_ACQUIRE)
-        self._renew = redis.register_script(_RENEW)
-        self._renewers: dict[str, asyncio.Task[None]] = {}
-
-    def _keys(self, instance: str) -> list[str]:
-        return [f"{self.prefix}:instance:{instance}", f"{self.prefix}:global"]
-
-    async def _try(self, instance: InstanceView, tokens: int, member: str) -> bool:
-        now_ms = int(time.time() * 1000)
-        budget = -1 if self.settings.global_budget is None else self.settings.global_budget
-        ok = await self._acquire(
-            keys=self._keys(instance.name),
-            args=[now_ms, now_ms + int(self.lease_ttl_s * 1000), member, tokens, instance.token_capacity, budget],
-        )
-        return bool(ok)
-
-    def has_room(self, instance: InstanceView, tokens: int) -> bool:
-        return True  # only Redis knows; acquire() waits if it must
-
-    async def acquire(self, instance: InstanceView, tokens: int) -> Lease:
-        lease = Lease(self, instance.name, tokens)
-        member = f"{lease.lease_id}:{tokens}"
-        if len(self._waiters) >= self.settings.queue_size:
-            raise QueueFull("too many requests are waiting for engine capacity", retry_after_s=self.settings.retry_after_s)
-        marker: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (marker, instance.name, instance.token_capacity, tokens)
-        self._waiters.append(entry)
-        try:
-            async with asyncio.timeout(self.settings.wait_s):
-                while not await self._try(instance, tokens, member):
-                    await asyncio.sleep(self.poll_s)
-        except TimeoutError:
-            raise AdmissionTimeout(f"no engine capacity for {tokens} tokens within {self.settings.wait_s:g}s") from None
-        except BaseException:
-            # Cancelled while the script may have run: remove the member unconditionally.
-            await asyncio.shield(self._remove(instance.name, member))
-            raise
-        finally:
-            self._waiters.remove(entry)
-            marker.cancel()
-        self._inflight[instance.name] += tokens
-        self._total += tokens
-        self._renewers[lease.lease_id] = asyncio.get_running_loop().create_task(self._keep(instance.name, member))
-        return lease
-
-    async def _keep(self, instance: str, member: str) -> None:
-        while True:
-            await asyncio.sleep(self.lease_ttl_s / 3)
-            expiry = int((time.time() + self.lease_ttl_s) * 1000)
-            try:
-                await self._renew(keys=self._keys(instance), args=[expiry, member])
-            except Exception as exc:  # Redis away: the lease may lapse; the request goes on
-                logger.warning("admission lease renewal failed instance=%s: %r", instance, exc)
-
-    async def _remove(self, instance: str, member: str) -> None:
-        keys = self._keys(instance)
-        await self.redis.zrem(keys[0], member)
-        await self.redis.zrem(keys[1], member)
-
-    def _release(self, lease: Lease) -> None:
-        renewer = self._renewers.pop(lease.lease_id, None)
-        if renewer is not None:
-            renewer.cancel()
-        self._inflight[lease.instance] -= lease.tokens
-        self._total -= lease.tokens
-        if self._inflight[lease.instance] <= 0:
-            del self._inflight[lease.instance]
-        # Release is synchronous (it runs in finally blocks, even during cancellation); the
-        # removal is a fire-and-forget task, and the lease expires on its own if it never runs.
-        task = asyncio.get_running_loop().create_task(self._remove(lease.instance, f"{lease.lease_id}:{lease.tokens}"))
-        _pending.add(task)
-        task.add_done_callback(_pending.discard)
-
-    async def aclose(self) -> None:
-        """Wait for pending removals (tests, shutdown)."""
-        while _pending:
-            await asyncio.gather(*list(_pending), return_exceptions=True)
-
-
-_pending: set[asyncio.Task[None]] = set()
+            self._dequeue(waiter)
+            self._take(waiter.instance, waiter.tokens)
+            waiter.future.set_result(None)

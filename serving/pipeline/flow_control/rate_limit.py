@@ -2,27 +2,38 @@
 
 The count a request is charged is prompt tokens + resolved max output tokens (times ``n``),
 known only after render; so the view binds the caller's key and limit to the request's context
-(``bind``) and the pipeline charges after render (``charge``), without either passing the key
-through the pipeline's signatures. Charging the reserved output rather than what was generated
-errs on the safe side: a limit is a promise about engine capacity, which is reserved up front.
+(``bind``) and the pipeline charges it (``charge_request``) on whichever path first knows the
+count: after render or local tokenization on the token-only path, before the first engine call
+on the native path (the admission estimate there). A request is charged once, even when it moves
+from one path to the other. Charging the reserved output rather than what was generated errs on
+the safe side: a limit is a promise about engine capacity, which is reserved up front. A
+non-positive amount is refused (``RequestError``), never charged.
 
-The window is a sliding log of the last 60 s per key, in-process: with several coordinator
-processes each enforces the limit on its own share of the traffic (a key's effective limit is
-up to limit × processes). A Redis-shared window (a sorted set per key, trimmed and summed in one
-Lua call) would make it global; not done yet.
+``TokenRateLimiter`` is a sliding log of the last 60 s per key, in-process: with several
+coordinator processes each would enforce the limit on its own share of the traffic.
+``RedisTokenRateLimiter`` (chosen by ``serving.runtime`` when ``REDIS_URL`` is set) keeps one
+window per key in Redis, trimmed, checked and charged in one Lua call on Redis's clock, so the
+limit holds across every process; Redis unreachable is 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
 import math
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
-from serving.pipeline.errors import RateLimited
+from redis.exceptions import RedisError
+
+from serving.pipeline.errors import AdmissionUnavailable, RateLimited
+from serving.pipeline.flow_control.admission import check_tokens
+
+logger = logging.getLogger(__name__)
 
 WINDOW_S = 60.0
 
@@ -55,28 +66,30 @@ class TokenRateLimiter:
             return self._used.get(key_id, 0)
 
     def charge(self, limit: KeyLimit, tokens: int) -> None:
-        """Record ``tokens`` against ``limit``'s key, or raise ``TokenRateLimited`` and record nothing."""
+        """Record ``tokens`` against ``limit``'s key, or raise ``TokenRateLimited`` and record nothing.
+
+        Raises ``RequestError`` for a non-positive amount.
+        """
+        tokens = check_tokens(tokens)
         with self._lock:
             now = self.clock()
             self._expire(limit.key_id, now)
             used = self._used.get(limit.key_id, 0)
             cap = limit.tokens_per_minute
             if tokens > cap:
-                # Waiting cannot help; OpenAI answers this case with 429 too.
-                raise TokenRateLimited(
-                    f"Request too large for key {limit.name!r}: {tokens} tokens (prompt + max output) "
-                    f"exceed its limit of {cap} tokens per minute. Reduce the prompt or max_tokens.",
-                    retry_after_s=math.ceil(self.window_s),
-                )
+                raise too_large(limit, tokens, self.window_s)
             if used + tokens > cap:
-                raise TokenRateLimited(
-                    f"Rate limit reached for key {limit.name!r}: {cap} tokens per minute, {used} used, "
-                    f"this request needs {tokens}. Retry after the time in Retry-After.",
-                    retry_after_s=self._retry_after(limit.key_id, now, used + tokens - cap),
-                )
+                raise over_limit(limit, tokens, used, self._retry_after(limit.key_id, now, used + tokens - cap))
             log = self._log.setdefault(limit.key_id, deque())
             log.append((now, tokens))
             self._used[limit.key_id] = used + tokens
+
+    async def acharge(self, limit: KeyLimit, tokens: int) -> None:
+        """``charge``, awaitable (the shared limiter's interface)."""
+        self.charge(limit, tokens)
+
+    async def aused(self, key_id: str) -> int:
+        return self.used(key_id)
 
     def _expire(self, key_id: str, now: float) -> None:
         log = self._log.get(key_id)
@@ -100,18 +113,144 @@ class TokenRateLimiter:
         return max(1, math.ceil(self.window_s))
 
 
-# The process's limiter, and the key of the request being served (set by the view).
-LIMITER = TokenRateLimiter()
-_current: contextvars.ContextVar[KeyLimit | None] = contextvars.ContextVar("motor_key_limit", default=None)
+def too_large(limit: KeyLimit, tokens: int, window_s: float) -> TokenRateLimited:
+    # Waiting cannot help; OpenAI answers this case with 429 too.
+    return TokenRateLimited(
+        f"Request too large for key {limit.name!r}: {tokens} tokens (prompt + max output) "
+        f"exceed its limit of {limit.tokens_per_minute} tokens per minute. Reduce the prompt or max_tokens.",
+        retry_after_s=math.ceil(window_s),
+    )
+
+
+def over_limit(limit: KeyLimit, tokens: int, used: int, retry_after_s: int) -> TokenRateLimited:
+    return TokenRateLimited(
+        f"Rate limit reached for key {limit.name!r}: {limit.tokens_per_minute} tokens per minute, {used} used, "
+        f"this request needs {tokens}. Retry after the time in Retry-After.",
+        retry_after_s=retry_after_s,
+    )
+
+
+# KEYS: 1 the key's window (sorted set: charge id -> time ms), 2 charge id -> tokens, 3 the sum.
+# ARGV: 1 window ms. Drops what left the window, on Redis's clock; returns {now ms, used}.
+_TRIM = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local window = tonumber(ARGV[1])
+local used = tonumber(redis.call('GET', KEYS[3]) or '0')
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - window)) do
+  used = used - tonumber(redis.call('HGET', KEYS[2], id) or '0')
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('ZREM', KEYS[1], id)
+end
+if used > 0 then redis.call('SET', KEYS[3], used, 'KEEPTTL') else redis.call('DEL', KEYS[3]); used = 0 end
+"""
+
+# ARGV: 1 window ms, 2 charge id, 3 tokens, 4 the limit. Returns {0, used} charged,
+# {1, used} larger than the limit, {2, used, ms until enough has left the window}.
+_CHARGE = _TRIM + """
+local tokens = tonumber(ARGV[3])
+if not tokens or tokens < 1 or tokens ~= math.floor(tokens) then
+  return redis.error_reply('tokens must be a positive integer')
+end
+local cap = tonumber(ARGV[4])
+if tokens > cap then return {1, used} end
+if used + tokens > cap then
+  local excess, freed = used + tokens - cap, 0
+  local log = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+  for i = 1, #log, 2 do
+    freed = freed + tonumber(redis.call('HGET', KEYS[2], log[i]) or '0')
+    if freed >= excess then return {2, used, tonumber(log[i + 1]) + window - now} end
+  end
+  return {2, used, window}
+end
+redis.call('ZADD', KEYS[1], now, ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[2], tokens)
+redis.call('INCRBY', KEYS[3], tokens)
+for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], window + 1000) end  -- an idle key costs nothing
+return {0, used + tokens}
+"""
+
+_USED = _TRIM + "\nreturn used\n"
+
+
+class RedisTokenRateLimiter(TokenRateLimiter):
+    """One sliding window per key shared by every coordinator process, on Redis's clock."""
+
+    def __init__(self, redis: Any, *, prefix: str = "motor:tpm", window_s: float = WINDOW_S, retry_after_s: int = 1) -> None:
+        super().__init__(window_s)
+        self.redis = redis
+        self.prefix = prefix
+        self.retry_after_s = retry_after_s  # the hint when Redis is unreachable
+        self._charge = redis.register_script(_CHARGE)
+        self._used_script = redis.register_script(_USED)
+
+    def _keys(self, key_id: str) -> list[str]:
+        return [f"{self.prefix}:{key_id}:log", f"{self.prefix}:{key_id}:tokens", f"{self.prefix}:{key_id}:used"]
+
+    def charge(self, limit: KeyLimit, tokens: int) -> None:
+        raise TypeError("the shared limiter is asynchronous: use acharge")
+
+    async def acharge(self, limit: KeyLimit, tokens: int) -> None:
+        """Charge ``tokens`` in the shared window; raises ``TokenRateLimited``, ``RequestError``,
+        or ``AdmissionUnavailable`` when Redis cannot be reached."""
+        tokens = check_tokens(tokens)
+        window_ms = int(self.window_s * 1000)
+        try:
+            result = await self._charge(
+                keys=self._keys(limit.key_id), args=[window_ms, uuid.uuid4().hex, tokens, limit.tokens_per_minute]
+            )
+        except (RedisError, OSError) as exc:
+            logger.warning("tokens-per-minute redis unavailable key=%s: %r", limit.name, exc)
+            raise AdmissionUnavailable(
+                "the tokens-per-minute limit cannot be checked right now (shared state unreachable)",
+                retry_after_s=self.retry_after_s,
+            ) from None
+        verdict, used = int(result[0]), int(result[1])
+        if verdict == 1:
+            raise too_large(limit, tokens, self.window_s)
+        if verdict == 2:
+            raise over_limit(limit, tokens, used, max(1, math.ceil(int(result[2]) / 1000)))
+
+    def used(self, key_id: str) -> int:
+        raise TypeError("the shared limiter is asynchronous: use aused")
+
+    async def aused(self, key_id: str) -> int:
+        return int(await self._used_script(keys=self._keys(key_id), args=[int(self.window_s * 1000)]))
+
+
+@dataclass(eq=False)
+class _Binding:
+    limit: KeyLimit
+    charged: bool = False  # once per request, whichever path charges first
+
+
+# The process's limiter (``serving.runtime.build`` installs the shared one with ``REDIS_URL``),
+# and the key of the request being served (set by the view).
+LIMITER: TokenRateLimiter = TokenRateLimiter()
+_current: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar("motor_key_limit", default=None)
+
+
+def install(limiter: TokenRateLimiter) -> None:
+    """Make ``limiter`` the process's limiter (the composition root calls this once)."""
+    global LIMITER
+    LIMITER = limiter
 
 
 def bind(limit: KeyLimit | None) -> None:
     """Attach the caller's key limit to this request's context (None: unlimited)."""
-    _current.set(limit)
+    _current.set(_Binding(limit) if limit is not None else None)
 
 
-def charge(tokens: int, limiter: TokenRateLimiter | None = None) -> None:
-    """Charge the bound key, if it has a limit; raises ``TokenRateLimited`` when over it."""
-    limit = _current.get()
-    if limit is not None:
-        (limiter or LIMITER).charge(limit, tokens)
+async def charge_request(tokens: int, limiter: TokenRateLimiter | None = None) -> None:
+    """Charge the bound key once per request, if it has a limit.
+
+    Raises ``TokenRateLimited`` when over it, ``RequestError`` for a non-positive amount (even
+    for a key without a limit: the count is wrong, whoever asks), ``AdmissionUnavailable`` when
+    the shared window cannot be reached.
+    """
+    tokens = check_tokens(tokens)
+    binding = _current.get()
+    if binding is None or binding.charged:
+        return
+    await (limiter or LIMITER).acharge(binding.limit, tokens)
+    binding.charged = True

@@ -24,6 +24,7 @@ from serving.pipeline.derender.holdback import ChunkHoldback, derender_request
 from serving.pipeline.derender.session import ChoicePhase, StreamingRenderSession, StreamSettings
 from serving.pipeline.engine.requests import GENERATE_PREFIX
 from serving.pipeline.errors import EngineError, MotorError, error_body
+from serving.pipeline.flow_control.admission import reserve_together
 from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.tokenization import TokenizedRequest
@@ -155,11 +156,12 @@ class EventStream:
         )
         streams: list[OpenStream] = []
         try:
-            for s in old:
-                streams.append(await self.attempts.open(
-                    self.tokenized, s.prompt_index, self.requires_tokenizer, first_attempt=s.attempt + 1,
-                    exclude=self.attempts.policy.excluded_after_restart(exc),
-                ))
+            with reserve_together():  # as when first opened: all prompts at once, never waiting on itself
+                for s in old:
+                    streams.append(await self.attempts.open(
+                        self.tokenized, s.prompt_index, self.requires_tokenizer, first_attempt=s.attempt + 1,
+                        exclude=self.attempts.policy.excluded_after_restart(exc),
+                    ))
         finally:
             # Whatever opened is owned by the stream now, so aclose releases it on any exit.
             self.streams = streams + old[len(streams):]

@@ -1,0 +1,94 @@
+"""Admission and the tokens-per-minute limit on every path of the pipeline (fake upstreams, the
+``rig`` ends by asserting nothing leaked): the native path is charged, a non-positive count is
+refused before any engine, and a multi-prompt stream is admitted together or fails fast."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from serving.pipeline.errors import AdmissionUnavailable, RequestError
+from serving.pipeline.flow_control import rate_limit
+from serving.pipeline.flow_control.rate_limit import KeyLimit, TokenRateLimited, TokenRateLimiter
+from tests.serving.fakes import MODEL
+from tests.serving.router_fakes import Rig, chat_body, engine, model_dir, respond, snapshot_with
+from tests.serving.test_tokenization import connect_error, expected_chat_ids
+
+PLAIN = (engine("e1", native_openai=True), engine("e2", native_openai=True))
+KEY = KeyLimit("c" * 64, "team-c", 100)
+
+
+@pytest.fixture
+def limiter(monkeypatch: pytest.MonkeyPatch) -> Iterator[TokenRateLimiter]:
+    fresh = TokenRateLimiter()
+    monkeypatch.setattr(rate_limit, "LIMITER", fresh)
+    rate_limit.bind(KEY)
+    yield fresh
+    rate_limit.bind(None)
+
+
+async def test_the_native_path_is_charged(rig: Rig, limiter: TokenRateLimiter) -> None:
+    await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=60), "t1")
+    assert limiter.used(KEY.key_id) == 60
+    rate_limit.bind(KEY)  # the next request of the same key
+    with pytest.raises(TokenRateLimited):
+        await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=60), "t2")
+    assert len(rig.native.calls) == 1  # refused before any engine
+    assert limiter.used(KEY.key_id) == 60
+
+
+async def test_responses_are_charged_their_max_output_tokens(rig: Rig, limiter: TokenRateLimiter) -> None:
+    await rig.pipeline(snapshot_with(*PLAIN)).responses({"model": MODEL, "input": "hi", "max_output_tokens": 33}, "t10")
+    assert limiter.used(KEY.key_id) == 33
+
+
+async def test_the_local_fallback_is_charged(rig: Rig, limiter: TokenRateLimiter) -> None:
+    rig.upstreams.override("render", "render", connect_error)  # render unreachable: local tokenizer
+    await rig.pipeline(snapshot_with(model_path=model_dir())).chat(chat_body(max_tokens=5), "t7")
+    assert limiter.used(KEY.key_id) == len(expected_chat_ids()) + 5
+
+
+async def test_a_fallback_that_goes_native_is_charged_once(rig: Rig, limiter: TokenRateLimiter) -> None:
+    rig.upstreams.override("render", "render", connect_error)
+    snap = snapshot_with(engine("e1", native_openai=True), engine("e2"), model_path=model_dir())
+    await rig.pipeline(snap).chat(chat_body(max_tokens=7, tools=[{"type": "function", "function": {"name": "f"}}]), "t8")
+    assert len(rig.native.calls) == 1
+    assert limiter.used(KEY.key_id) == 7  # the native estimate, charged on the native path
+
+
+async def test_a_request_moved_from_token_only_to_native_is_not_charged_twice(
+    rig: Rig, limiter: TokenRateLimiter
+) -> None:
+    for host in ("e1", "e2"):  # no token-only generate: the request moves to the native path
+        rig.upstreams.override(host, "generate", respond(404, {"detail": "Not Found"}))
+    out = await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(max_tokens=9), "t9")
+    assert out["path"] == "/v1/chat/completions"
+    (render,) = rig.upstreams.calls_of("render")
+    assert limiter.used(KEY.key_id) == len(render.response["token_ids"]) + 9  # after render, only
+
+
+async def test_a_native_request_with_negative_max_tokens_is_refused_before_any_engine(
+    rig: Rig, limiter: TokenRateLimiter
+) -> None:
+    with pytest.raises(RequestError) as info:
+        await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=-50), "t3")
+    assert info.value.status == 400
+    assert rig.native.calls == [] and limiter.used(KEY.key_id) == 0
+    assert rig.scheduler.admission.inflight_tokens() == {}
+    # Capacity still applies afterwards: nothing went negative.
+    await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=5), "t4")
+
+
+async def test_a_multi_prompt_stream_that_cannot_hold_all_its_prompts_fails_fast(rig: Rig) -> None:
+    only = engine("e1", token_capacity=100)
+    body = {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 60, "stream": True}
+    async with asyncio.timeout(5):  # the admission deadline is 30 s: waiting on itself is the bug
+        with pytest.raises(AdmissionUnavailable) as info:
+            await rig.pipeline(snapshot_with(only)).completions(body, "t5")
+    assert info.value.status == 503 and info.value.retry_after_s >= 1
+    assert rig.scheduler.admission.inflight_tokens() == {} and rig.scheduler.admission.waiting() == 0
+    # An unrelated request is served at once afterwards.
+    out = await rig.pipeline(snapshot_with(only)).completions({"model": MODEL, "prompt": "a", "max_tokens": 5}, "t6")
+    assert out["choices"]

@@ -1,0 +1,51 @@
+"""The composition root chooses the shared implementations when ``REDIS_URL`` is set, and the
+per-process ones without it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from serving import runtime
+from serving.pipeline.flow_control import rate_limit
+from serving.pipeline.flow_control.admission import TokenAdmission
+from serving.pipeline.flow_control.redis_admission import RedisTokenAdmission
+from serving.pipeline.resilience.breaker import BreakerBoard
+from serving.pipeline.resilience.shared_breaker import SharedBreakerBoard
+from tests.serving import shared_redis
+from tests.serving.fakes import instance
+
+
+@pytest.fixture
+def restore_limiter() -> Iterator[None]:
+    before = rate_limit.LIMITER
+    yield
+    rate_limit.install(before)
+
+
+async def test_with_redis_url_admission_limits_and_breakers_are_shared(
+    settings: Any, restore_limiter: None, redis_client: Any
+) -> None:
+    settings.REDIS_URL = shared_redis.DB_URL
+    built = runtime.build()
+    assert isinstance(built.admission, RedisTokenAdmission)
+    assert isinstance(built.breakers, SharedBreakerBoard) and built.scheduler.breakers is built.breakers
+    assert isinstance(built.rate_limiter, rate_limit.RedisTokenRateLimiter) and rate_limit.LIMITER is built.rate_limiter
+    # The built admission really talks to that Redis (and leaves nothing behind).
+    lease = await built.admission.acquire(replace(instance("e1"), token_capacity=100), 10)
+    assert await redis_client.zscore("motor:admission:leases", lease.lease_id) is not None
+    lease.release()
+    assert isinstance(built.admission, RedisTokenAdmission)
+    await built.admission.aclose()
+    assert await redis_client.zscore("motor:admission:leases", lease.lease_id) is None
+    await built.admission.redis.aclose()
+
+
+def test_without_redis_url_each_process_keeps_its_own(settings: Any, restore_limiter: None) -> None:
+    settings.REDIS_URL = ""
+    built = runtime.build()
+    assert type(built.admission) is TokenAdmission and type(built.breakers) is BreakerBoard
+    assert type(built.rate_limiter) is rate_limit.TokenRateLimiter and rate_limit.LIMITER is built.rate_limiter

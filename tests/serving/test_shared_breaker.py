@@ -1,0 +1,145 @@
+"""Circuit breakers shared through the real Redis on 127.0.0.1 (db 14): one threshold and one
+state for every process, operator overrides that win, Redis's clock for the open time, and the
+local board as the fallback while Redis is away. Two independent clients stand for two processes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from serving.pipeline.resilience.breaker import State
+from serving.pipeline.resilience.shared_breaker import SharedBreakerBoard
+from tests.serving import shared_redis
+from tests.serving.fakes import instance
+from tests.serving.shared_redis import keys
+
+E1 = instance("e1")
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.flips: list[tuple[int, str]] = []
+
+    def __call__(self, instance_id: int, new_state: str, *rest: Any) -> None:
+        self.flips.append((instance_id, new_state))
+
+
+@pytest.fixture
+async def two(redis_client: Any, prefix: str) -> AsyncIterator[tuple[SharedBreakerBoard, SharedBreakerBoard, Sink, Sink]]:
+    other = shared_redis.client()
+    before = asyncio.all_tasks()
+    sink_a, sink_b = Sink(), Sink()
+    a = SharedBreakerBoard(redis_client, prefix=prefix, refresh_s=0, threshold=3, base_open_s=0.3, sink=sink_a)
+    b = SharedBreakerBoard(other, prefix=prefix, refresh_s=0, threshold=3, base_open_s=0.3, sink=sink_b)
+    yield a, b, sink_a, sink_b
+    await a.flush()
+    await b.flush()
+    await other.aclose()
+    assert asyncio.all_tasks() - before - {asyncio.current_task()} == set()  # no worker left behind
+    assert await keys(redis_client, prefix) in ([], [f"{prefix}:{E1.id}"])  # only the breaker's own hash
+
+
+async def synced(*boards: SharedBreakerBoard) -> None:
+    for board in boards:
+        board.allows(E1)  # a re-read (refresh_s=0)
+        await board.flush()
+
+
+async def test_a_breaker_one_process_opens_keeps_the_other_away(two: Any) -> None:
+    a, b, sink_a, sink_b = two
+    for _ in range(3):
+        a.failure(E1, "boom")
+    await a.flush()
+    assert a.state(E1) is State.OPEN
+    assert b.allows(E1)  # b has not heard yet...
+    await synced(b)
+    assert not b.allows(E1) and not b.begin(E1)  # ...now it has
+    assert sink_a.flips == [(E1.id, "open")] and sink_b.flips == []  # written back once
+
+
+async def test_failures_in_two_processes_count_toward_one_threshold(two: Any) -> None:
+    a, b, sink_a, sink_b = two
+    a.failure(E1, "boom")
+    a.failure(E1, "boom")
+    await a.flush()
+    b.failure(E1, "boom")  # b's first failure is the fleet's third
+    await b.flush()
+    await synced(a)
+    assert a.state(E1) is State.OPEN and b.state(E1) is State.OPEN
+    assert sink_b.flips == [(E1.id, "open")] and sink_a.flips == []
+
+
+async def test_the_open_time_passes_on_redis_clock_and_one_trial_closes_it_everywhere(two: Any) -> None:
+    a, b, sink_a, sink_b = two
+    for _ in range(3):
+        a.failure(E1, "boom")
+    await a.flush()
+    await asyncio.sleep(0.4)  # base_open_s is 0.3
+    await synced(b)
+    assert b.state(E1) is State.HALF_OPEN and b.begin(E1)
+    b.success(E1)
+    await b.flush()
+    await synced(a)
+    assert a.state(E1) is State.CLOSED and a.allows(E1)
+    assert sink_b.flips == [(E1.id, "closed")]
+
+
+async def test_operator_overrides_win_over_shared_state(two: Any) -> None:
+    a, b, _, _ = two
+    for _ in range(3):
+        a.failure(E1, "boom")
+    await a.flush()
+    reset = replace(E1, breaker_state="closed", breaker_epoch=1)  # the operator reset it
+    assert b.allows(reset)  # b's snapshot already has the reset: adopted and written with its epoch
+    await b.flush()
+    a.failure(E1, "boom")  # a's verdict from before it saw the reset: ignored by the script
+    await a.flush()
+    assert a.state(E1) is State.CLOSED and a.allows(E1)  # and a took the operator's state from Redis
+    await synced(b)
+    assert b._breakers[E1.id].failures == 0
+    forced = replace(E1, breaker_state="open", breaker_epoch=2)  # then forced it open
+    assert not a.allows(forced)
+    await a.flush()
+    await synced(b)
+    assert b.state(E1) is State.OPEN
+
+
+async def test_without_redis_the_board_falls_back_to_its_local_state_machine() -> None:
+    import redis.asyncio
+
+    gone = redis.asyncio.Redis.from_url("redis://127.0.0.1:1/14", socket_connect_timeout=0.5, socket_timeout=0.5)
+    sink = Sink()
+    board = SharedBreakerBoard(gone, prefix="motor:test:gone", threshold=3, sink=sink)
+    for _ in range(3):
+        board.failure(E1, "boom")
+    await board.flush()
+    assert board.state(E1) is State.OPEN and not board.begin(E1)
+    assert sink.flips == [(E1.id, "open")]  # its own flip, reported as a per-process board does
+    await gone.aclose()
+
+
+async def test_a_success_on_a_healthy_breaker_costs_no_redis_call(two: Any) -> None:
+    a, _, _, _ = two
+    a.refresh_s = 3600  # no re-reads either: count the verdicts alone
+    calls: list[Any] = []
+    script = a._script
+
+    async def counted(**kwargs: Any) -> Any:
+        calls.append(kwargs["args"][0])
+        return await script(**kwargs)
+
+    a._script = counted  # type: ignore[method-assign]
+    a.allows(E1)  # the first sight reads once
+    await a.flush()
+    for _ in range(5):
+        a.success(E1)
+    await a.flush()
+    assert calls == ["read"]
+    a.failure(E1, "boom")
+    a.success(E1)  # this one resets a counted failure: Redis must hear it
+    await a.flush()
+    assert calls == ["read", "failure", "success"]
