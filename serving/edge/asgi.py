@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, MutableMapping
 from contextlib import aclosing
 from types import TracebackType
 from typing import Any
@@ -158,7 +158,7 @@ async def send_json(send: Send, status: int, payload: Any, extra: Iterable[tuple
 
 
 async def send_stream(
-    send: Send, frames: AsyncIterator[bytes], extra: Iterable[tuple[bytes, bytes]], watch: DisconnectWatch
+    send: Send, frames: AsyncGenerator[bytes, None], extra: Iterable[tuple[bytes, bytes]], watch: DisconnectWatch
 ) -> None:
     """A 200 ``text/event-stream`` of ``frames``, each sent as it comes.
 

@@ -142,7 +142,7 @@ def serve(kind: str) -> Endpoint:
 
 async def models(scope: Scope, receive: Receive, send: Send) -> None:
     try:
-        if scope["method"] not in ("GET", "HEAD"):
+        if scope["method"] != "GET":
             raise RequestError("Method not allowed; use GET.", status=405)
         snapshot = await current_snapshot()
         _check_key(scope, snapshot)
@@ -150,7 +150,7 @@ async def models(scope: Scope, receive: Receive, send: Send) -> None:
         await send_error(send, exc)
         return
     now = int(time.time())
-    data = [
+    data: list[dict[str, Any]] = [
         {
             "id": m.name,
             "object": "model",
