@@ -1,4 +1,4 @@
-"""/v1/responses and /v1/messages through the views: routed to an engine's own API, relayed as is;
+"""/v1/responses and /v1/messages through the edge: routed to an engine's own API, relayed as is;
 admission refusals carry ``Retry-After``."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The /v1 views through Django's async test client, with the fleet in the database and the
-upstreams faked behind ``serving.pipeline.http.shared_client`` (tests/serving/fakes.py)."""
+"""The /v1 endpoints through the whole ASGI application (``v1`` fixture: the edge in front of
+Django), with the fleet in the database and the upstreams faked behind
+``serving.pipeline.http.shared_client`` (tests/serving/fakes.py)."""
 
 from __future__ import annotations
 
