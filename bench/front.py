@@ -38,8 +38,7 @@ class AnswerAtOnce:
         return ANSWER
 
 
-def setup() -> Any:
-    tmp = tempfile.mkdtemp(prefix="motorsite-front-")
+def setup(tmp: str) -> Any:
     os.environ.update(
         DJANGO_SETTINGS_MODULE="motorsite.settings", DATABASE_URL=f"sqlite:///{tmp}/db.sqlite3",
         MOTOR_API_KEYS=KEY, LOG_LEVEL="WARNING",
@@ -114,8 +113,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000)
     args = parser.parse_args()
-    application = setup()
-    cpu, wall = asyncio.run(run(application, args.requests))
+    with tempfile.TemporaryDirectory(prefix="motorsite-front-") as tmp:
+        application = setup(tmp)
+        cpu, wall = asyncio.run(run(application, args.requests))
     front = "edge" if Path(ROOT / "serving" / "edge").is_dir() else "Django views"
     print(f"{front}: {args.requests} requests, CPU {cpu * 1e6:.0f} us/request, wall {wall * 1e6:.0f} us/request")
     return 0
