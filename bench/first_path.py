@@ -17,7 +17,7 @@ hits each pair alike. Every request gets a unique system line, so no path profit
 prefix cache warmed by another.
 
     python3 -m toolchain exec bench/first_path.py [--requests 40] [--concurrency 4]
-                                                  [--max-tokens 32] [--rounds 4] [--write]
+                                                  [--max-tokens 32] [--rounds 4] [--sim-only] [--write]
 
 ``--write`` replaces this benchmark's section of ``bench/RESULTS.md`` (or appends it).
 Reports numbers only; nothing here asserts on timings.
@@ -439,6 +439,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds the requests are split into")
     parser.add_argument("--allow-eos", action="store_true", help="do not send ignore_eos (outputs may be shorter)")
     parser.add_argument("--no-sim", action="store_true", help="skip paths c and d")
+    parser.add_argument("--sim-only", action="store_true", help="skip paths a and b (no vLLM engine: a quieter machine)")
     parser.add_argument("--write", action="store_true", help=f"write the section into {RESULTS.relative_to(ROOT)}")
     parser.add_argument("--keep-logs", action="store_true", help="keep the temp log directory")
     args = parser.parse_args()
@@ -477,28 +478,34 @@ def main() -> int:
     exits = contextlib.ExitStack()
     try:
         with exits:
-            print("starting render sidecar and vLLM engine ...", flush=True)
-            tiers = _start(exits, [stack.render_spec(cfg), *stack.engine_specs(cfg)])
-            render_pgid = tiers.pids.get("render")
-            engine_url = cfg.engine_urls[0]
-            targets.append(
-                Target("a", lambda client, i: one_chat(client, f"{engine_url}/v1/chat/completions", chat_body("a", i, args), {}))
-            )
-
-            print("starting coordinator (vLLM) ...", flush=True)
-            try:
-                stack.prepare_database(cfg)
-                coord = _start(exits, [stack.coordinator_spec(cfg)])
-            except (SupervisorError, subprocess.CalledProcessError, OSError) as exc:
-                skipped["b"] = _report_failure("coordinator in front of vLLM", exc, log_dir / "coordinator.log")
+            if args.sim_only:
+                print("starting render sidecar ...", flush=True)
+                tiers = _start(exits, [stack.render_spec(cfg)])
+                skipped["a"] = skipped["b"] = "skipped (--sim-only)"
             else:
+                print("starting render sidecar and vLLM engine ...", flush=True)
+                tiers = _start(exits, [stack.render_spec(cfg), *stack.engine_specs(cfg)])
+            render_pgid = tiers.pids.get("render")
+            if not args.sim_only:
+                engine_url = cfg.engine_urls[0]
                 targets.append(
-                    Target(
-                        "b",
-                        lambda client, i: one_chat(client, f"{cfg.coordinator_url}/v1/chat/completions", chat_body("b", i, args), auth),
-                        coord.pids["coordinator"],
-                    )
+                    Target("a", lambda client, i: one_chat(client, f"{engine_url}/v1/chat/completions", chat_body("a", i, args), {}))
                 )
+
+                print("starting coordinator (vLLM) ...", flush=True)
+                try:
+                    stack.prepare_database(cfg)
+                    coord = _start(exits, [stack.coordinator_spec(cfg)])
+                except (SupervisorError, subprocess.CalledProcessError, OSError) as exc:
+                    skipped["b"] = _report_failure("coordinator in front of vLLM", exc, log_dir / "coordinator.log")
+                else:
+                    targets.append(
+                        Target(
+                            "b",
+                            lambda client, i: one_chat(client, f"{cfg.coordinator_url}/v1/chat/completions", chat_body("b", i, args), auth),
+                            coord.pids["coordinator"],
+                        )
+                    )
 
             if args.no_sim:
                 skipped["c"] = skipped["d"] = "skipped (--no-sim)"

@@ -1,8 +1,9 @@
-"""ASGI entry point: Channels' ProtocolTypeRouter around Django's ASGI handler.
+"""ASGI entry point: the /v1 edge in front of Django, inside Channels' ProtocolTypeRouter.
 
-Streaming endpoints are async Django views returning ``StreamingHttpResponse``; Django's ASGI
-handler turns a client disconnect into cancellation of the view's task. Served by Daphne in
-``make run``; any ASGI server (uvicorn) can serve it too.
+Requests under ``/v1`` go to ``serving.edge`` (plain ASGI: no middleware, authentication from
+the fleet snapshot, a client disconnect cancels the request's task at once); everything else
+(admin, ``/api``, ``/metrics``, ``/healthz``, the metaserver callback, the dashboard, static
+files) is Django's. Served by Daphne in ``make run``; any ASGI server (uvicorn) can serve it too.
 """
 
 import os
@@ -20,4 +21,8 @@ if settings.MOTOR_SERVE_STATIC:
     # no separate web server in the embedded default.
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
-application = ProtocolTypeRouter({"http": django_asgi_app})
+# Imported once Django is set up: the edge reads settings and the snapshot builder uses the ORM.
+from serving.edge import openai_api  # noqa: E402
+from serving.edge.asgi import PrefixMount  # noqa: E402
+
+application = ProtocolTypeRouter({"http": PrefixMount("/v1", openai_api.application, django_asgi_app)})

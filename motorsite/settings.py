@@ -156,11 +156,18 @@ STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "var" / "static"
 MOTOR_SERVE_STATIC = env_bool("MOTOR_SERVE_STATIC", True)
 # Long prompts and token-id prompts are big JSON bodies; Django's 2.5 MB default is too small.
+# The /v1 edge (serving/edge) refuses a body over it with 413 before holding it in memory.
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("MOTOR_MAX_BODY_BYTES", 32 * 1024 * 1024)
+# Deepest nesting of a /v1 body (400 past it): well inside what every encoder downstream
+# (httpx, the standard library, pydantic) handles; chat bodies with tools and JSON schemas nest
+# a few dozen levels at most.
+MOTOR_MAX_JSON_DEPTH = env_int("MOTOR_MAX_JSON_DEPTH", 64)
 
-# Client keys for /v1. Until the control plane manages keys, a configured key is simply
-# required as a bearer token; no key configured means /v1 is open (tests, local use).
+# Client keys for /v1 (serving/edge/keys.py): the ApiKey records of the control plane; until
+# the first client record exists, these plain keys. With no key at all /v1 answers 401: it is
+# open to anyone only with MOTOR_OPEN_ACCESS=true, never by accident.
 MOTOR_API_KEYS = [k for k in env_str("MOTOR_API_KEYS", env_str("MOTOR_DEMO_API_KEY")).split(",") if k]
+MOTOR_OPEN_ACCESS = env_bool("MOTOR_OPEN_ACCESS", False)
 
 # Bounds of the data plane, each a named knob (the pipeline never invents its own timeouts).
 MOTOR_CONNECT_TIMEOUT_S = env_int("MOTOR_CONNECT_TIMEOUT_MS", 2000) / 1000  # TCP connect to render/engines

@@ -27,12 +27,18 @@ def _refusal(status: int, message: str) -> JsonResponse:
 async def metaserver_callback(request: HttpRequest, token: str) -> JsonResponse:
     if request.method != "POST":
         return _refusal(405, "Method not allowed; use POST.")
+    metaserver = process_metaserver()
+    try:
+        # The token first: a forged or replayed callback is refused before its body is parsed.
+        metaserver.check(token)
+    except CallbackRefused as exc:
+        return _refusal(exc.status, exc.message)
     try:
         body = json.loads(request.body or b"")
     except (ValueError, UnicodeDecodeError):
         return _refusal(400, "callback body must be JSON")
     try:
-        reg = process_metaserver().deliver(token, body)
+        reg = metaserver.deliver(token, body)
     except CallbackRefused as exc:
         return _refusal(exc.status, exc.message)
     logger.info("metaserver request_id=%s callback=accepted engine_request_id=%s", reg.request_id, body.get("request_id"))

@@ -23,6 +23,10 @@ MotorError                      carries status, OpenAI ``type``, ``param`` and `
                                 wait on the request's own leases: 503 with ``Retry-After``
 
 Fault domains stay apart (architecture invariant 4), so each layer raises only its own kind.
+
+Messages of engine, render and derender failures name instances, addresses and exception reprs:
+they are for the log. Those classes carry a ``public`` text, which is what the client's error
+body (``body()``, ``error_body``, error frames) says instead.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class MotorError(Exception):
     status: int = 500
     type: str = "InternalServerError"
     retryable: bool = False
+    # What the client reads when ``message`` names internals; None: the message is fit for the client.
+    public: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
@@ -43,7 +49,8 @@ class MotorError(Exception):
             self.status = status
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        message = self.public or self.message
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.status}}
 
 
 class RequestError(MotorError):
@@ -87,6 +94,7 @@ class RenderUnavailable(MotorError):
     status = 503
     type = "ServiceUnavailableError"
     retryable = True
+    public = "The tokenization service is unavailable; retry later."
 
     # Why render could not be used; also the ``fallback_reason`` of the local tokenizer.
     REASONS = ("unreachable", "timeout", "capability", "no_token_ids", "status", "render_down")
@@ -100,6 +108,7 @@ class EngineError(MotorError):
     status = 502
     type = "BadGatewayError"
     retryable = True
+    public = "An engine failed while serving this request."
 
     def __init__(self, message: str, *, instance: str, status: int | None = None) -> None:
         super().__init__(message, status=status)
@@ -109,6 +118,7 @@ class EngineError(MotorError):
 class EngineBusy(EngineError):
     status = 503
     type = "ServiceUnavailableError"
+    public = "The engines for this model are busy; retry later."
 
 
 class EngineLacksCapability(EngineError):
@@ -118,6 +128,7 @@ class EngineLacksCapability(EngineError):
 class DerenderError(MotorError):
     status = 502
     type = "BadGatewayError"
+    public = "Turning the generated tokens into a response failed."
 
 
 class NoCapacity(MotorError):

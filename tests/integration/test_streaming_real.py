@@ -164,6 +164,30 @@ def test_an_engine_400_is_a_proper_status_not_relayed(relay_stack: stack.StackCo
     assert_moved(sims, before, [(0, 0), (1, 0)])  # one engine asked, the other never
 
 
+def test_a_client_that_hangs_up_mid_stream_frees_the_engine_at_once(
+    relay_stack: stack.StackConfig, sims: list[str],
+) -> None:
+    """Through Daphne and the /v1 edge: the client closes its connection after the first chunk.
+
+    Armed on both sims, a stall would be relayed after ``MOTOR_STREAM_CHUNK_TIMEOUT_MS`` and the
+    relay would reach the other sim: only the hang-up cancelling the request in the coordinator
+    leaves the count at one engine request, hung up on once.
+    """
+    arm(sims, "stall_after_tokens", tokens=2)
+    before = counters(sims)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hang up"}], "max_tokens": 24, "stream": True}
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=relay_stack.coordinator_url, headers=auth, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            assert next(response.iter_raw()).startswith(b"data: {")
+        # Leaving the block closes the unread response's connection: Daphne reports http.disconnect.
+    assert_moved(sims, before, [(0, 0), (1, 1)])
+    assert_idle(relay_stack)
+    # Still one request once everything is idle: no relay started after the client left.
+    assert sorted((r - r0, d - d0) for (r, d), (r0, d0) in zip(counters(sims), before, strict=True)) == [(0, 0), (1, 1)]
+
+
 def _byte_tokens(model_dir: str, text: str) -> list[int]:
     return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).encode(text).ids
 

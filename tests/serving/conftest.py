@@ -33,3 +33,15 @@ async def rig(upstreams: FakeUpstreams) -> AsyncIterator[Rig]:
     yield r
     await assert_no_leaks(r, before)
     await r.client.aclose()
+
+
+@pytest.fixture
+async def v1() -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the whole ASGI application (``motorsite.asgi``), as a server calls it: ``/v1``
+    reaches the edge, everything else Django. ``ASGITransport`` buffers whole responses; the
+    disconnect tests drive the application with ``ApplicationCommunicator`` instead."""
+    from motorsite.asgi import application
+
+    transport = httpx.ASGITransport(app=application)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        yield client

@@ -1,4 +1,4 @@
-"""Client disconnects through the whole ASGI stack (Channels' router, Django's ASGI handler).
+"""Client disconnects through the whole ASGI stack (Channels' router, the /v1 edge).
 
 Driven with ``channels.testing.ApplicationCommunicator`` because ``httpx.ASGITransport`` buffers
 whole responses and never sends ``http.disconnect`` mid-stream. Every test runs under an
@@ -15,12 +15,11 @@ from typing import Any, Iterator
 import httpx
 import pytest
 from channels.testing import ApplicationCommunicator
-from django.http import StreamingHttpResponse
 
 from catalog.models import RenderConfig, ServedModel
 from fleet.models import EngineInstance
 from motorsite.asgi import application
-from serving import runtime, snapshots, views
+from serving import runtime, snapshots
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams, StreamPlan
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -31,6 +30,7 @@ WATCHDOG_S = 5
 @pytest.fixture(autouse=True)
 def fresh_snapshot(settings: Any) -> Iterator[None]:
     settings.MOTOR_API_KEYS = []
+    settings.MOTOR_OPEN_ACCESS = True  # open unless a test closes it
     snapshots.invalidate()
     yield
     snapshots.invalidate()
@@ -77,7 +77,7 @@ async def start(path: str, body: dict[str, Any]) -> tuple[ApplicationCommunicato
     await communicator.send_input({"type": "http.request", "body": json.dumps(body).encode(), "more_body": False})
     head = await communicator.receive_output(WATCHDOG_S)
     assert head["type"] == "http.response.start" and head["status"] == 200, head
-    return communicator, dict(head["headers"])[b"X-Request-Id"].decode()
+    return communicator, dict(head["headers"])[b"x-request-id"].decode()
 
 
 async def first_chunk(communicator: ApplicationCommunicator) -> bytes:
@@ -89,7 +89,7 @@ async def first_chunk(communicator: ApplicationCommunicator) -> bytes:
 
 async def hang_up(communicator: ApplicationCommunicator) -> None:
     await communicator.send_input({"type": "http.disconnect"})
-    # Returns once Django's handler has returned: the view's task was cancelled and awaited.
+    # Returns once the edge has returned: the request's task was cancelled and its cleanup awaited.
     await communicator.wait(timeout=WATCHDOG_S)
 
 
@@ -149,30 +149,75 @@ async def test_it_cleans_up_a_client_that_hangs_up_after_the_status_before_any_c
     assert_nothing_left(upstream, tasks_before)
 
 
-async def test_it_cleans_up_a_client_that_hangs_up_before_the_response_is_sent(
-    upstream: FakeUpstreams, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The engines accepted, the view returned its response, the client left before it was sent.
+async def test_it_cleans_up_a_client_that_hangs_up_before_the_response_is_sent(upstream: FakeUpstreams) -> None:
+    """The engines accepted, the pipeline returned its stream, the client left as the status was sent.
 
-    The disconnect is queued as the view builds the response, so it lands while the middleware
-    handles the response: Django drops the response unsent and ``frames()`` never runs.
+    The server's ``send`` yields to the loop while the disconnect is queued, so the cancellation
+    lands there: ``frames()`` never runs and cannot abort the engines itself; the edge closes the
+    stream in the same task.
     """
     tasks_before = asyncio.all_tasks()
-    communicator = ApplicationCommunicator(application, http_scope("/v1/chat/completions"))
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    inbox.put_nowait({"type": "http.request", "body": json.dumps(chat()).encode(), "more_body": False})
+    sent: list[dict[str, Any]] = []
 
-    class HangUpNow(StreamingHttpResponse):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            communicator.input_queue.put_nowait({"type": "http.disconnect"})
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            inbox.put_nowait({"type": "http.disconnect"})
+            await asyncio.sleep(0)  # the watch reads the disconnect and cancels the request ...
+            await asyncio.sleep(0)  # ... which is delivered here, before anything was written
+        sent.append(message)
 
-    monkeypatch.setattr("serving.views.StreamingHttpResponse", HangUpNow)
     async with asyncio.timeout(WATCHDOG_S):
-        await communicator.send_input({"type": "http.request", "body": json.dumps(chat()).encode()})
-        await communicator.wait(timeout=WATCHDOG_S)
-        # The view's task ended without the body starting: the closing runs in its own task.
-        await asyncio.gather(*views._abandoned)
+        await application(http_scope("/v1/chat/completions"), inbox.get, send)
 
-    assert communicator.output_queue.empty()  # not even the status went out
+    assert sent == []  # not even the status went out
     (generate,) = upstream.calls_of("generate")
     assert_aborted(upstream, {generate.body["request_id"]})
+    assert_nothing_left(upstream, tasks_before)
+
+
+async def test_it_cancels_render_when_the_client_hangs_up_before_the_status(upstream: FakeUpstreams) -> None:
+    """A disconnect while the pipeline still works (here: render has not answered) cancels it at once.
+
+    Channels' ``AsyncHttpConsumer`` would notice only after the handler returned (django/channels#1249);
+    the edge watches ``receive`` while the handler runs.
+    """
+    render_waiting = asyncio.Event()
+    render_cancelled = asyncio.Event()
+
+    async def slow_render(request: httpx.Request, body: Any) -> httpx.Response:
+        render_waiting.set()
+        try:
+            await asyncio.Event().wait()  # never answers
+        except asyncio.CancelledError:
+            render_cancelled.set()
+            raise
+        raise AssertionError("unreachable")
+
+    upstream.override("render", "render", slow_render)
+    tasks_before = asyncio.all_tasks()
+    async with asyncio.timeout(WATCHDOG_S):
+        communicator = ApplicationCommunicator(application, http_scope("/v1/chat/completions"))
+        await communicator.send_input({"type": "http.request", "body": json.dumps(chat()).encode()})
+        await render_waiting.wait()
+
+        await hang_up(communicator)
+
+    assert render_cancelled.is_set()
+    assert communicator.output_queue.empty()  # nobody to answer
+    assert upstream.calls_of("generate") == []
+    assert_nothing_left(upstream, tasks_before)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_client_that_hangs_up_while_sending_its_body_is_not_served(upstream: FakeUpstreams, path: str) -> None:
+    tasks_before = asyncio.all_tasks()
+    async with asyncio.timeout(WATCHDOG_S):
+        communicator = ApplicationCommunicator(application, http_scope(path))
+        await communicator.send_input({"type": "http.request", "body": b'{"model": ', "more_body": True})
+        await hang_up(communicator)
+
+    assert communicator.output_queue.empty()
+    assert upstream.calls == []
     assert_nothing_left(upstream, tasks_before)

@@ -8,6 +8,7 @@ from serving.pipeline.errors import (
     DerenderError,
     EngineBusy,
     EngineError,
+    EngineLacksCapability,
     ModelNotFound,
     MotorError,
     NoCapacity,
@@ -46,7 +47,9 @@ def test_error_body_for_every_class(
     got_status, body = error_body(exc)
     _shape_ok(body)
     assert got_status == status
-    assert body["error"] == {"message": exc.message, "type": type_, "param": param, "code": status}
+    # Failures of engines, render and derender say their public text; the rest their message.
+    message = exc.public if exc.public is not None else exc.message
+    assert body["error"] == {"message": message, "type": type_, "param": param, "code": status}
     assert exc.retryable is retryable
 
 
@@ -109,3 +112,24 @@ def test_unknown_exceptions_become_a_plain_500_without_internals() -> None:
     assert body["error"]["type"] == "InternalServerError"
     assert body["error"]["code"] == 500
     assert "secret" not in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        EngineError("e1 unreachable: ConnectError('[Errno 111] 10.0.0.7:8201')", instance="e1"),
+        EngineBusy("e1 is busy", instance="e1"),
+        EngineLacksCapability("e1 has no native OpenAI API (404)", instance="e1"),
+        DerenderError("derender timed out: ReadTimeout('http://10.0.0.9:8100')", status=504),
+        RenderUnavailable("render unreachable: ConnectError('10.0.0.9:8100')", reason="unreachable"),
+    ],
+    ids=lambda exc: type(exc).__name__,
+)
+def test_engine_render_and_derender_failures_reach_the_client_without_names_or_addresses(exc: MotorError) -> None:
+    status, body = error_body(exc)
+    _shape_ok(body)
+    assert status == exc.status and body["error"]["type"] == exc.type
+    assert body["error"]["message"] == exc.public
+    for internal in ("e1", "10.0.0", ":8", "Error("):
+        assert internal not in body["error"]["message"]
+    assert "e1" in exc.message or "10.0.0" in exc.message  # the log keeps the whole story

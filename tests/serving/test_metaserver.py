@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from django.test import AsyncClient
@@ -163,3 +165,26 @@ async def test_the_view_refuses_forged_and_malformed_callbacks(metaserver: MetaS
         assert (await client.post(path, b"{", content_type="application/json")).status_code == 400
         assert (await client.get(path)).status_code == 405
         assert reg.state is CallbackState.WAITING
+
+
+async def test_the_view_checks_the_token_before_it_parses_the_body(
+    metaserver: MetaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed: list[bytes] = []
+    real_loads = json.loads
+
+    def loads(raw: Any, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(raw)
+        return real_loads(raw, *args, **kwargs)
+
+    monkeypatch.setattr("serving.views_internal.json.loads", loads)
+    client = AsyncClient()
+    with metaserver.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
+        forged = await client.post(f"{CALLBACK_PATH}{metaserver.owner}.guess", b"[" * 10000, content_type="application/json")
+        other = await client.post(f"{CALLBACK_PATH}someone-else.x", b"{", content_type="application/json")
+        assert (forged.status_code, other.status_code) == (404, 421)
+        assert parsed == []  # neither body was parsed
+        assert metaserver.refused == 2
+        ok = await client.post(reg.url.removeprefix("http://testserver"), body(), content_type="application/json")
+        assert ok.status_code == 200 and len(parsed) == 1
+        assert reg.state is CallbackState.DELIVERED

@@ -1,4 +1,4 @@
-"""/v1/responses and /v1/messages through the views: routed to an engine's own API, relayed as is;
+"""/v1/responses and /v1/messages through the edge: routed to an engine's own API, relayed as is;
 admission refusals carry ``Retry-After``."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-from django.test import AsyncClient
 
 from catalog.models import RenderConfig, ServedModel
 from fleet.models import EngineInstance
@@ -23,6 +22,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture(autouse=True)
 def fresh_snapshot(settings: Any) -> Iterator[None]:
     settings.MOTOR_API_KEYS = []
+    settings.MOTOR_OPEN_ACCESS = True  # open unless a test closes it
     snapshots.invalidate()
     yield
     snapshots.invalidate()
@@ -49,39 +49,38 @@ def native(transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest
 
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
 async def test_it_passes_responses_and_messages_to_an_engines_own_api(
-    async_client: AsyncClient, native: NativeEngines, path: str
+    v1: httpx.AsyncClient, native: NativeEngines, path: str
 ) -> None:
     body = {"model": MODEL, "input": "hi", "max_tokens": 5}
-    response = await async_client.post(path, data=body, content_type="application/json")
+    response = await v1.post(path, json=body)
     assert response.status_code == 200
     assert response.json()["path"] == path
     assert [(p, b) for _, p, b in native.calls] == [(path, body)]
 
 
-async def test_a_streamed_native_answer_is_relayed(async_client: AsyncClient, native: NativeEngines) -> None:
+async def test_a_streamed_native_answer_is_relayed(v1: httpx.AsyncClient, native: NativeEngines) -> None:
     body = {"model": MODEL, "input": "hi", "stream": True}
-    response = await async_client.post("/v1/responses", data=body, content_type="application/json")
-    assert response.status_code == 200 and response["Content-Type"] == "text/event-stream"
-    raw = b"".join([chunk async for chunk in response.streaming_content])
+    response = await v1.post("/v1/responses", json=body)
+    assert response.status_code == 200 and response.headers["Content-Type"] == "text/event-stream"
+    raw = response.content
     assert raw.endswith(b"data: [DONE]\n\n")
     assert native.open_streams == set()
 
 
 async def test_a_full_admission_queue_is_429_with_retry_after(
-    async_client: AsyncClient, native: NativeEngines, monkeypatch: pytest.MonkeyPatch
+    v1: httpx.AsyncClient, native: NativeEngines, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def full(*_: Any) -> Any:
         raise QueueFull("queue full", retry_after_s=2)
 
     monkeypatch.setattr(runtime.admission, "acquire", full)
-    response = await async_client.post("/v1/responses", data={"model": MODEL, "input": "x"},
-                                       content_type="application/json")
-    assert response.status_code == 429 and response["Retry-After"] == "2"
+    response = await v1.post("/v1/responses", json={"model": MODEL, "input": "x"})
+    assert response.status_code == 429 and response.headers["Retry-After"] == "2"
     assert response.json()["error"]["type"] == "RateLimitError"
 
 
 async def test_admission_with_redis_away_is_503_with_retry_after(
-    async_client: AsyncClient, native: NativeEngines, monkeypatch: pytest.MonkeyPatch
+    v1: httpx.AsyncClient, native: NativeEngines, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import redis.asyncio
 
@@ -91,9 +90,8 @@ async def test_admission_with_redis_away_is_503_with_retry_after(
     gone = redis.asyncio.Redis.from_url("redis://127.0.0.1:1/14", socket_connect_timeout=0.5, socket_timeout=0.5)
     shared = RedisTokenAdmission(gone, AdmissionSettings(retry_after_s=3), prefix="motor:test:gone")
     monkeypatch.setattr(runtime.admission, "acquire", shared.acquire)
-    response = await async_client.post("/v1/responses", data={"model": MODEL, "input": "x"},
-                                       content_type="application/json")
-    assert response.status_code == 503 and response["Retry-After"] == "3"
+    response = await v1.post("/v1/responses", json={"model": MODEL, "input": "x"})
+    assert response.status_code == 503 and response.headers["Retry-After"] == "3"
     assert response.json()["error"]["type"] == "ServiceUnavailableError"
     assert native.calls == [] and runtime.admission.inflight_tokens() == {}
     await shared.aclose()

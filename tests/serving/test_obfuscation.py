@@ -490,6 +490,7 @@ def obf_fleet(transactional_db: None, settings: Any, upstreams: Any, mock_client
     from tests.serving.fakes import ENGINE_URLS, MODEL
 
     settings.MOTOR_API_KEYS = []
+    settings.MOTOR_OPEN_ACCESS = True
     settings.MOTOR_OBF_VIEW_KEY = VIEW_KEY
     settings.MOTOR_OBFUSCATION_VOCAB_SIZE = 152000
     model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048)
@@ -508,17 +509,14 @@ def obf_fleet(transactional_db: None, settings: Any, upstreams: Any, mock_client
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_the_api_sends_engines_physical_ids_and_clients_get_semantic_ones(obf_fleet: Any) -> None:
-    from django.test import AsyncClient
-
+async def test_the_api_sends_engines_physical_ids_and_clients_get_semantic_ones(
+    obf_fleet: Any, v1: httpx.AsyncClient
+) -> None:
     from tests.serving.fakes import CHAT_PROMPT, text_of
 
     m = TokenMapping.from_key(VIEW_KEY.encode(), 152000)
     for _ in range(3):  # least-loaded placement would alternate: only e1 may ever be chosen
-        r = await AsyncClient().post(
-            "/v1/chat/completions", data={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
-            content_type="application/json",
-        )
+        r = await v1.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200, r.content
     gens = obf_fleet.calls_of("generate")
     assert {c.host for c in gens} == {"e1"}
@@ -530,13 +528,11 @@ async def test_the_api_sends_engines_physical_ids_and_clients_get_semantic_ones(
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_the_api_refuses_traffic_when_the_key_is_missing(obf_fleet: Any, settings: Any) -> None:
-    from django.test import AsyncClient
-
+async def test_the_api_refuses_traffic_when_the_key_is_missing(
+    obf_fleet: Any, settings: Any, v1: httpx.AsyncClient
+) -> None:
     del settings.MOTOR_OBF_VIEW_KEY
-    r = await AsyncClient().post(
-        "/v1/completions", data={"model": "tiny", "prompt": "hi"}, content_type="application/json"
-    )
+    r = await v1.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "ObfuscationKeyError"
     assert obf_fleet.calls == []  # not even render: nothing leaves without the key

@@ -6,8 +6,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Iterator
 
+import httpx
 import pytest
-from django.test import AsyncClient
 
 from catalog.models import RenderConfig, ServedModel
 from fleet.services import api_key_create
@@ -142,44 +142,43 @@ def pipeline(transactional_db: None, monkeypatch: pytest.MonkeyPatch, clock: Clo
     ServedModel.objects.create(name="tiny", model_path="/models/tiny", max_model_len=2048)
     RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
     fake = ChargingPipeline(tokens=40)
-    monkeypatch.setattr("serving.views.pipeline_for", lambda snapshot: fake)
+    monkeypatch.setattr("serving.edge.openai_api.pipeline_for", lambda snapshot: fake)
     monkeypatch.setattr(rate_limit, "LIMITER", TokenRateLimiter(clock=clock))
     snapshots.invalidate()
     yield fake
     snapshots.invalidate()
 
 
-async def post_chat(client: AsyncClient, key: str) -> Any:
+async def post_chat(client: httpx.AsyncClient, key: str) -> Any:
     return await client.post(
         "/v1/chat/completions",
-        data={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
-        content_type="application/json",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
         headers={"Authorization": f"Bearer {key}"},
     )
 
 
 @pytest.mark.django_db(transaction=True)
 async def test_a_key_over_its_limit_gets_429_with_retry_after(
-    async_client: AsyncClient, pipeline: ChargingPipeline, clock: Clock
+    v1: httpx.AsyncClient, pipeline: ChargingPipeline, clock: Clock
 ) -> None:
     from asgiref.sync import sync_to_async
 
     _, limited = await sync_to_async(api_key_create)(name="limited", scope="client", tokens_per_minute=100)
     _, free = await sync_to_async(api_key_create)(name="free", scope="client")
     snapshots.invalidate()
-    assert (await post_chat(async_client, limited)).status_code == 200
-    assert (await post_chat(async_client, limited)).status_code == 200
-    response = await post_chat(async_client, limited)  # 120 > 100
+    assert (await post_chat(v1, limited)).status_code == 200
+    assert (await post_chat(v1, limited)).status_code == 200
+    response = await post_chat(v1, limited)  # 120 > 100
     assert response.status_code == 429
-    assert response["Retry-After"] == "60"
+    assert response.headers["Retry-After"] == "60"
     error = response.json()["error"]
     assert error["type"] == "RateLimitError" and error["code"] == 429
     assert "limited" in error["message"] and "100 tokens per minute" in error["message"]
     # A key without a limit is not held back by another key's window.
     for _ in range(5):
-        assert (await post_chat(async_client, free)).status_code == 200
+        assert (await post_chat(v1, free)).status_code == 200
     clock.now += 60
-    assert (await post_chat(async_client, limited)).status_code == 200
+    assert (await post_chat(v1, limited)).status_code == 200
     assert pipeline.served == 8
 
 
@@ -189,7 +188,7 @@ async def test_a_key_over_its_limit_gets_429_with_retry_after(
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("stream", [False, True])
 async def test_the_pipeline_charges_after_render_and_refuses_before_any_engine(
-    async_client: AsyncClient, upstreams: Any, mock_client: Any, monkeypatch: pytest.MonkeyPatch, stream: bool
+    v1: httpx.AsyncClient, upstreams: Any, mock_client: Any, monkeypatch: pytest.MonkeyPatch, stream: bool
 ) -> None:
     from asgiref.sync import sync_to_async
 
@@ -210,20 +209,20 @@ async def test_the_pipeline_charges_after_render_and_refuses_before_any_engine(
     snapshots.invalidate()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 20, "stream": stream}
     try:
-        ok = await async_client.post(
-            "/v1/chat/completions", data=body, content_type="application/json",
+        ok = await v1.post(
+            "/v1/chat/completions", json=body,
             headers={"Authorization": f"Bearer {big}"},
         )
         assert ok.status_code == 200
         if stream:
-            b"".join([chunk async for chunk in ok.streaming_content])
+            assert ok.content.endswith(b"data: [DONE]\n\n")
         generated = len(upstreams.calls_of("generate"))
-        refused = await async_client.post(
-            "/v1/chat/completions", data=body, content_type="application/json",
+        refused = await v1.post(
+            "/v1/chat/completions", json=body,
             headers={"Authorization": f"Bearer {tiny}"},
         )
         assert refused.status_code == 429  # 20 output tokens alone exceed 10 per minute
-        assert refused["Retry-After"] == "60"
+        assert refused.headers["Retry-After"] == "60"
         assert refused.json()["error"]["type"] == "RateLimitError"
         assert len(upstreams.calls_of("render")) == 2  # charged after render ...
         assert len(upstreams.calls_of("generate")) == generated  # ... and before any engine

@@ -9,7 +9,6 @@ import httpx
 import pytest
 from asgiref.sync import sync_to_async
 from django.db.backends import utils as db_utils
-from django.test import AsyncClient
 
 from catalog.models import RenderConfig, ServedModel
 from fleet import services
@@ -33,6 +32,7 @@ class Clock:
 @pytest.fixture(autouse=True)
 def clock(settings: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
     settings.MOTOR_API_KEYS = []
+    settings.MOTOR_OPEN_ACCESS = True  # open unless a test closes it
     settings.MOTOR_SNAPSHOT_POLL_S = 0.25
     c = Clock()
     monkeypatch.setattr(snapshots, "clock", c)
@@ -75,77 +75,79 @@ def upstream(
     return upstreams
 
 
-async def chat(client: AsyncClient, **headers: str) -> Any:
-    return await client.post("/v1/chat/completions", data=CHAT, content_type="application/json", headers=headers)
+async def chat(client: httpx.AsyncClient, **headers: str) -> Any:
+    return await client.post("/v1/chat/completions", json=CHAT, headers=headers)
 
 
 async def test_a_served_request_makes_zero_queries_after_warm_up(
-    async_client: AsyncClient, upstream: FakeUpstreams, queries: list[str], django_assert_num_queries: Any,
+    v1: httpx.AsyncClient, upstream: FakeUpstreams, queries: list[str], django_assert_num_queries: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # django_assert_num_queries opens the test connection from this (async) context; allow it.
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    assert (await chat(async_client)).status_code == 200  # warm-up builds the snapshot
+    assert (await chat(v1)).status_code == 200  # warm-up builds the snapshot
     queries.clear()
     with django_assert_num_queries(0):
-        response = await chat(async_client)
+        response = await chat(v1)
     assert response.status_code == 200
     assert queries == []  # no thread queried either
 
 
 async def test_one_poll_interval_later_a_single_cheap_query_checks_the_version(
-    async_client: AsyncClient, upstream: FakeUpstreams, queries: list[str], clock: Clock,
+    v1: httpx.AsyncClient, upstream: FakeUpstreams, queries: list[str], clock: Clock,
 ) -> None:
-    await chat(async_client)
+    await chat(v1)
     queries.clear()
     clock.now += 0.25
-    assert (await chat(async_client)).status_code == 200
+    assert (await chat(v1)).status_code == 200
     assert len(queries) == 1 and "fleet_controlversion" in queries[0]  # unchanged: no rebuild
 
 
 async def test_after_a_drain_through_the_api_returns_requests_avoid_the_instance(
-    async_client: AsyncClient, upstream: FakeUpstreams, fleet: dict[str, EngineInstance], clock: Clock,
+    v1: httpx.AsyncClient, upstream: FakeUpstreams, fleet: dict[str, EngineInstance], clock: Clock,
 ) -> None:
     _, key = await sync_to_async(services.api_key_create)(name="ops", scope="admin")
-    assert (await chat(async_client)).status_code == 200
+    assert (await chat(v1)).status_code == 200
     assert [c.host for c in upstream.calls_of("generate")] == ["e1"]  # idle fleet: the first instance
 
-    drained = await async_client.post(f"/api/instances/{fleet['e1'].id}/drain", headers={"Authorization": f"Bearer {key}"})
+    drained = await v1.post(f"/api/instances/{fleet['e1'].id}/drain", headers={"Authorization": f"Bearer {key}"})
     assert drained.status_code == 200 and drained.json()["state"] == "draining"
     clock.now += 0.25  # at most one poll interval later
     upstream.calls.clear()
     for _ in range(4):
-        assert (await chat(async_client)).status_code == 200
+        assert (await chat(v1)).status_code == 200
     assert {c.host for c in upstream.calls_of("generate")} == {"e2"}
 
 
 async def test_client_keys_come_from_the_snapshot_hashed(
-    async_client: AsyncClient, upstream: FakeUpstreams, settings: Any, clock: Clock,
+    v1: httpx.AsyncClient, upstream: FakeUpstreams, settings: Any, clock: Clock,
 ) -> None:
+    settings.MOTOR_OPEN_ACCESS = False
     settings.MOTOR_API_KEYS = ["sk-env"]  # ignored once a key record exists
     record, key = await sync_to_async(services.api_key_create)(name="app", scope="client", tokens_per_minute=600)
     snapshot = await snapshots.current_snapshot()
     assert key not in snapshot.client_keys and len(next(iter(snapshot.client_keys))) == 64
     assert next(iter(snapshot.client_keys.values())).tokens_per_minute == 600
 
-    assert (await chat(async_client, Authorization=f"Bearer {key}")).status_code == 200
-    assert (await chat(async_client, Authorization="Bearer sk-env")).status_code == 401
+    assert (await chat(v1, Authorization=f"Bearer {key}")).status_code == 200
+    assert (await chat(v1, Authorization="Bearer sk-env")).status_code == 401
     _, admin = await sync_to_async(services.api_key_create)(name="ops", scope="admin")
-    assert (await chat(async_client, Authorization=f"Bearer {admin}")).status_code == 401  # admin keys are not for /v1
+    assert (await chat(v1, Authorization=f"Bearer {admin}")).status_code == 401  # admin keys are not for /v1
 
     await sync_to_async(services.api_key_revoke)(ids=[record.id])
     clock.now += 0.25
     # Revoking the last client key keeps /v1 closed; it does not fall back to the environment.
-    assert (await chat(async_client, Authorization=f"Bearer {key}")).status_code == 401
-    assert (await chat(async_client, Authorization="Bearer sk-env")).status_code == 401
+    assert (await chat(v1, Authorization=f"Bearer {key}")).status_code == 401
+    assert (await chat(v1, Authorization="Bearer sk-env")).status_code == 401
 
 
 async def test_without_key_records_the_environment_keys_apply(
-    async_client: AsyncClient, upstream: FakeUpstreams, settings: Any,
+    v1: httpx.AsyncClient, upstream: FakeUpstreams, settings: Any,
 ) -> None:
+    settings.MOTOR_OPEN_ACCESS = False
     settings.MOTOR_API_KEYS = ["sk-env"]
-    assert (await chat(async_client, Authorization="Bearer sk-env")).status_code == 200
-    assert (await chat(async_client)).status_code == 401
+    assert (await chat(v1, Authorization="Bearer sk-env")).status_code == 200
+    assert (await chat(v1)).status_code == 401
 
 
 def test_the_snapshot_carries_breaker_health_and_render_fields(fleet: dict[str, EngineInstance]) -> None:

@@ -125,7 +125,7 @@ class NativeStream:
             outcome = "upstream_failed"
             err = EngineError(f"{self.instance.name} stream failed: {exc!r}", instance=self.instance.name)
             if self.kind == "messages":
-                payload = {"type": "error", "error": {"type": "api_error", "message": err.message}}
+                payload = {"type": "error", "error": {"type": "api_error", "message": err.public or err.message}}
                 yield b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
             else:
                 yield frame(error_body(err)[1])

@@ -16,7 +16,7 @@ callback. Ours does not:
 - the request's task releases its registration exactly once on every exit path (``release`` is
   idempotent, and ``Registration`` is a context manager), so ``pending`` returns to zero.
 
-Django-free: the view in ``serving.views_internal`` only calls ``deliver``.
+Django-free: the view in ``serving.views_internal`` only calls ``check`` and ``deliver``.
 """
 
 from __future__ import annotations
@@ -149,7 +149,17 @@ class MetaServer:
             logger.warning("metaserver refused a callback: %d %s", exc.status, exc.message)
             raise
 
-    def _deliver(self, token: str, body: Any) -> Registration:
+    def check(self, token: str) -> Registration:
+        """The registration waiting on ``token``, before its body is read; raises ``CallbackRefused``
+        (421, 404, 409) as ``deliver`` does, so a forged callback costs no JSON parsing."""
+        try:
+            return self._waiting(token)
+        except CallbackRefused as exc:
+            self.refused += 1
+            logger.warning("metaserver refused a callback: %d %s", exc.status, exc.message)
+            raise
+
+    def _waiting(self, token: str) -> Registration:
         owner, _, _ = token.partition(".")
         if owner != self.owner:
             raise CallbackRefused(421, "this callback belongs to another coordinator process")
@@ -158,6 +168,10 @@ class MetaServer:
             raise CallbackRefused(404, "unknown or expired callback token")
         if reg.state is not CallbackState.WAITING:
             raise CallbackRefused(409, f"callback for request {reg.request_id} already delivered")
+        return reg
+
+    def _deliver(self, token: str, body: Any) -> Registration:
+        reg = self._waiting(token)
         if not isinstance(body, dict):
             raise CallbackRefused(400, "callback body must be a JSON object")
         named = body.get("request_id")

@@ -1,0 +1,57 @@
+"""Client keys for ``/v1``, checked against the fleet snapshot: no database query per request.
+
+Closed unless opened on purpose: a request needs a key unless ``MOTOR_OPEN_ACCESS`` is true.
+Keys are the snapshot's client key records (stored as sha256, revocable in the admin); until the
+first client key record exists, the plain keys of ``MOTOR_API_KEYS`` are used instead. Once any
+client record exists (even a revoked one) only records count, so revoking the last key never
+reopens ``/v1``; deleting every record leaves ``MOTOR_API_KEYS`` (if set), and with neither
+``/v1`` answers 401. Admin keys (``/api``) never open ``/v1``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+
+from serving.edge.asgi import Scope, header
+from serving.pipeline.errors import Unauthorized
+from serving.pipeline.flow_control import rate_limit
+from serving.pipeline.snapshot import FleetSnapshot
+
+INVALID_KEY = "Missing or invalid API key: send `Authorization: Bearer <key>`."
+
+
+def bearer_token(scope: Scope) -> bytes:
+    """The token of an ``Authorization: Bearer <token>`` header (scheme case-insensitive), or b""."""
+    value = header(scope, b"authorization")
+    if value is None or value[:7].lower() != b"bearer ":
+        return b""
+    return value[7:].strip()
+
+
+def authenticate(scope: Scope, snapshot: FleetSnapshot, *, env_keys: Sequence[str], open_access: bool) -> None:
+    """Let the request through or raise ``Unauthorized`` (401); binds the key's token rate limit.
+
+    A token that is not ASCII is no key of ours (keys are generated ASCII): 401, never an
+    encoding error. With open access a known key still brings its rate limit.
+    """
+    token = bearer_token(scope)
+    if token and not token.isascii():
+        token = b""
+    if snapshot.client_keys_managed:
+        # A dict lookup by sha256 of the token: the hash hides timing of the stored key bytes.
+        digest = hashlib.sha256(token).hexdigest() if token else ""
+        key = snapshot.client_keys.get(digest) if digest else None
+        if key is not None:
+            # The limit is charged once the token count is known (rate_limit.charge_request).
+            limited = key.tokens_per_minute
+            rate_limit.bind(rate_limit.KeyLimit(digest, key.name, limited) if limited else None)
+            return
+    elif token and any(hmac.compare_digest(token, k.encode()) for k in env_keys):
+        rate_limit.bind(None)
+        return
+    if not open_access:
+        raise Unauthorized(INVALID_KEY)
+    # Bound every time: a server that runs requests in one context must not carry a limit over.
+    rate_limit.bind(None)

@@ -1,0 +1,186 @@
+"""The OpenAI-compatible API under /v1, served by the edge without Django's handler.
+
+Each request: method, client key and the model name are checked against the fleet snapshot
+(unknown model -> 404 before any render call), the body is read under the size cap and parsed
+strictly, then ``ServingPipeline`` serves it while ``DisconnectWatch`` cancels the request's task
+if the client leaves. Every error leaves as an OpenAI error body with the right status; the
+text of errors that name engines or addresses is logged, not returned (``MotorError.public``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from django.conf import settings
+
+from serving.edge.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    DisconnectWatch,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_json,
+    send_stream,
+)
+from serving.edge.bodies import parse_object
+from serving.edge.keys import authenticate
+from serving.pipeline.engine.native import NativeStream
+from serving.pipeline.errors import (
+    ModelNotFound,
+    MotorError,
+    NotFound,
+    RequestError,
+    error_body,
+    error_headers,
+)
+from serving.pipeline.service import EventStream
+from serving.pipeline.snapshot import FleetSnapshot
+from serving.runtime import pipeline_for
+from serving.snapshots import current_snapshot
+
+logger = logging.getLogger(__name__)
+
+Endpoint = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+async def send_error(send: Send, exc: BaseException, request_id: str | None = None) -> None:
+    status, body = error_body(exc)
+    extra = [(name.lower().encode(), value.encode()) for name, value in error_headers(exc).items()]
+    if request_id is not None:
+        extra.append((b"x-request-id", request_id.encode()))
+    await send_json(send, status, body, extra)
+
+
+def _check_key(scope: Scope, snapshot: FleetSnapshot) -> None:
+    authenticate(scope, snapshot, env_keys=settings.MOTOR_API_KEYS, open_access=settings.MOTOR_OPEN_ACCESS)
+
+
+def _resolve_model(body: dict[str, Any], snapshot: FleetSnapshot) -> None:
+    model = body.get("model")
+    if model is None and snapshot.models:
+        # vLLM serves the first served name when `model` is absent; so does the coordinator.
+        body["model"] = next(iter(snapshot.models))
+        return
+    if not isinstance(model, str) or model not in snapshot.models:
+        raise ModelNotFound(str(model))
+
+
+def _log_error(request_id: str, kind: str, exc: BaseException, start: float) -> None:
+    latency_ms = (time.perf_counter() - start) * 1000
+    if not isinstance(exc, MotorError):  # a bug, not the client's fault: log it, answer a clean 500
+        logger.error("response request_id=%s kind=%s status=500", request_id, kind, exc_info=exc)
+        return
+    # The full message (engine names, addresses) stays in the log when the client gets the public one.
+    detail = f" detail={exc.message!r}" if exc.public is not None else ""
+    logger.info(
+        "response request_id=%s kind=%s status=%d error=%s latency_ms=%.1f%s",
+        request_id, kind, exc.status, type(exc).__name__, latency_ms, detail,
+    )
+
+
+def serve(kind: str) -> Endpoint:
+    """The endpoint that hands a request to ``ServingPipeline.<kind>``.
+
+    chat | completions | responses | messages: the last two always take the native path.
+    """
+
+    async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+        start = time.perf_counter()
+        request_id = uuid.uuid4().hex
+        rid = request_id.encode()
+        try:
+            if scope["method"] != "POST":
+                raise RequestError("Method not allowed; use POST.", status=405)
+            snapshot = await current_snapshot()
+            # The key before the body: a client without one cannot make this process read a byte.
+            _check_key(scope, snapshot)
+            try:
+                raw = await read_body(scope, receive, settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
+            except BodyTooLarge:
+                raise RequestError("The request body is too large.", status=413) from None
+            body = parse_object(raw, max_depth=settings.MOTOR_MAX_JSON_DEPTH)
+            _resolve_model(body, snapshot)
+        except ClientGone:
+            return
+        except Exception as exc:
+            _log_error(request_id, kind, exc, start)
+            await send_error(send, exc, request_id)
+            return
+        async with DisconnectWatch(receive) as watch:
+            try:
+                pipeline = pipeline_for(snapshot)
+                result = await getattr(pipeline, kind)(body, request_id)
+            except Exception as exc:
+                watch.complete = True
+                _log_error(request_id, kind, exc, start)
+                await send_error(send, exc, request_id)
+                return
+            if isinstance(result, (EventStream, NativeStream)):
+                try:
+                    await send_stream(send, result.frames(), ((b"x-request-id", rid),), watch)
+                finally:
+                    # The task ended (the client left, a send failed) before frames() ran: its
+                    # finally never will, so the engine streams are closed and the load released here.
+                    if not result.started:
+                        await result.aclose()
+                return
+            watch.complete = True
+            logger.info(
+                "response request_id=%s kind=%s status=200 latency_ms=%.1f",
+                request_id, kind, (time.perf_counter() - start) * 1000,
+            )
+            await send_json(send, 200, result, ((b"x-request-id", rid),))
+
+    return endpoint
+
+
+async def models(scope: Scope, receive: Receive, send: Send) -> None:
+    try:
+        if scope["method"] != "GET":
+            raise RequestError("Method not allowed; use GET.", status=405)
+        snapshot = await current_snapshot()
+        _check_key(scope, snapshot)
+    except MotorError as exc:
+        await send_error(send, exc)
+        return
+    now = int(time.time())
+    data: list[dict[str, Any]] = [
+        {
+            "id": m.name,
+            "object": "model",
+            "created": now,
+            "owned_by": "motorsite",
+            # vLLM puts the model's path here; the path is the operator's business, not the client's.
+            "root": m.name,
+            "parent": None,
+            "max_model_len": m.max_model_len,
+            "permission": [],
+        }
+        for m in snapshot.models.values()
+    ]
+    await send_json(send, 200, {"object": "list", "data": data})
+
+
+ROUTES: dict[str, Endpoint] = {
+    "/v1/models": models,
+    "/v1/chat/completions": serve("chat"),
+    "/v1/completions": serve("completions"),
+    "/v1/responses": serve("responses"),
+    "/v1/messages": serve("messages"),
+}
+
+
+async def application(scope: Scope, receive: Receive, send: Send) -> None:
+    """The /v1 ASGI app (HTTP only; ``motorsite/asgi.py`` mounts it)."""
+    endpoint = ROUTES.get(scope["path"])
+    if endpoint is None:
+        # Unknown paths under /v1 get an OpenAI error body, not Django's HTML 404 page.
+        await send_error(send, NotFound(f"Not found: {scope['method']} {scope['path']}"))
+        return
+    await endpoint(scope, receive, send)
