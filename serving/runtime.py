@@ -50,6 +50,7 @@ from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TO
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.tokenization import RenderHealth
+from serving.pipeline.request_checks import RequestLimits
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot
@@ -275,4 +276,5 @@ def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
             derender_retries=settings.MOTOR_DERENDER_CHUNK_RETRIES,
         ),
         live_streams=live_streams, topologies=RUNTIME.topologies,
+        limits=RequestLimits(max_choices=settings.MOTOR_MAX_CHOICES, max_prompts=settings.MOTOR_MAX_PROMPTS),
     )

@@ -22,6 +22,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
+from serving.pipeline import request_checks
 from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import (
     ModelNotFound,
@@ -86,6 +87,7 @@ def _check_key(request: HttpRequest, snapshot: FleetSnapshot) -> None:
         digest = hashlib.sha256(token.encode("utf-8")).hexdigest() if token else ""
         key = snapshot.client_keys.get(digest) if digest else None
         if key is not None:
+            request_checks.bind_policy(request_checks.KeyPolicy(allow_priority=key.allow_priority))
             # The limit is charged after render, once the token count is known (rate_limit.charge).
             rate_limit.bind(
                 rate_limit.KeyLimit(digest, key.name, key.tokens_per_minute) if key.tokens_per_minute else None
