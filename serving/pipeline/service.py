@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextlib import AsyncExitStack
+from collections.abc import Iterator
+from contextlib import AsyncExitStack, contextmanager
 from typing import Any, TypeVar
 
 from serving.pipeline import metric_names, request_checks
@@ -53,10 +54,12 @@ from serving.pipeline.errors import (
     RenderUnavailable,
     RequestError,
     TriggerMultiPromptStream,
+    UpstreamRequestError,
 )
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation.boundary import EngineBoundary
+from serving.pipeline.obfuscation.mapping import scrub_error
 from serving.pipeline.placement.filters import native_candidates
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind, TokenKind
@@ -139,21 +142,36 @@ class ServingPipeline:
 
     async def chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream | NativeStream:
         self._check_body("chat", body)
-        return _scrubbed(await self._serve("chat", body, request_id))
+        with self._engine_errors_scrubbed():
+            return _scrubbed(await self._serve("chat", body, request_id))
 
     async def completions(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream | NativeStream:
         self._check_body("completions", body)
-        return _scrubbed(await self._serve("completions", body, request_id))
+        with self._engine_errors_scrubbed():
+            return _scrubbed(await self._serve("completions", body, request_id))
 
     async def responses(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | NativeStream:
         """The Responses API: no derender exists for it, so it always passes through natively."""
         self._check_body("responses", body)
-        return _scrubbed(await self._native("responses", body, request_id, "api:responses"))
+        with self._engine_errors_scrubbed():
+            return _scrubbed(await self._native("responses", body, request_id, "api:responses"))
 
     async def messages(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | NativeStream:
         """The Anthropic Messages API: passed through natively like Responses."""
         self._check_body("messages", body)
-        return _scrubbed(await self._native("messages", body, request_id, "api:messages"))
+        with self._engine_errors_scrubbed():
+            return _scrubbed(await self._native("messages", body, request_id, "api:messages"))
+
+    @contextmanager
+    def _engine_errors_scrubbed(self) -> Iterator[None]:
+        """With obfuscation on, an engine's 4xx keeps its status but not its text (physical ids)."""
+        try:
+            yield
+        except UpstreamRequestError as exc:
+            if self.boundary.mapping is None or exc.source != "engine":
+                raise
+            raise UpstreamRequestError(exc.status, {"error": scrub_error(exc.body().get("error") or {})},
+                                       source=exc.source) from None
 
     def _check_body(self, kind: ApiKind, body: dict[str, Any]) -> None:
         """Every path starts here: the body's numbers, engine controls and id fields (request_checks)."""
