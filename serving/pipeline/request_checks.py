@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from serving.pipeline.errors import MotorError, RequestError
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.snapshot import ModelView
@@ -79,14 +81,31 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _integer(body: Mapping[str, Any], name: str) -> int | None:
-    """``body[name]`` as an int (None when absent or null); 400 for any other type."""
+class SchemaError(RequestError):
+    """A field of the wrong type: vLLM's request-validation handler answers these (section 4.2)."""
+
+    type = "Bad Request"
+
+
+# vLLM parses bodies with pydantic in lax mode: "5", 5.0 and true are the integers 5, 5 and 1.
+_LAX_INT: TypeAdapter[int] = TypeAdapter(int)
+
+
+def _integer(body: dict[str, Any], name: str) -> int | None:
+    """``body[name]`` as vLLM's schema reads it (None when absent or null), written back as an int
+    so every later reader sees what the engines will; 400 for what the schema refuses."""
     value = body.get(name)
     if value is None:
         return None
+    try:
+        number = _LAX_INT.validate_python(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        detail = {"type": first["type"], "loc": f"body.{name}", "msg": first["msg"], "input": str(value)[:100]}
+        raise SchemaError(f"1 validation error:\n  {detail}", param=f"body.{name}") from None
     if not _is_int(value):
-        raise RequestError(f"1 validation error:\n  {name}: Input should be a valid integer", param=name)
-    return int(value)
+        body[name] = number
+    return number
 
 
 def _max_output(value: int | None, name: str, max_model_len: int) -> None:
@@ -120,8 +139,11 @@ def prompt_count(body: Mapping[str, Any]) -> int:
     return 1
 
 
-def check_body(kind: ApiKind, body: Mapping[str, Any], model: ModelView, limits: RequestLimits) -> None:
-    """Refuse a body whose numbers or engine controls must not go further (400); return None."""
+def check_body(kind: ApiKind, body: dict[str, Any], model: ModelView, limits: RequestLimits) -> None:
+    """Refuse a body whose numbers or engine controls must not go further (400); return None.
+
+    Integers the schema accepts in another spelling ("5", 5.0) are rewritten as ints in ``body``.
+    """
     _check_controls(body, current_policy())
     if kind == "messages":
         # Anthropic requires max_tokens and validates it positive (vLLM's AnthropicMessagesRequest).
@@ -155,16 +177,12 @@ def check_body(kind: ApiKind, body: Mapping[str, Any], model: ModelView, limits:
         )
 
 
-def _check_controls(body: Mapping[str, Any], policy: KeyPolicy) -> None:
+def _check_controls(body: dict[str, Any], policy: KeyPolicy) -> None:
     for name in ENGINE_CONTROLS:
         if body.get(name) is not None:
             raise RequestError(f"`{name}` is an engine-internal control and is not accepted by this server.", param=name)
-    priority = body.get("priority")
-    if priority is None or (priority == 0 and not isinstance(priority, bool)):
-        return
-    if not _is_int(priority):
-        raise RequestError("1 validation error:\n  priority: Input should be a valid integer", param="priority")
-    if not policy.allow_priority:
+    priority = _integer(body, "priority")
+    if priority is not None and priority != 0 and not policy.allow_priority:
         raise RequestError("`priority` is not allowed for this API key.", param="priority")
 
 

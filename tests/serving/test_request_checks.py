@@ -47,9 +47,9 @@ BAD_NUMBERS = [
     ("chat", chat_body(max_tokens=-5), "max_tokens"),
     ("chat", chat_body(max_tokens=0), "max_tokens"),
     ("chat", chat_body(max_tokens=2049), "max_tokens"),  # above max_model_len
-    ("chat", chat_body(max_tokens="5"), "max_tokens"),
-    ("chat", chat_body(max_tokens=True), "max_tokens"),
-    ("chat", chat_body(max_tokens=1.5), "max_tokens"),
+    ("chat", chat_body(max_tokens=1.5), "body.max_tokens"),  # vLLM's schema: not an integer
+    ("chat", chat_body(max_tokens="many"), "body.max_tokens"),
+    ("chat", chat_body(n=[2]), "body.n"),
     ("chat", chat_body(max_completion_tokens=-1, max_tokens=10), "max_completion_tokens"),
     ("chat", chat_body(n=-1000), "n"),
     ("chat", chat_body(n=0), "n"),
@@ -90,6 +90,24 @@ async def test_it_refuses_bad_numbers_on_responses_and_messages(
     with pytest.raises(RequestError) as info:
         await _call(rig, snapshot_with(*NATIVE), kind, body)
     assert (info.value.status, info.value.param) == (400, param)
+    _nothing_sent(rig)
+
+
+@pytest.mark.parametrize("path", ["token_only", "native"])
+async def test_integers_in_another_spelling_are_read_as_vllm_reads_them(rig: Rig, path: str) -> None:
+    # pydantic's lax mode, as vLLM parses bodies: "5" and 2.0 are integers; they go on as ints.
+    await _call(rig, _path(rig, path), "chat", chat_body(max_tokens="5", n=2.0))
+    sent = rig.native.calls[0][2] if path == "native" else rig.upstreams.calls_of("render")[0].body
+    assert (sent["max_tokens"], sent["n"]) == (5, 2)
+    assert type(sent["max_tokens"]) is int and type(sent["n"]) is int
+
+
+async def test_a_schema_error_has_vllms_type_and_param(rig: Rig) -> None:
+    with pytest.raises(RequestError) as info:
+        await _call(rig, snapshot_with(*NATIVE), "chat", chat_body(max_tokens=2.5))
+    error = info.value.body()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("Bad Request", "body.max_tokens", 400)
+    assert error["message"].startswith("1 validation error:")
     _nothing_sent(rig)
 
 
@@ -164,6 +182,8 @@ async def test_priority_needs_a_key_that_allows_it(rig: Rig, path: str) -> None:
         await _call(rig, _path(rig, path), "chat", chat_body(priority=-5))
     assert (info.value.status, info.value.param) == (400, "priority")
     _nothing_sent(rig)
+    with pytest.raises(RequestError):
+        await _call(rig, _path(rig, path), "chat", chat_body(priority="-5"))  # the same integer
     request_checks.bind_policy(KeyPolicy(allow_priority=True))
     await _call(rig, _path(rig, path), "chat", chat_body(priority=-5))
     sent = rig.native.calls[0][2] if path == "native" else rig.upstreams.calls_of("render")[0].body
