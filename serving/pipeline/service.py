@@ -5,12 +5,12 @@ the composition root (``serving/runtime.py``) made: clients, scheduler with its 
 token admission, the engine boundary, the topology registry, counters. It holds no state of its
 own between requests. The phases, each logged once per outcome with the request id:
 
+0. body checks (``request_checks.py``): numbers, engine controls and key policy, before any
+   path uses the body; every JSON answer is scrubbed of engine-internal fields on the way out;
 1. routing: ``native_reason`` sends what token-only cannot serve exactly to an engine's own
    OpenAI API (``engine/native.py``), or refuses it with obfuscation on;
 2. tokenization (``render/tokenization.py``): render, or the local tokenizer when render is
    unusable; the local fallback hands requests it cannot build exactly to the native path;
-0. body checks (``request_checks.py``): numbers, engine controls and key policy, before any
-   path uses the body; every JSON answer is scrubbed of engine-internal fields on the way out;
 3. poison check (``request_checks.check_tokenized``): ids outside the vocabulary (503 while
    the vocabulary size is unknown) or a prompt without room in the context are 400 before any
    engine sees them;
@@ -59,7 +59,6 @@ from serving.pipeline.errors import (
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation.boundary import EngineBoundary
-from serving.pipeline.obfuscation.mapping import scrub_error
 from serving.pipeline.placement.filters import native_candidates
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind, TokenKind
@@ -168,10 +167,10 @@ class ServingPipeline:
         try:
             yield
         except UpstreamRequestError as exc:
-            if self.boundary.mapping is None or exc.source != "engine":
+            shown = self.boundary.client_error(exc)
+            if shown is exc:
                 raise
-            raise UpstreamRequestError(exc.status, {"error": scrub_error(exc.body().get("error") or {})},
-                                       source=exc.source) from None
+            raise shown from None
 
     def _check_body(self, kind: ApiKind, body: dict[str, Any]) -> None:
         """Every path starts here: the body's numbers, engine controls and id fields (request_checks)."""

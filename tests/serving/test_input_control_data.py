@@ -67,3 +67,17 @@ async def test_only_a_key_that_allows_it_may_send_priority(
         assert again.status_code == 400
     finally:
         snapshots.invalidate()
+
+
+@pytest.mark.django_db
+def test_demo_fleet_records_the_models_vocab_size() -> None:
+    import os
+
+    from django.core.management import call_command
+
+    model_dir = os.environ["MOTOR_MODEL_DIR"]
+    args = ["demo_fleet", "--model-dir", model_dir, "--engine", "http://127.0.0.1:1", "--engine-kind", "sim"]
+    call_command(*args, stdout=open(os.devnull, "w"))
+    expected = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    assert ServedModel.objects.get(name="tiny").vocab_size == expected
+    assert build_snapshot().models["tiny"].vocab_size == expected

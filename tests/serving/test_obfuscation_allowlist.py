@@ -18,7 +18,7 @@ from serving.pipeline.obfuscation.mapping import (
     deobfuscate_response,
     obfuscate_request,
 )
-from tests.serving.fakes import VOCAB_SIZE, FakeUpstreams, error_json
+from tests.serving.fakes import VOCAB_SIZE, FakeUpstreams, StreamPlan, error_json, parse_frames
 from tests.serving.router_fakes import Rig, chat_body, engine, snapshot_with
 
 MAPPING = TokenMapping.from_key(b"allowlist-test-key-000001", VOCAB_SIZE)
@@ -105,3 +105,22 @@ async def test_an_unknown_field_from_the_engine_is_a_502(rig: Rig) -> None:
         await _obfuscated(rig).chat(chat_body(), "obfunk")
     assert info.value.status == 502
     assert rig.upstreams.calls_of("derender") == []  # nothing unmapped went on to derender
+
+
+@pytest.mark.parametrize("after", [0, 1], ids=["before-the-first-frame", "mid-stream"])
+async def test_an_in_band_engine_4xx_is_scrubbed_in_a_stream_too(rig: Rig, after: int) -> None:
+    rig.upstreams.default_plan = StreamPlan(end="error", after=after, error_code=400)
+    stream = await _obfuscated(rig).chat(chat_body(stream=True), f"obfs{after}")
+    frames = parse_frames(b"".join([f async for f in stream.frames()]))
+    (error,) = [f["error"] for f in frames if isinstance(f, dict) and "error" in f]
+    assert error["code"] == 400
+    assert "engine failed mid-stream" not in error["message"]  # the engine's own text stays behind
+    assert frames[-1] == "[DONE]"
+
+
+async def test_without_obfuscation_an_engine_4xx_is_passed_unchanged(rig: Rig) -> None:
+    body = error_json(400, "Token id 77 is out of vocabulary", param="prompt")
+    rig.upstreams.override("e1", "generate", lambda request, _b: httpx.Response(400, json=body))
+    with pytest.raises(UpstreamRequestError) as info:
+        await rig.pipeline(snapshot_with(engine("e1"), engine("e2"))).chat(chat_body(), "plain4xx")
+    assert info.value.body() == body
