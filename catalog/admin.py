@@ -16,7 +16,7 @@ from motorsite.core import InvalidError, bump_control_version
 
 @admin.register(ServedModel)
 class ServedModelAdmin(admin.ModelAdmin):
-    list_display = ("name", "model_path", "max_model_len", "active_revision", "instance_count")
+    list_display = ("name", "model_path", "max_model_len", "vocab_size", "active_revision", "instance_count")
     list_select_related = ("active_revision",)
     search_fields = ("name",)
 

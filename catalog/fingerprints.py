@@ -45,3 +45,21 @@ def fingerprint_model_dir(path: str | Path) -> dict[str, str]:
     template = chat_template_text(model_dir)
     out["chat_template"] = _sha256(template.encode("utf-8")) if template is not None else ""
     return out
+
+
+def config_vocab_size(path: str | Path) -> int | None:
+    """The model's ``vocab_size`` from ``config.json`` (or its ``text_config``), None when unreadable.
+
+    Read fresh on every call (no cache): a missing file now may exist at the next probe.
+    """
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    size = config.get("vocab_size")
+    text = config.get("text_config")
+    if size is None and isinstance(text, dict):
+        size = text.get("vocab_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None

@@ -19,6 +19,11 @@ class ServedModel(models.Model):
     name = models.CharField(max_length=200, unique=True, help_text="The name clients send as `model`.")
     model_path = models.CharField(max_length=500, help_text="Model directory the tiers load.")
     max_model_len = models.PositiveIntegerField(default=2048)
+    vocab_size = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Rows of the model's embedding (config.json `vocab_size`); written by the version probe. "
+        "Empty: unknown, and token-only traffic is refused (503) until it is known.",
+    )
     active_revision = models.ForeignKey(
         "serving.ModelRevision", models.SET_NULL, null=True, blank=True, related_name="+",
         help_text="The revision render and engines must agree on.",

@@ -329,7 +329,7 @@ class AuditReportAdmin(ReadOnlyAdmin):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ("name", "prefix", "scope", "tokens_per_minute", "revoked", "created")
+    list_display = ("name", "prefix", "scope", "tokens_per_minute", "allow_priority", "revoked", "created")
     list_filter = ("scope", "revoked")
     search_fields = ("name", "prefix")
     readonly_fields = ("prefix", "created")
@@ -337,8 +337,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     def get_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
         if obj is None:
-            return ["name", "scope", "tokens_per_minute"]
-        return ["name", "prefix", "scope", "tokens_per_minute", "revoked", "created"]
+            return ["name", "scope", "tokens_per_minute", "allow_priority"]
+        return ["name", "prefix", "scope", "tokens_per_minute", "allow_priority", "revoked", "created"]
 
     def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> tuple[str, ...]:
         # The scope of an existing key never changes: a client key must not become an admin key.
@@ -349,7 +349,9 @@ class ApiKeyAdmin(admin.ModelAdmin):
             obj.save()
             services.bump_control_version()
             return
-        created, key = services.api_key_create(name=obj.name, scope=obj.scope, tokens_per_minute=obj.tokens_per_minute)
+        created, key = services.api_key_create(
+            name=obj.name, scope=obj.scope, tokens_per_minute=obj.tokens_per_minute, allow_priority=obj.allow_priority
+        )
         obj.pk, obj.prefix, obj.key_hash = created.pk, created.prefix, created.key_hash
         self.message_user(
             request, f"The key of {obj.name!r} is {key} — copy it now: only its hash is stored, it cannot be shown again.",

@@ -302,6 +302,9 @@ class ApiKey(models.Model):
     key_hash = models.CharField(max_length=64, unique=True, editable=False)
     scope = models.CharField(max_length=6, choices=Scope.choices, default=Scope.CLIENT)
     tokens_per_minute = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: unlimited.")
+    allow_priority = models.BooleanField(
+        default=False, help_text="May send a non-zero `priority` (engines schedule it ahead of others)."
+    )
     revoked = models.BooleanField(default=False)
     created = models.DateTimeField(auto_now_add=True)
 

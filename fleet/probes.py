@@ -25,7 +25,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from catalog.fingerprints import fingerprint_model_dir
+from catalog.fingerprints import config_vocab_size, fingerprint_model_dir
 from catalog.models import Health, RenderConfig, ServedModel
 from fleet.models import AuditReport, BreakerState, EngineInstance, InstanceEvent, ProbeResult
 from motorsite import tiers
@@ -326,6 +326,7 @@ def probe_versions(*, client: httpx.Client | None = None) -> VersionProbeSummary
                 summary.render_version = str(version.get("version") or "") if isinstance(version, dict) else ""
                 _apply_render_version(cfg, summary, start)
         for model in ServedModel.objects.select_related("active_revision"):
+            _record_vocab_size(model)
             fingerprint = (
                 model.active_revision.fingerprint() if model.active_revision else fingerprint_model_dir(model.model_path)
             )
@@ -335,6 +336,20 @@ def probe_versions(*, client: httpx.Client | None = None) -> VersionProbeSummary
         for instance in EngineInstance.objects.select_related("served_model").exclude(state=EngineInstance.State.DISABLED):
             _probe_engine_version(c, instance, references.get(instance.served_model_id), summary)
     return summary
+
+
+def _record_vocab_size(model: ServedModel) -> None:
+    """Write the model's vocabulary size (config.json) into the catalog: the data plane's OOV bound.
+
+    Only a size read from the files replaces the recorded one; an unreadable directory keeps it
+    (the operator may have entered it for a coordinator that has no model files).
+    """
+    size = config_vocab_size(model.model_path)
+    if size is not None and size != model.vocab_size:
+        with transaction.atomic():
+            if ServedModel.objects.filter(id=model.id).update(vocab_size=size):
+                bump_control_version()  # vocab_size is in the snapshot
+        model.vocab_size = size
 
 
 def _version_result(instance: EngineInstance | None, ok: bool, start: float, detail: dict[str, Any], error: str = "") -> None:

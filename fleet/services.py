@@ -342,10 +342,12 @@ def instance_history(*, instance_id: int, limit: int = 200) -> list[HistoryEntry
 # -- API keys -----------------------------------------------------------------------------------
 
 
-def api_key_create(*, name: str, scope: str, tokens_per_minute: int | None = None, key: str | None = None) -> tuple[ApiKey, str]:
+def api_key_create(
+    *, name: str, scope: str, tokens_per_minute: int | None = None, key: str | None = None, allow_priority: bool = False,
+) -> tuple[ApiKey, str]:
     """Create a key record; return it and the key itself (shown once, never stored)."""
     key = key or ApiKey.generate(scope)
-    obj = ApiKey(name=name, scope=scope, tokens_per_minute=tokens_per_minute)
+    obj = ApiKey(name=name, scope=scope, tokens_per_minute=tokens_per_minute, allow_priority=allow_priority)
     obj.set_key(key)
     with transaction.atomic():
         obj.save()

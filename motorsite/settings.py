@@ -179,6 +179,12 @@ MOTOR_ENGINE_REPLY_S_PER_TOKEN = env_int("MOTOR_ENGINE_REPLY_MS_PER_TOKEN", 100)
 # request after a mid-stream engine failure; retries of one derender chunk on connection errors / 5xx.
 MOTOR_STREAM_CHUNK_TIMEOUT_S = env_int("MOTOR_STREAM_CHUNK_TIMEOUT_MS", 30000) / 1000
 MOTOR_STREAM_MAX_RELAYS = env_int("MOTOR_STREAM_MAX_RELAYS", 2)
+# Per request: choices (n x prompts; each is an engine sequence and a derender stream) and
+# completion prompts (vLLM's VLLM_MAX_COMPLETION_PROMPTS default). Past either: 400.
+MOTOR_MAX_CHOICES = env_int("MOTOR_MAX_CHOICES", 128)
+MOTOR_MAX_PROMPTS = env_int("MOTOR_MAX_PROMPTS", 1024)
+if MOTOR_MAX_CHOICES < 1 or MOTOR_MAX_PROMPTS < 1:
+    raise ImproperlyConfigured("MOTOR_MAX_CHOICES and MOTOR_MAX_PROMPTS must be at least 1")
 MOTOR_DERENDER_CHUNK_RETRIES = env_int("MOTOR_DERENDER_CHUNK_RETRIES", 1)
 # How long a derender waits for an unreachable sidecar to come back: its supervisor restarts it
 # after 1 s, and a vLLM sidecar starts in about 7 s on an idle 2-core box but took 38-78 s while

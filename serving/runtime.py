@@ -55,6 +55,7 @@ from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TO
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.tokenization import RenderHealth
+from serving.pipeline.request_checks import RequestLimits
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.resilience.shared_breaker import SharedBreakerBoard
 from serving.pipeline.service import ServingPipeline
@@ -315,4 +316,5 @@ def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
         ),
         live_streams=live_streams, topologies=RUNTIME.topologies,
         render_health=render_health_for(snapshot.render.base_url),
+        limits=RequestLimits(max_choices=settings.MOTOR_MAX_CHOICES, max_prompts=settings.MOTOR_MAX_PROMPTS),
     )

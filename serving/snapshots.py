@@ -18,6 +18,7 @@ from typing import Callable
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
+from catalog.fingerprints import config_vocab_size
 from catalog.models import Health, RenderConfig, ServedModel
 from fleet.models import ApiKey, BreakerState, EngineInstance
 from motorsite.core import current_render_config, read_control_version
@@ -36,7 +37,10 @@ _checking: asyncio.Future[None] | None = None
 def build_snapshot(version: int | None = None) -> FleetSnapshot:
     if version is None:
         version = read_control_version()
-    models = {m.name: ModelView(m.name, m.model_path, m.max_model_len) for m in ServedModel.objects.all()}
+    models = {
+        m.name: ModelView(m.name, m.model_path, m.max_model_len, m.vocab_size or config_vocab_size(m.model_path))
+        for m in ServedModel.objects.all()
+    }
     cfg = current_render_config() or RenderConfig()
     # The key stays out of the snapshot; its mapping is registered with the data plane by key id.
     obfuscation_keys.load_for(cfg, models.values())
@@ -51,8 +55,10 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
         derender_coalesce=cfg.derender_coalesce,
     )
     instances = tuple(_instance_view(i) for i in EngineInstance.objects.select_related("served_model", "breaker"))
-    keys = list(ApiKey.objects.filter(scope=ApiKey.Scope.CLIENT).values_list("key_hash", "name", "tokens_per_minute", "revoked"))
-    client_keys = {h: ClientKeyView(name, tpm) for h, name, tpm, revoked in keys if not revoked}
+    keys = list(ApiKey.objects.filter(scope=ApiKey.Scope.CLIENT).values_list(
+        "key_hash", "name", "tokens_per_minute", "allow_priority", "revoked",
+    ))
+    client_keys = {h: ClientKeyView(name, tpm, prio) for h, name, tpm, prio, revoked in keys if not revoked}
     return FleetSnapshot(
         version=version, models=models, render=render, instances=instances,
         client_keys=client_keys, client_keys_managed=bool(keys),

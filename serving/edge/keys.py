@@ -15,6 +15,7 @@ import hmac
 from collections.abc import Sequence
 
 from serving.edge.asgi import Scope, header
+from serving.pipeline import request_checks
 from serving.pipeline.errors import Unauthorized
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.snapshot import FleetSnapshot
@@ -39,11 +40,14 @@ def authenticate(scope: Scope, snapshot: FleetSnapshot, *, env_keys: Sequence[st
     token = bearer_token(scope)
     if token and not token.isascii():
         token = b""
+    # Bound every time, like the rate limit: a key's policy never carries over to another request.
+    request_checks.bind_policy(request_checks.KeyPolicy())
     if snapshot.client_keys_managed:
         # A dict lookup by sha256 of the token: the hash hides timing of the stored key bytes.
         digest = hashlib.sha256(token).hexdigest() if token else ""
         key = snapshot.client_keys.get(digest) if digest else None
         if key is not None:
+            request_checks.bind_policy(request_checks.KeyPolicy(allow_priority=key.allow_priority))
             # The limit is charged once the token count is known (rate_limit.charge_request).
             limited = key.tokens_per_minute
             rate_limit.bind(rate_limit.KeyLimit(digest, key.name, limited) if limited else None)

@@ -5,12 +5,15 @@ the composition root (``serving/runtime.py``) made: clients, scheduler with its 
 token admission, the engine boundary, the topology registry, counters. It holds no state of its
 own between requests. The phases, each logged once per outcome with the request id:
 
+0. body checks (``request_checks.py``): numbers, engine controls and key policy, before any
+   path uses the body; every JSON answer is scrubbed of engine-internal fields on the way out;
 1. routing: ``native_reason`` sends what token-only cannot serve exactly to an engine's own
    OpenAI API (``engine/native.py``), or refuses it with obfuscation on;
 2. tokenization (``render/tokenization.py``): render, or the local tokenizer when render is
    unusable; the local fallback hands requests it cannot build exactly to the native path;
-3. poison check: ids outside the vocabulary or a prompt without room in the context are 400
-   before any engine sees them;
+3. poison check (``request_checks.check_tokenized``): ids outside the vocabulary (503 while
+   the vocabulary size is unknown) or a prompt without room in the context are 400 before any
+   engine sees them;
 4. attempts (``resilience/attempts.py``): placement, budget and the topology's opener (one
    per topology for both modes), within one retry policy; every engine call goes through the guarded
    leg (``engine/leg.py``): breaker, token admission, load, the obfuscation boundary, validation;
@@ -26,10 +29,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextlib import AsyncExitStack
-from typing import Any
+from collections.abc import Iterator
+from contextlib import AsyncExitStack, contextmanager
+from typing import Any, TypeVar
 
-from serving.pipeline import metric_names
+from serving.pipeline import metric_names, request_checks
 from serving.pipeline.derender.full import derender_full
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
@@ -50,6 +54,7 @@ from serving.pipeline.errors import (
     RenderUnavailable,
     RequestError,
     TriggerMultiPromptStream,
+    UpstreamRequestError,
 )
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.admission import reserve_together
@@ -60,13 +65,13 @@ from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind, TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.live import LiveStreams
-from serving.pipeline.render.local_tokenizer import model_vocab_size
 from serving.pipeline.render.tokenization import (
     NeedsNative,
     RenderHealth,
     TokenizationService,
     TokenizedRequest,
 )
+from serving.pipeline.request_checks import RequestLimits
 from serving.pipeline.resilience.attempts import AttemptPolicy, Attempts, OpenStream, requested_tokens
 from serving.pipeline.snapshot import FleetSnapshot, ModelView
 from serving.pipeline.streaming.event_stream import EventStream
@@ -77,6 +82,16 @@ logger = logging.getLogger(__name__)
 
 def _ms(start: float) -> float:
     return (time.perf_counter() - start) * 1000
+
+
+_R = TypeVar("_R")
+
+
+def _scrubbed(result: _R) -> _R:
+    """A JSON answer without engine-internal fields; streams pass as they are."""
+    if isinstance(result, dict):
+        request_checks.scrub_response(result)
+    return result
 
 
 def _hint(reason: str) -> str:
@@ -102,6 +117,7 @@ class ServingPipeline:
         stream_settings: StreamSettings | None = None,
         live_streams: LiveStreams | None = None,
         topologies: TopologyRegistry | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.render = render
@@ -115,6 +131,7 @@ class ServingPipeline:
         self.stream_settings = stream_settings or StreamSettings()
         self.live_streams = live_streams or LiveStreams()
         self.topologies = topologies or TopologyRegistry()
+        self.limits = limits or RequestLimits()
         self.guard = EngineGuard(scheduler, engines, self.boundary, self.native)
 
     def attempts(self, request_id: str) -> Attempts:
@@ -126,18 +143,45 @@ class ServingPipeline:
     # -- entry points ------------------------------------------------------------------------------
 
     async def chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream | NativeStream:
-        return await self._serve("chat", body, request_id)
+        self._check_body("chat", body)
+        with self._engine_errors_scrubbed():
+            return _scrubbed(await self._serve("chat", body, request_id))
 
     async def completions(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream | NativeStream:
-        return await self._serve("completions", body, request_id)
+        self._check_body("completions", body)
+        with self._engine_errors_scrubbed():
+            return _scrubbed(await self._serve("completions", body, request_id))
 
     async def responses(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | NativeStream:
         """The Responses API: no derender exists for it, so it always passes through natively."""
-        return await self._native("responses", body, request_id, "api:responses")
+        self._check_body("responses", body)
+        with self._engine_errors_scrubbed():
+            return _scrubbed(await self._native("responses", body, request_id, "api:responses"))
 
     async def messages(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | NativeStream:
         """The Anthropic Messages API: passed through natively like Responses."""
-        return await self._native("messages", body, request_id, "api:messages")
+        self._check_body("messages", body)
+        with self._engine_errors_scrubbed():
+            return _scrubbed(await self._native("messages", body, request_id, "api:messages"))
+
+    @contextmanager
+    def _engine_errors_scrubbed(self) -> Iterator[None]:
+        """With obfuscation on, an engine's 4xx keeps its status but not its text (physical ids)."""
+        try:
+            yield
+        except UpstreamRequestError as exc:
+            shown = self.boundary.client_error(exc)
+            if shown is exc:
+                raise
+            raise shown from None
+
+    def _check_body(self, kind: ApiKind, body: dict[str, Any]) -> None:
+        """Every path starts here: the body's numbers, engine controls and id fields (request_checks)."""
+        model = self._model(body)
+        request_checks.check_body(kind, body, model, self.limits)
+        if model.vocab_size is not None:
+            # The token-only path checks the rendered ids again; the native one has only these.
+            request_checks.check_body_ids(kind, body, model.vocab_size)
 
     # -- the token-only path -------------------------------------------------------------------------
 
@@ -171,6 +215,7 @@ class ServingPipeline:
     async def _serve_token_only(
         self, kind: TokenKind, body: dict[str, Any], request_id: str, model: ModelView
     ) -> dict[str, Any] | EventStream | NativeStream:
+        request_checks.require_vocab(model)  # 503 before render while the vocabulary is unknown
         tokenizer = TokenizationService(self.render, model, health=self.render_health)
         try:
             tokenized = await tokenizer.tokenize(kind, body, request_id)
@@ -186,7 +231,7 @@ class ServingPipeline:
             self._log_render(request_id, model.name, None, "render", None, outcome=type(exc).__name__)
             raise
         self._log_render(request_id, model.name, tokenized, tokenized.tokenizer_source, tokenized.fallback_reason)
-        self._check_poison(tokenized, model)
+        request_checks.check_tokenized(tokenized.prompts, kind=kind, model=model)
         # The client key's tokens-per-minute window is charged once the real count is known.
         await rate_limit.charge_request(sum(requested_tokens(p) for p in tokenized.prompts))
         requires_tokenizer = engine_tokenizer_feature(kind, body) is not None
@@ -214,23 +259,6 @@ class ServingPipeline:
             tokenized.prompt_tokens if tokenized else 0, tokenized.latency_ms if tokenized else 0.0,
             source, fallback or "-",
         )
-
-    def _check_poison(self, tokenized: TokenizedRequest, model: ModelView) -> None:
-        """Ids outside the vocabulary or a prompt without room kill or fail an engine: 400 here."""
-        vocab = model_vocab_size(model.model_path) if model.model_path else None
-        for index, prompt in enumerate(tokenized.prompts):
-            if vocab is not None:
-                bad = next((t for t in prompt.token_ids if not 0 <= t < vocab), None)
-                if bad is not None:
-                    raise RequestError(
-                        f"Token id {bad} in prompt {index} is out of vocabulary (vocab size {vocab}).", param="prompt"
-                    )
-            if len(prompt.token_ids) >= model.max_model_len:
-                raise RequestError(
-                    f"This model's maximum context length is {model.max_model_len} tokens. However, your request "
-                    f"has {len(prompt.token_ids)} input tokens.",
-                    param="messages" if tokenized.kind == "chat" else "prompt",
-                )
 
     async def _generate_all(
         self, tokenized: TokenizedRequest, request_id: str, requires_tokenizer: bool
@@ -271,8 +299,10 @@ class ServingPipeline:
         self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
         logger.info("route request_id=%s kind=%s path=native reason=%s", request_id, kind, reason)
         # The body is the client's; the tokens are only an estimate (no prompt ids here).
-        max_out = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens") or 16
-        tokens = int(max_out) if isinstance(max_out, int) else 16
+        # request_checks.check_body bounded these, so the estimate is positive and finite.
+        max_out = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
+        tokens = (max_out if isinstance(max_out, int) else 16) * int(body.get("n") or 1)
+        tokens *= request_checks.prompt_count(body) if kind == "completions" else 1
         # Charged here too (once per request: a request that moved from token-only is not charged twice).
         await rate_limit.charge_request(tokens)
         excluded: set[str] = set()

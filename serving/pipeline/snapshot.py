@@ -15,6 +15,9 @@ class ModelView:
     name: str
     model_path: str
     max_model_len: int
+    # Rows of the model's embedding (config.json ``vocab_size``), from the control plane; None
+    # while unknown, and then the token-only path refuses traffic (request_checks.require_vocab).
+    vocab_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,7 @@ class RenderView:
 class ClientKeyView:
     name: str
     tokens_per_minute: int | None = None  # None: unlimited
+    allow_priority: bool = False  # may send a non-zero ``priority`` (ApiKey.allow_priority)
 
 
 @dataclass(frozen=True, slots=True)

@@ -244,3 +244,20 @@ def test_it_judges_the_render_sidecar_by_a_real_render(fleet: list[EngineInstanc
     cfg = RenderConfig.objects.get()
     assert cfg.health == "healthy" and cfg.last_probe_error == ""
     assert ProbeResult.objects.filter(instance=None, kind="health").count() == 5
+
+
+def test_the_version_probe_records_the_vocab_size_from_the_model_files(fleet: list[EngineInstance], model_dir: Path) -> None:
+    model = ServedModel.objects.get(name="tiny")
+    assert model.vocab_size is None
+    version_before = read_control_version()
+    probes.probe_versions(client=tiers_answering())
+    model.refresh_from_db()
+    assert model.vocab_size == json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    assert read_control_version() > version_before  # the snapshot carries it
+    version_after = read_control_version()
+    probes.probe_versions(client=tiers_answering())
+    assert read_control_version() == version_after  # unchanged size: no bump
+    ServedModel.objects.filter(id=model.id).update(model_path="/nonexistent/tiny")
+    probes.probe_versions(client=tiers_answering())
+    model.refresh_from_db()
+    assert model.vocab_size is not None  # unreadable files keep the recorded size

@@ -20,6 +20,8 @@ import httpx
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
 
 MODEL = "tiny"
+# The fakes render Qwen2 ids (CHAT_PROMPT): its vocabulary is the snapshots' out-of-vocabulary bound.
+VOCAB_SIZE = 151936
 RENDER_URL = "http://render.test:8100"
 ENGINE_URLS = {"e1": "http://e1.test:8201", "e2": "http://e2.test:8202"}
 EOS = 151645
@@ -406,7 +408,7 @@ def instance(name: str, *, state: str = "active", model: str = MODEL) -> Instanc
 def fleet_snapshot(*instances: InstanceView) -> FleetSnapshot:
     return FleetSnapshot(
         version=1,
-        models={MODEL: ModelView(MODEL, "/models/tiny", 2048)},
+        models={MODEL: ModelView(MODEL, "/models/tiny", 2048, VOCAB_SIZE)},
         render=RenderView(enable=True, base_url=RENDER_URL, timeout_s=5.0),
         instances=instances or (instance("e1"), instance("e2")),
     )

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 import pytest
 
+from catalog.fingerprints import config_vocab_size
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
 from serving.pipeline.metrics import RouterCounters
@@ -22,7 +23,7 @@ from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
-from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams, SSEBody, fleet_snapshot, instance
+from tests.serving.fakes import MODEL, RENDER_URL, VOCAB_SIZE, FakeUpstreams, SSEBody, fleet_snapshot, instance
 from tests.serving.leaks import assert_nothing_held
 
 NATIVE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
@@ -101,7 +102,7 @@ async def assert_no_leaks(rig: Rig, before: set[asyncio.Task[Any]]) -> None:
 def snapshot_with(*instances: InstanceView, model_path: str | None = None, **render: Any) -> FleetSnapshot:
     snap = fleet_snapshot(*instances)
     if model_path is not None:
-        snap = replace(snap, models={MODEL: ModelView(MODEL, model_path, 2048)})
+        snap = replace(snap, models={MODEL: ModelView(MODEL, model_path, 2048, config_vocab_size(model_path) or VOCAB_SIZE)})
     if render:
         snap = replace(snap, render=replace(snap.render, **render))
     return snap

@@ -140,7 +140,7 @@ async def serve(client: httpx.AsyncClient, faults: list[Fault], attempts: int, *
     )
     scripted = Scripted(faults)
     snapshot = FleetSnapshot(
-        version=1, models={MODEL: ModelView(MODEL, "/models/tiny", 2048)},
+        version=1, models={MODEL: ModelView(MODEL, "/models/tiny", 2048, 151936)},
         render=RenderView(enable=True, base_url=RENDER_URL, timeout_s=5.0), instances=FLEET,
     )
     pipeline = ServingPipeline(

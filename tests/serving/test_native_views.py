@@ -31,7 +31,7 @@ def fresh_snapshot(settings: Any) -> Iterator[None]:
 
 @pytest.fixture
 def native(transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch) -> NativeEngines:
-    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048)
+    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
     RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
     for name, url in ENGINE_URLS.items():
         EngineInstance.objects.create(name=name, url=url, served_model=model, cap_native_openai=True)

@@ -221,15 +221,17 @@ def test_it_maps_every_id_valued_response_field_back() -> None:
     assert out["usage"] == resp["usage"]
 
 
-def test_it_maps_stream_events_and_passes_error_events() -> None:
+def test_it_maps_stream_events_and_passes_error_events_scrubbed() -> None:
     p = MAPPING.physical
     event = {"request_id": "x", "usage": None, "output_mode": "tokens",
              "choices": [{"index": 0, "finish_reason": None, "stop_reason": None, "token_ids": [p(8)], "logprobs": None}]}
     assert deobfuscate_event(event, MAPPING)["choices"][0]["token_ids"] == [8]
     usage_only = {"request_id": "x", "usage": {"prompt_tokens": 3}, "choices": []}
     assert deobfuscate_event(usage_only, MAPPING) == usage_only
-    error = {"error": {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}}
-    assert deobfuscate_event(error, MAPPING) is error
+    error = {"error": {"message": f"boom at {p(8)}", "type": "InternalServerError", "param": None, "code": 500}}
+    scrubbed = deobfuscate_event(error, MAPPING)["error"]  # passes as an error, without its text
+    assert (scrubbed["type"], scrubbed["param"], scrubbed["code"]) == ("InternalServerError", None, 500)
+    assert str(p(8)) not in scrubbed["message"]
 
 
 def test_it_refuses_engine_output_from_another_key_space() -> None:
@@ -252,7 +254,8 @@ def test_it_requires_the_configured_key_when_obfuscation_is_on() -> None:
         require_mapping(ON, TokenMapping.from_key(b"another-key-of-enough-bytes", VOCAB))
     with pytest.raises(ObfuscationKeyError, match="no key id"):
         require_mapping(dataclasses.replace(ON, obfuscation_key_id=""), MAPPING)
-    assert ObfuscationKeyError("x").status == 400
+    # A missing key is the server's state, not the request's fault: 503, like any outage.
+    assert (ObfuscationKeyError("x").status, ObfuscationKeyError("x").type) == (503, "ServiceUnavailableError")
 
 
 def key_pool(instances: list[InstanceView], render: RenderView) -> list[InstanceView]:
@@ -493,7 +496,7 @@ def obf_fleet(transactional_db: None, settings: Any, upstreams: Any, mock_client
     settings.MOTOR_OPEN_ACCESS = True
     settings.MOTOR_OBF_VIEW_KEY = VIEW_KEY
     settings.MOTOR_OBFUSCATION_VOCAB_SIZE = 152000
-    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048)
+    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
     RenderConfig.objects.create(
         host="render.test", port=8100, timeout_ms=5000, obfuscation=True,
         obfuscation_key_ref="setting:MOTOR_OBF_VIEW_KEY", obfuscation_key_id=key_id(VIEW_KEY.encode()),
@@ -533,6 +536,7 @@ async def test_the_api_refuses_traffic_when_the_key_is_missing(
 ) -> None:
     del settings.MOTOR_OBF_VIEW_KEY
     r = await v1.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
-    assert r.status_code == 400
-    assert r.json()["error"]["type"] == "ObfuscationKeyError"
+    assert r.status_code == 503
+    assert r.json()["error"]["type"] == "ServiceUnavailableError"
+    assert "not available" in r.json()["error"]["message"]
     assert obf_fleet.calls == []  # not even render: nothing leaves without the key

@@ -131,7 +131,7 @@ async def rig_factory(
 
     def make(*instances: InstanceView) -> Rig:
         snapshot = FleetSnapshot(
-            version=1, models={MODEL: ModelView(MODEL, "/models/tiny", 4096)},
+            version=1, models={MODEL: ModelView(MODEL, "/models/tiny", 4096, 151936)},
             render=RenderView(enable=True, base_url=RENDER_URL, timeout_s=5.0), instances=instances,
         )
         scheduler = Scheduler(LoadTracker(), breakers=BreakerBoard())

@@ -315,7 +315,8 @@ async def test_render_400_passes_through(pipeline: ServingPipeline, upstreams: F
     upstreams.override("render", "render", respond(400, vllm))
 
     with pytest.raises(UpstreamRequestError) as info:
-        await pipeline.chat(chat_body(max_completion_tokens=9999), "r12")
+        # Within the coordinator's own bounds (request_checks): only render knows its context.
+        await pipeline.chat(chat_body(max_completion_tokens=2000), "r12")
 
     assert error_body(info.value) == (400, vllm)
     assert [c.kind for c in upstreams.calls] == ["render"]

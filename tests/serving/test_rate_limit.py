@@ -139,7 +139,7 @@ class ChargingPipeline:
 
 @pytest.fixture
 def pipeline(transactional_db: None, monkeypatch: pytest.MonkeyPatch, clock: Clock) -> Iterator[ChargingPipeline]:
-    ServedModel.objects.create(name="tiny", model_path="/models/tiny", max_model_len=2048)
+    ServedModel.objects.create(name="tiny", model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
     RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
     fake = ChargingPipeline(tokens=40)
     monkeypatch.setattr("serving.edge.openai_api.pipeline_for", lambda snapshot: fake)
@@ -196,7 +196,7 @@ async def test_the_pipeline_charges_after_render_and_refuses_before_any_engine(
     from tests.serving.fakes import ENGINE_URLS, MODEL
 
     def fleet() -> None:
-        model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048)
+        model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
         RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
         for name, url in ENGINE_URLS.items():
             EngineInstance.objects.create(name=name, url=url, served_model=model)

@@ -198,11 +198,11 @@ async def test_poison_prompts_are_400_before_any_engine(rig: Rig, prompt: list[i
     assert rig.upstreams.calls_of("generate") == []
 
 
-@pytest.mark.parametrize(("budget", "expected"), [(True, 2048 - 100 - 2), (False, 4000)])
+@pytest.mark.parametrize(("budget", "expected"), [(True, 2048 - 100 - 2), (False, 2000)])
 async def test_the_context_budget_clamps_to_the_chosen_engines_room(rig: Rig, budget: bool, expected: int) -> None:
     small = engine("e1", max_model_len=2048 - 100)
     await rig.pipeline(snapshot_with(small, context_budget=budget)).completions(
-        {"model": MODEL, "prompt": "x", "max_tokens": 4000}, "f12"
+        {"model": MODEL, "prompt": "x", "max_tokens": 2000}, "f12"
     )
     (gen,) = rig.upstreams.calls_of("generate")
     assert gen.body["sampling_params"]["max_tokens"] == expected  # prompt 0 renders to 2 ids

@@ -58,7 +58,7 @@ def queries(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.fixture
 def fleet(transactional_db: None) -> dict[str, EngineInstance]:
-    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048)
+    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
     RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
     return {
         name: services.instance_create(actor="t", name=name, url=url, served_model_id=model.id)

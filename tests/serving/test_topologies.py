@@ -138,7 +138,7 @@ def test_a_custom_policy_moves_the_thresholds() -> None:
 
 def test_pd_instances_skips_what_cannot_take_a_leg() -> None:
     snapshot = FleetSnapshot(
-        version=1, models={MODEL: ModelView(MODEL, "/m", 4096)}, render=RenderView(True, "http://r", 5.0),
+        version=1, models={MODEL: ModelView(MODEL, "/m", 4096, 151936)}, render=RenderView(True, "http://r", 5.0),
         instances=(
             U1, P1, D1,
             dataclasses.replace(P2, breaker_state="open"),
@@ -169,7 +169,7 @@ def test_a_prefill_instance_whose_breaker_opened_gets_its_half_open_trial_like_u
     scheduler.topology_policy = pd_topology_policy(lambda _i: 0.0, policy=PDPolicy(min_prompt_tokens=1))
     p1 = dataclasses.replace(P1, id=11)
     fleet = (dataclasses.replace(U1, id=1), p1, dataclasses.replace(D1, id=21))
-    snapshot = FleetSnapshot(version=1, models={MODEL: ModelView(MODEL, "/m", 4096)},
+    snapshot = FleetSnapshot(version=1, models={MODEL: ModelView(MODEL, "/m", 4096, 151936)},
                              render=RenderView(True, "http://r", 5.0), instances=fleet)
     assert scheduler.place(snapshot, MODEL, list(range(LONG))).names == "p1,d1"
     breakers.failure(p1, "prefill leg failed")
@@ -598,7 +598,7 @@ async def test_the_router_places_and_runs_pd_through_its_own_legs(
     p_server, d_server = (prefill, decode) if transfer == "pull" else (push_prefill, push_decode)
     u, p, d = view(union), view(p_server, "prefill", transfer), view(d_server, "decode", transfer)
     snapshot = FleetSnapshot(
-        version=1, models={MODEL: ModelView(MODEL, "/m", 4096)}, render=RenderView(True, "http://r", 5.0),
+        version=1, models={MODEL: ModelView(MODEL, "/m", 4096, 151936)}, render=RenderView(True, "http://r", 5.0),
         instances=(u, p, d),
     )
     load = LoadTracker()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from serving.pipeline.errors import MotorError, UpstreamRequestError
 from serving.pipeline.obfuscation.mapping import (
     TokenMapping,
     deobfuscate_event,
     deobfuscate_response,
     obfuscate_request,
+    scrub_error,
 )
 from serving.pipeline.snapshot import InstanceView
 
@@ -33,3 +35,10 @@ class EngineBoundary:
 
     def inbound_event(self, event: dict[str, Any], instance: InstanceView) -> dict[str, Any]:
         return event if self.mapping is None else deobfuscate_event(event, self.mapping)
+
+    def client_error(self, exc: MotorError) -> MotorError:
+        """The error the client may see: with a mapping, an engine's 4xx loses its message, which can
+        quote physical ids (HTTP 4xx and in-band error events alike); everything else as it is."""
+        if self.mapping is None or not isinstance(exc, UpstreamRequestError) or exc.source != "engine":
+            return exc
+        return UpstreamRequestError(exc.status, {"error": scrub_error(exc.body().get("error") or {})}, source=exc.source)

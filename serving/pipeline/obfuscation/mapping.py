@@ -25,10 +25,11 @@ is not eligible for it (``eligible``). Without obfuscation nothing here runs.
 Errors (all in the ``serving.pipeline.errors`` tree):
 
 RequestError
- +-- ObfuscationKeyError      obfuscation on, key missing/invalid/mismatched: refuse, never fall back
  +-- ObfuscationRefused       this request cannot be sent obfuscated
 MotorError
- +-- ObfuscatedOutputInvalid  the engine returned an id outside the vocabulary (wrong key/model): 502
+ +-- ObfuscationKeyError      503: obfuscation on, key missing/invalid/mismatched: refuse, never fall back
+ +-- ObfuscatedOutputInvalid  502: the engine returned an id outside the vocabulary (wrong key/model),
+                              or a response field this module does not know how to map
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ _KEY_ID_DOMAIN = b"motorsite/token-key-id/v1"
 MIN_KEY_BYTES = 16
 
 
-class ObfuscationKeyError(RequestError):
-    """Obfuscation is on but its key is missing, invalid or not the configured one."""
+class ObfuscationKeyError(MotorError):
+    """Obfuscation is on but its key is missing, invalid or not the configured one: the server's
+    fault, not the request's, so 503 (traffic resumes once the key is back)."""
 
-    type = "ObfuscationKeyError"
+    status = 503
+    type = "ServiceUnavailableError"
 
 
 class ObfuscationRefused(RequestError):
@@ -241,7 +244,7 @@ _SAMPLING_PASSTHROUGH = frozenset({
     "top_p", "top_k", "min_p", "seed", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
     "prompt_logprobs", "prompt_logprob_start", "flat_logprobs", "detokenize", "skip_special_tokens",
     "spaces_between_special_tokens", "include_stop_str_in_output", "output_kind", "stream_interval",
-    "skip_clone", "output_text_buffer_length", "extra_args", "skip_reading_prefix_cache",
+    "skip_clone", "output_text_buffer_length", "skip_reading_prefix_cache",
     "thinking_token_budget", "repetition_detection", "routed_experts_prompt_start",
 })
 
@@ -276,7 +279,7 @@ def obfuscate_request(generate_request: dict[str, Any], mapping: TokenMapping) -
 
 def _obfuscate_sampling(params: dict[str, Any], mapping: TokenMapping) -> dict[str, Any]:
     known = _SAMPLING_PASSTHROUGH | set(_SAMPLING_ID_LISTS) | set(_SAMPLING_TEXT)
-    unknown = set(params) - known - {"logit_bias", "prompt_logprob_token_ids", "structured_outputs"}
+    unknown = set(params) - known - {"logit_bias", "prompt_logprob_token_ids", "structured_outputs", "extra_args"}
     if unknown:
         raise ObfuscationRefused(
             f"cannot obfuscate sampling parameter(s) {sorted(unknown)}; refusing to send them plain",
@@ -287,6 +290,10 @@ def _obfuscate_sampling(params: dict[str, Any], mapping: TokenMapping) -> dict[s
             raise ObfuscationRefused(
                 f"{name} strings cannot be sent to an obfuscated engine; use token ids", param=name
             )
+    if params.get("extra_args"):
+        # Custom logits processors read these; their values may be plain ids or text. The client
+        # cannot send them (request_checks refuses vllm_xargs), so only a bug could put one here.
+        raise ObfuscationRefused("extra_args cannot cross the obfuscation boundary", param="extra_args")
     if params.get("structured_outputs"):
         # The engine would compile the grammar against its (plain) vocabulary: wrong ids and text exposed.
         raise ObfuscationRefused("structured outputs are not supported with token obfuscation", param="structured_outputs")
@@ -336,9 +343,40 @@ def deobfuscate_event(event: dict[str, Any], mapping: TokenMapping) -> dict[str,
     return _deobfuscate(event, mapping)
 
 
+# GenerateResponse / stream event fields (vllm-protocol.md 3.4, 3.5) by how they come back.
+# Anything else is refused: a field added upstream could carry physical ids the client must not
+# see, and passing it through unmapped is not closed.
+_RESPONSE_PLAIN = frozenset({
+    "request_id", "model", "created", "usage", "output_mode", "metrics", "mm_placeholders",
+    "kv_transfer_params", "ec_transfer_params",  # connector state: block ids and addresses, no token ids
+    "prompt_token_id_logprobs",  # logprob values of the requested ids, in request order: no ids
+})
+_RESPONSE_MAPPED = frozenset({"prompt_token_ids", "prompt_logprobs", "choices"})
+_CHOICE_PLAIN = frozenset({"index", "finish_reason", "routed_experts", "weight_versions"})
+_CHOICE_MAPPED = frozenset({"token_ids", "stop_reason", "sampling_mask", "logprobs"})
+
+
+def _refuse_unknown(body: dict[str, Any], known: frozenset[str], where: str) -> None:
+    unknown = sorted(k for k, v in body.items() if k not in known and v is not None)
+    if unknown:
+        raise ObfuscatedOutputInvalid(f"the engine answered {where} field(s) {unknown} that cannot be deobfuscated")
+
+
+def scrub_error(error: dict[str, Any]) -> dict[str, Any]:
+    """An engine's error object without its message: it may quote physical ids (or text decoded
+    from them), which tell a client the permutation. Status, type and param stay."""
+    code = error.get("code")
+    return {
+        "message": f"The engine refused the request ({code}); details are withheld with token obfuscation on.",
+        "type": error.get("type") or "BadRequestError", "param": error.get("param"), "code": code,
+    }
+
+
 def _deobfuscate(body: dict[str, Any], mapping: TokenMapping) -> dict[str, Any]:
     if "error" in body and "choices" not in body:
-        return body
+        error = body["error"]
+        return {"error": scrub_error(error) if isinstance(error, dict) else scrub_error({})}
+    _refuse_unknown(body, _RESPONSE_PLAIN | _RESPONSE_MAPPED, "response")
     out = dict(body)
     if body.get("prompt_token_ids") is not None:
         out["prompt_token_ids"] = mapping.to_semantic(body["prompt_token_ids"])
@@ -357,6 +395,7 @@ def _semantic_keys(by_id: dict[str, Any], mapping: TokenMapping) -> dict[str, An
 
 
 def _deobfuscate_choice(choice: dict[str, Any], mapping: TokenMapping) -> dict[str, Any]:
+    _refuse_unknown(choice, _CHOICE_PLAIN | _CHOICE_MAPPED, "choice")
     out = dict(choice)
     if choice.get("token_ids") is not None:
         out["token_ids"] = mapping.to_semantic(choice["token_ids"])

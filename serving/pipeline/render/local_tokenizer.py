@@ -13,7 +13,6 @@ per model directory, on the first real fallback, never at start.
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from datetime import datetime
@@ -45,14 +44,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
-
-
-@functools.lru_cache(maxsize=32)
-def model_vocab_size(model_path: str) -> int | None:
-    """The model's ``vocab_size`` from config.json (None when unknown): ids at or above it are poison."""
-    config = _read_json(Path(model_path) / "config.json")
-    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    return int(size) if isinstance(size, int) and size > 0 else None
 
 
 def _backend_tokenizer(root: Path) -> Tokenizer:

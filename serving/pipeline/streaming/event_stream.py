@@ -125,7 +125,7 @@ class EventStream:
             outcome = type(exc).__name__
             for s in self.sessions:
                 s.end(ChoicePhase.FAILED)
-            yield frame(error_body(exc)[1])
+            yield frame(error_body(self.attempts.guard.boundary.client_error(exc))[1])
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise

@@ -46,7 +46,7 @@ async def closed(settings: Any) -> AsyncIterator[None]:
 def upstream(
     transactional_db: None, upstreams: FakeUpstreams, mock_client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch,
 ) -> FakeUpstreams:
-    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048)
+    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
     RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
     for name, url in ENGINE_URLS.items():
         EngineInstance.objects.create(name=name, url=url, served_model=model)

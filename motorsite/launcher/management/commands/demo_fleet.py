@@ -9,6 +9,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
 
+from catalog.fingerprints import config_vocab_size
 from catalog.models import RenderConfig, ServedModel
 from catalog.services import revision_record
 from fleet.models import ApiKey, BreakerState, EngineInstance
@@ -44,7 +45,9 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **opts: Any) -> None:
         model, _ = ServedModel.objects.update_or_create(
             name=opts["served_model_name"],
-            defaults={"model_path": opts["model_dir"], "max_model_len": opts["max_model_len"]},
+            defaults={"model_path": opts["model_dir"], "max_model_len": opts["max_model_len"],
+                      # The data plane's out-of-vocabulary bound; the version probe keeps it current.
+                      "vocab_size": config_vocab_size(opts["model_dir"])},
         )
         # The version probe compares engines against this record; unchanged files add no row.
         revision_record(served_model=model, model_dir=opts["model_dir"], actor="demo_fleet")

@@ -1,0 +1,305 @@
+"""Checks every client body passes before anything uses it, on every path, and the response scrub.
+
+``ServingPipeline`` calls ``check_body`` first for each API (token-only, the local fallback and
+the native path all start there), ``check_ids`` on every tokenized request before admission, and
+``scrub_response`` on every JSON answer. Nothing else in the data plane needs to distrust a
+number or an id field afterwards: admission, rate limits and fan-out read validated values.
+
+What is refused, with vLLM 0.33's status and message where it has one (400, ``BadRequestError``):
+
+- numbers: ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` (Anthropic
+  ``max_tokens``) not an integer, below 1 or above ``max_model_len``; ``n`` and ``best_of`` not
+  an integer in [1, ``VLLM_MAX_N_SEQUENCES``]; more completion prompts than
+  ``RequestLimits.max_prompts``; ``n`` x prompts over ``RequestLimits.max_choices`` (the
+  coordinator's own cap, ``MOTOR_MAX_CHOICES``);
+- engine controls (one rule: refused, never silently dropped, so a client learns its field had
+  no effect): ``kv_transfer_params``, ``ec_transfer_params``, ``vllm_xargs``, ``extra_args``
+  with any non-null value; ``priority`` other than 0 unless the caller's key allows it;
+- ids outside the vocabulary in the prompt and in every id-valued sampling field; with the
+  vocabulary size unknown the token-only path answers 503 (``VocabularyUnknown``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from serving.pipeline.errors import MotorError, RequestError
+from serving.pipeline.protocol import ApiKind
+from serving.pipeline.snapshot import ModelView
+
+# vLLM's defaults for the same bounds (envs.VLLM_MAX_N_SEQUENCES, VLLM_MAX_COMPLETION_PROMPTS).
+VLLM_MAX_N_SEQUENCES = 16384
+VLLM_MAX_COMPLETION_PROMPTS = 1024
+
+# Client fields that steer an engine's internals: KV/EC connector params can pin KV blocks or
+# point an engine at an address of the client's choosing; xargs reach custom logits processors.
+ENGINE_CONTROLS = ("kv_transfer_params", "ec_transfer_params", "vllm_xargs", "extra_args")
+
+
+class VocabularyUnknown(MotorError):
+    """The model's vocabulary size is not in the snapshot yet: ids cannot be checked, so refuse."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """The coordinator's caps on one request, from settings via the composition root."""
+
+    max_choices: int = 128  # n x prompts: each choice is a sequence on an engine and a derender stream
+    max_prompts: int = VLLM_MAX_COMPLETION_PROMPTS
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPolicy:
+    """What the caller's client key may ask for beyond the plain API."""
+
+    allow_priority: bool = False
+
+
+# The caller's key policy, bound by the view with the key (as ``rate_limit.bind``); a request
+# without a bound policy (open access, tests) gets the default, which allows nothing extra.
+_policy: contextvars.ContextVar[KeyPolicy | None] = contextvars.ContextVar("motor_key_policy", default=None)
+_NO_EXTRAS = KeyPolicy()
+
+
+def bind_policy(policy: KeyPolicy) -> None:
+    _policy.set(policy)
+
+
+def current_policy() -> KeyPolicy:
+    return _policy.get() or _NO_EXTRAS
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class SchemaError(RequestError):
+    """A field of the wrong type: vLLM's request-validation handler answers these (section 4.2)."""
+
+    type = "Bad Request"
+
+
+# vLLM parses bodies with pydantic in lax mode: "5", 5.0 and true are the integers 5, 5 and 1.
+_LAX_INT: TypeAdapter[int] = TypeAdapter(int)
+
+
+def _integer(body: dict[str, Any], name: str) -> int | None:
+    """``body[name]`` as vLLM's schema reads it (None when absent or null), written back as an int
+    so every later reader sees what the engines will; 400 for what the schema refuses."""
+    value = body.get(name)
+    if value is None:
+        return None
+    try:
+        number = _LAX_INT.validate_python(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        detail = {"type": first["type"], "loc": f"body.{name}", "msg": first["msg"], "input": str(value)[:100]}
+        raise SchemaError(f"1 validation error:\n  {detail}", param=f"body.{name}") from None
+    if not _is_int(value):
+        body[name] = number
+    return number
+
+
+def _max_output(value: int | None, name: str, max_model_len: int) -> None:
+    if value is None:
+        return
+    if value < 1:
+        raise RequestError(f"{name} must be at least 1, got {value}.", param=name)
+    if value > max_model_len:
+        raise RequestError(
+            f"{name}={value} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param=name,
+        )
+
+
+def _sequences(value: int | None, name: str) -> int:
+    if value is None:
+        return 1
+    if value < 1:
+        raise RequestError(f"{name} must be at least 1, got {value}.", param=name)
+    if value > VLLM_MAX_N_SEQUENCES:
+        raise RequestError(f"{name} must be at most {VLLM_MAX_N_SEQUENCES}, got {value}.", param=name)
+    return value
+
+
+def prompt_count(body: Mapping[str, Any]) -> int:
+    """How many prompts a completions body holds (vLLM: a flat id list or a string is one)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
+        return len(prompt)
+    return 1
+
+
+def check_body(kind: ApiKind, body: dict[str, Any], model: ModelView, limits: RequestLimits) -> None:
+    """Refuse a body whose numbers or engine controls must not go further (400); return None.
+
+    Integers the schema accepts in another spelling ("5", 5.0) are rewritten as ints in ``body``.
+    """
+    _check_controls(body, current_policy())
+    if kind == "messages":
+        # Anthropic requires max_tokens and validates it positive (vLLM's AnthropicMessagesRequest).
+        value = _integer(body, "max_tokens")
+        if value is None:
+            raise RequestError("1 validation error:\n  max_tokens: Field required", param="max_tokens")
+        _max_output(value, "max_tokens", model.max_model_len)
+        return
+    if kind == "responses":
+        _max_output(_integer(body, "max_output_tokens"), "max_output_tokens", model.max_model_len)
+        return
+    max_tokens = _integer(body, "max_tokens")
+    completion = _integer(body, "max_completion_tokens") if kind == "chat" else None
+    # vLLM bounds the field it uses: max_completion_tokens wins over max_tokens (chat only).
+    if completion is not None:
+        _max_output(completion, "max_completion_tokens", model.max_model_len)
+    elif not (kind == "completions" and max_tokens == 0 and body.get("echo")):  # echo without generation
+        _max_output(max_tokens, "max_tokens", model.max_model_len)
+    n = _sequences(_integer(body, "n"), "n")
+    _sequences(_integer(body, "best_of"), "best_of")
+    prompts = prompt_count(body) if kind == "completions" else 1
+    if prompts > limits.max_prompts:
+        raise RequestError(
+            f"prompt list length {prompts} exceeds the maximum allowed count of {limits.max_prompts}.",
+            param="prompt",
+        )
+    if n * prompts > limits.max_choices:
+        raise RequestError(
+            f"n x prompts = {n * prompts} exceeds this server's limit of {limits.max_choices} choices per request.",
+            param="n",
+        )
+
+
+def _check_controls(body: dict[str, Any], policy: KeyPolicy) -> None:
+    for name in ENGINE_CONTROLS:
+        if body.get(name) is not None:
+            raise RequestError(f"`{name}` is an engine-internal control and is not accepted by this server.", param=name)
+    priority = _integer(body, "priority")
+    if priority is not None and priority != 0 and not policy.allow_priority:
+        raise RequestError("`priority` is not allowed for this API key.", param="priority")
+
+
+# --- ids ----------------------------------------------------------------------------------------
+
+# Sampling fields holding token ids (vllm-protocol.md 3.2), each bounded by vLLM's engine the same way.
+_ID_LISTS = ("stop_token_ids", "allowed_token_ids", "logprob_token_ids", "trace_decode_token_ids")
+# Fields holding lists of id lists: bad words as ids (one list per word), prompt logprob rows.
+_ID_ROWS = ("bad_words_token_ids", "prompt_logprob_token_ids")
+
+
+def _out_of_vocab(ids: Iterable[Any], vocab: int, *, pad: bool = False) -> list[Any]:
+    low = -1 if pad else 0
+    return [t for t in ids if not _is_int(t) or not low <= t < vocab]
+
+
+def _refuse(name: str, bad: Sequence[Any], vocab: int) -> RequestError:
+    return RequestError(
+        f"token_id(s) {list(bad)[:8]} in {name} contain out-of-vocab token ids. Vocabulary size: {vocab}",
+        param=name,
+    )
+
+
+def check_sampling_ids(params: Mapping[str, Any], vocab: int) -> None:
+    """Every id-valued sampling field within ``range(vocab)``; 400 naming the field otherwise."""
+    for name in _ID_LISTS:
+        value = params.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            raise RequestError(f"{name} must be a list of token ids.", param=name)
+        bad = _out_of_vocab(value, vocab)
+        if bad:
+            raise _refuse(name, bad, vocab)
+    bias = params.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, Mapping):
+            raise RequestError("logit_bias must map token ids to biases.", param="logit_bias")
+        keys: list[Any] = []
+        for k in bias:
+            try:
+                keys.append(int(k))
+            except (TypeError, ValueError):
+                keys.append(k)
+        bad = _out_of_vocab(keys, vocab)
+        if bad:
+            raise _refuse("logit_bias", bad, vocab)
+    for name in _ID_ROWS:
+        rows = params.get(name)
+        if rows is None:
+            continue
+        if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
+            raise RequestError(f"{name} must be a list of id lists.", param=name)
+        # -1 pads prompt logprob rows to one width (vLLM scores it -inf); it is not a token.
+        bad = [t for r in rows for t in _out_of_vocab(r, vocab, pad=name == "prompt_logprob_token_ids")]
+        if bad:
+            raise _refuse(name, bad, vocab)
+
+
+def check_prompt_ids(token_ids: Sequence[Any], vocab: int, *, param: str) -> None:
+    bad = _out_of_vocab(token_ids, vocab)
+    if bad:
+        raise RequestError(f"Token id {bad[0]} is out of vocabulary (vocabulary size {vocab}).", param=param)
+
+
+def require_vocab(model: ModelView) -> int:
+    """The model's vocabulary size; ``VocabularyUnknown`` (503) while the control plane has none."""
+    if model.vocab_size is None:
+        raise VocabularyUnknown(
+            f"The vocabulary size of model `{model.name}` is not known yet (the version probe reads it from the "
+            "model files); token ids cannot be checked, so requests are refused until it is.",
+        )
+    return model.vocab_size
+
+
+def check_tokenized(prompts: Iterable[Any], *, kind: ApiKind, model: ModelView) -> None:
+    """Every prompt of a tokenized request: ids in the vocabulary, sampling ids too, and room left.
+
+    ``prompts`` are ``TokenizedPrompt``s (render's or the local fallback's GenerateRequests): the
+    check runs on what will be sent, whatever built it, before admission counts a token of it.
+    """
+    vocab = require_vocab(model)
+    param = "messages" if kind == "chat" else "prompt"
+    for prompt in prompts:
+        check_prompt_ids(prompt.token_ids, vocab, param=param)
+        check_sampling_ids(prompt.sampling_params, vocab)
+        if len(prompt.token_ids) >= model.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {model.max_model_len} tokens. However, your request "
+                f"has {len(prompt.token_ids)} input tokens.",
+                param=param,
+            )
+
+
+def check_body_ids(kind: ApiKind, body: Mapping[str, Any], vocab: int) -> None:
+    """The id-valued fields of a client body (used on the native path, where render never ran)."""
+    check_sampling_ids(body, vocab)
+    if kind == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            check_prompt_ids(prompt, vocab, param="prompt")
+        elif isinstance(prompt, list):
+            for p in prompt:
+                if isinstance(p, list):
+                    check_prompt_ids(p, vocab, param="prompt")
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+def scrub_response(response: dict[str, Any]) -> dict[str, Any]:
+    """Drop engine-internal fields from a JSON answer before the client sees it.
+
+    ``kv_transfer_params`` names the prefill engine's host, port and KV blocks; derender and the
+    native API pass it through. It stays in the body as ``null`` (vLLM's shape when unset).
+    """
+    for name in ("kv_transfer_params", "ec_transfer_params"):
+        if response.get(name) is not None:
+            response[name] = None
+    return response
