@@ -91,10 +91,17 @@ class EngineInstance(models.Model):
     # Machine-owned: the version probe.
     reported_version = models.CharField(max_length=50, blank=True)
     reported_root = models.CharField(max_length=500, blank=True)
+    reported_name = models.CharField(
+        max_length=200, blank=True, help_text="The model name the engine serves (its /v1/models card)."
+    )
     reported_max_model_len = models.PositiveIntegerField(null=True, blank=True)
     reported_fingerprint = models.JSONField(default=dict, blank=True)
     version_drift = models.BooleanField(default=False)
     drift_reason = models.CharField(max_length=500, blank=True)
+    model_mismatch = models.CharField(
+        max_length=500, blank=True,
+        help_text="How the served model's record (name, model_path) differs from what the engine reports.",
+    )
     # Machine-owned: the health probe.
     health = models.CharField(max_length=10, choices=Health.choices, default=Health.UNKNOWN)
     consecutive_successes = models.PositiveIntegerField(default=0)
@@ -172,7 +179,7 @@ class InstanceEvent(models.Model):
 
     instance = models.ForeignKey(EngineInstance, models.CASCADE, related_name="events")
     created = models.DateTimeField(auto_now_add=True)
-    kind = models.CharField(max_length=20)  # state | health | drift
+    kind = models.CharField(max_length=20)  # state | health | drift | model | ...
     old = models.CharField(max_length=30, blank=True)
     new = models.CharField(max_length=30, blank=True)
     actor = models.CharField(max_length=100, blank=True)

@@ -115,6 +115,7 @@ class TierReport:
     max_model_len: int | None
     version: str
     fingerprint: dict[str, str] | None = None  # None: no model directory to read
+    name: str = ""  # the id of the card standing for the model (the served name, else the first base card)
 
     @classmethod
     def from_answers(
@@ -133,6 +134,7 @@ class TierReport:
             max_model_len=mml if isinstance(mml, int) else None,
             version=str(version.get("version") or "") if isinstance(version, dict) else "",
             fingerprint=fingerprint,
+            name=str(card.get("id") or ""),
         )
 
 
@@ -164,6 +166,19 @@ def drift_reasons(served_name: str, reference: TierReport, engine: TierReport) -
                 reasons.append(f"{key} differs ({theirs[:12] or 'missing'} vs render's {ours[:12] or 'missing'})")
     elif reference.root and engine.root != reference.root:
         reasons.append(f"root {engine.root!r} != render's {reference.root!r}")
+    return reasons
+
+
+def record_mismatch(name: str, model_path: str, engine: TierReport) -> list[str]:
+    """How the served model's record differs from what the engine reports (not drift: nothing is quarantined).
+
+    The operator fixes it by adopting the engine's values (``services.served_model_adopt_reported``).
+    """
+    reasons: list[str] = []
+    if engine.name and name not in engine.served_names:
+        reasons.append(f"the engine serves {engine.name!r}, the served model is named {name!r}")
+    if engine.root and model_path and engine.root != model_path:
+        reasons.append(f"the engine loads {engine.root!r}, the served model's model_path is {model_path!r}")
     return reasons
 
 
@@ -381,16 +396,24 @@ def _probe_engine_version(
         return
     reasons = drift_reasons(instance.served_model.name, reference, report) if reference is not None else []
     drift_reason = "; ".join(reasons)[:500]
+    mismatch = "; ".join(record_mismatch(instance.served_model.name, instance.served_model.model_path, report))[:500]
     with transaction.atomic():
-        was = EngineInstance.objects.filter(id=instance.id).values_list("version_drift", flat=True).first()
+        row = EngineInstance.objects.filter(id=instance.id).values_list("version_drift", "model_mismatch").first()
         EngineInstance.objects.filter(id=instance.id).update(
-            reported_version=report.version, reported_root=report.root,
+            reported_version=report.version, reported_root=report.root, reported_name=report.name,
             reported_max_model_len=report.max_model_len, reported_fingerprint=report.fingerprint or {},
-            version_drift=bool(reasons), drift_reason=drift_reason,
+            version_drift=bool(reasons), drift_reason=drift_reason, model_mismatch=mismatch,
         )
-        if was is not None and was != bool(reasons):
+        if row is not None and row[1] != mismatch:  # only a change writes history, as for drift
             InstanceEvent.objects.create(
-                instance=instance, kind="drift", old=str(was).lower(), new=str(bool(reasons)).lower(),
+                instance=instance, kind="model", old=str(bool(row[1])).lower(), new=str(bool(mismatch)).lower(),
+                actor=ACTOR, reason=mismatch or "the served model's record matches the engine again",
+            )
+            if mismatch:
+                logger.warning("instance %s: served model record mismatch: %s", instance.name, mismatch)
+        if row is not None and row[0] != bool(reasons):
+            InstanceEvent.objects.create(
+                instance=instance, kind="drift", old=str(row[0]).lower(), new=str(bool(reasons)).lower(),
                 actor=ACTOR, reason=drift_reason or "matches render again",
             )
             bump_control_version()
