@@ -373,3 +373,23 @@ def process_of(instance: EngineInstance) -> ManagedProcess | None:
         return instance.process  # type: ignore[no-any-return]
     except ManagedProcess.DoesNotExist:
         return None
+
+
+class CoordinatorReport(models.Model):
+    """One coordinator process's recent engine-request buckets and tokens in flight (machine-owned).
+
+    Written by that process (``serving.stream_reports.StreamReporter`` via ``fleet.reports``) a few
+    seconds after its traffic changes, read by the fleet dashboard of any process, so every replica
+    draws the same fleet. With ``REDIS_URL`` set the same reports live in Redis instead.
+    """
+
+    host = models.CharField(max_length=255)
+    pid = models.PositiveIntegerField()
+    payload = models.JSONField(default=dict, blank=True, help_text='{"series": buckets per instance, "in_flight": tokens per instance}')
+    updated = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["host", "pid"], name="coordinator_report_process")]
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.pid}"

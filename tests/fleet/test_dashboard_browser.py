@@ -72,7 +72,7 @@ def test_it_shows_the_fleet_and_its_plots_in_chromium(sick_fleet: list[EngineIns
         assert rows.count() == 3
         for instance in sick_fleet:
             row = page.locator(f'tr[data-instance="{instance.name}"]')
-            for field in ("role", "state", "health", "breaker", "in-flight", "last-probe"):
+            for field in ("role", "state", "health", "breaker", "in-flight", "restarts", "last-probe"):
                 assert row.locator(f'[data-field="{field}"]').inner_text().strip(), (instance.name, field)
             for plot in ("ttft", "tpot", "rate", "errors"):
                 svg = row.locator(f'[data-plot="{plot}"] svg.spark')
@@ -82,14 +82,28 @@ def test_it_shows_the_fleet_and_its_plots_in_chromium(sick_fleet: list[EngineIns
         assert page.locator('tr[data-instance="union-2"] [data-field="health"]').inner_text().strip() == "failing"
         assert page.locator('tr[data-instance="union-3"] [data-field="breaker"]').inner_text().strip() == "open"
         process = page.locator('tr[data-instance="union-2"] [data-field="process"]').inner_text()
-        assert "restarting, 2 restarts" in process and "engine core killed by SIGILL" in process
-        assert page.locator('tr[data-instance="union-1"] [data-field="process"]').inner_text().startswith("running, 1 restart")
+        assert process.startswith("restarting") and "engine core killed by SIGILL" in process
+        assert page.locator('tr[data-instance="union-1"] [data-field="process"]').inner_text().startswith("running")
         assert page.locator('tr[data-instance="union-3"] [data-field="process"]').inner_text().strip() == "–"
+        restarts = {i.name: page.locator(f'tr[data-instance="{i.name}"] [data-field="restarts"]').inner_text().strip() for i in sick_fleet}
+        assert restarts == {"union-1": "1", "union-2": "2", "union-3": "–"}
+        assert page.locator("#fleet thead th", has_text="restarts").count() == 1
+        # The table fits the admin's layout at 1400 px: no wider than the header, no page scroll.
+        header = page.locator("#header").bounding_box()
+        table = page.locator("#fleet").bounding_box()
+        assert table["x"] >= header["x"] and table["x"] + table["width"] <= header["x"] + header["width"], (table, header)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1400
         # Drawn lines, not empty boxes: union-1 has TTFT points, union-2 error points.
         assert page.locator('tr[data-instance="union-1"] [data-plot="ttft"] svg :is(polyline, circle)').count() >= 1
         assert page.locator('tr[data-instance="union-2"] [data-plot="errors"] svg :is(polyline, circle)').count() >= 1
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+        # Narrower, the page still does not scroll sideways: the table's own box scrolls instead.
+        for width in (1280, 1024):
+            page.set_viewport_size({"width": width, "height": 700})
+            assert page.evaluate("document.documentElement.scrollWidth") <= width, width
+            wrap = page.locator("#fleet-wrap").bounding_box()
+            assert wrap["x"] + wrap["width"] <= width, (width, wrap)
     finally:
         page.close()
         metrics.REGISTRY.clear()
