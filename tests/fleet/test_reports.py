@@ -167,3 +167,29 @@ def test_every_replica_draws_the_same_fleet(
     seen_by_a = metrics.merge([a.export(), *[r.payload["series"] for r in others]], now=now)
     seen_here = metrics.merge([r.payload["series"] for r in reports.reports_read() if r.host.startswith("coord-")], now=now)
     assert seen_by_a == seen_here
+
+
+def test_a_coordinator_process_reports_its_traffic_by_itself(transactional_db: None, settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving import runtime, stream_reports
+
+    settings.REDIS_URL = ""
+    # The composition root wires the process's registry to its reporter.
+    assert metrics.REGISTRY.on_record == runtime.dashboard_reporter.notify
+    monkeypatch.setattr(stream_reports, "DASHBOARD_DELAY_S", 0.05)
+    # The process's own reporter writes under the same host and pid: a wake-up left over from an
+    # earlier test must not overwrite this test's row while it is being read.
+    monkeypatch.setattr(runtime.dashboard_reporter, "_write", lambda payload: None)
+    r = registry(time.time())
+    reporter = stream_reports.dashboard_reporter(stream_reports.dashboard_payload(r.export, lambda: {"e1": 12, "e2": 0}))
+    r.on_record = reporter.notify
+    r.record_request("e1", 0.02, None, ok=True)
+    host, pid = reports.this_process()
+    deadline, row = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        row = CoordinatorReport.objects.filter(host=host, pid=pid).first()
+        if row is not None and row.payload["series"].get("e1"):
+            break
+        time.sleep(0.05)
+    assert row is not None, "the reporter thread wrote nothing"
+    assert row.payload["in_flight"] == {"e1": 12}  # instances holding nothing are left out
+    assert row.payload["series"]["e1"][0][1:3] == [1, 0]
