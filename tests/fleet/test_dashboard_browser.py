@@ -10,6 +10,7 @@ from django.contrib.auth.models import User
 
 from catalog.models import RenderConfig, ServedModel
 from fleet.models import BreakerState, EngineInstance, ManagedProcess
+from fleet import reports
 from fleet.services import api_key_create, instance_create
 from serving.pipeline import metrics
 
@@ -36,7 +37,8 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture
-def sick_fleet(transactional_db: None) -> list[EngineInstance]:
+def sick_fleet(transactional_db: None, settings: Any) -> list[EngineInstance]:
+    settings.REDIS_URL = ""  # the reports go to the database, as under `make run` without Redis
     model = ServedModel.objects.create(name="tiny", model_path="/m/tiny")
     RenderConfig.objects.create(name="default", health="healthy", sidecar_version="0.33.0")
     made = [instance_create(actor="test", name=f"union-{n}", url=f"http://127.0.0.1:82{n:02d}", served_model_id=model.id) for n in (1, 2, 3)]
@@ -55,6 +57,11 @@ def sick_fleet(transactional_db: None) -> list[EngineInstance]:
     for k in range(20):
         metrics.record_request("union-1", 0.02 + k * 0.001, 0.005, ok=True)
         metrics.record_request("union-2", None, None, ok=k % 4 == 0)
+    # Another coordinator replica served union-3 (before its breaker opened) and reported it.
+    other = metrics.MetricsRegistry()
+    for _ in range(5):
+        other.record_request("union-3", 0.04, 0.006, ok=True)
+    reports.report_write(host="coordinator-b", pid=4242, payload={"series": other.export(), "in_flight": {"union-3": 30}})
     return made
 
 
@@ -93,6 +100,12 @@ def test_it_shows_the_fleet_and_its_plots_in_chromium(sick_fleet: list[EngineIns
         table = page.locator("#fleet").bounding_box()
         assert table["x"] >= header["x"] and table["x"] + table["width"] <= header["x"] + header["width"], (table, header)
         assert page.evaluate("document.documentElement.scrollWidth") <= 1400
+        # The other replica's traffic is drawn here too: the plots are the whole fleet's.
+        assert "added up over 2 coordinator processes" in page.locator("#content-main p.help").inner_text()
+        union_3 = page.locator('tr[data-instance="union-3"]')
+        assert union_3.locator('[data-plot="rate"] .num').inner_text().strip() == "5 in the last minute"
+        assert union_3.locator('[data-field="in-flight"]').inner_text().strip() == "30"
+        assert union_3.locator('[data-plot="ttft"] .num').inner_text().strip() == "40.0 ms"
         # Drawn lines, not empty boxes: union-1 has TTFT points, union-2 error points.
         assert page.locator('tr[data-instance="union-1"] [data-plot="ttft"] svg :is(polyline, circle)').count() >= 1
         assert page.locator('tr[data-instance="union-2"] [data-plot="errors"] svg :is(polyline, circle)').count() >= 1
