@@ -9,8 +9,8 @@ import pytest
 from django.contrib.auth.models import User
 
 from catalog.models import RenderConfig, ServedModel
-from fleet.models import BreakerState, EngineInstance, ManagedProcess
 from fleet import reports
+from fleet.models import BreakerState, EngineInstance, ManagedProcess
 from fleet.services import api_key_create, instance_create
 from serving.pipeline import metrics
 
