@@ -31,8 +31,8 @@ from fleet.presenters import ObfuscationStatus, inflight_tokens
 
 MACHINE_OWNED = (
     "state", "health", "consecutive_successes", "consecutive_failures", "last_probe_at", "last_probe_ok",
-    "last_probe_error", "reported_version", "reported_root", "reported_max_model_len", "reported_fingerprint",
-    "version_drift", "drift_reason", "created",
+    "last_probe_error", "reported_version", "reported_name", "reported_root", "reported_max_model_len",
+    "reported_fingerprint", "version_drift", "drift_reason", "model_mismatch", "created",
 )
 
 
@@ -76,6 +76,19 @@ class VersionDriftFilter(admin.SimpleListFilter):
     def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
         if self.value() in ("yes", "no"):
             return queryset.filter(version_drift=self.value() == "yes")
+        return queryset
+
+
+class ModelMismatchFilter(admin.SimpleListFilter):
+    title = "model record"
+    parameter_name = "model_record"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("mismatch", "differs from the engine")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        if self.value() == "mismatch":
+            return queryset.exclude(model_mismatch="")
         return queryset
 
 
@@ -127,10 +140,12 @@ class EngineInstanceForm(forms.ModelForm):
 class EngineInstanceAdmin(admin.ModelAdmin):
     form = EngineInstanceForm
     list_display = (
-        "name", "url", "role", "served_model", "state", "breaker_column", "health_column", "drift", "inflight",
-        "obfuscation", "process_column", "last_probe_at", "capabilities",
+        "name", "url", "role", "served_model", "state", "breaker_column", "health_column", "drift", "model_record",
+        "inflight", "obfuscation", "process_column", "last_probe_at", "capabilities",
     )
-    list_filter = (BreakerOpenFilter, ProbeFailingFilter, VersionDriftFilter, DrainingFilter, "role", "state", "served_model")
+    list_filter = (
+        BreakerOpenFilter, ProbeFailingFilter, VersionDriftFilter, ModelMismatchFilter, DrainingFilter, "role", "state", "served_model",
+    )
     list_select_related = ("served_model", "breaker", "process")
     search_fields = ("name", "url")
     readonly_fields = (*MACHINE_OWNED, "ascend_launch")
@@ -142,9 +157,11 @@ class EngineInstanceAdmin(admin.ModelAdmin):
         ("vllm-ascend launch", {"fields": ("ascend_launch",)}),
         ("Model files", {"fields": ("model_dir", "obfuscation_key_id")}),
         ("Health probe", {"fields": ("health", "consecutive_successes", "consecutive_failures", "last_probe_at", "last_probe_ok", "last_probe_error")}),
-        ("Version probe", {"fields": ("reported_version", "reported_root", "reported_max_model_len", "reported_fingerprint", "version_drift", "drift_reason")}),
+        ("Version probe", {"fields": ("reported_version", "reported_name", "reported_root", "model_mismatch", "reported_max_model_len", "reported_fingerprint", "version_drift", "drift_reason")}),
     )
-    actions = ("drain", "undrain", "quarantine", "disable", "activate", "reset_breaker", "force_breaker_open", "probe_now")
+    actions = ("drain", "undrain", "quarantine", "disable", "activate", "reset_breaker", "force_breaker_open", "probe_now",
+        "adopt_reported_model",
+    )
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> Any:
         # One call per page, not per row: the in-flight column reads this dict.
@@ -190,6 +207,15 @@ class EngineInstanceAdmin(admin.ModelAdmin):
         if not obj.version_drift:
             return "none"
         return f"drifted: {obj.drift_reason}" if obj.drift_reason else "drifted"
+
+    @admin.display(description="model record", ordering="model_mismatch")
+    def model_record(self, obj: EngineInstance) -> str:
+        """What the engine reports serving, and whether the served model's record says the same."""
+        if not obj.reported_name:
+            return "not reported yet"
+        if obj.model_mismatch:
+            return f"⚠ {obj.model_mismatch}"
+        return f"matches ({obj.reported_name})"
 
     @admin.display(description="vllm-ascend command")
     def ascend_launch(self, obj: EngineInstance) -> str:
@@ -285,6 +311,22 @@ class EngineInstanceAdmin(admin.ModelAdmin):
             self.message_user(request, "Probes are unavailable: the Celery broker refused the message.", messages.WARNING)
         else:
             self.message_user(request, f"Queued a probe of {n} engine(s)")
+
+
+    @admin.action(description="Use the model name and path the engine reports for its served model")
+    def adopt_reported_model(self, request: HttpRequest, queryset: QuerySet) -> None:
+        adopted, refused = [], []
+        for instance in queryset.select_related("served_model"):
+            try:
+                model = services.served_model_adopt_reported(instance_id=instance.id, actor=_actor(request))
+            except (services.InvalidError, services.ConflictError) as exc:
+                refused.append(f"{instance.name}: {exc}")
+            else:
+                adopted.append(f"{model.name} ({model.model_path})")
+        if adopted:
+            self.message_user(request, f"Updated {len(adopted)} served model(s) from their engines: {', '.join(adopted)}")
+        if refused:
+            self.message_user(request, "Not updated: " + "; ".join(refused), messages.WARNING)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):

@@ -91,10 +91,17 @@ class EngineInstance(models.Model):
     # Machine-owned: the version probe.
     reported_version = models.CharField(max_length=50, blank=True)
     reported_root = models.CharField(max_length=500, blank=True)
+    reported_name = models.CharField(
+        max_length=200, blank=True, help_text="The model name the engine serves (its /v1/models card)."
+    )
     reported_max_model_len = models.PositiveIntegerField(null=True, blank=True)
     reported_fingerprint = models.JSONField(default=dict, blank=True)
     version_drift = models.BooleanField(default=False)
     drift_reason = models.CharField(max_length=500, blank=True)
+    model_mismatch = models.CharField(
+        max_length=500, blank=True,
+        help_text="How the served model's record (name, model_path) differs from what the engine reports.",
+    )
     # Machine-owned: the health probe.
     health = models.CharField(max_length=10, choices=Health.choices, default=Health.UNKNOWN)
     consecutive_successes = models.PositiveIntegerField(default=0)
@@ -172,7 +179,7 @@ class InstanceEvent(models.Model):
 
     instance = models.ForeignKey(EngineInstance, models.CASCADE, related_name="events")
     created = models.DateTimeField(auto_now_add=True)
-    kind = models.CharField(max_length=20)  # state | health | drift
+    kind = models.CharField(max_length=20)  # state | health | drift | model | ...
     old = models.CharField(max_length=30, blank=True)
     new = models.CharField(max_length=30, blank=True)
     actor = models.CharField(max_length=100, blank=True)
@@ -369,3 +376,23 @@ def process_of(instance: EngineInstance) -> ManagedProcess | None:
         return instance.process  # type: ignore[no-any-return]
     except ManagedProcess.DoesNotExist:
         return None
+
+
+class CoordinatorReport(models.Model):
+    """One coordinator process's recent engine-request buckets and tokens in flight (machine-owned).
+
+    Written by that process (``serving.stream_reports.StreamReporter`` via ``fleet.reports``) a few
+    seconds after its traffic changes, read by the fleet dashboard of any process, so every replica
+    draws the same fleet. With ``REDIS_URL`` set the same reports live in Redis instead.
+    """
+
+    host = models.CharField(max_length=255)
+    pid = models.PositiveIntegerField()
+    payload = models.JSONField(default=dict, blank=True, help_text='{"series": buckets per instance, "in_flight": tokens per instance}')
+    updated = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["host", "pid"], name="coordinator_report_process")]
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.pid}"

@@ -1,8 +1,7 @@
 """Health checks and version probes of the render sidecar and the engines.
 
-The first half is pure: the consecutive-success / consecutive-failure rule (``next_health``),
-version parsing and the render capabilities a version gives (``render_capabilities``), and what
-makes an engine drift from its reference (``drift_reasons``). The second half does the I/O for
+What the answers mean is pure and lives in ``fleet.verdicts`` (health thresholds, versions,
+render capabilities, drift, the served model's record); this module does the I/O for
 the Celery tasks in ``fleet.tasks``: one real request per probe with an explicit timeout, one
 ``ProbeResult`` row per probe, and compare-and-set writes of the machine-owned fields, where only
 a change of verdict writes history (``InstanceEvent``) and bumps the control version.
@@ -14,7 +13,6 @@ vLLM answers ``/health`` before its model has ever run (see ``motorsite.tiers``)
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -28,144 +26,27 @@ from django.utils import timezone
 from catalog.fingerprints import config_vocab_size, fingerprint_model_dir
 from catalog.models import Health, RenderConfig, ServedModel
 from fleet.models import AuditReport, BreakerState, EngineInstance, InstanceEvent, ProbeResult
+from fleet.verdicts import (  # noqa: F401  (the verdicts are part of what callers read as probes.*)
+    DERENDER_MIN,
+    FINGERPRINT_KEYS,
+    STREAMING_DERENDER_MIN,
+    TOKEN_IN_MIN,
+    HealthStep,
+    RenderCapabilities,
+    Thresholds,
+    TierReport,
+    drift_reasons,
+    next_health,
+    parse_version,
+    record_mismatch,
+    render_capabilities,
+)
 from motorsite import tiers
 from motorsite.core import bump_control_version, current_render_config
 
 logger = logging.getLogger(__name__)
 
 ACTOR = "probe"
-
-# -- pure logic ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Thresholds:
-    """How many probes in a row change a verdict (HAProxy's rise and fall)."""
-
-    rise: int = 2  # successes in a row before unknown/failing becomes healthy
-    fall: int = 3  # failures in a row before unknown/healthy becomes failing
-
-
-@dataclass(frozen=True, slots=True)
-class HealthStep:
-    health: str
-    successes: int
-    failures: int
-
-    def changed_from(self, old: str) -> bool:
-        return self.health != old
-
-
-def next_health(health: str, successes: int, failures: int, ok: bool, t: Thresholds) -> HealthStep:
-    """Apply one probe outcome to a verdict and its counters of consecutive outcomes.
-
-    One slow or failed answer between successes never flips a healthy instance: the verdict
-    moves only after ``t.fall`` failures (or ``t.rise`` successes) in a row.
-    """
-    if ok:
-        successes, failures = successes + 1, 0
-        if health != Health.HEALTHY and successes >= t.rise:
-            health = Health.HEALTHY
-    else:
-        successes, failures = 0, failures + 1
-        if health != Health.FAILING and failures >= t.fall:
-            health = Health.FAILING
-    return HealthStep(health, successes, failures)
-
-
-_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
-
-
-def parse_version(text: str) -> tuple[int, int, int] | None:
-    """``"0.33.0"``, ``"0.32.0+cpu"``, ``"0.27.1rc1"``, ``"0.11.1.dev3+g0abc"`` -> (major, minor, patch)."""
-    m = _VERSION.match(text or "")
-    if m is None:
-        return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
-
-
-# From the RFC's version requirements: render token-in needs 0.23, the complete non-streaming
-# render/derender 0.24, streaming derender 0.27.
-TOKEN_IN_MIN = (0, 23, 0)
-DERENDER_MIN = (0, 24, 0)
-STREAMING_DERENDER_MIN = (0, 27, 0)
-
-
-@dataclass(frozen=True, slots=True)
-class RenderCapabilities:
-    token_in: bool
-    derender: bool
-    streaming_derender: bool
-
-
-def render_capabilities(version: str) -> RenderCapabilities:
-    """What a sidecar reporting ``version`` can do; an unparsable version can do nothing."""
-    v = parse_version(version)
-    if v is None:
-        return RenderCapabilities(False, False, False)
-    return RenderCapabilities(v >= TOKEN_IN_MIN, v >= DERENDER_MIN, v >= STREAMING_DERENDER_MIN)
-
-
-@dataclass(frozen=True, slots=True)
-class TierReport:
-    """What one tier says it serves (``/v1/models``, ``/version``) and the hashes of its model files."""
-
-    served_names: tuple[str, ...]
-    root: str
-    max_model_len: int | None
-    version: str
-    fingerprint: dict[str, str] | None = None  # None: no model directory to read
-
-    @classmethod
-    def from_answers(
-        cls, served_name: str, models: Any, version: Any, fingerprint: dict[str, str] | None
-    ) -> TierReport:
-        cards = models.get("data") if isinstance(models, dict) else None
-        cards = [c for c in cards or [] if isinstance(c, dict)]
-        names = tuple(str(c.get("id")) for c in cards)
-        # The card of the served name; a LoRA adapter card (parent set) never stands for the model.
-        card = next((c for c in cards if c.get("id") == served_name and not c.get("parent")), None)
-        card = card or next((c for c in cards if not c.get("parent")), {})
-        mml = card.get("max_model_len")
-        return cls(
-            served_names=names,
-            root=str(card.get("root") or ""),
-            max_model_len=mml if isinstance(mml, int) else None,
-            version=str(version.get("version") or "") if isinstance(version, dict) else "",
-            fingerprint=fingerprint,
-        )
-
-
-FINGERPRINT_KEYS = ("config", "tokenizer", "chat_template", "generation_config")
-
-
-def drift_reasons(served_name: str, reference: TierReport, engine: TierReport) -> list[str]:
-    """Why an engine does not serve the same model as the ``reference`` (the render sidecar).
-
-    Compared: the served name, ``max_model_len`` and ``root`` from ``/v1/models``, the engine's
-    vLLM version (token-in generate needs 0.23), and the content hashes of the model files. When
-    both sides have hashes they decide identity, so the same files at a different path (a copy
-    on another volume) are not drift; without them the paths are all there is to compare.
-    """
-    reasons: list[str] = []
-    if served_name not in engine.served_names:
-        reasons.append(f"serves {list(engine.served_names)}, not {served_name!r}")
-    if reference.max_model_len is not None and engine.max_model_len != reference.max_model_len:
-        reasons.append(f"max_model_len {engine.max_model_len} != render's {reference.max_model_len}")
-    v = parse_version(engine.version)
-    if v is None:
-        reasons.append(f"unreadable vLLM version {engine.version!r}")
-    elif v < TOKEN_IN_MIN:
-        reasons.append(f"vLLM {engine.version} is older than 0.23 (token-in generate)")
-    if reference.fingerprint is not None and engine.fingerprint is not None:
-        for key in FINGERPRINT_KEYS:
-            ours, theirs = reference.fingerprint.get(key, ""), engine.fingerprint.get(key, "")
-            if ours != theirs:
-                reasons.append(f"{key} differs ({theirs[:12] or 'missing'} vs render's {ours[:12] or 'missing'})")
-    elif reference.root and engine.root != reference.root:
-        reasons.append(f"root {engine.root!r} != render's {reference.root!r}")
-    return reasons
-
 
 # -- I/O: probes --------------------------------------------------------------------------------
 
@@ -396,16 +277,24 @@ def _probe_engine_version(
         return
     reasons = drift_reasons(instance.served_model.name, reference, report) if reference is not None else []
     drift_reason = "; ".join(reasons)[:500]
+    mismatch = "; ".join(record_mismatch(instance.served_model.name, instance.served_model.model_path, report))[:500]
     with transaction.atomic():
-        was = EngineInstance.objects.filter(id=instance.id).values_list("version_drift", flat=True).first()
+        row = EngineInstance.objects.filter(id=instance.id).values_list("version_drift", "model_mismatch").first()
         EngineInstance.objects.filter(id=instance.id).update(
-            reported_version=report.version, reported_root=report.root,
+            reported_version=report.version, reported_root=report.root, reported_name=report.name,
             reported_max_model_len=report.max_model_len, reported_fingerprint=report.fingerprint or {},
-            version_drift=bool(reasons), drift_reason=drift_reason,
+            version_drift=bool(reasons), drift_reason=drift_reason, model_mismatch=mismatch,
         )
-        if was is not None and was != bool(reasons):
+        if row is not None and row[1] != mismatch:  # only a change writes history, as for drift
             InstanceEvent.objects.create(
-                instance=instance, kind="drift", old=str(was).lower(), new=str(bool(reasons)).lower(),
+                instance=instance, kind="model", old=str(bool(row[1])).lower(), new=str(bool(mismatch)).lower(),
+                actor=ACTOR, reason=mismatch or "the served model's record matches the engine again",
+            )
+            if mismatch:
+                logger.warning("instance %s: served model record mismatch: %s", instance.name, mismatch)
+        if row is not None and row[0] != bool(reasons):
+            InstanceEvent.objects.create(
+                instance=instance, kind="drift", old=str(row[0]).lower(), new=str(bool(reasons)).lower(),
                 actor=ACTOR, reason=drift_reason or "matches render again",
             )
             bump_control_version()

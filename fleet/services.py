@@ -339,6 +339,47 @@ def instance_history(*, instance_id: int, limit: int = 200) -> list[HistoryEntry
     return entries[:limit]
 
 
+# -- served model record from the engines -------------------------------------------------------
+
+
+def served_model_adopt_reported(*, instance_id: int, actor: str) -> ServedModel:
+    """Set the instance's served model's name and model_path to what its engine reports.
+
+    The operator picks an engine rather than typing a name and a path; the version probe keeps
+    ``reported_name``/``reported_root`` (from ``/v1/models``). Raises ``InvalidError`` when the
+    engine has reported nothing yet, ``ConflictError`` when another engine of the same model
+    reports something else or another served model already has that name.
+    """
+    instance = _get(instance_id)
+    if not instance.reported_name:
+        raise InvalidError(f"{instance.name} has not reported a model yet; probe it first")
+    name, path = instance.reported_name, instance.reported_root
+    with transaction.atomic():
+        model = ServedModel.objects.select_for_update().get(id=instance.served_model_id)
+        others = (
+            EngineInstance.objects.filter(served_model=model).exclude(id=instance.id).exclude(reported_name="")
+            .exclude(reported_name=name, reported_root=path).values_list("name", flat=True)
+        )
+        if others:
+            raise ConflictError(f"engines of {model.name} report other models: {', '.join(sorted(others))}")
+        if ServedModel.objects.filter(name=name).exclude(id=model.id).exists():
+            raise ConflictError(f"another served model is already named {name!r}")
+        old = f"name {model.name!r}, model_path {model.model_path!r}"
+        model.name, model.model_path = name, path or model.model_path
+        model.save(update_fields=["name", "model_path"])
+        # The record now matches every engine reporting these values: clear their mismatch now
+        # rather than at the next version probe, and say so in each one's history.
+        for matched in EngineInstance.objects.filter(served_model=model, reported_name=name, reported_root=path):
+            InstanceEvent.objects.create(
+                instance=matched, kind="model", old=str(bool(matched.model_mismatch)).lower(), new="false",
+                actor=actor, reason=f"served model record adopted from {instance.name}: was {old}"[:500],
+            )
+        EngineInstance.objects.filter(served_model=model, reported_name=name, reported_root=path).update(model_mismatch="")
+        bump_control_version()  # the snapshot routes by the served model's name
+    logger.info("served model %s adopted %s, %s from %s", model.id, name, path, instance.name)
+    return model
+
+
 # -- API keys -----------------------------------------------------------------------------------
 
 

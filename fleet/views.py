@@ -1,13 +1,15 @@
 """The fleet dashboard: every instance on one admin page, with sparklines of its recent traffic.
 
-A changelist cannot show this: the plots come from this coordinator process's in-memory request
-metrics (``serving.pipeline.metrics``) and in-flight counters, next to each instance's control
-data. The sparklines are inline SVG drawn here, so the page needs no script and nothing from
+A changelist cannot show this: the plots add up every coordinator process's request buckets
+(``serving.pipeline.metrics``; each process reports its own through ``fleet.reports``, in the
+database or in Redis), and this process's live ones, next to each instance's control data and
+its engine process's restarts, so every replica draws the same fleet. The sparklines are inline SVG drawn here, so the page needs no script and nothing from
 the network. Staff only (wrapped in ``admin.site.admin_view`` in ``motorsite.urls``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +23,13 @@ from django.utils.safestring import SafeString, mark_safe
 from catalog.models import Health
 from fleet.models import BreakerState, EngineInstance, ManagedProcess, process_of
 from fleet.presenters import ObfuscationStatus, inflight_tokens
+from fleet.reports import reports_read, this_process
 from motorsite.core import current_render_config
 from serving.pipeline import metrics
 
-SPARK_W, SPARK_H = 120, 28
+# Narrow enough that four plots and the text columns fit the admin's content box at 1400 px
+# beside its nav sidebar (the browser test holds it); 60 buckets still get 1.3 px each.
+SPARK_W, SPARK_H = 80, 28
 
 
 def sparkline(values: Sequence[float | None], *, label: str, color: str = "#417690") -> SafeString:
@@ -81,6 +86,8 @@ def _row(
         why.append(f"breaker {breaker}")
     if instance.version_drift:
         why.append("version drift")
+    if instance.model_mismatch:
+        why.append("served model record differs")
     if instance.state == EngineInstance.State.QUARANTINED:
         why.append("quarantined")
     excluded = obfuscation.excluded_reason(instance) if obfuscation is not None else None
@@ -110,9 +117,32 @@ def _row(
     return Row(instance, breaker, in_flight, bool(why), why, plots, latest, excluded, process)
 
 
+def fleet_series(own: metrics.Export, reports: Sequence[Any], *, now: float) -> dict[str, metrics.InstanceSeries]:
+    """Every coordinator's buckets added up: this process's live ``own`` plus the others' reports.
+
+    This process's own report is left out (its live buckets are newer than what it last wrote).
+    """
+    me = this_process()
+    others = [r.payload.get("series") or {} for r in reports if (r.host, r.pid) != me]
+    return metrics.merge(
+        [own, *others], now=now, bucket_s=metrics.REGISTRY.bucket_s, buckets=metrics.REGISTRY.buckets
+    )
+
+
+def fleet_in_flight(own: dict[str, int], reports: Sequence[Any]) -> dict[str, int]:
+    me = this_process()
+    total = dict(own)
+    for r in reports:
+        if (r.host, r.pid) != me:
+            for name, tokens in (r.payload.get("in_flight") or {}).items():
+                total[name] = total.get(name, 0) + int(tokens)
+    return total
+
+
 def dashboard(request: HttpRequest) -> HttpResponse:
-    series = metrics.snapshot()
-    in_flight = inflight_tokens() or {}
+    reports = reports_read()
+    series = fleet_series(metrics.REGISTRY.export(), reports, now=time.time())
+    in_flight = fleet_in_flight(inflight_tokens() or {}, reports)
     instances = EngineInstance.objects.select_related("served_model", "breaker", "process").order_by("name")
     render_config = current_render_config()
     obfuscation = ObfuscationStatus.of(render_config)  # once per page, not per row
@@ -123,6 +153,8 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "rows": rows,
         "render": render_config,
         "sick_count": sum(r.sick for r in rows),
+        # The processes drawn: this one, and every other that reported (a replica, or a worker).
+        "coordinators": 1 + sum((r.host, r.pid) != this_process() for r in reports),
         "bucket_s": metrics.REGISTRY.bucket_s,
         "window_min": metrics.REGISTRY.bucket_s * metrics.REGISTRY.buckets // 60,
     }

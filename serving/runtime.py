@@ -39,7 +39,7 @@ from typing import Any
 from django.conf import settings
 
 from serving import stream_reports
-from serving.pipeline import http, metric_names
+from serving.pipeline import http, metric_names, metrics
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient, ReplyDeadline
 from serving.pipeline.flow_control import rate_limit
@@ -160,6 +160,8 @@ class Runtime:
     # Requests per render sidecar, reported to the database for the launcher's graceful restart.
     live_streams: LiveStreams
     stream_reporter: stream_reports.StreamReporter
+    # This process's engine-request buckets and tokens in flight, reported for the fleet dashboard.
+    dashboard_reporter: stream_reports.StreamReporter
 
 
 def build() -> Runtime:
@@ -183,10 +185,15 @@ def build() -> Runtime:
     live_streams = LiveStreams()
     stream_reporter = stream_reports.StreamReporter(live_streams.counts)
     live_streams.on_change = stream_reporter.notify
+    dashboard_reporter = stream_reports.dashboard_reporter(
+        stream_reports.dashboard_payload(metrics.REGISTRY.export, admission.inflight_tokens)
+    )
+    # The registry is the process's (the request path records into the module's REGISTRY).
+    metrics.REGISTRY.on_record = dashboard_reporter.notify
     return Runtime(
         load=load, breakers=breakers, admission=admission, rate_limiter=rate_limiter, affinity=affinity,
         scheduler=scheduler, topologies=TopologyRegistry(), counters=RouterCounters(), render_health={},
-        live_streams=live_streams, stream_reporter=stream_reporter,
+        live_streams=live_streams, stream_reporter=stream_reporter, dashboard_reporter=dashboard_reporter,
     )
 
 
@@ -200,6 +207,7 @@ scheduler = RUNTIME.scheduler
 counters = RUNTIME.counters
 live_streams = RUNTIME.live_streams
 stream_reporter = RUNTIME.stream_reporter
+dashboard_reporter = RUNTIME.dashboard_reporter
 
 
 @dataclass

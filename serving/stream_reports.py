@@ -12,6 +12,10 @@ a second after it ended. The launcher's graceful restart waits longer than that
 Why the database and not Redis: the reader is the launcher, which already keeps the render
 config and its restart flag in the database; every deployment has one, while Redis is
 optional (``make run`` runs without it). One mechanism, one write per change per process.
+
+The same thread, with another payload and writer, reports this process's engine-request buckets
+and tokens in flight for the fleet dashboard (``dashboard_reporter``, ``fleet.reports``; there
+in Redis when ``REDIS_URL`` is set), so every replica's dashboard draws the whole fleet.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -29,19 +33,23 @@ logger = logging.getLogger(__name__)
 REPORT_DELAY_S = 1.0
 # After a failed write (database locked or down), try again this much later.
 RETRY_S = 2.0
+# The dashboard's buckets are 10 s wide and its page refreshes every 10 s: a report at most this
+# late keeps every replica's plots within one bucket of each other, at one write per 5 s of traffic.
+DASHBOARD_DELAY_S = 5.0
 
 HOST = socket.gethostname()
 
 
 class StreamReporter:
-    """The thread that mirrors ``counts()`` into this process's ``RenderStreamReport`` row."""
+    """The thread that mirrors ``counts()`` into this process's ``RenderStreamReport`` row (or another report)."""
 
     def __init__(
         self,
-        counts: Callable[[], dict[str, int]],
+        counts: Callable[[], dict[str, Any]],
         *,
         delay_s: float = REPORT_DELAY_S,
-        write: Callable[[dict[str, int]], None] | None = None,
+        write: Callable[[dict[str, Any]], None] | None = None,
+        name: str = "render-stream-reports",
     ) -> None:
         self._counts = counts
         self._delay_s = delay_s
@@ -49,8 +57,9 @@ class StreamReporter:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._name = name
         # No row means no requests: until something was held there is nothing to write.
-        self.written: dict[str, int] = {}
+        self.written: dict[str, Any] = {}
 
     def notify(self) -> None:
         """The counts changed (called on the event loop: never blocks)."""
@@ -62,7 +71,7 @@ class StreamReporter:
             return
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="render-stream-reports", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
 
     def _run(self) -> None:
@@ -80,7 +89,7 @@ class StreamReporter:
         try:
             self._write(counts)
         except Exception:
-            logger.warning("render stream report failed; retrying in %.0fs", RETRY_S, exc_info=True)
+            logger.warning("%s: write failed; retrying in %.0fs", self._name, RETRY_S, exc_info=True)
             time.sleep(RETRY_S)
             self._wake.set()
             return False
@@ -98,3 +107,24 @@ def _write(counts: dict[str, int]) -> None:
         render_streams_report(host=HOST, pid=os.getpid(), counts=counts)
     finally:
         connection.close()  # changes are seconds apart: hold no connection between them
+
+
+def dashboard_payload(series: Callable[[], Any], in_flight: Callable[[], dict[str, int]]) -> Callable[[], dict[str, Any]]:
+    """What ``dashboard_reporter`` writes: the registry's export and this process's tokens in flight."""
+    return lambda: {"series": series(), "in_flight": {k: v for k, v in in_flight().items() if v}}
+
+
+def dashboard_reporter(payload: Callable[[], dict[str, Any]]) -> StreamReporter:
+    return StreamReporter(payload, delay_s=DASHBOARD_DELAY_S, write=_write_dashboard, name="dashboard-reports")
+
+
+def _write_dashboard(payload: dict[str, Any]) -> None:
+    from django.db import close_old_connections, connection
+
+    from fleet.reports import report_write
+
+    close_old_connections()
+    try:
+        report_write(host=HOST, pid=os.getpid(), payload=payload)
+    finally:
+        connection.close()

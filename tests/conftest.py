@@ -48,3 +48,21 @@ def _fresh_render_health() -> Iterator[None]:
     runtime = sys.modules.get("serving.runtime")
     if runtime is not None:
         runtime.RUNTIME.render_health.clear()
+
+
+@pytest.fixture(autouse=True)
+def _in_process_reports_write_nowhere() -> None:
+    """The test process's own reporter threads (``serving.runtime``: render stream counts, the
+    dashboard's series) write nowhere. Under pytest-django a thread outside a test may not touch
+    the database, so their writes could only fail; each failure logged a traceback from that
+    thread for the rest of the session, and Python 3.11 formats tracebacks with ``ast.parse``,
+    which is not thread-safe: an ``ast.parse`` in a test raced it (``SystemError: AST constructor
+    recursion depth mismatch``). Tests of the reporters build their own."""
+    runtime = sys.modules.get("serving.runtime")
+    if runtime is not None:
+        for reporter in (runtime.RUNTIME.stream_reporter, runtime.RUNTIME.dashboard_reporter):
+            reporter._write = _write_nowhere
+
+
+def _write_nowhere(_payload: object) -> None:
+    return None

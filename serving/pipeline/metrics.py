@@ -91,6 +91,9 @@ class MetricsRegistry:
         self._lock = threading.Lock()
         self._rings: dict[str, list[_Bucket | None]] = {}
         self._totals: dict[str, _Totals] = {}
+        # Called after each record, outside the lock (the host's report of this process's
+        # buckets for the fleet dashboard, ``serving.stream_reports``); must not block.
+        self.on_record: Callable[[], None] | None = None
 
     def _slot(self, now: float) -> tuple[int, int]:
         start = int(now // self.bucket_s) * self.bucket_s
@@ -124,6 +127,25 @@ class MetricsRegistry:
                 bucket.tpot_count += 1
                 totals.tpot_sum += tpot_s
                 totals.tpot_count += 1
+        if self.on_record is not None:
+            self.on_record()
+
+    def export(self) -> Export:
+        """The buckets of the current window as sums, per instance: what ``merge`` adds up.
+
+        Sums and counts rather than averages, so buckets of several coordinator processes
+        add up to the fleet's (an average of averages would weigh a quiet process like a busy one).
+        """
+        current, _ = self._slot(self._clock())
+        oldest = current - (self.buckets - 1) * self.bucket_s
+        with self._lock:
+            return {
+                name: [
+                    [b.start, b.requests, b.errors, b.ttft_sum, b.ttft_count, b.tpot_sum, b.tpot_count]
+                    for b in sorted((b for b in ring if b is not None and b.start >= oldest), key=lambda b: b.start)
+                ]
+                for name, ring in self._rings.items()
+            }
 
     def snapshot(self) -> dict[str, InstanceSeries]:
         """Return every instance's last ``buckets`` buckets ending with the current one."""
@@ -156,6 +178,42 @@ class MetricsRegistry:
         with self._lock:
             self._rings.clear()
             self._totals.clear()
+
+
+# instance name -> its buckets as [start, requests, errors, ttft_sum, ttft_count, tpot_sum, tpot_count]
+Export = dict[str, list[list[float]]]
+
+
+def merge(exports: list[Export], *, now: float, bucket_s: int = BUCKET_S, buckets: int = BUCKETS) -> dict[str, InstanceSeries]:
+    """Add up the exports of several registries (coordinator processes) into one series per instance.
+
+    Buckets are aligned by their start (each a multiple of ``bucket_s`` of wall-clock time), so
+    the same ten seconds of two processes land in one point; buckets outside the window ending at
+    ``now`` are left out. Totals are the window's sums (a whole-life total lives in each process's
+    own ``/metrics``, which Prometheus adds up).
+    """
+    current = int(now // bucket_s) * bucket_s
+    starts = [current - (buckets - 1 - k) * bucket_s for k in range(buckets)]
+    window = set(starts)
+    sums: dict[str, dict[int, list[float]]] = {}
+    for export in exports:
+        for name, rows in export.items():
+            into = sums.setdefault(name, {})
+            for row in rows:
+                start = int(row[0])
+                if start in window:
+                    acc = into.setdefault(start, [0.0] * 6)
+                    for k in range(6):
+                        acc[k] += float(row[k + 1])
+    out: dict[str, InstanceSeries] = {}
+    for name, by_start in sums.items():
+        points = []
+        for start in starts:
+            r, e, ts, tc, ps, pc = by_start.get(start, [0.0] * 6)
+            points.append(Point(start, int(r), int(e), ts / tc if tc else None, ps / pc if pc else None))
+        t = [sum(v[k] for v in by_start.values()) for k in range(6)]
+        out[name] = InstanceSeries(tuple(points), int(t[0]), int(t[1]), t[2], int(t[3]), t[4], int(t[5]))
+    return out
 
 
 class TimedEvents:

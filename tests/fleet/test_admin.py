@@ -31,7 +31,8 @@ def fleet(served_model: ServedModel) -> list[EngineInstance]:
     "url",
     [
         "/admin/fleet/engineinstance/", "/admin/fleet/engineinstance/?breaker=open", "/admin/fleet/engineinstance/?probe=failing",
-        "/admin/fleet/engineinstance/?drift=yes", "/admin/fleet/engineinstance/?draining=yes", "/admin/fleet/breakerflip/",
+        "/admin/fleet/engineinstance/?drift=yes", "/admin/fleet/engineinstance/?draining=yes",
+        "/admin/fleet/engineinstance/?model_record=mismatch", "/admin/fleet/breakerflip/",
         "/admin/fleet/instanceevent/", "/admin/fleet/managedprocess/", "/admin/fleet/proberesult/", "/admin/fleet/auditreport/", "/admin/fleet/apikey/",
         "/admin/serving/servedmodel/", "/admin/serving/renderconfig/", "/admin/serving/modelrevision/",
     ],
@@ -55,7 +56,10 @@ def test_the_filters_select_the_right_rows(staff_client: Client, fleet: list[Eng
     fleet[0].drain()
     services.breaker_force_open(instance_id=fleet[1].id, actor="t")
     EngineInstance.objects.filter(id=fleet[2].id).update(health="failing", version_drift=True)
-    for query, name in [("draining=yes", "e0"), ("breaker=open", "e1"), ("probe=failing", "e2"), ("drift=yes", "e2")]:
+    EngineInstance.objects.filter(id=fleet[3].id).update(reported_name="qwen", model_mismatch="the engine serves 'qwen'")
+    for query, name in [
+        ("draining=yes", "e0"), ("breaker=open", "e1"), ("probe=failing", "e2"), ("drift=yes", "e2"), ("model_record=mismatch", "e3"),
+    ]:
         names = [o.name for o in staff_client.get(f"/admin/fleet/engineinstance/?{query}").context["cl"].result_list]
         assert names == [name], query
 
@@ -168,3 +172,22 @@ def test_api_actions_appear_in_the_instance_history_next_to_admin_ones(staff_cli
     assert "api:ops" in rows[1] and "breaker: closed → open" in rows[1]
     assert "api:ops" in rows[2] and "config: changed" in rows[2] and "weight" in rows[2]
     assert "api:ops" in rows[3] and "state: active → draining" in rows[3]
+
+
+def test_the_operator_adopts_the_model_an_engine_reports(staff_client: Client, fleet: list[EngineInstance]) -> None:
+    # What the version probe wrote: e0 and e1 load /models/qwen as "qwen", the record says "tiny".
+    EngineInstance.objects.filter(id__in=[fleet[0].id, fleet[1].id]).update(
+        reported_name="qwen", reported_root="/models/qwen", model_mismatch="the engine serves 'qwen', the served model is named 'tiny'",
+    )
+    page = staff_client.get("/admin/fleet/engineinstance/").content.decode()
+    assert "⚠ the engine serves &#x27;qwen&#x27;" in page and "not reported yet" in page
+    assert messages_of(action(staff_client, "adopt_reported_model", [fleet[2].id])) == [
+        "Not updated: e2: e2 has not reported a model yet; probe it first",
+    ]
+    assert messages_of(action(staff_client, "adopt_reported_model", [fleet[0].id])) == [
+        "Updated 1 served model(s) from their engines: qwen (/models/qwen)",
+    ]
+    assert ServedModel.objects.values_list("name", "model_path").get() == ("qwen", "/models/qwen")
+    assert not EngineInstance.objects.exclude(model_mismatch="").exists()
+    history = staff_client.get(f"/admin/fleet/engineinstance/{fleet[1].id}/history/").content.decode()
+    assert "model: true → false" in history and "adopted from e0" in history

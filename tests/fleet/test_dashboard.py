@@ -53,8 +53,9 @@ def test_it_shows_every_instance_within_a_query_ceiling(staff_client: Client, fl
     with CaptureQueriesContext(connection) as queries:
         response = staff_client.get(URL)
     assert response.status_code == 200
-    # session + user + instances (with breaker and model) + render config; not one per instance.
-    assert len(queries) <= 6, [q["sql"] for q in queries]
+    # session + user + instances (with breaker and model) + render config + the coordinators'
+    # reports; not one per instance.
+    assert len(queries) <= 7, [q["sql"] for q in queries]
     html = response.content.decode()
     for i in fleet:
         assert f'data-instance="{i.name}"' in html
@@ -89,8 +90,9 @@ def test_it_shows_the_launchers_restarts_and_last_exit(staff_client: Client, fle
     ManagedProcess.objects.create(name="engine-4", instance=fleet[3], state=ManagedProcess.State.RUNNING, restarts=1)
     with CaptureQueriesContext(connection) as queries:
         html = staff_client.get(URL).content.decode()
-    assert len(queries) <= 6  # the process rides along with the instance query
+    assert len(queries) <= 7  # the process rides along with the instance query (+1: the reports)
     assert '<tr class="instance sick" data-instance="e3"' in html  # restarting: out of service
     assert "process restarting" in html
-    assert "restarting, 3 restarts" in html and "last exit: engine core killed by SIGILL" in html
-    assert '<tr class="instance" data-instance="e4"' in html and "running, 1 restart<" in html
+    assert '<td data-field="process">restarting<br>' in html and "last exit: engine core killed by SIGILL" in html
+    assert '<td data-field="restarts">3</td>' in html
+    assert '<tr class="instance" data-instance="e4"' in html and '<td data-field="restarts">1</td>' in html

@@ -9,6 +9,7 @@ import pytest
 from django.contrib.auth.models import User
 
 from catalog.models import RenderConfig, ServedModel
+from fleet import reports
 from fleet.models import BreakerState, EngineInstance, ManagedProcess
 from fleet.services import api_key_create, instance_create
 from serving.pipeline import metrics
@@ -36,7 +37,8 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture
-def sick_fleet(transactional_db: None) -> list[EngineInstance]:
+def sick_fleet(transactional_db: None, settings: Any) -> list[EngineInstance]:
+    settings.REDIS_URL = ""  # the reports go to the database, as under `make run` without Redis
     model = ServedModel.objects.create(name="tiny", model_path="/m/tiny")
     RenderConfig.objects.create(name="default", health="healthy", sidecar_version="0.33.0")
     made = [instance_create(actor="test", name=f"union-{n}", url=f"http://127.0.0.1:82{n:02d}", served_model_id=model.id) for n in (1, 2, 3)]
@@ -55,6 +57,11 @@ def sick_fleet(transactional_db: None) -> list[EngineInstance]:
     for k in range(20):
         metrics.record_request("union-1", 0.02 + k * 0.001, 0.005, ok=True)
         metrics.record_request("union-2", None, None, ok=k % 4 == 0)
+    # Another coordinator replica served union-3 (before its breaker opened) and reported it.
+    other = metrics.MetricsRegistry()
+    for _ in range(5):
+        other.record_request("union-3", 0.04, 0.006, ok=True)
+    reports.report_write(host="coordinator-b", pid=4242, payload={"series": other.export(), "in_flight": {"union-3": 30}})
     return made
 
 
@@ -72,7 +79,7 @@ def test_it_shows_the_fleet_and_its_plots_in_chromium(sick_fleet: list[EngineIns
         assert rows.count() == 3
         for instance in sick_fleet:
             row = page.locator(f'tr[data-instance="{instance.name}"]')
-            for field in ("role", "state", "health", "breaker", "in-flight", "last-probe"):
+            for field in ("role", "state", "health", "breaker", "in-flight", "restarts", "last-probe"):
                 assert row.locator(f'[data-field="{field}"]').inner_text().strip(), (instance.name, field)
             for plot in ("ttft", "tpot", "rate", "errors"):
                 svg = row.locator(f'[data-plot="{plot}"] svg.spark')
@@ -82,14 +89,34 @@ def test_it_shows_the_fleet_and_its_plots_in_chromium(sick_fleet: list[EngineIns
         assert page.locator('tr[data-instance="union-2"] [data-field="health"]').inner_text().strip() == "failing"
         assert page.locator('tr[data-instance="union-3"] [data-field="breaker"]').inner_text().strip() == "open"
         process = page.locator('tr[data-instance="union-2"] [data-field="process"]').inner_text()
-        assert "restarting, 2 restarts" in process and "engine core killed by SIGILL" in process
-        assert page.locator('tr[data-instance="union-1"] [data-field="process"]').inner_text().startswith("running, 1 restart")
+        assert process.startswith("restarting") and "engine core killed by SIGILL" in process
+        assert page.locator('tr[data-instance="union-1"] [data-field="process"]').inner_text().startswith("running")
         assert page.locator('tr[data-instance="union-3"] [data-field="process"]').inner_text().strip() == "–"
+        restarts = {i.name: page.locator(f'tr[data-instance="{i.name}"] [data-field="restarts"]').inner_text().strip() for i in sick_fleet}
+        assert restarts == {"union-1": "1", "union-2": "2", "union-3": "–"}
+        assert page.locator("#fleet thead th", has_text="restarts").count() == 1
+        # The table fits the admin's layout at 1400 px: no wider than the header, no page scroll.
+        header = page.locator("#header").bounding_box()
+        table = page.locator("#fleet").bounding_box()
+        assert table["x"] >= header["x"] and table["x"] + table["width"] <= header["x"] + header["width"], (table, header)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1400
+        # The other replica's traffic is drawn here too: the plots are the whole fleet's.
+        assert "added up over 2 coordinator processes" in page.locator("#content-main p.help").inner_text()
+        union_3 = page.locator('tr[data-instance="union-3"]')
+        assert union_3.locator('[data-plot="rate"] .num').inner_text().strip() == "5 in the last minute"
+        assert union_3.locator('[data-field="in-flight"]').inner_text().strip() == "30"
+        assert union_3.locator('[data-plot="ttft"] .num').inner_text().strip() == "40.0 ms"
         # Drawn lines, not empty boxes: union-1 has TTFT points, union-2 error points.
         assert page.locator('tr[data-instance="union-1"] [data-plot="ttft"] svg :is(polyline, circle)').count() >= 1
         assert page.locator('tr[data-instance="union-2"] [data-plot="errors"] svg :is(polyline, circle)').count() >= 1
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+        # Narrower, the page still does not scroll sideways: the table's own box scrolls instead.
+        for width in (1280, 1024):
+            page.set_viewport_size({"width": width, "height": 700})
+            assert page.evaluate("document.documentElement.scrollWidth") <= width, width
+            wrap = page.locator("#fleet-wrap").bounding_box()
+            assert wrap["x"] + wrap["width"] <= width, (width, wrap)
     finally:
         page.close()
         metrics.REGISTRY.clear()

@@ -138,9 +138,13 @@ def fleet(db: None, model_dir: Path) -> list[EngineInstance]:
 Handler = Callable[[httpx.Request], httpx.Response]
 
 
-def tiers_answering(*, render_version: str = "0.33.0", roots: dict[str, str] | None = None, fail: set[str] = frozenset()) -> httpx.Client:  # type: ignore[assignment]
+def tiers_answering(
+    *, render_version: str = "0.33.0", roots: dict[str, str] | None = None, fail: set[str] = frozenset(),  # type: ignore[assignment]
+    names: dict[str, str] | None = None,
+) -> httpx.Client:
     """A client whose transport answers like the render sidecar and engines, per host."""
     roots = roots or {}
+    names = names or {}
 
     def handler(request: httpx.Request) -> httpx.Response:
         host = request.url.host.split(".")[0]
@@ -151,7 +155,10 @@ def tiers_answering(*, render_version: str = "0.33.0", roots: dict[str, str] | N
             return httpx.Response(200, json={"version": render_version if host == "render" else "0.32.0"})
         if path == "/v1/models":
             root = roots.get(host, os.environ["MOTOR_MODEL_DIR"])
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny", "object": "model", "root": root, "max_model_len": 2048, "parent": None}]})
+            card = {"id": names.get(host, "tiny"), "object": "model", "root": root, "max_model_len": 2048, "parent": None}
+            # A LoRA adapter card first, as vLLM lists them with --enable-lora: never the model's name.
+            lora = {"id": "sql-lora", "object": "model", "root": "/adapters/sql", "parent": card["id"]}
+            return httpx.Response(200, json={"object": "list", "data": [lora, card]})
         if path in ("/inference/v1/generate", "/v1/chat/completions/render"):
             return httpx.Response(200, json={"choices": [{"index": 0, "token_ids": [5]}]})
         return httpx.Response(404, json={"detail": "Not Found"})
@@ -174,7 +181,10 @@ def test_it_flags_and_quarantines_an_engine_whose_chat_template_differs(fleet: l
     # Only the template differs: the tokenizer and configs hash the same.
     assert e2.reported_fingerprint == {**fingerprint_model_dir(model_dir), "chat_template": e2.reported_fingerprint["chat_template"]}
     assert e2.reported_version == "0.32.0" and e2.reported_root == str(other_template_dir)
-    assert list(InstanceEvent.objects.filter(instance=e2).values_list("kind", "new")) == [("state", "quarantined"), ("drift", "true")]
+    # The engine also loads another directory than the served model's model_path: shown too.
+    assert list(InstanceEvent.objects.filter(instance=e2).values_list("kind", "new")) == [
+        ("state", "quarantined"), ("drift", "true"), ("model", "true"),
+    ]
     assert read_control_version() > version_before
     assert ProbeResult.objects.filter(kind="version", instance=e2, ok=False).count() == 1
     # A second probe writes no new drift history (only a change of state does).
@@ -261,3 +271,82 @@ def test_the_version_probe_records_the_vocab_size_from_the_model_files(fleet: li
     probes.probe_versions(client=tiers_answering())
     model.refresh_from_db()
     assert model.vocab_size is not None  # unreadable files keep the recorded size
+
+
+# -- the served model's record, from what the engines report --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("engine", "expected"),
+    [
+        (_tier(name="tiny"), []),
+        (_tier(name="tiny", root="/elsewhere"), ["loads '/elsewhere'"]),
+        (_tier(name="qwen", served_names=("qwen",)), ["serves 'qwen'"]),
+        (_tier(name="qwen", served_names=("qwen",), root="/m/qwen"), ["serves 'qwen'", "loads '/m/qwen'"]),
+        (_tier(name="", served_names=(), root=""), []),  # nothing reported: nothing to compare
+    ],
+)
+def test_it_finds_how_the_served_model_record_differs(engine: TierReport, expected: list[str]) -> None:
+    reasons = probes.record_mismatch("tiny", "/m/tiny", engine)
+    assert len(reasons) == len(expected)
+    for reason, fragment in zip(reasons, expected, strict=True):
+        assert fragment in reason
+
+
+def test_it_reads_the_model_card_and_not_an_adapter() -> None:
+    models = {"data": [{"id": "sql-lora", "root": "/adapters/sql", "parent": "qwen"}, {"id": "qwen", "root": "/m/qwen", "parent": None}]}
+    report = TierReport.from_answers("tiny", models, {"version": "0.32.0"}, None)
+    assert (report.name, report.root) == ("qwen", "/m/qwen")
+
+
+def test_it_records_what_the_engines_report_and_shows_a_mismatch(fleet: list[EngineInstance], model_dir: Path, tmp_path: Path) -> None:
+    e1, e2 = fleet
+    probes.probe_versions(client=tiers_answering())
+    e1.refresh_from_db()
+    assert (e1.reported_name, e1.reported_root, e1.model_mismatch) == ("tiny", str(model_dir), "")
+    assert not InstanceEvent.objects.filter(kind="model").exists()
+    # The operator typed another path (a copy of the same files) than the engines load: each
+    # engine shows it, once however often it is probed.
+    copy = tmp_path / "typed-by-hand"
+    shutil.copytree(model_dir, copy, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    ServedModel.objects.update(model_path=str(copy))
+    for _ in range(2):
+        probes.probe_versions(client=tiers_answering())
+    e2.refresh_from_db()
+    assert e2.model_mismatch == f"the engine loads {str(model_dir)!r}, the served model's model_path is {str(copy)!r}"
+    events = InstanceEvent.objects.filter(instance=e2, kind="model")
+    assert list(events.values_list("old", "new", "actor")) == [("false", "true", "probe")]
+    assert str(copy) in events.get().reason
+    # A path mismatch is not drift: the files hash the same, nothing is quarantined.
+    assert e2.state == "active" and not e2.version_drift
+
+
+def test_it_adopts_the_name_and_path_an_engine_reports(fleet: list[EngineInstance], model_dir: Path) -> None:
+    from fleet.services import served_model_adopt_reported
+
+    ServedModel.objects.update(name="typo", model_path="/typed/by/hand")
+    probes.probe_versions(client=tiers_answering())
+    assert EngineInstance.objects.exclude(model_mismatch="").count() == 2
+    version_before = read_control_version()
+    model = served_model_adopt_reported(instance_id=fleet[0].id, actor="admin:ops")
+    assert (model.name, model.model_path) == ("tiny", str(model_dir))
+    assert ServedModel.objects.get().name == "tiny"
+    assert not EngineInstance.objects.exclude(model_mismatch="").exists()
+    assert read_control_version() > version_before
+    assert build_snapshot().instances[0].model == "tiny"  # traffic for "tiny" reaches the engines again
+    event = InstanceEvent.objects.filter(instance=fleet[1], kind="model").first()
+    assert event is not None and event.actor == "admin:ops" and "adopted from e1" in event.reason
+    # The next probe finds nothing to say.
+    probes.probe_versions(client=tiers_answering())
+    assert InstanceEvent.objects.filter(kind="model", actor="probe").count() == 2  # the two mismatches before
+
+
+def test_it_refuses_to_adopt_when_engines_disagree_or_nothing_was_reported(fleet: list[EngineInstance], tmp_path: Path) -> None:
+    from fleet.services import ConflictError, InvalidError, served_model_adopt_reported
+
+    with pytest.raises(InvalidError, match="not reported a model yet"):
+        served_model_adopt_reported(instance_id=fleet[0].id, actor="test")
+    probes.probe_versions(client=tiers_answering(names={"e2": "other"}))
+    with pytest.raises(ConflictError, match="report other models: e2"):
+        served_model_adopt_reported(instance_id=fleet[0].id, actor="test")
+    assert ServedModel.objects.get().model_path != "" and not InstanceEvent.objects.filter(actor="test").exists()
