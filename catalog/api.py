@@ -6,11 +6,20 @@ from datetime import datetime
 from typing import Any
 
 from django.http import HttpRequest
-from ninja import Body, Field, Router, Schema
+from ninja import Field, Router, Schema
 
 from catalog import services
 from catalog.models import RenderConfig
-from motorsite.core import MAX_ID, Detail, NotFoundError, request_actor
+from motorsite.core import (
+    MAX_ID,
+    BodySchema,
+    ConflictError,
+    Detail,
+    InvalidError,
+    NotFoundError,
+    optional,
+    request_actor,
+)
 
 router = Router(tags=["render"])
 
@@ -36,7 +45,7 @@ class RenderConfigOut(Schema):
     restart_required: bool
 
 
-class RenderConfigPatch(Schema):
+class RenderConfigPatch(BodySchema):
     """The fields to change; unknown fields are a 422, never ignored."""
 
     enable: bool | None = None
@@ -50,13 +59,50 @@ class RenderConfigPatch(Schema):
     obfuscation_key_ref: str | None = Field(None, max_length=300)
     obfuscation_key_id: str | None = Field(None, max_length=100)
 
-    model_config = {"extra": "forbid"}
-
 
 class PublishOut(Schema):
     config: RenderConfigOut
     changed: list[str]
     restart_required: bool = Field(description="The managed render sidecar must restart for the change to apply.")
+
+
+class RenderEndpointIn(BodySchema):
+    host: str = optional(min_length=1, max_length=200)
+    port: int = optional(ge=1, le=65535)
+
+
+class RenderConfigImport(BodySchema):
+    """The RFC's ``render_config`` object plus this project's keys: every key optional, none null, none unknown.
+
+    The same rules as ``catalog.services.parse_render_config`` (which still checks them: the
+    admin and the management command import through it too), written down for the document.
+    """
+
+    name: str = optional(min_length=1, max_length=100)
+    enable: bool = optional()
+    image_name: str = optional(max_length=200)
+    endpoint: RenderEndpointIn = optional()
+    timeout_ms: int = optional(ge=1, le=2**31 - 1)
+    renderer_num_workers: int = optional(ge=1, le=1024)
+    context_budget: bool = optional()
+    obfuscation: bool = optional(
+        description="true needs obfuscation_key_ref and obfuscation_key_id (422 otherwise)."
+    )
+    obfuscation_key_ref: str = optional(max_length=300)
+    obfuscation_key_id: str = optional(max_length=100)
+
+    # parse_render_config's one rule across keys, as JSON Schema says it (it answers 422 itself).
+    model_config = {"json_schema_extra": {
+        "if": {"properties": {"obfuscation": {"const": True}}, "required": ["obfuscation"]},
+        "then": {"required": ["obfuscation_key_ref", "obfuscation_key_id"], "properties": {
+            "obfuscation_key_ref": {"minLength": 1}, "obfuscation_key_id": {"minLength": 1}}},
+    }}
+
+
+class RenderConfigImportIn(BodySchema):
+    """``{"render_config": {...}}``, the RFC's wrapping."""
+
+    render_config: RenderConfigImport
 
 
 def _publish_out(result: services.PublishResult) -> dict[str, Any]:
@@ -75,9 +121,10 @@ def list_render_configs(request: HttpRequest) -> Any:
 
 
 # Registered before /render-configs/{config_id}: the path converter would take "import" as an id.
-@router.post("/render-configs/import", response={200: PublishOut, 422: Detail}, summary="Import the RFC's render_config")
-def import_render_config(request: HttpRequest, body: Body[dict[str, Any]]) -> dict[str, Any]:
-    return _publish_out(services.render_config_import(data=body, actor=request_actor(request)))
+@router.post("/render-configs/import", response={200: PublishOut, 409: Detail}, summary="Import the RFC's render_config")
+def import_render_config(request: HttpRequest, body: RenderConfigImportIn) -> dict[str, Any]:
+    changes = services.parse_render_config(body.render_config.model_dump(exclude_unset=True))  # 422: the body's own rules
+    return _publish(changes, request, name=None)
 
 
 @router.get("/render-configs/{config_id}", response={200: RenderConfigOut, 404: Detail})
@@ -85,8 +132,21 @@ def get_render_config(request: HttpRequest, config_id: int) -> Any:
     return _get(config_id)
 
 
-@router.post("/render-configs/{config_id}/publish", response={200: PublishOut, 404: Detail, 422: Detail})
+@router.post("/render-configs/{config_id}/publish", response={200: PublishOut, 404: Detail, 409: Detail})
 def publish_render_config(request: HttpRequest, config_id: int, body: RenderConfigPatch) -> dict[str, Any]:
     config = _get(config_id)
     changes = {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
-    return _publish_out(services.render_config_publish(changes=changes, actor=request_actor(request), name=config.name))
+    return _publish(changes, request, name=config.name)
+
+
+def _publish(changes: dict[str, Any], request: HttpRequest, name: str | None) -> dict[str, Any]:
+    """Publish schema-valid ``changes``; 409 when the config they would make breaks a rule.
+
+    Whether it does depends on the stored config as well as the body (``{"obfuscation": true}``
+    is fine on a config that has a key), so it is a conflict with the current state, not a 422.
+    """
+    try:
+        result = services.render_config_publish(changes=changes, actor=request_actor(request), name=name)
+    except InvalidError as exc:
+        raise ConflictError(str(exc)) from None
+    return _publish_out(result)

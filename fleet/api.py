@@ -12,7 +12,14 @@ from ninja.responses import Status
 from fleet import services
 from fleet.models import BreakerState, EngineInstance, ProbeResult
 from fleet.presenters import ObfuscationStatus, inflight_tokens
-from motorsite.core import MAX_ID, Detail, InvalidError, NotFoundError, request_actor
+from motorsite.core import (
+    MAX_ID,
+    BodySchema,
+    Detail,
+    NotFoundError,
+    optional,
+    request_actor,
+)
 
 router = Router(tags=["fleet"])
 
@@ -20,17 +27,25 @@ Role = Literal["union", "prefill", "decode"]
 Connector = Literal["", "NixlConnector", "MooncakeConnector", "MooncakeLayerwiseConnector", "ExampleConnector"]
 Transfer = Literal["", "pull", "push"]
 Hardware = Literal["cpu", "cuda", "A2", "A3", "A5", "310P"]  # EngineInstance.Hardware
-PosInt = Field(ge=1, le=2**31 - 1)
+# What URLField's validator accepts, narrowed to http(s) and to what a pattern can say exactly:
+# every string this matches passes the model's validation, so the document never promises a
+# URL the service then refuses.
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+URL_PATTERN = (
+    rf"^https?://(localhost|{_OCTET}(\.{_OCTET}){{3}}|([A-Za-z0-9]([A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?\.)+[A-Za-z]{{2,63}})"
+    r"(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$"
+)
+MAX_INT = 2**31 - 1
 
 
-class InstanceIn(Schema):
+class InstanceIn(BodySchema):
     name: str = Field(min_length=1, max_length=100)
-    url: str = Field(max_length=200, description="Base URL, e.g. http://127.0.0.1:8201")
+    url: str = Field(max_length=200, pattern=URL_PATTERN, description="Base URL, e.g. http://127.0.0.1:8201")
     role: Role = "union"
     served_model_id: int = Field(ge=1, le=MAX_ID)
-    weight: int = Field(1, ge=0, le=2**31 - 1)
-    token_capacity: int = Field(65536, ge=1, le=2**31 - 1)
-    max_model_len: int | None = Field(None, ge=1, le=2**31 - 1)
+    weight: int = Field(1, ge=0, le=MAX_INT)
+    token_capacity: int = Field(65536, ge=1, le=MAX_INT)
+    max_model_len: int | None = Field(None, ge=1, le=MAX_INT)
     cap_token_generate: bool = True
     cap_native_openai: bool = False
     cap_tokenizer: bool = False
@@ -40,41 +55,37 @@ class InstanceIn(Schema):
     kv_transfer: Transfer = ""
     kv_port: int | None = Field(None, ge=1, le=65535)
     kv_events_endpoint: str = Field("", max_length=200)
-    tp: int = Field(1, ge=1, le=2**31 - 1)
-    dp: int = Field(1, ge=1, le=2**31 - 1)
-    ep: int = Field(1, ge=1, le=2**31 - 1)
+    tp: int = Field(1, ge=1, le=MAX_INT)
+    dp: int = Field(1, ge=1, le=MAX_INT)
+    ep: int = Field(1, ge=1, le=MAX_INT)
     model_dir: str = Field("", max_length=500)
     obfuscation_key_id: str = Field("", max_length=100)
 
-    model_config = {"extra": "forbid"}
 
+class InstancePatch(BodySchema):
+    """Every field optional; only the fields sent change. Null clears the fields that may be blank."""
 
-class InstancePatch(Schema):
-    """Every field optional; only the fields sent change."""
-
-    name: str | None = Field(None, min_length=1, max_length=100)
-    url: str | None = Field(None, max_length=200)
-    role: Role | None = None
-    served_model_id: int | None = Field(None, ge=1, le=MAX_ID)
-    weight: int | None = Field(None, ge=0, le=2**31 - 1)
-    token_capacity: int | None = Field(None, ge=1, le=2**31 - 1)
-    max_model_len: int | None = Field(None, ge=1, le=2**31 - 1)
-    cap_token_generate: bool | None = None
-    cap_native_openai: bool | None = None
-    cap_tokenizer: bool | None = None
-    kind: Literal["vllm", "sim"] | None = None
-    hardware_kind: Hardware | None = None
+    name: str = optional(min_length=1, max_length=100)
+    url: str = optional(max_length=200, pattern=URL_PATTERN)
+    role: Role = optional()
+    served_model_id: int = optional(ge=1, le=MAX_ID)
+    weight: int = optional(ge=0, le=MAX_INT)
+    token_capacity: int = optional(ge=1, le=MAX_INT)
+    max_model_len: int | None = Field(None, ge=1, le=MAX_INT)
+    cap_token_generate: bool = optional()
+    cap_native_openai: bool = optional()
+    cap_tokenizer: bool = optional()
+    kind: Literal["vllm", "sim"] = optional()
+    hardware_kind: Hardware = optional()
     kv_connector: Connector | None = None
     kv_transfer: Transfer | None = None
     kv_port: int | None = Field(None, ge=1, le=65535)
     kv_events_endpoint: str | None = Field(None, max_length=200)
-    tp: int | None = Field(None, ge=1, le=2**31 - 1)
-    dp: int | None = Field(None, ge=1, le=2**31 - 1)
-    ep: int | None = Field(None, ge=1, le=2**31 - 1)
+    tp: int = optional(ge=1, le=MAX_INT)
+    dp: int = optional(ge=1, le=MAX_INT)
+    ep: int = optional(ge=1, le=MAX_INT)
     model_dir: str | None = Field(None, max_length=500)
     obfuscation_key_id: str | None = Field(None, max_length=100)
-
-    model_config = {"extra": "forbid"}
 
 
 class BreakerOut(Schema):
@@ -182,7 +193,7 @@ def list_instances(request: HttpRequest) -> list[dict[str, Any]]:
     return [instance_out(i, inflight, obfuscated) for i in _instances()]
 
 
-@router.post("/instances", response={201: InstanceOut, 404: Detail, 409: Detail, 422: Detail}, summary="Register an instance")
+@router.post("/instances", response={201: InstanceOut, 404: Detail, 409: Detail}, summary="Register an instance")
 def create_instance(request: HttpRequest, body: InstanceIn) -> Status[dict[str, Any]]:
     instance = services.instance_create(actor=request_actor(request), **body.model_dump())
     return Status(201, _one(instance.id))
@@ -193,14 +204,10 @@ def get_instance(request: HttpRequest, instance_id: int) -> dict[str, Any]:
     return _one(instance_id)
 
 
-@router.patch("/instances/{instance_id}", response={200: InstanceOut, 404: Detail, 422: Detail})
+@router.patch("/instances/{instance_id}", response={200: InstanceOut, 404: Detail, 409: Detail})
 def patch_instance(request: HttpRequest, instance_id: int, body: InstancePatch) -> dict[str, Any]:
     _one(instance_id)
-    changes = body.model_dump(exclude_unset=True)
-    for required in ("name", "url", "role", "served_model_id", "kind", "hardware_kind", "weight", "token_capacity",
-                     "cap_token_generate", "cap_native_openai", "cap_tokenizer", "tp", "dp", "ep"):
-        if required in changes and changes[required] is None:
-            raise InvalidError(f"{required} cannot be null.")
+    changes = body.model_dump(exclude_unset=True)  # the schema refuses null where a field cannot be blank
     for blankable in ("kv_connector", "kv_transfer", "kv_events_endpoint", "model_dir", "obfuscation_key_id"):
         if blankable in changes and changes[blankable] is None:
             changes[blankable] = ""
@@ -216,11 +223,11 @@ class AscendLaunchOut(Schema):
 
 
 @router.get(
-    "/instances/{instance_id}/ascend-launch", response={200: AscendLaunchOut, 404: Detail, 422: Detail},
+    "/instances/{instance_id}/ascend-launch", response={200: AscendLaunchOut, 404: Detail},
     summary="vllm-ascend launch arguments",
 )
 def ascend_launch(request: HttpRequest, instance_id: int) -> dict[str, Any]:
-    """The vllm-ascend command for this instance; 422 names every DFX rule it breaks."""
+    """The vllm-ascend command for this instance; 422 names every DFX rule it breaks (a fleet rule, as on create)."""
     launch = services.instance_ascend_launch(instance=services.instance_get(instance_id=instance_id))
     return {"command_line": launch.command_line(), "argv": launch.argv, "env": launch.env,
             "kv_transfer_config": launch.kv_transfer_config}
@@ -233,10 +240,8 @@ def delete_instance(request: HttpRequest, instance_id: int) -> Status[None]:
     return Status(204, None)
 
 
-class QuarantineIn(Schema):
+class QuarantineIn(BodySchema):
     reason: str = Field("", max_length=500)
-
-    model_config = {"extra": "forbid"}
 
 
 def _state_action(request: HttpRequest, instance_id: int, action: str, reason: str = "") -> dict[str, Any]:
@@ -270,7 +275,7 @@ def breaker_reset(request: HttpRequest, instance_id: int) -> dict[str, Any]:
     return _one(instance_id)
 
 
-@router.post("/instances/{instance_id}/breaker/open", response={200: InstanceOut, 404: Detail, 422: Detail})
+@router.post("/instances/{instance_id}/breaker/open", response={200: InstanceOut, 404: Detail})
 def breaker_open(
     request: HttpRequest, instance_id: int, seconds: float = Query(60.0, gt=0, le=86400),
 ) -> dict[str, Any]:

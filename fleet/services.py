@@ -213,11 +213,14 @@ def instance_update(*, instance_id: int, actor: str, **fields: Any) -> EngineIns
 
 def instance_save(*, instance: EngineInstance, actor: str) -> EngineInstance:
     if not ServedModel.objects.filter(id=instance.served_model_id).exists():
-        raise InvalidError(f"No served model with id {instance.served_model_id}.")
+        raise NotFoundError(f"No served model with id {instance.served_model_id}.")
     try:
         instance.full_clean(exclude=["served_model"])
     except ValidationError as exc:
-        raise InvalidError("; ".join(f"{k}: {' '.join(v)}" for k, v in exc.message_dict.items())) from None
+        message = "; ".join(f"{k}: {' '.join(v)}" for k, v in exc.message_dict.items())
+        # A name another instance holds is a conflict with that instance, not a malformed request.
+        codes = {error.code for errors in exc.error_dict.values() for error in errors}
+        raise (ConflictError if codes == {"unique"} else InvalidError)(message) from None
     validate_pd(PDDeclaration.of(instance))
     validate_ports(instance)
     before = EngineInstance.objects.filter(id=instance.id).values(*INSTANCE_FIELDS).first() if instance.id else None

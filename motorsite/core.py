@@ -14,10 +14,13 @@ Exceptions (raised by the apps' ``services`` with a message meant for the operat
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import transaction
 from django.db.models import F
 from django.http import HttpRequest
-from ninja import Schema
+from ninja import Field, Schema
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from catalog.models import RenderConfig
 from fleet.models import ApiKey, ControlVersion
@@ -78,6 +81,37 @@ MAX_ID = 2**62  # beyond any row id; keeps nonsense ids out of the database driv
 
 class Detail(Schema):
     detail: str
+
+
+class BodySchema(BaseModel):
+    """A request body that takes exactly what the OpenAPI document says: JSON types, no unknown keys.
+
+    Strict, because lax pydantic takes ``"3"`` for an integer and ``1`` for a boolean, which the
+    document calls invalid; but 3.0 is an integer to JSON Schema, so whole floats become ints.
+    A plain pydantic model, not ninja's ``Schema``: that one validates a second time through its
+    ORM getter, which this validator cannot see into, and a body has no ORM object to read.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_floats_are_integers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in data.items()}
+        return data
+
+
+def _absent_unless_sent(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
+def optional(**constraints: Any) -> Any:
+    """A body field that may be left out but is never null: left out means unchanged.
+
+    The document shows no ``"default": null`` (which would invite a null the field refuses).
+    """
+    return Field(None, json_schema_extra=_absent_unless_sent, **constraints)
 
 
 def request_actor(request: HttpRequest) -> str:
