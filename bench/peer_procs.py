@@ -17,7 +17,7 @@ import httpx
 
 import toolchain
 from bench.common import ROOT
-from motorsite import stack
+from motorsite import stack, tiers
 from motorsite.processes import ProcessSpec
 from motorsite.supervisor import Supervisor, SupervisorError, free_port, log_tail
 
@@ -93,14 +93,39 @@ def versions() -> str:
     )
 
 
-def _kv_sources(url: str) -> dict[str, float]:
+def scale_out_pd_specs(cfg: stack.StackConfig) -> list[ProcessSpec]:
+    """A NIXL prefill and decode engine like ``stack.pd_engine_specs``'s, but scale-out (tokenizer and
+    OpenAI API loaded), on fresh ports: what SGLang's gateway, which sends OpenAI requests, needs."""
+    specs = []
+    for core, (name, role) in enumerate((("prefill-so", "kv_producer"), ("decode-so", "kv_consumer"))):
+        port, nixl = free_port(), free_port()
+        argv, env = tiers.vllm_engine_command(
+            python=cfg.engine_python, model_dir=cfg.model_dir, served_model_name=cfg.served_model_name, port=port,
+            mode="scale-out", core=core, max_model_len=cfg.max_model_len, kv_role=role, nixl_port=nixl,
+        )
+        specs.append(ProcessSpec(
+            name=name, argv=argv, env=env, log_path=cfg.log_dir / f"{name}.log",
+            ports=[(stack.HOST, port), (stack.HOST, nixl)], ready_post=tiers.engine_ready_request(cfg.served_model_name),
+            ready_base_url=f"http://{stack.HOST}:{port}", ready_timeout=240.0,
+        ))
+    return specs
+
+
+def _tokens(url: str) -> dict[str, float]:
+    """The engine's prompt tokens by source and its generated tokens, from its /metrics."""
     text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
     found = re.findall(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="([a-z_]+)"[^}]*\} ([0-9.e+]+)$', text, re.M)
-    return {source: float(value) for source, value in found}
+    out = {source: float(value) for source, value in found}
+    out["generated"] = sum(float(v) for v in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+    return out
 
 
-def pd_probe(prefill_url: str, decode_url: str, log_dir: Path, max_tokens: int) -> str:
-    """Try SGLang's gateway in P/D mode against vLLM's NIXL pair; return one sentence saying what happened."""
+def _moved(before: dict[str, float], after: dict[str, float]) -> str:
+    return ", ".join(f"{k} {after[k] - before.get(k, 0):g}" for k in sorted(after))
+
+
+def pd_probe(prefill_url: str, decode_url: str, log_dir: Path, max_tokens: int, engines: str) -> str:
+    """Try SGLang's gateway in P/D mode against a vLLM NIXL pair; return one sentence saying what happened."""
     port = free_port()
     argv = [
         str(toolchain.python("sglang-router")), *SGLANG, "--port", str(port), "--prometheus-port", str(free_port()),
@@ -110,11 +135,11 @@ def pd_probe(prefill_url: str, decode_url: str, log_dir: Path, max_tokens: int) 
         name="sglang-pd", argv=argv, log_path=log_dir / "sglang-pd.log", ports=[(stack.HOST, port)],
         ready_url=f"http://{stack.HOST}:{port}/health", ready_timeout=60.0,
     )
-    what = "SGLang gateway in P/D mode (`--pd-disaggregation --prefill P --decode D`) against vLLM's NIXL engines"
+    what = f"SGLang gateway in P/D mode (`--pd-disaggregation --prefill P --decode D`) on vLLM's NIXL engines ({engines})"
     try:
         with Supervisor([spec]):
             outcomes = []
-            before = _kv_sources(decode_url)
+            before = {url: _tokens(url) for url in (prefill_url, decode_url)}
             for stream in (False, True):
                 body = {
                     "model": "tiny", "messages": [{"role": "user", "content": "Explain the TCP handshake."}],
@@ -125,9 +150,8 @@ def pd_probe(prefill_url: str, decode_url: str, log_dir: Path, max_tokens: int) 
                     outcomes.append(f"{'stream' if stream else 'JSON'}: HTTP {r.status_code} {r.text[:160]!r}")
                 except httpx.HTTPError as exc:
                     outcomes.append(f"{'stream' if stream else 'JSON'}: {type(exc).__name__}: {exc}")
-            after = _kv_sources(decode_url)
-            moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            return f"{what}: started; {'; '.join(outcomes)}; D's prompt tokens by source during the probe: {moved}"
+            p, d = (_moved(before[url], _tokens(url)) for url in (prefill_url, decode_url))
+            return f"{what}: started; {'; '.join(outcomes)}; token counters during the probe: P {p}; D {d}"
     except (SupervisorError, OSError) as exc:
         tail = log_tail(spec.log_path).strip().splitlines()[-3:]
         return f"{what}: did not start ({type(exc).__name__}: {str(exc).splitlines()[0]}); log: {' / '.join(tail)}"

@@ -55,9 +55,9 @@ sys.path.insert(0, str(ROOT))
 import toolchain  # noqa: E402
 from bench.common import loadavg, percentile, publish, require_env, section_head, tidy, tree_cpu_seconds  # noqa: E402
 from bench.first_path import API_KEY, TIMEOUT, Sample, chat_body, one_chat, one_generate, render_bodies  # noqa: E402
-from bench.peer_procs import LITELLM_KEY, PEER_LABELS, pd_probe, peer_specs, versions  # noqa: E402
+from bench.peer_procs import LITELLM_KEY, PEER_LABELS, pd_probe, peer_specs, scale_out_pd_specs, versions  # noqa: E402
 from motorsite import stack  # noqa: E402
-from motorsite.supervisor import Supervisor, free_port, log_tail  # noqa: E402
+from motorsite.supervisor import Supervisor, SupervisorError, free_port, log_tail  # noqa: E402
 from serving.pipeline.topologies.pd import PREFILL_KV_PARAMS, decode_request, prefill_request  # noqa: E402
 
 SECTION = "## bench/peers.py"
@@ -85,6 +85,7 @@ class Cell:
     samples: list[Sample] = field(default_factory=list)
     proxy_cpu: float = 0.0  # seconds over the measured runs
     render_cpu: float = 0.0
+    seconds: float = 0.0  # wall time of the measured runs
 
 
 # --------------------------------------------------------------------------- requests
@@ -210,8 +211,10 @@ async def run_cells(
                         for p in paths[shift:] + paths[:shift]:
                             bar.set_postfix_str(f"round {r + 1} {mode} c={conc} {p.key}")
                             cpu0, rcpu0 = tree_cpu_seconds(*p.cpu_roots), tree_cpu_seconds(render_pid)
+                            t0 = time.perf_counter()
                             samples = await batch(p, mode, args.requests, conc, bar)
                             cell = cells[(p.key, mode, conc)]
+                            cell.seconds += time.perf_counter() - t0
                             cell.proxy_cpu += tree_cpu_seconds(*p.cpu_roots) - cpu0
                             cell.render_cpu += tree_cpu_seconds(render_pid) - rcpu0
                             cell.samples += samples
@@ -271,6 +274,13 @@ def table(cells: dict[tuple[str, str, int], Cell], paths: list[Route], baseline:
                     f"| {proxy} | {side} | {both} | {len(ok)} ok / {len(cell.samples) - len(ok)} err{toks} |"
                 )
     return head + "\n".join(rows) + "\n"
+
+
+def sidecar_idle(cells: dict[tuple[str, str, int], Cell], paths: list[Route]) -> str:
+    """The render sidecar's CPU while only paths that never call it ran: its cost of merely running."""
+    quiet = [cells[k] for k in cells if not next(p for p in paths if p.key == k[0]).sidecar]
+    spent, wall = sum(c.render_cpu for c in quiet), sum(c.seconds for c in quiet)
+    return f"{spent * 1000 / wall:.1f} ms CPU per second" if wall else "–"
 
 
 def errors(cells: dict[tuple[str, str, int], Cell]) -> list[str]:
@@ -342,6 +352,10 @@ def union_phase(args: argparse.Namespace, cfg: stack.StackConfig, tmp: Path, ren
             base = f"http://{stack.HOST}:{spec.ports[0][1]}"
             paths.append(chat_path(key, base, args, headers, cpu_roots=(sup.pids[key],)))
         cells = with_motorsite(exits, cfg, "motorsite", paths, args, render_pid, 0, notes)
+        notes.append(
+            f"union part: the render sidecar idles at {sidecar_idle(cells, paths)} (measured while the other paths ran); "
+            "motorsite's sidecar column includes that rate over its own runs"
+        )
         print("stopping the union engine and the proxies ...", flush=True)
     return table(cells, paths, "direct")
 
@@ -367,8 +381,18 @@ def pd_phase(args: argparse.Namespace, cfg: stack.StackConfig, tmp: Path, render
         rendered = render_bodies(f"http://{stack.HOST}:{cfg.render_port}", args, indices)
         paths = [pd_floor_path(p_url, d_url, rendered)]
         cells = with_motorsite(exits, pd_cfg, "pd-motorsite", paths, args, render_pid, 1_000_000, notes)
+        notes.append(f"P/D part: the render sidecar idles at {sidecar_idle(cells, paths)}")
         print("trying SGLang's gateway in P/D mode ...", flush=True)
-        notes.append(pd_probe(p_url, d_url, pd_cfg.log_dir, args.max_tokens))
+        notes.append(pd_probe(p_url, d_url, pd_cfg.log_dir, args.max_tokens, "tokens-only, as motorsite runs them"))
+    # SGLang's gateway sends OpenAI requests, which a tokens-only engine cannot serve: try it once
+    # more on a NIXL pair that loads the tokenizer, to see whether it then disaggregates.
+    print("trying SGLang's gateway in P/D mode on scale-out NIXL engines ...", flush=True)
+    try:
+        with Supervisor(scale_out_pd_specs(pd_cfg)) as sup:
+            p_url, d_url = (f"http://{stack.HOST}:{spec.ports[0][1]}" for spec in sup.specs)
+            notes.append(pd_probe(p_url, d_url, pd_cfg.log_dir, args.max_tokens, "scale-out: tokenizer loaded"))
+    except SupervisorError as exc:
+        notes.append(f"the scale-out NIXL pair for the second SGLang P/D try did not start: {str(exc).splitlines()[0]}")
     return table(cells, paths, "pd-floor")
 
 
