@@ -329,6 +329,9 @@ def with_motorsite(
 ) -> dict[tuple[str, str, int], Cell]:
     """Start a coordinator for ``cfg``'s fleet, add it to ``paths`` as ``key``, and run every cell."""
     print(f"starting {PEER_LABELS[key]} ...", flush=True)
+    # A port picked only now: one picked before the engines started may since be theirs (vLLM and
+    # NIXL bind ephemeral ports of their own).
+    cfg = replace(cfg, coordinator_port=free_port())
     stack.prepare_database(cfg)
     sup = Supervisor([stack.coordinator_spec(cfg)])
     exits.enter_context(sup)
@@ -438,8 +441,13 @@ def main() -> int:
             render_pid = render.pids["render"]
             load_before = loadavg()
             union = union_phase(args, cfg, tmp, render_pid, notes)
+            print(union, flush=True)  # in the log at once, whatever happens to the P/D part
             if not args.no_pd:
-                pd = pd_phase(args, cfg, tmp, render_pid, notes)
+                try:
+                    pd = pd_phase(args, cfg, tmp, render_pid, notes)
+                except (SupervisorError, OSError, httpx.HTTPError) as exc:
+                    notes.append(f"the P/D part failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+                    print(f"!! {notes[-1]}", file=sys.stderr)
             load_after = loadavg()
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
