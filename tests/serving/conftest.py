@@ -8,7 +8,7 @@ from typing import AsyncIterator
 import httpx
 import pytest
 
-from tests.serving.fakes import FakeUpstreams
+from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
 from tests.serving.router_fakes import Rig, assert_no_leaks, make_rig
 from tests.serving.shared_redis import prefix, redis_client  # noqa: F401  (fixtures of the Redis-backed tests)
 
@@ -45,3 +45,25 @@ async def v1() -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=application)
     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
         yield client
+
+
+def create_db_fleet() -> None:
+    """The fakes' fleet as database rows: the served model (its vocabulary known), the render
+    config and one instance per fake engine, so the snapshot the views build matches ``fakes``."""
+    from catalog.models import RenderConfig, ServedModel
+    from fleet.models import EngineInstance
+
+    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
+    RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
+    for name, url in ENGINE_URLS.items():
+        EngineInstance.objects.create(name=name, url=url, served_model=model)
+
+
+@pytest.fixture
+def db_upstreams(
+    transactional_db: None, upstreams: FakeUpstreams, mock_client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch,
+) -> FakeUpstreams:
+    """The fake upstreams behind a database fleet (``create_db_fleet``): what ``/v1`` serves end to end."""
+    create_db_fleet()
+    monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: mock_client)
+    return upstreams

@@ -16,11 +16,9 @@ import httpx
 import pytest
 from channels.testing import ApplicationCommunicator
 
-from catalog.models import RenderConfig, ServedModel
-from fleet.models import EngineInstance
 from motorsite.asgi import application
 from serving import runtime, snapshots
-from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams, StreamPlan
+from tests.serving.fakes import MODEL, FakeUpstreams, StreamPlan
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -37,14 +35,8 @@ def fresh_snapshot(settings: Any) -> Iterator[None]:
 
 
 @pytest.fixture
-def upstream(
-    transactional_db: None, upstreams: FakeUpstreams, mock_client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch,
-) -> FakeUpstreams:
-    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
-    RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
-    for name, url in ENGINE_URLS.items():
-        EngineInstance.objects.create(name=name, url=url, served_model=model)
-    monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: mock_client)
+def upstream(db_upstreams: FakeUpstreams) -> FakeUpstreams:
+    upstreams = db_upstreams
     # Every engine stream sends two events, then blocks until it is closed: only a disconnect ends it.
     upstreams.default_plan = StreamPlan(end="hang", after=2)
     return upstreams

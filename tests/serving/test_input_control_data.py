@@ -11,12 +11,12 @@ import httpx
 import pytest
 from asgiref.sync import sync_to_async
 
-from catalog.models import RenderConfig, ServedModel
-from fleet.models import EngineInstance
+from catalog.models import ServedModel
 from fleet.services import api_key_create
 from serving import snapshots
 from serving.snapshots import build_snapshot
-from tests.serving.fakes import ENGINE_URLS, MODEL
+from tests.serving.conftest import create_db_fleet
+from tests.serving.fakes import MODEL
 
 
 @pytest.mark.django_db
@@ -33,13 +33,7 @@ def test_the_snapshot_carries_the_recorded_vocab_size_else_the_config_files(tmp_
 async def test_only_a_key_that_allows_it_may_send_priority(
     v1: httpx.AsyncClient, upstreams: Any, mock_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def fleet() -> None:
-        model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
-        RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
-        for name, url in ENGINE_URLS.items():
-            EngineInstance.objects.create(name=name, url=url, served_model=model)
-
-    await sync_to_async(fleet)()
+    await sync_to_async(create_db_fleet)()
     monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: mock_client)
     _, plain = await sync_to_async(api_key_create)(name="plain", scope="client")
     _, trusted = await sync_to_async(api_key_create)(name="trusted", scope="client", allow_priority=True)

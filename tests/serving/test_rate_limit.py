@@ -192,16 +192,10 @@ async def test_the_pipeline_charges_after_render_and_refuses_before_any_engine(
 ) -> None:
     from asgiref.sync import sync_to_async
 
-    from fleet.models import EngineInstance
-    from tests.serving.fakes import ENGINE_URLS, MODEL
+    from tests.serving.conftest import create_db_fleet
+    from tests.serving.fakes import MODEL
 
-    def fleet() -> None:
-        model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
-        RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
-        for name, url in ENGINE_URLS.items():
-            EngineInstance.objects.create(name=name, url=url, served_model=model)
-
-    await sync_to_async(fleet)()
+    await sync_to_async(create_db_fleet)()
     monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: mock_client)
     monkeypatch.setattr(rate_limit, "LIMITER", TokenRateLimiter())
     _, tiny = await sync_to_async(api_key_create)(name="tiny", scope="client", tokens_per_minute=10)

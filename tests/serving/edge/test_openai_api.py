@@ -14,9 +14,8 @@ import httpx
 import pytest
 from asgiref.sync import sync_to_async
 
-from catalog.models import RenderConfig, ServedModel
 from fleet import services
-from fleet.models import ApiKey, EngineInstance
+from fleet.models import ApiKey
 from motorsite.asgi import application
 from serving import runtime, snapshots
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams, error_json
@@ -43,15 +42,8 @@ async def closed(settings: Any) -> AsyncIterator[None]:
 
 
 @pytest.fixture
-def upstream(
-    transactional_db: None, upstreams: FakeUpstreams, mock_client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch,
-) -> FakeUpstreams:
-    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
-    RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
-    for name, url in ENGINE_URLS.items():
-        EngineInstance.objects.create(name=name, url=url, served_model=model)
-    monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: mock_client)
-    return upstreams
+def upstream(db_upstreams: FakeUpstreams) -> FakeUpstreams:
+    return db_upstreams
 
 
 @pytest.fixture
