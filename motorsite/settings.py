@@ -9,6 +9,7 @@ to PostgreSQL and Redis.
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -83,8 +84,62 @@ def database_from_url(url: str, *, sqlite_timeout_s: float = 5.0) -> dict[str, o
     raise ImproperlyConfigured(f"DATABASE_URL scheme {parsed.scheme!r} is not supported")
 
 
-SECRET_KEY = env_str("SECRET_KEY", "motorsite-dev-only-not-secret")
+# What Django's own deploy check (security.W009) calls a strong key, and the key DEBUG runs with.
+SECRET_KEY_MIN_LENGTH = 50
+SECRET_KEY_MIN_UNIQUE = 5
+DEV_SECRET_KEY = "motorsite-dev-only-not-secret"
+
+
+def check_secret_key(key: str, *, name: str = "SECRET_KEY") -> str:
+    """Return ``key`` if Django's deploy check would call it strong; raise ``ImproperlyConfigured`` if not."""
+    if (
+        len(key) < SECRET_KEY_MIN_LENGTH
+        or len(set(key)) < SECRET_KEY_MIN_UNIQUE
+        or key.startswith("django-insecure-")
+        or key == DEV_SECRET_KEY
+    ):
+        raise ImproperlyConfigured(
+            f"{name} must be at least {SECRET_KEY_MIN_LENGTH} characters with {SECRET_KEY_MIN_UNIQUE} or more "
+            "distinct ones (python3 -c 'import secrets; print(secrets.token_urlsafe(50))'); "
+            "or leave it unset to have one generated under MOTOR_VAR_DIR"
+        )
+    return key
+
+
+def persistent_secret_key(path: Path) -> str:
+    """The key stored at ``path``, generated there (mode 0600) by the first process that needs it.
+
+    Every process of one ``make run`` (coordinator, Celery, launcher) reads the same file, so
+    sessions and signed values survive restarts. The new key is written to a private temporary
+    file and hard-linked into place: of two processes starting together, exactly one link wins
+    and both then read the winner's whole key, never a half-written one.
+    """
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(50))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return check_secret_key(path.read_text().strip(), name=str(path))
+
+
 DEBUG = env_bool("DEBUG", False)
+# make run's state (database, logs, the generated SECRET_KEY); runstack reads the same variable.
+MOTOR_VAR_DIR = Path(env_str("MOTOR_VAR_DIR", str(BASE_DIR / "var")))
+# With DEBUG off a key is either given (and strong) or generated once and kept in MOTOR_VAR_DIR.
+# Several machines serving one site (Kubernetes replicas) must share one: set SECRET_KEY there.
+if DEBUG:
+    SECRET_KEY = env_str("SECRET_KEY") or DEV_SECRET_KEY
+elif env_str("SECRET_KEY"):
+    SECRET_KEY = check_secret_key(env_str("SECRET_KEY"))
+else:
+    SECRET_KEY = persistent_secret_key(MOTOR_VAR_DIR / "secret_key")
 ALLOWED_HOSTS = env_str("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",")
 
 INSTALLED_APPS = [
@@ -110,6 +165,17 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+
+# MOTOR_TLS: clients reach this site over HTTPS. Daphne serves plain HTTP, so TLS ends at a proxy
+# in front, which must set X-Forwarded-Proto (and drop a client's own): cookies are then sent
+# over HTTPS only and Django knows the request was secure (CSRF's origin check, redirects).
+MOTOR_TLS = env_bool("MOTOR_TLS", False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = MOTOR_TLS
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if MOTOR_TLS else None
+# HSTS pins browsers to HTTPS for this long; opt in once HTTPS works (0: no header).
+SECURE_HSTS_SECONDS = env_int("MOTOR_HSTS_SECONDS", 0) if MOTOR_TLS else 0
+if SECURE_HSTS_SECONDS < 0:
+    raise ImproperlyConfigured("MOTOR_HSTS_SECONDS must not be negative")
 
 ROOT_URLCONF = "motorsite.urls"
 ASGI_APPLICATION = "motorsite.asgi.application"

@@ -7,22 +7,29 @@ control data bumps that version, so an admin or API edit reaches every coordinat
 within one poll interval. Requests arriving while that check runs use the snapshot they have.
 A full rebuild also happens every ``MOTOR_SNAPSHOT_TTL_S`` as a safety net for rows written
 without a bump (fixtures, manual SQL).
+
+A database error during that check keeps the current snapshot serving: the outage is logged
+once (and its end once), and the check is tried again one poll interval later. Only a process
+that never had a snapshot answers ``ControlDataUnavailable`` (503) until the database is back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Callable
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import Error as DatabaseError
 
 from catalog.fingerprints import config_vocab_size
 from catalog.models import Health, RenderConfig, ServedModel
 from fleet.models import ApiKey, BreakerState, EngineInstance
 from motorsite.core import current_render_config, read_control_version
 from serving import obfuscation_keys
+from serving.pipeline.errors import ControlDataUnavailable
 from serving.pipeline.snapshot import ClientKeyView, FleetSnapshot, InstanceView, ModelView, RenderView
 
 # The clock the freshness checks use; tests replace it to drive time without sleeping.
@@ -32,6 +39,10 @@ _current: FleetSnapshot | None = None
 _built_at = 0.0
 _checked_at = 0.0
 _checking: asyncio.Future[None] | None = None
+# Whether the last check failed on the database: one warning per outage, not one per poll.
+_db_down = False
+
+logger = logging.getLogger(__name__)
 
 
 def build_snapshot(version: int | None = None) -> FleetSnapshot:
@@ -99,7 +110,7 @@ def _instance_view(i: EngineInstance) -> InstanceView:
 
 async def current_snapshot() -> FleetSnapshot:
     """The snapshot to serve a request with; makes no query unless a poll interval has passed."""
-    global _current, _built_at, _checked_at, _checking
+    global _current, _built_at, _checked_at, _checking, _db_down
     now = clock()
     if _current is not None:
         if now - _checked_at < settings.MOTOR_SNAPSHOT_POLL_S:
@@ -110,10 +121,26 @@ async def current_snapshot() -> FleetSnapshot:
     _checking = mine = loop.create_future()
     try:
         stale = _current is None or now - _built_at >= settings.MOTOR_SNAPSHOT_TTL_S
-        version = await sync_to_async(read_control_version, thread_sensitive=False)()
-        if stale or _current is None or version != _current.version:
-            _current = await sync_to_async(build_snapshot, thread_sensitive=False)(version)
-            _built_at = now
+        try:
+            version = await sync_to_async(read_control_version, thread_sensitive=False)()
+            if stale or _current is None or version != _current.version:
+                _current = await sync_to_async(build_snapshot, thread_sensitive=False)(version)
+                _built_at = now
+        except DatabaseError as exc:
+            # django.db.Error: OperationalError (server gone, "database is locked"), InterfaceError
+            # (connection closed) and the rest. The last snapshot is still a consistent view of
+            # the fleet; serving it beats refusing every request while the database is away.
+            if not _db_down:
+                logger.warning("snapshot poll failed, serving the last snapshot version=%s: %r",
+                               _current.version if _current is not None else None, exc)
+            _db_down = True
+            if _current is None:
+                raise ControlDataUnavailable(f"no snapshot yet and the database failed: {exc!r}") from exc
+            _checked_at = now  # retry one poll interval later, not on every request meanwhile
+            return _current
+        if _db_down:
+            logger.warning("snapshot poll recovered version=%s", _current.version)
+            _db_down = False
         _checked_at = now
         return _current
     finally:
@@ -124,7 +151,8 @@ async def current_snapshot() -> FleetSnapshot:
 
 def invalidate() -> None:
     """Forget the cached snapshot (tests, and commands that just changed the fleet)."""
-    global _current, _checked_at, _built_at, _checking
+    global _current, _checked_at, _built_at, _checking, _db_down
     _current = None
     _checked_at = _built_at = 0.0
     _checking = None
+    _db_down = False

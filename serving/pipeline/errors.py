@@ -14,6 +14,7 @@ MotorError                      carries status, OpenAI ``type``, ``param`` and `
  |                              cannot do token-only at all; the native path may serve it instead
  +-- DerenderError              derender failed after inference: 502/504, never re-runs inference
  +-- NoCapacity                 no instance can take the request (503)
+ +-- ControlDataUnavailable     no snapshot of the fleet yet and the database failed (503)
  |    +-- TriggerMultiPromptStream  placed on Trigger with several prompts, streaming: native path
  +-- RateLimited                429 with ``Retry-After``
  |    +-- QueueFull             admission queue full
@@ -138,6 +139,15 @@ class NoCapacity(MotorError):
 
 class TriggerMultiPromptStream(NoCapacity):
     """A multi-prompt streaming request was placed on Trigger: the RFC serves it natively."""
+
+
+class ControlDataUnavailable(MotorError):
+    """The process has no snapshot yet and could not read one (the host's ``serving.snapshots``)."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+    retryable = True
+    public = "The coordinator cannot read its configuration right now; try again shortly."
 
 
 class RateLimited(MotorError):

@@ -4,12 +4,29 @@ Names follow Prometheus' conventions: a ``motor_`` prefix, base units in the nam
 ``_tokens``), ``_total`` on counters, a summary's ``_sum`` and ``_count`` under one family.
 New metrics are added here first; ``RouterCounters.inc`` and the ``/metrics`` text take a
 ``Family`` and refuse labels it does not declare, so a typo cannot start a new series.
+
+Every label's values come from a fixed set, so no request can add a series (a client's JSON key
+in a label would be unbounded cardinality): a family declares, per label, the frozenset of its
+values (``values``), or the label is one the operator names (``OPERATOR_LABELS``: instance and
+process names, bounded by the fleet). ``Family.series`` maps any other value to ``"other"``;
+the counters record through it and the exposition passes every series through it again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from serving.pipeline.errors import RenderUnavailable
+from serving.pipeline.protocol import TokenizerSource, TopologyName
+
+# What a label value outside its family's set is recorded as.
+OTHER = "other"
+# Labels whose values are names from the fleet's records or the launcher's process specs.
+OPERATOR_LABELS = frozenset({"instance", "process"})
+
+Labels = tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,11 +37,29 @@ class Family:
     type: Literal["counter", "gauge", "summary"]
     help: str
     labels: tuple[str, ...] = ()
+    # Each label's allowed values; every label not in OPERATOR_LABELS must have a set here.
+    values: Mapping[str, frozenset[str]] = field(default_factory=dict, compare=False)
 
-    def check(self, labels: dict[str, str]) -> None:
+    def __post_init__(self) -> None:
+        # At import: a family with an open label would let requests mint series.
+        open_labels = [k for k in self.labels if k not in self.values and k not in OPERATOR_LABELS]
+        if open_labels or not set(self.values) <= set(self.labels):
+            raise ValueError(f"{self.name}: declare the values of {open_labels or sorted(set(self.values) - set(self.labels))}")
+
+    def check(self, labels: Mapping[str, str]) -> None:
         """Raise ``ValueError`` unless ``labels`` are exactly this family's label names."""
         if set(labels) != set(self.labels):
             raise ValueError(f"{self.name} takes labels {self.labels}, got {tuple(sorted(labels))}")
+
+    def series(self, labels: Mapping[str, str]) -> Labels:
+        """The sorted ``(label, value)`` pairs of one series, each value outside its label's set ``OTHER``.
+
+        Raises ``ValueError`` for label names the family does not declare (``check``).
+        """
+        self.check(labels)
+        return tuple(sorted(
+            (k, OTHER if k in self.values and v not in self.values[k] else v) for k, v in labels.items()
+        ))
 
     def header(self) -> list[str]:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.type}"]
@@ -41,15 +76,30 @@ ENGINE_IN_FLIGHT_TOKENS = Family("motor_engine_in_flight_tokens", "gauge",
                                  "Prompt + output tokens this process has in flight.", ("instance",))
 
 # -- the router (``metrics.RouterCounters``) --------------------------------------------------
+# Why a request took the native path (``engine.native.native_reason``, the pipeline's own
+# reasons, and the local fallback's ``NeedsNative`` categories).
+NATIVE_REASONS = frozenset({
+    "api:responses", "api:messages", "render_disabled", "no_streaming_derender", "echo",
+    "stop_strings", "structured_output", "forced_tool_choice", "engine_capability",
+    "trigger_multi_prompt_stream", "local:stream", "local:param", "local:messages",
+})
+# A tokenization's result: ok, moved to the native path, or the MotorError it raised.
+RENDER_RESULTS = frozenset({"ok", "native", "RenderUnavailable", "UpstreamRequestError", "RequestError"})
+TOPOLOGIES = frozenset(get_args(TopologyName))
+
 ROUTE_DECISIONS = Family("motor_route_decisions_total", "counter",
-                         "Requests sent to an engine's native OpenAI API, or refused it, by reason.", ("path", "reason"))
+                         "Requests sent to an engine's native OpenAI API, or refused it, by reason.", ("path", "reason"),
+                         {"path": frozenset({"native", "refused"}), "reason": NATIVE_REASONS})
 RENDER_OUTCOMES = Family("motor_render_outcomes_total", "counter",
                          "Tokenizations by source (render or local), result and fallback reason.",
-                         ("source", "result", "fallback_reason"))
+                         ("source", "result", "fallback_reason"),
+                         {"source": frozenset(get_args(TokenizerSource)), "result": RENDER_RESULTS,
+                          "fallback_reason": frozenset({"", *RenderUnavailable.REASONS})})
 STREAM_RELAYS = Family("motor_stream_relays_total", "counter",
                        "Streams moved to another instance after output reached the client, by the failed "
                        "stream's topology and why it failed (stall: no chunk within the chunk timeout; "
-                       "failure: anything else the engine did).", ("topology", "reason"))
+                       "failure: anything else the engine did).", ("topology", "reason"),
+                       {"topology": TOPOLOGIES, "reason": frozenset({"stall", "failure"})})
 ADMISSION_WAITING = Family("motor_admission_waiting", "gauge", "Requests waiting in the admission queue.")
 
 # -- KV affinity (``placement/``) -------------------------------------------------------------
@@ -76,7 +126,7 @@ def label_value(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def sample(name: str, labels: tuple[tuple[str, str], ...], value: float) -> str:
+def sample(name: str, labels: Labels, value: float) -> str:
     """One exposition line: ``name{label="value",...} value``."""
     if not labels:
         return f"{name} {value!r}"
@@ -84,19 +134,25 @@ def sample(name: str, labels: tuple[tuple[str, str], ...], value: float) -> str:
     return f"{name}{{{text}}} {value!r}"
 
 
-def exposition(
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], *, declare: tuple[Family, ...] = ()
-) -> list[str]:
+def exposition(samples: Mapping[tuple[str, Labels], float], *, declare: tuple[Family, ...] = ()) -> list[str]:
     """Lines for ``samples`` keyed ``(series name, labels)``: each family's header once, then its series.
 
     A summary's ``_sum`` and ``_count`` series belong to their family's header. Families in
     ``declare`` get their header even without a series (an idle gauge is still exported, so a
-    scraper can tell idle from missing). Raises ``KeyError`` for a series of no registered family.
+    scraper can tell idle from missing). Every series goes through its family's ``series`` (a
+    value outside its set is summed into ``other``). Raises ``KeyError`` for a series of no
+    registered family, ``ValueError`` for labels its family does not declare.
     """
-    by_family: dict[str, list[str]] = {f.name: [] for f in declare}
-    for (name, labels), value in sorted(samples.items()):
+    folded: dict[tuple[str, Labels], float] = {}
+    families: dict[str, Family] = {}
+    for (name, labels), value in samples.items():
         family = FAMILIES.get(name) or FAMILIES[name.removesuffix("_sum").removesuffix("_count")]
-        by_family.setdefault(family.name, []).append(sample(name, labels, value))
+        key = (name, family.series(dict(labels)))
+        folded[key] = folded.get(key, 0.0) + value
+        families[name] = family
+    by_family: dict[str, list[str]] = {f.name: [] for f in declare}
+    for (name, labels), value in sorted(folded.items()):
+        by_family.setdefault(families[name].name, []).append(sample(name, labels, value))
     lines: list[str] = []
     for name, series in by_family.items():
         lines += FAMILIES[name].header() + series

@@ -306,19 +306,21 @@ class RouterCounters:
 
     Keys are ``(name, labels)`` with labels a sorted tuple of ``(label, value)`` pairs, e.g.
     ``("motor_route_decisions_total", (("path", "native"), ("reason", "echo")))``. Families come
-    from ``metric_names``; ``inc`` raises ``ValueError`` for labels the family does not declare.
+    from ``metric_names``; ``inc`` raises ``ValueError`` for labels the family does not declare
+    and records a value outside its label's set as ``other`` (``Family.series``), so memory and
+    ``/metrics`` stay bounded whatever a request carries.
     """
 
     def __init__(self) -> None:
         self._counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
 
     def inc(self, family: Family, **labels: str) -> None:
-        family.check(labels)
-        self._counts[(family.name, tuple(sorted(labels.items())))] += 1
+        self._counts[(family.name, family.series(labels))] += 1
 
     def get(self, family: Family | str, **labels: str) -> int:
-        name = family if isinstance(family, str) else family.name
-        return self._counts[(name, tuple(sorted(labels.items())))]
+        if isinstance(family, str):
+            family = names.FAMILIES[family]
+        return self._counts[(family.name, family.series(labels))]
 
     def snapshot(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], int]:
         return dict(self._counts)

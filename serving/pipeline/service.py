@@ -220,7 +220,7 @@ class ServingPipeline:
         try:
             tokenized = await tokenizer.tokenize(kind, body, request_id)
         except NeedsNative as exc:
-            self._log_render(request_id, model.name, None, "local", exc.fallback_reason, outcome=f"native:{exc.reason}")
+            self._log_render(request_id, model.name, None, "local", exc.fallback_reason, outcome=f"native:{exc.detail}")
             if self.snapshot.render.obfuscation:
                 raise RenderUnavailable(
                     f"render is unavailable ({exc.fallback_reason}) and this request needs render's metadata; "

@@ -26,6 +26,7 @@ from catalog.management.commands.render_image import DEFAULT_RENDER_IMAGE
 from catalog.models import RenderConfig
 from fleet.ascend import EngineRecord, launch_config
 from motorsite import stack, tiers
+from motorsite.settings import check_secret_key
 from motorsite.supervisor import ProcessSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +38,7 @@ REDIS_URL = "redis://redis:6379/0"
 API_KEY = "${MOTOR_DEMO_API_KEY:?set a client key}"
 VLLM_PREFIX = ["python", "-m", "vllm.entrypoints.cli.main"]  # the vLLM image's ENTRYPOINT
 DOCKER_COMPOSE = shutil.which("docker-compose")
+STRONG_KEY = "compose-test-" + "0123456789abcdefghijklmnopqrstuvwxyzABCDEF"  # passes check_secret_key
 
 
 @pytest.fixture
@@ -162,7 +164,7 @@ def test_the_compose_file_passes_compose_s_own_schema_check(tmp_path: Path) -> N
     # docker-compose parses and validates without a Docker engine; the toolchain installs it for the suite.
     if DOCKER_COMPOSE is None:
         pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
-    env = {**os.environ, "MOTOR_MODEL_DIR": str(tmp_path), "MOTOR_DEMO_API_KEY": "sk-test"}
+    env = {**os.environ, "MOTOR_MODEL_DIR": str(tmp_path), "MOTOR_DEMO_API_KEY": "sk-test", "SECRET_KEY": STRONG_KEY}
     for profile in ([], ["--profile", "ascend"]):
         done = subprocess.run(
             [DOCKER_COMPOSE, "-f", str(ROOT / "docker" / "compose.yaml"), *profile, "config", "--services"],
@@ -176,3 +178,19 @@ def test_the_compose_file_passes_compose_s_own_schema_check(tmp_path: Path) -> N
     bad.write_text((ROOT / "docker" / "compose.yaml").read_text().replace('    cpuset: "1"', '    cpusett: "1"', 1))
     done = subprocess.run([DOCKER_COMPOSE, "-f", str(bad), "config", "-q"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "cpusett" in done.stderr
+
+
+def test_the_app_services_need_a_secret_key_the_settings_accept(tmp_path: Path) -> None:
+    if DOCKER_COMPOSE is None:
+        pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
+    env = {k: v for k, v in os.environ.items() if k != "SECRET_KEY"}
+    env.update(MOTOR_MODEL_DIR=str(tmp_path), MOTOR_DEMO_API_KEY="sk-test")
+    compose = [DOCKER_COMPOSE, "-f", str(ROOT / "docker" / "compose.yaml"), "config"]
+    done = subprocess.run(compose, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "set SECRET_KEY to 50 or more random characters" in done.stderr
+    done = subprocess.run(compose, env={**env, "SECRET_KEY": STRONG_KEY}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    keys = {name: s["environment"]["SECRET_KEY"] for name, s in services.items() if "SECRET_KEY" in s.get("environment", {})}
+    assert set(keys) == {"migrate", "celery-worker", "celery-beat", "coordinator"}
+    assert {check_secret_key(k) for k in keys.values()} == {STRONG_KEY}

@@ -3,11 +3,13 @@ within one poll interval (time is driven through ``snapshots.clock``, never slep
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
 from asgiref.sync import sync_to_async
+from django.db import OperationalError
 from django.db.backends import utils as db_utils
 
 from catalog.models import RenderConfig, ServedModel
@@ -160,3 +162,55 @@ def test_the_snapshot_carries_breaker_health_and_render_fields(fleet: dict[str, 
     assert (view.breaker_state, view.breaker_epoch, view.healthy, view.kv_connector, view.tp) == ("open", 1, False, "NixlConnector", 2)
     assert snap.render.streaming_derender is False and snap.render.context_budget is True
     assert snap.version == services.read_control_version()
+
+
+class DatabaseAway:
+    """``read_control_version`` as it fails while the database is unreachable; counts the attempts."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> int:
+        self.calls += 1
+        raise OperationalError("could not connect to server: Connection refused")
+
+
+async def test_a_database_outage_keeps_the_last_snapshot_serving_and_logs_once(
+    v1: httpx.AsyncClient, upstream: FakeUpstreams, clock: Clock, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert (await chat(v1)).status_code == 200
+    before = await snapshots.current_snapshot()
+    away = DatabaseAway()
+    monkeypatch.setattr(snapshots, "read_control_version", away)
+    caplog.set_level(logging.WARNING, logger="serving.snapshots")
+    upstream.calls.clear()
+    for _ in range(3):  # three poll intervals of outage, a TTL rebuild due on the way
+        clock.now += 0.25
+        response = await chat(v1)
+        assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
+    clock.now += 0.1  # within the interval after a failed check: no retry on every request
+    assert (await chat(v1)).status_code == 200
+    assert away.calls == 3
+    assert len(upstream.calls_of("generate")) == 4  # served from the last snapshot throughout
+    assert await snapshots.current_snapshot() is before
+    failed = [r for r in caplog.records if "snapshot poll failed" in r.getMessage()]
+    assert len(failed) == 1 and "OperationalError" in failed[0].getMessage()
+
+    monkeypatch.setattr(snapshots, "read_control_version", services.read_control_version)  # it is back
+    clock.now += 0.25
+    assert (await chat(v1)).status_code == 200
+    assert [r.getMessage() for r in caplog.records if "recovered" in r.getMessage()] == [
+        f"snapshot poll recovered version={before.version}"
+    ]
+
+
+async def test_without_any_snapshot_a_database_outage_is_a_503_not_a_500(
+    v1: httpx.AsyncClient, upstream: FakeUpstreams, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(snapshots, "read_control_version", DatabaseAway())
+    response = await chat(v1)
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["type"] == "ServiceUnavailableError" and "connect" not in error["message"]
+    assert upstream.calls == []

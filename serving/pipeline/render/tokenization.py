@@ -65,10 +65,11 @@ class TokenizedRequest:
 class NeedsNative(Exception):
     """The local fallback cannot build this request exactly: serve it on the native path."""
 
-    def __init__(self, reason: str, fallback_reason: str) -> None:
+    def __init__(self, reason: str, fallback_reason: str, *, detail: str = "") -> None:
         super().__init__(reason)
         self.reason = reason
         self.fallback_reason = fallback_reason
+        self.detail = detail or reason
 
 
 # Keys the local fallback reproduces exactly; anything else with a value that is not its
@@ -185,7 +186,9 @@ class TokenizationService:
         reason = cause.reason
         unsupported = local_unsupported(kind, body)
         if unsupported is not None:
-            raise NeedsNative(f"local:{unsupported}", reason) from cause
+            # The reason is the category (``local:param``, a metric label); which key it was, a
+            # name the client chose, goes to the log only.
+            raise NeedsNative(f"local:{unsupported.partition(':')[0]}", reason, detail=f"local:{unsupported}") from cause
         try:
             tok = await self.local_tokenizer()
             rendered = local_render(tok, kind, body, request_id, self.model)
