@@ -229,7 +229,8 @@ async def test_streaming_trigger_equals_union(
     (d_name, d_stream, d_req), (p_name, p_stream, p_req) = rig.engines.sent
     assert (d_name, d_stream, p_name, p_stream) == (d.name, True, p.name, False)
     assert d_req["kv_transfer_params"]["metaserver"].startswith(metaserver.base_url + "/internal/metaserver/")
-    assert p_req["kv_transfer_params"]["remote_request_id"].startswith("generate-tokens-" + d_req["request_id"])
+    assert p_req["request_id"] == d_req["request_id"]  # P's push names D's request by P's own id
+    assert p_req["kv_transfer_params"]["request_id"] == "generate-tokens-" + d_req["request_id"]
     after = (await http.get(push_decode.url + "/sim/stats")).json()["prompt_tokens_by_source"]["external_kv_transfer"]
     assert after - before == len(CHAT_PROMPT)
     assert metaserver.delivered == 1 and metaserver.pending == 0
