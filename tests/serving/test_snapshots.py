@@ -160,3 +160,13 @@ def test_the_snapshot_carries_breaker_health_and_render_fields(fleet: dict[str, 
     assert (view.breaker_state, view.breaker_epoch, view.healthy, view.kv_connector, view.tp) == ("open", 1, False, "NixlConnector", 2)
     assert snap.render.streaming_derender is False and snap.render.context_budget is True
     assert snap.version == services.read_control_version()
+
+
+def test_the_snapshot_names_the_pull_connector_an_ascend_engine_runs(fleet: dict[str, EngineInstance]) -> None:
+    # The record's "MooncakeConnector" is vllm-ascend's MooncakeConnectorV1 on Ascend (P returns
+    # D's params) and upstream vLLM's MooncakeConnector elsewhere (the router supplies them).
+    EngineInstance.objects.filter(name="e1").update(kv_connector="MooncakeConnector", hardware_kind="A3", kv_port=36000)
+    EngineInstance.objects.filter(name="e2").update(kv_connector="MooncakeConnector", hardware_kind="cuda")
+    views = {i.name: i for i in snapshots.build_snapshot().instances}
+    assert (views["e1"].kv_connector, views["e1"].kv_port) == ("MooncakeConnectorV1", 36000)
+    assert (views["e2"].kv_connector, views["e2"].kv_port) == ("MooncakeConnector", None)
