@@ -34,7 +34,7 @@ from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, Re
 from serving.pipeline.topologies import metaserver as metaserver_module
 from serving.pipeline.topologies.hybrid import PDPolicy, pd_topology_policy
 from serving.pipeline.topologies.metaserver import MetaServer
-from tests.pd_sims import pd_sim_fixtures, sim_server
+from tests.pd_sims import MOONCAKE_PREFILL_ENGINE_ID, mooncake_sim_fixtures, pd_sim_fixtures, sim_server
 from tests.serving.fakes import CHAT_PROMPT, MODEL, RENDER_URL, parse_frames
 from tests.serving.leaks import assert_nothing_held
 
@@ -50,6 +50,7 @@ def _server(**changes: Any) -> Iterator[LiveServer]:
 
 
 union, prefill, decode, push_prefill, push_decode = pd_sim_fixtures(CONFIG, push_timeout_s=5.0)
+mooncake_prefill, mooncake_decode = mooncake_sim_fixtures(CONFIG)
 
 
 def view(server: LiveServer, role: str = "union", transfer: str = "") -> InstanceView:
@@ -528,3 +529,30 @@ async def test_a_non_streaming_multi_prompt_trigger_answers_like_union(
         assert p_req["kv_transfer_params"]["request_id"] == "generate-tokens-" + d_req["request_id"]
     assert len({req["request_id"] for _, _, req in rig.engines.sent}) == 2
     await assert_nothing_held(rig.scheduler, before)
+
+
+async def test_a_streaming_handoff_over_upstream_mooncake_writes_both_legs_params(
+    rig_factory: Any, union: LiveServer, mooncake_prefill: LiveServer, mooncake_decode: LiveServer,
+    http: httpx.AsyncClient,
+) -> None:
+    # Through the router's seam: the snapshot's connector and KV port reach the opener. P answers
+    # kv_transfer_params null (upstream vLLM 0.33.0's MooncakeConnector.request_finished).
+    expected = await reference(rig_factory, union)
+    p = dataclasses.replace(
+        view(mooncake_prefill, "prefill", "pull"), name=MOONCAKE_PREFILL_ENGINE_ID, kv_connector="MooncakeConnector",
+        kv_port=mooncake_prefill.port,
+    )
+    d = dataclasses.replace(view(mooncake_decode, "decode", "pull"), kv_connector="MooncakeConnector")
+    rig = rig_factory(p, d)
+    before = (await http.get(mooncake_decode.url + "/sim/stats")).json()["prompt_tokens_by_source"].get(
+        "external_kv_transfer", 0)
+
+    frames = await drain(await rig.pipeline.chat(chat(), "mc1"))
+
+    assert content(frames) == content(expected) and frames[-1] == "[DONE]"
+    (_, _, p_req), (_, d_stream, d_req) = rig.engines.sent
+    assert rig.engines.answers[0]["kv_transfer_params"] is None and d_stream is True
+    assert d_req["kv_transfer_params"]["transfer_id"] == p_req["kv_transfer_params"]["transfer_id"]
+    assert d_req["kv_transfer_params"]["remote_bootstrap_addr"] == mooncake_prefill.url
+    after = (await http.get(mooncake_decode.url + "/sim/stats")).json()["prompt_tokens_by_source"]["external_kv_transfer"]
+    assert after - before == len(CHAT_PROMPT)
