@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--role", choices=[r.value for r in EngineRole], default="union")
     parser.add_argument("--kv-connector", default=None, help="reported only (e.g. NixlConnector)")
     parser.add_argument("--kv-transfer", choices=["pull", "push"], default="pull")
+    parser.add_argument("--kv-pull-params", choices=["returned", "router"], default="returned",
+                        help="pull: P returns the decode params (NIXL, MooncakeConnectorV1) or the router "
+                        "supplies them (upstream vLLM MooncakeConnector)")
+    parser.add_argument("--kv-engine-id", default=None, help="the engine id in KV params (kv_transfer_config.engine_id)")
     parser.add_argument("--kv-hold-s", type=float, default=30.0)
     parser.add_argument("--kv-push-timeout-s", type=float, default=30.0)
     parser.add_argument("--block-size", type=int, default=128)
@@ -73,6 +77,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         role=EngineRole(args.role),
         kv_connector=args.kv_connector,
         kv_transfer=args.kv_transfer,
+        kv_pull_params=args.kv_pull_params,
+        kv_engine_id=args.kv_engine_id,
         kv_hold_seconds=args.kv_hold_s,
         kv_push_timeout_seconds=args.kv_push_timeout_s,
         host=args.host,

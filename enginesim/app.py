@@ -166,6 +166,13 @@ class SimHandlers:
         if engine.config.kv_transfer == "push":
             if not await engine.kv.await_push(params, engine_request_id, len(body.token_ids)):
                 return _KV.ABORTED
+        elif engine.config.kv_pull_params == "router":
+            missing = [k for k in ("remote_engine_id", "remote_bootstrap_addr", "transfer_id") if k not in params]
+            if missing:
+                # Upstream Mooncake's D (update_state_after_alloc) warns and computes the prompt itself.
+                logger.warning("Got invalid KVTransferParams: %s. This request will not utilize KVTransfer", params)
+                return _KV.LOCAL
+            await engine.kv.pull_transfer(params, len(body.token_ids))
         else:
             await engine.kv.pull(params, len(body.token_ids))
         return _KV.REMOTE
@@ -180,8 +187,15 @@ class SimHandlers:
         if params.get("do_remote_decode") is not True:
             return None
         if engine.config.kv_transfer == "push":
-            await engine.kv.push(params, len(body.token_ids))
+            await engine.kv.push(params, engine_request_id, len(body.token_ids))
             return None
+        if engine.config.kv_pull_params == "router":
+            transfer_id = params.get("transfer_id")
+            if not isinstance(transfer_id, str) or not transfer_id:
+                logger.warning("Missing transfer_id in kv_transfer_params from router!")
+            else:
+                engine.kv.hold_transfer(transfer_id, len(body.token_ids))
+            return None  # upstream Mooncake's request_finished returns no params
         return engine.kv.hold(engine_request_id, len(body.token_ids))
 
     async def _drop_before_response(self, request: Request) -> Response:

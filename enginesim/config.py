@@ -58,6 +58,14 @@ class SimConfig:
     # "push" (layer-wise Mooncake, Trigger); the connector name is only reported.
     kv_transfer: str = "pull"
     kv_connector: str | None = None
+    # Pull only: who makes the decode leg's kv_transfer_params. "returned": P answers with them
+    # (NIXL, vllm-ascend's MooncakeConnectorV1). "router": upstream vLLM's MooncakeConnector, where
+    # the router gives both legs a transfer_id and D also P's engine id and bootstrap address, and
+    # P answers kv_transfer_params null (enginesim.pd).
+    kv_pull_params: str = "returned"
+    # The engine id P's params name and D must name back (vLLM's kv_transfer_config.engine_id);
+    # None: a random "sim-<hex>".
+    kv_engine_id: str | None = None
     # How long P keeps a finished prefill's blocks for D (vLLM frees them after 30 s).
     kv_hold_seconds: float = 30.0
     # How long D waits for P's push once the metaserver accepted its announcement.

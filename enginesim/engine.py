@@ -214,6 +214,7 @@ class SimEngine:
             push_timeout_seconds=config.kv_push_timeout_seconds,
             host=config.host,
             port=config.port,
+            engine_id=config.kv_engine_id,
         )
 
     async def aclose(self) -> None:

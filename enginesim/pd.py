@@ -27,33 +27,51 @@ Two transfer modes, chosen per process with ``--kv-transfer``:
    engine) is answered by D with vLLM's KV-load-failure error: 500 ``InternalServerError``,
    message ``Internal server error: KV transfer failed (<why>)``.
 
-**push** (MooncakeLayerwiseConnector, the coordinator's *Trigger*)
+**push** (MooncakeLayerwiseConnector, the coordinator's *Trigger*): the contract of
+vllm-ascend 0.23.0.post1's ``mooncake_layerwise_connector.py`` (docs/ascend-connectors.md, "Push")
 
 1. The coordinator calls D first: ``kv_transfer_params: {"do_remote_prefill": true,
-   "metaserver": "<callback url>", ...anything else}``.
-2. D registers the request, then ``POST <metaserver>`` with JSON: every key of the
-   ``kv_transfer_params`` it received (verbatim, so a token in them comes back), overlaid with::
+   "metaserver": "<callback url>", ...}``.
+2. D registers the request, then ``POST <metaserver>`` with the body the real D builds in
+   ``update_state_after_alloc`` (nothing of the params it received is echoed)::
 
-       {"request_id": "<D's engine request id>", "remote_engine_id": "<D's engine id>",
-        "remote_host": "127.0.0.1", "remote_port": <D's HTTP port>,
-        "remote_block_ids": [[...]], "remote_num_tokens": <prompt length>,
-        "transfer_mode": "push"}
+       {"token_ids": [], "request_id": "<D's engine request id>",
+        "do_remote_prefill": false, "do_remote_decode": true,
+        "remote_block_ids": [[...]], "remote_block_size": [<block size>],
+        "remote_engine_id": "<D's engine id>", "remote_host": "127.0.0.1",
+        "remote_port": <D's HTTP port>, "remote_tp_size": 1, "remote_pcp_size": 1,
+        "remote_dcp_size": 1, "remote_cached_tokens": 0}
 
+   (the simulated D reports no local prefix hits: a remote prefill's whole prompt is pushed).
    A non-2xx answer, or no answer within 10 s, fails D's request (500 as above).
-3. The coordinator picks P and sends it the prompt with ``max_tokens: 1`` and
-   ``kv_transfer_params: {"do_remote_decode": true, "do_remote_prefill": false,
-   "remote_engine_id", "remote_request_id": <D's request_id>, "remote_host", "remote_port",
-   "remote_block_ids", "remote_num_tokens"}`` (the D fields of step 2, ``request_id`` renamed
-   ``remote_request_id``). P prefills, then pushes:
-   ``POST http://remote_host:remote_port/sim/kv/push`` with ``{"remote_engine_id",
-   "remote_request_id", "remote_block_ids", "num_tokens", "source_engine_id"}``; D accepts it
-   only for a request waiting for exactly that push (else 404 / 409, and P answers 500).
+3. The coordinator picks P and sends it the prompt with ``max_tokens: 1`` under **D's request
+   id** and ``kv_transfer_params`` = that body with ``do_remote_decode: true``. P reads what the
+   real P reads: ``remote_cached_tokens`` indexed (missing: 500, where the real scheduler raises
+   ``KeyError``), ``remote_host`` / ``remote_port`` / ``remote_engine_id`` / ``remote_block_ids``.
+   P prefills, then pushes: ``POST http://remote_host:remote_port/sim/kv/push`` with
+   ``{"request_id": <P's own engine request id>, "remote_engine_id", "remote_block_ids",
+   "num_tokens": <prompt - remote_cached_tokens>, "source_engine_id"}``. Like the real D, which
+   matches P's done-signal by P's external request id, D accepts it only for a request of that
+   id waiting for exactly that push (else 404 / 409, and P answers 500).
    P's own answer is its usual one-token response with ``kv_transfer_params: null``.
 4. D, woken by the push, decodes with no prefill time. If no push arrives within
    ``--kv-push-timeout-s`` (30 s), D fails the request (500) and forgets it. An abort
    (``/abort_requests`` with D's engine request id) releases the waiting request at once: it
    ends with ``finish_reason: "abort"`` and no tokens, like vLLM aborting a request in
    ``WAITING_FOR_REMOTE_KVS``; a later push for it is refused (404).
+
+**pull, router-supplied** (``--kv-pull-params router``: upstream vLLM 0.33.0's
+MooncakeConnector, ``vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py``)
+
+1. P gets ``{"do_remote_decode": true, "transfer_id": "<router's id>", ...}``; it prefills, holds
+   the blocks under that transfer id (none without one: the real P only warns) and answers with
+   ``kv_transfer_params: null`` (the real ``request_finished`` returns no params).
+2. D gets ``{"do_remote_prefill": true, "remote_engine_id": <P's engine id>,
+   "remote_bootstrap_addr": "http://<P host>:<port>", "transfer_id": <the same id>}``. Lacking
+   any of the three, D does what the real one does: logs "Got invalid KVTransferParams" and
+   prefills locally (no transfer). Otherwise it pulls: ``POST <remote_bootstrap_addr>/sim/kv/pull``
+   with ``{"transfer_id", "remote_engine_id", "num_tokens"}`` (the simulator's bootstrap
+   server is its HTTP port); a refusal is the KV-load-failure 500.
 
 D always caches the received blocks in its prefix cache (and publishes BlockStored for them),
 like a real decode engine. Output is a function of seed and context, so D's answer equals a
@@ -126,8 +144,9 @@ class KVTransfer:
         push_timeout_seconds: float,
         host: str,
         port: int,
+        engine_id: str | None = None,
     ) -> None:
-        self.engine_id = f"sim-{uuid.uuid4().hex[:12]}"
+        self.engine_id = engine_id or f"sim-{uuid.uuid4().hex[:12]}"
         self.block_size = block_size
         self.hold_seconds = hold_seconds
         self.push_timeout_seconds = push_timeout_seconds
@@ -196,6 +215,17 @@ class KVTransfer:
             "transfer_mode": TransferMode.PULL.value,
         }
 
+    def hold_transfer(self, transfer_id: str, num_tokens: int) -> None:
+        """Router-supplied pull (upstream Mooncake): keep the blocks under the router's transfer id."""
+        block_ids = self._allocate(num_tokens)
+        timer = None
+        if self.hold_seconds > 0:
+            timer = asyncio.get_running_loop().call_later(self.hold_seconds, self._expire, transfer_id)
+        stale = self._held.pop(transfer_id, None)
+        if stale is not None and stale.timer is not None:
+            stale.timer.cancel()
+        self._held[transfer_id] = _Held(transfer_id, block_ids, num_tokens, timer)
+
     def _expire(self, request_id: str) -> None:
         if self._held.pop(request_id, None) is not None:
             self.expired += 1
@@ -205,15 +235,17 @@ class KVTransfer:
         """Serve ``/sim/kv/pull``: (status, reason); frees the blocks on success."""
         if not isinstance(body, dict):
             return 400, "body must be a JSON object"
-        request_id = body.get("remote_request_id")
+        # Upstream Mooncake names the blocks by the router's transfer id; D never saw P's block ids.
+        by_transfer = "transfer_id" in body
+        request_id = body.get("transfer_id") if by_transfer else body.get("remote_request_id")
         held = self._held.get(request_id) if isinstance(request_id, str) else None
         if held is None or not isinstance(request_id, str):
-            return 404, f"no blocks held for request {request_id!r}"
+            return 404, f"no blocks held for {'transfer' if by_transfer else 'request'} {request_id!r}"
         if body.get("remote_engine_id") != self.engine_id:
             return 409, f"engine id {body.get('remote_engine_id')!r} is not {self.engine_id!r}"
         if _int(body.get("num_tokens")) != held.num_tokens:
             return 409, f"{body.get('num_tokens')!r} tokens requested, {held.num_tokens} held"
-        if body.get("remote_block_ids") != [held.block_ids]:
+        if not by_transfer and body.get("remote_block_ids") != [held.block_ids]:
             return 409, "block ids do not match the held blocks"
         del self._held[request_id]
         if held.timer is not None:
@@ -252,6 +284,25 @@ class KVTransfer:
         if response.status_code != 200:
             raise kv_failure(f"{host}:{port} refused request {request_id!r}: {_reason(response)}")
 
+    async def pull_transfer(self, params: dict[str, Any], num_tokens: int) -> None:
+        """Router-supplied pull (upstream Mooncake): fetch the blocks P holds under ``transfer_id``
+        through P's bootstrap address; raise the KV-failure error if refused."""
+        addr = params["remote_bootstrap_addr"]
+        if not isinstance(addr, str) or not addr.startswith(("http://", "https://")):
+            # The real D GETs remote_bootstrap_addr + "/query": it must be a base URL.
+            raise kv_failure(f"remote_bootstrap_addr {addr!r} is not an http(s) base URL")
+        body = {
+            "transfer_id": params["transfer_id"],
+            "remote_engine_id": params["remote_engine_id"],
+            "num_tokens": num_tokens,
+        }
+        try:
+            response = await self._http().post(addr.rstrip("/") + "/sim/kv/pull", json=body)
+        except httpx.HTTPError as exc:
+            raise kv_failure(f"cannot reach bootstrap {addr}: {exc!r}") from None
+        if response.status_code != 200:
+            raise kv_failure(f"{addr} refused transfer {params['transfer_id']!r}: {_reason(response)}")
+
     # -- D, push mode -----------------------------------------------------------------
 
     async def await_push(self, params: dict[str, Any], engine_request_id: str, num_tokens: int) -> bool:
@@ -267,15 +318,21 @@ class KVTransfer:
         waiting = _Waiting(engine_request_id, block_ids, num_tokens, pushed)
         self._waiting[engine_request_id] = waiting
         try:
+            # vllm-ascend's D builds this dict itself: the received params are not echoed.
             announce = {
-                **params,
+                "token_ids": [],
                 "request_id": engine_request_id,
+                "do_remote_prefill": False,
+                "do_remote_decode": True,
+                "remote_block_ids": [block_ids],
+                "remote_block_size": [self.block_size],
                 "remote_engine_id": self.engine_id,
                 "remote_host": self.host,
                 "remote_port": self.port,
-                "remote_block_ids": [block_ids],
-                "remote_num_tokens": num_tokens,
-                "transfer_mode": TransferMode.PUSH.value,
+                "remote_tp_size": 1,
+                "remote_pcp_size": 1,
+                "remote_dcp_size": 1,
+                "remote_cached_tokens": 0,
             }
             try:
                 response = await self._http().post(metaserver, json=announce)
@@ -312,7 +369,7 @@ class KVTransfer:
         """Serve ``/sim/kv/push``: (status, reason); wakes the waiting request on success."""
         if not isinstance(body, dict):
             return 400, "body must be a JSON object"
-        request_id = body.get("remote_request_id")
+        request_id = body.get("request_id")
         waiting = self._waiting.get(request_id) if isinstance(request_id, str) else None
         if waiting is None or waiting.pushed.done():
             return 404, f"no request {request_id!r} is waiting for a push"
@@ -328,16 +385,28 @@ class KVTransfer:
 
     # -- P, push mode -----------------------------------------------------------------
 
-    async def push(self, params: dict[str, Any], num_tokens: int) -> None:
-        """Push a finished prefill to the D named in ``params``; raise if D refuses."""
+    async def push(self, params: dict[str, Any], engine_request_id: str, num_tokens: int) -> None:
+        """Push a finished prefill to the D named in ``params``; raise if D refuses.
+
+        ``engine_request_id`` is P's own: D matches the push by it, so P must run under D's id.
+        """
+        if "remote_cached_tokens" not in params:
+            # vllm-ascend's P indexes it (``params["remote_cached_tokens"]``): KeyError.
+            raise kv_failure(
+                "kv_transfer_params lack remote_cached_tokens; they must be D's metaserver callback, "
+                "whole (a real layer-wise prefill engine raises KeyError on this)"
+            )
+        cached = _int(params["remote_cached_tokens"])
+        if cached is None or not 0 <= cached <= num_tokens:
+            raise kv_failure(f"remote_cached_tokens {params['remote_cached_tokens']!r} is not a token count")
         host, port = params.get("remote_host"), _int(params.get("remote_port"))
         if not isinstance(host, str) or port is None:
             raise kv_failure("push needs remote_host and remote_port of the decode instance")
         body = {
+            "request_id": engine_request_id,
             "remote_engine_id": params.get("remote_engine_id"),
-            "remote_request_id": params.get("remote_request_id"),
             "remote_block_ids": params.get("remote_block_ids"),
-            "num_tokens": num_tokens,
+            "num_tokens": num_tokens - cached,
             "source_engine_id": self.engine_id,
         }
         try:

@@ -26,6 +26,7 @@ from django.db import Error as DatabaseError
 
 from catalog.fingerprints import config_vocab_size
 from catalog.models import Health, RenderConfig, ServedModel
+from fleet.ascend import ASCEND_CONNECTORS, ASCEND_GENERATIONS
 from fleet.models import ApiKey, BreakerState, EngineInstance
 from motorsite.core import current_render_config, read_control_version
 from serving import obfuscation_keys
@@ -76,6 +77,17 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
     )
 
 
+def wire_connector(kv_connector: str, hardware: str) -> str:
+    """The connector name an engine's ``--kv-transfer-config`` carries, which is what its
+    ``kv_transfer_params`` follow. The record's "MooncakeConnector" means Mooncake pull: on an
+    Ascend generation motorsite launches it as vllm-ascend's ``MooncakeConnectorV1``
+    (``fleet.ascend``: P returns D's params), elsewhere it is upstream vLLM's ``MooncakeConnector``
+    (the router supplies both legs' params); docs/ascend-connectors.md has the naming trap."""
+    if hardware in ASCEND_GENERATIONS:
+        return ASCEND_CONNECTORS.get(kv_connector, kv_connector)
+    return kv_connector
+
+
 def _instance_view(i: EngineInstance) -> InstanceView:
     try:
         breaker: BreakerState | None = i.breaker
@@ -96,7 +108,8 @@ def _instance_view(i: EngineInstance) -> InstanceView:
         state=i.state,
         kind=i.kind,
         hardware=i.hardware_kind,
-        kv_connector=i.kv_connector,
+        kv_connector=wire_connector(i.kv_connector, i.hardware_kind),
+        kv_port=i.kv_port,
         kv_transfer=i.kv_transfer,
         kv_events_endpoint=i.kv_events_endpoint,
         tp=i.tp,

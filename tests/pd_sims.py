@@ -6,6 +6,10 @@ passes its ``SimConfig`` (vocabulary and served name differ) and how long its pu
 for a push, and binds the fixtures under their usual names::
 
     union, prefill, decode, push_prefill, push_decode = pd_sim_fixtures(CONFIG, push_timeout_s=1.0)
+
+and, for upstream vLLM's MooncakeConnector (the router supplies both legs' params)::
+
+    mooncake_prefill, mooncake_decode = mooncake_sim_fixtures(CONFIG)
 """
 
 from __future__ import annotations
@@ -49,3 +53,26 @@ def pd_sim_fixtures(config: SimConfig, *, push_timeout_s: float) -> tuple[Any, A
         yield from sim_server(config, role=EngineRole.DECODE, kv_transfer="push", kv_push_timeout_seconds=push_timeout_s)
 
     return union, prefill, decode, push_prefill, push_decode
+
+
+# The engine id of ``mooncake_prefill``: what its --kv-transfer-config's engine_id would say. The
+# coordinator names an upstream Mooncake P by its instance name, so views of it use this name.
+MOONCAKE_PREFILL_ENGINE_ID = "mooncake-prefill"
+
+
+def mooncake_sim_fixtures(config: SimConfig) -> tuple[Any, Any]:
+    """Module-scoped fixtures ``mooncake_prefill``, ``mooncake_decode``: pull roles speaking
+    upstream vLLM's MooncakeConnector contract (``--kv-pull-params router``, enginesim.pd)."""
+
+    @pytest.fixture(scope="module", name="mooncake_prefill")
+    def mooncake_prefill() -> Iterator[LiveServer]:
+        yield from sim_server(
+            config, role=EngineRole.PREFILL, kv_pull_params="router", kv_engine_id=MOONCAKE_PREFILL_ENGINE_ID,
+            kv_connector="MooncakeConnector",
+        )
+
+    @pytest.fixture(scope="module", name="mooncake_decode")
+    def mooncake_decode() -> Iterator[LiveServer]:
+        yield from sim_server(config, role=EngineRole.DECODE, kv_pull_params="router", kv_connector="MooncakeConnector")
+
+    return mooncake_prefill, mooncake_decode

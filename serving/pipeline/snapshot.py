@@ -57,9 +57,16 @@ class InstanceView:
     state: str  # active | draining | quarantined | disabled
     kind: str = "vllm"  # vllm | sim
     hardware: str = "cpu"
-    kv_connector: str = ""  # "" (none), NixlConnector, MooncakeConnector, MooncakeLayerwiseConnector, ...
+    # The connector the engine's --kv-transfer-config names, which fixes the wire contract of its
+    # kv_transfer_params: "" (none), NixlConnector, MooncakeConnector (upstream vLLM's: the router
+    # supplies both legs' params), MooncakeConnectorV1 (vllm-ascend's pull: P returns D's params),
+    # MooncakeLayerwiseConnector, ... (``serving.snapshots`` resolves the Ascend names).
+    kv_connector: str = ""
     kv_transfer: str = ""  # "pull" (Handoff), "push" (Trigger, layer-wise) or "" (no KV transfer)
     kv_events_endpoint: str = ""  # ZMQ endpoint of the engine's KV cache events, "" if none
+    # Base of the connector's ports on the engine's host (upstream Mooncake: its bootstrap server's
+    # port, VLLM_MOONCAKE_BOOTSTRAP_PORT); None when the record has none.
+    kv_port: int | None = None
     tp: int = 1
     healthy: bool = True  # the probes' verdict; False keeps traffic away like an open breaker
     breaker_state: str = "closed"  # closed | open | half_open, as last written to the database

@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer, eventually, gen_body
-from tests.pd_sims import pd_sim_fixtures, sim_server
+from tests.pd_sims import MOONCAKE_PREFILL_ENGINE_ID, mooncake_sim_fixtures, pd_sim_fixtures, sim_server
 
 GENERATE = "/inference/v1/generate"
 CONFIG = SimConfig(
@@ -40,15 +40,17 @@ def _server(**changes: Any) -> Iterator[LiveServer]:
 
 
 union, prefill, decode, push_prefill, push_decode = pd_sim_fixtures(CONFIG, push_timeout_s=1.0)
+mooncake_prefill, mooncake_decode = mooncake_sim_fixtures(CONFIG)
 
 
 @pytest.fixture(autouse=True)
 def _nothing_leaked(
-    prefill: LiveServer, decode: LiveServer, push_prefill: LiveServer, push_decode: LiveServer
+    prefill: LiveServer, decode: LiveServer, push_prefill: LiveServer, push_decode: LiveServer,
+    mooncake_prefill: LiveServer, mooncake_decode: LiveServer,
 ) -> Iterator[None]:
     """Every test ends with no blocks held for a pull and no decode waiting for a push."""
     yield
-    for server in (prefill, decode, push_prefill, push_decode):
+    for server in (prefill, decode, push_prefill, push_decode, mooncake_prefill, mooncake_decode):
         kv = server.engine.kv
         assert (kv.held, kv.waiting, server.engine.running) == (0, 0, 0), server.url
 
@@ -182,6 +184,78 @@ async def test_it_keeps_the_union_protocol_unchanged(http: httpx.AsyncClient, un
     assert forged.status_code == 200
 
 
+# -- pull, router-supplied (upstream vLLM MooncakeConnector) ----------------------------
+# Bodies from vLLM 0.33.0's vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py:
+# P needs do_remote_decode and a transfer_id (update_state_after_alloc) and returns no params
+# (request_finished); D needs do_remote_prefill, remote_engine_id, remote_bootstrap_addr and the
+# same transfer_id (update_state_after_alloc), and GETs remote_bootstrap_addr + "/query".
+
+
+def mooncake_params(p: LiveServer, transfer_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    d_params = {
+        "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": transfer_id,
+        "remote_engine_id": MOONCAKE_PREFILL_ENGINE_ID, "remote_bootstrap_addr": p.url,
+    }
+    return p_params, d_params
+
+
+async def test_it_hands_off_with_router_supplied_mooncake_params(
+    http: httpx.AsyncClient, union: LiveServer, mooncake_prefill: LiveServer, mooncake_decode: LiveServer
+) -> None:
+    p_params, d_params = mooncake_params(mooncake_prefill, "t-1")
+    answer = await http.post(mooncake_prefill.url + GENERATE, json=body(PROMPT, 1, p_params, "p"))
+    assert answer.status_code == 200 and answer.json()["kv_transfer_params"] is None
+    assert (await stats(http, mooncake_prefill))["kv"]["held"] == 1
+    before = (await stats(http, mooncake_decode))["prompt_tokens_by_source"].get("external_kv_transfer", 0)
+
+    response = await http.post(mooncake_decode.url + GENERATE, json=body(PROMPT, 12, d_params))
+
+    assert response.status_code == 200, response.text
+    reference = await http.post(union.url + GENERATE, json=body(PROMPT, 12, None))
+    assert response.json()["choices"][0]["token_ids"] == reference.json()["choices"][0]["token_ids"]
+    after = (await stats(http, mooncake_decode))["prompt_tokens_by_source"]["external_kv_transfer"]
+    assert after - before == len(PROMPT)
+    assert (await stats(http, mooncake_prefill))["kv"]["held"] == 0
+    again = await http.post(mooncake_decode.url + GENERATE, json=body(PROMPT, 4, d_params))
+    assert again.status_code == 500 and "no blocks held for transfer 't-1'" in again.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("forge", "why"),
+    [
+        pytest.param({"transfer_id": "t-other"}, "no blocks held", id="other-transfer"),
+        pytest.param({"remote_engine_id": "someone-else"}, "engine id", id="wrong-engine"),
+        pytest.param({"remote_bootstrap_addr": "127.0.0.1:1"}, "base URL", id="not-a-url"),
+    ],
+)
+async def test_it_refuses_forged_mooncake_params(
+    http: httpx.AsyncClient, mooncake_prefill: LiveServer, mooncake_decode: LiveServer,
+    forge: dict[str, Any], why: str,
+) -> None:
+    p_params, d_params = mooncake_params(mooncake_prefill, "t-2")
+    assert (await http.post(mooncake_prefill.url + GENERATE, json=body(PROMPT, 1, p_params, "p"))).status_code == 200
+    response = await http.post(mooncake_decode.url + GENERATE, json=body(PROMPT, 4, {**d_params, **forge}))
+    assert response.status_code == 500 and why in response.json()["error"]["message"]
+    assert (await http.post(mooncake_decode.url + GENERATE, json=body(PROMPT, 4, d_params))).status_code == 200
+
+
+async def test_a_mooncake_decode_without_router_params_prefills_itself(
+    http: httpx.AsyncClient, mooncake_prefill: LiveServer, mooncake_decode: LiveServer
+) -> None:
+    # What P returned in the other contract is not enough here: upstream Mooncake's D logs
+    # "Got invalid KVTransferParams" and computes the prompt itself, so nothing is transferred.
+    before = (await stats(http, mooncake_decode))["prompt_tokens_by_source"]
+    response = await http.post(mooncake_decode.url + GENERATE, json=body(PROMPT, 4, {"do_remote_prefill": True}))
+    assert response.status_code == 200
+    after = (await stats(http, mooncake_decode))["prompt_tokens_by_source"]
+    assert after.get("external_kv_transfer", 0) == before.get("external_kv_transfer", 0)
+    # And a P given no transfer id keeps nothing for a pull (the real one only warns).
+    no_id = await http.post(mooncake_prefill.url + GENERATE, json=body(PROMPT, 1, PREFILL_PARAMS, "p"))
+    assert no_id.status_code == 200 and no_id.json()["kv_transfer_params"] is None
+    assert (await stats(http, mooncake_prefill))["kv"]["held"] == 0
+
+
 # -- push (Trigger) -------------------------------------------------------------------
 
 
@@ -227,21 +301,25 @@ class Metaserver:
         return JSONResponse({}, status_code=self.status)
 
     async def _dispatch(self, d: dict[str, Any]) -> None:
-        params = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": d["remote_engine_id"],
-            "remote_request_id": d["request_id"],
-            "remote_host": d["remote_host"],
-            "remote_port": d["remote_port"],
-            "remote_block_ids": d["remote_block_ids"],
-            "remote_num_tokens": d["remote_num_tokens"],
-        }
+        # What vllm-ascend's layer-wise proxy does: the callback whole as P's params, under D's
+        # request id (P's push names D's request by P's own id).
+        params = {**d, "do_remote_decode": True}
+        params.pop("path_token")
+        rid = d["request_id"].removeprefix("generate-tokens-")
         async with httpx.AsyncClient(timeout=10.0) as client:
             assert self.prefill_url is not None
             self.prefill_answers.append(
-                await client.post(self.prefill_url + GENERATE, json=body(PROMPT, 1, params, "p"))
+                await client.post(self.prefill_url + GENERATE, json=body(PROMPT, 1, params, rid))
             )
+
+
+# The keys vllm-ascend 0.23.0.post1's decode side posts to the metaserver
+# (kv_p2p/mooncake_layerwise_connector.py, update_state_after_alloc).
+ASCEND_CALLBACK_KEYS = {
+    "token_ids", "request_id", "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_block_size",
+    "remote_engine_id", "remote_host", "remote_port", "remote_tp_size", "remote_pcp_size", "remote_dcp_size",
+    "remote_cached_tokens",
+}
 
 
 async def test_it_decodes_after_a_push_triggered_through_the_metaserver(
@@ -254,10 +332,14 @@ async def test_it_decodes_after_a_push_triggered_through_the_metaserver(
     reference = await http.post(union.url + GENERATE, json=body(PROMPT, 12, None))
     assert response.json()["choices"][0]["token_ids"] == reference.json()["choices"][0]["token_ids"]
     (announced,) = meta.announcements
-    assert announced["request_id"] == "generate-tokens-d1"
-    assert announced["coordinator_token"] == "abc" and announced["path_token"] == "secret-token"
+    # The real D's body, built by D: nothing it received is echoed (the token travels in the URL).
+    assert announced.pop("path_token") == "secret-token"
+    assert set(announced) == ASCEND_CALLBACK_KEYS
+    assert announced["request_id"] == "generate-tokens-d1" and announced["token_ids"] == []
+    assert (announced["do_remote_prefill"], announced["do_remote_decode"]) == (False, True)
     assert (announced["remote_host"], announced["remote_port"]) == ("127.0.0.1", push_decode.port)
-    assert announced["remote_num_tokens"] == len(PROMPT) and announced["transfer_mode"] == "push"
+    assert announced["remote_block_size"] == [CONFIG.block_size] and announced["remote_cached_tokens"] == 0
+    assert len(announced["remote_block_ids"][0]) == -(-len(PROMPT) // CONFIG.block_size)
     (prefill_answer,) = meta.prefill_answers
     assert prefill_answer.status_code == 200 and prefill_answer.json()["kv_transfer_params"] is None
     kv = (await stats(http, push_decode))["kv"]
@@ -313,7 +395,7 @@ async def test_it_releases_a_decode_waiting_for_a_push_when_aborted(
     state = await stats(http, push_decode)
     assert state["kv"]["waiting"] == 0 and state["aborted"] >= 1 and state["finished"]["abort"] >= 1
     # A push arriving after the abort finds nobody waiting.
-    late = {"remote_request_id": f"generate-tokens-{rid}", "remote_engine_id": state["kv"]["engine_id"]}
+    late = {"request_id": f"generate-tokens-{rid}", "remote_engine_id": state["kv"]["engine_id"]}
     assert (await http.post(push_decode.url + "/sim/kv/push", json=late)).status_code == 404
 
 
@@ -325,16 +407,27 @@ async def test_it_requires_a_metaserver_in_push_mode(http: httpx.AsyncClient, pu
 async def test_it_refuses_a_push_nobody_waits_for(
     http: httpx.AsyncClient, push_prefill: LiveServer, push_decode: LiveServer
 ) -> None:
-    forged = await http.post(push_decode.url + "/sim/kv/push", json={"remote_request_id": "nope"})
+    forged = await http.post(push_decode.url + "/sim/kv/push", json={"request_id": "nope"})
     assert forged.status_code == 404
     params = {
         **PREFILL_PARAMS,
         "remote_host": "127.0.0.1",
         "remote_port": push_decode.port,
-        "remote_request_id": "nope",
+        "remote_cached_tokens": 0,
     }
-    response = await http.post(push_prefill.url + GENERATE, json=body(PROMPT, 1, params))
+    # P pushes under its own request id, which no decode request waits for.
+    response = await http.post(push_prefill.url + GENERATE, json=body(PROMPT, 1, params, "nope"))
     assert response.status_code == 500 and "refused the push" in response.json()["error"]["message"]
+
+
+async def test_a_push_prefill_needs_remote_cached_tokens_like_the_real_one(
+    http: httpx.AsyncClient, push_prefill: LiveServer, push_decode: LiveServer
+) -> None:
+    # vllm-ascend's P indexes params["remote_cached_tokens"]: a coordinator that picks keys out
+    # of D's callback and drops this one crashes it. The simulator refuses it the same way.
+    params = {**PREFILL_PARAMS, "remote_host": "127.0.0.1", "remote_port": push_decode.port}
+    response = await http.post(push_prefill.url + GENERATE, json=body(PROMPT, 1, params))
+    assert response.status_code == 500 and "remote_cached_tokens" in response.json()["error"]["message"]
 
 
 # -- prefix cache ---------------------------------------------------------------------

@@ -34,8 +34,9 @@ from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, Re
 from serving.pipeline.topologies import metaserver as metaserver_module
 from serving.pipeline.topologies.hybrid import PDPolicy, pd_topology_policy
 from serving.pipeline.topologies.metaserver import MetaServer
-from tests.pd_sims import pd_sim_fixtures, sim_server
+from tests.pd_sims import MOONCAKE_PREFILL_ENGINE_ID, mooncake_sim_fixtures, pd_sim_fixtures, sim_server
 from tests.serving.fakes import CHAT_PROMPT, MODEL, RENDER_URL, parse_frames
+from tests.serving.leaks import assert_nothing_held
 
 WATCHDOG_S = 20.0
 CONFIG = SimConfig(
@@ -49,6 +50,7 @@ def _server(**changes: Any) -> Iterator[LiveServer]:
 
 
 union, prefill, decode, push_prefill, push_decode = pd_sim_fixtures(CONFIG, push_timeout_s=5.0)
+mooncake_prefill, mooncake_decode = mooncake_sim_fixtures(CONFIG)
 
 
 def view(server: LiveServer, role: str = "union", transfer: str = "") -> InstanceView:
@@ -229,7 +231,8 @@ async def test_streaming_trigger_equals_union(
     (d_name, d_stream, d_req), (p_name, p_stream, p_req) = rig.engines.sent
     assert (d_name, d_stream, p_name, p_stream) == (d.name, True, p.name, False)
     assert d_req["kv_transfer_params"]["metaserver"].startswith(metaserver.base_url + "/internal/metaserver/")
-    assert p_req["kv_transfer_params"]["remote_request_id"].startswith("generate-tokens-" + d_req["request_id"])
+    assert p_req["request_id"] == d_req["request_id"]  # P's push names D's request by P's own id
+    assert p_req["kv_transfer_params"]["request_id"] == "generate-tokens-" + d_req["request_id"]
     after = (await http.get(push_decode.url + "/sim/stats")).json()["prompt_tokens_by_source"]["external_kv_transfer"]
     assert after - before == len(CHAT_PROMPT)
     assert metaserver.delivered == 1 and metaserver.pending == 0
@@ -414,3 +417,142 @@ async def test_a_streaming_trigger_relays_after_decode_drops_mid_stream(
     assert rig.engines.sent[-1][2]["token_ids"] == CHAT_PROMPT + rig.engines.sent[-1][2]["token_ids"][len(CHAT_PROMPT):]
     assert len(rig.engines.sent[-1][2]["token_ids"]) == len(CHAT_PROMPT) + 3
     assert metaserver.pending == 0
+
+
+# -- multi-prompt on P/D ------------------------------------------------------------------------
+
+PROMPTS = ["a", "b"]  # the fake render gives them 2 and 3 tokens (tests/serving/fakes.py)
+
+
+def completion(stream: bool, **extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": PROMPTS, "stream": stream, "max_tokens": 6, "temperature": 0.0,
+            "ignore_eos": True, **extra}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def by_index(frames: list[Any]) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for c in frames:
+        if isinstance(c, dict):
+            for choice in c.get("choices") or []:
+                texts[choice["index"]] = texts.get(choice["index"], "") + (choice.get("text") or "")
+    return texts
+
+
+def legs_by_prompt(rig: Rig) -> dict[tuple[int, ...], list[tuple[str, bool, dict[str, Any]]]]:
+    legs: dict[tuple[int, ...], list[tuple[str, bool, dict[str, Any]]]] = {}
+    for sent in rig.engines.sent:
+        legs.setdefault(tuple(sent[2]["token_ids"]), []).append(sent)
+    return legs
+
+
+def answer_to(rig: Rig, p_req: dict[str, Any]) -> dict[str, Any]:
+    """P's answer to ``p_req`` (the recorder keeps answers in completion order)."""
+    (answer,) = [a for a in rig.engines.answers if a["request_id"] == "generate-tokens-" + p_req["request_id"]]
+    return answer
+
+
+async def test_a_streaming_multi_prompt_handoff_fans_out_one_pd_run_per_prompt(
+    rig_factory: Any, union: LiveServer, prefill: LiveServer, decode: LiveServer, http: httpx.AsyncClient,
+) -> None:
+    expected = await drain(await rig_factory(view(union)).pipeline.completions(completion(True), "ref-m"))
+    p, d = view(prefill, "prefill", "pull"), view(decode, "decode", "pull")
+    rig = rig_factory(p, d)  # P/D only: every prompt goes through Handoff
+    before_kv = (await http.get(decode.url + "/sim/stats")).json()["prompt_tokens_by_source"].get("external_kv_transfer", 0)
+    before = asyncio.all_tasks()
+
+    frames = await drain(await rig.pipeline.completions(completion(True), "m1"))
+
+    chunks = [c for c in frames if isinstance(c, dict)]
+    assert by_index(frames) == by_index(expected) and set(by_index(frames)) == {0, 1}
+    assert {c["id"] for c in chunks} == {"cmpl-m1"}  # one response id over both prompts
+    finishes = [ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert sorted(finishes) == [0, 1]
+    # Usage once, last, the coordinator's account of both prompts (not P's legs counted again).
+    (u,) = [c["usage"] for c in chunks if c.get("usage")]
+    assert chunks[-1]["usage"] == u == usage(expected) and u["prompt_tokens"] == 5 and frames[-1] == "[DONE]"
+    # Each prompt had its own P then D, D streaming with its own P's params verbatim.
+    legs = legs_by_prompt(rig)
+    assert len(legs) == 2
+    for (p_name, p_stream, p_req), (d_name, d_stream, d_req) in legs.values():
+        assert (p_name, p_stream, d_name, d_stream) == (p.name, False, d.name, True)
+        assert d_req["kv_transfer_params"] is answer_to(rig, p_req)["kv_transfer_params"]
+    assert len({req["request_id"] for _, _, req in rig.engines.sent}) == 4
+    after_kv = (await http.get(decode.url + "/sim/stats")).json()["prompt_tokens_by_source"]["external_kv_transfer"]
+    assert after_kv - before_kv == 5  # both prompts' KV came from P
+    await assert_nothing_held(rig.scheduler, before)
+
+
+async def test_a_non_streaming_multi_prompt_handoff_answers_like_union(
+    rig_factory: Any, union: LiveServer, prefill: LiveServer, decode: LiveServer,
+) -> None:
+    expected = await rig_factory(view(union)).pipeline.completions(completion(False), "ref-n")
+    p, d = view(prefill, "prefill", "pull"), view(decode, "decode", "pull")
+    rig = rig_factory(p, d)
+    before = asyncio.all_tasks()
+
+    answer = await rig.pipeline.completions(completion(False), "m2")
+
+    assert isinstance(answer, dict) and isinstance(expected, dict)
+    assert answer["id"] == "cmpl-m2" and [c["index"] for c in answer["choices"]] == [0, 1]
+    assert [c["text"] for c in answer["choices"]] == [c["text"] for c in expected["choices"]]
+    assert answer["usage"] == expected["usage"] and answer["usage"]["prompt_tokens"] == 5
+    legs = legs_by_prompt(rig)
+    assert sorted(legs) == [(1000, 1000), (1001, 1001, 1001)]
+    for (p_name, _, p_req), (d_name, _, d_req) in legs.values():
+        assert (p_name, d_name) == (p.name, d.name) and p_req["sampling_params"]["max_tokens"] == 1
+        assert d_req["kv_transfer_params"] is answer_to(rig, p_req)["kv_transfer_params"]
+    await assert_nothing_held(rig.scheduler, before)
+
+
+async def test_a_non_streaming_multi_prompt_trigger_answers_like_union(
+    rig_factory: Any, metaserver: MetaServer, union: LiveServer, push_prefill: LiveServer, push_decode: LiveServer,
+) -> None:
+    expected = await rig_factory(view(union)).pipeline.completions(completion(False), "ref-t")
+    p, d = view(push_prefill, "prefill", "push"), view(push_decode, "decode", "push")
+    rig = rig_factory(p, d)
+    before = asyncio.all_tasks()
+
+    answer = await rig.pipeline.completions(completion(False), "m3")
+
+    assert isinstance(answer, dict) and isinstance(expected, dict)
+    assert answer["id"] == "cmpl-m3" and [c["index"] for c in answer["choices"]] == [0, 1]
+    assert [c["text"] for c in answer["choices"]] == [c["text"] for c in expected["choices"]]
+    assert answer["usage"] == expected["usage"]
+    # One callback per prompt, each starting the prefill of its own prompt under its D's id.
+    assert metaserver.delivered == 2 and metaserver.pending == 0
+    for (d_name, _, d_req), (p_name, _, p_req) in legs_by_prompt(rig).values():
+        assert (d_name, p_name) == (d.name, p.name)
+        assert p_req["request_id"] == d_req["request_id"]
+        assert p_req["kv_transfer_params"]["request_id"] == "generate-tokens-" + d_req["request_id"]
+    assert len({req["request_id"] for _, _, req in rig.engines.sent}) == 2
+    await assert_nothing_held(rig.scheduler, before)
+
+
+async def test_a_streaming_handoff_over_upstream_mooncake_writes_both_legs_params(
+    rig_factory: Any, union: LiveServer, mooncake_prefill: LiveServer, mooncake_decode: LiveServer,
+    http: httpx.AsyncClient,
+) -> None:
+    # Through the router's seam: the snapshot's connector and KV port reach the opener. P answers
+    # kv_transfer_params null (upstream vLLM 0.33.0's MooncakeConnector.request_finished).
+    expected = await reference(rig_factory, union)
+    p = dataclasses.replace(
+        view(mooncake_prefill, "prefill", "pull"), name=MOONCAKE_PREFILL_ENGINE_ID, kv_connector="MooncakeConnector",
+        kv_port=mooncake_prefill.port,
+    )
+    d = dataclasses.replace(view(mooncake_decode, "decode", "pull"), kv_connector="MooncakeConnector")
+    rig = rig_factory(p, d)
+    before = (await http.get(mooncake_decode.url + "/sim/stats")).json()["prompt_tokens_by_source"].get(
+        "external_kv_transfer", 0)
+
+    frames = await drain(await rig.pipeline.chat(chat(), "mc1"))
+
+    assert content(frames) == content(expected) and frames[-1] == "[DONE]"
+    (_, _, p_req), (_, d_stream, d_req) = rig.engines.sent
+    assert rig.engines.answers[0]["kv_transfer_params"] is None and d_stream is True
+    assert d_req["kv_transfer_params"]["transfer_id"] == p_req["kv_transfer_params"]["transfer_id"]
+    assert d_req["kv_transfer_params"]["remote_bootstrap_addr"] == mooncake_prefill.url
+    after = (await http.get(mooncake_decode.url + "/sim/stats")).json()["prompt_tokens_by_source"]["external_kv_transfer"]
+    assert after - before == len(CHAT_PROMPT)

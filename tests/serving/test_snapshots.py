@@ -214,3 +214,13 @@ async def test_without_any_snapshot_a_database_outage_is_a_503_not_a_500(
     error = response.json()["error"]
     assert error["type"] == "ServiceUnavailableError" and "connect" not in error["message"]
     assert upstream.calls == []
+
+
+def test_the_snapshot_names_the_pull_connector_an_ascend_engine_runs(fleet: dict[str, EngineInstance]) -> None:
+    # The record's "MooncakeConnector" is vllm-ascend's MooncakeConnectorV1 on Ascend (P returns
+    # D's params) and upstream vLLM's MooncakeConnector elsewhere (the router supplies them).
+    EngineInstance.objects.filter(name="e1").update(kv_connector="MooncakeConnector", hardware_kind="A3", kv_port=36000)
+    EngineInstance.objects.filter(name="e2").update(kv_connector="MooncakeConnector", hardware_kind="cuda")
+    views = {i.name: i for i in snapshots.build_snapshot().instances}
+    assert (views["e1"].kv_connector, views["e1"].kv_port) == ("MooncakeConnectorV1", 36000)
+    assert (views["e2"].kv_connector, views["e2"].kv_port) == ("MooncakeConnector", None)

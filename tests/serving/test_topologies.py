@@ -222,17 +222,19 @@ def test_the_decode_leg_carries_the_real_budget_and_the_params_object_verbatim()
     assert leg_ids("r1") == ("r1-prefill", "r1-decode")
 
 
-def test_push_prefill_params_name_the_waiting_decode_request() -> None:
+def test_push_prefill_params_are_the_decode_callback_whole_with_do_remote_decode() -> None:
+    # Shaped like vllm-ascend 0.23.0.post1's D posts it (kv_p2p/mooncake_layerwise_connector.py,
+    # update_state_after_alloc; docs/ascend-connectors.md "Push"), plus a key no connector knows yet.
     callback = {
-        "request_id": "generate-tokens-r1-decode", "remote_engine_id": "sim-d", "remote_host": "127.0.0.1",
-        "remote_port": 7, "remote_block_ids": [[4, 5]], "remote_num_tokens": 20, "metaserver": "http://x",
-        "do_remote_prefill": True, "transfer_mode": "push",
+        "token_ids": [], "request_id": "generate-tokens-r1-decode", "do_remote_prefill": False,
+        "do_remote_decode": True, "remote_block_ids": [[4, 5]], "remote_block_size": [128],
+        "remote_engine_id": "d-engine", "remote_host": "10.0.0.7", "remote_port": 36000, "remote_tp_size": 1,
+        "remote_pcp_size": 1, "remote_dcp_size": 1, "remote_cached_tokens": 32, "a_later_field": {"x": 1},
     }
-    assert push_prefill_params(callback) == {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "sim-d",
-        "remote_request_id": "generate-tokens-r1-decode", "remote_host": "127.0.0.1", "remote_port": 7,
-        "remote_block_ids": [[4, 5]], "remote_num_tokens": 20,
-    }
+    params = push_prefill_params(callback)
+    assert params == callback  # every key kept, none renamed or added (do_remote_decode was already true)
+    assert params is not callback  # a copy: P's connector writes into its dict
+    assert push_prefill_params({**callback, "do_remote_decode": False})["do_remote_decode"] is True
 
 
 # -- running against the simulator --------------------------------------------------------
@@ -473,8 +475,11 @@ async def test_trigger_answers_like_a_union_instance(
     assert (d_name, p_name) == (d.name, p.name)
     callback_url = d_req["kv_transfer_params"]["metaserver"]
     assert callback_url.startswith(metaserver.base_url + "/internal/metaserver/" + metaserver.owner + ".")
-    assert p_req["kv_transfer_params"]["remote_request_id"].startswith("generate-tokens-r1-decode")
-    assert p_req["kv_transfer_params"]["do_remote_decode"] is True
+    # P runs under D's request id and gets D's callback whole (vllm-ascend's layer-wise proxy).
+    assert p_req["request_id"] == d_req["request_id"] == "r1-decode"
+    callback = p_req["kv_transfer_params"]
+    assert callback["request_id"] == "generate-tokens-r1-decode" and callback["remote_cached_tokens"] == 0
+    assert callback["do_remote_decode"] is True and "remote_tp_size" in callback and "remote_block_size" in callback
     assert metaserver.delivered == 1
     # The request is over: replaying D's callback is refused and starts nothing.
     replay = await http.post(callback_url, json={"request_id": "generate-tokens-r1-decode"})
@@ -527,7 +532,7 @@ async def test_trigger_blames_the_decode_instance_that_gave_up_while_prefill_ran
         await whole(open_trigger, ctx, Placed(p, d), request("r8"))
     assert info.value.instance == d.name
     # P's leg was still running: it is aborted rather than left prefilling for nobody.
-    assert (p.name, ["r8-prefill"]) in engines.aborted
+    assert (p.name, ["r8-decode"]) in engines.aborted
 
 
 async def test_trigger_blames_a_decode_instance_that_never_calls_back(

@@ -24,7 +24,6 @@ from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.topologies.metaserver import MetaServer, Registration
 from serving.pipeline.topologies.pd import (
-    PREFILL_KV_PARAMS,
     PDContext,
     PDPlacement,
     _final_leg,
@@ -40,16 +39,16 @@ from serving.pipeline.topologies.pd import (
 
 logger = logging.getLogger(__name__)
 
-# The keys of D's Trigger callback that P needs to push to it (enginesim/pd.py, push mode).
-_PUSH_TARGET_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_num_tokens")
-
 def push_prefill_params(callback: Mapping[str, Any]) -> dict[str, Any]:
-    """P's ``kv_transfer_params`` in Trigger, from D's callback: where to push, for which request."""
-    params: dict[str, Any] = dict(PREFILL_KV_PARAMS)
-    for key in _PUSH_TARGET_KEYS:
-        if key in callback:
-            params[key] = callback[key]
-    params["remote_request_id"] = callback["request_id"]
+    """P's ``kv_transfer_params`` in Trigger: D's callback body whole, plus ``do_remote_decode``.
+
+    The layer-wise connector's P reads D's fields straight from this dict (some indexed, such as
+    ``remote_cached_tokens``: a missing key crashes its scheduler), and vllm-ascend's reference
+    proxy forwards the body as it came (docs/ascend-connectors.md, "Push"). So nothing is picked,
+    renamed or dropped; a new field a later connector adds reaches P too.
+    """
+    params = dict(callback)
+    params["do_remote_decode"] = True
     return params
 
 
@@ -128,7 +127,12 @@ async def open_trigger(
     request is then aborted); ``NoCapacity`` without a metaserver or when no P is left.
     """
     metaserver, placed_prefill, decode = _trigger_sides(ctx, placement)
-    p_id, d_id = leg_ids(engine_request["request_id"])
+    _, d_id = leg_ids(engine_request["request_id"])
+    # P's leg carries D's request id, as vllm-ascend's layer-wise proxy sends it: P tells D that
+    # the last layer arrived by its own external request id, and D looks that id up among its
+    # waiting requests (mooncake_layerwise_connector.py, ``request_map``). Aborts still hit only
+    # one leg: each goes to its own instance, and P and D are never the same one.
+    p_id = d_id
     with metaserver.register(ctx.request_id, engine_request_id=engine_request_id(d_id)) as reg:
         d_request = _trigger_decode_request(engine_request, d_id, reg)
         # D's holds and stream live on their own stack until the run succeeded; then ``stack`` owns them.
