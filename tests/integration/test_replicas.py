@@ -1,12 +1,13 @@
 """Two coordinator processes on one PostgreSQL and one Redis, proving what they share.
 
 A real render sidecar, simulated engines (two union engines that decode slowly and never stop
-early, so a stream holds its lease while the test looks, and a push prefill/decode pair for
-Trigger, registered per test) and two Daphne coordinators, A and B, on one database and Redis db
+early, so a stream holds its lease while the test looks, and publish their KV cache events; a
+push prefill/decode pair for Trigger, registered per test) and two Daphne coordinators, A and B, on one database and Redis db
 12 (this file's own: flushed before and after). Each test drives one replica with the official
 ``openai`` client and shows the other honouring it: admission leases and the global token
 budget, the tokens-per-minute window, breaker state counted by both and operator overrides,
-control-plane changes after a poll, and a Trigger callback delivered to the replica that did not
+control-plane changes after a poll, placement by KV cache events of traffic the other replica
+served, and a Trigger callback delivered to the replica that did not
 start the request. Each replica's metaserver base URL names the *other* replica (what a load
 balancer in front may do), so every Trigger callback arrives at the wrong one and is routed.
 
@@ -81,6 +82,7 @@ class Cluster:
     redis: redis.Redis
     supervisor: Supervisor
     sim: dict[str, str]  # P/D simulators' URLs by role
+    engines: dict[str, str]  # union engines' URLs by instance name
     served_model_id: int
 
     def instances(self) -> dict[str, dict[str, Any]]:
@@ -130,10 +132,11 @@ def _sim(cfg: stack.StackConfig, name: str, port: int, *extra: str) -> ProcessSp
 
 
 @pytest.fixture(scope="module")
-def cluster(base_config: stack.StackConfig) -> Iterator[Cluster]:
+def cluster(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if not (prerequisites.postgres_answers() and prerequisites.redis_answers()):
         pytest.skip("PostgreSQL or Redis is not running on 127.0.0.1")
     db = f"motorsite_replicas_{uuid.uuid4().hex[:8]}"
+    tmp = tmp_path_factory.mktemp("replicas")
     subprocess.run([*PSQL, f"CREATE DATABASE {db}"], check=True)
     r = redis.Redis.from_url(REDIS_URL)
     r.flushdb()
@@ -166,15 +169,25 @@ def cluster(base_config: stack.StackConfig) -> Iterator[Cluster]:
     specs: list[ProcessSpec] = [stack.render_spec(cfg)]
     # Slow and endless: 10 ms a token and no early EOS, so a 300-token stream is open ~3 s.
     slow = ("--tpot-ms", "10", "--eos-probability", "0")
-    specs += [_sim(cfg, f"engine-{n}", port, *slow) for n, port in enumerate(cfg.engine_ports, 1)]
+    # Both union engines publish their KV cache events (vLLM's ZMQ format) on endpoints they bind.
+    kv_events = {f"union-{n}": f"ipc://{tmp}/kv-{n}.ipc" for n in (1, 2)}
+    specs += [
+        _sim(cfg, f"engine-{n}", port, *slow, "--kv-events-endpoint", kv_events[f"union-{n}"])
+        for n, port in enumerate(cfg.engine_ports, 1)
+    ]
     for role, url in sims.items():
         specs.append(_sim(cfg, f"push-{role}", int(url.rsplit(":", 1)[1]), "--role", role, "--kv-transfer", "push",
                           "--kv-connector", "MooncakeLayerwiseConnector", "--eos-probability", "0"))
     stack.prepare_database(cfg)
     subprocess.run(
         [cfg.app_python, str(stack.ROOT / "manage.py"), "shell", "-c",
-         "from fleet.services import api_key_ensure; "
-         f"api_key_ensure(name='tpm', scope='client', key='{TPM_KEY}', tokens_per_minute={TPM_LIMIT})"],
+         "from fleet.services import api_key_ensure\n"
+         "from fleet.models import EngineInstance\n"
+         "from motorsite.core import bump_control_version\n"
+         f"api_key_ensure(name='tpm', scope='client', key='{TPM_KEY}', tokens_per_minute={TPM_LIMIT})\n"
+         f"for name, endpoint in {sorted(kv_events.items())!r}:\n"
+         "    EngineInstance.objects.filter(name=name).update(kv_events_endpoint=endpoint)\n"
+         "bump_control_version()\n"],
         check=True, env={**os.environ, **stack.coordinator_env(cfg)}, cwd=stack.ROOT,
     )
     for name, port, own, other in (("a", port_a, url_a, url_b), ("b", port_b, url_b, url_a)):
@@ -189,7 +202,8 @@ def cluster(base_config: stack.StackConfig) -> Iterator[Cluster]:
         b = Replica("b", url_b, cfg.log_dir / "coordinator-b.log")
         with a.api() as api:
             model_id = api.get("/instances").raise_for_status().json()[0]["served_model_id"]
-        yield Cluster(a, b, r, supervisor, sims, model_id)
+        engines = {f"union-{n}": url for n, url in enumerate(cfg.engine_urls, 1)}
+        yield Cluster(a, b, r, supervisor, sims, engines, model_id)
     finally:
         supervisor.stop()
         subprocess.run([*PSQL, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"], check=False)
@@ -374,3 +388,45 @@ def test_it_routes_a_trigger_callback_to_the_replica_that_started_the_request(c:
         _set_state(c, c.a, "undrain", "union-1", "union-2")
         for instance_id in ids:
             _delete(c, c.a, instance_id)
+
+
+def _seed(url: str, ids: list[int]) -> None:
+    """A request straight to one engine (traffic no coordinator placed)."""
+    body = {"request_id": f"seed-{uuid.uuid4().hex}", "token_ids": ids, "sampling_params": {"max_tokens": 1}}
+    httpx.post(url + "/inference/v1/generate", json=body, timeout=30).raise_for_status()
+
+
+def _kv_batches(replica: Replica, instance: str) -> float:
+    return metric_samples(replica.metrics(), "motor_kv_event_batches_total").get(f'instance="{instance}"', 0.0)
+
+
+def test_it_places_by_the_kv_cache_events_both_replicas_receive(c: Cluster) -> None:
+    # The first request on each replica starts its subscriptions; a ZMQ PUB drops what it sends
+    # before a subscription arrives, so seed union-2 until both replicas index its events.
+    for replica in (c.a, c.b):
+        chat(replica.openai(), max_tokens=1)
+    seeds = iter(range(10, 3000))
+
+    def subscribed() -> bool:
+        _seed(c.engines["union-2"], [next(seeds)] * 128)
+        return _kv_batches(c.a, "union-2") > 0 and _kv_batches(c.b, "union-2") > 0
+
+    until(subscribed, "both replicas subscribed to union-2's KV events")
+    # A serves a two-block prompt while union-1 is drained, so union-2 caches it; B never saw it.
+    prompt = [(17 * n) % 3000 + 10 for n in range(256)]
+    _set_state(c, c.a, "drain", "union-1")
+    try:
+        batches_b = _kv_batches(c.b, "union-2")
+        c.a.openai().completions.create(model="tiny", prompt=prompt, max_tokens=2)
+        until(lambda: _kv_batches(c.b, "union-2") > batches_b, "B received union-2's BlockStored")
+    finally:
+        _set_state(c, c.a, "undrain", "union-1")
+    # Idle instances tie and the tie goes to union-1: only union-2's events tell B otherwise.
+    before = (c.b.requests_to("union-1"), c.b.requests_to("union-2"))
+    hits = httpx.get(c.engines["union-2"] + "/sim/stats", timeout=5).json()["cache"]["hit_tokens"]
+    c.b.openai().completions.create(model="tiny", prompt=[*prompt, 5, 6], max_tokens=2)
+    assert (c.b.requests_to("union-1"), c.b.requests_to("union-2")) == (before[0], before[1] + 1)
+    assert httpx.get(c.engines["union-2"] + "/sim/stats", timeout=5).json()["cache"]["hit_tokens"] - hits == 256
+    # And the tie really goes to union-1: a prompt neither engine caches lands there.
+    c.b.openai().completions.create(model="tiny", prompt=[(31 * n) % 3000 + 10 for n in range(256)], max_tokens=2)
+    assert c.b.requests_to("union-1") == before[0] + 1
