@@ -251,6 +251,14 @@ MOTOR_MAX_CHOICES = env_int("MOTOR_MAX_CHOICES", 128)
 MOTOR_MAX_PROMPTS = env_int("MOTOR_MAX_PROMPTS", 1024)
 if MOTOR_MAX_CHOICES < 1 or MOTOR_MAX_PROMPTS < 1:
     raise ImproperlyConfigured("MOTOR_MAX_CHOICES and MOTOR_MAX_PROMPTS must be at least 1")
+# Trigger's metaserver reads these from the environment itself (it is Django-free); they are
+# checked here so that a typo stops the start instead of failing the first Trigger request.
+# BASE_URL goes into callback URLs (this process, or a load balancer in front of the replicas);
+# OWNER_URL is this process's own address, where another replica forwards our callbacks.
+for _name in ("MOTOR_METASERVER_BASE_URL", "MOTOR_METASERVER_OWNER_URL"):
+    _url = env_str(_name)
+    if _url and (urlparse(_url).scheme not in ("http", "https") or not urlparse(_url).netloc):
+        raise ImproperlyConfigured(f"{_name} must be an http(s) URL such as http://10.0.0.5:8000, got {_url!r}")
 MOTOR_DERENDER_CHUNK_RETRIES = env_int("MOTOR_DERENDER_CHUNK_RETRIES", 1)
 # How long a derender waits for an unreachable sidecar to come back: its supervisor restarts it
 # after 1 s, and a vLLM sidecar starts in about 7 s on an idle 2-core box but took 38-78 s while

@@ -1,4 +1,5 @@
-"""The Trigger metaserver: per-request unguessable tokens, one callback each, released once."""
+"""The Trigger metaserver: per-request unguessable tokens, one callback each, released once, and a
+callback that reaches another replica routed to its owner (signed route, one hop)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,23 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from django.test import AsyncClient
 
 from serving.pipeline.topologies import metaserver as metaserver_module
-from serving.pipeline.topologies.metaserver import CALLBACK_PATH, CallbackRefused, CallbackState, MetaServer
+from serving.pipeline.topologies.metaserver import (
+    CALLBACK_PATH,
+    FORWARDED_HEADER,
+    CallbackElsewhere,
+    CallbackRefused,
+    CallbackState,
+    MetaServer,
+)
 
 BASE = "http://127.0.0.1:8000"
+OTHER = "http://127.0.0.1:8001"
+KEY = b"k" * 32
 
 
 def body(engine_request_id: str = "generate-tokens-r1-decode", **extra: object) -> dict[str, object]:
@@ -27,8 +38,8 @@ async def test_it_hands_each_request_its_own_url_naming_this_process() -> None:
     b = ms.register("r2", engine_request_id="generate-tokens-r2-decode")
     assert a.url.startswith(BASE + CALLBACK_PATH + ms.owner + ".")
     assert a.token != b.token
-    # 256 random bits after the owner part.
-    assert len(a.token.split(".", 1)[1]) >= 43
+    # 256 random bits between the route and the MAC.
+    assert len(a.token.split(".")[2]) >= 43
     assert ms.pending == 2
     a.release()
     b.release()
@@ -51,8 +62,9 @@ async def test_it_delivers_one_callback_to_the_waiting_request() -> None:
     [
         pytest.param(lambda reg, ms: ms.owner + ".forged-secret", 404, id="forged"),
         pytest.param(lambda reg, ms: reg.token + "x", 404, id="tampered"),
-        pytest.param(lambda reg, ms: "0123456789ab." + reg.token.split(".", 1)[1], 421, id="other-process"),
-        pytest.param(lambda reg, ms: "", 421, id="empty"),
+        # Another owner with our route, secret and MAC: the MAC no longer matches.
+        pytest.param(lambda reg, ms: "0123456789ab." + reg.token.split(".", 1)[1], 404, id="other-owner-unsigned"),
+        pytest.param(lambda reg, ms: "", 404, id="empty"),
     ],
 )
 async def test_it_refuses_forged_tokens(token: object, status: int) -> None:
@@ -132,6 +144,118 @@ async def test_it_delivers_from_another_thread() -> None:
     assert ms.pending == 0
 
 
+# -- routing between replicas ------------------------------------------------------------
+
+
+def replicas(key_b: bytes = KEY) -> tuple[MetaServer, MetaServer]:
+    return MetaServer(BASE, key=KEY), MetaServer(OTHER, key=key_b)
+
+
+async def test_it_names_the_owner_of_another_replicas_token() -> None:
+    a, b = replicas()
+    with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
+        with pytest.raises(CallbackElsewhere) as info:
+            b.check(reg.token)
+        assert info.value.status == 421 and info.value.owner_url == BASE
+        # Routing is no refusal: nothing counted, and the owner still takes the callback.
+        assert b.refused == 0
+        a.deliver(reg.token, body())
+    assert a.pending == b.pending == 0
+
+
+async def test_it_routes_to_the_owners_own_address_not_the_base_url() -> None:
+    # The base URL names a load balancer; what another replica posts to is the owner's address.
+    a = MetaServer("http://lb.example", owner_url=BASE, key=KEY)
+    b = MetaServer("http://lb.example", owner_url=OTHER, key=KEY)
+    with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
+        assert reg.url.startswith("http://lb.example" + CALLBACK_PATH)
+        with pytest.raises(CallbackElsewhere) as info:
+            b.check(reg.token)
+        assert info.value.owner_url == BASE
+
+
+@pytest.mark.parametrize(
+    ("forge", "why"),
+    [
+        # A route to an address of the forger's choosing, under the genuine MAC: never forwarded.
+        pytest.param(lambda t: ".".join([t[0], "aHR0cDovL2V2aWw", t[2], t[3]]), "route", id="rerouted"),
+        pytest.param(lambda t: ".".join([t[0], t[1], "guess", t[3]]), "secret", id="secret"),
+        pytest.param(lambda t: ".".join([t[0], t[1], t[2], "A" * 43]), "mac", id="mac"),
+    ],
+)
+async def test_it_never_forwards_a_forged_token(forge: Any, why: str) -> None:
+    a, b = replicas()
+    with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
+        with pytest.raises(CallbackRefused) as info:
+            b.check(forge(reg.token.split(".")))
+        assert not isinstance(info.value, CallbackElsewhere), why
+        assert info.value.status == 404 and b.refused == 1
+
+
+async def test_it_cannot_route_without_the_shared_key() -> None:
+    a, b = replicas(key_b=b"x" * 32)
+    with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
+        with pytest.raises(CallbackRefused) as info:
+            b.deliver(reg.token, body())
+        assert not isinstance(info.value, CallbackElsewhere) and info.value.status == 404
+
+
+async def test_it_forwards_a_callback_at_most_once() -> None:
+    a, b = replicas()
+    with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
+        # A forwarded callback that lands on a non-owner (a stale route) is not passed on again.
+        with pytest.raises(CallbackRefused) as info:
+            b.check(reg.token, forwarded=True)
+        assert not isinstance(info.value, CallbackElsewhere) and info.value.status == 404
+
+
+async def test_it_refuses_a_token_of_the_process_that_ran_here_before() -> None:
+    a = MetaServer(BASE, key=KEY)
+    with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
+        restarted = MetaServer(BASE, key=KEY)  # same address and key, new process
+        with pytest.raises(CallbackRefused) as info:
+            restarted.check(reg.token)
+        assert not isinstance(info.value, CallbackElsewhere) and info.value.status == 404
+
+
+async def test_it_forwards_the_body_unchanged_and_returns_the_owners_answer() -> None:
+    a, b = replicas()
+    seen: list[httpx.Request] = []
+
+    def owner(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        token = request.url.path.removeprefix(CALLBACK_PATH)
+        reg = a.deliver(token, json.loads(request.content), forwarded=request.headers.get(FORWARDED_HEADER) == "1")
+        return httpx.Response(200, json={"status": "accepted", "request": reg.request_id})
+
+    with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
+        raw = json.dumps(body(remote_cached_tokens=3)).encode()
+        with pytest.raises(CallbackElsewhere) as info:
+            b.check(reg.token)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(owner)) as client:
+            answer = await b.forward(info.value, reg.token, raw, client)
+        assert answer.status_code == 200 and answer.json()["request"] == "r1"
+        assert str(seen[0].url) == reg.url  # the owner's own address
+        assert seen[0].content == raw and seen[0].headers[FORWARDED_HEADER] == "1"
+        assert (await reg.wait(1.0))["remote_cached_tokens"] == 3
+    assert (a.delivered, b.forwarded, b.refused) == (1, 1, 0)
+
+
+async def test_it_answers_502_when_the_owner_is_unreachable() -> None:
+    a, b = replicas()
+
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
+        with pytest.raises(CallbackElsewhere) as info:
+            b.check(reg.token)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(down)) as client:
+            with pytest.raises(CallbackRefused) as refused:
+                await b.forward(info.value, reg.token, b"{}", client)
+        assert refused.value.status == 502 and b.forwarded == 0 and b.refused == 1
+
+
 # -- the Django view --------------------------------------------------------------------
 
 
@@ -181,10 +305,41 @@ async def test_the_view_checks_the_token_before_it_parses_the_body(
     client = AsyncClient()
     with metaserver.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
         forged = await client.post(f"{CALLBACK_PATH}{metaserver.owner}.guess", b"[" * 10000, content_type="application/json")
-        other = await client.post(f"{CALLBACK_PATH}someone-else.x", b"{", content_type="application/json")
-        assert (forged.status_code, other.status_code) == (404, 421)
+        other = await client.post(f"{CALLBACK_PATH}someone-else.aHR0cDovL3g.x.y", b"{", content_type="application/json")
+        assert (forged.status_code, other.status_code) == (404, 404)
         assert parsed == []  # neither body was parsed
         assert metaserver.refused == 2
         ok = await client.post(reg.url.removeprefix("http://testserver"), body(), content_type="application/json")
         assert ok.status_code == 200 and len(parsed) == 1
         assert reg.state is CallbackState.DELIVERED
+
+
+async def test_the_view_forwards_another_replicas_callback_to_its_owner(
+    metaserver: MetaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The view under test is replica B (``metaserver``); the owner A answers through a mock
+    # transport that hands the forwarded request to A's registry.
+    b = MetaServer("http://testserver", key=KEY)
+    monkeypatch.setattr(metaserver_module, "_process", b)
+    a = MetaServer(OTHER, key=KEY)
+    forwarded: list[httpx.Request] = []
+
+    def owner(request: httpx.Request) -> httpx.Response:
+        forwarded.append(request)
+        a.deliver(request.url.path.removeprefix(CALLBACK_PATH), json.loads(request.content), forwarded=True)
+        return httpx.Response(200, json={"status": "accepted"})
+
+    mock = httpx.AsyncClient(transport=httpx.MockTransport(owner))
+    monkeypatch.setattr("serving.views_internal.http.shared_client", lambda: mock)
+    client = AsyncClient()
+    with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
+        path = reg.url.removeprefix(OTHER)
+        answer = await client.post(path, body(), content_type="application/json")
+        assert answer.status_code == 200 and answer.json() == {"status": "accepted"}
+        assert str(forwarded[0].url) == reg.url
+        assert (await reg.wait(1.0))["remote_host"] == "127.0.0.1"
+        # A forwarded callback reaching a non-owner is refused, not forwarded again.
+        again = await client.post(path, body(), content_type="application/json", headers={FORWARDED_HEADER: "1"})
+        assert again.status_code == 404 and len(forwarded) == 1
+    await mock.aclose()
+    assert a.pending == b.pending == 0

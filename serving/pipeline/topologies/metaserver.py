@@ -6,9 +6,17 @@ URL; its arrival is what starts the prefill. The peers' proxies take anyone's wo
 callback. Ours does not:
 
 - every Trigger request registers here and gets its own URL, ``<base>/internal/metaserver/<token>``,
-  where ``<base>`` is this process's own address and the token is ``<owner>.<secret>``: ``owner``
-  names this process (a callback that reaches another process is refused as misdirected, since the
-  request's task and its registration live only here) and ``secret`` is 256 random bits;
+  where ``<base>`` is how engines reach the coordinators and the token is
+  ``<owner>.<route>.<secret>.<mac>``: ``owner`` names this process, ``route`` is its own direct
+  address (base64url), ``secret`` is 256 random bits and ``mac`` an HMAC-SHA256 of the rest under
+  the key every replica shares (``MOTOR_METASERVER_KEY``);
+- a callback that reaches another replica (a load balancer in front, or a base URL that names a
+  Service) is routed to its owner: the replica checks the MAC first (a forged token is a 404 and
+  is never forwarded, so nobody can make a replica post to an address of their choosing), then
+  ``forward`` posts the body unchanged to the owner's direct address and returns its answer. A
+  forwarded callback is never forwarded again (one hop at most: a stale route cannot loop). The
+  request's task and its future live only in the owner, so routing needs no shared state and no
+  Redis call per request; only a callback that lands elsewhere pays one extra hop;
 - registrations are looked up by the SHA-256 of the presented token, so lookup time says nothing
   about stored secrets, and an unknown token (forged, or of a request that already ended) is a 404;
 - a registration accepts exactly one callback: a replay is a 409 and never starts a second
@@ -16,14 +24,17 @@ callback. Ours does not:
 - the request's task releases its registration exactly once on every exit path (``release`` is
   idempotent, and ``Registration`` is a context manager), so ``pending`` returns to zero.
 
-Django-free: the view in ``serving.views_internal`` only calls ``check`` and ``deliver``.
+Django-free: the view in ``serving.views_internal`` only calls ``check``, ``deliver`` and ``forward``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import enum
 import hashlib
+import hmac
 import logging
 import os
 import secrets
@@ -32,9 +43,16 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+import httpx
+
 logger = logging.getLogger(__name__)
 
 CALLBACK_PATH = "/internal/metaserver/"
+# Marks a callback one replica forwarded to another; its receiver never forwards it again.
+FORWARDED_HEADER = "X-Motor-Metaserver-Forwarded"
+# Bounds the forwarding replica's call to the owner: the owner answers from memory at once, so
+# anything slower is a dead or unreachable owner (the decode engine then fails its request).
+FORWARD_TIMEOUT_S = 5.0
 
 
 class CallbackState(enum.Enum):
@@ -55,8 +73,27 @@ class CallbackRefused(Exception):
         self.message = message
 
 
+class CallbackElsewhere(CallbackRefused):
+    """A genuine callback of another replica's request; ``owner_url`` is that replica's address."""
+
+    def __init__(self, owner_url: str) -> None:
+        super().__init__(421, f"this callback belongs to the coordinator process at {owner_url}")
+        self.owner_url = owner_url
+
+
 def _digest(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> str | None:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return None
 
 
 @dataclass(eq=False)
@@ -103,16 +140,29 @@ class Registration:
 
 
 class MetaServer:
-    """Per-process registry of Trigger requests waiting for their decode instance's callback."""
+    """Per-process registry of Trigger requests waiting for their decode instance's callback.
 
-    def __init__(self, base_url: str, *, owner: str | None = None) -> None:
+    ``base_url`` goes into the callback URLs (how engines reach a coordinator: this process, or a
+    load balancer in front of all); ``owner_url`` is this process's own address, where another
+    replica forwards a callback it received for us (default ``base_url``). ``key`` signs the
+    route; replicas that do not share it cannot route each other's callbacks (a random key, the
+    default, makes every foreign token a 404).
+    """
+
+    def __init__(
+        self, base_url: str, *, owner: str | None = None, owner_url: str | None = None, key: bytes | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.owner_url = (owner_url or base_url).rstrip("/")
         # Fresh per process start: a token handed out by a previous run never matches.
         self.owner = owner or uuid.uuid4().hex[:12]
+        self._key = key or secrets.token_bytes(32)
+        self._route = _b64(self.owner_url.encode("utf-8"))
         self._by_digest: dict[str, Registration] = {}
         # Counters for metrics and tests.
         self.delivered = 0
         self.refused = 0
+        self.forwarded = 0
 
     @property
     def pending(self) -> int:
@@ -121,7 +171,8 @@ class MetaServer:
 
     def register(self, request_id: str, *, engine_request_id: str) -> Registration:
         """Create the callback of one Trigger request; call from the request's own task."""
-        token = f"{self.owner}.{secrets.token_urlsafe(32)}"
+        unsigned = f"{self.owner}.{self._route}.{secrets.token_urlsafe(32)}"
+        token = f"{unsigned}.{self._mac(unsigned)}"
         reg = Registration(self, request_id, token, engine_request_id)
         self._by_digest[_digest(token)] = reg
         return reg
@@ -135,34 +186,69 @@ class MetaServer:
         if not reg._arrived.done():
             reg._arrived.cancel()
 
-    def deliver(self, token: str, body: Any) -> Registration:
+    def deliver(self, token: str, body: Any, *, forwarded: bool = False) -> Registration:
         """Hand D's callback to the request waiting on ``token``; return its registration.
 
-        Raises ``CallbackRefused``: 421 for another process's token, 404 for an unknown one
-        (forged, or its request already ended), 409 for a replay, 400 for a body that is not an
-        object naming the engine request we sent to D.
+        Raises ``CallbackElsewhere`` (421) for a genuine token of another replica (the caller
+        forwards it), ``CallbackRefused``: 404 for an unknown one (forged, signed under another
+        key, its request already ended, or ``forwarded`` here for an owner that is gone), 409 for
+        a replay, 400 for a body that is not an object naming the engine request we sent to D.
         """
         try:
-            return self._deliver(token, body)
+            return self._deliver(token, body, forwarded)
+        except CallbackElsewhere:
+            raise
         except CallbackRefused as exc:
             self.refused += 1
             logger.warning("metaserver refused a callback: %d %s", exc.status, exc.message)
             raise
 
-    def check(self, token: str) -> Registration:
-        """The registration waiting on ``token``, before its body is read; raises ``CallbackRefused``
-        (421, 404, 409) as ``deliver`` does, so a forged callback costs no JSON parsing."""
+    def check(self, token: str, *, forwarded: bool = False) -> Registration:
+        """The registration waiting on ``token``, before its body is read; raises as ``deliver``
+        does (421 ``CallbackElsewhere``, 404, 409), so a forged callback costs no JSON parsing."""
         try:
-            return self._waiting(token)
+            return self._waiting(token, forwarded)
+        except CallbackElsewhere:
+            raise
         except CallbackRefused as exc:
             self.refused += 1
             logger.warning("metaserver refused a callback: %d %s", exc.status, exc.message)
             raise
 
-    def _waiting(self, token: str) -> Registration:
-        owner, _, _ = token.partition(".")
+    async def forward(
+        self, elsewhere: CallbackElsewhere, token: str, body: bytes, client: httpx.AsyncClient
+    ) -> httpx.Response:
+        """Post a callback ``check`` found to be another replica's to its owner; return the answer.
+
+        Raises ``CallbackRefused`` (502) when the owner cannot be reached in ``FORWARD_TIMEOUT_S``:
+        the owner process is gone, and with it the request that waited for this callback.
+        """
+        url = elsewhere.owner_url + CALLBACK_PATH + token
+        try:
+            response = await client.post(
+                url,
+                content=body,
+                headers={"Content-Type": "application/json", FORWARDED_HEADER: "1"},
+                timeout=FORWARD_TIMEOUT_S,
+            )
+        except httpx.HTTPError as exc:
+            self.refused += 1
+            logger.warning("metaserver could not forward a callback to %s: %r", elsewhere.owner_url, exc)
+            raise CallbackRefused(502, f"the coordinator process at {elsewhere.owner_url} is unreachable") from None
+        self.forwarded += 1
+        logger.info("metaserver forwarded a callback to %s: %d", elsewhere.owner_url, response.status_code)
+        return response
+
+    def _mac(self, unsigned: str) -> str:
+        return _b64(hmac.digest(self._key, unsigned.encode("utf-8", "surrogatepass"), "sha256"))
+
+    def _waiting(self, token: str, forwarded: bool) -> Registration:
+        parts = token.split(".")
+        if len(parts) != 4:
+            raise CallbackRefused(404, "unknown or expired callback token")
+        owner, route, _, mac = parts
         if owner != self.owner:
-            raise CallbackRefused(421, "this callback belongs to another coordinator process")
+            raise self._elsewhere(token[: -len(mac) - 1], route, mac, forwarded)
         reg = self._by_digest.get(_digest(token))
         if reg is None:
             raise CallbackRefused(404, "unknown or expired callback token")
@@ -170,8 +256,20 @@ class MetaServer:
             raise CallbackRefused(409, f"callback for request {reg.request_id} already delivered")
         return reg
 
-    def _deliver(self, token: str, body: Any) -> Registration:
-        reg = self._waiting(token)
+    def _elsewhere(self, unsigned: str, route: str, mac: str, forwarded: bool) -> CallbackRefused:
+        # The MAC before anything else: only a route a replica signed is ever posted to.
+        if not hmac.compare_digest(mac, self._mac(unsigned)):
+            return CallbackRefused(404, "unknown or expired callback token")
+        owner_url = _unb64(route)
+        # The owner's address now serves another process (it restarted), or a replica forwarded
+        # this to us by a route that names us: either way its request is gone, and one hop is all
+        # a callback gets.
+        if owner_url is None or forwarded or owner_url == self.owner_url:
+            return CallbackRefused(404, "unknown or expired callback token (its coordinator process is gone)")
+        return CallbackElsewhere(owner_url)
+
+    def _deliver(self, token: str, body: Any, forwarded: bool) -> Registration:
+        reg = self._waiting(token, forwarded)
         if not isinstance(body, dict):
             raise CallbackRefused(400, "callback body must be a JSON object")
         named = body.get("request_id")
@@ -194,21 +292,25 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 
 _process: MetaServer | None = None
-_base_url = ""
-
-
-def configure(base_url: str) -> None:
-    """Set how engines reach this process (before the first Trigger request)."""
-    global _base_url, _process
-    _base_url = base_url
-    _process = None
 
 
 def process_metaserver() -> MetaServer:
-    """This process's metaserver. Its base URL names this very process, not a load balancer in
-    front of several: the registrations live here. Unconfigured, ``MOTOR_METASERVER_BASE_URL``
-    (set by ``motorsite.stack`` to the coordinator's own address) is used."""
+    """This process's metaserver, from the environment on first use.
+
+    ``MOTOR_METASERVER_BASE_URL`` (set by ``motorsite.stack`` to the coordinator's own address,
+    by the k8s manifests to the pod's IP) goes into callback URLs; ``MOTOR_METASERVER_OWNER_URL``
+    (default: the base URL) is this process's direct address, which must differ from the base
+    URL when that names a load balancer; ``MOTOR_METASERVER_KEY`` (default: ``SECRET_KEY``, which
+    replicas share) signs routes.
+    """
     global _process
     if _process is None:
-        _process = MetaServer(_base_url or os.environ.get("MOTOR_METASERVER_BASE_URL", "http://127.0.0.1:8000"))
+        base = os.environ.get("MOTOR_METASERVER_BASE_URL") or "http://127.0.0.1:8000"
+        key = os.environ.get("MOTOR_METASERVER_KEY") or os.environ.get("SECRET_KEY") or ""
+        _process = MetaServer(
+            base,
+            owner_url=os.environ.get("MOTOR_METASERVER_OWNER_URL") or base,
+            # Derived, so the key that signs routes is never the one Django signs sessions with.
+            key=hmac.digest(key.encode("utf-8"), b"motorsite.metaserver.route", "sha256") if key else None,
+        )
     return _process
