@@ -1,7 +1,8 @@
 """Every metric this process exports: its name, type, help and label names, in one registry.
 
 Names follow Prometheus' conventions: a ``motor_`` prefix, base units in the name (``_seconds``,
-``_tokens``), ``_total`` on counters, a summary's ``_sum`` and ``_count`` under one family.
+``_tokens``), ``_total`` on counters, a summary's ``_sum`` and ``_count`` (a histogram's also its
+``_bucket`` series, by ``le``) under one family.
 New metrics are added here first; ``RouterCounters.inc`` and the ``/metrics`` text take a
 ``Family`` and refuse labels it does not declare, so a typo cannot start a new series.
 """
@@ -17,7 +18,7 @@ class Family:
     """One metric family: what ``# HELP`` and ``# TYPE`` say, and the labels its series carry."""
 
     name: str
-    type: Literal["counter", "gauge", "summary"]
+    type: Literal["counter", "gauge", "summary", "histogram"]
     help: str
     labels: tuple[str, ...] = ()
 
@@ -52,6 +53,26 @@ STREAM_RELAYS = Family("motor_stream_relays_total", "counter",
                        "failure: anything else the engine did).", ("topology", "reason"))
 ADMISSION_WAITING = Family("motor_admission_waiting", "gauge", "Requests waiting in the admission queue.")
 
+# -- where a /v1 request's time goes (``phases.Histograms``, observed through ``phases.Phases``) --
+# Label values come from fixed sets (phases.py): api chat|completions|responses|messages, mode
+# stream|json, topology union|handoff|trigger|native, leg union|prefill|decode, source render|local.
+PHASE_RENDER = Family("motor_request_render_seconds", "histogram",
+                      "Render (or local tokenization) of a request's prompts.", ("api", "mode", "source"))
+PHASE_QUEUE_WAIT = Family("motor_request_queue_wait_seconds", "histogram",
+                          "Wait for an admission lease on an instance (zero when granted at once).",
+                          ("api", "mode", "topology"))
+PHASE_PLACEMENT = Family("motor_request_placement_seconds", "histogram",
+                         "One placement decision (filters, load and KV-affinity scores).", ("api", "mode", "topology"))
+PHASE_FIRST_CHUNK = Family("motor_request_first_chunk_seconds", "histogram",
+                           "From sending a generate leg to its first stream event, or to its JSON answer.",
+                           ("api", "mode", "topology", "leg"))
+PHASE_FIRST_DERENDER = Family("motor_request_first_derender_seconds", "histogram",
+                              "The derender call of a prompt's first chunk (its whole answer when not streaming).",
+                              ("api", "mode", "topology"))
+PHASE_END_TO_END = Family("motor_request_duration_seconds", "histogram",
+                          "A /v1 request answered 200, from its arrival to its last byte.", ("api", "mode", "topology"))
+PHASES = (PHASE_RENDER, PHASE_QUEUE_WAIT, PHASE_PLACEMENT, PHASE_FIRST_CHUNK, PHASE_FIRST_DERENDER, PHASE_END_TO_END)
+
 # -- KV affinity (``placement/``) -------------------------------------------------------------
 AFFINITY_INDEX_BLOCKS = Family("motor_affinity_index_blocks", "gauge", "Prefix blocks held by the KV affinity index.")
 KV_EVENT_BATCHES = Family("motor_kv_event_batches_total", "counter", "KV cache event batches received.",
@@ -67,7 +88,7 @@ PROCESS_UP = Family("motor_process_up", "gauge", "Whether a launcher child is ru
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     ENGINE_REQUESTS, ENGINE_ERRORS, ENGINE_TTFT, ENGINE_TPOT, ENGINE_IN_FLIGHT_TOKENS, ROUTE_DECISIONS,
     RENDER_OUTCOMES, STREAM_RELAYS, ADMISSION_WAITING, AFFINITY_INDEX_BLOCKS, KV_EVENT_BATCHES, KV_EVENT_ERRORS,
-    PROCESS_RESTARTS, PROCESS_UP,
+    PROCESS_RESTARTS, PROCESS_UP, *PHASES,
 )}
 
 
@@ -84,18 +105,28 @@ def sample(name: str, labels: tuple[tuple[str, str], ...], value: float) -> str:
     return f"{name}{{{text}}} {value!r}"
 
 
+def _order(item: tuple[tuple[str, tuple[tuple[str, str], ...]], float]) -> tuple[str, tuple[tuple[str, str], ...], float]:
+    """Series by name and labels; a histogram's buckets by their bound as a number (``+Inf`` last)."""
+    (name, labels), _ = item
+    le = next((v for k, v in labels if k == "le"), None)
+    if le is None:
+        return name, labels, 0.0
+    return name, tuple(kv for kv in labels if kv[0] != "le"), float(le)
+
+
 def exposition(
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], *, declare: tuple[Family, ...] = ()
 ) -> list[str]:
     """Lines for ``samples`` keyed ``(series name, labels)``: each family's header once, then its series.
 
-    A summary's ``_sum`` and ``_count`` series belong to their family's header. Families in
+    A summary's ``_sum`` and ``_count`` series (a histogram's ``_bucket`` too, in increasing ``le``
+    as the text format requires) belong to their family's header. Families in
     ``declare`` get their header even without a series (an idle gauge is still exported, so a
     scraper can tell idle from missing). Raises ``KeyError`` for a series of no registered family.
     """
     by_family: dict[str, list[str]] = {f.name: [] for f in declare}
-    for (name, labels), value in sorted(samples.items()):
-        family = FAMILIES.get(name) or FAMILIES[name.removesuffix("_sum").removesuffix("_count")]
+    for (name, labels), value in sorted(samples.items(), key=_order):
+        family = FAMILIES.get(name) or FAMILIES[name.removesuffix("_sum").removesuffix("_count").removesuffix("_bucket")]
         by_family.setdefault(family.name, []).append(sample(name, labels, value))
     lines: list[str] = []
     for name, series in by_family.items():
