@@ -133,7 +133,7 @@ def serve(kind: str) -> Endpoint:
                     # finally never will, so the engine streams are closed and the load released here.
                     if not result.started:
                         await result.aclose()
-                phases.observe(metric_names.PHASE_END_TO_END, arrived)  # the last frame was sent
+                phases.observe(metric_names.PHASE_END_TO_END, phases.start)  # the last frame was sent
                 return
             watch.complete = True
             logger.info(
@@ -141,7 +141,7 @@ def serve(kind: str) -> Endpoint:
                 request_id, kind, (time.perf_counter() - start) * 1000,
             )
             await send_json(send, 200, result, ((b"x-request-id", rid),))
-            phases.observe(metric_names.PHASE_END_TO_END, arrived)
+            phases.observe(metric_names.PHASE_END_TO_END, phases.start)
 
     return endpoint
 
