@@ -45,6 +45,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import phase_split  # noqa: E402
 from bench.common import (  # noqa: E402
     RESULTS,
     command_line,
@@ -55,6 +56,7 @@ from bench.common import (  # noqa: E402
     require_env,
     write_section,
 )
+from bench.phase_split import PhaseSplit, scrape  # noqa: E402
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, SupervisorError, free_port, log_tail  # noqa: E402
 
@@ -137,6 +139,7 @@ class PathResult:
     coord_cpu: float = 0.0  # seconds, summed over runs
     render_cpu: float = 0.0
     skipped: str | None = None
+    phases: PhaseSplit = field(default_factory=PhaseSplit)  # a coordinator's TTFT split (its /metrics)
 
     @property
     def ok(self) -> list[Sample]:
@@ -230,6 +233,7 @@ class Target:
     key: str
     run: Any  # async (client, i) -> Sample
     coord_pgid: int | None = None
+    coord_url: str | None = None  # a coordinator: its /metrics is read around each batch
 
 
 async def run_batch(
@@ -269,9 +273,12 @@ async def run_workload(
                     order = _swap_pairs(order)
                 for t in order:
                     bar.set_postfix_str(f"round {r + 1}/{rounds} path {t.key}")
+                    phases0 = await scrape(clients[t.key], t.coord_url) if t.coord_url else {}
                     cpu0, rcpu0 = group_cpu_seconds(t.coord_pgid), group_cpu_seconds(render_pgid)
                     samples = await run_batch(t, indices, clients[t.key], args.concurrency, bar)
                     res = results[t.key]
+                    if t.coord_url:
+                        res.phases.add(phases0, await scrape(clients[t.key], t.coord_url))
                     res.coord_cpu += group_cpu_seconds(t.coord_pgid) - cpu0
                     res.render_cpu += group_cpu_seconds(render_pgid) - rcpu0
                     res.samples += samples
@@ -387,6 +394,11 @@ def section(
         "(all threads) over the measured runs, divided by requests",
         "",
         table(results).rstrip("\n"),
+        "",
+        phase_split.table("path", [
+            (f"{k}: {PATHS[k]}", results[k].phases, [s.ttft for s in results[k].ok])
+            for k in "bd" if k in results and not results[k].skipped
+        ]).rstrip("\n"),
     ]
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
@@ -504,6 +516,7 @@ def main() -> int:
                             "b",
                             lambda client, i: one_chat(client, f"{cfg.coordinator_url}/v1/chat/completions", chat_body("b", i, args), auth),
                             coord.pids["coordinator"],
+                            cfg.coordinator_url,
                         )
                     )
 
@@ -540,6 +553,7 @@ def main() -> int:
                                     client, f"{sim_cfg.coordinator_url}/v1/chat/completions", chat_body("d", i, args), auth
                                 ),
                                 coord_sim.pids["coordinator"],
+                                sim_cfg.coordinator_url,
                             )
                         )
 

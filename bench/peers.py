@@ -53,9 +53,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import toolchain  # noqa: E402
+from bench import phase_split  # noqa: E402
 from bench.common import loadavg, percentile, publish, require_env, section_head, tidy, tree_cpu_seconds  # noqa: E402
 from bench.first_path import API_KEY, TIMEOUT, Sample, chat_body, one_chat, one_generate, render_bodies  # noqa: E402
 from bench.peer_procs import LITELLM_KEY, PEER_LABELS, pd_probe, peer_specs, scale_out_pd_specs, versions  # noqa: E402
+from bench.phase_split import PhaseSplit, scrape  # noqa: E402
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, SupervisorError, free_port, log_tail  # noqa: E402
 from serving.pipeline.topologies.pd import PREFILL_KV_PARAMS, decode_request, prefill_request  # noqa: E402
@@ -78,6 +80,7 @@ class Route:
     runs: dict[str, Run]
     cpu_roots: tuple[int, ...] = ()  # pids of the proxy's process trees (none for direct paths)
     sidecar: bool = False  # the render sidecar works for this path (motorsite)
+    metrics_url: str | None = None  # motorsite: its /metrics is read around each batch (the TTFT split)
 
 
 @dataclass
@@ -86,6 +89,7 @@ class Cell:
     proxy_cpu: float = 0.0  # seconds over the measured runs
     render_cpu: float = 0.0
     seconds: float = 0.0  # wall time of the measured runs
+    phases: PhaseSplit = field(default_factory=PhaseSplit)  # motorsite's phase histograms over the runs
 
 
 # --------------------------------------------------------------------------- requests
@@ -210,10 +214,13 @@ async def run_cells(
                         shift = (r + args.concurrency.index(conc)) % len(paths)
                         for p in paths[shift:] + paths[:shift]:
                             bar.set_postfix_str(f"round {r + 1} {mode} c={conc} {p.key}")
+                            phases0 = await scrape(clients[p.key], p.metrics_url) if p.metrics_url else {}
                             cpu0, rcpu0 = tree_cpu_seconds(*p.cpu_roots), tree_cpu_seconds(render_pid)
                             t0 = time.perf_counter()
                             samples = await batch(p, mode, args.requests, conc, bar)
                             cell = cells[(p.key, mode, conc)]
+                            if p.metrics_url:
+                                cell.phases.add(phases0, await scrape(clients[p.key], p.metrics_url))
                             cell.seconds += time.perf_counter() - t0
                             cell.proxy_cpu += tree_cpu_seconds(*p.cpu_roots) - cpu0
                             cell.render_cpu += tree_cpu_seconds(render_pid) - rcpu0
@@ -335,10 +342,23 @@ def with_motorsite(
     stack.prepare_database(cfg)
     sup = Supervisor([stack.coordinator_spec(cfg)])
     exits.enter_context(sup)
-    paths.append(chat_path(key, cfg.coordinator_url, args, AUTH, cpu_roots=(sup.pids["coordinator"],), sidecar=True))
+    paths.append(chat_path(
+        key, cfg.coordinator_url, args, AUTH, cpu_roots=(sup.pids["coordinator"],), sidecar=True,
+        metrics_url=cfg.coordinator_url,
+    ))
     cells = asyncio.run(run_cells(paths, args, render_pid, offset))
     notes += errors(cells)
     return cells
+
+
+def _split(cells: dict[tuple[str, str, int], Cell], paths: list[Route]) -> str:
+    """motorsite's cells split into phases, under a part's table (nothing when motorsite did not run)."""
+    timed = {p.key for p in paths if p.metrics_url}
+    rows = [
+        (f"{mode} | {conc} | {PEER_LABELS[key]}", cell.phases, [s.ttft for s in cell.samples if s.error is None])
+        for (key, mode, conc), cell in cells.items() if key in timed
+    ]
+    return "\n" + phase_split.table("mode | c | path", rows) if rows else ""
 
 
 def union_phase(args: argparse.Namespace, cfg: stack.StackConfig, tmp: Path, render_pid: int, notes: list[str]) -> str:
@@ -360,7 +380,7 @@ def union_phase(args: argparse.Namespace, cfg: stack.StackConfig, tmp: Path, ren
             "motorsite's sidecar column includes that rate over its own runs"
         )
         print("stopping the union engine and the proxies ...", flush=True)
-    return table(cells, paths, "direct")
+    return table(cells, paths, "direct") + _split(cells, paths)
 
 
 def pd_phase(args: argparse.Namespace, cfg: stack.StackConfig, tmp: Path, render_pid: int, notes: list[str]) -> str:
@@ -396,7 +416,7 @@ def pd_phase(args: argparse.Namespace, cfg: stack.StackConfig, tmp: Path, render
             notes.append(pd_probe(p_url, d_url, pd_cfg.log_dir, args.max_tokens, "scale-out: tokenizer loaded"))
     except SupervisorError as exc:
         notes.append(f"the scale-out NIXL pair for the second SGLang P/D try did not start: {str(exc).splitlines()[0]}")
-    return table(cells, paths, "pd-floor")
+    return table(cells, paths, "pd-floor") + _split(cells, paths)
 
 
 def main() -> int:

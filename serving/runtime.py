@@ -49,6 +49,7 @@ from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation import mapping as obfuscation
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.obfuscation.mapping import TokenMapping
+from serving.pipeline.phases import Histograms
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex
 from serving.pipeline.placement.kv_events import KVEventHub
 from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, LoadTracker, Scheduler
@@ -153,6 +154,8 @@ class Runtime:
     scheduler: Scheduler
     topologies: TopologyRegistry
     counters: RouterCounters
+    # Where each /v1 request's time went, phase by phase (``/metrics``; the edge and the pipeline record).
+    phases: Histograms
     # The render-down cooldown, one per sidecar base URL: a sidecar found down is skipped for a
     # few seconds by every request of the process, but its replacement (a graceful restart moves
     # the snapshot to a new URL) is tried at once.
@@ -192,7 +195,8 @@ def build() -> Runtime:
     metrics.REGISTRY.on_record = dashboard_reporter.notify
     return Runtime(
         load=load, breakers=breakers, admission=admission, rate_limiter=rate_limiter, affinity=affinity,
-        scheduler=scheduler, topologies=TopologyRegistry(), counters=RouterCounters(), render_health={},
+        scheduler=scheduler, topologies=TopologyRegistry(), counters=RouterCounters(), phases=Histograms(),
+        render_health={},
         live_streams=live_streams, stream_reporter=stream_reporter, dashboard_reporter=dashboard_reporter,
     )
 
@@ -205,6 +209,7 @@ admission = RUNTIME.admission
 affinity = RUNTIME.affinity
 scheduler = RUNTIME.scheduler
 counters = RUNTIME.counters
+phase_histograms = RUNTIME.phases
 live_streams = RUNTIME.live_streams
 stream_reporter = RUNTIME.stream_reporter
 dashboard_reporter = RUNTIME.dashboard_reporter

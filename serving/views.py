@@ -29,7 +29,8 @@ async def healthz(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
-    """This process's per-instance request totals, in-flight tokens and router counters, as Prometheus text."""
+    """This process's per-instance request totals, in-flight tokens, router counters and phase
+    histograms, as Prometheus text."""
     from serving import runtime
     from serving.pipeline import metric_names, metrics
 
@@ -37,8 +38,10 @@ async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
     router = runtime.router_metrics()
     samples = {key: float(n) for key, n in router.get("counters", {}).items()}
     samples[(metric_names.ADMISSION_WAITING.name, ())] = float(router.get("admission_waiting") or 0)
+    samples.update(runtime.phase_histograms.samples())
     samples.update(await _process_samples())
-    lines = metric_names.exposition(samples)
+    # The phase histograms are declared even before a request came (idle is not missing).
+    lines = metric_names.exposition(samples, declare=metric_names.PHASES)
     return HttpResponse(text + "\n".join(lines) + "\n", content_type="text/plain; version=0.0.4; charset=utf-8")
 
 

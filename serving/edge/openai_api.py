@@ -30,6 +30,7 @@ from serving.edge.asgi import (
 )
 from serving.edge.bodies import parse_object
 from serving.edge.keys import authenticate
+from serving.pipeline import metric_names
 from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import (
     ModelNotFound,
@@ -39,9 +40,10 @@ from serving.pipeline.errors import (
     error_body,
     error_headers,
 )
+from serving.pipeline.phases import Phases
 from serving.pipeline.service import EventStream
 from serving.pipeline.snapshot import FleetSnapshot
-from serving.runtime import pipeline_for
+from serving.runtime import phase_histograms, pipeline_for
 from serving.snapshots import current_snapshot
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ def serve(kind: str) -> Endpoint:
 
     async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
         start = time.perf_counter()
+        arrived = phase_histograms.clock()
         request_id = uuid.uuid4().hex
         rid = request_id.encode()
         try:
@@ -112,10 +115,11 @@ def serve(kind: str) -> Endpoint:
             _log_error(request_id, kind, exc, start)
             await send_error(send, exc, request_id)
             return
+        phases = Phases.begin(phase_histograms, kind, body, arrived)
         async with DisconnectWatch(receive) as watch:
             try:
                 pipeline = pipeline_for(snapshot)
-                result = await getattr(pipeline, kind)(body, request_id)
+                result = await getattr(pipeline, kind)(body, request_id, phases)
             except Exception as exc:
                 watch.complete = True
                 _log_error(request_id, kind, exc, start)
@@ -129,6 +133,7 @@ def serve(kind: str) -> Endpoint:
                     # finally never will, so the engine streams are closed and the load released here.
                     if not result.started:
                         await result.aclose()
+                phases.observe(metric_names.PHASE_END_TO_END, phases.start)  # the last frame was sent
                 return
             watch.complete = True
             logger.info(
@@ -136,6 +141,7 @@ def serve(kind: str) -> Endpoint:
                 request_id, kind, (time.perf_counter() - start) * 1000,
             )
             await send_json(send, 200, result, ((b"x-request-id", rid),))
+            phases.observe(metric_names.PHASE_END_TO_END, phases.start)
 
     return endpoint
 

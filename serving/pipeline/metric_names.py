@@ -1,7 +1,8 @@
 """Every metric this process exports: its name, type, help and label names, in one registry.
 
 Names follow Prometheus' conventions: a ``motor_`` prefix, base units in the name (``_seconds``,
-``_tokens``), ``_total`` on counters, a summary's ``_sum`` and ``_count`` under one family.
+``_tokens``), ``_total`` on counters, a summary's ``_sum`` and ``_count`` (a histogram's also its
+``_bucket`` series, by ``le``) under one family.
 New metrics are added here first; ``RouterCounters.inc`` and the ``/metrics`` text take a
 ``Family`` and refuse labels it does not declare, so a typo cannot start a new series.
 
@@ -34,7 +35,7 @@ class Family:
     """One metric family: what ``# HELP`` and ``# TYPE`` say, and the labels its series carry."""
 
     name: str
-    type: Literal["counter", "gauge", "summary"]
+    type: Literal["counter", "gauge", "summary", "histogram"]
     help: str
     labels: tuple[str, ...] = ()
     # Each label's allowed values; every label not in OPERATOR_LABELS must have a set here.
@@ -102,6 +103,37 @@ STREAM_RELAYS = Family("motor_stream_relays_total", "counter",
                        {"topology": TOPOLOGIES, "reason": frozenset({"stall", "failure"})})
 ADMISSION_WAITING = Family("motor_admission_waiting", "gauge", "Requests waiting in the admission queue.")
 
+# -- where a /v1 request's time goes (``phases.Histograms``, observed through ``phases.Phases``) --
+PHASE_VALUES: dict[str, frozenset[str]] = {
+    "api": frozenset({"chat", "completions", "responses", "messages"}),
+    "mode": frozenset({"stream", "json"}),
+    "topology": TOPOLOGIES | {"native"},  # native: an engine's own OpenAI API
+    "leg": frozenset({"union", "prefill", "decode"}),
+    "source": frozenset(get_args(TokenizerSource)),
+}
+
+
+def _phase(name: str, help: str, labels: tuple[str, ...]) -> Family:
+    return Family(name, "histogram", help, labels, {k: PHASE_VALUES[k] for k in labels})
+
+
+PHASE_RENDER = _phase("motor_request_render_seconds",
+                      "Render (or local tokenization) of a request's prompts.", ("api", "mode", "source"))
+PHASE_QUEUE_WAIT = _phase("motor_request_queue_wait_seconds",
+                          "Wait for an admission lease on an instance (zero when granted at once).",
+                          ("api", "mode", "topology"))
+PHASE_PLACEMENT = _phase("motor_request_placement_seconds",
+                         "One placement decision (filters, load and KV-affinity scores).", ("api", "mode", "topology"))
+PHASE_FIRST_CHUNK = _phase("motor_request_first_chunk_seconds",
+                           "From sending a generate leg to its first stream event, or to its JSON answer.",
+                           ("api", "mode", "topology", "leg"))
+PHASE_FIRST_DERENDER = _phase("motor_request_first_derender_seconds",
+                              "The derender call of a prompt's first chunk (its whole answer when not streaming).",
+                              ("api", "mode", "topology"))
+PHASE_END_TO_END = _phase("motor_request_duration_seconds",
+                          "A /v1 request answered 200, from its arrival to its last byte.", ("api", "mode", "topology"))
+PHASES = (PHASE_RENDER, PHASE_QUEUE_WAIT, PHASE_PLACEMENT, PHASE_FIRST_CHUNK, PHASE_FIRST_DERENDER, PHASE_END_TO_END)
+
 # -- KV affinity (``placement/``) -------------------------------------------------------------
 AFFINITY_INDEX_BLOCKS = Family("motor_affinity_index_blocks", "gauge", "Prefix blocks held by the KV affinity index.")
 KV_EVENT_BATCHES = Family("motor_kv_event_batches_total", "counter", "KV cache event batches received.",
@@ -117,7 +149,7 @@ PROCESS_UP = Family("motor_process_up", "gauge", "Whether a launcher child is ru
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     ENGINE_REQUESTS, ENGINE_ERRORS, ENGINE_TTFT, ENGINE_TPOT, ENGINE_IN_FLIGHT_TOKENS, ROUTE_DECISIONS,
     RENDER_OUTCOMES, STREAM_RELAYS, ADMISSION_WAITING, AFFINITY_INDEX_BLOCKS, KV_EVENT_BATCHES, KV_EVENT_ERRORS,
-    PROCESS_RESTARTS, PROCESS_UP,
+    PROCESS_RESTARTS, PROCESS_UP, *PHASES,
 )}
 
 
@@ -134,10 +166,20 @@ def sample(name: str, labels: Labels, value: float) -> str:
     return f"{name}{{{text}}} {value!r}"
 
 
+def _order(item: tuple[tuple[str, Labels], float]) -> tuple[str, Labels, float]:
+    """Series by name and labels; a histogram's buckets by their bound as a number (``+Inf`` last)."""
+    (name, labels), _ = item
+    le = next((v for k, v in labels if k == "le"), None)
+    if le is None:
+        return name, labels, 0.0
+    return name, tuple(kv for kv in labels if kv[0] != "le"), float(le)
+
+
 def exposition(samples: Mapping[tuple[str, Labels], float], *, declare: tuple[Family, ...] = ()) -> list[str]:
     """Lines for ``samples`` keyed ``(series name, labels)``: each family's header once, then its series.
 
-    A summary's ``_sum`` and ``_count`` series belong to their family's header. Families in
+    A summary's ``_sum`` and ``_count`` series (a histogram's ``_bucket`` too, in increasing ``le``
+    as the text format requires) belong to their family's header. Families in
     ``declare`` get their header even without a series (an idle gauge is still exported, so a
     scraper can tell idle from missing). Every series goes through its family's ``series`` (a
     value outside its set is summed into ``other``). Raises ``KeyError`` for a series of no
@@ -146,12 +188,17 @@ def exposition(samples: Mapping[tuple[str, Labels], float], *, declare: tuple[Fa
     folded: dict[tuple[str, Labels], float] = {}
     families: dict[str, Family] = {}
     for (name, labels), value in samples.items():
-        family = FAMILIES.get(name) or FAMILIES[name.removesuffix("_sum").removesuffix("_count")]
-        key = (name, family.series(dict(labels)))
+        family = FAMILIES.get(name) or FAMILIES[
+            name.removesuffix("_sum").removesuffix("_count").removesuffix("_bucket")
+        ]
+        # A bucket's bound is the histogram's own label, not the family's: fold the rest, keep it.
+        bound = tuple(kv for kv in labels if kv[0] == "le") if name.endswith("_bucket") else ()
+        rest = dict(kv for kv in labels if kv[0] != "le") if bound else dict(labels)
+        key = (name, family.series(rest) + bound)  # ``le`` last, as Prometheus' own clients write it
         folded[key] = folded.get(key, 0.0) + value
         families[name] = family
     by_family: dict[str, list[str]] = {f.name: [] for f in declare}
-    for (name, labels), value in sorted(folded.items()):
+    for (name, labels), value in sorted(folded.items(), key=_order):
         by_family.setdefault(families[name].name, []).append(sample(name, labels, value))
     lines: list[str] = []
     for name, series in by_family.items():

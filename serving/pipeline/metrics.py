@@ -226,7 +226,7 @@ class TimedEvents:
 
     def __init__(
         self, instance: str, events: AsyncIterator[dict[str, Any]], registry: MetricsRegistry | None = None,
-        *, clock: Callable[[], float] = time.perf_counter,
+        *, clock: Callable[[], float] = time.perf_counter, on_first: Callable[[], None] | None = None,
     ) -> None:
         self._instance = instance
         self._events = events
@@ -238,6 +238,7 @@ class TimedEvents:
         self._last = 0.0
         self._tokens = 0
         self._recorded = False
+        self._on_first = on_first  # called once, when the first event (of any kind) arrives
 
     def __aiter__(self) -> TimedEvents:
         return self
@@ -251,6 +252,9 @@ class TimedEvents:
         except EngineError:
             self._record(ok=False)
             raise
+        if self._on_first is not None:
+            on_first, self._on_first = self._on_first, None
+            on_first()
         tokens = sum(len(c.get("token_ids") or ()) for c in event.get("choices") or ())
         if tokens:
             now = self._clock()

@@ -60,6 +60,7 @@ from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.admission import reserve_together
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation.boundary import EngineBoundary
+from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.placement.filters import native_candidates
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind, TokenKind
@@ -134,35 +135,44 @@ class ServingPipeline:
         self.limits = limits or RequestLimits()
         self.guard = EngineGuard(scheduler, engines, self.boundary, self.native)
 
-    def attempts(self, request_id: str) -> Attempts:
+    def attempts(self, request_id: str, phases: Phases = NO_PHASES) -> Attempts:
         """The attempt loop of one request (both modes), on this pipeline's snapshot and guard."""
         return Attempts(
-            self.snapshot, self.guard, self.topologies, self.policy, request_id=request_id, counters=self.counters
+            self.snapshot, self.guard, self.topologies, self.policy, request_id=request_id, counters=self.counters,
+            phases=phases,
         )
 
     # -- entry points ------------------------------------------------------------------------------
 
-    async def chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream | NativeStream:
+    async def chat(
+        self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
+    ) -> dict[str, Any] | EventStream | NativeStream:
         self._check_body("chat", body)
         with self._engine_errors_scrubbed():
-            return _scrubbed(await self._serve("chat", body, request_id))
+            return _scrubbed(await self._serve("chat", body, request_id, phases))
 
-    async def completions(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream | NativeStream:
+    async def completions(
+        self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
+    ) -> dict[str, Any] | EventStream | NativeStream:
         self._check_body("completions", body)
         with self._engine_errors_scrubbed():
-            return _scrubbed(await self._serve("completions", body, request_id))
+            return _scrubbed(await self._serve("completions", body, request_id, phases))
 
-    async def responses(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | NativeStream:
+    async def responses(
+        self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
+    ) -> dict[str, Any] | NativeStream:
         """The Responses API: no derender exists for it, so it always passes through natively."""
         self._check_body("responses", body)
         with self._engine_errors_scrubbed():
-            return _scrubbed(await self._native("responses", body, request_id, "api:responses"))
+            return _scrubbed(await self._native("responses", body, request_id, "api:responses", phases))
 
-    async def messages(self, body: dict[str, Any], request_id: str) -> dict[str, Any] | NativeStream:
+    async def messages(
+        self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
+    ) -> dict[str, Any] | NativeStream:
         """The Anthropic Messages API: passed through natively like Responses."""
         self._check_body("messages", body)
         with self._engine_errors_scrubbed():
-            return _scrubbed(await self._native("messages", body, request_id, "api:messages"))
+            return _scrubbed(await self._native("messages", body, request_id, "api:messages", phases))
 
     @contextmanager
     def _engine_errors_scrubbed(self) -> Iterator[None]:
@@ -192,17 +202,19 @@ class ServingPipeline:
             raise ModelNotFound(str(name))
         return model
 
-    async def _serve(self, kind: TokenKind, body: dict[str, Any], request_id: str) -> dict[str, Any] | EventStream | NativeStream:
+    async def _serve(
+        self, kind: TokenKind, body: dict[str, Any], request_id: str, phases: Phases
+    ) -> dict[str, Any] | EventStream | NativeStream:
         model = self._model(body)
         reason = native_reason(kind, body, self.snapshot, model.name)
         if reason is not None:
-            return await self._native(kind, body, request_id, reason)
+            return await self._native(kind, body, request_id, reason, phases)
         # From render to the last derender this request calls the sidecar of its snapshot, even
         # if the snapshot moves to a replacement meanwhile (a graceful restart): counted from
         # here, not from the first chunk, so a request still waiting for admission counts too.
         release = self.live_streams.hold(self.snapshot.render.base_url.rstrip("/"))
         try:
-            result = await self._serve_token_only(kind, body, request_id, model)
+            result = await self._serve_token_only(kind, body, request_id, model, phases)
         except BaseException:
             release()
             raise
@@ -213,10 +225,11 @@ class ServingPipeline:
         return result
 
     async def _serve_token_only(
-        self, kind: TokenKind, body: dict[str, Any], request_id: str, model: ModelView
+        self, kind: TokenKind, body: dict[str, Any], request_id: str, model: ModelView, phases: Phases
     ) -> dict[str, Any] | EventStream | NativeStream:
         request_checks.require_vocab(model)  # 503 before render while the vocabulary is unknown
         tokenizer = TokenizationService(self.render, model, health=self.render_health)
+        start = phases.now()
         try:
             tokenized = await tokenizer.tokenize(kind, body, request_id)
         except NeedsNative as exc:
@@ -226,10 +239,11 @@ class ServingPipeline:
                     f"render is unavailable ({exc.fallback_reason}) and this request needs render's metadata; "
                     "the native path is closed with obfuscation on", reason=exc.fallback_reason,
                 ) from exc
-            return await self._native(kind, body, request_id, exc.reason)
+            return await self._native(kind, body, request_id, exc.reason, phases)
         except MotorError as exc:
             self._log_render(request_id, model.name, None, "render", None, outcome=type(exc).__name__)
             raise
+        phases.on(source=tokenized.tokenizer_source).observe(metric_names.PHASE_RENDER, start)
         self._log_render(request_id, model.name, tokenized, tokenized.tokenizer_source, tokenized.fallback_reason)
         request_checks.check_tokenized(tokenized.prompts, kind=kind, model=model)
         # The client key's tokens-per-minute window is charged once the real count is known.
@@ -237,14 +251,14 @@ class ServingPipeline:
         requires_tokenizer = engine_tokenizer_feature(kind, body) is not None
         try:
             if body.get("stream"):
-                return await self._open(body, kind, request_id, tokenized, requires_tokenizer)
-            responses = await self._generate_all(tokenized, request_id, requires_tokenizer)
+                return await self._open(body, kind, request_id, tokenized, requires_tokenizer, phases)
+            responses = await self._generate_all(tokenized, request_id, requires_tokenizer, phases)
         except EngineLacksCapability:
             # Nothing reached the client yet: the whole request may move to the native path.
             if self.snapshot.render.obfuscation:
                 raise
-            return await self._native(kind, body, request_id, "engine_capability")
-        return await self._derender(kind, body, request_id, tokenized, responses)
+            return await self._native(kind, body, request_id, "engine_capability", phases)
+        return await self._derender(kind, body, request_id, tokenized, responses, phases)
 
     def _log_render(
         self, request_id: str, model: str, tokenized: TokenizedRequest | None, source: str,
@@ -261,9 +275,9 @@ class ServingPipeline:
         )
 
     async def _generate_all(
-        self, tokenized: TokenizedRequest, request_id: str, requires_tokenizer: bool
+        self, tokenized: TokenizedRequest, request_id: str, requires_tokenizer: bool, phases: Phases
     ) -> list[dict[str, Any]]:
-        attempts = self.attempts(request_id)
+        attempts = self.attempts(request_id, phases)
         if len(tokenized.prompts) == 1:
             return [await attempts.run(tokenized, 0, requires_tokenizer)]
         # Prompts run concurrently; one failing prompt fails the request as a whole and cancels
@@ -280,15 +294,20 @@ class ServingPipeline:
 
     async def _derender(
         self, kind: TokenKind, body: dict[str, Any], request_id: str, tokenized: TokenizedRequest,
-        responses: list[dict[str, Any]],
+        responses: list[dict[str, Any]], phases: Phases,
     ) -> dict[str, Any]:
-        return await derender_full(self.render, self._model(body), kind, body, request_id, tokenized, responses)
+        return await derender_full(
+            self.render, self._model(body), kind, body, request_id, tokenized, responses, phases=phases
+        )
 
     # -- the native path -----------------------------------------------------------------------------
 
-    async def _native(self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str) -> dict[str, Any] | NativeStream:
+    async def _native(
+        self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, phases: Phases
+    ) -> dict[str, Any] | NativeStream:
         """Serve ``body`` on an engine's own OpenAI API, retrying elsewhere within the budget."""
         model = self._model(body)
+        phases.placed("native")  # the end-to-end phase's topology
         if self.snapshot.render.obfuscation:
             self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
@@ -347,11 +366,12 @@ class ServingPipeline:
         raise NoCapacity(f"no engine serves the native OpenAI API for model {model.name!r} ({reason})" + _hint(reason))
 
     async def _open(
-        self, body: dict[str, Any], kind: TokenKind, request_id: str, tokenized: TokenizedRequest, requires_tokenizer: bool
+        self, body: dict[str, Any], kind: TokenKind, request_id: str, tokenized: TokenizedRequest,
+        requires_tokenizer: bool, phases: Phases,
     ) -> EventStream | NativeStream | dict[str, Any]:
         """Establish every engine stream of the request before the client sees a byte."""
         streams: list[OpenStream] = []
-        attempts = self.attempts(request_id)
+        attempts = self.attempts(request_id, phases)
         try:
             # Every prompt's lease at once or fail fast: the client reads none before all are open.
             with reserve_together():
@@ -361,7 +381,7 @@ class ServingPipeline:
             # RFC: Trigger 多 prompt 流式仍沿用原生链路. Nothing reached the client yet.
             for s in streams:
                 await s.aclose(self.engines)
-            return await self._native(kind, body, request_id, "trigger_multi_prompt_stream")
+            return await self._native(kind, body, request_id, "trigger_multi_prompt_stream", phases)
         except BaseException:
             for s in streams:
                 await s.aclose(self.engines)
@@ -371,5 +391,5 @@ class ServingPipeline:
         return EventStream(
             attempts, self.render, self.stream_settings, kind, public_id, body, tokenized, streams,
             request_id=request_id,
-            requires_tokenizer=requires_tokenizer, n=n,
+            requires_tokenizer=requires_tokenizer, n=n, phases=phases,
         )

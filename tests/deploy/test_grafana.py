@@ -20,10 +20,13 @@ MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*\"")
 
 
 def family_of(series: str) -> Family | None:
-    """The family a queried series belongs to (a summary's ``_sum``/``_count`` belong to it)."""
-    for name in (series, series.removesuffix("_sum"), series.removesuffix("_count")):
+    """The family a queried series belongs to (a summary's ``_sum``/``_count`` belong to it, a
+    histogram's ``_bucket`` too)."""
+    for name in (series, series.removesuffix("_sum"), series.removesuffix("_count"), series.removesuffix("_bucket")):
         family = FAMILIES.get(name)
-        if family is not None and (name == series or family.type == "summary"):
+        if family is None:
+            continue
+        if name == series or family.type == "histogram" or (family.type == "summary" and not series.endswith("_bucket")):
             return family
     return None
 
@@ -45,6 +48,8 @@ def label_problems(expr: str) -> list[str]:
         allowed = {
             (f"exported_{label}" if label in TARGET_LABELS else label) for label in family.labels
         } | TARGET_LABELS
+        if series.endswith("_bucket"):
+            allowed.add("le")  # a histogram bucket's bound (histogram_quantile groups by it)
         problems += [f"{series} has no label {label!r}" for label in sorted(used - allowed)]
     return problems
 
@@ -81,6 +86,9 @@ def test_every_label_the_dashboard_uses_exists_on_its_metric(dashboard: dict[str
         ('motor_process_up{proces="x"}', "has no label 'proces'"),
         ("sum by (exported_instance) (rate(motor_engine_ttft_seconds_sum[5m]))", None),
         ("sum by (exported_process) (motor_process_up)", "has no label 'exported_process'"),
+        ("sum by (le, topology) (rate(motor_request_placement_seconds_bucket[5m]))", None),
+        ("sum by (le) (rate(motor_request_render_seconds_sum[5m]))", "has no label 'le'"),
+        ("sum by (le, leg) (rate(motor_request_render_seconds_bucket[5m]))", "has no label 'leg'"),
     ],
 )
 def test_the_label_check_finds_what_is_wrong(expr: str, problem: str | None) -> None:
@@ -90,6 +98,7 @@ def test_the_label_check_finds_what_is_wrong(expr: str, problem: str | None) -> 
     else:
         assert len(found) == 1 and problem in found[0]
     assert family_of("motor_engine_requests_totl") is None and family_of("motor_process_up_sum") is None
+    assert family_of("motor_engine_ttft_seconds_bucket") is None  # a summary has no buckets
 
 
 def test_the_dashboard_is_importable_json(dashboard: dict[str, Any]) -> None:

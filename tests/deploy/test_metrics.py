@@ -55,3 +55,22 @@ def test_every_family_metrics_serves_is_in_the_readme(client: Client) -> None:
     listed = readme_metrics()
     for name, kind in served.items():
         assert name in listed and listed[name][0] == kind, name
+
+
+@pytest.mark.django_db
+def test_metrics_serves_the_phase_histograms_of_the_process(client: Client) -> None:
+    from serving import runtime
+    from serving.pipeline.metric_names import PHASE_RENDER
+
+    runtime.phase_histograms.clear()
+    runtime.phase_histograms.observe(PHASE_RENDER, 0.004, {"api": "chat", "mode": "json", "source": "render"})
+    try:
+        text = client.get("/metrics").content.decode()
+    finally:
+        runtime.phase_histograms.clear()
+    series = 'api="chat",mode="json",source="render"'
+    assert f'motor_request_render_seconds_bucket{{{series},le="0.0025"}} 0.0' in text
+    assert f'motor_request_render_seconds_bucket{{{series},le="0.005"}} 1.0' in text
+    assert f'motor_request_render_seconds_bucket{{{series},le="+Inf"}} 1.0' in text
+    assert f"motor_request_render_seconds_sum{{{series}}} 0.004" in text
+    assert f"motor_request_render_seconds_count{{{series}}} 1.0" in text

@@ -79,9 +79,11 @@ def unknown_label_values(text: str) -> list[str]:
         if match is None:
             continue
         name = match.group(1)
-        family = FAMILIES.get(name) or FAMILIES[name.removesuffix("_sum").removesuffix("_count")]
+        family = FAMILIES.get(name) or FAMILIES[
+            name.removesuffix("_sum").removesuffix("_count").removesuffix("_bucket")
+        ]
         for label, value in _LABEL.findall(match.group(2)):
-            if label in OPERATOR_LABELS:
+            if label in OPERATOR_LABELS or (label == "le" and name.endswith("_bucket")):
                 continue
             if value != OTHER and value not in family.values[label]:
                 found.append(f"{name} {label}={value}")

@@ -122,9 +122,9 @@ def test_it_renders_prometheus_text() -> None:
 def test_it_names_every_family_the_prometheus_way() -> None:
     for family in FAMILIES.values():
         assert family.name.startswith("motor_"), family
-        # Counters and only counters end in _total; timings are summaries in base units.
+        # Counters and only counters end in _total; timings are summaries or histograms in base units.
         assert family.name.endswith("_total") == (family.type == "counter"), family
-        if family.type == "summary":
+        if family.type in ("summary", "histogram"):
             assert family.name.endswith("_seconds"), family
 
 

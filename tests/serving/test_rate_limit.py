@@ -131,7 +131,7 @@ class ChargingPipeline:
         self.tokens = tokens
         self.served = 0
 
-    async def chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    async def chat(self, body: dict[str, Any], request_id: str, phases: Any = None) -> dict[str, Any]:
         await rate_limit.charge_request(self.tokens)
         self.served += 1
         return {"id": request_id, "object": "chat.completion", "choices": []}

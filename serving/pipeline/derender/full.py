@@ -10,7 +10,9 @@ import logging
 import time
 from typing import Any
 
+from serving.pipeline import metric_names
 from serving.pipeline.engine.requests import sorted_choices
+from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.tokenization import LocalDerenderer, TokenizationService, TokenizedRequest
@@ -21,10 +23,11 @@ logger = logging.getLogger(__name__)
 
 async def derender_full(
     render: RenderClient, model: ModelView, kind: TokenKind, body: dict[str, Any],
-    request_id: str, tokenized: TokenizedRequest, responses: list[dict[str, Any]],
+    request_id: str, tokenized: TokenizedRequest, responses: list[dict[str, Any]], *, phases: Phases = NO_PHASES,
 ) -> dict[str, Any]:
     """The client's response for ``responses`` (one per prompt), with the public id set."""
     start = time.perf_counter()
+    first = phases.now()
     prompt_ids = [p.token_ids for p in tokenized.prompts]
     result = "ok"
     try:
@@ -52,5 +55,6 @@ async def derender_full(
             "derender request_id=%s kind=%s source=%s result=%s latency_ms=%.1f",
             request_id, kind, tokenized.tokenizer_source, result, (time.perf_counter() - start) * 1000,
         )
+    phases.observe(metric_names.PHASE_FIRST_DERENDER, first)  # the only derender call: the first
     out["id"] = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
     return out

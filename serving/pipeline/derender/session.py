@@ -21,8 +21,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.pipeline import metric_names
 from serving.pipeline.derender.payload import proves_plain_path, slim_request
 from serving.pipeline.errors import DerenderError
+from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import DerenderRetryable, RenderClient
 
@@ -113,6 +115,7 @@ class StreamingRenderSession:
         settings: StreamSettings = StreamSettings(),
         reader: EventReader = _identity_reader,
         chunk_filter: ChunkFilter = _identity_filter,
+        phases: Phases = NO_PHASES,
     ) -> None:
         self.render = render
         self.kind = kind
@@ -124,6 +127,7 @@ class StreamingRenderSession:
         self.settings = settings
         self.reader = reader
         self.chunk_filter = chunk_filter
+        self.phases = phases  # the request's: its first derender call is a phase of its TTFT
         self.choices: dict[int, ChoiceRecord] = {}
         self.attempt = 0
         self.instance = ""
@@ -212,6 +216,7 @@ class StreamingRenderSession:
         tries = 1 + max(0, self.settings.derender_retries)
         # The chunk's own bound, plus the time derender may wait for a sidecar being restarted.
         budget = self.settings.chunk_timeout_s + self.render.derender_patience_s
+        first, start = self.derender_calls == 0, self.phases.now()
         try:
             async with asyncio.timeout(budget):
                 for attempt in range(tries):
@@ -235,6 +240,8 @@ class StreamingRenderSession:
             if not isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
                 self._log_failure(index, exc)
             raise
+        if first:
+            self.phases.observe(metric_names.PHASE_FIRST_DERENDER, start)
         if self._slim is None and proves_plain_path(token_ids, next_state):
             self._slim = slim_request(self.kind, self.body)
         chunk["id"] = self.public_id

@@ -18,12 +18,13 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.pipeline import metrics
+from serving.pipeline import metric_names, metrics
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.native import NativeClient, NativeStream
 from serving.pipeline.engine.requests import validate_generate_response
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability
 from serving.pipeline.obfuscation.boundary import EngineBoundary
+from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.render.tokenization import TokenizedPrompt
@@ -118,13 +119,17 @@ class EngineGuard:
         self.scheduler.breakers.failure(instance, exc.message[:200])
         metrics.record_request(instance.name, None, None, ok=False)
 
-    async def _hold(self, instance: InstanceView, tokens: int, stack: AsyncExitStack) -> None:
+    async def _hold(
+        self, instance: InstanceView, tokens: int, stack: AsyncExitStack, phases: Phases = NO_PHASES
+    ) -> None:
         """Admission lease and load hold on ``stack``, released when the stack closes."""
+        start = phases.now()
         lease = await self.scheduler.admission.acquire(instance, tokens)
+        phases.observe(metric_names.PHASE_QUEUE_WAIT, start)  # here, so in-process and Redis admission alike
         stack.callback(lease.release)
         stack.enter_context(self.scheduler.load.hold(instance))
 
-    async def reserve(self, instance: InstanceView, tokens: int) -> Reservation:
+    async def reserve(self, instance: InstanceView, tokens: int, phases: Phases = NO_PHASES) -> Reservation:
         """Take ``instance``'s breaker slot, admission lease and load hold now, for a call later.
 
         P/D reserves the decode side before the prefill runs: a decode engine that is held off or
@@ -134,7 +139,7 @@ class EngineGuard:
         self._admit(instance)
         holds = AsyncExitStack()
         try:
-            await self._hold(instance, tokens, holds)
+            await self._hold(instance, tokens, holds, phases)
         except BaseException:
             try:
                 await holds.aclose()
@@ -144,16 +149,18 @@ class EngineGuard:
         return Reservation(instance, holds, lambda: self.scheduler.breakers.release(instance))
 
     async def _holds(
-        self, instance: InstanceView, tokens: int, reserved: Reservation | None, stack: AsyncExitStack
+        self, instance: InstanceView, tokens: int, reserved: Reservation | None, stack: AsyncExitStack,
+        phases: Phases,
     ) -> None:
         """The call's holds on ``stack``: the reservation's (its breaker slot was taken) or new ones."""
         if reserved is None:
-            await self._hold(instance, tokens, stack)
+            await self._hold(instance, tokens, stack, phases)
         else:
             stack.push_async_callback(reserved.take().aclose)
 
     async def generate(
-        self, instance: InstanceView, request: dict[str, Any], *, tokens: int, reserved: Reservation | None = None
+        self, instance: InstanceView, request: dict[str, Any], *, tokens: int, reserved: Reservation | None = None,
+        phases: Phases = NO_PHASES,
     ) -> dict[str, Any]:
         """One non-streaming generate; returns the validated, semantic GenerateResponse."""
         start = time.perf_counter()
@@ -161,8 +168,10 @@ class EngineGuard:
             self._admit(instance)
         async with self._outcome(instance):
             async with AsyncExitStack() as holds:
-                await self._holds(instance, tokens, reserved, holds)
+                await self._holds(instance, tokens, reserved, holds, phases)
+                sent = phases.now()
                 raw = await self.engines.generate(instance, self.boundary.outbound(request, instance))
+                phases.observe(metric_names.PHASE_FIRST_CHUNK, sent)  # the whole answer is its first chunk
             response = self.boundary.inbound(raw, instance)
             problem = validate_generate_response(response, n=int(request.get("sampling_params", {}).get("n") or 1))
             if problem is not None:
@@ -172,7 +181,7 @@ class EngineGuard:
 
     async def open_stream(
         self, instance: InstanceView, request: dict[str, Any], *, tokens: int, stack: AsyncExitStack,
-        reserved: Reservation | None = None,
+        reserved: Reservation | None = None, phases: Phases = NO_PHASES,
     ) -> AsyncIterator[dict[str, Any]]:
         """Open one streaming generate (established: HTTP 200); its holds and stream go on ``stack``.
 
@@ -181,11 +190,14 @@ class EngineGuard:
         if reserved is None:
             self._admit(instance)
         async with self._outcome(instance):
-            await self._holds(instance, tokens, reserved, stack)
+            await self._holds(instance, tokens, reserved, stack, phases)
+            sent = phases.now()
             events = await stack.enter_async_context(
                 self.engines.generate_stream(instance, self.boundary.outbound(request, instance))
             )
-        return metrics.TimedEvents(instance.name, events)
+        return metrics.TimedEvents(
+            instance.name, events, on_first=lambda: phases.observe(metric_names.PHASE_FIRST_CHUNK, sent)
+        )
 
     def inbound_event(self, event: dict[str, Any], instance: InstanceView) -> dict[str, Any]:
         return self.boundary.inbound_event(event, instance)
@@ -237,6 +249,7 @@ class GenerateContext:
     attempt: int
     tokens: int  # prompt + resolved max output: what admission holds on the decoding instance
     stream: bool = False  # the attempt's mode: whether its last leg streams
+    phases: Phases = NO_PHASES  # the attempt's recorder (its topology); each leg adds its own label
 
     @property
     def scheduler(self) -> Scheduler:
@@ -255,7 +268,8 @@ class GenerateContext:
         result = "ok"
         try:
             return await self.guard.generate(
-                instance, request, tokens=self.tokens if tokens is None else tokens, reserved=reserved
+                instance, request, tokens=self.tokens if tokens is None else tokens, reserved=reserved,
+                phases=self.phases.on(leg=phase),
             )
         except BaseException as exc:
             result = type(exc).__name__
@@ -272,7 +286,9 @@ class GenerateContext:
         reserved: Reservation | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Open one streaming generate on ``instance`` through the guard; return its events."""
-        events = await self.guard.open_stream(instance, request, tokens=tokens, stack=stack, reserved=reserved)
+        events = await self.guard.open_stream(
+            instance, request, tokens=tokens, stack=stack, reserved=reserved, phases=self.phases.on(leg=phase)
+        )
         logger.info("generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d result=established stream=true",
                     self.request_id, self.prompt_index, instance.name, phase, self.attempt)
         return events

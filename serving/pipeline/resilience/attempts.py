@@ -21,11 +21,13 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from serving.pipeline import metric_names
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import EngineGuard, GenerateContext
 from serving.pipeline.engine.requests import attempt_request_id, resolved_max_tokens, with_max_tokens
 from serving.pipeline.errors import EngineError, EngineLacksCapability, NoCapacity, TriggerMultiPromptStream
 from serving.pipeline.metrics import RouterCounters
+from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.protocol import TopologyName
 from serving.pipeline.render.tokenization import TokenizedPrompt, TokenizedRequest
@@ -102,7 +104,7 @@ class Attempts:
 
     def __init__(
         self, snapshot: FleetSnapshot, guard: EngineGuard, topologies: TopologyRegistry, policy: AttemptPolicy,
-        *, request_id: str, counters: RouterCounters | None = None,
+        *, request_id: str, counters: RouterCounters | None = None, phases: Phases = NO_PHASES,
     ) -> None:
         self.snapshot = snapshot
         self.guard = guard
@@ -110,6 +112,7 @@ class Attempts:
         self.policy = policy
         self.request_id = request_id  # the client-facing id (logs)
         self.counters = counters or RouterCounters()  # the process's, for relays
+        self.phases = phases  # the request's; each attempt's copy carries its topology
 
     def budget(self, request: dict[str, Any], prompt_tokens: int, instance: InstanceView) -> tuple[dict[str, Any], int]:
         """The engine request for ``instance`` and its admission tokens (prompt + max output).
@@ -163,6 +166,7 @@ class Attempts:
             n = int(base.get("sampling_params", {}).get("n") or 1)
             estimate = len(token_ids) + resolved_max_tokens(base) * n
             ineligible = self.topologies.pd_ineligible(base)
+            start = self.phases.now()
             try:
                 # A relay is placed like any prompt (same scheduler, same topology rules): in P/D,
                 # P and D both get the replay ids.
@@ -174,6 +178,8 @@ class Attempts:
                 if last is not None:
                     raise last from None
                 raise
+            phases = self.phases.placed(placement.topology)
+            phases.observe(metric_names.PHASE_PLACEMENT, start)
             if stream and placement.topology == "trigger" and len(tokenized.prompts) > 1:
                 logger.info("route request_id=%s prompt=%d path=native reason=trigger_multi_prompt_stream instances=%s",
                             prompt.request_id, index, placement.names)
@@ -186,7 +192,9 @@ class Attempts:
                 "stream=%s pd_ineligible=%s", rid, index, attempt, placement.topology, placement.names,
                 placement.prefix_hit_blocks, tokens, str(stream).lower(), ineligible or "-",
             )
-            ctx = GenerateContext(self.guard, self.snapshot, self.request_id, prompt, index, attempt, tokens, stream)
+            ctx = GenerateContext(
+                self.guard, self.snapshot, self.request_id, prompt, index, attempt, tokens, stream, phases=phases
+            )
             try:
                 return await self._open_attempt(ctx, placement, engine_req, index, attempt)
             except EngineError as exc:

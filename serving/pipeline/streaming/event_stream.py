@@ -25,6 +25,7 @@ from serving.pipeline.derender.session import ChoicePhase, StreamingRenderSessio
 from serving.pipeline.engine.requests import GENERATE_PREFIX
 from serving.pipeline.errors import EngineError, MotorError, error_body
 from serving.pipeline.flow_control.admission import reserve_together
+from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.tokenization import TokenizedRequest
@@ -60,6 +61,7 @@ class EventStream:
     request_id: str = ""
     requires_tokenizer: bool = False
     n: int = 1
+    phases: Phases = NO_PHASES  # the request's recorder (each session's first derender)
     sessions: list[StreamingRenderSession] = field(default_factory=list)
     # Counts the stream on its sidecar (``LiveStreams``) until ``aclose``: set by ``_serve``.
     release_render: Callable[[], None] | None = None
@@ -78,7 +80,7 @@ class EventStream:
                     request_id=self.request_id, public_id=self.public_id, prompt_index=i,
                     settings=self.settings,
                     reader=event_reader(self.attempts.snapshot.render.derender_coalesce),
-                    chunk_filter=ChunkHoldback(self.kind, self.body).apply,
+                    chunk_filter=ChunkHoldback(self.kind, self.body).apply, phases=self.phases,
                 )
                 for i, p in enumerate(self.tokenized.prompts)
             ]

@@ -239,6 +239,9 @@ def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s
     ) -> AsyncIterator[dict[str, Any]]:
         return await ctx.stream_leg(instance, request, phase=phase, tokens=tokens, stack=stack, reserved=reserved)
 
+    async def reserve(instance: InstanceView, tokens: int) -> Reservation:
+        return await ctx.guard.reserve(instance, tokens, ctx.phases)
+
     def pick_prefill() -> InstanceView:
         # Trigger, at callback time: the P placed earlier, unless its breaker opened meanwhile.
         if scheduler.eligible(placed):
@@ -254,5 +257,5 @@ def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s
     return PDContext(
         ctx.engines, ctx.request_id, ctx.prompt_index, leg_fn=leg, tokens=ctx.tokens,
         metaserver=process_metaserver(), callback_timeout_s=callback_timeout_s, pick_prefill=pick_prefill,
-        stream=ctx.stream, stream_fn=stream_leg, reserve_fn=ctx.guard.reserve,
+        stream=ctx.stream, stream_fn=stream_leg, reserve_fn=reserve,
     )

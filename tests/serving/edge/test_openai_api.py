@@ -286,3 +286,31 @@ async def test_everything_else_is_still_django(v1: httpx.AsyncClient, upstream: 
     metrics = await v1.get("/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     assert (await v1.get("/v1x")).headers["content-type"].startswith("text/html")  # Django's 404 page
+
+
+async def test_it_times_every_answered_request_from_arrival_to_its_last_byte(
+    v1: httpx.AsyncClient, upstream: FakeUpstreams, open_access: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from serving.edge import openai_api
+    from serving.pipeline.metric_names import PHASE_END_TO_END, PHASE_RENDER
+    from serving.pipeline.phases import Histograms
+
+    now = [10.0]
+    phases = Histograms(clock=lambda: now[0])
+    monkeypatch.setattr(openai_api, "phase_histograms", phases)
+
+    def render(request: httpx.Request, body: Any) -> httpx.Response:
+        now[0] += 0.5  # render alone moves the clock: the whole request takes that long
+        return upstream._render(request, body)
+
+    upstream.override("render", "render", render)
+    assert (await v1.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    assert (await v1.post("/v1/chat/completions", json={**CHAT, "stream": True})).status_code == 200
+    assert (await v1.post("/v1/chat/completions", json={**CHAT, "max_tokens": 0})).status_code == 400  # not timed
+    samples = phases.samples()
+    for mode in ("json", "stream"):
+        labels = (("api", "chat"), ("mode", mode), ("topology", "union"))
+        assert samples[(PHASE_END_TO_END.name + "_sum", labels)] == 0.5
+        assert samples[(PHASE_END_TO_END.name + "_count", labels)] == 1.0
+        assert samples[(PHASE_RENDER.name + "_sum", (("api", "chat"), ("mode", mode), ("source", "render")))] == 0.5
+    assert sum(v for (name, _), v in samples.items() if name == PHASE_END_TO_END.name + "_count") == 2.0
