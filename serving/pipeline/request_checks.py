@@ -16,7 +16,12 @@ What is refused, with vLLM 0.33's status and message where it has one (400, ``Ba
   no effect): ``kv_transfer_params``, ``ec_transfer_params``, ``vllm_xargs``, ``extra_args``
   with any non-null value; ``priority`` other than 0 unless the caller's key allows it;
 - ids outside the vocabulary in the prompt and in every id-valued sampling field; with the
-  vocabulary size unknown the token-only path answers 503 (``VocabularyUnknown``).
+  vocabulary size unknown the token-only path answers 503 (``VocabularyUnknown``);
+- a feature that needs a tokenizer on the engine (stop strings, structured output, a forced
+  tool choice) on a fleet where no engine of the model could ever run it (all tokens-only, none
+  with its own OpenAI API): 501 (``FeatureUnavailable``, ``unservable``), once render has judged
+  the body, so a malformed one still gets render's 400 (vLLM's own validation) rather than
+  either the 501 or a 503 from a native path with no engine.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from serving.pipeline.errors import MotorError, RequestError
 from serving.pipeline.protocol import ApiKind
-from serving.pipeline.snapshot import ModelView
+from serving.pipeline.snapshot import FleetSnapshot, ModelView
 
 # vLLM's defaults for the same bounds (envs.VLLM_MAX_N_SEQUENCES, VLLM_MAX_COMPLETION_PROMPTS).
 VLLM_MAX_N_SEQUENCES = 16384
@@ -46,6 +51,51 @@ class VocabularyUnknown(MotorError):
 
     status = 503
     type = "ServiceUnavailableError"
+
+
+class FeatureUnavailable(MotorError):
+    """The body is valid, but no engine of this fleet could ever serve what it asks for."""
+
+    status = 501
+    type = "NotImplementedError"
+
+
+# engine/native.engine_tokenizer_feature's reasons: what a --tokens-only engine refuses (400,
+# "... requires a tokenizer"), so only a tokenizer-loaded or a native-API engine serves them.
+TOKENIZER_FEATURES = {
+    "stop_strings": "stop strings (`stop`; use `stop_token_ids` instead)",
+    "structured_output": "structured output (`response_format` json_schema / json_object / structural_tag, "
+    "`structured_outputs`)",
+    "forced_tool_choice": "a forced tool choice (`tool_choice` \"required\" or a named function)",
+}
+
+
+def unservable(
+    snapshot: FleetSnapshot, model: str, reason: str, body: Mapping[str, Any]
+) -> FeatureUnavailable | None:
+    """The 501 for a request routed native for ``reason`` when no instance of ``model``, whatever
+    its state, has a tokenizer or its own OpenAI API; None when one does (it may come back, so
+    an unavailable one is the native path's 503) or the reason is not a tokenizer feature."""
+    feature = TOKENIZER_FEATURES.get(reason)
+    if feature is None:
+        return None
+    if any(i.model == model and i.role == "union" and (i.native_openai or (i.tokenizer and i.token_generate))
+           for i in snapshot.instances):
+        return None
+    return FeatureUnavailable(
+        f"This server cannot serve {feature} for model `{model}`: it needs an engine that loads a tokenizer "
+        "(vLLM's `--tokens-only` engines refuse it), and every engine of this model is tokens-only without "
+        "its own OpenAI API.",
+        param=_feature_param(reason, body),
+    )
+
+
+def _feature_param(reason: str, body: Mapping[str, Any]) -> str:
+    if reason == "stop_strings":
+        return "stop"
+    if reason == "forced_tool_choice":
+        return "tool_choice"
+    return "response_format" if body.get("response_format") is not None else "structured_outputs"
 
 
 @dataclass(frozen=True, slots=True)

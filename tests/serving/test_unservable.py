@@ -1,0 +1,75 @@
+"""A feature only a tokenizer-loaded engine can run, on a fleet that has none: render judges the
+body first (a malformed one gets render's 400), a valid one a 501 saying why, never the native
+path's 503 "no engine"; nothing reaches an engine and nothing is held afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from serving.pipeline.errors import UpstreamRequestError, error_body
+from serving.pipeline.request_checks import FeatureUnavailable, unservable
+from tests.serving.fakes import MODEL, error_json
+from tests.serving.router_fakes import Rig, assert_no_leaks, chat_body, engine, respond, snapshot_with
+
+TOKENS_ONLY = (engine("e1"), engine("e2"))
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat_body(response_format=JSON_SCHEMA), "response_format"),
+        (chat_body(structured_outputs={"choice": ["a", "b"]}), "structured_outputs"),
+        (chat_body(stop=["\n"]), "stop"),
+        (chat_body(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
+    ],
+)
+async def test_a_valid_body_is_a_501_naming_the_feature(rig: Rig, body: dict[str, Any], param: str) -> None:
+    before = set(asyncio.all_tasks())
+    with pytest.raises(FeatureUnavailable) as info:
+        await rig.pipeline(snapshot_with(*TOKENS_ONLY)).chat(body, "u1")
+    status, shown = error_body(info.value)
+    assert status == 501 and shown["error"]["type"] == "NotImplementedError"
+    assert shown["error"]["param"] == param and "tokenizer" in shown["error"]["message"]
+    assert [c.kind for c in rig.upstreams.calls] == ["render"]  # judged by render, sent nowhere
+    assert rig.native.calls == []
+    await assert_no_leaks(rig, before)
+
+
+async def test_a_malformed_body_gets_renders_400_not_a_501(rig: Rig) -> None:
+    verdict = error_json(400, "You can only use one kind of constraints for structured outputs", "BadRequestError")
+    rig.upstreams.override("render", "render", respond(400, verdict))
+    body = chat_body(structured_outputs={"choice": ["a"], "regex": "a+"})
+    before = set(asyncio.all_tasks())
+    with pytest.raises(UpstreamRequestError) as info:
+        await rig.pipeline(snapshot_with(*TOKENS_ONLY)).chat(body, "u2")
+    assert error_body(info.value)[0] == 400
+    assert rig.native.calls == [] and [c.kind for c in rig.upstreams.calls] == ["render"]
+    await assert_no_leaks(rig, before)
+
+
+async def test_with_render_away_the_answer_is_still_the_501(rig: Rig) -> None:
+    def connect_error(request: Any, _body: Any) -> Any:
+        import httpx
+
+        raise httpx.ConnectError("refused", request=request)
+
+    rig.upstreams.override("render", "render", connect_error)
+    with pytest.raises(FeatureUnavailable):
+        await rig.pipeline(snapshot_with(*TOKENS_ONLY)).completions(
+            {"model": MODEL, "prompt": "x", "stop": "y"}, "u3"
+        )
+
+
+def test_a_fleet_that_could_serve_it_is_not_refused() -> None:
+    body = chat_body(response_format=JSON_SCHEMA)
+    draining_native = snapshot_with(engine("e1", native_openai=True, state="draining"), engine("e2"))
+    with_tokenizer = snapshot_with(engine("e1", tokenizer=True), engine("e2"))
+    assert unservable(draining_native, MODEL, "structured_output", body) is None  # may come back: 503
+    assert unservable(with_tokenizer, MODEL, "structured_output", body) is None
+    # Only tokenizer features: the other native reasons keep their own answers.
+    assert unservable(snapshot_with(*TOKENS_ONLY), MODEL, "no_streaming_derender", body) is None
+    assert unservable(snapshot_with(*TOKENS_ONLY), MODEL, "local:logprobs", body) is None
