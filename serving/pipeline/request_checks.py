@@ -19,9 +19,9 @@ What is refused, with vLLM 0.33's status and message where it has one (400, ``Ba
   vocabulary size unknown the token-only path answers 503 (``VocabularyUnknown``);
 - a feature that needs a tokenizer on the engine (stop strings, structured output, a forced
   tool choice) on a fleet where no engine of the model could ever run it (all tokens-only, none
-  with its own OpenAI API): 501 (``FeatureUnavailable``, ``unservable``), once render has judged
-  the body, so a malformed one still gets render's 400 (vLLM's own validation) rather than
-  either the 501 or a 503 from a native path with no engine.
+  with its own OpenAI API): 400 as a ``--tokens-only`` vLLM engine gives for the same input, but
+  saying why (``FeatureUnavailable``, ``unservable``), once render has judged the body, so a
+  malformed one gets render's own 400 (vLLM's validation); never the native path's 503.
 """
 
 from __future__ import annotations
@@ -53,11 +53,12 @@ class VocabularyUnknown(MotorError):
     type = "ServiceUnavailableError"
 
 
-class FeatureUnavailable(MotorError):
-    """The body is valid, but no engine of this fleet could ever serve what it asks for."""
+class FeatureUnavailable(RequestError):
+    """The body is valid, but no engine of this fleet could ever serve what it asks for.
 
-    status = 501
-    type = "NotImplementedError"
+    400, not 501: a ``--tokens-only`` vLLM engine refuses these with 400 ("... requires a
+    tokenizer"), and retrying cannot help, which a 5xx would suggest.
+    """
 
 
 # engine/native.engine_tokenizer_feature's reasons: what a --tokens-only engine refuses (400,
@@ -73,7 +74,7 @@ TOKENIZER_FEATURES = {
 def unservable(
     snapshot: FleetSnapshot, model: str, reason: str, body: Mapping[str, Any]
 ) -> FeatureUnavailable | None:
-    """The 501 for a request routed native for ``reason`` when no instance of ``model``, whatever
+    """The refusal of a request routed native for ``reason`` when no instance of ``model``, whatever
     its state, has a tokenizer or its own OpenAI API; None when one does (it may come back, so
     an unavailable one is the native path's 503) or the reason is not a tokenizer feature."""
     feature = TOKENIZER_FEATURES.get(reason)

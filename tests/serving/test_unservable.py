@@ -1,6 +1,7 @@
 """A feature only a tokenizer-loaded engine can run, on a fleet that has none: render judges the
-body first (a malformed one gets render's 400), a valid one a 501 saying why, never the native
-path's 503 "no engine"; nothing reaches an engine and nothing is held afterwards."""
+body first (a malformed one gets render's 400), a valid one gets a 400 saying why (as a
+``--tokens-only`` vLLM engine answers), never the native path's 503 "no engine"; nothing reaches
+an engine and nothing is held afterwards."""
 
 from __future__ import annotations
 
@@ -27,31 +28,31 @@ JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"t
         (chat_body(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
     ],
 )
-async def test_a_valid_body_is_a_501_naming_the_feature(rig: Rig, body: dict[str, Any], param: str) -> None:
+async def test_a_valid_body_is_a_400_naming_the_feature(rig: Rig, body: dict[str, Any], param: str) -> None:
     before = set(asyncio.all_tasks())
     with pytest.raises(FeatureUnavailable) as info:
         await rig.pipeline(snapshot_with(*TOKENS_ONLY)).chat(body, "u1")
     status, shown = error_body(info.value)
-    assert status == 501 and shown["error"]["type"] == "NotImplementedError"
+    assert status == 400 and shown["error"]["type"] == "BadRequestError"
     assert shown["error"]["param"] == param and "tokenizer" in shown["error"]["message"]
     assert [c.kind for c in rig.upstreams.calls] == ["render"]  # judged by render, sent nowhere
     assert rig.native.calls == []
     await assert_no_leaks(rig, before)
 
 
-async def test_a_malformed_body_gets_renders_400_not_a_501(rig: Rig) -> None:
+async def test_a_malformed_body_gets_renders_own_400(rig: Rig) -> None:
     verdict = error_json(400, "You can only use one kind of constraints for structured outputs", "BadRequestError")
     rig.upstreams.override("render", "render", respond(400, verdict))
     body = chat_body(structured_outputs={"choice": ["a"], "regex": "a+"})
     before = set(asyncio.all_tasks())
     with pytest.raises(UpstreamRequestError) as info:
         await rig.pipeline(snapshot_with(*TOKENS_ONLY)).chat(body, "u2")
-    assert error_body(info.value)[0] == 400
+    assert error_body(info.value)[1] == verdict  # render's words, not the fleet's
     assert rig.native.calls == [] and [c.kind for c in rig.upstreams.calls] == ["render"]
     await assert_no_leaks(rig, before)
 
 
-async def test_with_render_away_the_answer_is_still_the_501(rig: Rig) -> None:
+async def test_with_render_away_the_fleets_refusal_stands(rig: Rig) -> None:
     def connect_error(request: Any, _body: Any) -> Any:
         import httpx
 
