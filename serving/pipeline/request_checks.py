@@ -18,8 +18,8 @@ What is refused, with vLLM 0.33's status and message where it has one (400, ``Ba
 - ids outside the vocabulary in the prompt and in every id-valued sampling field; with the
   vocabulary size unknown the token-only path answers 503 (``VocabularyUnknown``);
 - a feature that needs a tokenizer on the engine (stop strings, structured output, a forced
-  tool choice) on a fleet where no engine of the model could ever run it (all tokens-only, none
-  with its own OpenAI API): 400 as a ``--tokens-only`` vLLM engine gives for the same input, but
+  tool choice) or an engine's own API (``echo``) on a fleet where no engine of the model could
+  ever run it (all tokens-only, none with its own OpenAI API): 400 as a ``--tokens-only`` vLLM engine gives for the same input, but
   saying why (``FeatureUnavailable``, ``unservable``), once render has judged the body, so a
   malformed one gets render's own 400 (vLLM's validation); never the native path's 503.
 """
@@ -61,13 +61,16 @@ class FeatureUnavailable(RequestError):
     """
 
 
-# engine/native.engine_tokenizer_feature's reasons: what a --tokens-only engine refuses (400,
-# "... requires a tokenizer"), so only a tokenizer-loaded or a native-API engine serves them.
-TOKENIZER_FEATURES = {
-    "stop_strings": "stop strings (`stop`; use `stop_token_ids` instead)",
-    "structured_output": "structured output (`response_format` json_schema / json_object / structural_tag, "
-    "`structured_outputs`)",
-    "forced_tool_choice": "a forced tool choice (`tool_choice` \"required\" or a named function)",
+# Native-path reasons that are properties of the request itself (engine/native.native_reason):
+# what it asks for, the field that asks, and whether a tokenizer-loaded token-only engine runs it
+# too. The first three are what a --tokens-only engine refuses (400, "... requires a tokenizer");
+# ``echo`` has no derender, so only an engine's own OpenAI API serves it.
+_FEATURES: dict[str, tuple[str, str | None, bool]] = {
+    "stop_strings": ("stop strings (use `stop_token_ids` instead)", "stop", True),
+    "structured_output": ("structured output (`response_format` json_schema / json_object / structural_tag, "
+                          "`structured_outputs`)", None, True),
+    "forced_tool_choice": ('a forced tool choice (`tool_choice` "required" or a named function)', "tool_choice", True),
+    "echo": ("`echo` (the prompt in the answer)", "echo", False),
 }
 
 
@@ -75,28 +78,25 @@ def unservable(
     snapshot: FleetSnapshot, model: str, reason: str, body: Mapping[str, Any]
 ) -> FeatureUnavailable | None:
     """The refusal of a request routed native for ``reason`` when no instance of ``model``, whatever
-    its state, has a tokenizer or its own OpenAI API; None when one does (it may come back, so
-    an unavailable one is the native path's 503) or the reason is not a tokenizer feature."""
-    feature = TOKENIZER_FEATURES.get(reason)
+    its state, could ever serve it; None when one could (an unavailable one may come back: the
+    native path's 503) or ``reason`` is not a property of the request (render down, ...)."""
+    feature = _FEATURES.get(reason)
     if feature is None:
         return None
-    if any(i.model == model and i.role == "union" and (i.native_openai or (i.tokenizer and i.token_generate))
+    what, param, tokenizer_serves = feature
+    if any(i.model == model and i.role == "union"
+           and (i.native_openai or (tokenizer_serves and i.tokenizer and i.token_generate))
            for i in snapshot.instances):
         return None
+    needs = "an engine that loads a tokenizer or serves its own OpenAI API" if tokenizer_serves else (
+        "an engine that serves its own OpenAI API")
+    if param is None:
+        param = "response_format" if body.get("response_format") is not None else "structured_outputs"
     return FeatureUnavailable(
-        f"This server cannot serve {feature} for model `{model}`: it needs an engine that loads a tokenizer "
-        "(vLLM's `--tokens-only` engines refuse it), and every engine of this model is tokens-only without "
-        "its own OpenAI API.",
-        param=_feature_param(reason, body),
+        f"This server cannot serve {what} for model `{model}`: it needs {needs}, and every engine of "
+        "this model is tokens-only (vLLM's `--tokens-only` engines refuse it too).",
+        param=param,
     )
-
-
-def _feature_param(reason: str, body: Mapping[str, Any]) -> str:
-    if reason == "stop_strings":
-        return "stop"
-    if reason == "forced_tool_choice":
-        return "tool_choice"
-    return "response_format" if body.get("response_format") is not None else "structured_outputs"
 
 
 @dataclass(frozen=True, slots=True)

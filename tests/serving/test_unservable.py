@@ -34,7 +34,7 @@ async def test_a_valid_body_is_a_400_naming_the_feature(rig: Rig, body: dict[str
         await rig.pipeline(snapshot_with(*TOKENS_ONLY)).chat(body, "u1")
     status, shown = error_body(info.value)
     assert status == 400 and shown["error"]["type"] == "BadRequestError"
-    assert shown["error"]["param"] == param and "tokenizer" in shown["error"]["message"]
+    assert shown["error"]["param"] == param and "tokens-only" in shown["error"]["message"]
     assert [c.kind for c in rig.upstreams.calls] == ["render"]  # judged by render, sent nowhere
     assert rig.native.calls == []
     await assert_no_leaks(rig, before)
@@ -63,6 +63,14 @@ async def test_with_render_away_the_fleets_refusal_stands(rig: Rig) -> None:
         await rig.pipeline(snapshot_with(*TOKENS_ONLY)).completions(
             {"model": MODEL, "prompt": "x", "stop": "y"}, "u3"
         )
+
+
+async def test_echo_needs_an_engines_own_api(rig: Rig) -> None:
+    body = {"model": MODEL, "prompt": "x", "echo": True}
+    with pytest.raises(FeatureUnavailable) as info:
+        await rig.pipeline(snapshot_with(engine("e1", tokenizer=True))).completions(body, "u4")
+    assert info.value.param == "echo" and "its own OpenAI API" in info.value.message
+    assert [c.kind for c in rig.upstreams.calls] == ["render"]
 
 
 def test_a_fleet_that_could_serve_it_is_not_refused() -> None:
