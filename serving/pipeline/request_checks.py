@@ -12,6 +12,7 @@ What is refused, with vLLM 0.33's status and message where it has one (400, ``Ba
   an integer in [1, ``VLLM_MAX_N_SEQUENCES``]; more completion prompts than
   ``RequestLimits.max_prompts``; ``n`` x prompts over ``RequestLimits.max_choices`` (the
   coordinator's own cap, ``MOTOR_MAX_CHOICES``);
+- ``structured_outputs`` that is not an object (vLLM itself answers 500 there);
 - engine controls (one rule: refused, never silently dropped, so a client learns its field had
   no effect): ``kv_transfer_params``, ``ec_transfer_params``, ``vllm_xargs``, ``extra_args``
   with any non-null value; ``priority`` other than 0 unless the caller's key allows it;
@@ -159,6 +160,18 @@ def _integer(body: dict[str, Any], name: str) -> int | None:
     return number
 
 
+def _dataclass_field(body: Mapping[str, Any], name: str, schema: str) -> None:
+    """400 unless ``body[name]`` is an object or null, as vLLM's schema reads it. vLLM 0.32/0.33's
+    own before-validators call ``.get`` on ``structured_outputs`` ahead of the schema and answer
+    500 for a string; the coordinator gives the schema's verdict instead, before any path."""
+    value = body.get(name)
+    if value is None or isinstance(value, dict):
+        return
+    detail = {"type": "dataclass_type", "loc": f"body.{name}",
+              "msg": f"Input should be a dictionary or an instance of {schema}", "input": str(value)[:100]}
+    raise SchemaError(f"1 validation error:\n  {detail}", param=f"body.{name}")
+
+
 def _max_output(value: int | None, name: str, max_model_len: int) -> None:
     if value is None:
         return
@@ -206,6 +219,7 @@ def check_body(kind: ApiKind, body: dict[str, Any], model: ModelView, limits: Re
     if kind == "responses":
         _max_output(_integer(body, "max_output_tokens"), "max_output_tokens", model.max_model_len)
         return
+    _dataclass_field(body, "structured_outputs", "StructuredOutputsParams")
     max_tokens = _integer(body, "max_tokens")
     completion = _integer(body, "max_completion_tokens") if kind == "chat" else None
     # vLLM bounds the field it uses: max_completion_tokens wins over max_tokens (chat only).

@@ -27,8 +27,8 @@ pytestmark = pytest.mark.integration
 OPERATIONS = ("/v1/chat/completions", "/v1/completions")
 # Bounded so the simulated run stays under a minute on the shared 2-core machine (per operation
 # and generation mode); the real engines generate for real, so they get a handful.
-SIM_EXAMPLES = 60
-REAL_EXAMPLES = 10
+SIM_EXAMPLES = 300
+REAL_EXAMPLES = 20
 IDLE_WAIT_S = 10.0
 PHASES = ["examples", "fuzzing"]
 

@@ -35,7 +35,6 @@ JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "reply", "schema":
 MALFORMED = [
     {"structured_outputs": {"choice": ["a"], "regex": "a+"}},  # two kinds of constraint
     {"structured_outputs": {"choice": "yes"}},  # choice is a list
-    {"structured_outputs": "yes"},
     {"response_format": {"type": "json_schema"}},  # no json_schema
     {"response_format": {"type": "xml"}},
 ]
@@ -104,6 +103,21 @@ def test_a_malformed_one_is_refused_as_vllm_refuses_it(
         assert ours.status_code == theirs.status_code, (cfg.engines, ours.text)
         assert error_shape_problem(ours.status_code, ours.content) is None, ours.text
         assert "tokenizer" not in ours.json()["error"]["message"], ours.text  # the body's fault, said so
+    assert_idle(coordinator, sims=False)
+    assert_idle(sim_stack, sims=True)
+
+
+def test_a_structured_outputs_string_is_a_400_where_vllm_answers_500(
+    coordinator: stack.StackConfig, sim_stack: stack.StackConfig
+) -> None:
+    body = chat(structured_outputs="yes")
+    theirs = post(coordinator.engine_urls[0], "/v1/chat/completions", body)
+    # vLLM's before-validator calls .get on it ahead of its schema: "'str' object has no attribute 'get'".
+    assert theirs.status_code == 500, theirs.text
+    for cfg in (coordinator, sim_stack):
+        ours = post(cfg.coordinator_url, "/v1/chat/completions", body)
+        assert ours.status_code == 400, ours.text
+        assert ours.json()["error"]["param"] == "body.structured_outputs", ours.text
     assert_idle(coordinator, sims=False)
     assert_idle(sim_stack, sims=True)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from serving.pipeline.errors import UpstreamRequestError, error_body
+from serving.pipeline.errors import RequestError, UpstreamRequestError, error_body
 from serving.pipeline.request_checks import FeatureUnavailable, unservable
 from tests.serving.fakes import MODEL, error_json
 from tests.serving.router_fakes import Rig, assert_no_leaks, chat_body, engine, respond, snapshot_with
@@ -82,3 +82,21 @@ def test_a_fleet_that_could_serve_it_is_not_refused() -> None:
     # Only tokenizer features: the other native reasons keep their own answers.
     assert unservable(snapshot_with(*TOKENS_ONLY), MODEL, "no_streaming_derender", body) is None
     assert unservable(snapshot_with(*TOKENS_ONLY), MODEL, "local:logprobs", body) is None
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+@pytest.mark.parametrize("value", ["yes", ["a"], 5])
+async def test_structured_outputs_that_is_not_an_object_is_the_schemas_400_on_every_fleet(
+    rig: Rig, kind: str, value: Any
+) -> None:
+    # vLLM's own servers answer 500 here (their before-validator calls .get on it).
+    body = chat_body(structured_outputs=value) if kind == "chat" else {"model": MODEL, "prompt": "x",
+                                                                      "structured_outputs": value}
+    before = set(asyncio.all_tasks())
+    for fleet in (TOKENS_ONLY, (engine("e1", native_openai=True, tokenizer=True),)):
+        with pytest.raises(RequestError) as info:
+            await getattr(rig.pipeline(snapshot_with(*fleet)), kind)(dict(body), "u5")
+        error = info.value.body()["error"]
+        assert (error["type"], error["param"], error["code"]) == ("Bad Request", "body.structured_outputs", 400)
+    assert rig.upstreams.calls == [] and rig.native.calls == []
+    await assert_no_leaks(rig, before)
