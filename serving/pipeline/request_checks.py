@@ -12,7 +12,8 @@ What is refused, with vLLM 0.33's status and message where it has one (400, ``Ba
   an integer in [1, ``VLLM_MAX_N_SEQUENCES``]; more completion prompts than
   ``RequestLimits.max_prompts``; ``n`` x prompts over ``RequestLimits.max_choices`` (the
   coordinator's own cap, ``MOTOR_MAX_CHOICES``);
-- ``structured_outputs`` that is not an object (vLLM itself answers 500 there);
+- ``structured_outputs`` that is not an object (vLLM itself answers 500 there), ``stop`` that is
+  not a string or a list of strings: routing reads both, so the schema's 400 comes first;
 - engine controls (one rule: refused, never silently dropped, so a client learns its field had
   no effect): ``kv_transfer_params``, ``ec_transfer_params``, ``vllm_xargs``, ``extra_args``
   with any non-null value; ``priority`` other than 0 unless the caller's key allows it;
@@ -160,6 +161,20 @@ def _integer(body: dict[str, Any], name: str) -> int | None:
     return number
 
 
+# vLLM's schema for ``stop``: a string or a list of strings (no lax coercion from numbers).
+_STOP: TypeAdapter[str | list[str] | None] = TypeAdapter(str | list[str] | None)
+
+
+def _typed(body: Mapping[str, Any], name: str, adapter: TypeAdapter[Any]) -> None:
+    """400 with vLLM's schema error unless ``body[name]`` is what its schema accepts."""
+    try:
+        adapter.validate_python(body.get(name))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        detail = {"type": first["type"], "loc": f"body.{name}", "msg": first["msg"], "input": str(body.get(name))[:100]}
+        raise SchemaError(f"1 validation error:\n  {detail}", param=f"body.{name}") from None
+
+
 def _dataclass_field(body: Mapping[str, Any], name: str, schema: str) -> None:
     """400 unless ``body[name]`` is an object or null, as vLLM's schema reads it. vLLM 0.32/0.33's
     own before-validators call ``.get`` on ``structured_outputs`` ahead of the schema and answer
@@ -220,6 +235,7 @@ def check_body(kind: ApiKind, body: dict[str, Any], model: ModelView, limits: Re
         _max_output(_integer(body, "max_output_tokens"), "max_output_tokens", model.max_model_len)
         return
     _dataclass_field(body, "structured_outputs", "StructuredOutputsParams")
+    _typed(body, "stop", _STOP)  # routing reads it (engine/native.engine_tokenizer_feature)
     max_tokens = _integer(body, "max_tokens")
     completion = _integer(body, "max_completion_tokens") if kind == "chat" else None
     # vLLM bounds the field it uses: max_completion_tokens wins over max_tokens (chat only).

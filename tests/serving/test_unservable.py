@@ -100,3 +100,21 @@ async def test_structured_outputs_that_is_not_an_object_is_the_schemas_400_on_ev
         assert (error["type"], error["param"], error["code"]) == ("Bad Request", "body.structured_outputs", 400)
     assert rig.upstreams.calls == [] and rig.native.calls == []
     await assert_no_leaks(rig, before)
+
+
+@pytest.mark.parametrize("value", [True, 5, [1], [["x"]], {"a": "b"}])
+async def test_a_stop_of_the_wrong_type_is_the_schemas_400_before_routing(rig: Rig, value: Any) -> None:
+    # Found by tests/integration/test_fuzz_openai.py: routing iterated `stop: true` (500).
+    before = set(asyncio.all_tasks())
+    for kind, body in (("chat", chat_body(stop=value)), ("completions", {"model": MODEL, "prompt": "x", "stop": value})):
+        with pytest.raises(RequestError) as info:
+            await getattr(rig.pipeline(snapshot_with(*TOKENS_ONLY)), kind)(body, "u6")
+        assert (info.value.status, info.value.param) == (400, "body.stop")
+    assert rig.upstreams.calls == [] and rig.native.calls == []
+    await assert_no_leaks(rig, before)
+
+
+async def test_a_stop_string_or_list_of_strings_passes(rig: Rig) -> None:
+    await rig.pipeline(snapshot_with(engine("e1", tokenizer=True))).chat(chat_body(stop="x"), "u7")
+    await rig.pipeline(snapshot_with(engine("e1", tokenizer=True))).chat(chat_body(stop=["x", "y"]), "u8")
+    assert len(rig.upstreams.calls_of("generate")) == 2
