@@ -12,11 +12,18 @@ What is refused, with vLLM 0.33's status and message where it has one (400, ``Ba
   an integer in [1, ``VLLM_MAX_N_SEQUENCES``]; more completion prompts than
   ``RequestLimits.max_prompts``; ``n`` x prompts over ``RequestLimits.max_choices`` (the
   coordinator's own cap, ``MOTOR_MAX_CHOICES``);
+- ``structured_outputs`` that is not an object (vLLM itself answers 500 there), ``stop`` that is
+  not a string or a list of strings: routing reads both, so the schema's 400 comes first;
 - engine controls (one rule: refused, never silently dropped, so a client learns its field had
   no effect): ``kv_transfer_params``, ``ec_transfer_params``, ``vllm_xargs``, ``extra_args``
   with any non-null value; ``priority`` other than 0 unless the caller's key allows it;
 - ids outside the vocabulary in the prompt and in every id-valued sampling field; with the
-  vocabulary size unknown the token-only path answers 503 (``VocabularyUnknown``).
+  vocabulary size unknown the token-only path answers 503 (``VocabularyUnknown``);
+- a feature that needs a tokenizer on the engine (stop strings, structured output, a forced
+  tool choice) or an engine's own API (``echo``) on a fleet where no engine of the model could
+  ever run it (all tokens-only, none with its own OpenAI API): 400 as a ``--tokens-only`` vLLM engine gives for the same input, but
+  saying why (``FeatureUnavailable``, ``unservable``), once render has judged the body, so a
+  malformed one gets render's own 400 (vLLM's validation); never the native path's 503.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from serving.pipeline.errors import MotorError, RequestError
 from serving.pipeline.protocol import ApiKind
-from serving.pipeline.snapshot import ModelView
+from serving.pipeline.snapshot import FleetSnapshot, ModelView
 
 # vLLM's defaults for the same bounds (envs.VLLM_MAX_N_SEQUENCES, VLLM_MAX_COMPLETION_PROMPTS).
 VLLM_MAX_N_SEQUENCES = 16384
@@ -46,6 +53,52 @@ class VocabularyUnknown(MotorError):
 
     status = 503
     type = "ServiceUnavailableError"
+
+
+class FeatureUnavailable(RequestError):
+    """The body is valid, but no engine of this fleet could ever serve what it asks for.
+
+    400, not 501: a ``--tokens-only`` vLLM engine refuses these with 400 ("... requires a
+    tokenizer"), and retrying cannot help, which a 5xx would suggest.
+    """
+
+
+# Native-path reasons that are properties of the request itself (engine/native.native_reason):
+# what it asks for, the field that asks, and whether a tokenizer-loaded token-only engine runs it
+# too. The first three are what a --tokens-only engine refuses (400, "... requires a tokenizer");
+# ``echo`` has no derender, so only an engine's own OpenAI API serves it.
+_FEATURES: dict[str, tuple[str, str | None, bool]] = {
+    "stop_strings": ("stop strings (use `stop_token_ids` instead)", "stop", True),
+    "structured_output": ("structured output (`response_format` json_schema / json_object / structural_tag, "
+                          "`structured_outputs`)", None, True),
+    "forced_tool_choice": ('a forced tool choice (`tool_choice` "required" or a named function)', "tool_choice", True),
+    "echo": ("`echo` (the prompt in the answer)", "echo", False),
+}
+
+
+def unservable(
+    snapshot: FleetSnapshot, model: str, reason: str, body: Mapping[str, Any]
+) -> FeatureUnavailable | None:
+    """The refusal of a request routed native for ``reason`` when no instance of ``model``, whatever
+    its state, could ever serve it; None when one could (an unavailable one may come back: the
+    native path's 503) or ``reason`` is not a property of the request (render down, ...)."""
+    feature = _FEATURES.get(reason)
+    if feature is None:
+        return None
+    what, param, tokenizer_serves = feature
+    if any(i.model == model and i.role == "union"
+           and (i.native_openai or (tokenizer_serves and i.tokenizer and i.token_generate))
+           for i in snapshot.instances):
+        return None
+    needs = "an engine that loads a tokenizer or serves its own OpenAI API" if tokenizer_serves else (
+        "an engine that serves its own OpenAI API")
+    if param is None:
+        param = "response_format" if body.get("response_format") is not None else "structured_outputs"
+    return FeatureUnavailable(
+        f"This server cannot serve {what} for model `{model}`: it needs {needs}, and every engine of "
+        "this model is tokens-only (vLLM's `--tokens-only` engines refuse it too).",
+        param=param,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +161,32 @@ def _integer(body: dict[str, Any], name: str) -> int | None:
     return number
 
 
+# vLLM's schema for ``stop``: a string or a list of strings (no lax coercion from numbers).
+_STOP: TypeAdapter[str | list[str] | None] = TypeAdapter(str | list[str] | None)
+
+
+def _typed(body: Mapping[str, Any], name: str, adapter: TypeAdapter[Any]) -> None:
+    """400 with vLLM's schema error unless ``body[name]`` is what its schema accepts."""
+    try:
+        adapter.validate_python(body.get(name))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        detail = {"type": first["type"], "loc": f"body.{name}", "msg": first["msg"], "input": str(body.get(name))[:100]}
+        raise SchemaError(f"1 validation error:\n  {detail}", param=f"body.{name}") from None
+
+
+def _dataclass_field(body: Mapping[str, Any], name: str, schema: str) -> None:
+    """400 unless ``body[name]`` is an object or null, as vLLM's schema reads it. vLLM 0.32/0.33's
+    own before-validators call ``.get`` on ``structured_outputs`` ahead of the schema and answer
+    500 for a string; the coordinator gives the schema's verdict instead, before any path."""
+    value = body.get(name)
+    if value is None or isinstance(value, dict):
+        return
+    detail = {"type": "dataclass_type", "loc": f"body.{name}",
+              "msg": f"Input should be a dictionary or an instance of {schema}", "input": str(value)[:100]}
+    raise SchemaError(f"1 validation error:\n  {detail}", param=f"body.{name}")
+
+
 def _max_output(value: int | None, name: str, max_model_len: int) -> None:
     if value is None:
         return
@@ -155,6 +234,8 @@ def check_body(kind: ApiKind, body: dict[str, Any], model: ModelView, limits: Re
     if kind == "responses":
         _max_output(_integer(body, "max_output_tokens"), "max_output_tokens", model.max_model_len)
         return
+    _dataclass_field(body, "structured_outputs", "StructuredOutputsParams")
+    _typed(body, "stop", _STOP)  # routing reads it (engine/native.engine_tokenizer_feature)
     max_tokens = _integer(body, "max_tokens")
     completion = _integer(body, "max_completion_tokens") if kind == "chat" else None
     # vLLM bounds the field it uses: max_completion_tokens wins over max_tokens (chat only).

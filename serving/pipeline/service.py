@@ -315,6 +315,12 @@ class ServingPipeline:
                 f"This request needs the engine's own OpenAI API ({reason}), which is not available while "
                 "token obfuscation is on." + _hint(reason),
             )
+        unservable = request_checks.unservable(self.snapshot, model.name, reason, body)
+        if unservable is not None and kind in ("chat", "completions"):
+            await self._render_verdict(kind, body, request_id)  # render's 400 for a malformed body
+            self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
+            logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
+            raise unservable
         self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
         logger.info("route request_id=%s kind=%s path=native reason=%s", request_id, kind, reason)
         # The body is the client's; the tokens are only an estimate (no prompt ids here).
@@ -364,6 +370,19 @@ class ServingPipeline:
         if last is not None:
             raise last
         raise NoCapacity(f"no engine serves the native OpenAI API for model {model.name!r} ({reason})" + _hint(reason))
+
+    async def _render_verdict(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> None:
+        """Let render judge ``body`` (vLLM's own schema and validators): its 4xx propagates; an
+        unusable sidecar has no verdict, and the caller's answer stands."""
+        if not self.snapshot.render.enable or self.render_health.skip():
+            return
+        try:
+            if kind == "chat":
+                await self.render.render_chat(body, request_id)
+            else:
+                await self.render.render_completions(body, request_id)
+        except RenderUnavailable as exc:
+            self.render_health.mark(exc)
 
     async def _open(
         self, body: dict[str, Any], kind: TokenKind, request_id: str, tokenized: TokenizedRequest,

@@ -100,8 +100,11 @@ async def test_render_disabled_goes_native(rig: Rig) -> None:
 
 
 async def test_without_a_native_engine_it_is_503(rig: Rig) -> None:
+    # The fleet has native engines, none available now: they may come back (a fleet that
+    # never could serve it refuses it with 400: test_unservable.py).
+    fleet = snapshot_with(engine("e1", native_openai=True, state="draining"), engine("e2"))
     with pytest.raises(NoCapacity):
-        await rig.pipeline(snapshot_with(engine("e1"), engine("e2"))).chat(chat_body(stop=["\n"]), "n8")
+        await rig.pipeline(fleet).chat(chat_body(stop=["\n"]), "n8")
 
 
 async def test_a_failed_native_engine_is_retried_elsewhere_and_4xx_is_not(rig: Rig) -> None:
