@@ -146,7 +146,7 @@ def main() -> int:
         redis_url=REDIS_URL,
         celery=False,
         restart=None,
-        extra_env={"SECRET_KEY": "bench-" + uuid.uuid4().hex},
+        extra_env={"SECRET_KEY": "bench-" + uuid.uuid4().hex + uuid.uuid4().hex},  # 50+ characters
     )
     print(f"logs: {tmp}", flush=True)
     subprocess.run([*PSQL, f"CREATE DATABASE {db}"], check=True)

@@ -157,7 +157,7 @@ def cluster(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFac
         extra_env={
             "MOTOR_DEMO_ADMIN_KEY": ADMIN_KEY,
             # Both replicas sign Trigger routes with one key, as pods sharing a Secret do.
-            "SECRET_KEY": "replicas-" + uuid.uuid4().hex,
+            "SECRET_KEY": "replicas-" + uuid.uuid4().hex + uuid.uuid4().hex,  # 50+ characters, as the settings demand
             "MOTOR_GLOBAL_TOKEN_BUDGET": str(GLOBAL_BUDGET),
             "MOTOR_ADMISSION_WAIT_MS": "300",
             "MOTOR_BREAKER_THRESHOLD": "2",
