@@ -15,12 +15,17 @@ and, for upstream vLLM's MooncakeConnector (the router supplies both legs' param
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator
 from typing import Any, Iterator
 
+import httpx
 import pytest
 
 from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.placement.scheduler import LoadTracker
+from serving.pipeline.snapshot import InstanceView
 
 
 def sim_server(config: SimConfig, **changes: Any) -> Iterator[LiveServer]:
@@ -76,3 +81,57 @@ def mooncake_sim_fixtures(config: SimConfig) -> tuple[Any, Any]:
         yield from sim_server(config, role=EngineRole.DECODE, kv_pull_params="router", kv_connector="MooncakeConnector")
 
     return mooncake_prefill, mooncake_decode
+
+
+# -- what the topology tests drive P/D with ---------------------------------------------------
+
+
+@dataclasses.dataclass
+class Placed:
+    """A placement as the scheduler makes it: ``instances == (prefill, decode)``."""
+
+    prefill: InstanceView
+    decode: InstanceView
+
+    @property
+    def instances(self) -> tuple[InstanceView, ...]:
+        return (self.prefill, self.decode)
+
+
+class RecordingEngines(EngineClient):
+    """The real client, recording every request object it sends, every response and every abort;
+    ``canned`` answers a prefill leg instead of the engine (a body recorded from a connector's
+    source, where no engine of it can run here)."""
+
+    def __init__(self, client: httpx.AsyncClient, canned: dict[str, Any] | None = None) -> None:
+        super().__init__(client)
+        self.canned = canned
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+        self.answers: list[dict[str, Any]] = []
+        self.aborted: list[tuple[str, list[str]]] = []
+
+    async def generate(self, instance: InstanceView, request: dict[str, Any]) -> dict[str, Any]:
+        self.sent.append((instance.name, request))
+        if self.canned is not None and instance.role == "prefill":
+            response = self.canned
+        else:
+            response = await super().generate(instance, request)
+        self.answers.append(response)
+        return response
+
+    async def abort(self, instance: InstanceView, request_ids: list[str]) -> None:
+        self.aborted.append((instance.name, request_ids))
+        await super().abort(instance, request_ids)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+        yield client
+
+
+@pytest.fixture
+def load() -> Iterator[LoadTracker]:
+    tracker = LoadTracker()
+    yield tracker
+    assert tracker.snapshot() == {}, "a leg's hold leaked"

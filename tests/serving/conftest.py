@@ -8,6 +8,7 @@ from typing import AsyncIterator
 import httpx
 import pytest
 
+from tests.pd_sims import http, load  # noqa: F401  (fixtures of the P/D topology tests)
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
 from tests.serving.router_fakes import Rig, assert_no_leaks, make_rig
 from tests.serving.shared_redis import prefix, redis_client  # noqa: F401  (fixtures of the Redis-backed tests)

@@ -13,7 +13,6 @@ Ascend answer, a recorded-shape answer through the real engine client's seam.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -22,7 +21,6 @@ import pytest
 
 from enginesim import SimConfig
 from enginesim.testing import LiveServer
-from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.errors import EngineError
 from serving.pipeline.placement.scheduler import LoadTracker
 from serving.pipeline.snapshot import InstanceView
@@ -35,7 +33,7 @@ from serving.pipeline.topologies.handoff import (
 )
 from serving.pipeline.topologies.pd import PDContext
 from serving.snapshots import wire_connector
-from tests.pd_sims import MOONCAKE_PREFILL_ENGINE_ID, mooncake_sim_fixtures, pd_sim_fixtures
+from tests.pd_sims import MOONCAKE_PREFILL_ENGINE_ID, Placed, RecordingEngines, mooncake_sim_fixtures, pd_sim_fixtures
 
 MODEL = "tiny"
 CONFIG = SimConfig(
@@ -54,54 +52,6 @@ def inst(name: str, role: str, connector: str, *, url: str = "http://127.0.0.1:9
         max_model_len=4096, token_generate=True, native_openai=False, tokenizer=False, state="active",
         kind="sim", kv_transfer="pull", kv_connector=connector, **kw,
     )
-
-
-@dataclasses.dataclass
-class Placed:
-    prefill: InstanceView
-    decode: InstanceView
-
-    @property
-    def instances(self) -> tuple[InstanceView, ...]:
-        return (self.prefill, self.decode)
-
-
-class RecordingEngines(EngineClient):
-    """The real client, recording requests and answers; ``canned`` answers a prefill leg instead of
-    the engine (a body recorded from a connector's source, where no engine of it can run here)."""
-
-    def __init__(self, client: httpx.AsyncClient, canned: dict[str, Any] | None = None) -> None:
-        super().__init__(client)
-        self.canned = canned
-        self.sent: list[tuple[str, dict[str, Any]]] = []
-        self.answers: list[dict[str, Any]] = []
-        self.aborted: list[tuple[str, list[str]]] = []
-
-    async def generate(self, instance: InstanceView, request: dict[str, Any]) -> dict[str, Any]:
-        self.sent.append((instance.name, request))
-        if self.canned is not None and instance.role == "prefill":
-            response = self.canned
-        else:
-            response = await super().generate(instance, request)
-        self.answers.append(response)
-        return response
-
-    async def abort(self, instance: InstanceView, request_ids: list[str]) -> None:
-        self.aborted.append((instance.name, request_ids))
-        await super().abort(instance, request_ids)
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-        yield client
-
-
-@pytest.fixture
-def load() -> Iterator[LoadTracker]:
-    tracker = LoadTracker()
-    yield tracker
-    assert tracker.snapshot() == {}, "a leg's hold leaked"
 
 
 def request(rid: str = "r1", max_tokens: int = 12) -> dict[str, Any]:

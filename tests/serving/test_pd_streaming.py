@@ -89,12 +89,6 @@ class RecordingEngines(EngineClient):
 
 
 @pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-        yield client
-
-
-@pytest.fixture
 async def metaserver(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MetaServer]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -46,7 +46,7 @@ from serving.pipeline.topologies.metaserver import MetaServer
 from serving.pipeline.topologies.pd import PDContext, PDPlacement, _settle, decode_request, leg_ids, prefill_request
 from serving.pipeline.topologies.registry import TopologyRegistry
 from serving.pipeline.topologies.trigger import open_trigger, push_prefill_params
-from tests.pd_sims import pd_sim_fixtures, sim_server
+from tests.pd_sims import Placed, RecordingEngines, pd_sim_fixtures, sim_server
 
 MODEL = "tiny"
 
@@ -278,51 +278,6 @@ def closed_url() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{s.getsockname()[1]}"
-
-
-@dataclasses.dataclass
-class Placed:
-    """A placement as the scheduler makes it: ``instances == (prefill, decode)``."""
-
-    prefill: InstanceView
-    decode: InstanceView
-
-    @property
-    def instances(self) -> tuple[InstanceView, ...]:
-        return (self.prefill, self.decode)
-
-
-class RecordingEngines(EngineClient):
-    """The real client, recording every request object it sends, every response and every abort."""
-
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        super().__init__(client)
-        self.sent: list[tuple[str, dict[str, Any]]] = []
-        self.answers: list[dict[str, Any]] = []
-        self.aborted: list[tuple[str, list[str]]] = []
-
-    async def generate(self, instance: InstanceView, request: dict[str, Any]) -> dict[str, Any]:
-        self.sent.append((instance.name, request))
-        response = await super().generate(instance, request)
-        self.answers.append(response)
-        return response
-
-    async def abort(self, instance: InstanceView, request_ids: list[str]) -> None:
-        self.aborted.append((instance.name, request_ids))
-        await super().abort(instance, request_ids)
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-        yield client
-
-
-@pytest.fixture
-def load() -> Iterator[LoadTracker]:
-    tracker = LoadTracker()
-    yield tracker
-    assert tracker.snapshot() == {}, "a leg's hold leaked"
 
 
 @pytest.fixture
