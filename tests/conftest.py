@@ -51,19 +51,13 @@ def _fresh_render_health() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def _in_process_reports_write_nowhere() -> Iterator[None]:
+def _in_process_reports_write_nowhere() -> None:
     """The test process's own reporter threads (``serving.runtime``: render stream counts, the
     dashboard's series) write nowhere. Under pytest-django a thread outside a test may not touch
     the database, so their writes could only fail; each failure logged a traceback from that
     thread for the rest of the session, and Python 3.11 formats tracebacks with ``ast.parse``,
     which is not thread-safe: an ``ast.parse`` in a test raced it (``SystemError: AST constructor
     recursion depth mismatch``). Tests of the reporters build their own."""
-    _silence_reporters()
-    yield
-    _silence_reporters()  # also when this test was the one that first imported the runtime
-
-
-def _silence_reporters() -> None:
     runtime = sys.modules.get("serving.runtime")
     if runtime is not None:
         for reporter in (runtime.RUNTIME.stream_reporter, runtime.RUNTIME.dashboard_reporter):
