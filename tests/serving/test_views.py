@@ -9,12 +9,10 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from catalog.models import RenderConfig, ServedModel
-from fleet.models import EngineInstance
 from serving import runtime, snapshots
+from tests.serving.conftest import create_db_fleet
 from tests.serving.fakes import (
     CHAT_PROMPT,
-    ENGINE_URLS,
     MODEL,
     FakeUpstreams,
     error_json,
@@ -39,10 +37,7 @@ def fresh_snapshot(settings: Any) -> Iterator[None]:
 
 @pytest.fixture
 def fleet(transactional_db: None) -> None:
-    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
-    RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
-    for name, url in ENGINE_URLS.items():
-        EngineInstance.objects.create(name=name, url=url, served_model=model)
+    create_db_fleet()
 
 
 @pytest.fixture
