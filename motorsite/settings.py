@@ -263,6 +263,9 @@ for _name in ("MOTOR_METASERVER_BASE_URL", "MOTOR_METASERVER_OWNER_URL"):
 # The name this coordinator process goes by in motor_coordinator_info (and its traces): the pod name
 # in the k8s manifests, the service in compose; Prometheus joins it onto every metric of the process.
 MOTOR_REPLICA = env_str("MOTOR_REPLICA") or socket.gethostname()
+# OpenTelemetry traces of each request's phases, exported over OTLP/HTTP as the standard OTEL_*
+# variables say (serving/pipeline/tracing.py). Off: OpenTelemetry is not even imported.
+MOTOR_TRACING = env_bool("MOTOR_TRACING", False)
 MOTOR_DERENDER_CHUNK_RETRIES = env_int("MOTOR_DERENDER_CHUNK_RETRIES", 1)
 # How long a derender waits for an unreachable sidecar to come back: its supervisor restarts it
 # after 1 s, and a vLLM sidecar starts in about 7 s on an idle 2-core box but took 38-78 s while
