@@ -68,6 +68,9 @@ class Replica:
     def requests_to(self, instance: str) -> float:
         return metric_samples(self.metrics(), "motor_engine_requests_total").get(f'instance="{instance}"', 0.0)
 
+    def callbacks_forwarded(self, result: str) -> float:
+        return metric_samples(self.metrics(), "motor_trigger_callbacks_total")[f'result="{result}"']
+
     def inflight(self) -> float:
         return sum(metric_samples(self.metrics(), "motor_engine_in_flight_tokens").values())
 
@@ -192,7 +195,8 @@ def cluster(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFac
     )
     for name, port, own, other in (("a", port_a, url_a, url_b), ("b", port_b, url_b, url_a)):
         spec = stack.coordinator_spec(replace(cfg, coordinator_port=port))
-        env = {**spec.env, "MOTOR_METASERVER_BASE_URL": other, "MOTOR_METASERVER_OWNER_URL": own}
+        env = {**spec.env, "MOTOR_METASERVER_BASE_URL": other, "MOTOR_METASERVER_OWNER_URL": own,
+               "MOTOR_REPLICA": f"coordinator-{name}"}
         specs.append(dataclasses.replace(spec, name=f"coordinator-{name}", env=env, log_path=cfg.log_dir / f"coordinator-{name}.log"))
     supervisor = Supervisor(specs)
     try:
@@ -373,6 +377,7 @@ def test_it_routes_a_trigger_callback_to_the_replica_that_started_the_request(c:
     try:
         for owner, other in ((c.a, c.b), (c.b, c.a)):
             forwarded_before = other.log.read_text().count("metaserver forwarded a callback to " + owner.url)
+            accepted_before = other.callbacks_forwarded("accepted")
             decode_before = owner.requests_to("push-decode-1")
             out = chat(owner.openai(), max_tokens=8, content="trigger across replicas")
             assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
@@ -384,10 +389,21 @@ def test_it_routes_a_trigger_callback_to_the_replica_that_started_the_request(c:
             # The decode engine called the other replica; it checked the token and forwarded it.
             assert owner.requests_to("push-decode-1") >= decode_before + 2
             assert other.log.read_text().count("metaserver forwarded a callback to " + owner.url) == forwarded_before + 2
+            # ...and counted both, by the owner's answer, where Prometheus sums it by replica.
+            assert other.callbacks_forwarded("accepted") == accepted_before + 2
+            assert other.callbacks_forwarded("unreachable") == other.callbacks_forwarded("refused") == 0
     finally:
         _set_state(c, c.a, "undrain", "union-1", "union-2")
         for instance_id in ids:
             _delete(c, c.a, instance_id)
+
+
+def test_each_replica_names_itself_in_its_metrics(c: Cluster) -> None:
+    for replica in (c.a, c.b):
+        [labels] = metric_samples(replica.metrics(), "motor_coordinator_info")
+        assert f'replica="coordinator-{replica.name}"' in labels and 'pid="' in labels and 'host="' in labels
+    pid_a, pid_b = (metric_samples(r.metrics(), "motor_coordinator_info") for r in (c.a, c.b))
+    assert pid_a.keys() != pid_b.keys()
 
 
 def _seed(url: str, ids: list[int]) -> None:
