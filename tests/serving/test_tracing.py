@@ -11,15 +11,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -30,6 +27,7 @@ from serving.pipeline import metric_names as names
 from serving.pipeline import tracing
 from serving.pipeline.errors import EngineError
 from serving.pipeline.phases import Histograms, Phases
+from tests.otlp import Receiver
 from tests.serving.fakes import MODEL, FakeUpstreams
 from tests.serving.router_fakes import Rig, chat_body
 from tests.serving.test_phases import DERENDER_S, GENERATE_S, RENDER_S, Clock, timed
@@ -148,53 +146,11 @@ def test_off_by_default_the_process_never_loads_the_tracing_sdk_or_exporter() ->
 # -- over OTLP/HTTP, through the whole application ------------------------------------------------
 
 
-class Receiver:
-    """A tiny OTLP/HTTP trace receiver on 127.0.0.1: decodes each export, answers 200."""
-
-    def __init__(self) -> None:
-        self.requests: list[ExportTraceServiceRequest] = []
-        self.paths: list[str] = []
-        received = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                received.paths.append(self.path)
-                assert self.headers["Content-Type"] == "application/x-protobuf"
-                received.requests.append(ExportTraceServiceRequest.FromString(body))
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-
-    def spans(self) -> list[tuple[dict[str, Any], Any]]:
-        """(resource attributes, span) of every span received."""
-        out = []
-        for request in self.requests:
-            for rs in request.resource_spans:
-                resource = {a.key: a.value.string_value for a in rs.resource.attributes}
-                out += [(resource, span) for ss in rs.scope_spans for span in ss.spans]
-        return out
-
-
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     r = Receiver()
-    r.thread.start()
     yield r
-    r.server.shutdown()
-    r.server.server_close()
-    r.thread.join(timeout=5)
+    r.close()
 
 
 async def test_a_request_through_the_application_is_exported_over_otlp_http(
