@@ -2,7 +2,7 @@
 
 One :class:`Generation` per generate request decodes its n choices in lock step (one
 token per live choice per step, in index order), like a real engine batch, and yields a
-:class:`ChoiceDelta` per choice per step. HTTP framing lives in ``app.py``.
+:class:`ChoiceDelta` per choice per step. HTTP framing lives in ``generate.py`` (routes in ``app.py``).
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def serve(kind: str) -> Endpoint:
         except BaseException as exc:
             phases.close(exc)
             raise
-        phases.close()  # a failure answered already (its end-to-end phase never came)
+        phases.close()  # a no-op once the end-to-end phase ended the trace; else it ends it here
 
     return endpoint
 
