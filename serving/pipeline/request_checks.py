@@ -46,6 +46,8 @@ VLLM_MAX_COMPLETION_PROMPTS = 1024
 # Client fields that steer an engine's internals: KV/EC connector params can pin KV blocks or
 # point an engine at an address of the client's choosing; xargs reach custom logits processors.
 ENGINE_CONTROLS = ("kv_transfer_params", "ec_transfer_params", "vllm_xargs", "extra_args")
+# The engine-internal fields answers can carry: nulled in JSON answers and in SSE frames alike.
+RESPONSE_CONTROLS = ("kv_transfer_params", "ec_transfer_params")
 
 
 class VocabularyUnknown(MotorError):
@@ -379,8 +381,9 @@ def scrub_response(response: dict[str, Any]) -> dict[str, Any]:
 
     ``kv_transfer_params`` names the prefill engine's host, port and KV blocks; derender and the
     native API pass it through. It stays in the body as ``null`` (vLLM's shape when unset).
+    Streams get the same through ``sse.FieldScrub`` at the edge.
     """
-    for name in ("kv_transfer_params", "ec_transfer_params"):
+    for name in RESPONSE_CONTROLS:
         if response.get(name) is not None:
             response[name] = None
     return response
