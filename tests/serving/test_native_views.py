@@ -88,6 +88,18 @@ async def test_engine_controls_in_a_relayed_native_stream_are_nulled(
     assert native.open_streams == set()
 
 
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+async def test_on_a_tokens_only_fleet_responses_and_messages_are_a_400_saying_why(
+    v1: httpx.AsyncClient, db_upstreams: FakeUpstreams, path: str
+) -> None:
+    # The database fleet of the fakes: every engine token-only, none with its own OpenAI API.
+    response = await v1.post(path, json={"model": MODEL, "input": "hi", "max_tokens": 5})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError" and "its own OpenAI API" in error["message"]
+    assert db_upstreams.calls == []
+
+
 async def test_a_full_admission_queue_is_429_with_retry_after(
     v1: httpx.AsyncClient, native: NativeEngines, monkeypatch: pytest.MonkeyPatch
 ) -> None:
