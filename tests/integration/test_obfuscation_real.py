@@ -416,11 +416,12 @@ def _streamed(chunks: Iterator[Any]) -> dict[str, Any]:
     """What a client assembles from a stream, per choice: text, token ids, logprobs, finish; the
     prompt's ids and the usage chunk."""
     choices: dict[int, dict[str, Any]] = {}
-    out: dict[str, Any] = {"choices": choices, "prompt_token_ids": None, "usage": None}
+    # Every chunk that carries the prompt's ids (vLLM: the first one only).
+    out: dict[str, Any] = {"choices": choices, "prompt_token_ids": [], "usage": None}
     for chunk in chunks:
         data = chunk.model_dump()
         if data.get("prompt_token_ids") is not None:
-            out["prompt_token_ids"] = data["prompt_token_ids"]
+            out["prompt_token_ids"].append(data["prompt_token_ids"])
         if data.get("usage"):
             out["usage"] = {k: data["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
         for c in data["choices"]:
@@ -431,11 +432,12 @@ def _streamed(chunks: Iterator[Any]) -> dict[str, Any]:
             got["logprobs"] += _positions(c.get("logprobs"))
             got["finish"] = c.get("finish_reason") or got["finish"]
             if c.get("prompt_token_ids") is not None:  # completions put them on the choice
-                out["prompt_token_ids"] = c["prompt_token_ids"]
+                out["prompt_token_ids"].append(c["prompt_token_ids"])
     return out
 
 
 def assert_same_stream(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert len(want["prompt_token_ids"]) == 1
     assert got["prompt_token_ids"] == want["prompt_token_ids"] and got["usage"] == want["usage"]
     assert got["choices"].keys() == want["choices"].keys()
     for index, w in want["choices"].items():
