@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -420,6 +421,7 @@ def _streamed(chunks: Iterator[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"choices": choices, "prompt_token_ids": [], "usage": None}
     for chunk in chunks:
         data = chunk.model_dump()
+        out["id"] = data["id"]
         if data.get("prompt_token_ids") is not None:
             out["prompt_token_ids"].append(data["prompt_token_ids"])
         if data.get("usage"):
@@ -496,4 +498,10 @@ def test_a_stream_cut_mid_way_is_relayed_to_the_other_obfuscated_engine_unchange
     got = _stream(obf_fleet.cfg.coordinator_url, kind, API_KEY)
     assert obf_fleet.cut.cuts == cuts + 1 and not obf_fleet.cut.armed
     assert _relays(obf_fleet.cfg) == relays + 1  # relayed, not restarted nor failed
+    # After output reached the client, to the other engine.
+    log = (obf_fleet.cfg.log_dir / "coordinator.log").read_text()
+    relay = re.search(rf"relay request_id={got['id']} prompt=0 committed_tokens=(\d+) .*"
+                      r"old_instance=(\S+) new_instance=(\S+)", log)
+    assert relay is not None, got["id"]
+    assert int(relay[1]) > 0 and relay[2] != relay[3]
     assert_same_stream(got, want)
