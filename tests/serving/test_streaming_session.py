@@ -164,8 +164,11 @@ async def test_the_prompt_ids_are_the_original_prompts_once_never_a_relays_repla
     first = [c async for c in s.chunks(events({**event(7), "prompt_token_ids": PROMPT}, event(8)))]
     assert first[0]["prompt_token_ids"] == PROMPT and "prompt_token_ids" not in first[1]
     s.begin_attempt(1, "e2")  # relayed: the engine was sent prompt + committed output
-    relayed = [c async for c in s.chunks(events({**event(9), "prompt_token_ids": [*PROMPT, 7, 8]}))]
+    relayed = [c async for c in s.chunks(events(
+        {**event(9), "prompt_token_ids": [*PROMPT, 7, 8]}, {**event(4, index=1), "prompt_token_ids": PROMPT},
+    ))]
     assert relayed[0]["prompt_token_ids"] is None and relayed[0]["choices"][0]["delta"]["content"] == "<9>"
+    assert relayed[1]["prompt_token_ids"] == PROMPT  # another choice's first chunk carries them, as vLLM's
 
 
 async def test_restore_drops_what_a_failed_attempt_added() -> None:
