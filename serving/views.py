@@ -17,11 +17,22 @@ logger = logging.getLogger(__name__)
 
 @require_GET
 async def healthz(request: HttpRequest) -> HttpResponse:
-    """Liveness of the coordinator, plus whether the render sidecar answers."""
+    """Liveness of the coordinator, plus whether the render sidecar answers.
+
+    A process that never had a snapshot and cannot read the database is up but cannot serve:
+    503 with the reason, so a load balancer or readiness probe keeps traffic away until the
+    database is back (the last snapshot keeps serving otherwise: ``serving.snapshots``).
+    """
     from serving.pipeline import http
+    from serving.pipeline.errors import ControlDataUnavailable
     from serving.pipeline.render.client import RenderClient
 
-    snapshot = await current_snapshot()
+    try:
+        snapshot = await current_snapshot()
+    except ControlDataUnavailable as exc:
+        # The exception's message names the database error: for the log, not the probe.
+        logger.warning("/healthz: %s", exc.message)
+        return JsonResponse({"status": "unavailable", "reason": exc.public}, status=503)
     render = RenderClient(http.shared_client(), snapshot.render.base_url, min(snapshot.render.timeout_s, 1.0))
     render_ok = await render.health()
     return JsonResponse({"status": "ok", "render": "up" if render_ok else "down", "fleet_version": snapshot.version})

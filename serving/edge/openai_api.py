@@ -41,8 +41,10 @@ from serving.pipeline.errors import (
     error_headers,
 )
 from serving.pipeline.phases import Phases
+from serving.pipeline.request_checks import RESPONSE_CONTROLS
 from serving.pipeline.service import EventStream
 from serving.pipeline.snapshot import FleetSnapshot
+from serving.pipeline.sse import FieldScrub
 from serving.runtime import phase_histograms, pipeline_for, tracer
 from serving.snapshots import current_snapshot
 
@@ -143,7 +145,10 @@ async def _serve(
             return
         if isinstance(result, (EventStream, NativeStream)):
             try:
-                await send_stream(send, result.frames(), ((b"x-request-id", rid),), watch)
+                # Native streams are the engine's bytes relayed: its engine-internal fields are
+                # nulled here, as ``scrub_response`` does for JSON answers.
+                scrub = FieldScrub(RESPONSE_CONTROLS)
+                await send_stream(send, result.frames(), ((b"x-request-id", rid),), watch, scrub)
             finally:
                 # The task ended (the client left, a send failed) before frames() ran: its
                 # finally never will, so the engine streams are closed and the load released here.
