@@ -9,9 +9,11 @@ result runs beside this one. Two workloads, each on every path, in interleaved r
     json    a chat, max_tokens 1, not streamed
     stream  a chat, max_tokens 32, ignore_eos, streamed
 
-    direct  this script calls render, generate and derender itself (the stream: derender of
-            every generate event, stream_state carried), over the same kind of HTTP client
-    now     the coordinator from this tree
+    direct  this script calls render, generate and derender itself, with the coordinator's
+            own HTTP client (``serving/pipeline/http11.py``, used for every path here) (the stream: the events that queued up during a derender go in one call, as
+            the coordinator's coalescing does; stream_state carried)
+    now     the coordinator from this tree (Daphne, as ``make run`` serves it)
+    uvicorn the same coordinator under uvicorn (``--uvicorn``; same database)
     base    the coordinator at REV
 
 Reported per workload and path: E2E p50/p99 (and TTFT p50 for streams), the coordinator
@@ -37,7 +39,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Awaitable
+from typing import Any, AsyncIterator, Awaitable
 
 import httpx
 
@@ -47,6 +49,8 @@ sys.path.insert(0, str(ROOT))
 from bench.common import loadavg, percentile, publish, require_env, section_head, tree_cpu_seconds  # noqa: E402
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, free_port  # noqa: E402
+from serving.pipeline.derender.coalesce import coalesced  # noqa: E402
+from serving.pipeline.http11 import Http11Client, StreamReply  # noqa: E402
 from serving.pipeline.render.client import RenderClient  # noqa: E402
 
 SECTION = "## bench/hotpath.py"
@@ -78,7 +82,7 @@ class Samples:
     errors: list[str] = field(default_factory=list)
 
 
-async def via_coordinator(client: httpx.AsyncClient, url: str, body: dict[str, Any], s: Samples) -> None:
+async def via_coordinator(client: Http11Client, url: str, body: dict[str, Any], s: Samples) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
     t0 = time.perf_counter()
     if not body.get("stream"):
@@ -103,7 +107,7 @@ async def via_coordinator(client: httpx.AsyncClient, url: str, body: dict[str, A
     s.e2e.append(time.perf_counter() - t0)
 
 
-async def direct(client: httpx.AsyncClient, render: RenderClient, engine: str, body: dict[str, Any], s: Samples) -> None:
+async def direct(client: Http11Client, render: RenderClient, engine: str, body: dict[str, Any], s: Samples) -> None:
     """What the coordinator does for one chat, done by hand: render, generate, derender."""
     t0 = time.perf_counter()
     req = await render.render_chat(body, uuid.uuid4().hex)
@@ -116,17 +120,22 @@ async def direct(client: httpx.AsyncClient, render: RenderClient, engine: str, b
     req["stream"] = True
     state, first = None, None
     async with client.stream("POST", engine + "/inference/v1/generate", json=req) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
+        # The same coalescing as the coordinator's: what queued up during a derender goes in one call.
+        async for event in coalesced(_events(r)):
             chunk, state = await render.derender_chunk(
-                "chat", json.loads(line[5:]), stream_state=state,
-                prompt_tokens=len(ids), prompt_token_ids=ids, request=body, model="tiny",
+                "chat", event, stream_state=state, prompt_tokens=len(ids), prompt_token_ids=ids, request=body,
+                model="tiny",
             )
             if first is None:
                 first = time.perf_counter() - t0
     s.ttft.append(first or 0.0)
     s.e2e.append(time.perf_counter() - t0)
+
+
+async def _events(r: StreamReply) -> AsyncIterator[dict[str, Any]]:
+    async for line in r.aiter_lines():
+        if line.startswith("data:") and line != "data: [DONE]":
+            yield json.loads(line[5:])
 
 
 def _ms(values: list[float], q: float) -> str:
@@ -182,7 +191,10 @@ async def measure(args: argparse.Namespace, urls: dict[str, str], pids: dict[str
                   render_pid: int) -> dict[tuple[str, str], Samples]:
     paths = list(urls)
     results = {(w, p): Samples() for w in WORKLOADS for p in paths}
-    async with httpx.AsyncClient(timeout=TIMEOUT, trust_env=False) as client:
+    # The coordinator's own lean client on the bench's side too, for every path: what ``direct``
+    # pays per call is then the floor, not httpx's overhead three times over.
+    client = Http11Client(TIMEOUT)
+    try:
         render = RenderClient(client, render_url, 60.0)
 
         def one(path: str, i: int, stream: bool, max_tokens: int, s: Samples) -> Awaitable[None]:
@@ -208,6 +220,8 @@ async def measure(args: argparse.Namespace, urls: dict[str, str], pids: dict[str
                     s.cpu += (tree_cpu_seconds(pid) - cpu0) if pid else 0.0
                     s.render_cpu += tree_cpu_seconds(render_pid) - rcpu0
             print(f"round {r + 1}/{args.rounds} done", flush=True)
+    finally:
+        await client.aclose()
     return results
 
 
@@ -216,6 +230,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=60, help="measured requests per workload and path")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", help="a git revision whose coordinator runs beside this tree's")
+    parser.add_argument("--uvicorn", action="store_true", help="also this tree's coordinator under uvicorn")
     parser.add_argument("--write", action="store_true", help="write the section into bench/RESULTS.md")
     args = parser.parse_args()
 
@@ -235,6 +250,13 @@ def main() -> int:
         stack.prepare_database(cfg)
         specs = [stack.coordinator_spec(cfg)]
         urls = {"direct": "", "now": cfg.coordinator_url}
+        if args.uvicorn:
+            uv_cfg = replace(cfg, coordinator_port=free_port())
+            spec = stack.coordinator_spec(uv_cfg)
+            argv = [cfg.app_python, "-m", "uvicorn", "--host", stack.HOST, "--port", str(uv_cfg.coordinator_port),
+                    "--no-access-log", "--log-level", "warning", "motorsite.asgi:application"]
+            specs.append(replace(spec, name="coordinator-uvicorn", argv=argv, log_path=cfg.log_dir / "uvicorn.log"))
+            urls["uvicorn"] = uv_cfg.coordinator_url
         if args.baseline:
             base_cfg = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{tmp / 'base.sqlite3'}")
             specs.append(_coordinator_from(_baseline_tree(args.baseline, tmp, exits), base_cfg, "coordinator-base"))
@@ -244,6 +266,8 @@ def main() -> int:
         pids = {"now": coords.pids["coordinator"]}
         if args.baseline:
             pids["base"] = coords.pids["coordinator-base"]
+        if args.uvicorn:
+            pids["uvicorn"] = coords.pids["coordinator-uvicorn"]
         load = loadavg()
         results = asyncio.run(measure(args, urls, pids, render_url, cfg.engine_urls[0], tiers.pids["render"]))
         load_after = loadavg()
