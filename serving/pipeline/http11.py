@@ -80,6 +80,7 @@ class _Connection(asyncio.Protocol):
         self.headers: dict[str, str] = {}
         self.head_done = False
         self.complete = False
+        self.received = False  # any byte of this response arrived
         self.keep_alive = True
         self.pieces: deque[bytes] = deque()
         self.buffered = 0
@@ -98,7 +99,9 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.complete:
-            return  # nothing is expected between responses; the pool drops such a connection
+            self.keep_alive = False  # nothing is expected between responses: never reuse this one
+            return
+        self.received = True
         self._buf += data
         try:
             self._parse()
@@ -380,9 +383,8 @@ class Http11Client:
         self, method: str, url: str, body: bytes | None, headers: Mapping[str, str] | None, timeout: Any
     ) -> Reply:
         connect_s, read_s = self._timeouts(timeout)
-        origin, conn = await self._open(method, url, body, headers, connect_s)
+        origin, conn = await self._exchange(method, url, body, headers, connect_s, read_s)
         try:
-            await conn.read_head(read_s)
             pieces = []
             while (piece := await conn.read_piece(read_s)) is not None:
                 pieces.append(piece)
@@ -405,9 +407,8 @@ class Http11Client:
     ) -> AsyncIterator[StreamReply]:
         connect_s, read_s = self._timeouts(timeout)
         body = None if json is None else dumps(json)
-        origin, conn = await self._open(method, url, body, headers, connect_s)
+        origin, conn = await self._exchange(method, url, body, headers, connect_s, read_s)
         try:
-            await conn.read_head(read_s)
             reply = StreamReply(conn, read_s)
             yield reply
         except BaseException:
@@ -437,9 +438,21 @@ class Http11Client:
             return t.connect, t.read
         return t, t
 
-    async def _open(
-        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str] | None, connect_s: float | None
+    async def _exchange(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str] | None,
+        connect_s: float | None,
+        read_s: float | None,
     ) -> tuple[Origin, _Connection]:
+        """Send the request and read the response head, on a kept-alive connection when one is idle.
+
+        A kept-alive connection the server closed before it sent one byte back (it went away
+        between two requests, or closed an idle one at the same moment) is tried once more on
+        a new connection, as urllib3 does; any other failure is the caller's.
+        """
         parts = urlsplit(url)
         scheme = parts.scheme
         host = parts.hostname or ""
@@ -448,9 +461,25 @@ class Http11Client:
         path = (parts.path or "/") + ("?" + parts.query if parts.query else "")
         request = self._request_bytes(origin, parts.netloc, method, path, body, headers)
         conn = self._idle_connection(origin)
-        if conn is None:
-            conn = await self._connect(origin, connect_s)
+        if conn is not None:
+            conn.start(request)
+            try:
+                await conn.read_head(read_s)
+                return origin, conn
+            except httpx.RemoteProtocolError:
+                conn.close()
+                if conn.received:
+                    raise
+            except BaseException:
+                conn.close()
+                raise
+        conn = await self._connect(origin, connect_s)
         conn.start(request)
+        try:
+            await conn.read_head(read_s)
+        except BaseException:
+            conn.close()
+            raise
         return origin, conn
 
     def _request_bytes(

@@ -254,3 +254,29 @@ def test_json_helpers_take_what_orjson_refuses() -> None:
     assert json.loads(http11.dumps({"n": big, 7: "int key"})) == {"n": big, "7": "int key"}
     assert http11.loads(b'{"lp": -Infinity}') == {"lp": float("-inf")}
     assert http11.loads(b'{"a": [1, 2]}') == {"a": [1, 2]}
+
+
+async def test_a_kept_alive_connection_closed_under_a_request_is_retried_once_on_a_new_one(server: Any) -> None:
+    served: dict[int, int] = {}
+
+    async def once_per_connection(request: Request, writer: asyncio.StreamWriter) -> None:
+        key = id(writer)
+        served[key] = served.get(key, 0) + 1
+        if served[key] > 1:
+            writer.transport.abort()  # the server went away just as the next request came in
+            return
+        await json_reply(request, writer)
+
+    srv = await server(once_per_connection)
+    client = Http11Client()
+    for n in range(3):
+        assert (await client.post(srv.url, json={"n": n})).json()["echo"] == {"n": n}
+    assert srv.connections == 3  # each reuse failed before a byte came back and went to a new one
+    assert [json.loads(r.body)["n"] for r in srv.requests] == [0, 1, 1, 2, 2]
+
+    async def never_answers(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.transport.abort()
+
+    with pytest.raises(httpx.RemoteProtocolError):  # a new connection is not tried twice
+        await client.post((await server(never_answers)).url, json={})
+    await client.aclose()
