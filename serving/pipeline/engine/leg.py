@@ -277,8 +277,10 @@ class GenerateContext:
         finally:
             log = logger.info if result == "ok" else logger.warning
             log(
-                "generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d result=%s latency_ms=%.1f",
-                self.request_id, self.prompt_index, instance.name, phase, self.attempt, result, _ms(start),
+                "generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d engine_request_id=%s result=%s "
+                "latency_ms=%.1f",
+                self.request_id, self.prompt_index, instance.name, phase, self.attempt, request.get("request_id"),
+                result, _ms(start),
             )
 
     async def stream_leg(
@@ -289,8 +291,11 @@ class GenerateContext:
         events = await self.guard.open_stream(
             instance, request, tokens=tokens, stack=stack, reserved=reserved, phases=self.phases.on(leg=phase)
         )
-        logger.info("generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d result=established stream=true",
-                    self.request_id, self.prompt_index, instance.name, phase, self.attempt)
+        logger.info(
+            "generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d engine_request_id=%s result=established "
+            "stream=true",
+            self.request_id, self.prompt_index, instance.name, phase, self.attempt, request.get("request_id"),
+        )
         return events
 
     async def open_leg(
