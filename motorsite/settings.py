@@ -278,7 +278,8 @@ MOTOR_DERENDER_PATIENCE_S = env_int("MOTOR_DERENDER_PATIENCE_MS", 120000) / 1000
 MOTOR_SNAPSHOT_POLL_S = env_int("MOTOR_SNAPSHOT_POLL_MS", 250) / 1000
 # Full rebuild even without a version bump, for rows written behind the services' back.
 MOTOR_SNAPSHOT_TTL_S = env_int("MOTOR_SNAPSHOT_TTL_MS", 60000) / 1000
-MOTOR_MAX_CONNECTIONS = env_int("MOTOR_MAX_CONNECTIONS", 512)  # shared httpx pool size per process
+# Keep-alive connections a coordinator process keeps open to each render sidecar and engine.
+MOTOR_UPSTREAM_IDLE_CONNECTIONS = env_int("MOTOR_UPSTREAM_IDLE_CONNECTIONS", 64)
 
 # Celery: Redis when REDIS_URL is set; otherwise kombu's filesystem transport in
 # MOTOR_CELERY_DIR, so worker and beat work across processes with nothing installed.

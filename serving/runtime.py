@@ -70,7 +70,7 @@ http.configure(
     http.HttpSettings(
         connect_timeout_s=settings.MOTOR_CONNECT_TIMEOUT_S,
         read_timeout_s=settings.MOTOR_ENGINE_READ_TIMEOUT_S,
-        max_connections=settings.MOTOR_MAX_CONNECTIONS,
+        idle_per_upstream=settings.MOTOR_UPSTREAM_IDLE_CONNECTIONS,
     )
 )
 

@@ -1,7 +1,10 @@
-"""One shared ``httpx.AsyncClient`` per event loop, with explicit limits and timeouts.
+"""One shared upstream client per event loop, with explicit timeouts.
 
-A client is bound to the loop it was first used on; Daphne runs one loop per process, tests
-run one per test, so the client is kept per loop and closed with it.
+The client is ``http11.Http11Client`` (the sidecar and the engines are our own uvicorn servers;
+see that module for why not httpx). Its connections are bound to the loop they were opened on;
+Daphne runs one loop per process, tests run one per test, so the client is kept per loop and
+closed with it. Callers accept an ``httpx.AsyncClient`` as well (``Upstream``): the tests hand
+them ``httpx.MockTransport`` clients.
 """
 
 from __future__ import annotations
@@ -9,18 +12,23 @@ from __future__ import annotations
 import asyncio
 import weakref
 from dataclasses import dataclass
+from typing import Union
 
 import httpx
+
+from serving.pipeline.http11 import Http11Client
+
+Upstream = Union[Http11Client, httpx.AsyncClient]
 
 
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 60.0  # per chunk for streams, whole reply otherwise
-    max_connections: int = 512
+    idle_per_upstream: int = 64  # keep-alive connections kept open to each sidecar or engine
 
 
-_clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]" = weakref.WeakKeyDictionary()
+_clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Http11Client]" = weakref.WeakKeyDictionary()
 _settings = HttpSettings()
 
 
@@ -29,16 +37,11 @@ def configure(settings: HttpSettings) -> None:
     _settings = settings
 
 
-def shared_client() -> httpx.AsyncClient:
+def shared_client() -> Upstream:
     loop = asyncio.get_running_loop()
     client = _clients.get(loop)
     if client is None or client.is_closed:
         s = _settings
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(s.read_timeout_s, connect=s.connect_timeout_s, pool=s.connect_timeout_s),
-            limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections),
-            # Engines and the sidecar are on our own network; never pick up a proxy from the environment.
-            trust_env=False,
-        )
+        client = Http11Client(httpx.Timeout(s.read_timeout_s, connect=s.connect_timeout_s), idle_per_origin=s.idle_per_upstream)
         _clients[loop] = client
     return client

@@ -5,11 +5,17 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator
 
+import orjson
+
 DONE = b"data: [DONE]\n\n"
 
 
 def frame(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    try:
+        body = orjson.dumps(payload)
+    except TypeError:  # integers past 64 bits: only the standard library writes them
+        body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+    return b"data: " + body + b"\n\n"
 
 
 class SSEProtocolError(ValueError):
@@ -35,8 +41,8 @@ async def iter_events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]
         if data == "[DONE]":
             return
         try:
-            event = json.loads(data)
-        except json.JSONDecodeError as exc:
+            event = _loads(data)
+        except ValueError as exc:
             raise SSEProtocolError(f"bad SSE data: {data[:200]!r}") from exc
         if not isinstance(event, dict):
             raise SSEProtocolError(f"SSE data is not an object: {data[:200]!r}")
@@ -106,3 +112,10 @@ def _null_fields(value: Any, fields: frozenset[str]) -> bool:
         for item in value:
             changed = _null_fields(item, fields) or changed
     return changed
+
+
+def _loads(data: str) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)  # NaN and Infinity, which Python's encoder writes

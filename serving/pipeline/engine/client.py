@@ -10,7 +10,6 @@ token-only generate at all (``EngineLacksCapability``), which the router may ser
 
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -19,6 +18,8 @@ from typing import Any, AsyncIterator, Mapping
 import httpx
 
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError
+from serving.pipeline.http import Upstream
+from serving.pipeline.http11 import StreamReply, loads
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.sse import SSEProtocolError, iter_events
 
@@ -91,7 +92,7 @@ class ReplyDeadline:
 
 
 class EngineClient:
-    def __init__(self, client: httpx.AsyncClient, *, deadline: ReplyDeadline | None = None) -> None:
+    def __init__(self, client: Upstream, *, deadline: ReplyDeadline | None = None) -> None:
         self._client = client
         # None: a non-streaming reply gets the shared client's read timeout, whatever its budget.
         self.deadline = deadline
@@ -149,7 +150,7 @@ class EngineClient:
                 if response.status_code != 200:
                     raw = await response.aread()
                     try:
-                        body: Any = json.loads(raw)
+                        body: Any = loads(raw)
                     except ValueError:
                         body = raw.decode(errors="replace")
                     _raise_for_status(instance, response.status_code, body)
@@ -157,7 +158,7 @@ class EngineClient:
         except httpx.HTTPError as exc:
             raise EngineError(f"{instance.name} stream failed: {exc!r}", instance=instance.name) from exc
 
-    async def _events(self, instance: InstanceView, response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    async def _events(self, instance: InstanceView, response: StreamReply | httpx.Response) -> AsyncIterator[dict[str, Any]]:
         try:
             async for event in iter_events(response.aiter_lines()):
                 raise_for_error_event(instance, event)

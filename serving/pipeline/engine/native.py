@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import json
 import logging
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
 
 import httpx
 
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError, error_body
+from serving.pipeline.http import Upstream
+from serving.pipeline.http11 import StreamReply, loads
 from serving.pipeline.placement.filters import eligible_instances, union_role
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
@@ -105,7 +107,7 @@ class NativeStream:
     kind: ApiKind
     instance: InstanceView
     request_id: str
-    response: httpx.Response
+    response: StreamReply | httpx.Response
     stack: AsyncExitStack
     _started: bool = field(default=False, init=False)
     _closed: bool = field(default=False, init=False)
@@ -146,7 +148,7 @@ class NativeStream:
 class NativeClient:
     """Calls one engine's own OpenAI API over the shared HTTP client."""
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: Upstream) -> None:
         self._client = client
 
     async def call(
@@ -161,13 +163,14 @@ class NativeClient:
         headers = {"X-Request-Id": request_id}
         try:
             if body.get("stream"):
-                request = self._client.build_request("POST", url, json=body, headers=headers)
-                response = await self._client.send(request, stream=True)
-                stack.push_async_callback(response.aclose)
-                if response.status_code != 200:
-                    raw = await response.aread()
-                    _raise_for_status(instance, response.status_code, _json(raw))
-                return NativeStream(kind, instance, request_id, response, stack.pop_all())
+                opened: AbstractAsyncContextManager[StreamReply | httpx.Response] = self._client.stream(
+                    "POST", url, json=body, headers=headers
+                )
+                streamed = await stack.enter_async_context(opened)
+                if streamed.status_code != 200:
+                    raw = await streamed.aread()
+                    _raise_for_status(instance, streamed.status_code, _json(raw))
+                return NativeStream(kind, instance, request_id, streamed, stack.pop_all())
             response = await self._client.post(url, json=body, headers=headers)
         except httpx.HTTPError as exc:
             raise EngineError(f"{instance.name} unreachable: {exc!r}", instance=instance.name) from exc
@@ -181,7 +184,7 @@ class NativeClient:
 
 def _json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
+        return loads(raw)
     except ValueError:
         return raw.decode(errors="replace")
 

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 
 from serving.pipeline.errors import DerenderError, RenderUnavailable, UpstreamRequestError
+from serving.pipeline.http import Upstream
+from serving.pipeline.http11 import Reply
 from serving.pipeline.protocol import TokenKind
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ class DerenderRetryable(DerenderError):
     """A derender failure worth one more try of the same chunk: unreachable, or a 5xx."""
 
 
-def _json_or_none(response: httpx.Response) -> Any:
+def _json_or_none(response: Reply | httpx.Response) -> Any:
     try:
         return response.json()
     except ValueError:
@@ -63,7 +65,7 @@ class RenderClient:
     """
 
     def __init__(
-        self, client: httpx.AsyncClient, base_url: str, timeout_s: float, *, derender_patience_s: float = 0.0
+        self, client: Upstream, base_url: str, timeout_s: float, *, derender_patience_s: float = 0.0
     ) -> None:
         self._client = client
         self._base_url = base_url.rstrip("/")

@@ -46,6 +46,9 @@ from typing import Any
 
 import httpx
 
+from serving.pipeline.http import Upstream
+from serving.pipeline.http11 import Reply
+
 logger = logging.getLogger(__name__)
 
 CALLBACK_PATH = "/internal/metaserver/"
@@ -219,8 +222,8 @@ class MetaServer:
             raise
 
     async def forward(
-        self, elsewhere: CallbackElsewhere, token: str, body: bytes, client: httpx.AsyncClient
-    ) -> httpx.Response:
+        self, elsewhere: CallbackElsewhere, token: str, body: bytes, client: Upstream
+    ) -> Reply | httpx.Response:
         """Post a callback ``check`` found to be another replica's to its owner; return the answer.
 
         Raises ``CallbackRefused`` (502) when the owner cannot be reached in ``FORWARD_TIMEOUT_S``:

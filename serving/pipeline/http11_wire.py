@@ -1,0 +1,257 @@
+"""One HTTP/1.1 client connection as an ``asyncio.Protocol``: the response parser (bodies by
+``Content-Length``, by chunks or by the close) and read-side flow control (``http11.py``).
+
+A connection stops reading from its socket once ``HIGH_WATER`` bytes wait unread and reads at
+most ``READ_SIZE`` at once, so what a stream whose client reads nothing holds in this process is
+bounded by their sum; the rest waits in the engine, held back by TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any
+
+import httpx
+
+HIGH_WATER = 16 * 1024
+# The most one socket read hands over (asyncio's default is 256 KiB).
+READ_SIZE = 32 * 1024
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection; parses one response at a time into body pieces."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.lost: BaseException | None = None
+        self.idle_since = 0.0
+        self._buf = bytearray()
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self.on_complete: Any = None  # called once the current response has been read whole
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.head_done = False
+        self.complete = False
+        self.received = False  # any byte of this response arrived
+        self.keep_alive = True
+        self.pieces: deque[bytes] = deque()
+        self.buffered = 0
+        self._remaining = -1  # Content-Length left; -1 chunked or until close
+        self._chunked = False
+        self._chunk_left = 0  # data bytes left in the current chunk; -1 reading its CRLF
+        self._trailers = False
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if hasattr(transport, "max_size"):  # asyncio's selector transports read this much at once
+            transport.max_size = READ_SIZE
+
+    def data_received(self, data: bytes) -> None:
+        if self.complete:
+            self.keep_alive = False  # nothing is expected between responses: never reuse this one
+            return
+        self.received = True
+        self._buf += data
+        try:
+            self._parse()
+        except ValueError as exc:
+            self._fail(httpx.RemoteProtocolError(f"malformed response: {exc}"))
+            return
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.head_done and not self._chunked and self._remaining < 0 and not self.complete:
+            self._finish()  # a body delimited by the close itself
+        self.lost = exc or ConnectionResetError("connection closed")
+        self._wake()
+
+    # -- parsing
+
+    def _parse(self) -> None:
+        if not self.head_done:
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buf) > 65536:
+                    raise ValueError("response head too large")
+                return
+            self._parse_head(bytes(self._buf[:end]))
+            del self._buf[: end + 4]
+        if self._chunked:
+            self._parse_chunks()
+        elif self._remaining >= 0:
+            take = min(len(self._buf), self._remaining)
+            if take:
+                self._push(bytes(self._buf[:take]))
+                del self._buf[:take]
+                self._remaining -= take
+            if self._remaining == 0:
+                self._finish()
+        elif self._buf:
+            self._push(bytes(self._buf))
+            self._buf.clear()
+
+    def _parse_head(self, head: bytes) -> None:
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+            raise ValueError(f"bad status line {lines[0][:80]!r}")
+        self.status = int(parts[1])
+        headers = self.headers
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise ValueError(f"bad header line {line[:80]!r}")
+            headers[name.strip().lower()] = value.strip()
+        self.head_done = True
+        if headers.get("connection", "").lower() == "close" or parts[0] == "HTTP/1.0":
+            self.keep_alive = False
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            self._chunked = True
+        elif "content-length" in headers:
+            self._remaining = int(headers["content-length"])
+        elif self.status in (204, 304) or 100 <= self.status < 200:
+            self._remaining = 0
+        else:
+            self.keep_alive = False  # the body ends when the server closes
+
+    def _parse_chunks(self) -> None:
+        buf = self._buf
+        while True:
+            if self._trailers:
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    return
+                line = bytes(buf[:end])
+                del buf[: end + 2]
+                if not line:
+                    self._finish()
+                    return
+                continue
+            if self._chunk_left > 0:
+                take = min(len(buf), self._chunk_left)
+                if not take:
+                    return
+                self._push(bytes(buf[:take]))
+                del buf[:take]
+                self._chunk_left -= take
+                if self._chunk_left:
+                    return
+                self._chunk_left = -1
+            if self._chunk_left == -1:
+                if len(buf) < 2:
+                    return
+                if buf[:2] != b"\r\n":
+                    raise ValueError("chunk not followed by CRLF")
+                del buf[:2]
+                self._chunk_left = 0
+            end = buf.find(b"\r\n")
+            if end < 0:
+                if len(buf) > 1024:
+                    raise ValueError("chunk size line too long")
+                return
+            size = int(bytes(buf[:end]).split(b";", 1)[0], 16)
+            del buf[: end + 2]
+            if size == 0:
+                self._trailers = True
+            else:
+                self._chunk_left = size
+
+    def _push(self, data: bytes) -> None:
+        self.pieces.append(data)
+        self.buffered += len(data)
+        if self.buffered > HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def _finish(self) -> None:
+        self.complete = True
+        if self._buf:
+            self.keep_alive = False  # bytes past the response: out of step, never reuse
+        if self.on_complete is not None:
+            callback, self.on_complete = self.on_complete, None
+            callback(self)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.lost = exc
+        self.keep_alive = False
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- the caller's side
+
+    async def _wait(self, timeout_s: float | None, what: str) -> None:
+        waiter = self._waiter = self.loop.create_future()
+        timer = None
+        if timeout_s is not None:
+            timer = self.loop.call_later(timeout_s, _expire, waiter, what)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    async def read_head(self, timeout_s: float | None) -> None:
+        while not self.head_done:
+            if self.lost is not None:
+                raise _lost(self.lost, "before the response head")
+            await self._wait(timeout_s, "waiting for the response head")
+
+    async def read_piece(self, timeout_s: float | None) -> bytes | None:
+        """The next piece of the body, or None once it has been read whole."""
+        while True:
+            if self.pieces:
+                piece = self.pieces.popleft()
+                self.buffered -= len(piece)
+                if self._paused and self.buffered <= HIGH_WATER // 2 and self.transport is not None:
+                    self._paused = False
+                    self.transport.resume_reading()
+                return piece
+            if self.complete:
+                return None
+            if self.lost is not None:
+                raise _lost(self.lost, "in the middle of the response body")
+            await self._wait(timeout_s, "waiting for the response body")
+
+    def start(self, request: bytes) -> None:
+        self._reset()
+        assert self.transport is not None
+        self.transport.write(request)
+
+    def reusable(self) -> bool:
+        return (
+            self.complete and self.keep_alive and self.lost is None and self.transport is not None
+            and not self.transport.is_closing() and not self._buf
+        )
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _expire(waiter: asyncio.Future[None], what: str) -> None:
+    if not waiter.done():
+        waiter.set_exception(httpx.ReadTimeout(f"timed out {what}"))
+
+
+def _lost(exc: BaseException, where: str) -> httpx.TransportError:
+    if isinstance(exc, httpx.TransportError):
+        return exc
+    return httpx.RemoteProtocolError(f"server closed the connection {where} ({exc!r})")

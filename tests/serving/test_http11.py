@@ -1,0 +1,282 @@
+"""The upstream HTTP/1.1 client against real asyncio servers on 127.0.0.1: bodies by length, by
+chunks and by close, keep-alive reuse and when a connection must not be reused, timeouts,
+dropped connections, flow control for a reader that stops, and httpx's exception classes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+
+from serving.pipeline import http11
+from serving.pipeline.http11 import Http11Client
+
+Handler = Callable[["Request", asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    reader: asyncio.StreamReader  # a handler that waits for the client's close reads it to EOF
+
+
+@dataclass
+class Server:
+    handler: Handler
+    connections: int = 0
+    requests: list[Request] = field(default_factory=list)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)  # a connection saw EOF or a reset
+    url: str = ""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ")
+                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                request = Request(method, path, headers, body, reader)
+                self.requests.append(request)
+                await self.handler(request, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed.set()
+            writer.close()
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Callable[[Handler], Awaitable[Server]]]:
+    started: list[asyncio.AbstractServer] = []
+
+    async def start(handler: Handler) -> Server:
+        srv = Server(handler)
+        s = await asyncio.start_server(srv.serve, "127.0.0.1", 0)
+        started.append(s)
+        srv.url = f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}"
+        return srv
+
+    yield start
+    for s in started:
+        s.close()
+
+
+async def json_reply(request: Request, writer: asyncio.StreamWriter) -> None:
+    body = json.dumps({"echo": json.loads(request.body or b"null"), "path": request.path}).encode()
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def sse_reply(request: Request, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+    for i in range(3):
+        writer.write(chunk(b'data: {"i": %d}\n\n' % i))
+        await writer.drain()
+    writer.write(chunk(b"data: [DONE]\n\n"))
+    await writer.drain()
+    writer.write(b"0\r\n\r\n")  # the body's terminator in a write of its own, as uvicorn sends it
+    await writer.drain()
+
+
+async def test_a_json_post_round_trips_and_its_connection_is_reused(server: Any) -> None:
+    srv = await server(json_reply)
+    client = Http11Client()
+    for n in range(3):
+        reply = await client.post(srv.url + "/v1/x?q=1", json={"n": n, "text": "héllo"}, headers={"X-Request-Id": f"r{n}"})
+        assert reply.status_code == 200
+        assert reply.json() == {"echo": {"n": n, "text": "héllo"}, "path": "/v1/x?q=1"}
+    assert srv.connections == 1
+    assert [r.headers["x-request-id"] for r in srv.requests] == ["r0", "r1", "r2"]
+    assert srv.requests[0].headers["content-type"] == "application/json"
+    assert srv.requests[0].headers["host"] == srv.url.removeprefix("http://")
+    await client.aclose()
+
+
+async def test_a_stream_is_read_line_by_line_and_its_connection_reused_after_done(server: Any) -> None:
+    srv = await server(sse_reply)
+    client = Http11Client()
+    for _ in range(2):
+        async with client.stream("POST", srv.url + "/gen", json={"stream": True}) as reply:
+            assert reply.status_code == 200
+            lines = [line async for line in reply.aiter_lines()]
+        assert lines == ['data: {"i": 0}', "", 'data: {"i": 1}', "", 'data: {"i": 2}', "", "data: [DONE]", ""]
+    # The second stream may start before the first one's terminator arrived; wait until it did.
+    async with client.stream("POST", srv.url + "/gen", json={}) as reply:
+        async for piece in reply.aiter_raw():
+            if piece.endswith(b"[DONE]\n\n"):
+                break
+    while not client._idle.get(("http", "127.0.0.1", int(srv.url.rsplit(":", 1)[1]))):
+        await asyncio.sleep(0.01)  # the drain hands the connection back when the terminator lands
+    await client.post(srv.url + "/gen", json={})
+    assert srv.connections <= 2
+    await client.aclose()
+
+
+async def test_a_stream_left_unread_closes_its_connection(server: Any) -> None:
+    async def endless(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunk(b"data: {}\n\n"))
+        await writer.drain()
+        await request.reader.read()
+
+    srv = await server(endless)
+    client = Http11Client()
+    async with client.stream("POST", srv.url, json={}) as reply:
+        async for _ in reply.aiter_raw():
+            break
+    await asyncio.wait_for(srv.closed.wait(), 10)  # the server sees the close: vLLM aborts on it
+    assert client._idle == {}
+
+
+async def test_bodies_ending_with_the_close_and_chunk_extensions_are_read_whole(server: Any) -> None:
+    async def until_close(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 500 Oops\r\ncontent-type: text/plain\r\n\r\nno length here")
+        await writer.drain()
+        writer.close()
+
+    async def extensions(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3;ext=1\r\nabc\r\n0\r\nx-trailer: 1\r\n\r\n")
+        await writer.drain()
+
+    client = Http11Client()
+    reply = await client.post((await server(until_close)).url, json={})
+    assert (reply.status_code, reply.text) == (500, "no length here")
+    assert (await client.get((await server(extensions)).url)).content == b"abc"
+    await client.aclose()
+
+
+async def test_timeouts_and_failures_raise_httpx_classes_and_drop_the_connection(server: Any) -> None:
+    async def silent(request: Request, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(3600)
+
+    async def cut(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunk(b"data: {}\n\n"))
+        await writer.drain()
+        writer.transport.abort()
+
+    client = Http11Client()
+    with pytest.raises(httpx.ReadTimeout):
+        await client.post((await server(silent)).url, json={}, timeout=0.05)
+    with pytest.raises(httpx.RemoteProtocolError):
+        async with client.stream("POST", (await server(cut)).url, json={}) as reply:
+            [line async for line in reply.aiter_lines()]
+    srv = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    srv.close()
+    await srv.wait_closed()
+    with pytest.raises(httpx.ConnectError):
+        await client.post(f"http://127.0.0.1:{port}/", json={})
+    with pytest.raises(httpx.RemoteProtocolError):
+        await client.post((await server(_garbage)).url, json={})
+    assert all(not conns for conns in client._idle.values())
+
+
+async def _garbage(request: Request, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"SPDY/9 what\r\n\r\n")
+    await writer.drain()
+
+
+async def test_a_cancelled_call_closes_its_connection(server: Any) -> None:
+    async def silent(request: Request, writer: asyncio.StreamWriter) -> None:
+        await request.reader.read()
+
+    srv = await server(silent)
+    client = Http11Client()
+    task = asyncio.ensure_future(client.post(srv.url, json={}))
+    while not srv.requests:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(srv.closed.wait(), 10)
+    assert client._idle == {}
+
+
+async def test_connection_close_and_old_idle_connections_are_not_reused(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def closing(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    client = Http11Client()
+    srv = await server(closing)
+    await client.post(srv.url, json={})
+    await client.post(srv.url, json={})
+    assert srv.connections == 2
+
+    monkeypatch.setattr(http11, "KEEPALIVE_S", 0.0)  # every idle connection is too old
+    srv = await server(json_reply)
+    await client.post(srv.url, json={})
+    await client.post(srv.url, json={})
+    assert srv.connections == 2
+    await client.aclose()
+
+
+async def test_a_reader_that_stops_stops_the_socket_instead_of_buffering(server: Any) -> None:
+    total = 8 * 1024 * 1024
+    piece = b"x" * 4096
+
+    async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
+        for _ in range(total // len(piece)):
+            writer.write(piece)
+            await writer.drain()
+
+    client = Http11Client()
+    async with client.stream("POST", (await server(flood)).url, json={}) as reply:
+        conn = reply._conn
+        while not conn._paused:
+            await asyncio.sleep(0.01)
+        # The server is far from done, and the coordinator holds one window of it, not the rest.
+        assert conn.buffered <= http11.HIGH_WATER + http11.READ_SIZE
+        got = 0
+        async for data in reply.aiter_raw():
+            got += len(data)
+            assert set(data) == {ord("x")}
+    assert got == total
+
+
+def test_json_helpers_take_what_orjson_refuses() -> None:
+    big = 2**70
+    assert json.loads(http11.dumps({"n": big, 7: "int key"})) == {"n": big, "7": "int key"}
+    assert http11.loads(b'{"lp": -Infinity}') == {"lp": float("-inf")}
+    assert http11.loads(b'{"a": [1, 2]}') == {"a": [1, 2]}
+
+
+async def test_a_kept_alive_connection_closed_under_a_request_is_retried_once_on_a_new_one(server: Any) -> None:
+    served: dict[int, int] = {}
+
+    async def once_per_connection(request: Request, writer: asyncio.StreamWriter) -> None:
+        key = id(writer)
+        served[key] = served.get(key, 0) + 1
+        if served[key] > 1:
+            writer.transport.abort()  # the server went away just as the next request came in
+            return
+        await json_reply(request, writer)
+
+    srv = await server(once_per_connection)
+    client = Http11Client()
+    for n in range(3):
+        assert (await client.post(srv.url, json={"n": n})).json()["echo"] == {"n": n}
+    assert srv.connections == 3  # each reuse failed before a byte came back and went to a new one
+    assert [json.loads(r.body)["n"] for r in srv.requests] == [0, 1, 1, 2, 2]
+
+    async def never_answers(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.transport.abort()
+
+    with pytest.raises(httpx.RemoteProtocolError):  # a new connection is not tried twice
+        await client.post((await server(never_answers)).url, json={})
+    await client.aclose()
