@@ -276,5 +276,5 @@ def prepare_database(cfg: StackConfig) -> None:
     for url in cfg.decode_urls:
         fleet += ["--decode", url]
     if cfg.admin_password:
-        fleet += ["--admin-password", cfg.admin_password]
+        fleet += [f"--admin-password={cfg.admin_password}"]  # one token: a generated one may start with "-"
     subprocess.run(fleet, check=True, env=env, cwd=ROOT)
