@@ -1,7 +1,9 @@
 """Start motorsite's processes in order, health-check each, restart what dies, stop them together.
 
 `make run` and the integration tests start the same processes through this module (render
-sidecar, token engines, Celery, the coordinator under Daphne). Django-free on purpose: it runs
+sidecar, token engines, Celery, the coordinator under Daphne); specs marked
+``start_with_previous`` (``together``) start as one group, and the next spec waits for all of
+it. Django-free on purpose: it runs
 before any settings exist, and it must be importable from a plain test subprocess.
 
 Each child runs in its own session, hence its own process group, so that Ctrl-C in a terminal
