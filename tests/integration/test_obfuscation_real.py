@@ -28,7 +28,7 @@ import pytest
 
 from motorsite import stack
 from motorsite import tiers as tier_commands
-from motorsite.supervisor import ProcessSpec, Supervisor, free_port
+from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request, sorted_choices
 from serving.pipeline.obfuscation.mapping import TokenMapping, deobfuscate_response, obfuscate_request
@@ -102,7 +102,7 @@ def engines(tiers: stack.StackConfig, obf_model: tuple[Path, TokenMapping]) -> I
             ready_timeout=180.0,
         ))
         urls.append(f"http://127.0.0.1:{port}")
-    with Supervisor(specs):
+    with Supervisor(together(specs)):  # one core each: they start side by side
         yield Engines(plain=urls[0], obf=urls[1])
 
 
