@@ -70,15 +70,31 @@ class RenderConfigForm(forms.ModelForm):
 @admin.register(RenderConfig)
 class RenderConfigAdmin(admin.ModelAdmin):
     form = RenderConfigForm
-    list_display = ("name", "enable", "host", "port", "timeout_ms", "renderer_num_workers", "health", "sidecar_version", "restart_required")
-    readonly_fields = ("sidecar_version", "streaming_derender", "health", "last_probe_at", "last_probe_error", "restart_required")
+    list_display = (
+        "name", "enable", "host", "port", "timeout_ms", "renderer_num_workers", "health", "sidecar_version",
+        "model_record", "restart_required",
+    )
+    readonly_fields = (
+        "sidecar_version", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",
+        "restart_required",
+    )
     fieldsets = (
         (None, {"fields": ("name", "enable")}),
         ("Sidecar", {"fields": ("image_name", "host", "port", "renderer_num_workers")}),
         ("Limits", {"fields": ("timeout_ms", "context_budget", "derender_coalesce")}),
         ("Token obfuscation", {"fields": ("obfuscation", "obfuscation_key_ref", "obfuscation_key_id")}),
-        ("Probed", {"fields": ("sidecar_version", "streaming_derender", "health", "last_probe_at", "last_probe_error", "restart_required")}),
+        ("Probed", {"fields": (
+            "sidecar_version", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",
+            "restart_required",
+        )}),
     )
+
+    @admin.display(description="model record", ordering="model_mismatch")
+    def model_record(self, obj: RenderConfig) -> str:
+        """As the engines' column: what the sidecar serves against the served models' records."""
+        if obj.model_mismatch:
+            return f"⚠ {obj.model_mismatch}"
+        return "matches" if obj.sidecar_version else "-"
 
     def save_model(self, request: HttpRequest, obj: RenderConfig, form: Any, change: bool) -> None:
         try:

@@ -39,6 +39,9 @@ class RenderConfigOut(Schema):
     obfuscation_key_id: str
     sidecar_version: str
     streaming_derender: bool
+    model_mismatch: str = Field(
+        description="How the served models' records differ from what the sidecar reports (empty: they match)."
+    )
     health: str
     last_probe_at: datetime | None
     last_probe_error: str

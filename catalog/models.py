@@ -91,6 +91,10 @@ class RenderConfig(models.Model):
     streaming_derender = models.BooleanField(
         default=True, help_text="False when the sidecar is older than vLLM 0.27 (streams take the native path)."
     )
+    model_mismatch = models.CharField(
+        max_length=500, blank=True,
+        help_text="How the served models' records (name, model_path) differ from what the sidecar's /v1/models reports.",
+    )
     health = models.CharField(max_length=10, choices=Health.choices, default=Health.UNKNOWN)
     last_probe_at = models.DateTimeField(null=True, blank=True)
     last_probe_error = models.TextField(blank=True)

@@ -2,13 +2,13 @@
 
 One :class:`Generation` per generate request decodes its n choices in lock step (one
 token per live choice per step, in index order), like a real engine batch, and yields a
-:class:`ChoiceDelta` per choice per step. HTTP framing lives in ``app.py``.
+:class:`ChoiceDelta` per choice per step. HTTP framing lives in ``generate.py`` (routes in ``app.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -72,6 +72,9 @@ class SimStats:
     finished: Counter[str] = field(default_factory=Counter)
     # vLLM's prompt_tokens_by_source: local_compute, local_cache_hit, external_kv_transfer.
     prompt_tokens_by_source: Counter[str] = field(default_factory=Counter)
+    # The X-Request-Id header of the latest generate requests, oldest first (None: none sent), so a
+    # test can see which id each leg was sent under; bounded, a benchmark sends thousands.
+    x_request_ids: deque[str | None] = field(default_factory=lambda: deque(maxlen=256))
 
     def as_json(self, running: int) -> dict[str, object]:
         return {
@@ -82,6 +85,7 @@ class SimStats:
             "disconnects": self.disconnects,
             "running": running,
             "finished": dict(self.finished),
+            "x_request_ids": list(self.x_request_ids),
         }
 
 

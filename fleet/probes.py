@@ -214,9 +214,27 @@ def probe_versions(*, client: httpx.Client | None = None) -> VersionProbeSummary
             references[model.id] = TierReport.from_answers(
                 model.name, render_models, {"version": summary.render_version}, fingerprint
             )
+        if cfg is not None and "render" not in summary.errors:
+            _record_render_mismatch(cfg, list(ServedModel.objects.order_by("name")), references)
         for instance in EngineInstance.objects.select_related("served_model").exclude(state=EngineInstance.State.DISABLED):
             _probe_engine_version(c, instance, references.get(instance.served_model_id), summary)
     return summary
+
+
+def _record_render_mismatch(cfg: RenderConfig, models: list[ServedModel], references: dict[int, TierReport]) -> None:
+    """Compare what the sidecar's ``/v1/models`` reports with each served model's record, as the
+    engines' reports are (``record_mismatch``); a change is written once and logged."""
+    reasons = [
+        f"{model.name}: {reason}" if len(models) > 1 else reason
+        for model in models
+        for reason in record_mismatch(model.name, model.model_path, references[model.id])
+    ]
+    mismatch = "; ".join(reasons)[:500]
+    if RenderConfig.objects.filter(id=cfg.id).exclude(model_mismatch=mismatch).update(model_mismatch=mismatch):
+        if mismatch:
+            logger.warning("render sidecar %s: served model record mismatch: %s", cfg.base_url, mismatch)
+        else:
+            logger.info("render sidecar %s: the served model records match it again", cfg.base_url)
 
 
 def _record_vocab_size(model: ServedModel) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -259,6 +260,12 @@ for _name in ("MOTOR_METASERVER_BASE_URL", "MOTOR_METASERVER_OWNER_URL"):
     _url = env_str(_name)
     if _url and (urlparse(_url).scheme not in ("http", "https") or not urlparse(_url).netloc):
         raise ImproperlyConfigured(f"{_name} must be an http(s) URL such as http://10.0.0.5:8000, got {_url!r}")
+# The name this coordinator process goes by in motor_coordinator_info (and its traces): the pod name
+# in the k8s manifests, the service in compose; Prometheus joins it onto every metric of the process.
+MOTOR_REPLICA = env_str("MOTOR_REPLICA") or socket.gethostname()
+# OpenTelemetry traces of each request's phases, exported over OTLP/HTTP as the standard OTEL_*
+# variables say (serving/pipeline/tracing.py). Off: OpenTelemetry is not even imported.
+MOTOR_TRACING = env_bool("MOTOR_TRACING", False)
 MOTOR_DERENDER_CHUNK_RETRIES = env_int("MOTOR_DERENDER_CHUNK_RETRIES", 1)
 # How long a derender waits for an unreachable sidecar to come back: its supervisor restarts it
 # after 1 s, and a vLLM sidecar starts in about 7 s on an idle 2-core box but took 38-78 s while

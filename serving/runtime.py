@@ -39,7 +39,7 @@ from typing import Any
 from django.conf import settings
 
 from serving import stream_reports
-from serving.pipeline import http, metric_names, metrics
+from serving.pipeline import http, metric_names, metrics, tracing
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient, ReplyDeadline
 from serving.pipeline.flow_control import rate_limit
@@ -165,6 +165,8 @@ class Runtime:
     stream_reporter: stream_reports.StreamReporter
     # This process's engine-request buckets and tokens in flight, reported for the fleet dashboard.
     dashboard_reporter: stream_reports.StreamReporter
+    # OpenTelemetry spans of each request's phases (MOTOR_TRACING); None: off, nothing imported.
+    tracer: tracing.PhaseTracer | None = None
 
 
 def build() -> Runtime:
@@ -198,6 +200,7 @@ def build() -> Runtime:
         scheduler=scheduler, topologies=TopologyRegistry(), counters=RouterCounters(), phases=Histograms(),
         render_health={},
         live_streams=live_streams, stream_reporter=stream_reporter, dashboard_reporter=dashboard_reporter,
+        tracer=tracing.configure(replica=settings.MOTOR_REPLICA) if settings.MOTOR_TRACING else None,
     )
 
 
@@ -210,6 +213,7 @@ affinity = RUNTIME.affinity
 scheduler = RUNTIME.scheduler
 counters = RUNTIME.counters
 phase_histograms = RUNTIME.phases
+tracer = RUNTIME.tracer
 live_streams = RUNTIME.live_streams
 stream_reporter = RUNTIME.stream_reporter
 dashboard_reporter = RUNTIME.dashboard_reporter

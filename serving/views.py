@@ -17,11 +17,22 @@ logger = logging.getLogger(__name__)
 
 @require_GET
 async def healthz(request: HttpRequest) -> HttpResponse:
-    """Liveness of the coordinator, plus whether the render sidecar answers."""
+    """Liveness of the coordinator, plus whether the render sidecar answers.
+
+    A process that never had a snapshot and cannot read the database is up but cannot serve:
+    503 with the reason, so a load balancer or readiness probe keeps traffic away until the
+    database is back (the last snapshot keeps serving otherwise: ``serving.snapshots``).
+    """
     from serving.pipeline import http
+    from serving.pipeline.errors import ControlDataUnavailable
     from serving.pipeline.render.client import RenderClient
 
-    snapshot = await current_snapshot()
+    try:
+        snapshot = await current_snapshot()
+    except ControlDataUnavailable as exc:
+        # The exception's message names the database error: for the log, not the probe.
+        logger.warning("/healthz: %s", exc.message)
+        return JsonResponse({"status": "unavailable", "reason": exc.public}, status=503)
     render = RenderClient(http.shared_client(), snapshot.render.base_url, min(snapshot.render.timeout_s, 1.0))
     render_ok = await render.health()
     return JsonResponse({"status": "ok", "render": "up" if render_ok else "down", "fleet_version": snapshot.version})
@@ -40,9 +51,29 @@ async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
     samples[(metric_names.ADMISSION_WAITING.name, ())] = float(router.get("admission_waiting") or 0)
     samples.update(runtime.phase_histograms.samples())
     samples.update(await _process_samples())
+    samples.update(_coordinator_samples())
     # The phase histograms are declared even before a request came (idle is not missing).
     lines = metric_names.exposition(samples, declare=metric_names.PHASES)
     return HttpResponse(text + "\n".join(lines) + "\n", content_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _coordinator_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """This process's identity (``motor_coordinator_info``) and the Trigger callbacks it forwarded
+    to the replica that owned them, every result from zero (no result is missing before its first)."""
+    import os
+    import socket
+
+    from django.conf import settings
+
+    from serving.pipeline import metric_names
+    from serving.pipeline.topologies.metaserver import process_metaserver
+
+    identity = (("host", socket.gethostname()), ("pid", str(os.getpid())), ("replica", settings.MOTOR_REPLICA))
+    samples = {(metric_names.COORDINATOR_INFO.name, identity): 1.0}
+    forwarded = process_metaserver().forward_results
+    for result in sorted(metric_names.TRIGGER_CALLBACK_RESULTS):
+        samples[(metric_names.TRIGGER_CALLBACKS.name, (("result", result),))] = float(forwarded[result])
+    return samples
 
 
 async def _process_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

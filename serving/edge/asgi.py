@@ -21,6 +21,8 @@ from typing import Any
 
 import orjson
 
+from serving.pipeline.sse import FieldScrub
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -158,9 +160,11 @@ async def send_json(send: Send, status: int, payload: Any, extra: Iterable[tuple
 
 
 async def send_stream(
-    send: Send, frames: AsyncGenerator[bytes, None], extra: Iterable[tuple[bytes, bytes]], watch: DisconnectWatch
+    send: Send, frames: AsyncGenerator[bytes, None], extra: Iterable[tuple[bytes, bytes]], watch: DisconnectWatch,
+    scrub: FieldScrub | None = None,
 ) -> None:
-    """A 200 ``text/event-stream`` of ``frames``, each sent as it comes.
+    """A 200 ``text/event-stream`` of ``frames``, each sent as it comes (through ``scrub`` if given:
+    a frame cut across chunks is sent once whole).
 
     ``aclosing``: when the send fails or the task is cancelled between frames, the generator is
     closed here, in this task, so its ``finally`` (abort the engines, release) has run when this
@@ -169,9 +173,14 @@ async def send_stream(
     await send({"type": "http.response.start", "status": 200, "headers": [*STREAM_HEADERS, *extra]})
     async with aclosing(frames) as chunks:
         async for chunk in chunks:
+            if scrub is not None:
+                chunk = scrub.feed(chunk)
+                if not chunk:
+                    continue
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     watch.complete = True
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    rest = scrub.flush() if scrub is not None else b""
+    await send({"type": "http.response.body", "body": rest, "more_body": False})
 
 
 class PrefixMount:

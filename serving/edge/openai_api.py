@@ -41,9 +41,11 @@ from serving.pipeline.errors import (
     error_headers,
 )
 from serving.pipeline.phases import Phases
+from serving.pipeline.request_checks import RESPONSE_CONTROLS
 from serving.pipeline.service import EventStream
 from serving.pipeline.snapshot import FleetSnapshot
-from serving.runtime import phase_histograms, pipeline_for
+from serving.pipeline.sse import FieldScrub
+from serving.runtime import phase_histograms, pipeline_for, tracer
 from serving.snapshots import current_snapshot
 
 logger = logging.getLogger(__name__)
@@ -115,35 +117,52 @@ def serve(kind: str) -> Endpoint:
             _log_error(request_id, kind, exc, start)
             await send_error(send, exc, request_id)
             return
-        phases = Phases.begin(phase_histograms, kind, body, arrived)
-        async with DisconnectWatch(receive) as watch:
-            try:
-                pipeline = pipeline_for(snapshot)
-                result = await getattr(pipeline, kind)(body, request_id, phases)
-            except Exception as exc:
-                watch.complete = True
-                _log_error(request_id, kind, exc, start)
-                await send_error(send, exc, request_id)
-                return
-            if isinstance(result, (EventStream, NativeStream)):
-                try:
-                    await send_stream(send, result.frames(), ((b"x-request-id", rid),), watch)
-                finally:
-                    # The task ended (the client left, a send failed) before frames() ran: its
-                    # finally never will, so the engine streams are closed and the load released here.
-                    if not result.started:
-                        await result.aclose()
-                phases.observe(metric_names.PHASE_END_TO_END, phases.start)  # the last frame was sent
-                return
-            watch.complete = True
-            logger.info(
-                "response request_id=%s kind=%s status=200 latency_ms=%.1f",
-                request_id, kind, (time.perf_counter() - start) * 1000,
-            )
-            await send_json(send, 200, result, ((b"x-request-id", rid),))
-            phases.observe(metric_names.PHASE_END_TO_END, phases.start)
+        phases = Phases.begin(phase_histograms, kind, body, arrived, tracer=tracer, request_id=request_id)
+        try:
+            await _serve(kind, body, request_id, rid, phases, snapshot, start, receive, send)
+        except BaseException as exc:
+            phases.close(exc)
+            raise
+        phases.close()  # a no-op once the end-to-end phase ended the trace; else it ends it here
 
     return endpoint
+
+
+async def _serve(
+    kind: str, body: dict[str, Any], request_id: str, rid: bytes, phases: Phases, snapshot: FleetSnapshot, start: float,
+    receive: Receive, send: Send,
+) -> None:
+    """Run the pipeline's ``kind`` on a parsed request and send its answer (a stream or JSON)."""
+    async with DisconnectWatch(receive) as watch:
+        try:
+            pipeline = pipeline_for(snapshot)
+            result = await getattr(pipeline, kind)(body, request_id, phases)
+        except Exception as exc:
+            watch.complete = True
+            _log_error(request_id, kind, exc, start)
+            await send_error(send, exc, request_id)
+            phases.close(exc)
+            return
+        if isinstance(result, (EventStream, NativeStream)):
+            try:
+                # Native streams are the engine's bytes relayed: its engine-internal fields are
+                # nulled here, as ``scrub_response`` does for JSON answers.
+                scrub = FieldScrub(RESPONSE_CONTROLS)
+                await send_stream(send, result.frames(), ((b"x-request-id", rid),), watch, scrub)
+            finally:
+                # The task ended (the client left, a send failed) before frames() ran: its
+                # finally never will, so the engine streams are closed and the load released here.
+                if not result.started:
+                    await result.aclose()
+            phases.observe(metric_names.PHASE_END_TO_END, phases.start)  # the last frame was sent
+            return
+        watch.complete = True
+        logger.info(
+            "response request_id=%s kind=%s status=200 latency_ms=%.1f",
+            request_id, kind, (time.perf_counter() - start) * 1000,
+        )
+        await send_json(send, 200, result, ((b"x-request-id", rid),))
+        phases.observe(metric_names.PHASE_END_TO_END, phases.start)
 
 
 async def models(scope: Scope, receive: Receive, send: Send) -> None:

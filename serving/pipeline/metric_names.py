@@ -24,8 +24,9 @@ from serving.pipeline.protocol import TokenizerSource, TopologyName
 
 # What a label value outside its family's set is recorded as.
 OTHER = "other"
-# Labels whose values are names from the fleet's records or the launcher's process specs.
-OPERATOR_LABELS = frozenset({"instance", "process"})
+# Labels whose values are names from the fleet's records or the launcher's process specs, or that
+# describe the exporting process itself (one series per process: its replica name, host and pid).
+OPERATOR_LABELS = frozenset({"instance", "process", "replica", "host", "pid"})
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -101,6 +102,12 @@ STREAM_RELAYS = Family("motor_stream_relays_total", "counter",
                        "stream's topology and why it failed (stall: no chunk within the chunk timeout; "
                        "failure: anything else the engine did).", ("topology", "reason"),
                        {"topology": TOPOLOGIES, "reason": frozenset({"stall", "failure"})})
+# A callback forwarded to the replica that started the request: what that owner answered.
+TRIGGER_CALLBACK_RESULTS = frozenset({"accepted", "refused", "unreachable"})
+TRIGGER_CALLBACKS = Family("motor_trigger_callbacks_total", "counter",
+                           "Trigger metaserver callbacks this process received for a request another replica "
+                           "started and forwarded to it, by the owner's answer (accepted: 2xx; refused: any other "
+                           "status) or unreachable.", ("result",), {"result": TRIGGER_CALLBACK_RESULTS})
 ADMISSION_WAITING = Family("motor_admission_waiting", "gauge", "Requests waiting in the admission queue.")
 
 # -- where a /v1 request's time goes (``phases.Histograms``, observed through ``phases.Phases``) --
@@ -146,10 +153,16 @@ PROCESS_RESTARTS = Family("motor_process_restarts_total", "counter", "Restarts o
                           ("process",))
 PROCESS_UP = Family("motor_process_up", "gauge", "Whether a launcher child is running (1) or not (0).", ("process",))
 
+# -- the coordinator process itself ---------------------------------------------------------
+COORDINATOR_INFO = Family("motor_coordinator_info", "gauge",
+                          "Always 1: this coordinator process's replica name (MOTOR_REPLICA, default the host "
+                          "name), host and pid; join on the scraped instance to sum any metric by replica.",
+                          ("replica", "host", "pid"))
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     ENGINE_REQUESTS, ENGINE_ERRORS, ENGINE_TTFT, ENGINE_TPOT, ENGINE_IN_FLIGHT_TOKENS, ROUTE_DECISIONS,
-    RENDER_OUTCOMES, STREAM_RELAYS, ADMISSION_WAITING, AFFINITY_INDEX_BLOCKS, KV_EVENT_BATCHES, KV_EVENT_ERRORS,
-    PROCESS_RESTARTS, PROCESS_UP, *PHASES,
+    RENDER_OUTCOMES, STREAM_RELAYS, TRIGGER_CALLBACKS, ADMISSION_WAITING, AFFINITY_INDEX_BLOCKS, KV_EVENT_BATCHES,
+    KV_EVENT_ERRORS, PROCESS_RESTARTS, PROCESS_UP, COORDINATOR_INFO, *PHASES,
 )}
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from serving.pipeline.metric_names import Family
+from serving.pipeline.tracing import PhaseTracer, RequestTrace
 
 # 1 ms .. 30 s: a render or a derender call takes milliseconds, a queue wait or a long answer seconds.
 BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -88,17 +89,26 @@ class _Placed:
 
 @dataclass(frozen=True, slots=True)
 class Phases:
-    """One request's recorder: its histograms (None: record nothing), labels and start."""
+    """One request's recorder: its histograms (None: record nothing), labels and start, and its
+    trace when tracing is on (``tracing``: a span per observed phase, at the same times)."""
 
     histograms: Histograms | None
     labels: Mapping[str, str] = field(default_factory=dict)
     start: float = 0.0  # when the request arrived (the end-to-end phase's start)
     placed_on: _Placed = field(default_factory=_Placed)
+    trace: RequestTrace | None = None
 
     @classmethod
-    def begin(cls, histograms: Histograms | None, api: str, body: Mapping[str, Any], start: float) -> Phases:
-        """The recorder of a request of route ``api`` that arrived at ``start``."""
-        return cls(histograms, {"api": api, "mode": "stream" if body.get("stream") else "json"}, start)
+    def begin(
+        cls, histograms: Histograms | None, api: str, body: Mapping[str, Any], start: float, *,
+        tracer: PhaseTracer | None = None, request_id: str = "",
+    ) -> Phases:
+        """The recorder of a request of route ``api`` that arrived at ``start``, traced by ``tracer``."""
+        labels = {"api": api, "mode": "stream" if body.get("stream") else "json"}
+        trace = None
+        if tracer is not None and histograms is not None:
+            trace = tracer.begin(request_id, labels, start, histograms.clock)
+        return cls(histograms, labels, start, trace=trace)
 
     def now(self) -> float:
         return self.histograms.clock() if self.histograms is not None else 0.0
@@ -117,8 +127,17 @@ class Phases:
         """Record ``now() - start`` in ``family``, with the labels it declares."""
         if self.histograms is None:
             return
+        now = self.histograms.clock()
         labels = {"topology": self.placed_on.topology, **self.labels}
-        self.histograms.observe(family, self.histograms.clock() - start, {k: labels[k] for k in family.labels})
+        declared = {k: labels[k] for k in family.labels}
+        self.histograms.observe(family, now - start, declared)
+        if self.trace is not None:
+            self.trace.phase(family, start, now, declared)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """End the request's trace if its end-to-end phase never came (``error``: why); idempotent."""
+        if self.trace is not None:
+            self.trace.close(self.now(), error)
 
 
 # What a pipeline records without a recorder of the request (tests, direct callers): nothing.

@@ -23,7 +23,9 @@ What is refused, with vLLM 0.33's status and message where it has one (400, ``Ba
   tool choice) or an engine's own API (``echo``) on a fleet where no engine of the model could
   ever run it (all tokens-only, none with its own OpenAI API): 400 as a ``--tokens-only`` vLLM engine gives for the same input, but
   saying why (``FeatureUnavailable``, ``unservable``), once render has judged the body, so a
-  malformed one gets render's own 400 (vLLM's validation); never the native path's 503.
+  malformed one gets render's own 400 (vLLM's validation); never the native path's 503. The
+  same for ``/v1/responses`` and ``/v1/messages`` when no engine of the model serves its own
+  OpenAI API (there is no render verdict to wait for there).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ VLLM_MAX_COMPLETION_PROMPTS = 1024
 # Client fields that steer an engine's internals: KV/EC connector params can pin KV blocks or
 # point an engine at an address of the client's choosing; xargs reach custom logits processors.
 ENGINE_CONTROLS = ("kv_transfer_params", "ec_transfer_params", "vllm_xargs", "extra_args")
+# The engine-internal fields answers can carry: nulled in JSON answers and in SSE frames alike.
+RESPONSE_CONTROLS = ("kv_transfer_params", "ec_transfer_params")
 
 
 class VocabularyUnknown(MotorError):
@@ -66,13 +70,16 @@ class FeatureUnavailable(RequestError):
 # Native-path reasons that are properties of the request itself (engine/native.native_reason):
 # what it asks for, the field that asks, and whether a tokenizer-loaded token-only engine runs it
 # too. The first three are what a --tokens-only engine refuses (400, "... requires a tokenizer");
-# ``echo`` has no derender, so only an engine's own OpenAI API serves it.
+# ``echo`` has no derender, and the Responses and Messages APIs no render nor derender at all, so
+# only an engine's own OpenAI API serves them.
 _FEATURES: dict[str, tuple[str, str | None, bool]] = {
     "stop_strings": ("stop strings (use `stop_token_ids` instead)", "stop", True),
     "structured_output": ("structured output (`response_format` json_schema / json_object / structural_tag, "
                           "`structured_outputs`)", None, True),
     "forced_tool_choice": ('a forced tool choice (`tool_choice` "required" or a named function)', "tool_choice", True),
     "echo": ("`echo` (the prompt in the answer)", "echo", False),
+    "api:responses": ("the Responses API (`/v1/responses`)", None, False),
+    "api:messages": ("the Anthropic Messages API (`/v1/messages`)", None, False),
 }
 
 
@@ -90,6 +97,12 @@ def unservable(
            and (i.native_openai or (tokenizer_serves and i.tokenizer and i.token_generate))
            for i in snapshot.instances):
         return None
+    if reason.startswith("api:"):
+        return FeatureUnavailable(
+            f"This server cannot serve {what} for model `{model}`: it needs an engine that serves its own "
+            "OpenAI API, and no engine of this model does (they serve token-only generation); use "
+            "`/v1/chat/completions` or `/v1/completions`.",
+        )
     needs = "an engine that loads a tokenizer or serves its own OpenAI API" if tokenizer_serves else (
         "an engine that serves its own OpenAI API")
     if param is None:
@@ -379,8 +392,9 @@ def scrub_response(response: dict[str, Any]) -> dict[str, Any]:
 
     ``kv_transfer_params`` names the prefill engine's host, port and KV blocks; derender and the
     native API pass it through. It stays in the body as ``null`` (vLLM's shape when unset).
+    Streams get the same through ``sse.FieldScrub`` at the edge.
     """
-    for name in ("kv_transfer_params", "ec_transfer_params"):
+    for name in RESPONSE_CONTROLS:
         if response.get(name) is not None:
             response[name] = None
     return response

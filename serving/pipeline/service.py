@@ -316,8 +316,9 @@ class ServingPipeline:
                 "token obfuscation is on." + _hint(reason),
             )
         unservable = request_checks.unservable(self.snapshot, model.name, reason, body)
-        if unservable is not None and kind in ("chat", "completions"):
-            await self._render_verdict(kind, body, request_id)  # render's 400 for a malformed body
+        if unservable is not None:
+            if kind in ("chat", "completions"):
+                await self._render_verdict(kind, body, request_id)  # render's 400 for a malformed body
             self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
             raise unservable

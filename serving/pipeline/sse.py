@@ -42,3 +42,67 @@ async def iter_events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]
             raise SSEProtocolError(f"SSE data is not an object: {data[:200]!r}")
         yield event
     raise StreamTruncated("stream ended before [DONE]")
+
+
+class FieldScrub:
+    """Nulls ``fields`` (wherever they sit in an event's JSON) in an SSE byte stream relayed raw.
+
+    The native path relays an engine's chunks as they arrive, cut anywhere; this keeps the
+    incomplete last frame back until its blank line arrives, and parses only the frames whose
+    bytes mention a field: every other frame passes byte for byte. Frames end with ``\\n\\n``,
+    as vLLM writes them; a stream without one is held to its end and scrubbed whole.
+    """
+
+    def __init__(self, fields: tuple[str, ...]) -> None:
+        self._fields = frozenset(fields)
+        self._needles = tuple(b'"' + f.encode() + b'"' for f in fields)
+        self._tail = b""
+
+    def _mentions(self, data: bytes) -> bool:
+        return any(n in data for n in self._needles)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of ``chunk`` (after what was held) can go to the client now."""
+        if not self._tail and chunk.endswith(b"\n\n") and not self._mentions(chunk):
+            return chunk  # whole frames, none concerned: the common case, no copy
+        data = self._tail + chunk
+        cut = data.rfind(b"\n\n") + 2
+        if cut < 2:
+            self._tail = data
+            return b""
+        done, self._tail = data[:cut], data[cut:]
+        return self._scrub(done) if self._mentions(done) else done
+
+    def flush(self) -> bytes:
+        """What was held back when the stream ended."""
+        tail, self._tail = self._tail, b""
+        return self._scrub(tail) if self._mentions(tail) else tail
+
+    def _scrub(self, block: bytes) -> bytes:
+        lines = block.split(b"\n")
+        for i, line in enumerate(lines):
+            if not (line.startswith(b"data:") and self._mentions(line)):
+                continue
+            try:
+                event = json.loads(line[5:])
+            except ValueError:
+                continue  # not JSON: nothing a client could read a field from
+            if _null_fields(event, self._fields):
+                lines[i] = b"data: " + json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
+        return b"\n".join(lines)
+
+
+def _null_fields(value: Any, fields: frozenset[str]) -> bool:
+    """Set every non-null ``fields`` key in ``value`` (nested too) to None; whether any was."""
+    changed = False
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in fields and item is not None:
+                value[key] = None
+                changed = True
+            else:
+                changed = _null_fields(item, fields) or changed
+    elif isinstance(value, list):
+        for item in value:
+            changed = _null_fields(item, fields) or changed
+    return changed

@@ -194,3 +194,8 @@ def test_the_app_services_need_a_secret_key_the_settings_accept(tmp_path: Path) 
     keys = {name: s["environment"]["SECRET_KEY"] for name, s in services.items() if "SECRET_KEY" in s.get("environment", {})}
     assert set(keys) == {"migrate", "celery-worker", "celery-beat", "coordinator"}
     assert {check_secret_key(k) for k in keys.values()} == {STRONG_KEY}
+
+
+def test_the_coordinator_names_its_replica() -> None:
+    # motor_coordinator_info{replica}; the default keeps a plain `up` naming it after its service.
+    assert SERVICES["coordinator"]["environment"]["MOTOR_REPLICA"] == "${MOTOR_REPLICA-coordinator}"

@@ -17,6 +17,9 @@ TARGET_LABELS = frozenset({"instance", "job"})
 METRIC = re.compile(r"\b(motor_[a-z0-9_]+)\b")
 GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
 MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*\"")
+# ``* on (instance) group_left (replica) motor_coordinator_info``: the joined series' labels
+# reach every series of the expression (how a dashboard sums a metric by coordinator replica).
+JOIN = re.compile(r"\bgroup_left\s*\(([^)]*)\)\s*(motor_[a-z0-9_]+)")
 
 
 def family_of(series: str) -> Family | None:
@@ -41,13 +44,22 @@ def label_problems(expr: str) -> list[str]:
     used = {label.strip() for group in GROUPING.findall(expr) for label in group.split(",") if label.strip()}
     used |= set(MATCHER.findall(expr))
     problems = []
+    joined: set[str] = set()
+    # A joined series only lends labels: the grouping above applies to the join's result.
+    lenders = {series for _, series in JOIN.findall(expr)}
+    for group, series in JOIN.findall(expr):
+        labels = {label.strip() for label in group.split(",") if label.strip()}
+        family = family_of(series)
+        own = set(family.labels) if family is not None else set()
+        problems += [f"{series} has no label {label!r} to join" for label in sorted(labels - own)]
+        joined |= labels & own
     for series in set(METRIC.findall(expr)):
         family = family_of(series)
-        if family is None:
+        if family is None or series in lenders:
             continue
         allowed = {
             (f"exported_{label}" if label in TARGET_LABELS else label) for label in family.labels
-        } | TARGET_LABELS
+        } | TARGET_LABELS | joined
         if series.endswith("_bucket"):
             allowed.add("le")  # a histogram bucket's bound (histogram_quantile groups by it)
         problems += [f"{series} has no label {label!r}" for label in sorted(used - allowed)]
@@ -89,6 +101,11 @@ def test_every_label_the_dashboard_uses_exists_on_its_metric(dashboard: dict[str
         ("sum by (le, topology) (rate(motor_request_placement_seconds_bucket[5m]))", None),
         ("sum by (le) (rate(motor_request_render_seconds_sum[5m]))", "has no label 'le'"),
         ("sum by (le, leg) (rate(motor_request_render_seconds_bucket[5m]))", "has no label 'leg'"),
+        ("sum by (replica) (rate(motor_stream_relays_total[5m]))", "has no label 'replica'"),
+        ("sum by (replica, reason) (rate(motor_stream_relays_total[5m]) * on (instance) group_left (replica) "
+         "motor_coordinator_info)", None),
+        ("sum by (reason) (rate(motor_stream_relays_total[5m]) * on (instance) group_left (zone) motor_coordinator_info)",
+         "has no label 'zone' to join"),
     ],
 )
 def test_the_label_check_finds_what_is_wrong(expr: str, problem: str | None) -> None:
@@ -99,6 +116,11 @@ def test_the_label_check_finds_what_is_wrong(expr: str, problem: str | None) -> 
         assert len(found) == 1 and problem in found[0]
     assert family_of("motor_engine_requests_totl") is None and family_of("motor_process_up_sum") is None
     assert family_of("motor_engine_ttft_seconds_bucket") is None  # a summary has no buckets
+
+
+def test_the_dashboard_sums_relays_fallbacks_and_callbacks_by_replica(dashboard: dict[str, Any]) -> None:
+    by_replica = {series for _, expr in targets(dashboard) if JOIN.search(expr) for series in METRIC.findall(expr)}
+    assert {"motor_stream_relays_total", "motor_render_outcomes_total", "motor_trigger_callbacks_total"} <= by_replica
 
 
 def test_the_dashboard_is_importable_json(dashboard: dict[str, Any]) -> None:

@@ -128,3 +128,8 @@ def test_the_sidecar_image_is_set_from_the_render_config() -> None:
     assert pod["render"]["image"] == "motorsite-render"
     [image] = [i for i in KUSTOMIZATION["images"] if i["name"] == "motorsite-render"]
     assert f"{image['newName']}:{image['newTag']}" == DEFAULT_RENDER_IMAGE
+
+
+def test_each_coordinator_pod_names_its_replica_by_its_own_name() -> None:
+    env = {e["name"]: e for e in containers("motorsite-coordinator")["coordinator"]["env"]}
+    assert env["MOTOR_REPLICA"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}

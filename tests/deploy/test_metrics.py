@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.test import Client
@@ -74,3 +77,24 @@ def test_metrics_serves_the_phase_histograms_of_the_process(client: Client) -> N
     assert f'motor_request_render_seconds_bucket{{{series},le="+Inf"}} 1.0' in text
     assert f"motor_request_render_seconds_sum{{{series}}} 0.004" in text
     assert f"motor_request_render_seconds_count{{{series}}} 1.0" in text
+
+
+@pytest.mark.django_db
+def test_metrics_names_the_process_and_counts_the_callbacks_it_forwarded(
+    client: Client, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from serving.pipeline.topologies import metaserver
+
+    settings.MOTOR_REPLICA = "coordinator-7f9c"
+    replica = metaserver.MetaServer("http://127.0.0.1:8000")
+    monkeypatch.setattr(metaserver, "_process", replica)
+    text = client.get("/metrics").content.decode()
+    info = f'motor_coordinator_info{{host="{socket.gethostname()}",pid="{os.getpid()}",replica="coordinator-7f9c"}} 1.0'
+    assert info in text
+    # Every result from zero: a replica that never forwarded still exports the series.
+    for result in ("accepted", "refused", "unreachable"):
+        assert f'motor_trigger_callbacks_total{{result="{result}"}} 0.0' in text
+    replica.forward_results.update({"accepted": 2, "unreachable": 1})
+    text = client.get("/metrics").content.decode()
+    assert 'motor_trigger_callbacks_total{result="accepted"} 2.0' in text
+    assert 'motor_trigger_callbacks_total{result="unreachable"} 1.0' in text

@@ -7,9 +7,11 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from django.test import Client
 
 from catalog.fingerprints import fingerprint_model_dir
 from catalog.models import RenderConfig, ServedModel
@@ -319,6 +321,36 @@ def test_it_records_what_the_engines_report_and_shows_a_mismatch(fleet: list[Eng
     assert str(copy) in events.get().reason
     # A path mismatch is not drift: the files hash the same, nothing is quarantined.
     assert e2.state == "active" and not e2.version_drift
+
+
+def test_it_compares_the_render_sidecars_model_with_the_records_like_an_engines(
+    fleet: list[EngineInstance], model_dir: Path, client: Client, admin_user: Any
+) -> None:
+    probes.probe_versions(client=tiers_answering())
+    assert RenderConfig.objects.get().model_mismatch == ""
+    # The sidecar serves another name and loads another directory than the record says.
+    probes.probe_versions(client=tiers_answering(names={"render": "tiny-v2"}, roots={"render": "/models/v2"}))
+    mismatch = RenderConfig.objects.get().model_mismatch
+    assert mismatch == (
+        "the engine serves 'tiny-v2', the served model is named 'tiny'; "
+        f"the engine loads '/models/v2', the served model's model_path is {str(model_dir)!r}"
+    )
+    # The engines still match: the sidecar's mismatch is its own.
+    assert not EngineInstance.objects.exclude(model_mismatch="").exists()
+    # Shown where an operator looks: the REST API and the admin's render config list.
+    from fleet.services import api_key_create
+
+    key = api_key_create(name="ops", scope="admin")[1]
+    answer = client.get("/api/render-configs", HTTP_AUTHORIZATION=f"Bearer {key}").json()
+    assert [c["model_mismatch"] for c in answer] == [mismatch]
+    client.force_login(admin_user)
+    page = client.get("/admin/serving/renderconfig/").content.decode()
+    assert "⚠ the engine serves &#x27;tiny-v2&#x27;" in page
+    # An unreachable sidecar says nothing new; a matching one clears it.
+    probes.probe_versions(client=tiers_answering(fail={"render"}))
+    assert RenderConfig.objects.get().model_mismatch == mismatch
+    probes.probe_versions(client=tiers_answering())
+    assert RenderConfig.objects.get().model_mismatch == ""
 
 
 def test_it_adopts_the_name_and_path_an_engine_reports(fleet: list[EngineInstance], model_dir: Path) -> None:

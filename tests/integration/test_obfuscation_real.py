@@ -17,8 +17,10 @@ breaks ties the same way on both sides.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
@@ -35,8 +37,10 @@ from serving.pipeline.obfuscation.mapping import TokenMapping, deobfuscate_respo
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.snapshot import InstanceView
 
-# The first test's setup starts the session's tiers and then this module's two engines, one
-# after the other: minutes on a busy 2-core machine, as for the other modules that start engines.
+from .cutting_proxy import Cut, CuttingProxy
+
+# The first test's setup starts the session's tiers and then this module's three engines
+# together: minutes on a busy 2-core machine, as for the other modules that start engines.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
@@ -66,19 +70,22 @@ ENGINE_DTYPE = ["--dtype", "float32"]
 class Engines:
     plain: str  # the plain model, scale-out: generate and vLLM's own /v1/chat/completions
     obf: str  # the obfuscated copy, tokens-only
+    obf2: str  # a second obfuscated engine: where a cut stream is relayed to
 
 
 @pytest.fixture(scope="module")
 def engines(tiers: stack.StackConfig, obf_model: tuple[Path, TokenMapping]) -> Iterator[Engines]:
-    """Two real float32 engines, plain and obfuscated, started through the supervisor."""
+    """Three real float32 engines, plain and two obfuscated, started together through the supervisor."""
     cores = max(os.cpu_count() or 1, 1)
     specs: list[ProcessSpec] = []
     urls: list[str] = []
-    # The session's two engines sit on cores 0 and 1; these share them, one each.
-    for name, model_dir, mode, core in (
+    # The session's two engines sit on cores 0 and 1; these share them.
+    plan = (
         ("engine-obf-plain", tiers.model_dir, "scale-out", 0),
         ("engine-obf", str(obf_model[0]), "tokens-only", cores - 1),
-    ):
+        ("engine-obf-2", str(obf_model[0]), "tokens-only", 0),
+    )
+    for name, model_dir, mode, core in plan:
         port = free_port()
         argv, env = tier_commands.vllm_engine_command(
             python=tiers.engine_python,
@@ -95,15 +102,17 @@ def engines(tiers: stack.StackConfig, obf_model: tuple[Path, TokenMapping]) -> I
             env=env,
             log_path=tiers.log_dir / f"{name}.log",
             ports=[("127.0.0.1", port)],
-            # Readiness sends id 1, which is some physical token on the obfuscated engine: any
+            # Readiness sends id 1, which is some physical token on an obfuscated engine: any
             # id is a valid prompt.
             ready_post=tier_commands.engine_ready_request(tiers.served_model_name),
             ready_base_url=f"http://127.0.0.1:{port}",
-            ready_timeout=180.0,
+            # Three engines starting at once share two cores (and the session's engines): each
+            # waits as long as the one check for all three did before.
+            ready_timeout=420.0,
         ))
         urls.append(f"http://127.0.0.1:{port}")
-    with Supervisor(together(specs)):  # one core each: they start side by side
-        yield Engines(plain=urls[0], obf=urls[1])
+    with Supervisor(together(specs)):  # side by side, each ready on its own real request
+        yield Engines(plain=urls[0], obf=urls[1], obf2=urls[2])
 
 
 def _instance(name: str, url: str, key_id: str = "") -> InstanceView:
@@ -339,3 +348,144 @@ async def test_it_answers_through_a_coordinator_whose_instance_carries_the_key(
         # (test_it_answers_garbage_to_plain_ids), so a coordinator that skipped the boundary fails.
         assert_same_answer(r.json(), await reference(body, f"obf-coordinator-{path.rsplit('/', 1)[1]}"))
     assert r.json()["choices"][0]["text"]
+
+
+# --- streaming: the official client through a coordinator of two obfuscated engines -------------
+
+
+@dataclass(frozen=True, slots=True)
+class RelayFleet:
+    cfg: stack.StackConfig
+    cut: Cut  # shared by the proxies in front of both obfuscated engines
+
+
+@pytest.fixture(scope="module")
+def obf_fleet(
+    tiers: stack.StackConfig, engines: Engines, obf_model: tuple[Path, TokenMapping],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RelayFleet]:
+    """A real coordinator whose two instances are the two obfuscated engines, each behind a
+    proxy that can cut a stream mid-way, with obfuscation on as deployed (``obf_coordinator``).
+    Breakers stay closed here: a cut is one failure, and every test must see both instances."""
+    import sqlite3
+    from dataclasses import replace
+
+    cut = Cut()
+    key_id = obf_model[1].key_id
+    db = tmp_path_factory.mktemp("obf-fleet") / "coordinator.sqlite3"
+    with contextlib.ExitStack() as proxies:
+        fronts = [
+            proxies.enter_context(CuttingProxy(int(url.rsplit(":", 1)[1]), cut)) for url in (engines.obf, engines.obf2)
+        ]
+        cfg = replace(
+            tiers, engine_ports=tuple(p.port for p in fronts), coordinator_port=free_port(),
+            database_url=f"sqlite:///{db}", log_dir=tiers.log_dir / "obf-fleet",
+            extra_env={**tiers.extra_env, "MOTOR_OBF_COORDINATOR_KEY": _env("MOTOR_OBF_TEST_KEY"),
+                       "MOTOR_BREAKER_THRESHOLD": "1000"},
+        )
+        stack.prepare_database(cfg)
+        with sqlite3.connect(db) as conn:
+            assert conn.execute(
+                "UPDATE serving_renderconfig SET obfuscation = 1, obfuscation_key_ref = ?, obfuscation_key_id = ?",
+                ("setting:MOTOR_OBF_COORDINATOR_KEY", key_id),
+            ).rowcount == 1
+            assert conn.execute(
+                "UPDATE fleet_engineinstance SET obfuscation_key_id = ?, cap_native_openai = 0, cap_tokenizer = 0",
+                (key_id,),
+            ).rowcount == 2
+        with Supervisor([stack.coordinator_spec(cfg)]):
+            yield RelayFleet(cfg, cut)
+
+
+def _streamed(chunks: Iterator[Any]) -> dict[str, Any]:
+    """What a client assembles from a stream, per choice: text, token ids, logprobs, finish; the
+    prompt's ids and the usage chunk."""
+    choices: dict[int, dict[str, Any]] = {}
+    # Every chunk that carries the prompt's ids (vLLM: the first one only).
+    out: dict[str, Any] = {"choices": choices, "prompt_token_ids": [], "usage": None}
+    for chunk in chunks:
+        data = chunk.model_dump()
+        out["id"] = data["id"]
+        if data.get("prompt_token_ids") is not None:
+            out["prompt_token_ids"].append(data["prompt_token_ids"])
+        if data.get("usage"):
+            out["usage"] = {k: data["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        for c in data["choices"]:
+            got = choices.setdefault(c["index"], {"text": "", "token_ids": [], "logprobs": [], "finish": None})
+            delta = c.get("delta")
+            got["text"] += (delta.get("content") if delta is not None else c.get("text")) or ""
+            got["token_ids"] += c.get("token_ids") or []
+            got["logprobs"] += _positions(c.get("logprobs"))
+            got["finish"] = c.get("finish_reason") or got["finish"]
+            if c.get("prompt_token_ids") is not None:  # completions put them on the choice
+                out["prompt_token_ids"].append(c["prompt_token_ids"])
+    return out
+
+
+def assert_same_stream(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert len(want["prompt_token_ids"]) == 1
+    assert got["prompt_token_ids"] == want["prompt_token_ids"] and got["usage"] == want["usage"]
+    assert got["choices"].keys() == want["choices"].keys()
+    for index, w in want["choices"].items():
+        g = got["choices"][index]
+        assert (g["text"], g["token_ids"], g["finish"]) == (w["text"], w["token_ids"], w["finish"])
+        assert g["text"] and g["token_ids"]
+        assert len(g["logprobs"]) == len(w["logprobs"]) == len(w["token_ids"])
+        for (tg, lg, ag), (tw, lw, aw) in zip(g["logprobs"], w["logprobs"], strict=True):
+            assert tg == tw and abs(lg - lw) <= LOGPROB_TOL, (tg, lg, tw, lw)
+            assert _same_alternatives(ag, aw), (ag, aw)
+
+
+STREAM_CHAT = {"messages": [{"role": "user", "content": "Stream me a story about permutations."}],
+               "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+STREAM_COMPLETION = {"prompt": "import itertools\n", "max_tokens": 24, "temperature": 0, "logprobs": 2}
+EXTRA = {"stream": True, "stream_options": {"include_usage": True}, "extra_body": {"return_token_ids": True}}
+
+
+def _stream(base_url: str, kind: str, api_key: str) -> dict[str, Any]:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+    if kind == "chat":
+        return _streamed(client.chat.completions.create(model="tiny", **STREAM_CHAT, **EXTRA))
+    return _streamed(client.completions.create(model="tiny", **STREAM_COMPLETION, **EXTRA))
+
+
+def _relays(cfg: stack.StackConfig) -> float:
+    text = httpx.get(cfg.coordinator_url + "/metrics", timeout=10.0, trust_env=False).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("motor_stream_relays_total{"))
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_it_streams_through_obfuscated_engines_as_the_plain_engine_does(
+    obf_fleet: RelayFleet, engines: Engines, kind: str,
+) -> None:
+    from .conftest import API_KEY
+
+    want = _stream(engines.plain, kind, "unused")  # vLLM's own server on the plain model
+    got = _stream(obf_fleet.cfg.coordinator_url, kind, API_KEY)
+    assert_same_stream(got, want)
+    assert obf_fleet.cut.cuts == 0
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_a_stream_cut_mid_way_is_relayed_to_the_other_obfuscated_engine_unchanged(
+    obf_fleet: RelayFleet, engines: Engines, kind: str,
+) -> None:
+    from .conftest import API_KEY
+
+    want = _stream(engines.plain, kind, "unused")
+    relays, cuts = _relays(obf_fleet.cfg), obf_fleet.cut.cuts
+    # A few frames in (each carries logprobs): the client has seen output when the engine goes.
+    obf_fleet.cut.arm(after_bytes=1500)
+    got = _stream(obf_fleet.cfg.coordinator_url, kind, API_KEY)
+    assert obf_fleet.cut.cuts == cuts + 1 and not obf_fleet.cut.armed
+    assert _relays(obf_fleet.cfg) == relays + 1  # relayed, not restarted nor failed
+    # After output reached the client, to the other engine.
+    log = (obf_fleet.cfg.log_dir / "coordinator.log").read_text()
+    relay = re.search(rf"relay request_id={got['id']} prompt=0 committed_tokens=(\d+) .*"
+                      r"old_instance=(\S+) new_instance=(\S+)", log)
+    assert relay is not None, got["id"]
+    assert int(relay[1]) > 0 and relay[2] != relay[3]
+    assert_same_stream(got, want)

@@ -10,6 +10,8 @@ control-plane changes after a poll, placement by KV cache events of traffic the 
 served, and a Trigger callback delivered to the replica that did not
 start the request. Each replica's metaserver base URL names the *other* replica (what a load
 balancer in front may do), so every Trigger callback arrives at the wrong one and is routed.
+Replica A runs with ``MOTOR_TRACING=true`` and exports its spans over OTLP/HTTP to a receiver in
+the test process (``tests/otlp.py``); each replica names itself (``MOTOR_REPLICA``) in ``/metrics``.
 
 Every test ends by asserting that nothing leaked: no admission lease or queue in Redis, no
 tokens in flight on either replica (``/metrics``), every process still running; the fixture
@@ -39,6 +41,7 @@ from motorsite.launched import metric_samples
 from motorsite.processes import ProcessSpec
 from motorsite.supervisor import Supervisor, free_port, together
 from tests import prerequisites
+from tests.otlp import Receiver
 
 REDIS_URL = f"redis://127.0.0.1:{prerequisites.REDIS_PORT}/12"
 ADMIN_KEY = "sk-admin-" + uuid.uuid4().hex[:12]
@@ -69,6 +72,9 @@ class Replica:
     def requests_to(self, instance: str) -> float:
         return metric_samples(self.metrics(), "motor_engine_requests_total").get(f'instance="{instance}"', 0.0)
 
+    def callbacks_forwarded(self, result: str) -> float:
+        return metric_samples(self.metrics(), "motor_trigger_callbacks_total")[f'result="{result}"']
+
     def inflight(self) -> float:
         return sum(metric_samples(self.metrics(), "motor_engine_in_flight_tokens").values())
 
@@ -85,6 +91,7 @@ class Cluster:
     sim: dict[str, str]  # P/D simulators' URLs by role
     engines: dict[str, str]  # union engines' URLs by instance name
     served_model_id: int
+    traces: Receiver  # what replica A exports over OTLP/HTTP (MOTOR_TRACING)
 
     def instances(self) -> dict[str, dict[str, Any]]:
         with self.a.api() as api:
@@ -190,10 +197,15 @@ def cluster(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) 
          "bump_control_version()\n"],
         check=True, env={**os.environ, **stack.coordinator_env(cfg)}, cwd=stack.ROOT,
     )
+    # Replica A traces its requests to a receiver in this process, batched every 100 ms.
+    traces = Receiver()
+    tracing = {"MOTOR_TRACING": "true", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": traces.endpoint,
+               "OTEL_BSP_SCHEDULE_DELAY": "100"}
     coordinators = []
     for name, port, own, other in (("a", port_a, url_a, url_b), ("b", port_b, url_b, url_a)):
         spec = stack.coordinator_spec(replace(cfg, coordinator_port=port))
-        env = {**spec.env, "MOTOR_METASERVER_BASE_URL": other, "MOTOR_METASERVER_OWNER_URL": own}
+        env = {**spec.env, "MOTOR_METASERVER_BASE_URL": other, "MOTOR_METASERVER_OWNER_URL": own,
+               "MOTOR_REPLICA": f"coordinator-{name}", **(tracing if name == "a" else {})}
         coordinators.append(dataclasses.replace(spec, name=f"coordinator-{name}", env=env, log_path=cfg.log_dir / f"coordinator-{name}.log"))
     # The engines start together, then both replicas together once every engine is ready.
     supervisor = Supervisor([*together(specs), *together(coordinators)])
@@ -205,9 +217,10 @@ def cluster(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) 
         with a.api() as api:
             model_id = api.get("/instances").raise_for_status().json()[0]["served_model_id"]
         engines = {f"union-{n}": url for n, url in enumerate(cfg.engine_urls, 1)}
-        yield Cluster(a, b, r, supervisor, sims, engines, model_id)
+        yield Cluster(a, b, r, supervisor, sims, engines, model_id, traces)
     finally:
         supervisor.stop()
+        traces.close()
         subprocess.run([*PSQL, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"], check=False)
         r.flushdb()
         r.close()
@@ -375,6 +388,7 @@ def test_it_routes_a_trigger_callback_to_the_replica_that_started_the_request(c:
     try:
         for owner, other in ((c.a, c.b), (c.b, c.a)):
             forwarded_before = other.log.read_text().count("metaserver forwarded a callback to " + owner.url)
+            accepted_before = other.callbacks_forwarded("accepted")
             decode_before = owner.requests_to("push-decode-1")
             out = chat(owner.openai(), max_tokens=8, content="trigger across replicas")
             assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
@@ -386,10 +400,57 @@ def test_it_routes_a_trigger_callback_to_the_replica_that_started_the_request(c:
             # The decode engine called the other replica; it checked the token and forwarded it.
             assert owner.requests_to("push-decode-1") >= decode_before + 2
             assert other.log.read_text().count("metaserver forwarded a callback to " + owner.url) == forwarded_before + 2
+            # ...and counted both, by the owner's answer, where Prometheus sums it by replica.
+            assert other.callbacks_forwarded("accepted") == accepted_before + 2
+            assert other.callbacks_forwarded("unreachable") == other.callbacks_forwarded("refused") == 0
     finally:
         _set_state(c, c.a, "undrain", "union-1", "union-2")
         for instance_id in ids:
             _delete(c, c.a, instance_id)
+
+
+def _spans_of(c: Cluster, request_id: str) -> list[Any]:
+    return [span for _, span in c.traces.spans() if c.traces.attributes(span).get("motor.request_id") == request_id]
+
+
+def test_a_traced_replica_exports_each_phase_of_a_request_over_otlp(c: Cluster) -> None:
+    # Union, then Trigger (both P/D legs), through A with tracing on; B traces nothing.
+    push = {"kv_connector": "MooncakeLayerwiseConnector", "kv_transfer": "push"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "traced"}], "max_tokens": 4, "stream": True}
+    headers = {"Authorization": f"Bearer {CLIENT_KEY}"}
+    union = httpx.post(c.a.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert union.status_code == 200
+    union_id = union.headers["x-request-id"]
+    until(lambda: "request" in {s.name for s in _spans_of(c, union_id)}, "the union request's trace exported", 15.0)
+    spans = _spans_of(c, union_id)
+    assert {s.name for s in spans} == {"request", "render", "queue_wait", "placement", "first_chunk", "first_derender"}
+    [root] = [s for s in spans if s.name == "request"]
+    assert all(s.trace_id == root.trace_id and (s is root or s.parent_span_id == root.span_id) for s in spans)
+    assert {r["service.instance.id"] for r, _ in c.traces.spans()} == {"coordinator-a"}
+
+    ids = [_register(c, f"push-{role}-1", url, role=role, **push) for role, url in c.sim.items()]
+    _set_state(c, c.a, "drain", "union-1", "union-2")
+    try:
+        trigger = httpx.post(c.a.url + "/v1/chat/completions", json={**body, "stream": False}, headers=headers, timeout=30)
+        assert trigger.status_code == 200
+        trigger_id = trigger.headers["x-request-id"]
+        until(lambda: "request" in {s.name for s in _spans_of(c, trigger_id)}, "the trigger request's trace exported", 15.0)
+        legs = sorted(c.traces.attributes(s)["motor.leg"] for s in _spans_of(c, trigger_id) if s.name == "first_chunk")
+        assert legs == ["decode", "prefill"]
+        [root] = [s for s in _spans_of(c, trigger_id) if s.name == "request"]
+        assert c.traces.attributes(root)["motor.topology"] == "trigger"
+    finally:
+        _set_state(c, c.a, "undrain", "union-1", "union-2")
+        for instance_id in ids:
+            _delete(c, c.a, instance_id)
+
+
+def test_each_replica_names_itself_in_its_metrics(c: Cluster) -> None:
+    for replica in (c.a, c.b):
+        [labels] = metric_samples(replica.metrics(), "motor_coordinator_info")
+        assert f'replica="coordinator-{replica.name}"' in labels and 'pid="' in labels and 'host="' in labels
+    pid_a, pid_b = (metric_samples(r.metrics(), "motor_coordinator_info") for r in (c.a, c.b))
+    assert pid_a.keys() != pid_b.keys()
 
 
 def _seed(url: str, ids: list[int]) -> None:

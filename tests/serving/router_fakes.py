@@ -43,6 +43,8 @@ class NativeEngines:
     calls: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)  # (host, path, body)
     status: dict[str, int] = field(default_factory=dict)  # by host: answer this status instead
     open_streams: set[str] = field(default_factory=set)
+    # The raw chunks a stream sends, cut wherever a test likes; None: one content frame and [DONE].
+    stream_chunks: list[bytes] | None = None
 
     def answer(self, host: str, path: str, body: dict[str, Any]) -> httpx.Response:
         self.calls.append((host, path, body))
@@ -53,9 +55,13 @@ class NativeEngines:
             key = f"{host}{path}"
             self.open_streams.add(key)
 
+            chunks = self.stream_chunks or [
+                b'data: {"id":"native","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n', b"data: [DONE]\n\n",
+            ]
+
             async def agen() -> AsyncIterator[bytes]:
-                yield b'data: {"id":"native","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
-                yield b"data: [DONE]\n\n"
+                for chunk in chunks:
+                    yield chunk
 
             return httpx.Response(
                 200, headers={"content-type": "text/event-stream"},

@@ -91,6 +91,24 @@ def test_a_released_trial_lets_the_next_request_try() -> None:
     assert b.allows(E1) and b.state(E1) is State.HALF_OPEN
 
 
+async def test_in_one_process_concurrent_claims_send_one_half_open_trial() -> None:
+    import asyncio
+
+    clock = Clock()
+    b = board(clock)
+    for _ in range(3):
+        b.failure(E1, "x")
+    assert not await b.claim(E1)
+    clock.now += 10
+    assert await asyncio.gather(*(b.claim(E1) for _ in range(5))) == [True, False, False, False, False]
+    b.failure(E1, "trial failed")
+    assert b.state(E1) is State.OPEN and not await b.claim(E1)
+    clock.now += 20  # the doubled open time
+    assert await b.claim(E1) and not await b.claim(E1)
+    b.success(E1)
+    assert all(await asyncio.gather(*(b.claim(E1) for _ in range(3))))  # closed: no trial to claim
+
+
 def test_a_higher_epoch_from_an_operator_is_adopted() -> None:
     clock = Clock()
     b = board(clock)

@@ -239,6 +239,7 @@ async def test_it_forwards_the_body_unchanged_and_returns_the_owners_answer() ->
         assert seen[0].content == raw and seen[0].headers[FORWARDED_HEADER] == "1"
         assert (await reg.wait(1.0))["remote_cached_tokens"] == 3
     assert (a.delivered, b.forwarded, b.refused) == (1, 1, 0)
+    assert b.forward_results == {"accepted": 1}  # motor_trigger_callbacks_total{result}
 
 
 async def test_it_answers_502_when_the_owner_is_unreachable() -> None:
@@ -254,6 +255,7 @@ async def test_it_answers_502_when_the_owner_is_unreachable() -> None:
             with pytest.raises(CallbackRefused) as refused:
                 await b.forward(info.value, reg.token, b"{}", client)
         assert refused.value.status == 502 and b.forwarded == 0 and b.refused == 1
+        assert b.forward_results == {"unreachable": 1}
 
 
 # -- the Django view --------------------------------------------------------------------
@@ -326,7 +328,10 @@ async def test_the_view_forwards_another_replicas_callback_to_its_owner(
 
     def owner(request: httpx.Request) -> httpx.Response:
         forwarded.append(request)
-        a.deliver(request.url.path.removeprefix(CALLBACK_PATH), json.loads(request.content), forwarded=True)
+        try:
+            a.deliver(request.url.path.removeprefix(CALLBACK_PATH), json.loads(request.content), forwarded=True)
+        except CallbackRefused as exc:  # what A's own view answers
+            return httpx.Response(exc.status, json={"error": {"message": exc.message, "code": exc.status}})
         return httpx.Response(200, json={"status": "accepted"})
 
     mock = httpx.AsyncClient(transport=httpx.MockTransport(owner))
@@ -341,5 +346,9 @@ async def test_the_view_forwards_another_replicas_callback_to_its_owner(
         # A forwarded callback reaching a non-owner is refused, not forwarded again.
         again = await client.post(path, body(), content_type="application/json", headers={FORWARDED_HEADER: "1"})
         assert again.status_code == 404 and len(forwarded) == 1
+        # A replay reaches B again and is forwarded; the owner refuses it (409), and B counts that.
+        replay = await client.post(path, body(), content_type="application/json")
+        assert replay.status_code == 409 and len(forwarded) == 2
     await mock.aclose()
+    assert b.forward_results == {"accepted": 1, "refused": 1}
     assert a.pending == b.pending == 0

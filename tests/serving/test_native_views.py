@@ -67,6 +67,39 @@ async def test_a_streamed_native_answer_is_relayed(v1: httpx.AsyncClient, native
     assert native.open_streams == set()
 
 
+async def test_engine_controls_in_a_relayed_native_stream_are_nulled(
+    v1: httpx.AsyncClient, native: NativeEngines
+) -> None:
+    # The engine's bytes, cut mid-frame and mid-key, as a real connection may deliver them.
+    leaky = (
+        b'data: {"id":"n","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+        b'data: {"id":"n","choices":[],"kv_transfer_params":{"remote_host":"10.0.0.7","remote_port":5600}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    cut = leaky.index(b"transfer_params")
+    native.stream_chunks = [leaky[:cut], leaky[cut:cut + 9], leaky[cut + 9:]]
+    response = await v1.post("/v1/responses", json={"model": MODEL, "input": "hi", "stream": True})
+    assert response.status_code == 200 and [p for _, p, _ in native.calls] == ["/v1/responses"]
+    assert b"10.0.0.7" not in response.content and b"5600" not in response.content
+    events = [json.loads(line[5:]) for line in response.content.split(b"\n\n") if line.startswith(b"data: {")]
+    assert events[0]["choices"][0]["delta"]["content"] == "hi"
+    assert events[1] == {"id": "n", "choices": [], "kv_transfer_params": None}
+    assert response.content.endswith(b"data: [DONE]\n\n")
+    assert native.open_streams == set()
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+async def test_on_a_tokens_only_fleet_responses_and_messages_are_a_400_saying_why(
+    v1: httpx.AsyncClient, db_upstreams: FakeUpstreams, path: str
+) -> None:
+    # The database fleet of the fakes: every engine token-only, none with its own OpenAI API.
+    response = await v1.post(path, json={"model": MODEL, "input": "hi", "max_tokens": 5})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError" and "its own OpenAI API" in error["message"]
+    assert db_upstreams.calls == []
+
+
 async def test_a_full_admission_queue_is_429_with_retry_after(
     v1: httpx.AsyncClient, native: NativeEngines, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -231,6 +231,8 @@ async def test_a_relayed_stream_equals_the_fault_free_stream(
         first, relay = gens
         assert (first.host, relay.host) == ("e1", "e2")
         assert relay.body["request_id"] == "chatcmpl-r1-a1" != first.body["request_id"]
+        # Each attempt reaches its engine under its own id as X-Request-Id (what vLLM names it by).
+        assert [g.headers["x-request-id"] for g in gens] == ["chatcmpl-r1", "chatcmpl-r1-a1"]
         assert relay.body["token_ids"] == CHAT_PROMPT + EXPECTED[:committed]
         assert relay.body["sampling_params"]["max_tokens"] == 8 - committed
     else:

@@ -116,6 +116,9 @@ async def test_a_flat_read_timeout_fails_the_same_generation_on_both_engines(
 
     assert isinstance(result, EngineError), result
     assert sent == ["e1", "e2"]
+    # Each attempt reached its engine under its own engine request id as X-Request-Id.
+    seen = [(await http.get(s.url + "/sim/stats")).json()["x_request_ids"][-1] for s in slow_engines]
+    assert seen == ["cmpl-d1-0", "cmpl-d1-0-a1"]
     assert sorted(b.failures for b in scheduler.breakers._breakers.values()) == [1, 1]
     await assert_released(http, scheduler, slow_engines)
     assert asyncio.all_tasks() == tasks

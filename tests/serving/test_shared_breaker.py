@@ -143,3 +143,87 @@ async def test_a_success_on_a_healthy_breaker_costs_no_redis_call(two: Any) -> N
     a.success(E1)  # this one resets a counted failure: Redis must hear it
     await a.flush()
     assert calls == ["read", "failure", "success"]
+
+
+async def tripped_and_waited(two: Any) -> None:
+    """Trip E1 through ``a`` and let its open time (0.3 s on Redis's clock) pass; both see half-open."""
+    a, b, _, _ = two
+    for _ in range(3):
+        a.failure(E1, "boom")
+    await a.flush()
+    await asyncio.sleep(0.4)
+    await synced(a, b)
+    assert a.state(E1) is State.HALF_OPEN and b.state(E1) is State.HALF_OPEN
+
+
+async def test_processes_send_one_half_open_trial_between_them(two: Any, redis_client: Any, prefix: str) -> None:
+    a, b, _, _ = two
+    await tripped_and_waited(two)
+    won = await asyncio.gather(a.claim(E1), b.claim(E1), a.claim(E1), b.claim(E1))
+    assert sorted(won) == [False, False, False, True]
+    winner, loser = (a, b) if won[0] else (b, a)
+    assert not await loser.claim(E1)  # still held by the other's trial
+    assert f"{prefix}:{E1.id}:trial" in await keys(redis_client, prefix)
+
+    winner.failure(E1, "trial failed")  # open again, time doubled: nobody tries before it passes
+    await winner.flush()
+    assert await keys(redis_client, prefix) == [f"{prefix}:{E1.id}"]  # the claim went with the verdict
+    await synced(loser)
+    assert loser.state(E1) is State.OPEN and not await loser.claim(E1)
+
+    await asyncio.sleep(0.7)
+    await synced(a, b)
+    won = await asyncio.gather(b.claim(E1), a.claim(E1))
+    assert sorted(won) == [False, True]
+    winner = b if won[0] else a
+    winner.success(E1)
+    await winner.flush()
+    await synced(a, b)
+    assert a.state(E1) is State.CLOSED and b.state(E1) is State.CLOSED
+    assert await a.claim(E1) and await b.claim(E1)  # closed: both send, no claim taken
+    a.success(E1)
+    b.success(E1)
+
+
+async def test_a_released_trial_claim_lets_another_process_try(two: Any, redis_client: Any, prefix: str) -> None:
+    a, b, _, _ = two
+    await tripped_and_waited(two)
+    assert await a.claim(E1) and not await b.claim(E1)
+    a.release(E1)  # the trial ended without a verdict on the engine (a 4xx, cancelled)
+    await a.flush()
+    assert await b.claim(E1) and not await a.claim(E1)
+    b.success(E1)
+    await b.flush()
+    assert await keys(redis_client, prefix) == [f"{prefix}:{E1.id}"]
+
+
+async def test_a_dead_processes_trial_claim_expires(two: Any, redis_client: Any, prefix: str) -> None:
+    a, b, _, _ = two
+    a.trial_claim_s = 0.2
+    await tripped_and_waited(two)
+    assert await a.claim(E1) and not await b.claim(E1)  # a "dies" here: no verdict ever comes
+    await asyncio.sleep(0.3)
+    assert await b.claim(E1)
+    a.release(E1)  # a's late end does not delete b's claim: the key holds b's token now
+    await a.flush()
+    assert f"{prefix}:{E1.id}:trial" in await keys(redis_client, prefix)
+    b.success(E1)
+    await b.flush()
+    assert await keys(redis_client, prefix) == [f"{prefix}:{E1.id}"]
+
+
+async def test_without_redis_the_trial_is_claimed_per_process() -> None:
+    import redis.asyncio
+
+    gone = redis.asyncio.Redis.from_url("redis://127.0.0.1:1/14", socket_connect_timeout=0.5, socket_timeout=0.5)
+    now = [1000.0]
+    board = SharedBreakerBoard(gone, prefix="motor:test:gone", threshold=3, base_open_s=5, clock=lambda: now[0])
+    for _ in range(3):
+        board.failure(E1, "boom")
+    await board.flush()
+    now[0] += 5
+    assert await board.claim(E1) and not await board.claim(E1)  # the local slot: one per process
+    board.success(E1)
+    await board.flush()
+    assert board.state(E1) is State.CLOSED
+    await gone.aclose()

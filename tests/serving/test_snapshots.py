@@ -224,3 +224,20 @@ def test_the_snapshot_names_the_pull_connector_an_ascend_engine_runs(fleet: dict
     views = {i.name: i for i in snapshots.build_snapshot().instances}
     assert (views["e1"].kv_connector, views["e1"].kv_port) == ("MooncakeConnectorV1", 36000)
     assert (views["e2"].kv_connector, views["e2"].kv_port) == ("MooncakeConnector", None)
+
+
+async def test_without_any_snapshot_a_database_outage_makes_healthz_503_with_a_reason(
+    v1: httpx.AsyncClient, upstream: FakeUpstreams, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    away = DatabaseAway()
+    monkeypatch.setattr(snapshots, "read_control_version", away)
+    response = await v1.get("/healthz")
+    assert response.status_code == 503, response.text
+    body = response.json()
+    assert body["status"] == "unavailable" and "configuration" in body["reason"]
+    assert "connect" not in response.text  # the database error is logged, not returned
+    assert away.calls == 1 and upstream.calls == []
+
+    monkeypatch.setattr(snapshots, "read_control_version", services.read_control_version)  # it is back
+    response = await v1.get("/healthz")
+    assert response.status_code == 200 and response.json()["status"] == "ok"

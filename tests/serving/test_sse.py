@@ -8,7 +8,8 @@ from typing import AsyncIterator
 import httpx
 import pytest
 
-from serving.pipeline.sse import DONE, SSEProtocolError, StreamTruncated, frame, iter_events
+from serving.pipeline.request_checks import RESPONSE_CONTROLS
+from serving.pipeline.sse import DONE, FieldScrub, SSEProtocolError, StreamTruncated, frame, iter_events
 
 
 async def _lines(*lines: str) -> AsyncIterator[str]:
@@ -100,3 +101,33 @@ async def test_crlf_framing_is_accepted() -> None:
     raw = b'data: {"i":1}\r\n\r\ndata: [DONE]\r\n\r\n'
     response = httpx.Response(200, content=raw)
     assert await _collect(response.aiter_lines()) == [{"i": 1}]
+
+
+LEAKY = (
+    b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    b'data: {"id":"a","choices":[],"kv_transfer_params":{"remote_host":"10.0.0.7","remote_block_ids":[1,2]}}\n\n'
+    b'event: response.completed\ndata: {"type":"response.completed","response":{"ec_transfer_params":{"x":1},'
+    b'"kv_transfer_params":null,"output":[]}}\n\n'
+    + DONE
+)
+
+
+@pytest.mark.parametrize("cut", [None, *range(1, len(LEAKY))])
+def test_field_scrub_nulls_engine_controls_wherever_the_chunks_are_cut(cut: int | None) -> None:
+    scrub = FieldScrub(RESPONSE_CONTROLS)
+    chunks = [LEAKY] if cut is None else [LEAKY[:cut], LEAKY[cut:]]
+    out = b"".join(scrub.feed(c) for c in chunks) + scrub.flush()
+    assert b"10.0.0.7" not in out and b'"x":1' not in out
+    frames = out.split(b"\n\n")
+    assert frames[0] == LEAKY.split(b"\n\n")[0]  # frames without the fields pass byte for byte
+    assert json.loads(frames[1][5:])["kv_transfer_params"] is None
+    completed = json.loads(frames[2].split(b"\n")[1][5:])["response"]
+    assert completed == {"ec_transfer_params": None, "kv_transfer_params": None, "output": []}
+    assert frames[2].startswith(b"event: response.completed\n") and out.endswith(DONE)
+
+
+def test_field_scrub_passes_unconcerned_whole_frames_as_the_same_object() -> None:
+    scrub = FieldScrub(RESPONSE_CONTROLS)
+    chunk = b'data: {"choices":[],"kv_transfer_params_note":1}\n\n'  # a longer name is not the field
+    assert scrub.feed(chunk) is chunk
+    assert scrub.feed(b"data: {") == b"" and scrub.flush() == b"data: {"  # held, then given back at the end

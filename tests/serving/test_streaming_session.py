@@ -46,6 +46,8 @@ class FakeRender:
             delta["role"] = "assistant"
         chunk = {"choices": [{"index": c["index"], "delta": delta, "finish_reason": c.get("finish_reason")}],
                  "usage": {"prompt_tokens": 999, "completion_tokens": 999, "total_tokens": 999} if "usage" in event else None}
+        if "prompt_token_ids" in event:  # the sidecar hands on the engine's (return_token_ids)
+            chunk["prompt_token_ids"] = event["prompt_token_ids"]
         state: dict[str, Any] = {"chunks": seen + 1}
         if self.replay_buffer:
             state["output_token_ids"] = (stream_state or {}).get("output_token_ids", []) + list(c["token_ids"])
@@ -155,6 +157,18 @@ async def test_an_attempt_failing_before_visible_output_restores_its_snapshot() 
             pass
     s.restore(snap)
     assert s.committed_ids == [7, 8] and s.choice(0).stream_state == {"chunks": 2} and s.attempt == 1
+
+
+async def test_the_prompt_ids_are_the_original_prompts_once_never_a_relays_replay() -> None:
+    s = session(FakeRender())
+    first = [c async for c in s.chunks(events({**event(7), "prompt_token_ids": PROMPT}, event(8)))]
+    assert first[0]["prompt_token_ids"] == PROMPT and "prompt_token_ids" not in first[1]
+    s.begin_attempt(1, "e2")  # relayed: the engine was sent prompt + committed output
+    relayed = [c async for c in s.chunks(events(
+        {**event(9), "prompt_token_ids": [*PROMPT, 7, 8]}, {**event(4, index=1), "prompt_token_ids": PROMPT},
+    ))]
+    assert relayed[0]["prompt_token_ids"] is None and relayed[0]["choices"][0]["delta"]["content"] == "<9>"
+    assert relayed[1]["prompt_token_ids"] == PROMPT  # another choice's first chunk carries them, as vLLM's
 
 
 async def test_restore_drops_what_a_failed_attempt_added() -> None:

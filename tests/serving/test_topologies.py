@@ -311,6 +311,10 @@ async def test_handoff_answers_like_a_union_instance(
 
     response = await whole(open_handoff, ctx, Placed(p, d), request())
 
+    # Each leg reached its engine under its own id as X-Request-Id (what vLLM names it by).
+    assert (await stats(http, prefill))["x_request_ids"][-1] == "r1-prefill"
+    assert (await stats(http, decode))["x_request_ids"][-1] == "r1-decode"
+
     assert response["choices"][0]["token_ids"] == await reference(http, union)
     after = (await stats(http, decode))["prompt_tokens_by_source"].get("external_kv_transfer", 0)
     assert after - before == len(PROMPT)
@@ -423,6 +427,9 @@ async def test_trigger_answers_like_a_union_instance(
 
     response = await whole(open_trigger, ctx, Placed(p, d), request())
 
+    # Both legs under D's id, as X-Request-Id too: P's engine id must be the one the callback names.
+    assert (await stats(http, push_decode))["x_request_ids"][-1] == "r1-decode"
+    assert (await stats(http, push_prefill))["x_request_ids"][-1] == "r1-decode"
     assert response["choices"][0]["token_ids"] == await reference(http, union)
     after = (await stats(http, push_decode))["prompt_tokens_by_source"].get("external_kv_transfer", 0)
     assert after - before == len(PROMPT)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from serving.pipeline.errors import RequestError, UpstreamRequestError, error_body
+from serving.pipeline.errors import NoCapacity, RequestError, UpstreamRequestError, error_body
 from serving.pipeline.request_checks import FeatureUnavailable, unservable
 from tests.serving.fakes import MODEL, error_json
 from tests.serving.router_fakes import Rig, assert_no_leaks, chat_body, engine, respond, snapshot_with
@@ -118,3 +118,29 @@ async def test_a_stop_string_or_list_of_strings_passes(rig: Rig) -> None:
     await rig.pipeline(snapshot_with(engine("e1", tokenizer=True))).chat(chat_body(stop="x"), "u7")
     await rig.pipeline(snapshot_with(engine("e1", tokenizer=True))).chat(chat_body(stop=["x", "y"]), "u8")
     assert len(rig.upstreams.calls_of("generate")) == 2
+
+
+@pytest.mark.parametrize("kind", ["responses", "messages"])
+async def test_responses_and_messages_on_a_fleet_without_any_native_engine_are_a_400_saying_why(
+    rig: Rig, kind: str
+) -> None:
+    before = set(asyncio.all_tasks())
+    fleet = snapshot_with(engine("e1", tokenizer=True), engine("e2"))  # token-only, a tokenizer or not
+    with pytest.raises(FeatureUnavailable) as info:
+        await getattr(rig.pipeline(fleet), kind)({"model": MODEL, "input": "hi", "max_tokens": 5}, "u5")
+    status, shown = error_body(info.value)
+    assert status == 400 and shown["error"]["type"] == "BadRequestError"
+    assert "its own OpenAI API" in shown["error"]["message"] and f"/v1/{kind}" in shown["error"]["message"]
+    assert rig.upstreams.calls == [] and rig.native.calls == []  # no render verdict, no engine
+    await assert_no_leaks(rig, before)
+
+
+@pytest.mark.parametrize("kind", ["responses", "messages"])
+async def test_responses_and_messages_with_native_engines_all_unavailable_stay_a_503(rig: Rig, kind: str) -> None:
+    before = set(asyncio.all_tasks())
+    fleet = snapshot_with(engine("e1", native_openai=True, state="draining"), engine("e2"))  # may come back
+    with pytest.raises(NoCapacity) as info:
+        await getattr(rig.pipeline(fleet), kind)({"model": MODEL, "input": "hi", "max_tokens": 5}, "u6")
+    assert error_body(info.value)[0] == 503
+    assert rig.native.calls == []
+    await assert_no_leaks(rig, before)

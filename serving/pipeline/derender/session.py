@@ -246,7 +246,18 @@ class StreamingRenderSession:
             self._slim = slim_request(self.kind, self.body)
         chunk["id"] = self.public_id
         self._account(chunk, len(token_ids))
+        self._own_prompt_ids(chunk, index)
         return PendingChunk(chunk, index, next_state, token_ids, finish)
+
+    def _own_prompt_ids(self, chunk: dict[str, Any], index: int | None) -> None:
+        """``prompt_token_ids`` (``return_token_ids``) are the original prompt's, and only until the
+        client saw output of the chunk's choice: a relayed attempt's engine was sent the replay
+        (prompt + committed output) and would hand that back as the prompt, a second time."""
+        record = self.choices.get(index) if index is not None else None
+        visible = record is not None and record.visible
+        for holder in (chunk, *(chunk.get("choices") or ())):
+            if isinstance(holder, dict) and holder.get("prompt_token_ids") is not None:
+                holder["prompt_token_ids"] = None if visible else list(self.prompt_ids)
 
     def _account(self, chunk: dict[str, Any], new_tokens: int) -> None:
         """Usage numbers are ours, never an engine's (a relayed attempt saw a longer prompt)."""

@@ -33,6 +33,14 @@ def engine_request_id(request_id: str) -> str:
     return f"generate-tokens-{request_id}"
 
 
+def request_headers(request: Mapping[str, Any]) -> dict[str, str]:
+    """``X-Request-Id`` for one generate leg: the leg's own ``request_id`` (what the logs name as
+    ``engine_request_id``). vLLM builds its engine id from this header when it is present, in place
+    of the body's, so it must be the body's id: an abort names ``generate-tokens-<that id>``."""
+    rid = request.get("request_id")
+    return {"X-Request-Id": rid} if isinstance(rid, str) and rid else {}
+
+
 def _raise_for_status(instance: InstanceView, response_status: int, body: Any) -> None:
     if response_status == 503:
         raise EngineBusy(f"{instance.name} is busy", instance=instance.name)
@@ -100,11 +108,14 @@ class EngineClient:
         The reply may take as long as ``deadline`` gives this request's budget.
         """
         timeout = self._reply_timeout(request)
+        headers = request_headers(request)
         try:
             if timeout is None:
-                response = await self._client.post(instance.url + GENERATE, json=request)
+                response = await self._client.post(instance.url + GENERATE, json=request, headers=headers)
             else:
-                response = await self._client.post(instance.url + GENERATE, json=request, timeout=timeout)
+                response = await self._client.post(
+                    instance.url + GENERATE, json=request, headers=headers, timeout=timeout
+                )
         except httpx.ReadTimeout as exc:
             raise EngineError(
                 f"{instance.name} gave no answer in time ({exc!r}, budget {timeout.read if timeout else '-'}s)",
@@ -132,7 +143,9 @@ class EngineClient:
         when the stream drops, stalls past the read timeout or reports an engine failure.
         """
         try:
-            async with self._client.stream("POST", instance.url + GENERATE, json=request) as response:
+            async with self._client.stream(
+                "POST", instance.url + GENERATE, json=request, headers=request_headers(request)
+            ) as response:
                 if response.status_code != 200:
                     raw = await response.aread()
                     try:

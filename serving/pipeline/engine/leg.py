@@ -79,9 +79,9 @@ class EngineGuard:
         self.boundary = boundary
         self.native_client = native
 
-    def _admit(self, instance: InstanceView) -> None:
+    async def _admit(self, instance: InstanceView) -> None:
         """Take a call slot in ``instance``'s breaker; raise ``BreakerOpen`` when it holds it off."""
-        if not self.scheduler.breakers.begin(instance):
+        if not await self.scheduler.breakers.claim(instance):
             raise BreakerOpen(f"{instance.name} is held off by its circuit breaker", instance=instance.name)
 
     @asynccontextmanager
@@ -110,7 +110,7 @@ class EngineGuard:
         Raises ``EngineBusy`` when the breaker holds the instance off. ``record_failure``: an
         engine fault also counts as a failed request in the instance's metrics (token-only legs).
         """
-        self._admit(instance)
+        await self._admit(instance)
         async with self._outcome(instance, record_failure=record_failure):
             yield
 
@@ -136,7 +136,7 @@ class EngineGuard:
         full then refuses the attempt before any KV was prefilled (and pinned) for it. Raises what
         the breaker or admission raise, holding nothing.
         """
-        self._admit(instance)
+        await self._admit(instance)
         holds = AsyncExitStack()
         try:
             await self._hold(instance, tokens, holds, phases)
@@ -165,7 +165,7 @@ class EngineGuard:
         """One non-streaming generate; returns the validated, semantic GenerateResponse."""
         start = time.perf_counter()
         if reserved is None:
-            self._admit(instance)
+            await self._admit(instance)
         async with self._outcome(instance):
             async with AsyncExitStack() as holds:
                 await self._holds(instance, tokens, reserved, holds, phases)
@@ -188,7 +188,7 @@ class EngineGuard:
         The events are raw (physical when obfuscated): ``inbound_event`` turns each semantic.
         """
         if reserved is None:
-            self._admit(instance)
+            await self._admit(instance)
         async with self._outcome(instance):
             await self._holds(instance, tokens, reserved, stack, phases)
             sent = phases.now()
@@ -277,8 +277,10 @@ class GenerateContext:
         finally:
             log = logger.info if result == "ok" else logger.warning
             log(
-                "generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d result=%s latency_ms=%.1f",
-                self.request_id, self.prompt_index, instance.name, phase, self.attempt, result, _ms(start),
+                "generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d engine_request_id=%s result=%s "
+                "latency_ms=%.1f",
+                self.request_id, self.prompt_index, instance.name, phase, self.attempt, request.get("request_id"),
+                result, _ms(start),
             )
 
     async def stream_leg(
@@ -289,8 +291,11 @@ class GenerateContext:
         events = await self.guard.open_stream(
             instance, request, tokens=tokens, stack=stack, reserved=reserved, phases=self.phases.on(leg=phase)
         )
-        logger.info("generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d result=established stream=true",
-                    self.request_id, self.prompt_index, instance.name, phase, self.attempt)
+        logger.info(
+            "generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d engine_request_id=%s result=established "
+            "stream=true",
+            self.request_id, self.prompt_index, instance.name, phase, self.attempt, request.get("request_id"),
+        )
         return events
 
     async def open_leg(

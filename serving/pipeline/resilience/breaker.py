@@ -115,6 +115,11 @@ class BreakerBoard:
         b.trial = True
         return True
 
+    async def claim(self, instance: InstanceView) -> bool:
+        """``begin`` for the request path: a shared board (``SharedBreakerBoard``) also claims a
+        half-open trial across processes there; this one keeps it per process."""
+        return self.begin(instance)
+
     def release(self, instance: InstanceView) -> None:
         """The claimed request ended without a verdict on the engine (4xx, busy, cancelled)."""
         self._get(instance).trial = False

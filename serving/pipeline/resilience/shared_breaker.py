@@ -10,8 +10,15 @@ process keeps the local board as a cache and decides from it at once, and every 
 (``success``, ``failure``), operator adoption and a re-read of a cached entry older than
 ``refresh_s`` go to Redis in order through one short-lived worker task; the script's answer
 replaces the cached entry. So another process's trip reaches this one within ``refresh_s`` (or
-at its own next verdict on that instance). A half-open trial is claimed locally: at most one per
-process, not one fleet-wide.
+at its own next verdict on that instance).
+
+A half-open trial is one fleet-wide: ``claim`` (the request path's async ``begin``) takes the
+local trial slot and then ``SET <prefix>:<id>:trial NX PX`` in Redis, valued with this board's
+own token; a process that finds the key taken gives its slot back and keeps away from the
+instance for ``refresh_s``. The trial's verdict (or release) deletes the key after the verdict
+itself reached Redis, and only if this board still holds it; a process that dies mid-trial
+leaves a claim that expires after ``trial_claim_s``. While Redis is unreachable the claim
+falls back to the local slot: one trial per process, as a per-process board.
 
 Operator overrides still win: the snapshot's higher ``breaker_epoch`` is adopted locally as
 before and written to Redis with that epoch; the script ignores verdicts sent under an older
@@ -28,7 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -86,9 +95,17 @@ return {state, failures, open_until - now, open_ms, stored, flipped}
 """
 
 
+# KEYS[1]: a trial claim. ARGV[1]: the claimer's token. Deletes the claim only if it is still ours
+# (it may have expired and been taken by another process meanwhile).
+_UNCLAIM = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class _Op:
-    kind: str  # read | failure | success | adopt
+    kind: str  # read | failure | success | adopt | unclaim
     instance: InstanceView
     epoch: int
     reason: str = ""
@@ -102,12 +119,19 @@ class SharedBreakerBoard(BreakerBoard):
         self, redis: Any, *, prefix: str = "motor:breaker", refresh_s: float = 1.0, threshold: int = 3,
         base_open_s: float = 5.0, max_open_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time, sink: TransitionSink | None = None, max_pending: int = 10_000,
+        trial_claim_s: float = 600.0,
     ) -> None:
         super().__init__(threshold=threshold, base_open_s=base_open_s, max_open_s=max_open_s, clock=clock, wall=wall, sink=sink)
         self.redis = redis
         self.prefix = prefix
         self.refresh_s = refresh_s  # how stale this process's view of another's verdicts may get
         self._script = redis.register_script(_BREAKER)
+        self._unclaim = redis.register_script(_UNCLAIM)
+        # Bounds a dead process's claim; a trial that outlives it may meet a second one.
+        self.trial_claim_s = trial_claim_s
+        self._token = f"{os.getpid()}:{uuid.uuid4().hex}"  # this board's claims, not another's
+        self._claims: set[int] = set()  # instance ids whose fleet-wide trial this board holds
+        self._elsewhere: dict[int, float] = {}  # instance id -> until when another process's trial runs
         self._ops: deque[_Op] = deque(maxlen=max_pending)  # bounded: the oldest re-read is dropped first
         self._worker: asyncio.Task[None] | None = None
         self._read_at: dict[int, float] = {}
@@ -131,6 +155,51 @@ class SharedBreakerBoard(BreakerBoard):
         super()._adopt(b, instance)
         self._enqueue(_Op("adopt", instance, b.epoch, reason=instance.breaker_state))  # (the operator's state)
 
+    def allows(self, instance: InstanceView) -> bool:
+        if self._elsewhere.get(instance.id, -1e18) > self._clock():
+            return False  # another process holds the half-open trial
+        return super().allows(instance)
+
+    async def claim(self, instance: InstanceView) -> bool:
+        """``begin``, and a half-open trial claimed in Redis so the fleet sends one, not one per process."""
+        if self._elsewhere.get(instance.id, -1e18) > self._clock() or not self.begin(instance):
+            return False
+        b = self._breakers[instance.id]
+        if not b.trial:
+            return True  # closed: no trial to share
+        key = self._claim_key(instance)
+        try:
+            won = await self.redis.set(key, self._token, nx=True, px=max(int(self.trial_claim_s * 1000), 1))
+        except (RedisError, OSError) as exc:
+            logger.warning("breaker redis unavailable instance=%s op=claim, trial claimed locally: %r",
+                           instance.name, exc)
+            return True
+        except BaseException:
+            # Cancelled while asking: the slot goes back, and a claim that may have landed with it.
+            b.trial = False
+            self._enqueue(_Op("unclaim", instance, b.epoch))
+            raise
+        if won:
+            self._claims.add(instance.id)
+            return True
+        b.trial = False
+        self._elsewhere[instance.id] = self._clock() + self.refresh_s
+        logger.info("breaker instance=%s half-open trial held by another process", instance.name)
+        return False
+
+    def _claim_key(self, instance: InstanceView) -> str:
+        return f"{self.prefix}:{instance.id}:trial"
+
+    def _end_claim(self, instance: InstanceView) -> None:
+        """The trial ended: its claim goes, after the verdict queued before it reached Redis."""
+        if instance.id in self._claims:
+            self._claims.discard(instance.id)
+            self._enqueue(_Op("unclaim", instance, self._breakers[instance.id].epoch))
+
+    def release(self, instance: InstanceView) -> None:
+        super().release(instance)
+        self._end_claim(instance)
+
     def success(self, instance: InstanceView) -> None:
         b = self._get(instance)
         # Most requests succeed on a closed breaker with no failures counted (as last read): then
@@ -140,11 +209,13 @@ class SharedBreakerBoard(BreakerBoard):
         super().success(instance)
         if news:
             self._enqueue(_Op("success", instance, b.epoch, "trial succeeded", self._moved))
+        self._end_claim(instance)
 
     def failure(self, instance: InstanceView, reason: str) -> None:
         self._moved = None
         super().failure(instance, reason)
         self._enqueue(_Op("failure", instance, self._get(instance).epoch, reason, self._moved))
+        self._end_claim(instance)
 
     def _move(self, instance: InstanceView, b: Breaker, new: State, reason: str) -> None:
         # The flip is reported once Redis says this process made it (or Redis is away): not here.
@@ -168,6 +239,12 @@ class SharedBreakerBoard(BreakerBoard):
     async def _drain(self) -> None:
         while self._ops:
             op = self._ops.popleft()
+            if op.kind == "unclaim":
+                try:
+                    await self._unclaim(keys=[self._claim_key(op.instance)], args=[self._token])
+                except (RedisError, OSError) as exc:  # it expires on its own
+                    logger.warning("breaker redis unavailable instance=%s op=unclaim: %r", op.instance.name, exc)
+                continue
             try:
                 result = await self._script(
                     keys=[f"{self.prefix}:{op.instance.id}"],

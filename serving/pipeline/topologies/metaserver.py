@@ -39,6 +39,7 @@ import logging
 import os
 import secrets
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -163,6 +164,8 @@ class MetaServer:
         self.delivered = 0
         self.refused = 0
         self.forwarded = 0
+        # Callbacks forwarded to their owner, by its answer (metric_names.TRIGGER_CALLBACK_RESULTS).
+        self.forward_results: Counter[str] = Counter()
 
     @property
     def pending(self) -> int:
@@ -233,9 +236,11 @@ class MetaServer:
             )
         except httpx.HTTPError as exc:
             self.refused += 1
+            self.forward_results["unreachable"] += 1
             logger.warning("metaserver could not forward a callback to %s: %r", elsewhere.owner_url, exc)
             raise CallbackRefused(502, f"the coordinator process at {elsewhere.owner_url} is unreachable") from None
         self.forwarded += 1
+        self.forward_results["accepted" if 200 <= response.status_code < 300 else "refused"] += 1
         logger.info("metaserver forwarded a callback to %s: %d", elsewhere.owner_url, response.status_code)
         return response
 
