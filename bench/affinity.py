@@ -102,8 +102,8 @@ class Affinity(Policy):
 
 def choose(index: KVAffinityIndex, names: list[str], inflight: Counter[str], prompt: list[int], *, record: bool) -> str:
     """The scorer: cached leading blocks minus a load penalty; ties to the least loaded."""
-    scores = index.scores(names, prompt)
-    best = max(names, key=lambda n: (scores[n] - LOAD_PENALTY_BLOCKS * inflight[n], -inflight[n]))
+    depths = index.depths(prompt)
+    best = max(names, key=lambda n: (depths.get(n, 0) - LOAD_PENALTY_BLOCKS * inflight[n], -inflight[n]))
     if record:
         index.record(best, prompt)
     return best
@@ -208,8 +208,8 @@ def decision_costs(count: int, rng: random.Random, prompt: list[int]) -> tuple[f
 
     def scored_all() -> object:
         candidates = scheduler.candidates(snapshot, "m", tokens=len(prompt))
-        scores = index.scores([c.name for c in candidates], prompt)
-        return max(candidates, key=lambda c: scores[c.name])
+        depths = index.depths(prompt)
+        return max(candidates, key=lambda c: depths.get(c.name, 0))
 
     with ExitStack() as held:
         for i in fleet:  # three in four instances busy, 0-3 requests each

@@ -16,7 +16,10 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from motorsite import stack
+from motorsite.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -67,6 +70,28 @@ def require_env(name: str, script: str, hint: str = "") -> str:
     if not value:
         sys.exit(f"{name} is not set; run through `python3 -m toolchain exec {script}`{hint}")
     return value
+
+
+def bench_stack(
+    script: str, *, engines: str, engine_count: int, api_key: str, log_dir: Path, database_url: str, **changes: Any,
+) -> stack.StackConfig:
+    """The stack a benchmark starts: the toolchain's model and tiers
+    (exit through ``require_env`` without them), fresh ports, union engines only, ``changes`` on top."""
+    return stack.StackConfig(
+        model_dir=require_env("MOTOR_MODEL_DIR", script),
+        render_python=require_env("MOTOR_RENDER_PYTHON", script),
+        engine_python=require_env("MOTOR_ENGINE_PYTHON", script),
+        engines=engines,
+        render_port=free_port(),
+        engine_ports=tuple(free_port() for _ in range(engine_count)),
+        prefill_ports=(),
+        decode_ports=(),
+        coordinator_port=free_port(),
+        api_keys=(api_key,),
+        log_dir=log_dir,
+        database_url=database_url,
+        **changes,
+    )
 
 
 # --------------------------------------------------------------------------- measurements

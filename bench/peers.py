@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 import toolchain  # noqa: E402
 from bench import phase_split  # noqa: E402
-from bench.common import loadavg, percentile, publish, require_env, section_head, tidy, tree_cpu_seconds  # noqa: E402
+from bench.common import bench_stack, loadavg, percentile, publish, section_head, tidy, tree_cpu_seconds  # noqa: E402
 from bench.first_path import API_KEY, TIMEOUT, Sample, chat_body, one_chat, one_generate, render_bodies  # noqa: E402
 from bench.peer_procs import LITELLM_KEY, PEER_LABELS, pd_probe, peer_specs, scale_out_pd_specs, versions  # noqa: E402
 from bench.phase_split import PhaseSplit, scrape  # noqa: E402
@@ -440,18 +440,8 @@ def main() -> int:
     log_dir = tmp / "logs"
     log_dir.mkdir()
     print(f"logs: {log_dir}", flush=True)
-    env = lambda name: require_env(name, "bench/peers.py")  # noqa: E731
-    cfg = stack.StackConfig(
-        model_dir=env("MOTOR_MODEL_DIR"),
-        render_python=env("MOTOR_RENDER_PYTHON"),
-        engine_python=env("MOTOR_ENGINE_PYTHON"),
-        render_port=free_port(),
-        engine_ports=(free_port(),),
-        prefill_ports=(),
-        decode_ports=(),
-        coordinator_port=free_port(),
-        api_keys=(API_KEY,),
-        log_dir=log_dir,
+    cfg = bench_stack(
+        "bench/peers.py", engines="vllm", engine_count=1, api_key=API_KEY, log_dir=log_dir,
         database_url=f"sqlite:///{tmp / 'union.sqlite3'}",
     )
     notes: list[str] = []

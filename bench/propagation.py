@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import (  # noqa: E402
     RESULTS,  # noqa: E402
+    bench_stack,
     command_line,
     loadavg,
     machine,
@@ -49,7 +50,7 @@ from bench.common import (  # noqa: E402
     write_section,
 )
 from motorsite import stack  # noqa: E402
-from motorsite.supervisor import Supervisor, free_port  # noqa: E402
+from motorsite.supervisor import Supervisor  # noqa: E402
 
 SECTION = "## bench/propagation.py"
 CLIENT_KEY = "sk-bench-" + uuid.uuid4().hex[:12]
@@ -199,20 +200,9 @@ def main() -> int:
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="motorsite-bench-prop-"))
-    cfg = stack.StackConfig(
-        model_dir=_env("MOTOR_MODEL_DIR"),
-        render_python=_env("MOTOR_RENDER_PYTHON"),
-        engine_python=_env("MOTOR_ENGINE_PYTHON"),
-        engines="sim",
-        render_port=free_port(),
-        engine_ports=(free_port(), free_port()),
-        prefill_ports=(),
-        decode_ports=(),
-        coordinator_port=free_port(),
-        api_keys=(CLIENT_KEY,),
-        log_dir=tmp,
-        database_url=f"sqlite:///{tmp / 'coordinator.sqlite3'}",
-        extra_env={"MOTOR_DEMO_ADMIN_KEY": ADMIN_KEY},
+    cfg = bench_stack(
+        "bench/propagation.py", engines="sim", engine_count=2, api_key=CLIENT_KEY, log_dir=tmp,
+        database_url=f"sqlite:///{tmp / 'coordinator.sqlite3'}", extra_env={"MOTOR_DEMO_ADMIN_KEY": ADMIN_KEY},
     )
     print(f"logs: {tmp}", flush=True)
     rows: list[dict[str, float]] = []

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import (  # noqa: E402
     RESULTS,
+    bench_stack,
     command_line,
     group_cpu_seconds,
     loadavg,
@@ -336,20 +337,9 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="motorsite-bench-"))
     print(f"logs: {tmp}")
-    on_cfg = stack.StackConfig(
-        model_dir=_env("MOTOR_MODEL_DIR"),
-        render_python=_env("MOTOR_RENDER_PYTHON"),
-        engine_python=_env("MOTOR_ENGINE_PYTHON"),
-        engines="vllm",
-        render_port=free_port(),
-        engine_ports=(free_port(),),
-        prefill_ports=(),
-        decode_ports=(),
-        coordinator_port=free_port(),
-        api_keys=(API_KEY,),
-        log_dir=tmp / "on",
-        database_url=f"sqlite:///{tmp / 'on.sqlite3'}",
-        celery=False,
+    on_cfg = bench_stack(
+        "bench/render_onoff.py", engines="vllm", engine_count=1, api_key=API_KEY, log_dir=tmp / "on",
+        database_url=f"sqlite:///{tmp / 'on.sqlite3'}", celery=False,
     )
     off_cfg = replace(
         on_cfg, coordinator_port=free_port(), log_dir=tmp / "off", database_url=f"sqlite:///{tmp / 'off.sqlite3'}"

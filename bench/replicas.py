@@ -38,7 +38,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import RESULTS, loadavg, percentile, require_env, section_head, write_section  # noqa: E402
+from bench.common import RESULTS, bench_stack, loadavg, percentile, section_head, write_section  # noqa: E402
 from motorsite import stack  # noqa: E402
 from motorsite.processes import ProcessSpec  # noqa: E402
 from motorsite.supervisor import Supervisor, free_port  # noqa: E402
@@ -131,17 +131,8 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="motorsite-bench-replicas-"))
     db = f"motorsite_bench_{uuid.uuid4().hex[:8]}"
-    cfg = stack.StackConfig(
-        model_dir=require_env("MOTOR_MODEL_DIR", script),
-        render_python=require_env("MOTOR_RENDER_PYTHON", script),
-        engine_python=require_env("MOTOR_ENGINE_PYTHON", script),
-        engines="sim",
-        render_port=free_port(),
-        engine_ports=(free_port(), free_port()),
-        prefill_ports=(),
-        decode_ports=(),
-        api_keys=(CLIENT_KEY,),
-        log_dir=tmp,
+    cfg = bench_stack(
+        script, engines="sim", engine_count=2, api_key=CLIENT_KEY, log_dir=tmp,
         database_url=f"postgresql://postgres@127.0.0.1:5432/{db}",
         redis_url=REDIS_URL,
         celery=False,

@@ -21,7 +21,8 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,10 @@ class ProcessSpec:
     # None: this child's exit stops the whole stack (the coordinator). Otherwise the supervisor
     # restarts it with back-off and leaves it down alone when it crash-loops.
     restart: RestartPolicy | None = None
+    # Spawned right after the previous spec instead of once that one is ready: processes that do
+    # not need each other (the render sidecar and the engines) start in one go, and the next spec
+    # without the flag waits for the whole group. Each one's ready_timeout counts from its spawn.
+    start_with_previous: bool = False
 
     def __post_init__(self) -> None:
         checks = [self.ready_url, self.ready_post, self.ready_argv]
@@ -85,6 +90,10 @@ class ProcessSpec:
         if not self.argv:
             raise ValueError(f"{self.name!r}: argv is empty")
 
+
+def together(specs: Sequence[ProcessSpec]) -> list[ProcessSpec]:
+    """``specs`` as one start group: each after the first starts with the previous one."""
+    return [replace(spec, start_with_previous=True) if n else spec for n, spec in enumerate(specs)]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

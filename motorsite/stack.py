@@ -1,9 +1,11 @@
 """The processes of one motorsite deployment on this machine, in start order.
 
 ``make run`` (``manage.py runstack``) and the integration tests build the same stack from a
-``StackConfig``: the render sidecar, the token engines (real vLLM or ``enginesim``), the Celery
-worker and beat, then the coordinator under Daphne, each readiness-checked by the supervisor
-before the next starts.
+``StackConfig``: the render sidecar and the token engines (real vLLM or ``enginesim``) together,
+then the Celery worker and beat together, then the coordinator under Daphne. Each group starts
+once the one before is ready (readiness-checked by the supervisor): the tiers need nothing of
+each other to start, while the Celery beat's first probes must find the engines up and the
+coordinator is the door traffic comes in by, opened last.
 Django-free, so tests can build a stack without settings.
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from motorsite import tiers
 from motorsite.restarts import RestartPolicy
-from motorsite.supervisor import ProcessSpec
+from motorsite.supervisor import ProcessSpec, together
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -250,7 +252,8 @@ def celery_specs(cfg: StackConfig) -> list[ProcessSpec]:
 
 def build_specs(cfg: StackConfig) -> list[ProcessSpec]:
     celery = celery_specs(cfg) if cfg.celery else []
-    return [render_spec(cfg), *engine_specs(cfg), *pd_engine_specs(cfg), *celery, coordinator_spec(cfg)]
+    tiers_group = together([render_spec(cfg), *engine_specs(cfg), *pd_engine_specs(cfg)])
+    return [*tiers_group, *together(celery), coordinator_spec(cfg)]
 
 
 def prepare_database(cfg: StackConfig) -> None:
@@ -273,5 +276,5 @@ def prepare_database(cfg: StackConfig) -> None:
     for url in cfg.decode_urls:
         fleet += ["--decode", url]
     if cfg.admin_password:
-        fleet += ["--admin-password", cfg.admin_password]
+        fleet += [f"--admin-password={cfg.admin_password}"]  # one token: a generated one may start with "-"
     subprocess.run(fleet, check=True, env=env, cwd=ROOT)

@@ -1,7 +1,9 @@
 """Start motorsite's processes in order, health-check each, restart what dies, stop them together.
 
 `make run` and the integration tests start the same processes through this module (render
-sidecar, token engines, Celery, the coordinator under Daphne). Django-free on purpose: it runs
+sidecar, token engines, Celery, the coordinator under Daphne); specs marked
+``start_with_previous`` (``together``) start as one group, and the next spec waits for all of
+it. Django-free on purpose: it runs
 before any settings exist, and it must be importable from a plain test subprocess.
 
 Each child runs in its own session, hence its own process group, so that Ctrl-C in a terminal
@@ -56,6 +58,7 @@ from motorsite.processes import (
     log_tail,
     probe,
     terminate_group,
+    together,
     wait_port_free,
 )
 from motorsite.restarts import RestartPolicy
@@ -63,7 +66,7 @@ from motorsite.restarts import RestartPolicy
 __all__ = [
     "ChildDied", "ChildEvent", "ChildState", "ChildStatus", "Interrupted", "PortInUse", "ProcessSpec",
     "ReadinessTimeout", "RestartPolicy", "Supervisor", "SupervisorError", "SupervisorState",
-    "check_ports", "free_port", "log_tail", "run", "wait_port_free",
+    "check_ports", "free_port", "log_tail", "run", "together", "wait_port_free",
 ]
 
 logger = logging.getLogger(__name__)
@@ -197,7 +200,8 @@ class Supervisor:
         self.stop()
 
     def start(self) -> None:
-        """Check every port, then start each spec in order and wait until it is ready.
+        """Check every port, then start each spec in order and wait until it is ready (a spec
+        with ``start_with_previous`` is spawned before the previous one is ready, not after).
 
         On any failure every child started so far is stopped before the error propagates.
         Raises PortInUse before spawning anything, ChildDied, ReadinessTimeout, Interrupted,
@@ -209,12 +213,17 @@ class Supervisor:
         self._install_signal_handlers()
         try:
             check_ports(self.specs)
-            for spec in self.specs:
-                child = spawn(spec)
-                self._children.append(child)
-                self._wait_ready(child)
-                child.up_since = time.monotonic()
-                logger.info("%s ready (pid %d)", spec.name, child.popen.pid)
+            group: list[tuple[Child, float]] = []
+            for n, spec in enumerate(self.specs):
+                group.append((spawn(spec), time.monotonic()))
+                self._children.append(group[-1][0])
+                if n + 1 < len(self.specs) and self.specs[n + 1].start_with_previous:
+                    continue  # the next one starts now too; the group is waited for together
+                for child, spawned in group:
+                    self._wait_ready(child, spawned)
+                    child.up_since = time.monotonic()
+                    logger.info("%s ready (pid %d)", child.spec.name, child.popen.pid)
+                group = []
         except BaseException:
             self.stop(check_ports_free=False)
             raise
@@ -371,9 +380,9 @@ class Supervisor:
                 if not wait_port_free(host, port, PORT_RELEASE_TIMEOUT):
                     raise PortInUse(child.spec.name, host, port, after_stop=True)
 
-    def _wait_ready(self, child: Child) -> None:
+    def _wait_ready(self, child: Child, spawned: float | None = None) -> None:
         spec = child.spec
-        deadline = time.monotonic() + spec.ready_timeout
+        deadline = (time.monotonic() if spawned is None else spawned) + spec.ready_timeout
         interval = POLL_INTERVAL_MIN
         last_error = "not checked yet"
         # trust_env=False: an HTTP(S)_PROXY in the environment must not route a probe of

@@ -186,7 +186,7 @@ def build() -> Runtime:
         load, breakers=breakers, admission=admission, affinity=affinity, engine_ids=engine_ids,
         load_margin_tokens=int(_knob("MOTOR_AFFINITY_LOAD_MARGIN_TOKENS", DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS) or 0),
     )
-    hybrid.install(scheduler, index=affinity)
+    hybrid.install(scheduler)
     live_streams = LiveStreams()
     stream_reporter = stream_reports.StreamReporter(live_streams.counts)
     live_streams.on_change = stream_reporter.notify

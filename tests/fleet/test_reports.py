@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 import uuid
 from typing import Any, Iterator
@@ -181,15 +182,21 @@ def test_a_coordinator_process_reports_its_traffic_by_itself(transactional_db: N
     monkeypatch.setattr(runtime.dashboard_reporter, "_write", lambda payload: None)
     r = registry(time.time())
     reporter = stream_reports.dashboard_reporter(stream_reports.dashboard_payload(r.export, lambda: {"e1": 12, "e2": 0}))
+    # The test reads the row only once the thread's write is over: in the test's shared-cache
+    # in-memory SQLite a read while the thread's write transaction holds the table fails at once
+    # ("database table is locked"; no busy timeout applies), so polling the table raced the write.
+    written = threading.Event()
+    real_write = reporter._write
+
+    def write_then_signal(payload: dict[str, Any]) -> None:
+        real_write(payload)
+        written.set()
+
+    reporter._write = write_then_signal
     r.on_record = reporter.notify
     r.record_request("e1", 0.02, None, ok=True)
+    assert written.wait(10), "the reporter thread wrote nothing"
     host, pid = reports.this_process()
-    deadline, row = time.monotonic() + 10, None
-    while time.monotonic() < deadline:
-        row = CoordinatorReport.objects.filter(host=host, pid=pid).first()
-        if row is not None and row.payload["series"].get("e1"):
-            break
-        time.sleep(0.05)
-    assert row is not None, "the reporter thread wrote nothing"
+    row = CoordinatorReport.objects.get(host=host, pid=pid)
     assert row.payload["in_flight"] == {"e1": 12}  # instances holding nothing are left out
     assert row.payload["series"]["e1"][0][1:3] == [1, 0]

@@ -24,7 +24,7 @@ from typing import Iterator
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import ProcessSpec, Supervisor, free_port
+from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
 from tests import prerequisites
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -85,8 +85,8 @@ def base_config(tmp_path_factory: pytest.TempPathFactory) -> stack.StackConfig:
 
 @pytest.fixture(scope="session")
 def tiers(base_config: stack.StackConfig) -> Iterator[stack.StackConfig]:
-    """The render sidecar and two real vLLM union engines."""
-    _supervised([stack.render_spec(base_config), *stack.engine_specs(base_config)])
+    """The render sidecar and two real vLLM union engines, started together (each engine on its own core)."""
+    _supervised(together([stack.render_spec(base_config), *stack.engine_specs(base_config)]))
     yield base_config
     SESSION_PROCESSES.close()  # a no-op when the package's end already stopped them
 
@@ -114,7 +114,7 @@ def sim_stack(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory
         database_url=f"sqlite:///{tmp_path_factory.mktemp('simdb') / 'coordinator.sqlite3'}",
         log_dir=tiers.log_dir / "sim",
     )
-    _supervised(stack.engine_specs(cfg))
+    _supervised(together(stack.engine_specs(cfg)))
     yield from _coordinator(cfg)
 
 

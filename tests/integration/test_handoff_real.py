@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port
+from motorsite.supervisor import Supervisor, free_port, together
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.placement.scheduler import LoadTracker
@@ -34,7 +34,7 @@ from serving.pipeline.topologies.pd import PDContext
 from .conftest import API_KEY, _coordinator
 
 # The first test here may pay for starting the session's render sidecar and union engines as well
-# as the P/D pair (five vLLM processes, one after the other, on a shared 2-core machine).
+# as the P/D pair (five vLLM processes, three then two at once, on a shared 2-core machine).
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 def messages(word: str) -> list[dict[str, str]]:
@@ -54,7 +54,7 @@ def pd_tiers(tiers: stack.StackConfig) -> Iterator[tuple[stack.StackConfig, dict
         nixl_ports=(free_port(), free_port()),
         log_dir=tiers.log_dir / "pd",
     )
-    with Supervisor(stack.pd_engine_specs(cfg)) as supervisor:
+    with Supervisor(together(stack.pd_engine_specs(cfg))) as supervisor:  # P on core 0, D on core 1
         yield cfg, supervisor.pids
 
 

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
@@ -31,7 +30,7 @@ import pytest
 
 from motorsite import stack
 from motorsite import tiers as tier_commands
-from motorsite.supervisor import ProcessSpec, Supervisor, free_port
+from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request, sorted_choices
 from serving.pipeline.obfuscation.mapping import TokenMapping, deobfuscate_response, obfuscate_request
@@ -40,8 +39,8 @@ from serving.pipeline.snapshot import InstanceView
 
 from .cutting_proxy import Cut, CuttingProxy
 
-# The first test's setup starts the session's tiers and then this module's two engines, one
-# after the other: minutes on a busy 2-core machine, as for the other modules that start engines.
+# The first test's setup starts the session's tiers and then this module's three engines
+# together: minutes on a busy 2-core machine, as for the other modules that start engines.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
@@ -74,25 +73,9 @@ class Engines:
     obf2: str  # a second obfuscated engine: where a cut stream is relayed to
 
 
-# One real request to every engine named in argv: exits 0 once all of them answer it. Run with
-# ``-I`` (the engines' PYTHONPATH carries their sitecustomize) and without any HTTP proxy.
-ALL_READY = """
-import json, sys, urllib.request
-path, body = json.loads(sys.argv[1])
-opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-for url in sys.argv[2:]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    opener.open(req, timeout=300).read()
-"""
-
-
 @pytest.fixture(scope="module")
 def engines(tiers: stack.StackConfig, obf_model: tuple[Path, TokenMapping]) -> Iterator[Engines]:
-    """Three real float32 engines, plain and two obfuscated, started through the supervisor.
-
-    They start side by side, not one after the other: every spec but the last is ready at once,
-    and the last one's readiness is one real generate answered by all three.
-    """
+    """Three real float32 engines, plain and two obfuscated, started together through the supervisor."""
     cores = max(os.cpu_count() or 1, 1)
     specs: list[ProcessSpec] = []
     urls: list[str] = []
@@ -102,7 +85,6 @@ def engines(tiers: stack.StackConfig, obf_model: tuple[Path, TokenMapping]) -> I
         ("engine-obf", str(obf_model[0]), "tokens-only", cores - 1),
         ("engine-obf-2", str(obf_model[0]), "tokens-only", 0),
     )
-    ready = tier_commands.engine_ready_request(tiers.served_model_name)
     for name, model_dir, mode, core in plan:
         port = free_port()
         argv, env = tier_commands.vllm_engine_command(
@@ -114,8 +96,6 @@ def engines(tiers: stack.StackConfig, obf_model: tuple[Path, TokenMapping]) -> I
             core=core,
             max_model_len=tiers.max_model_len,
         )
-        urls.append(f"http://127.0.0.1:{port}")
-        last = len(urls) == len(plan)
         specs.append(ProcessSpec(
             name=name,
             argv=[*argv, *ENGINE_DTYPE],
@@ -124,10 +104,14 @@ def engines(tiers: stack.StackConfig, obf_model: tuple[Path, TokenMapping]) -> I
             ports=[("127.0.0.1", port)],
             # Readiness sends id 1, which is some physical token on an obfuscated engine: any
             # id is a valid prompt.
-            ready_argv=[sys.executable, "-I", "-c", ALL_READY, json.dumps(ready), *urls] if last else ["true"],
+            ready_post=tier_commands.engine_ready_request(tiers.served_model_name),
+            ready_base_url=f"http://127.0.0.1:{port}",
+            # Three engines starting at once share two cores (and the session's engines): each
+            # waits as long as the one check for all three did before.
             ready_timeout=420.0,
         ))
-    with Supervisor(specs):
+        urls.append(f"http://127.0.0.1:{port}")
+    with Supervisor(together(specs)):  # side by side, each ready on its own real request
         yield Engines(plain=urls[0], obf=urls[1], obf2=urls[2])
 
 

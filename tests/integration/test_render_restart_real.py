@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import ProcessSpec, Supervisor, free_port
+from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
 from tests.integration.conftest import API_KEY
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # two real sidecars start
@@ -104,7 +104,8 @@ def test_a_stream_kept_alive_across_a_restart_keeps_the_old_sidecar_until_it_end
         ready_argv=["test", "-f", str(ready_file)], ready_timeout=300.0, stop_timeout=60.0,
     )
     stack.prepare_database(cfg)  # before the launcher: its first tick reads the render config
-    with Supervisor([engine, launcher]), Supervisor([stack.coordinator_spec(cfg)]) as coordinator:
+    # The simulated engine and the launcher (its sidecar) need nothing of each other: started together.
+    with Supervisor(together([engine, launcher])), Supervisor([stack.coordinator_spec(cfg)]) as coordinator:
         old_pid = json.loads(ready_file.read_text())["render"]
         coordinator_pid = coordinator.pids["coordinator"]
         admin = {"Authorization": f"Bearer {ADMIN_KEY}"}

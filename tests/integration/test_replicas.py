@@ -1,6 +1,6 @@
 """Two coordinator processes on one PostgreSQL and one Redis, proving what they share.
 
-A real render sidecar, simulated engines (two union engines that decode slowly and never stop
+The session's real render sidecar (``tiers``: nothing here restarts it), simulated engines (two union engines that decode slowly and never stop
 early, so a stream holds its lease while the test looks, and publish their KV cache events; a
 push prefill/decode pair for Trigger, registered per test) and two Daphne coordinators, A and B, on one database and Redis db
 12 (this file's own: flushed before and after). Each test drives one replica with the official
@@ -35,10 +35,11 @@ import openai
 import pytest
 import redis
 
-from motorsite import stack, tiers
+from motorsite import stack
+from motorsite import tiers as tier_commands
 from motorsite.launched import metric_samples
 from motorsite.processes import ProcessSpec
-from motorsite.supervisor import Supervisor, free_port
+from motorsite.supervisor import Supervisor, free_port, together
 from tests import prerequisites
 from tests.otlp import Receiver
 
@@ -132,14 +133,14 @@ def _sim(cfg: stack.StackConfig, name: str, port: int, *extra: str) -> ProcessSp
         env={"PYTHONPATH": str(stack.ROOT), "PYTHONUNBUFFERED": "1"},
         log_path=cfg.log_dir / f"{name}.log",
         ports=[(stack.HOST, port)],
-        ready_post=tiers.engine_ready_request(cfg.served_model_name),
+        ready_post=tier_commands.engine_ready_request(cfg.served_model_name),
         ready_base_url=f"http://{stack.HOST}:{port}",
         ready_timeout=30.0,
     )
 
 
 @pytest.fixture(scope="module")
-def cluster(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if not (prerequisites.postgres_answers() and prerequisites.redis_answers()):
         pytest.skip("PostgreSQL or Redis is not running on 127.0.0.1")
     db = f"motorsite_replicas_{uuid.uuid4().hex[:8]}"
@@ -150,15 +151,14 @@ def cluster(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFac
     port_a, port_b = free_port(), free_port()
     url_a, url_b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
     cfg = replace(
-        base_config,
+        tiers,
         engines="sim",
         engine_ports=(free_port(), free_port()),
         coordinator_port=port_a,
-        render_port=free_port(),
         database_url=f"postgresql://postgres@127.0.0.1:5432/{db}",
         redis_url=REDIS_URL,
         api_keys=(CLIENT_KEY,),
-        log_dir=base_config.log_dir / "replicas",
+        log_dir=tiers.log_dir / "replicas",
         celery=False,
         restart=None,
         extra_env={
@@ -173,7 +173,7 @@ def cluster(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFac
     )
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     sims = {"prefill": f"http://127.0.0.1:{free_port()}", "decode": f"http://127.0.0.1:{free_port()}"}
-    specs: list[ProcessSpec] = [stack.render_spec(cfg)]
+    specs: list[ProcessSpec] = []
     # Slow and endless: 10 ms a token and no early EOS, so a 300-token stream is open ~3 s.
     slow = ("--tpot-ms", "10", "--eos-probability", "0")
     # Both union engines publish their KV cache events (vLLM's ZMQ format) on endpoints they bind.
@@ -201,12 +201,14 @@ def cluster(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFac
     traces = Receiver()
     tracing = {"MOTOR_TRACING": "true", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": traces.endpoint,
                "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    coordinators = []
     for name, port, own, other in (("a", port_a, url_a, url_b), ("b", port_b, url_b, url_a)):
         spec = stack.coordinator_spec(replace(cfg, coordinator_port=port))
         env = {**spec.env, "MOTOR_METASERVER_BASE_URL": other, "MOTOR_METASERVER_OWNER_URL": own,
                "MOTOR_REPLICA": f"coordinator-{name}", **(tracing if name == "a" else {})}
-        specs.append(dataclasses.replace(spec, name=f"coordinator-{name}", env=env, log_path=cfg.log_dir / f"coordinator-{name}.log"))
-    supervisor = Supervisor(specs)
+        coordinators.append(dataclasses.replace(spec, name=f"coordinator-{name}", env=env, log_path=cfg.log_dir / f"coordinator-{name}.log"))
+    # The engines start together, then both replicas together once every engine is ready.
+    supervisor = Supervisor([*together(specs), *together(coordinators)])
     try:
         supervisor.start()
         pids = supervisor.pids

@@ -30,6 +30,7 @@ from motorsite.supervisor import (
     Supervisor,
     SupervisorState,
     free_port,
+    together,
     wait_port_free,
 )
 from motorsite.tiers import ENGINE_SITE_DIR
@@ -208,6 +209,52 @@ def test_it_starts_processes_in_order_once_each_is_ready(tmp_path: Path) -> None
     assert all(gone(pid) for pid in supervisor.pids.values())
     assert wait_port_free("127.0.0.1", port(sidecar), 0)
     assert wait_port_free("127.0.0.1", port(engine), 0)
+
+
+def flag_writer(name: str, tmp_path: Path, flag: Path, *, exit_code: int | None = None) -> ProcessSpec:
+    """A portless child that writes ``flag`` at once (then lives, or exits with ``exit_code``)."""
+    then = "time.sleep(600)" if exit_code is None else f"sys.exit({exit_code})"
+    return ProcessSpec(
+        name=name,
+        argv=[sys.executable, "-c", f"import sys, time; open({str(flag)!r}, 'w'); {then}"],
+        log_path=tmp_path / f"{name}.log",
+        ready_argv=["test", "-f", str(flag)],
+        ready_timeout=10,
+    )
+
+
+def test_it_starts_a_group_together_and_the_next_spec_once_the_whole_group_is_ready(tmp_path: Path) -> None:
+    # The sidecar answers 503 until the helper has written its file: it can become ready only if
+    # the helper started without waiting for it. The coordinator exits at startup unless the
+    # sidecar already answers 200: it must wait for the whole group.
+    flag = tmp_path / "helper-ran"
+    sidecar = server_spec("sidecar", tmp_path, ready_file=str(flag), delay=0.3)
+    helper = flag_writer("helper", tmp_path, flag)
+    coordinator = server_spec("coordinator", tmp_path, require_url=sidecar.ready_url)
+    supervisor = Supervisor([*together([sidecar, helper]), coordinator])
+
+    with supervisor:
+        assert list(supervisor.pids) == ["sidecar", "helper", "coordinator"]
+        supervisor.check_children()
+        assert "upstream ready" in (tmp_path / "coordinator.log").read_text()
+
+    assert all(gone(pid) for pid in supervisor.pids.values())
+    assert wait_port_free("127.0.0.1", port(sidecar), 0)
+
+
+def test_it_fails_the_start_when_a_group_member_dies_while_another_is_awaited(tmp_path: Path) -> None:
+    never = tmp_path / "never-written"
+    sidecar = server_spec("sidecar", tmp_path, ready_file=str(never))  # never ready
+    doomed = flag_writer("doomed", tmp_path, tmp_path / "doomed-ran", exit_code=3)
+    supervisor = Supervisor(together([sidecar, doomed]))
+
+    with pytest.raises(ChildDied) as died:
+        supervisor.start()
+
+    assert died.value.name == "doomed" and died.value.returncode == 3
+    assert supervisor.state is SupervisorState.STOPPED
+    assert all(gone(pid) for pid in supervisor.pids.values())
+    assert wait_port_free("127.0.0.1", port(sidecar), 5)
 
 
 def test_it_fails_fast_naming_the_port_in_use(tmp_path: Path, busy_port: int) -> None:

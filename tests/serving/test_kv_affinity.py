@@ -45,15 +45,12 @@ def test_it_matches_leading_full_blocks_only() -> None:
     assert index.match("b", prompt(1)) == 0
 
 
-def test_it_picks_the_candidate_with_the_longest_prefix() -> None:
+def test_it_tells_each_holders_leading_blocks() -> None:
     index = KVAffinityIndex()
     index.record("a", SYSTEM[:BS] + [9] * BS)
     index.record("b", prompt(1))
-    assert index.best(["a", "b", "c"], prompt(3)) == ("b", 3)
-    assert index.scores(["a", "b", "c"], prompt(3)) == {"a": 1, "b": 3, "c": 0}
-    # No hit anywhere: the first candidate (the caller's order, e.g. least loaded) wins.
-    assert index.best(["c", "a"], [7] * 500) == ("c", 0)
-    assert index.best([], prompt(1)) == (None, 0)
+    assert index.depths(prompt(3)) == {"a": 1, "b": 3}  # "c" holds nothing: not listed
+    assert index.depths([7] * 500) == {}
 
 
 def test_it_uses_each_instances_block_size() -> None:
@@ -98,7 +95,7 @@ def test_it_indexes_events_by_their_token_ids() -> None:
     # The coordinator's keys, not vLLM's: the same chain as approximate mode.
     approx = KVAffinityIndex()
     approx.record("a", p)
-    assert index.scores(["a"], p) == approx.scores(["a"], p)
+    assert index.depths(p) == approx.depths(p) == {"a": 4}
 
     index.apply_events("a", [{"type": "BlockRemoved", "block_hashes": [13], "medium": "GPU"}])
     assert index.match("a", p) == 2
@@ -239,7 +236,7 @@ def test_it_scores_like_probing_each_instance_after_any_history() -> None:
             else:
                 index.apply_events(name, [{"type": "AllBlocksCleared"}])
         query = [family] * 4 + list(range(4 * blocks))
-        assert index.scores(["a", "b", "c"], query) == {n: index.match(n, query) for n in "abc"}
+        assert index.depths(query) == {n: d for n in "abc" if (d := index.match(n, query))}
         assert len(index) == sum(index.blocks(n) for n in "abc") <= 12
 
     check()

@@ -479,11 +479,14 @@ async def test_a_streaming_multi_prompt_handoff_fans_out_one_pd_run_per_prompt(
     await assert_nothing_held(rig.scheduler, before)
 
 
-async def test_a_non_streaming_multi_prompt_handoff_answers_like_union(
-    rig_factory: Any, union: LiveServer, prefill: LiveServer, decode: LiveServer,
+@pytest.mark.parametrize("transfer", ["pull", "push"])  # Handoff, Trigger
+async def test_a_non_streaming_multi_prompt_pd_run_answers_like_union(
+    rig_factory: Any, metaserver: MetaServer, union: LiveServer, prefill: LiveServer, decode: LiveServer,
+    push_prefill: LiveServer, push_decode: LiveServer, transfer: str,
 ) -> None:
     expected = await rig_factory(view(union)).pipeline.completions(completion(False), "ref-n")
-    p, d = view(prefill, "prefill", "pull"), view(decode, "decode", "pull")
+    p_server, d_server = (prefill, decode) if transfer == "pull" else (push_prefill, push_decode)
+    p, d = view(p_server, "prefill", transfer), view(d_server, "decode", transfer)
     rig = rig_factory(p, d)
     before = asyncio.all_tasks()
 
@@ -494,34 +497,21 @@ async def test_a_non_streaming_multi_prompt_handoff_answers_like_union(
     assert [c["text"] for c in answer["choices"]] == [c["text"] for c in expected["choices"]]
     assert answer["usage"] == expected["usage"] and answer["usage"]["prompt_tokens"] == 5
     legs = legs_by_prompt(rig)
-    assert sorted(legs) == [(1000, 1000), (1001, 1001, 1001)]
-    for (p_name, _, p_req), (d_name, _, d_req) in legs.values():
-        assert (p_name, d_name) == (p.name, d.name) and p_req["sampling_params"]["max_tokens"] == 1
-        assert d_req["kv_transfer_params"] is answer_to(rig, p_req)["kv_transfer_params"]
-    await assert_nothing_held(rig.scheduler, before)
-
-
-async def test_a_non_streaming_multi_prompt_trigger_answers_like_union(
-    rig_factory: Any, metaserver: MetaServer, union: LiveServer, push_prefill: LiveServer, push_decode: LiveServer,
-) -> None:
-    expected = await rig_factory(view(union)).pipeline.completions(completion(False), "ref-t")
-    p, d = view(push_prefill, "prefill", "push"), view(push_decode, "decode", "push")
-    rig = rig_factory(p, d)
-    before = asyncio.all_tasks()
-
-    answer = await rig.pipeline.completions(completion(False), "m3")
-
-    assert isinstance(answer, dict) and isinstance(expected, dict)
-    assert answer["id"] == "cmpl-m3" and [c["index"] for c in answer["choices"]] == [0, 1]
-    assert [c["text"] for c in answer["choices"]] == [c["text"] for c in expected["choices"]]
-    assert answer["usage"] == expected["usage"]
-    # One callback per prompt, each starting the prefill of its own prompt under its D's id.
-    assert metaserver.delivered == 2 and metaserver.pending == 0
-    for (d_name, _, d_req), (p_name, _, p_req) in legs_by_prompt(rig).values():
-        assert (d_name, p_name) == (d.name, p.name)
-        assert p_req["request_id"] == d_req["request_id"]
-        assert p_req["kv_transfer_params"]["request_id"] == "generate-tokens-" + d_req["request_id"]
-    assert len({req["request_id"] for _, _, req in rig.engines.sent}) == 2
+    assert sorted(legs) == [(1000, 1000), (1001, 1001, 1001)]  # one P/D run per prompt
+    if transfer == "pull":
+        # Handoff: P computes the prompt and one token, D continues from P's KV transfer params.
+        for (p_name, _, p_req), (d_name, _, d_req) in legs.values():
+            assert (p_name, d_name) == (p.name, d.name) and p_req["sampling_params"]["max_tokens"] == 1
+            assert d_req["kv_transfer_params"] is answer_to(rig, p_req)["kv_transfer_params"]
+        assert metaserver.delivered == 0
+    else:
+        # Trigger: one callback per prompt, each starting the prefill of its own prompt under its D's id.
+        assert metaserver.delivered == 2 and metaserver.pending == 0
+        for (d_name, _, d_req), (p_name, _, p_req) in legs.values():
+            assert (d_name, p_name) == (d.name, p.name)
+            assert p_req["request_id"] == d_req["request_id"]
+            assert p_req["kv_transfer_params"]["request_id"] == "generate-tokens-" + d_req["request_id"]
+        assert len({req["request_id"] for _, _, req in rig.engines.sent}) == 2
     await assert_nothing_held(rig.scheduler, before)
 
 

@@ -45,7 +45,8 @@ def reference(
     assert s.affinity is not None
     room = s.admission.has_room(least, tokens)
     rivals = [i for i in candidates if s.admission.has_room(i, tokens) == room]
-    scores = s.affinity.scores([i.name for i in rivals], ids)
+    depths = s.affinity.depths(ids)
+    scores = {i.name: depths.get(i.name, 0) for i in rivals}
     best = max(rivals, key=lambda i: scores[i.name])
     if best is not least and scores[best.name] > scores[least.name]:
         inflight = s.admission.inflight_tokens()

@@ -32,23 +32,30 @@ def _always(_instance: InstanceView) -> bool:
     return True
 
 
+def statically_eligible(instance: InstanceView, snapshot: FleetSnapshot, model: str) -> bool:
+    """The half of eligibility the snapshot alone decides: serves ``model``, takes new requests,
+    fits the obfuscation key (``pools.build_pool`` keeps it per snapshot, adding the probe's verdict)."""
+    return instance.model == model and instance.takes_new_requests and key_eligible(instance, snapshot.render)[0]
+
+
 def eligible_instances(
     snapshot: FleetSnapshot, model: str, *, live: Live = _always, exclude: Collection[str] = ()
 ) -> list[InstanceView]:
     """The eligibility set of ``model`` (see the module docstring), in snapshot order."""
     return [
         i for i in snapshot.instances
-        if i.model == model and i.name not in exclude and i.takes_new_requests
-        and key_eligible(i, snapshot.render)[0] and live(i)
+        if i.name not in exclude and statically_eligible(i, snapshot, model) and live(i)
     ]
+
+
+def is_union(instance: InstanceView, *, requires_tokenizer: bool = False) -> bool:
+    """A token-only instance that prefills and decodes on its own (with a tokenizer when asked)."""
+    return instance.role == "union" and instance.token_generate and (instance.tokenizer or not requires_tokenizer)
 
 
 def union_role(pool: Iterable[InstanceView], *, requires_tokenizer: bool = False) -> list[InstanceView]:
-    """Token-only instances that prefill and decode on their own (with a tokenizer when asked)."""
-    return [
-        i for i in pool
-        if i.role == "union" and i.token_generate and (i.tokenizer or not requires_tokenizer)
-    ]
+    """The union instances of ``pool`` (``is_union``)."""
+    return [i for i in pool if is_union(i, requires_tokenizer=requires_tokenizer)]
 
 
 def pd_role(pool: Iterable[InstanceView], role: str) -> list[InstanceView]:

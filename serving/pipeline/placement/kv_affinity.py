@@ -266,27 +266,6 @@ class KVAffinityIndex:
                 return depth
         return 0
 
-    def scores(self, candidates: Iterable[str], token_ids: Prompt) -> dict[str, int]:
-        """Leading cached blocks per candidate (0 for those holding none)."""
-        out = dict.fromkeys(candidates, 0)
-        for name, depth in self.depths(token_ids).items():
-            if name in out:
-                out[name] = depth
-        return out
-
-    def best(self, candidates: Sequence[str], token_ids: Prompt) -> tuple[str | None, int]:
-        """The candidate with the most cached leading blocks and that count.
-
-        Ties (including no hit anywhere) go to the earliest candidate, so a caller that
-        passes candidates least loaded first gets load balancing for free; None if empty.
-        """
-        best_name: str | None = None
-        best_blocks = -1
-        for name, n in self.scores(candidates, token_ids).items():
-            if n > best_blocks:
-                best_name, best_blocks = name, n
-        return best_name, max(best_blocks, 0)
-
     # -- updates ----------------------------------------------------------------------
 
     def record(self, instance: str, token_ids: Prompt) -> int:

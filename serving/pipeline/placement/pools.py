@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from serving.pipeline.obfuscation.mapping import eligible as key_eligible
+from serving.pipeline.placement.filters import eligible_instances, union_role
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 
 
@@ -24,12 +24,14 @@ class ModelPool:
     has_pd: bool  # any prefill or decode instance: the topology policy has a choice to make
 
 
+def _probed_healthy(instance: InstanceView) -> bool:
+    return instance.healthy
+
+
 def build_pool(snapshot: FleetSnapshot, model: str) -> ModelPool:
-    static = [
-        i for i in snapshot.instances
-        if i.model == model and i.takes_new_requests and i.healthy and key_eligible(i, snapshot.render)[0]
-    ]
-    union = tuple(sorted((i for i in static if i.role == "union" and i.token_generate), key=lambda i: i.name))
+    # The probe's verdict is in the snapshot too; only the breaker is left for each decision.
+    static = eligible_instances(snapshot, model, live=_probed_healthy)
+    union = tuple(sorted(union_role(static), key=lambda i: i.name))
     return ModelPool(
         union=union,
         union_tokenizer=tuple(i for i in union if i.tokenizer),

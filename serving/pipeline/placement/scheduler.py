@@ -40,7 +40,7 @@ from typing import Callable, Iterator, Sequence
 from serving.pipeline.errors import NoCapacity
 from serving.pipeline.flow_control.admission import TokenAdmission
 from serving.pipeline.placement import scorers
-from serving.pipeline.placement.filters import eligible_instances, union_role
+from serving.pipeline.placement.filters import eligible_instances, is_union, union_role
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex, PromptBlocks
 from serving.pipeline.placement.pools import ModelPool, PoolCache
 from serving.pipeline.protocol import TopologyName
@@ -236,7 +236,7 @@ class Scheduler:
         def rival(name: str) -> InstanceView | None:
             i = static.by_name.get(name)
             if (
-                i is not None and i.role == "union" and i.token_generate and (i.tokenizer or not requires_tokenizer)
+                i is not None and is_union(i, requires_tokenizer=requires_tokenizer)
                 and name not in exclude and self.breakers.allows(i) and self.admission.has_room(i, tokens) == room
             ):
                 return i

@@ -26,7 +26,6 @@ from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 
 if TYPE_CHECKING:
-    from serving.pipeline.placement.kv_affinity import KVAffinityIndex
     from serving.pipeline.placement.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -209,22 +208,15 @@ def pd_topology_policy(
     return place
 
 
-def install(scheduler: Scheduler, *, index: KVAffinityIndex | None = None, policy: PDPolicy = PDPolicy()) -> None:
+def install(scheduler: Scheduler, *, policy: PDPolicy = PDPolicy()) -> None:
     """Turn PD Hybrid on in ``scheduler`` (``serving.runtime`` calls this once per process).
 
     A fleet without P/D instances is unaffected: the policy then leaves every request to union.
-    ``index`` (KV affinity, the scheduler's own by default) adds prefix hits to the choice, in
-    each instance's own block size.
+    The scheduler's KV affinity index (when it has one) adds prefix hits to the choice, in each
+    instance's own block size: one index for placement and policy.
     """
-    index = index if index is not None else scheduler.affinity
-    cached: Callable[[FleetSnapshot, str, Sequence[int]], Mapping[str, int]] | None = None
-    if index is not None and index is scheduler.affinity:
-        cached = scheduler.cached_tokens  # the runtime's case: one index for placement and policy
-    elif index is not None:
-        def cached(snapshot: FleetSnapshot, model: str, prompt_ids: Sequence[int]) -> Mapping[str, int]:
-            names = [i.name for i in snapshot.instances if i.model == model]
-            return {name: n * index.block_size(name) for name, n in index.scores(names, prompt_ids).items() if n}
-
+    index = scheduler.affinity
+    cached = scheduler.cached_tokens if index is not None else None
     scheduler.topology_policy = pd_topology_policy(
         lambda i: scheduler.load.inflight(i.name) / max(i.weight, 1),
         cached_tokens=cached,
