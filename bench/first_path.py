@@ -467,6 +467,8 @@ def main() -> int:
         engines="vllm",
         render_port=free_port(),
         engine_ports=(free_port(),),
+        prefill_ports=(),  # union engines only: no P/D instances registered that never start
+        decode_ports=(),
         coordinator_port=free_port(),
         api_keys=(API_KEY,),
         log_dir=log_dir,

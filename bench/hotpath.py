@@ -46,7 +46,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import loadavg, percentile, publish, require_env, section_head, tree_cpu_seconds  # noqa: E402
+from bench.common import bench_stack, loadavg, percentile, publish, section_head, tree_cpu_seconds  # noqa: E402
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, free_port  # noqa: E402
 from serving.pipeline.derender.coalesce import coalesced  # noqa: E402
@@ -236,12 +236,9 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="motorsite-hotpath-"))
     (tmp / "logs").mkdir()
-    cfg = stack.StackConfig(
-        model_dir=require_env("MOTOR_MODEL_DIR", "bench/hotpath.py"),
-        render_python=require_env("MOTOR_RENDER_PYTHON", "bench/hotpath.py"),
-        engine_python=require_env("MOTOR_ENGINE_PYTHON", "bench/hotpath.py"),
-        engines="sim", render_port=free_port(), engine_ports=(free_port(),), coordinator_port=free_port(),
-        api_keys=(API_KEY,), log_dir=tmp / "logs", database_url=f"sqlite:///{tmp / 'now.sqlite3'}",
+    cfg = bench_stack(
+        "bench/hotpath.py", engines="sim", engine_count=1, api_key=API_KEY, log_dir=tmp / "logs",
+        database_url=f"sqlite:///{tmp / 'now.sqlite3'}",
     )
     render_url = f"http://{stack.HOST}:{cfg.render_port}"
     with contextlib.ExitStack() as exits:
