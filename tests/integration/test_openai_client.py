@@ -5,11 +5,13 @@ OpenAI request -> coordinator -> real render sidecar -> real vLLM engine -> dere
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import openai
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import ProcessSpec, Supervisor, free_port
+from motorsite.supervisor import Supervisor, free_port
 
 from .conftest import API_KEY
 
@@ -127,15 +129,8 @@ def test_it_serves_on_postgresql_and_redis(pg_redis_coordinator: stack.StackConf
 
 def test_it_is_a_plain_asgi_app_that_uvicorn_serves(sim_stack: stack.StackConfig) -> None:
     port = free_port()
-    spec = ProcessSpec(
-        name="coordinator-uvicorn",
-        argv=[sim_stack.app_python, "-m", "uvicorn", "--host", "127.0.0.1", "--port", str(port), "motorsite.asgi:application"],
-        env=stack.coordinator_env(sim_stack),
-        cwd=stack.ROOT,
-        log_path=sim_stack.log_dir / "coordinator-uvicorn.log",
-        ports=[("127.0.0.1", port)],
-        ready_url=f"http://127.0.0.1:{port}/healthz",
-    )
+    cfg = replace(sim_stack, server="uvicorn", coordinator_port=port)  # MOTOR_SERVER=uvicorn make run
+    spec = replace(stack.coordinator_spec(cfg), name="coordinator-uvicorn", log_path=sim_stack.log_dir / "coordinator-uvicorn.log")
     with Supervisor([spec]):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
         chunks = list(

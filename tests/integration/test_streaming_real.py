@@ -173,17 +173,31 @@ def test_a_client_that_hangs_up_mid_stream_frees_the_engine_at_once(
     relay would reach the other sim: only the hang-up cancelling the request in the coordinator
     leaves the count at one engine request, hung up on once.
     """
+    hang_up(relay_stack, sims)
+
+
+def test_under_uvicorn_a_client_that_hangs_up_frees_the_engine_too(
+    relay_stack: stack.StackConfig, sims: list[str],
+) -> None:
+    """``MOTOR_SERVER=uvicorn``: the same coordinator and database under uvicorn, the same proof."""
+    cfg = replace(relay_stack, server="uvicorn", coordinator_port=free_port(), log_dir=relay_stack.log_dir / "uvicorn")
+    cfg.log_dir.mkdir(exist_ok=True)
+    with Supervisor([replace(stack.coordinator_spec(cfg), name="coordinator-uvicorn")]):
+        hang_up(cfg, sims)
+
+
+def hang_up(cfg: stack.StackConfig, sims: list[str]) -> None:
     arm(sims, "stall_after_tokens", tokens=2)
     before = counters(sims)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hang up"}], "max_tokens": 24, "stream": True}
     auth = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=relay_stack.coordinator_url, headers=auth, timeout=30) as http:
+    with httpx.Client(base_url=cfg.coordinator_url, headers=auth, timeout=30) as http:
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
             assert next(response.iter_raw()).startswith(b"data: {")
-        # Leaving the block closes the unread response's connection: Daphne reports http.disconnect.
+        # Leaving the block closes the unread response's connection: the server reports http.disconnect.
     assert_moved(sims, before, [(0, 0), (1, 1)])
-    assert_idle(relay_stack)
+    assert_idle(cfg)
     # Still one request once everything is idle: no relay started after the client left.
     assert sorted((r - r0, d - d0) for (r, d), (r0, d0) in zip(counters(sims), before, strict=True)) == [(0, 0), (1, 1)]
 

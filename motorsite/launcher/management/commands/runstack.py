@@ -34,6 +34,12 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--engines", choices=["vllm", "sim"], default=os.environ.get("MOTOR_ENGINES", "vllm"))
         parser.add_argument("--port", type=int, default=int(os.environ.get("MOTOR_PORT", "8000")))
+        parser.add_argument(
+            "--server",
+            choices=stack.SERVERS,
+            default=os.environ.get("MOTOR_SERVER", "daphne"),
+            help="the coordinator's ASGI server (uvicorn: less CPU per stream, bench/hotpath.py)",
+        )
         parser.add_argument("--render-port", type=int, default=int(os.environ.get("MOTOR_RENDER_PORT", "8100")))
         parser.add_argument(
             "--engine-ports",
@@ -57,6 +63,8 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **opts: Any) -> None:
+        if opts["server"] not in stack.SERVERS:  # from MOTOR_SERVER: argparse checks only what is typed
+            raise CommandError(f"MOTOR_SERVER={opts['server']!r} is not one of {', '.join(stack.SERVERS)}")
         # Both keys reach ``demo_fleet`` through the environment (MOTOR_API_KEYS, MOTOR_DEMO_ADMIN_KEY),
         # which stores only their hashes as ApiKey records.
         api_key = os.environ.get("MOTOR_DEMO_API_KEY") or "sk-motor-" + secrets.token_urlsafe(18)
@@ -69,6 +77,7 @@ class Command(BaseCommand):
             app_python=sys.executable,
             engines=opts["engines"],
             coordinator_port=opts["port"],
+            server=opts["server"],
             render_port=opts["render_port"],
             engine_ports=_ports(opts["engine_ports"]),
             prefill_ports=_ports(opts["prefill_ports"]),
