@@ -13,14 +13,12 @@ BodyTooLarge    the body is over the cap (Content-Length, or counted while readi
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, MutableMapping
 from contextlib import aclosing
 from types import TracebackType
 from typing import Any
 
-import orjson
-
+from serving.pipeline.http11 import dumps
 from serving.pipeline.sse import FieldScrub
 
 Scope = MutableMapping[str, Any]
@@ -138,18 +136,6 @@ class DisconnectWatch:
             if self._task.uncancel() == 0 and exc_type is asyncio.CancelledError:
                 return True
         return False
-
-
-def dumps(payload: Any) -> bytes:
-    """JSON bytes of a response body: orjson, or the standard library for what orjson refuses.
-
-    orjson refuses non-string keys and integers past 64 bits; no body the pipeline builds has
-    them today, but a response must never fail on its last step.
-    """
-    try:
-        return orjson.dumps(payload)
-    except TypeError:
-        return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 async def send_json(send: Send, status: int, payload: Any, extra: Iterable[tuple[bytes, bytes]] = ()) -> None:

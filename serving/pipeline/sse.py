@@ -5,17 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator
 
-import orjson
+from serving.pipeline.http11 import dumps, loads
 
 DONE = b"data: [DONE]\n\n"
 
 
 def frame(payload: dict[str, Any]) -> bytes:
-    try:
-        body = orjson.dumps(payload)
-    except TypeError:  # integers past 64 bits: only the standard library writes them
-        body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
-    return b"data: " + body + b"\n\n"
+    return b"data: " + dumps(payload) + b"\n\n"
 
 
 class SSEProtocolError(ValueError):
@@ -41,7 +37,7 @@ async def iter_events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]
         if data == "[DONE]":
             return
         try:
-            event = _loads(data)
+            event = loads(data)
         except ValueError as exc:
             raise SSEProtocolError(f"bad SSE data: {data[:200]!r}") from exc
         if not isinstance(event, dict):
@@ -112,10 +108,3 @@ def _null_fields(value: Any, fields: frozenset[str]) -> bool:
         for item in value:
             changed = _null_fields(item, fields) or changed
     return changed
-
-
-def _loads(data: str) -> Any:
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)  # NaN and Infinity, which Python's encoder writes
