@@ -19,7 +19,11 @@ def test_ruff_finds_nothing() -> None:
 
 
 def test_the_data_plane_type_checks_strictly() -> None:
-    result = _run("mypy", "--strict", "--ignore-missing-imports", "serving/pipeline")
+    # mypy's cache lives with the environment (named by its lock's hash), not in the checkout: a
+    # fresh clone then checks only what changed, about 1 s instead of 50 s spent mostly on httpx's
+    # and asyncio's stubs; mypy trusts a cached module only while its source hashes the same.
+    cache = Path(sys.prefix) / "mypy-cache"
+    result = _run("mypy", "--strict", "--ignore-missing-imports", "--cache-dir", str(cache), "serving/pipeline")
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -4,6 +4,14 @@
 A connection stops reading from its socket once ``HIGH_WATER`` bytes wait unread and reads at
 most ``READ_SIZE`` at once, so what a stream whose client reads nothing holds in this process is
 bounded by their sum; the rest waits in the engine, held back by TCP.
+
+It never keeps its socket shut for longer than ``PAUSE_MAX_S`` at a time, though: an engine that
+has finished hands its last bytes to the kernel, and its server (uvicorn, vLLM's keep-alive of 5 s)
+closes the connection a few seconds later; the kernel then keeps that orphaned socket, with the
+tail of the output unsent, only while its zero-window probes back off, and kills it (the next
+read here gets a reset, the tail is lost) once they reach two minutes. Letting one more read in
+every ``PAUSE_MAX_S`` keeps the window moving, so the orphan lives until it is read, at the cost
+of at most ``READ_SIZE`` more held per ``PAUSE_MAX_S`` of a client's silence.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import httpx
 HIGH_WATER = 16 * 1024
 # The most one socket read hands over (asyncio's default is 256 KiB).
 READ_SIZE = 32 * 1024
+# The longest a connection keeps its socket shut before it lets one more read in (see above).
+PAUSE_MAX_S = 5.0
 
 
 class Connection(asyncio.Protocol):
@@ -30,6 +40,7 @@ class Connection(asyncio.Protocol):
         self._buf = bytearray()
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
+        self._pause_timer: asyncio.TimerHandle | None = None
         self.on_complete: Any = None  # called once the current response has been read whole
         self._reset()
 
@@ -75,6 +86,7 @@ class Connection(asyncio.Protocol):
         if self.head_done and not self._chunked and self._remaining < 0 and not self.complete:
             self._finish()  # a body delimited by the close itself
         self.lost = exc or ConnectionResetError("connection closed")
+        self._stop_pause_timer()
         self._wake()
 
     # -- parsing
@@ -174,6 +186,23 @@ class Connection(asyncio.Protocol):
         if self.buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
+            self._pause_timer = self.loop.call_later(PAUSE_MAX_S, self._let_one_read_in)
+
+    def _let_one_read_in(self) -> None:
+        # The reader is still behind; the next read pauses the socket again (``_push``).
+        self._pause_timer = None
+        self._resume()
+
+    def _resume(self) -> None:
+        self._stop_pause_timer()
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def _stop_pause_timer(self) -> None:
+        if self._pause_timer is not None:
+            self._pause_timer.cancel()
+            self._pause_timer = None
 
     def _finish(self) -> None:
         self.complete = True
@@ -220,9 +249,8 @@ class Connection(asyncio.Protocol):
             if self.pieces:
                 piece = self.pieces.popleft()
                 self.buffered -= len(piece)
-                if self._paused and self.buffered <= HIGH_WATER // 2 and self.transport is not None:
-                    self._paused = False
-                    self.transport.resume_reading()
+                if self._paused and self.buffered <= HIGH_WATER // 2:
+                    self._resume()
                 return piece
             if self.complete:
                 return None
@@ -242,6 +270,7 @@ class Connection(asyncio.Protocol):
         )
 
     def close(self) -> None:
+        self._stop_pause_timer()
         if self.transport is not None:
             self.transport.close()
 

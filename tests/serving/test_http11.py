@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from serving.pipeline import http11
+from serving.pipeline import http11, http11_wire
 from serving.pipeline.http11 import Http11Client
 
 Handler = Callable[["Request", asyncio.StreamWriter], Awaitable[None]]
@@ -247,6 +247,36 @@ async def test_a_reader_that_stops_stops_the_socket_instead_of_buffering(server:
             got += len(data)
             assert set(data) == {ord("x")}
     assert got == total
+
+
+async def test_a_stopped_reader_still_lets_one_read_in_now_and_then(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A socket shut for minutes loses the tail of a finished engine's output (http11_wire's
+    # docstring): a paused connection lets one more read in every PAUSE_MAX_S, then pauses again.
+    monkeypatch.setattr(http11_wire, "PAUSE_MAX_S", 0.1)
+    total = 8 * 1024 * 1024
+    piece = b"x" * 4096
+
+    async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
+        for _ in range(total // len(piece)):
+            writer.write(piece)
+            await writer.drain()
+
+    client = Http11Client()
+    async with client.stream("POST", (await server(flood)).url, json={}) as reply:
+        conn = reply._conn
+        while not conn._paused:
+            await asyncio.sleep(0.01)
+        first = conn.buffered
+        await asyncio.sleep(0.55)
+        assert conn._paused  # shut again after each read it let in
+        assert first < conn.buffered <= first + 6 * http11.READ_SIZE
+        got = 0
+        async for data in reply.aiter_raw():
+            got += len(data)
+    assert got == total
+    assert conn._pause_timer is None
+    await client.aclose()
 
 
 def test_json_helpers_take_what_orjson_refuses() -> None:
