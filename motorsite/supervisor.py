@@ -394,6 +394,11 @@ class Supervisor:
                 # Checked before every probe, for every child started so far: an engine that
                 # crashes while the coordinator starts must fail the start, not be found later.
                 self.check_children()
+                # The child waited for, too: a replacement (``add``) is not among the children
+                # yet, and one that exits at once must fail now, not after its ready timeout.
+                returncode = child.popen.poll()
+                if returncode is not None:
+                    raise ChildDied(spec.name, returncode, log_tail(spec.log_path, child.log_offset))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise ReadinessTimeout(

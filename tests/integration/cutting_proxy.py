@@ -62,7 +62,9 @@ class CuttingProxy:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self._closed = True
-        self._listener.close()
+        # close() alone does not wake a thread blocked in accept() on Linux (each proxy's exit
+        # then waited out the join's 10 s); shutdown() does.
+        _close(self._listener)
         with self._lock:
             for s in list(self._sockets):
                 _close(s)

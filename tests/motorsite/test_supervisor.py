@@ -257,6 +257,19 @@ def test_it_fails_the_start_when_a_group_member_dies_while_another_is_awaited(tm
     assert wait_port_free("127.0.0.1", port(sidecar), 5)
 
 
+def test_a_child_added_while_running_that_exits_at_once_fails_the_add_not_its_ready_timeout(tmp_path: Path) -> None:
+    sidecar = server_spec("sidecar", tmp_path)
+    never = tmp_path / "never-written"
+    # Never ready (its flag is not the one it writes), and gone at once: only its exit can end the wait.
+    doomed = replace(flag_writer("doomed", tmp_path, tmp_path / "doomed-ran", exit_code=3),
+                     ready_argv=["test", "-f", str(never)], ready_timeout=120)
+    with Supervisor([sidecar]) as supervisor:
+        with pytest.raises(ChildDied) as died:
+            supervisor.add(doomed)
+        assert died.value.name == "doomed" and died.value.returncode == 3
+        assert set(supervisor.pids) == {"sidecar"}  # the running child is untouched
+
+
 def test_it_fails_fast_naming_the_port_in_use(tmp_path: Path, busy_port: int) -> None:
     marker = tmp_path / "first-started"
     first = ProcessSpec(
