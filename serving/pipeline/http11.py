@@ -169,6 +169,7 @@ class Http11Client:
         connect_s, read_s = self._timeouts(timeout)
         body = None if json is None else dumps(json)
         origin, conn = await self._exchange(method, url, body, headers, connect_s, read_s)
+        del body  # sent: not held for the life of the stream
         try:
             reply = StreamReply(conn, read_s)
             yield reply

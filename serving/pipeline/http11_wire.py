@@ -22,11 +22,13 @@ from typing import Any
 
 import httpx
 
-HIGH_WATER = 16 * 1024
+# An engine's SSE event is a few hundred bytes, so a reader that keeps up never nears these; they
+# bound what a stream whose client reads nothing holds per connection (issue 11: 64 KiB a stream).
+HIGH_WATER = 8 * 1024
 # The most one socket read hands over (asyncio's default is 256 KiB).
-READ_SIZE = 32 * 1024
+READ_SIZE = 16 * 1024
 # The longest a connection keeps its socket shut before it lets one more read in (see above).
-PAUSE_MAX_S = 5.0
+PAUSE_MAX_S = 10.0
 
 
 class Connection(asyncio.Protocol):

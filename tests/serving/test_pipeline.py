@@ -28,6 +28,7 @@ from serving.pipeline.errors import (
 from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.service import EventStream, ServingPipeline
+from serving.pipeline.streaming import fanout
 from tests.serving.fakes import (
     CHAT_PROMPT,
     MODEL,
@@ -573,7 +574,8 @@ async def test_closing_a_multi_prompt_stream_early_aborts_every_engine_request(
 async def test_a_slow_client_leaving_a_full_merge_queue_still_releases_everything(
     pipeline: ServingPipeline, upstreams: FakeUpstreams, scheduler: Scheduler
 ) -> None:
-    # 2 prompts x 40 token events fill the 64-chunk merge queue while the client reads one frame.
+    # 2 prompts x 40 token events fill the merge queue (MERGE_QUEUE_SIZE chunks) while the client
+    # reads one frame.
     upstreams.default_plan = StreamPlan(end="hang", after=40, tokens=41)
     stream = await pipeline.completions(completion_body(["a", "b"], stream=True), "r35")
 
@@ -582,7 +584,7 @@ async def test_a_slow_client_leaving_a_full_merge_queue_still_releases_everythin
         await anext(frames)
         for _ in range(200):  # let the producers run until the queue is full (bounded turns)
             await asyncio.sleep(0)
-        assert len(upstreams.calls_of("derender")) > 64
+        assert len(upstreams.calls_of("derender")) > fanout.MERGE_QUEUE_SIZE
         await frames.aclose()
 
     assert len(upstreams.aborted_ids()) == 2

@@ -79,13 +79,13 @@ async def test_a_chunk_is_committed_only_once_the_consumer_resumes() -> None:
 
     first = await anext(chunks)
     assert first["id"] == "chatcmpl-r" and first["choices"][0]["delta"]["role"] == "assistant"
-    assert s.choice(0).output_ids == [] and s.choice(0).phase is ChoicePhase.PENDING  # handed, not yet committed
+    assert list(s.choice(0).output_ids) == [] and s.choice(0).phase is ChoicePhase.PENDING  # handed, not yet committed
 
     await anext(chunks)
-    assert s.choice(0).output_ids == [7] and s.choice(0).stream_state == {"chunks": 1}
+    assert list(s.choice(0).output_ids) == [7] and s.choice(0).stream_state == {"chunks": 1}
     with pytest.raises(StopAsyncIteration):
         await anext(chunks)
-    assert s.choice(0).output_ids == [7, 8] and s.choice(0).phase is ChoicePhase.DONE
+    assert list(s.choice(0).output_ids) == [7, 8] and s.choice(0).phase is ChoicePhase.DONE
     # The second derender went with the state committed by the first; the first seeded it from the
     # original prompt, and a state without a replay buffer (the plain path) needs no prompt after.
     assert [c[1] for c in render.calls] == [None, {"chunks": 1}]

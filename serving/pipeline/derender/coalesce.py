@@ -25,9 +25,12 @@ import asyncio
 from collections import deque
 from typing import Any, AsyncIterator, Callable
 
-# Engine events buffered per stream while the consumer is busy. 256 single-token events is a few
-# KB, and the merged event's derender call stays small next to the parser path's replay buffer.
-MAX_PENDING = 256
+# Engine events buffered per stream while the consumer is busy: the most one derender call covers.
+MAX_PENDING = 64
+# A run of one choice's events is folded into one merged event every FOLD_EVERY events, so the
+# buffer holds a token list, not up to MAX_PENDING parsed events (about 1 KiB each: 500 KiB a
+# stream whose client reads nothing). Merging is associative, so folding early changes nothing.
+FOLD_EVERY = 8
 
 
 def event_choice_index(event: dict[str, Any]) -> int | None:
@@ -89,7 +92,8 @@ class _Pending:
 
     def __init__(self, max_pending: int) -> None:
         self.max_pending = max_pending
-        self.groups: deque[tuple[int | None, list[dict[str, Any]]]] = deque()
+        # [choice index or None, events (folded), raw events in them]
+        self.groups: deque[list[Any]] = deque()
         self.count = 0  # raw events buffered, never above max_pending
         self.high_water = 0
         self.done = False
@@ -102,16 +106,20 @@ class _Pending:
             # Join the latest group of this choice unless a pass-through event came after it: an
             # event may move past other choices' events, never past its own or an error/usage.
             for gi in range(len(self.groups) - 1, -1, -1):
-                g_index, g_events = self.groups[gi]
+                group = self.groups[gi]
+                g_index, g_events = group[0], group[1]
                 if g_index is None:
                     break
                 if g_index == index:
                     if g_events[-1]["choices"][0].get("finish_reason") is None:
                         g_events.append(event)
+                        if len(g_events) >= FOLD_EVERY:
+                            group[1] = [merge_events(g_events)]
+                        group[2] += 1
                         self._counted()
                         return
                     break
-        self.groups.append((index, [event]))
+        self.groups.append([index, [event], 1])
         self._counted()
 
     def _counted(self) -> None:
@@ -119,9 +127,10 @@ class _Pending:
         self.high_water = max(self.high_water, self.count)
 
     def take(self) -> list[dict[str, Any]]:
-        _, events = self.groups.popleft()
-        self.count -= len(events)
-        return events
+        _, events, raw = self.groups.popleft()
+        self.count -= raw
+        taken: list[dict[str, Any]] = events
+        return taken
 
 
 async def coalesced(

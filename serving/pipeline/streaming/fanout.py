@@ -17,7 +17,9 @@ from serving.pipeline.errors import MotorError
 T = TypeVar("T")
 
 # Bounded queue between per-prompt producers and the client: a slow reader makes producers wait.
-MERGE_QUEUE_SIZE = 64
+# Each item is a derendered chunk (about 1 KiB parsed); a client that keeps up finds at most one
+# or two queued, so 8 only bounds what a silent client holds (64 held 80 KiB of them per stream).
+MERGE_QUEUE_SIZE = 8
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:
