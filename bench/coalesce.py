@@ -4,13 +4,15 @@ Starts its own stack on free ports of 127.0.0.1 (logs in a temp directory): the 
 sidecar (``--parsers`` starts it with the hermes tool and qwen3 reasoning parsers, whose
 streaming derender replays the whole output on every call), one ``enginesim`` engine with a
 small TPOT (``--tpot-ms``, default 2 ms: chunks arrive faster than derender answers under load)
-and two coordinators in front of both, one with ``derender_coalesce`` on and one with it off.
+and two coordinators in front of both, one with ``derender_coalesce`` on and one with it off (with
+``--stream-interval N`` a third: coalescing on and ``RenderConfig.stream_interval`` N).
 Then, per concurrency level (1, 16, 64 streams by default), the same streaming chat workload runs
 against each coordinator in turn and reports per request: derender calls (one per SSE chunk the
-coordinator writes, each one derender call), the render sidecar's CPU time, TPOT and E2E p50.
+coordinator writes, each one derender call), the render sidecar's CPU time, TTFT, TPOT and E2E.
 
     python3 -m toolchain exec bench/coalesce.py [--levels 1,16,64] [--requests-per-stream 2]
-                                                [--max-tokens 64] [--tpot-ms 2] [--parsers] [--write]
+                                                [--max-tokens 64] [--tpot-ms 2] [--parsers]
+                                                [--stream-interval N] [--write]
 
 Reports numbers only; nothing here asserts on timings.
 """
@@ -56,6 +58,7 @@ TIMEOUT = httpx.Timeout(300.0)
 @dataclass
 class Run:
     chunks: list[int] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     errors: int = 0
@@ -95,6 +98,8 @@ async def one(client: httpx.AsyncClient, url: str, i: int, args: argparse.Namesp
     e2e = time.perf_counter() - t0
     run.chunks.append(chunks)
     run.e2e.append(e2e)
+    if ttft is not None:
+        run.ttft.append(ttft)
     if ttft is not None and tokens > 1:
         run.tpot.append((e2e - ttft) / (tokens - 1))
 
@@ -129,15 +134,15 @@ def _ms(v: float | None) -> str:
 
 
 def table(rows: list[tuple[int, str, Run]]) -> str:
-    out = ["| streams | coalescing | derender calls / request (p50) | sidecar CPU ms / request | TPOT p50 ms | "
-           "TPOT p99 ms | E2E p50 ms | requests ok / err |",
-           "|---:|---|---:|---:|---:|---:|---:|---|"]
+    out = ["| streams | coalescing | derender calls / request (p50) | sidecar CPU ms / request | TTFT p50 ms | "
+           "TPOT p50 ms | TPOT p99 ms | E2E p50 ms | requests ok / err |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for streams, mode, run in rows:
         calls = percentile([float(c) for c in run.chunks], 0.5) if run.chunks else None
         cpu = run.render_cpu / max(run.requests, 1)
         out.append(
             f"| {streams} | {mode} | {'–' if calls is None else f'{calls:.0f}'} | {cpu * 1000:.1f} | "
-            f"{_ms(pct(run.tpot, 0.5))} | {_ms(pct(run.tpot, 0.99))} | {_ms(pct(run.e2e, 0.5))} | "
+            f"{_ms(pct(run.ttft, 0.5))} | {_ms(pct(run.tpot, 0.5))} | {_ms(pct(run.tpot, 0.99))} | {_ms(pct(run.e2e, 0.5))} | "
             f"{len(run.e2e)} / {run.errors} |"
         )
     return "\n".join(out)
@@ -147,13 +152,12 @@ def write_results(text: str) -> None:
     write_section(SECTION, text)
 
 
-def coordinator(cfg: stack.StackConfig, db: Path, coalesce: bool) -> stack.StackConfig:
-    cfg = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{db}",
-                  log_dir=cfg.log_dir / ("on" if coalesce else "off"))
+def coordinator(cfg: stack.StackConfig, db: Path, coalesce: bool, interval: int = 1) -> stack.StackConfig:
+    cfg = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{db}", log_dir=cfg.log_dir / db.stem)
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     stack.prepare_database(cfg)
     with sqlite3.connect(db) as conn:
-        conn.execute("UPDATE serving_renderconfig SET derender_coalesce = ?", (coalesce,))
+        conn.execute("UPDATE serving_renderconfig SET derender_coalesce = ?, stream_interval = ?", (coalesce, interval))
     return cfg
 
 
@@ -164,6 +168,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--tpot-ms", type=float, default=2.0, help="enginesim's time per output token")
     parser.add_argument("--parsers", action="store_true", help="render sidecar with tool and reasoning parsers")
+    parser.add_argument("--stream-interval", type=int, default=0,
+                        help="also measure a coordinator with coalescing on and this stream_interval")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -188,21 +194,25 @@ def main() -> int:
     engine = replace(engine, argv=[*engine.argv, "--tpot-ms", str(args.tpot_ms)])
     on = coordinator(cfg, tmp / "on.sqlite3", True)
     off = coordinator(cfg, tmp / "off.sqlite3", False)
+    modes = [("on", on), ("off", off)]
+    if args.stream_interval > 1:
+        modes.append((f"on, interval {args.stream_interval}",
+                      coordinator(cfg, tmp / "interval.sqlite3", True, args.stream_interval)))
     rows: list[tuple[int, str, Run]] = []
     load_before = loadavg()
     with contextlib.ExitStack() as exits:
         tier_sup = exits.enter_context(Supervisor([render, engine]))
-        exits.enter_context(Supervisor([stack.coordinator_spec(on)]))
-        exits.enter_context(Supervisor([stack.coordinator_spec(off)]))
+        for _, c in modes:
+            exits.enter_context(Supervisor([stack.coordinator_spec(c)]))
         render_pgid = tier_sup.pids.get("render")
         for streams in levels:
             # Alternate which mode goes first per level, so drift hits both alike.
-            order = [("on", on), ("off", off)] if streams % 2 == 0 else [("off", off), ("on", on)]
+            order = modes if streams % 2 == 0 else modes[::-1]
             for mode, c in order:
                 print(f"{streams} streams, coalescing {mode} ...", flush=True)
                 run = asyncio.run(workload(f"{c.coordinator_url}/v1/chat/completions", streams, args, render_pgid))
                 rows.append((streams, mode, run))
-    rows.sort(key=lambda r: (r[0], r[1] != "off"))
+    rows.sort(key=lambda r: (r[0], r[1] != "off", r[1]))
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = "\n".join([
         SECTION, "",
@@ -213,7 +223,7 @@ def main() -> int:
         f"- workload: streaming chat, max_tokens {args.max_tokens}, ignore_eos, temperature 0, "
         f"{args.requests_per_stream} requests per stream; enginesim with --tpot-ms {args.tpot_ms}; render sidecar "
         f"{'with hermes + qwen3 parsers' if args.parsers else 'without parsers'} ({cfg.render_workers} workers); "
-        "two coordinators (coalescing on / off) on the same sidecar and engine",
+        f"{len(modes)} coordinators ({' / '.join(m for m, _ in modes)}) on the same sidecar and engine",
         "- derender calls / request: SSE chunks the coordinator wrote (one derender call each, the usage chunk "
         "included); sidecar CPU: utime+stime of its process group over the measured requests, per request",
         "",

@@ -81,7 +81,7 @@ class RenderConfigAdmin(admin.ModelAdmin):
     fieldsets = (
         (None, {"fields": ("name", "enable")}),
         ("Sidecar", {"fields": ("image_name", "host", "port", "renderer_num_workers")}),
-        ("Limits", {"fields": ("timeout_ms", "context_budget", "derender_coalesce")}),
+        ("Limits", {"fields": ("timeout_ms", "context_budget", "derender_coalesce", "stream_interval")}),
         ("Token obfuscation", {"fields": ("obfuscation", "obfuscation_key_ref", "obfuscation_key_id")}),
         ("Probed", {"fields": (
             "sidecar_version", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",

@@ -9,7 +9,7 @@ from django.http import HttpRequest
 from ninja import Field, Router, Schema
 
 from catalog import services
-from catalog.models import RenderConfig
+from catalog.models import STREAM_INTERVAL_MAX, RenderConfig
 from motorsite.core import (
     MAX_ID,
     BodySchema,
@@ -34,6 +34,8 @@ class RenderConfigOut(Schema):
     timeout_ms: int
     renderer_num_workers: int
     context_budget: bool
+    derender_coalesce: bool
+    stream_interval: int
     obfuscation: bool
     obfuscation_key_ref: str
     obfuscation_key_id: str
@@ -58,6 +60,8 @@ class RenderConfigPatch(BodySchema):
     timeout_ms: int | None = Field(None, ge=1, le=2**31 - 1)
     renderer_num_workers: int | None = Field(None, ge=1, le=1024)
     context_budget: bool | None = None
+    derender_coalesce: bool | None = None
+    stream_interval: int | None = Field(None, ge=1, le=STREAM_INTERVAL_MAX)
     obfuscation: bool | None = None
     obfuscation_key_ref: str | None = Field(None, max_length=300)
     obfuscation_key_id: str | None = Field(None, max_length=100)
@@ -88,6 +92,8 @@ class RenderConfigImport(BodySchema):
     timeout_ms: int = optional(ge=1, le=2**31 - 1)
     renderer_num_workers: int = optional(ge=1, le=1024)
     context_budget: bool = optional()
+    derender_coalesce: bool = optional()
+    stream_interval: int = optional(ge=1, le=STREAM_INTERVAL_MAX)
     obfuscation: bool = optional(
         description="true needs obfuscation_key_ref and obfuscation_key_id (422 otherwise)."
     )

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+
+# The largest RenderConfig.stream_interval: coalescing buffers at most 64 events a stream
+# (serving/pipeline/derender/coalesce.py, MAX_PENDING), so a larger interval could never fill.
+STREAM_INTERVAL_MAX = 64
 
 
 class Health(models.TextChoices):
@@ -81,6 +86,15 @@ class RenderConfig(models.Model):
         default=True,
         help_text="Merge engine chunks that queue up behind a streaming derender call into one call.",
     )
+    stream_interval = models.PositiveIntegerField(
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(STREAM_INTERVAL_MAX)],
+        help_text=(
+            "Tokens per streamed chunk after a choice's first, as vLLM's --stream-interval: 1 sends each "
+            "token as it comes; N makes one derender call per N tokens (less sidecar CPU, coarser chunks). "
+            "The first token is never held back."
+        ),
+    )
     obfuscation = models.BooleanField(default=False, help_text="Token obfuscation (fails closed).")
     obfuscation_key_ref = models.CharField(
         max_length=300, blank=True, help_text="Where the key is: `setting:NAME` or `file:/path`; never the key."
@@ -105,7 +119,8 @@ class RenderConfig(models.Model):
     # Keys an imported render config may carry (the RFC's names); anything else is an error.
     IMPORT_KEYS = (
         "enable", "image_name", "host", "port", "timeout_ms", "renderer_num_workers",
-        "context_budget", "obfuscation", "obfuscation_key_ref", "obfuscation_key_id",
+        "context_budget", "derender_coalesce", "stream_interval", "obfuscation", "obfuscation_key_ref",
+        "obfuscation_key_id",
     )
     # Changing any of these means the running sidecar no longer matches its config.
     RESTART_KEYS = ("host", "port", "renderer_num_workers", "obfuscation_key_ref", "obfuscation_key_id", "image_name")

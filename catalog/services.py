@@ -19,7 +19,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from catalog.fingerprints import fingerprint_model_dir
-from catalog.models import ModelRevision, RenderConfig, RenderStreamReport, ServedModel
+from catalog.models import STREAM_INTERVAL_MAX, ModelRevision, RenderConfig, RenderStreamReport, ServedModel
 from motorsite.core import ConflictError, InvalidError, NotFoundError, bump_control_version
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "timeout_ms": int,
     "renderer_num_workers": int,
     "context_budget": bool,
+    "derender_coalesce": bool,
+    "stream_interval": int,
     "obfuscation": bool,
     "obfuscation_key_ref": str,
     "obfuscation_key_id": str,
@@ -39,7 +41,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "port": int,
 }
 _ENDPOINT_KEYS = {"host", "port"}
-_POSITIVE = {"timeout_ms", "renderer_num_workers", "port"}
+_POSITIVE = {"timeout_ms", "renderer_num_workers", "port", "stream_interval"}
 
 
 def parse_render_config(data: Any) -> dict[str, Any]:
@@ -69,6 +71,8 @@ def parse_render_config(data: Any) -> dict[str, Any]:
             raise InvalidError(f"render_config.{name} must be {getattr(expected, '__name__', expected)}, got {value!r}.")
         if key in _POSITIVE and value <= 0:
             raise InvalidError(f"render_config.{key} must be positive, got {value}.")
+        if key == "stream_interval" and value > STREAM_INTERVAL_MAX:
+            raise InvalidError(f"render_config.stream_interval must be at most {STREAM_INTERVAL_MAX}, got {value}.")
     if flat.get("obfuscation") and not (flat.get("obfuscation_key_ref") and flat.get("obfuscation_key_id")):
         raise InvalidError("render_config.obfuscation needs obfuscation_key_ref and obfuscation_key_id.")
     return flat

@@ -65,6 +65,7 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
         obfuscation_key_id=cfg.obfuscation_key_id,
         streaming_derender=cfg.streaming_derender,
         derender_coalesce=cfg.derender_coalesce,
+        stream_interval=cfg.stream_interval,
     )
     instances = tuple(_instance_view(i) for i in EngineInstance.objects.select_related("served_model", "breaker"))
     keys = list(ApiKey.objects.filter(scope=ApiKey.Scope.CLIENT).values_list(

@@ -32,6 +32,8 @@ class RenderView:
     # Merge engine chunks queued behind a streaming derender (derender/coalesce.py). On in the
     # database (RenderConfig); off for hand-built snapshots, whose tests count one call per event.
     derender_coalesce: bool = False
+    # Tokens a streamed chunk waits for after a choice's first (vLLM's --stream-interval); 1: none.
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True, slots=True)

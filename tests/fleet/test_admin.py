@@ -129,7 +129,8 @@ def test_a_new_api_key_is_shown_once_and_only_its_hash_is_stored(staff_client: C
 
 def test_a_render_config_change_needing_a_restart_is_flagged(staff_client: Client, db: None) -> None:
     config = RenderConfig.objects.create()
-    form = {"name": "default", "enable": "on", "host": "127.0.0.1", "port": 8101, "timeout_ms": 5000, "renderer_num_workers": 4}
+    form = {"name": "default", "enable": "on", "host": "127.0.0.1", "port": 8101, "timeout_ms": 5000, "renderer_num_workers": 4,
+            "stream_interval": 1}
     response = staff_client.post(f"/admin/serving/renderconfig/{config.id}/change/", form, follow=True)
     assert any("restarts" in m for m in messages_of(response))
     config.refresh_from_db()

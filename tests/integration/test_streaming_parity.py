@@ -26,7 +26,11 @@ from .conftest import API_KEY
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module", params=["coalesce-on", "coalesce-off"])
+# Per coordinator: (derender_coalesce, stream_interval).
+VARIANTS = {"coalesce-on": (True, 1), "coalesce-off": (False, 1), "interval-4": (True, 4)}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def ours(request: pytest.FixtureRequest, tiers: stack.StackConfig,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, stack.StackConfig]]:
     db = tmp_path_factory.mktemp("streaming-parity") / "coordinator.sqlite3"
@@ -34,7 +38,7 @@ def ours(request: pytest.FixtureRequest, tiers: stack.StackConfig,
                   log_dir=tiers.log_dir / f"streaming-parity-{request.param}")
     stack.prepare_database(cfg)
     with sqlite3.connect(db) as conn:
-        conn.execute("UPDATE serving_renderconfig SET derender_coalesce = ?", (request.param == "coalesce-on",))
+        conn.execute("UPDATE serving_renderconfig SET derender_coalesce = ?, stream_interval = ?", VARIANTS[request.param])
     with Supervisor([stack.coordinator_spec(cfg)]):
         with httpx.Client(base_url=cfg.coordinator_url, headers={"Authorization": f"Bearer {API_KEY}"},
                           timeout=120) as client:
@@ -182,3 +186,23 @@ def test_streams_match_native_vllm_with_and_without_coalescing(
         # Every content chunk carries the running count; merged chunks must still be cumulative.
         counts = [f["usage"]["completion_tokens"] for f in fa if f.get("choices") and f.get("usage")]
         assert counts == sorted(counts) and counts[-1] == summary(fa, kind)["usage"]["completion_tokens"]
+
+
+def test_chunks_carry_the_stream_interval_s_runs_of_tokens(
+    ours: tuple[httpx.Client, stack.StackConfig], request: pytest.FixtureRequest
+) -> None:
+    client, _ = ours
+    coalesce, interval = VARIANTS[request.node.callspec.params["ours"]]
+    body = {"model": "tiny", "prompt": "Count to twenty:", "max_tokens": 17, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    frames = stream(client, "/v1/completions", body)
+    runs = [len(c["token_ids"]) for f in frames for c in f.get("choices") or [] if c.get("token_ids")]
+    assert sum(runs) == 17, runs
+    if not coalesce:
+        assert runs == [1] * 17  # one derender call, one chunk, per engine event
+    # Between the first chunk (never held back) and the last (the choice finished), every chunk
+    # waited for at least the interval's tokens.
+    assert all(n >= interval for n in runs[1:-1]), runs
+    if interval > 1:
+        assert len(runs) <= 2 + 16 // interval, runs
+

@@ -55,3 +55,22 @@ def test_import_takes_the_rfc_shape_and_names_an_unknown_key(api: Client, config
     bad = post(api, "/api/render-configs/import", {"render_config": {"timeout": 10}})
     assert bad.status_code == 422
     assert [(e["loc"], e["type"]) for e in bad.json()["detail"]] == [(["body", "body", "render_config", "timeout"], "extra_forbidden")]
+
+
+def test_coalescing_and_the_stream_interval_are_published_and_reach_the_snapshot(api: Client, config: RenderConfig) -> None:
+    from serving.snapshots import build_snapshot
+
+    body = api.get(f"/api/render-configs/{config.id}").json()
+    assert (body["derender_coalesce"], body["stream_interval"]) == (True, 1)
+    response = post(api, f"/api/render-configs/{config.id}/publish", {"stream_interval": 4, "derender_coalesce": False})
+    assert response.status_code == 200, response.json()
+    assert sorted(response.json()["changed"]) == ["derender_coalesce", "stream_interval"]
+    assert response.json()["restart_required"] is False  # the coordinator applies it; the sidecar is untouched
+    render = build_snapshot().render
+    assert (render.stream_interval, render.derender_coalesce) == (4, False)
+    for bad in (0, 65, "4"):
+        refused = post(api, f"/api/render-configs/{config.id}/publish", {"stream_interval": bad})
+        assert refused.status_code == 422, bad
+    assert RenderConfig.objects.get().stream_interval == 4
+    imported = post(api, "/api/render-configs/import", {"render_config": {"stream_interval": 8}})
+    assert imported.status_code == 200 and RenderConfig.objects.get().stream_interval == 8

@@ -210,3 +210,56 @@ def test_it_concatenates_to_the_uncoalesced_stream_per_choice(plan: list[tuple[i
         assert got_lp == expected
 
     asyncio.run(run())
+
+
+async def paced(events: list[dict[str, Any]], log: list[str]) -> AsyncIterator[dict[str, Any]]:
+    """An engine that sends one event per loop turn, logging each as sent."""
+    for e in events:
+        await asyncio.sleep(0)
+        log.append(f"sent {e['choices'][0]['token_ids'] if e.get('choices') else 'usage'}")
+        yield e
+
+
+async def test_a_stream_interval_sends_the_first_token_alone_then_runs_of_n_however_fast_derender_is() -> None:
+    # A consumer that keeps up (it takes each chunk as soon as it may): with interval 3 it still
+    # gets the first token alone, then runs of 3, then the rest once the choice finished.
+    log: list[str] = []
+    events = [token_event(0, [t], finish="length" if t == 8 else None) for t in range(1, 9)] + [USAGE_ONLY]
+    out = []
+    async for e in coalesced(paced(events, log), stream_interval=3):
+        out.append(e["choices"][0]["token_ids"] if e["choices"] else "usage")
+        log.append(f"got {out[-1]}")
+    assert out == [[1], [2, 3, 4], [5, 6, 7], [8], "usage"]
+    # The first token went out before the engine sent the second: never held back.
+    assert log.index("got [1]") < log.index("sent [2]")
+
+
+async def test_a_stream_interval_never_waits_on_one_choice_while_the_buffer_is_full_of_another() -> None:
+    # n=2: choice 1's events fill the buffer while choice 0's run is short of the interval; the
+    # consumer must take what waits instead of both sides waiting on each other.
+    events = [token_event(0, [1]), token_event(1, [100])]
+    events += [token_event(1, [100 + t]) for t in range(1, 10)]
+    events += [token_event(0, [2], finish="stop"), token_event(1, [110], finish="stop")]
+    got: dict[int, list[int]] = {0: [], 1: []}
+    async with asyncio.timeout(5):
+        async for e in coalesced(source(events), stream_interval=4, max_pending=4):
+            got[e["choices"][0]["index"]] += e["choices"][0]["token_ids"]
+    assert got == {0: [1, 2], 1: [100 + t for t in range(11)]}
+
+
+async def test_a_stream_interval_lets_an_error_and_the_end_through_at_once() -> None:
+    log: list[str] = []
+    out = [e async for e in coalesced(paced([token_event(0, [1]), token_event(0, [2]), ERROR], log), stream_interval=8)]
+    assert [e.get("error") is not None for e in out] == [False, False, True]
+    assert out[1]["choices"][0]["token_ids"] == [2]  # short of the interval, but nothing more was coming
+    with pytest.raises(RuntimeError, match="gone"):
+        async for _ in coalesced(source([token_event(0, [1]), token_event(0, [2])], fail=RuntimeError("gone")),
+                                 stream_interval=8):
+            pass
+
+
+def test_the_largest_stream_interval_an_operator_may_set_is_what_coalescing_can_buffer() -> None:
+    from catalog.models import STREAM_INTERVAL_MAX
+    from serving.pipeline.derender import coalesce
+
+    assert STREAM_INTERVAL_MAX == coalesce.MAX_PENDING

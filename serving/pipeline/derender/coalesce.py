@@ -17,11 +17,18 @@ What is never merged, because derender or the client would see the difference:
 Order is kept: an event never overtakes one that arrived before it for the same choice, and
 nothing overtakes an error or usage event (both end the stream). The buffer is bounded: when
 ``max_pending`` events wait, the reader stops reading and the engine's stream backs up over TCP.
+
+``stream_interval`` (``RenderConfig.stream_interval``, vLLM's ``--stream-interval``) also holds a
+choice's events back until that many have queued, so each derender call covers that many even
+when the sidecar keeps up: fewer calls and less sidecar CPU per stream at low load, for coarser
+chunks. A choice's first event is never held (time to first token does not move), nor anything
+once its choice finished, the stream ended, an error or usage event waits, or the buffer is full.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from typing import Any, AsyncIterator, Callable
 
@@ -90,8 +97,10 @@ def merge_events(events: list[dict[str, Any]]) -> dict[str, Any]:
 class _Pending:
     """The reader's buffer: groups of events, each one choice's run or a lone pass-through event."""
 
-    def __init__(self, max_pending: int) -> None:
+    def __init__(self, max_pending: int, interval: int = 1) -> None:
         self.max_pending = max_pending
+        self.interval = max(1, min(interval, max_pending))
+        self.started: set[int] = set()  # choices whose first event was taken
         # [choice index or None, events (folded), raw events in them]
         self.groups: deque[list[Any]] = deque()
         self.count = 0  # raw events buffered, never above max_pending
@@ -126,24 +135,47 @@ class _Pending:
         self.count += 1
         self.high_water = max(self.high_water, self.count)
 
+    def ready(self) -> bool:
+        """Whether the consumer may take the first group now (``stream_interval``)."""
+        if not self.groups:
+            return False
+        index, events, raw = self.groups[0]
+        return (
+            raw >= self.interval
+            or index is None
+            or index not in self.started
+            or events[-1]["choices"][0].get("finish_reason") is not None
+            or self.done
+            or self.count >= self.max_pending
+            or any(g[0] is None for g in self.groups)
+        )
+
     def take(self) -> list[dict[str, Any]]:
-        _, events, raw = self.groups.popleft()
+        index, events, raw = self.groups.popleft()
         self.count -= raw
+        if index is not None:
+            self.started.add(index)
         taken: list[dict[str, Any]] = events
         return taken
 
 
 async def coalesced(
-    events: AsyncIterator[dict[str, Any]], *, max_pending: int | None = None, stats: dict[str, int] | None = None
+    events: AsyncIterator[dict[str, Any]],
+    *,
+    max_pending: int | None = None,
+    stats: dict[str, int] | None = None,
+    stream_interval: int = 1,
 ) -> AsyncIterator[dict[str, Any]]:
     """Yield ``events`` with the token events that queued up while the consumer was busy merged.
 
-    A consumer that keeps up sees the events unchanged, one by one. An exception of ``events``
+    With ``stream_interval`` 1 a consumer that keeps up sees the events unchanged, one by one;
+    with N it sees each choice's first event alone, then runs of N (the module docstring says
+    what is never held back). An exception of ``events``
     is raised after the events read before it were yielded. Closing or cancelling this generator
     cancels and awaits the reader task; ``events`` itself stays the caller's to close. ``stats``,
     when given, receives ``events_in``, ``events_out`` and ``high_water`` (buffer peak).
     """
-    pending = _Pending(max(1, MAX_PENDING if max_pending is None else max_pending))
+    pending = _Pending(max(1, MAX_PENDING if max_pending is None else max_pending), stream_interval)
     events_in = 0
 
     async def read() -> None:
@@ -169,7 +201,7 @@ async def coalesced(
     try:
         while True:
             async with pending.changed:
-                await pending.changed.wait_for(lambda: bool(pending.groups) or pending.done)
+                await pending.changed.wait_for(lambda: pending.ready() or pending.done)
                 if not pending.groups:
                     break
                 batch = pending.take()
@@ -189,6 +221,11 @@ def passthrough(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str
     return events
 
 
-def event_reader(enabled: bool) -> Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[dict[str, Any]]]:
-    """The streaming session's engine-event reader: ``coalesced`` when the render config says so."""
+def event_reader(
+    enabled: bool, stream_interval: int = 1
+) -> Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[dict[str, Any]]]:
+    """The streaming session's engine-event reader: ``coalesced`` when the render config says so
+    (``derender_coalesce``, or a ``stream_interval`` above 1, which needs the same reader)."""
+    if stream_interval > 1:
+        return functools.partial(coalesced, stream_interval=stream_interval)
     return coalesced if enabled else passthrough

@@ -79,7 +79,8 @@ class EventStream:
                     self.render, self.kind, derender_request(self.body), p.token_ids,
                     request_id=self.request_id, public_id=self.public_id, prompt_index=i,
                     settings=self.settings,
-                    reader=event_reader(self.attempts.snapshot.render.derender_coalesce),
+                    reader=event_reader(self.attempts.snapshot.render.derender_coalesce,
+                                        self.attempts.snapshot.render.stream_interval),
                     chunk_filter=ChunkHoldback(self.kind, self.body).apply, phases=self.phases,
                 )
                 for i, p in enumerate(self.tokenized.prompts)
