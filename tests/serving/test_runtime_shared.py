@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from serving import runtime
+from serving import runtime, stream_reports
+from serving.pipeline import metrics
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.admission import TokenAdmission
 from serving.pipeline.flow_control.redis_admission import RedisTokenAdmission
@@ -20,10 +21,18 @@ from tests.serving.fakes import instance
 
 
 @pytest.fixture
-def restore_limiter() -> Iterator[None]:
-    before = rate_limit.LIMITER
+def restore_limiter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Undo what ``runtime.build()`` installs process-wide: the rate limiter, and the metrics
+    registry's hook, which it points at the new runtime's dashboard reporter. Left pointing there,
+    every metric recorded by a later test woke a thread that writes to the test database (its
+    writer is not the one ``tests/conftest.py`` silences). The built reporters write nowhere, as
+    the process's own do, for the notifications that reach them before the restore."""
+    for writer in ("_write", "_write_dashboard"):
+        monkeypatch.setattr(stream_reports, writer, lambda _payload: None)
+    before, on_record = rate_limit.LIMITER, metrics.REGISTRY.on_record
     yield
     rate_limit.install(before)
+    metrics.REGISTRY.on_record = on_record
 
 
 async def test_with_redis_url_admission_limits_and_breakers_are_shared(
