@@ -21,6 +21,8 @@ from django.utils import timezone
 from catalog.models import Health, ServedModel
 from fleet.ascend import ASCEND_GENERATIONS
 
+MAX_PORT = 65535
+
 
 class EngineInstance(models.Model):
     """One token engine (real vLLM or the simulator) the coordinator may place requests on."""
@@ -76,7 +78,7 @@ class EngineInstance(models.Model):
     kv_connector = models.CharField(max_length=40, choices=KVConnector.choices, default="", blank=True)
     kv_transfer = models.CharField(max_length=4, choices=KVTransfer.choices, default="", blank=True)
     kv_port = models.PositiveIntegerField(
-        "KV port", null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(65535)],
+        "KV port", null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(MAX_PORT)],
         help_text="Base of the KV connector's handshake ports (Mooncake kv_port); the engine holds "
         "kv_port .. kv_port + DP×TP − 1 on its host.",
     )
@@ -136,7 +138,9 @@ class EngineInstance(models.Model):
         ports = {http: "HTTP"}
         if self.kv_port is not None:
             # Mooncake binds kv_port + dp_rank*tp + tp_rank: one port per device of the engine.
-            for offset in range(self.dp * self.tp):
+            # None past 65535 exists (``validate_ports`` refuses such a range): a fuzzed TP x DP of
+            # 2**62 must not become a loop that holds a request thread for hours.
+            for offset in range(min(self.dp * self.tp, max(0, MAX_PORT + 1 - self.kv_port))):
                 ports.setdefault(self.kv_port + offset, "KV handshake")
         return ports
 

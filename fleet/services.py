@@ -19,7 +19,7 @@ from kombu.exceptions import OperationalError
 
 from catalog.models import Health, ServedModel
 from fleet import ascend, tasks
-from fleet.models import ApiKey, BreakerFlip, BreakerState, EngineInstance, InstanceEvent, hash_key
+from fleet.models import MAX_PORT, ApiKey, BreakerFlip, BreakerState, EngineInstance, InstanceEvent, hash_key
 from motorsite.core import (
     ConflictError,
     InvalidError,
@@ -171,6 +171,12 @@ def validate_ports(instance: EngineInstance) -> None:
     """
     if instance.kv_port is None:
         return
+    last = instance.kv_port + instance.dp * instance.tp - 1
+    if last > MAX_PORT:
+        raise InvalidError(
+            f"kv_port {instance.kv_port} with TP {instance.tp} x DP {instance.dp} needs KV handshake ports up to "
+            f"{last}, past {MAX_PORT}."
+        )
     problems = ascend.port_conflicts(engine_record(instance), _fleet_records(exclude_id=instance.id))
     if problems:
         raise InvalidError("; ".join(problems))

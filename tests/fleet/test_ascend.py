@@ -148,6 +148,20 @@ def test_a_kv_port_range_taken_on_the_host_is_refused(ascend_pair: tuple[EngineI
     assert not EngineInstance.objects.filter(name="p2").exists()
 
 
+def test_a_kv_port_range_past_65535_is_refused_at_once(ascend_pair: tuple[EngineInstance, EngineInstance], served_model: ServedModel) -> None:
+    # The schema allows TP and DP up to 2**31 - 1 each: the range check must not walk their product
+    # (the REST API's fuzz found a PATCH that held its request thread for minutes).
+    p, _ = ascend_pair
+    with pytest.raises(services.InvalidError, match="needs KV handshake ports up to 4611686014132456608, past 65535"):
+        services.instance_update(instance_id=p.id, actor="t", tp=2**31 - 1, dp=2**31 - 1)
+    with pytest.raises(services.InvalidError, match="up to 65536, past 65535"):
+        services.instance_update(instance_id=p.id, actor="t", kv_port=65535, tp=2, dp=1)
+    p.refresh_from_db()
+    assert (p.kv_port, p.tp, p.dp) == (36000, 2, 1)
+    p.kv_port, p.tp, p.dp = 65530, 2**31 - 1, 2**31 - 1
+    assert sorted(p.bound_ports()) == [8100, 65530, 65531, 65532, 65533, 65534, 65535]
+
+
 def test_a_pair_across_generations_is_refused_with_the_reason(ascend_pair: tuple[EngineInstance, EngineInstance], served_model: ServedModel) -> None:
     with pytest.raises(services.InvalidError, match="same hardware generation: 'd2' is A2, 'p1' is A3"):
         services.instance_create(
