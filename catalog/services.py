@@ -42,6 +42,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
 }
 _ENDPOINT_KEYS = {"host", "port"}
 _POSITIVE = {"timeout_ms", "renderer_num_workers", "port", "stream_interval"}
+_MAXIMUM = {"stream_interval": STREAM_INTERVAL_MAX}
 
 
 def parse_render_config(data: Any) -> dict[str, Any]:
@@ -71,8 +72,8 @@ def parse_render_config(data: Any) -> dict[str, Any]:
             raise InvalidError(f"render_config.{name} must be {getattr(expected, '__name__', expected)}, got {value!r}.")
         if key in _POSITIVE and value <= 0:
             raise InvalidError(f"render_config.{key} must be positive, got {value}.")
-        if key == "stream_interval" and value > STREAM_INTERVAL_MAX:
-            raise InvalidError(f"render_config.stream_interval must be at most {STREAM_INTERVAL_MAX}, got {value}.")
+        if key in _MAXIMUM and value > _MAXIMUM[key]:
+            raise InvalidError(f"render_config.{key} must be at most {_MAXIMUM[key]}, got {value}.")
     if flat.get("obfuscation") and not (flat.get("obfuscation_key_ref") and flat.get("obfuscation_key_id")):
         raise InvalidError("render_config.obfuscation needs obfuscation_key_ref and obfuscation_key_id.")
     return flat

@@ -225,16 +225,19 @@ async def test_connection_close_and_old_idle_connections_are_not_reused(
     await client.aclose()
 
 
-async def test_a_reader_that_stops_stops_the_socket_instead_of_buffering(server: Any) -> None:
-    total = 8 * 1024 * 1024
+FLOOD_TOTAL = 8 * 1024 * 1024
+
+
+async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
+    """An 8 MiB body of ``x``, written as fast as the client's window lets it."""
     piece = b"x" * 4096
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % FLOOD_TOTAL)
+    for _ in range(FLOOD_TOTAL // len(piece)):
+        writer.write(piece)
+        await writer.drain()
 
-    async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
-        for _ in range(total // len(piece)):
-            writer.write(piece)
-            await writer.drain()
 
+async def test_a_reader_that_stops_stops_the_socket_instead_of_buffering(server: Any) -> None:
     client = Http11Client()
     async with client.stream("POST", (await server(flood)).url, json={}) as reply:
         conn = reply._conn
@@ -246,22 +249,13 @@ async def test_a_reader_that_stops_stops_the_socket_instead_of_buffering(server:
         async for data in reply.aiter_raw():
             got += len(data)
             assert set(data) == {ord("x")}
-    assert got == total
+    assert got == FLOOD_TOTAL
 
 
 async def test_a_stopped_reader_still_lets_one_read_in_now_and_then(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # A socket shut for minutes loses the tail of a finished engine's output (http11_wire's
     # docstring): a paused connection lets one more read in every PAUSE_MAX_S, then pauses again.
     monkeypatch.setattr(http11_wire, "PAUSE_MAX_S", 0.1)
-    total = 8 * 1024 * 1024
-    piece = b"x" * 4096
-
-    async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
-        for _ in range(total // len(piece)):
-            writer.write(piece)
-            await writer.drain()
-
     client = Http11Client()
     async with client.stream("POST", (await server(flood)).url, json={}) as reply:
         conn = reply._conn
@@ -274,7 +268,7 @@ async def test_a_stopped_reader_still_lets_one_read_in_now_and_then(server: Any,
         got = 0
         async for data in reply.aiter_raw():
             got += len(data)
-    assert got == total
+    assert got == FLOOD_TOTAL
     assert conn._pause_timer is None
     await client.aclose()
 

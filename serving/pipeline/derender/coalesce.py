@@ -142,8 +142,7 @@ class _Pending:
         index, events, raw = self.groups[0]
         return (
             raw >= self.interval
-            or index is None
-            or index not in self.started
+            or index not in self.started  # a choice's first event, or a pass-through one (None)
             or events[-1]["choices"][0].get("finish_reason") is not None
             or self.done
             or self.count >= self.max_pending
