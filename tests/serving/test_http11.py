@@ -229,12 +229,20 @@ FLOOD_TOTAL = 8 * 1024 * 1024
 
 
 async def flood(request: Request, writer: asyncio.StreamWriter) -> None:
-    """An 8 MiB body of ``x``, written as fast as the client's window lets it."""
-    piece = b"x" * 4096
-    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % FLOOD_TOTAL)
-    for _ in range(FLOOD_TOTAL // len(piece)):
-        writer.write(piece)
+    """An 8 MiB streamed (chunked) body of ``x``, written as fast as the client's window lets it;
+    ``/known-length`` first answers 256 KiB with a ``Content-Length``."""
+    if request.path == "/known-length":
+        body = b"y" * (256 * 1024)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
         await writer.drain()
+        return
+    piece = b"x" * 4096
+    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    for _ in range(FLOOD_TOTAL // len(piece)):
+        writer.write(chunk(piece))
+        await writer.drain()
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
 
 
 async def test_a_reader_that_stops_stops_the_socket_instead_of_buffering(server: Any) -> None:
@@ -250,6 +258,29 @@ async def test_a_reader_that_stops_stops_the_socket_instead_of_buffering(server:
             got += len(data)
             assert set(data) == {ord("x")}
     assert got == FLOOD_TOTAL
+
+
+async def test_a_body_of_known_length_is_read_in_larger_pieces_and_a_stream_after_it_is_not(server: Any) -> None:
+    # A Content-Length body is read whole by its caller: big reads cost fewer system calls. The
+    # connection's next response, a stream, is read READ_SIZE at a time again, so its bound holds.
+    srv = await server(flood)
+    client = Http11Client()
+    async with client.stream("POST", srv.url + "/known-length", json={}) as reply:
+        sizes = [len(piece) async for piece in reply.aiter_raw()]
+    assert sum(sizes) == 256 * 1024
+    assert max(sizes) > http11.READ_SIZE
+    assert max(sizes) <= http11_wire.BODY_READ_SIZE
+    async with client.stream("POST", srv.url + "/stream", json={}) as reply:
+        conn = reply._conn
+        while not conn._paused:
+            await asyncio.sleep(0.01)
+        assert conn.buffered <= http11.HIGH_WATER + http11.READ_SIZE
+        got = 0
+        async for data in reply.aiter_raw():
+            got += len(data)
+    assert got == FLOOD_TOTAL
+    assert srv.connections == 1  # the same connection served both
+    await client.aclose()
 
 
 async def test_a_stopped_reader_still_lets_one_read_in_now_and_then(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,7 +37,7 @@ MAX_PENDING = 64
 # A run of one choice's events is folded into one merged event every FOLD_EVERY events, so the
 # buffer holds a token list, not up to MAX_PENDING parsed events (about 1 KiB each: 500 KiB a
 # stream whose client reads nothing). Merging is associative, so folding early changes nothing.
-FOLD_EVERY = 8
+FOLD_EVERY = 4
 
 
 def event_choice_index(event: dict[str, Any]) -> int | None:

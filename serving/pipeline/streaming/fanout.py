@@ -17,9 +17,10 @@ from serving.pipeline.errors import MotorError
 T = TypeVar("T")
 
 # Bounded queue between per-prompt producers and the client: a slow reader makes producers wait.
-# Each item is a derendered chunk (about 1 KiB parsed); a client that keeps up finds at most one
-# or two queued, so 8 only bounds what a silent client holds (64 held 80 KiB of them per stream).
-MERGE_QUEUE_SIZE = 8
+# Each item is a derendered chunk (1-2 KiB parsed); a client that keeps up finds at most one or two
+# queued, and each producer holds one more while it waits to put it, so this only bounds what a
+# silent client holds (64 held 80 KiB of them per stream, 8 held 19 KiB of a two-prompt stream).
+MERGE_QUEUE_SIZE = 2
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:
