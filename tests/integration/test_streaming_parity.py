@@ -192,14 +192,16 @@ def test_chunks_carry_the_stream_interval_s_runs_of_tokens(
     ours: tuple[httpx.Client, stack.StackConfig], request: pytest.FixtureRequest
 ) -> None:
     client, _ = ours
-    coalesce, interval = VARIANTS[request.node.callspec.params["ours"]]
+    _, interval = VARIANTS[request.node.callspec.params["ours"]]
     body = {"model": "tiny", "prompt": "Count to twenty:", "max_tokens": 17, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     frames = stream(client, "/v1/completions", body)
     runs = [len(c["token_ids"]) for f in frames for c in f.get("choices") or [] if c.get("token_ids")]
     assert sum(runs) == 17, runs
-    if not coalesce:
-        assert runs == [1] * 17  # one derender call, one chunk, per engine event
+    # Without coalescing a chunk is one engine event, but not always one token: vLLM merges a
+    # request's deltas itself when its HTTP writer falls behind (RequestOutputCollector), as it
+    # did once in CI. One derender call per engine event is proven against engines whose events
+    # are known (tests/serving/test_pipeline.py, ..._each_engine_event_is_one_derender_call...).
     # Between the first chunk (never held back) and the last (the choice finished), every chunk
     # waited for at least the interval's tokens.
     assert all(n >= interval for n in runs[1:-1]), runs

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 from collections import defaultdict
 from typing import Any, Callable
@@ -674,3 +675,30 @@ async def test_multi_prompt_stream_open_failure_aborts_the_streams_already_open(
     first = upstreams.calls_of("generate")[0]
     assert upstreams.aborted_ids() == [(first.host, "generate-tokens-cmpl-r34-0")]
     assert upstreams.open_streams == set()
+
+
+@pytest.mark.parametrize("coalesce", [False, True], ids=["coalesce-off", "coalesce-on"])
+async def test_without_coalescing_each_engine_event_is_one_derender_call_and_one_chunk(
+    mock_client: httpx.AsyncClient, scheduler: Scheduler, upstreams: FakeUpstreams, coalesce: bool
+) -> None:
+    # The real-engine parity test cannot prove this: vLLM itself merges a request's deltas when
+    # its HTTP writer falls behind (RequestOutputCollector), so its events may carry several
+    # tokens. Here the engine sends one token per event, all at once, so that a reader that
+    # coalesces finds them queued behind each derender call.
+    snap = fleet_snapshot()
+    snap = dataclasses.replace(snap, render=dataclasses.replace(snap.render, derender_coalesce=coalesce))
+    pipeline = ServingPipeline(snap, RenderClient(mock_client, RENDER_URL, 5.0), EngineClient(mock_client), scheduler)
+    upstreams.default_plan = StreamPlan(tokens=12)
+    stream = await pipeline.chat(chat_body(stream=True, max_tokens=12), "r-coalesce")
+    assert isinstance(stream, EventStream)
+    chunks = (await drain(stream))[:-1]
+    (gen,) = upstreams.calls_of("generate")
+    events = upstreams.stream_events(gen.body, 12)
+    assert len(events) == 12 and all(len(e["choices"][0]["token_ids"]) == 1 for e in events)
+    ders = upstreams.calls_of("derender")
+    if coalesce:
+        assert len(ders) < len(events)  # the reader merged what queued (else this proves nothing)
+    else:
+        assert len(ders) == len(events) and len(chunks) == len(events)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == text_of(output_ids(CHAT_PROMPT, 0, 12))
