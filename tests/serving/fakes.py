@@ -405,11 +405,12 @@ def instance(name: str, *, state: str = "active", model: str = MODEL) -> Instanc
     )
 
 
-def fleet_snapshot(*instances: InstanceView) -> FleetSnapshot:
+def fleet_snapshot(*instances: InstanceView, **render: Any) -> FleetSnapshot:
+    """The fake fleet: ``instances`` (e1 and e2 by default); ``render`` overrides RenderView fields."""
     return FleetSnapshot(
         version=1,
         models={MODEL: ModelView(MODEL, "/models/tiny", 2048, VOCAB_SIZE)},
-        render=RenderView(enable=True, base_url=RENDER_URL, timeout_s=5.0),
+        render=RenderView(**{"enable": True, "base_url": RENDER_URL, "timeout_s": 5.0, **render}),
         instances=instances or (instance("e1"), instance("e2")),
     )
 

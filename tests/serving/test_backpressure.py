@@ -10,7 +10,6 @@ Runs with derender coalescing off and on (its reader buffers up to ``coalesce.MA
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import json
 from collections import Counter
@@ -82,8 +81,7 @@ def pipeline(request: pytest.FixtureRequest, mock_client: httpx.AsyncClient, sch
              monkeypatch: pytest.MonkeyPatch) -> ServingPipeline:
     monkeypatch.setattr(fanout, "MERGE_QUEUE_SIZE", QUEUE)
     monkeypatch.setattr(coalesce, "MAX_PENDING", PENDING)
-    snap = fleet_snapshot()
-    snap = dataclasses.replace(snap, render=dataclasses.replace(snap.render, derender_coalesce=request.param))
+    snap = fleet_snapshot(derender_coalesce=request.param)
     return ServingPipeline(snap, RenderClient(mock_client, RENDER_URL, 5.0), EngineClient(mock_client), scheduler)
 
 

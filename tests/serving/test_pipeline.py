@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import json
 from collections import defaultdict
 from typing import Any, Callable
@@ -63,9 +62,9 @@ async def no_leaks(scheduler: Scheduler, upstreams: FakeUpstreams):
 
 @pytest.fixture
 def make_pipeline(mock_client: httpx.AsyncClient, scheduler: Scheduler) -> Callable[..., ServingPipeline]:
-    def make(*instances: Any) -> ServingPipeline:
+    def make(*instances: Any, **render: Any) -> ServingPipeline:
         return ServingPipeline(
-            fleet_snapshot(*instances), RenderClient(mock_client, RENDER_URL, 5.0), EngineClient(mock_client), scheduler
+            fleet_snapshot(*instances, **render), RenderClient(mock_client, RENDER_URL, 5.0), EngineClient(mock_client), scheduler
         )
 
     return make
@@ -679,15 +678,13 @@ async def test_multi_prompt_stream_open_failure_aborts_the_streams_already_open(
 
 @pytest.mark.parametrize("coalesce", [False, True], ids=["coalesce-off", "coalesce-on"])
 async def test_without_coalescing_each_engine_event_is_one_derender_call_and_one_chunk(
-    mock_client: httpx.AsyncClient, scheduler: Scheduler, upstreams: FakeUpstreams, coalesce: bool
+    make_pipeline: Callable[..., ServingPipeline], upstreams: FakeUpstreams, coalesce: bool
 ) -> None:
     # The real-engine parity test cannot prove this: vLLM itself merges a request's deltas when
     # its HTTP writer falls behind (RequestOutputCollector), so its events may carry several
     # tokens. Here the engine sends one token per event, all at once, so that a reader that
     # coalesces finds them queued behind each derender call.
-    snap = fleet_snapshot()
-    snap = dataclasses.replace(snap, render=dataclasses.replace(snap.render, derender_coalesce=coalesce))
-    pipeline = ServingPipeline(snap, RenderClient(mock_client, RENDER_URL, 5.0), EngineClient(mock_client), scheduler)
+    pipeline = make_pipeline(derender_coalesce=coalesce)
     upstreams.default_plan = StreamPlan(tokens=12)
     stream = await pipeline.chat(chat_body(stream=True, max_tokens=12), "r-coalesce")
     assert isinstance(stream, EventStream)
