@@ -419,15 +419,17 @@ async def test_streaming_chat(pipeline: ServingPipeline, upstreams: FakeUpstream
     assert len(ders) == 7  # 6 token events + the usage event; [DONE] never goes to derender
     assert all(d.body["stream"] is True and d.body["prompt_tokens"] == 10 for d in ders)
     # A choice's first call and the usage event carry the whole request and the prompt; once a
-    # state without a replay buffer proved the plain path, the messages and prompt ids stay home.
+    # state without a replay buffer proved the plain path, the messages and prompt ids stay home,
+    # and so does the whole request on a call whose event neither finishes nor has logprobs.
     full = [d for d in ders if d.body.get("stream_state") is None]
-    slim = [d for d in ders if d.body.get("stream_state") is not None]
-    assert len(full) == 3 and len(slim) == 4
+    later = [d for d in ders if d.body.get("stream_state") is not None]
+    assert len(full) == 3 and len(later) == 4
     assert all(d.body["chat_request"] == sent and d.body["prompt_token_ids"] == CHAT_PROMPT for d in full)
-    assert all(
-        "prompt_token_ids" not in d.body and d.body["chat_request"] == {**sent, "messages": [{"role": "user", "content": ""}]}
-        for d in slim
-    )
+    assert all("prompt_token_ids" not in d.body for d in later)
+    finishing = [d for d in later if d.body["generate_chunk"]["choices"][0]["finish_reason"] is not None]
+    assert len(finishing) == 2  # one per choice
+    assert all(d.body["chat_request"] == {**sent, "messages": [{"role": "user", "content": ""}]} for d in finishing)
+    assert all("chat_request" not in d.body for d in later if d not in finishing)
     (gen,) = upstreams.calls_of("generate")
     assert gen.body["stream"] is True
     assert upstreams.open_streams == set() and upstreams.closed_streams == ["chatcmpl-r20"]
@@ -443,8 +445,13 @@ async def test_streaming_completions_single_prompt(pipeline: ServingPipeline, up
     assert all(c["id"] == "cmpl-r21" for c in chunks)
     assert contents(chunks, "text") == {0: text_of(output_ids(completion_prompt_ids(0), 0))}
     assert not any(c.get("usage") for c in chunks)  # no include_usage, no usage chunk
-    assert all(d.path == "/v1/completions/derender" and "completion_request" in d.body
-               for d in upstreams.calls_of("derender"))
+    ders = upstreams.calls_of("derender")
+    assert len(ders) > 2 and all(d.path == "/v1/completions/derender" for d in ders)
+    # The first call seeds from the whole request, the last drops the stop token by it; the calls
+    # between read none of it on the plain path (derender/payload.py) and go without.
+    assert "completion_request" in ders[0].body and "completion_request" in ders[-1].body
+    assert ders[-1].body["generate_chunk"]["choices"][0]["finish_reason"] is not None
+    assert all("completion_request" not in d.body for d in ders[1:-1])
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 
 import pytest
 
+from serving.pipeline.derender.payload import slim_request
 from serving.pipeline.derender.session import ChoicePhase, StreamingRenderSession, StreamSettings
 from serving.pipeline.errors import DerenderError, UpstreamRequestError
 from serving.pipeline.render.client import DerenderRetryable
@@ -19,14 +20,14 @@ class FakeRender:
 
     def __init__(self) -> None:
         self.calls: list[tuple[dict[str, Any], dict[str, Any] | None, list[int] | None]] = []
-        self.requests: list[dict[str, Any]] = []
+        self.requests: list[dict[str, Any] | None] = []
         self.fail: dict[int, BaseException] = {}  # call number (0-based) -> exception
         self.replay_buffer = False  # answer like the parser path: the state carries every output id
         self.hang = False
         self.derender_patience_s = 0.0  # as RenderClient without patience: the chunk timeout alone
 
     async def derender_chunk(self, kind: str, event: dict[str, Any], *, stream_state: Any, prompt_tokens: int,
-                             prompt_token_ids: list[int] | None, request: dict[str, Any],
+                             prompt_token_ids: list[int] | None, request: dict[str, Any] | None,
                              model: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         assert prompt_tokens == len(PROMPT)
         number = len(self.calls)
@@ -228,3 +229,33 @@ async def test_an_echoed_completion_always_carries_its_prompt() -> None:
     )
     assert len([c async for c in s.chunks(events(event(7), event(8, finish="stop")))]) == 2
     assert all(r is body for r in render.requests) and [c[2] for c in render.calls] == [PROMPT, PROMPT]
+
+
+@pytest.mark.parametrize("kind, body, bare", [
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True),
+    ("chat", {"model": "m", "messages": [], "skip_special_tokens": True, "logprobs": False}, True),
+    ("completions", {"model": "m", "prompt": "hi", "max_tokens": 3}, True),
+    # An option the plain path reads, away from derender's default: every call carries it.
+    ("chat", {"model": "m", "messages": [], "skip_special_tokens": False}, False),
+    ("chat", {"model": "m", "messages": [], "spaces_between_special_tokens": False}, False),
+    ("chat", {"model": "m", "messages": [], "return_token_ids": True}, False),
+    ("chat", {"model": "m", "messages": [], "logprobs": True}, False),
+    ("completions", {"model": "m", "prompt": "hi", "logprobs": 0}, False),
+])
+async def test_a_plain_path_call_goes_without_the_request_only_where_derender_reads_none_of_it(
+    kind: str, body: dict[str, Any], bare: bool,
+) -> None:
+    render = FakeRender()
+    s = StreamingRenderSession(
+        render, kind, body, PROMPT, request_id="r", public_id="x-r",  # type: ignore[arg-type]
+        settings=StreamSettings(chunk_timeout_s=1.0),
+    )
+    with_logprobs = {**event(9), "choices": [{**event(9)["choices"][0], "logprobs": {"content": []}}]}
+    usage = {"request_id": "g", "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}, "choices": []}
+    out = [c async for c in s.chunks(events(event(7), event(8), with_logprobs, event(10, finish="stop"), usage))]
+    assert len(out) == 5
+    slim = slim_request(kind, body)  # type: ignore[arg-type]
+    # The first call seeds from the whole request. Later: none on the plain middle call, where
+    # allowed; the slim request where the event has logprobs or finishes its choice. The usage
+    # event has no choice, so no state: it goes whole, as a first call.
+    assert render.requests == [body, None if bare else slim, slim, slim, body]

@@ -12,6 +12,14 @@ full prompt and the whole ``chat_request`` every time; its state carries that re
 So a session sends the whole request until a call that derendered tokens returns a state
 without a replay buffer, which proves the plain path; after that it sends ``slim_request`` and
 no prompt ids. That makes each call O(chunk) instead of O(prompt + conversation).
+
+On the plain path most calls read nothing of the request at all: it only decides how special
+tokens are decoded, whether token ids are returned, the ``top_logprobs`` cut (when the event has
+logprobs) and which stop token to drop (when the event finishes its choice). With those options
+at derender's own defaults (what it assumes when no request is sent), a call whose event neither
+finishes nor carries logprobs goes without one (``request_unread``, ``reads_request``): the
+sidecar then skips validating a ``ChatCompletionRequest`` per token, 13-22 % of its CPU per
+spaced call (``bench/derender_cost.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +47,35 @@ def slim_request(kind: TokenKind, body: dict[str, Any]) -> dict[str, Any] | None
     if body.get("echo"):
         return None
     return {**body, "prompt": _STUB_PROMPT}
+
+
+def request_unread(kind: TokenKind, body: dict[str, Any]) -> bool:
+    """Whether ``body``'s options that a plain-path call reads are all at derender's defaults.
+
+    Those are ``skip_special_tokens`` and ``spaces_between_special_tokens`` (both true unless the
+    request says otherwise) and ``return_token_ids``. A request for logprobs (a completion's
+    ``logprobs: 0`` included) or an echoed completion keeps its request on every call.
+    """
+    if kind == "completions" and body.get("echo"):
+        return False
+    logprobs = body.get("logprobs")
+    return (
+        body.get("skip_special_tokens", True) is True
+        and body.get("spaces_between_special_tokens", True) is True
+        and not body.get("return_token_ids")
+        and (logprobs is None or logprobs is False)  # not `in (None, False)`: 0 == False, and 0 asks
+    )
+
+
+def reads_request(event: dict[str, Any]) -> bool:
+    """Whether the plain path reads the request to derender ``event``: its choice finishes (the
+    stop token to drop: ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``) or has
+    logprobs (the request's ``top_logprobs`` cut), or it is not a one-choice token event."""
+    choices = event.get("choices") or []
+    if len(choices) != 1:
+        return True
+    choice = choices[0]
+    return choice.get("finish_reason") is not None or choice.get("logprobs") is not None
 
 
 def proves_plain_path(token_ids: tuple[int, ...], next_state: dict[str, Any] | None) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serving.pipeline import metric_names
-from serving.pipeline.derender.payload import proves_plain_path, slim_request
+from serving.pipeline.derender.payload import proves_plain_path, reads_request, request_unread, slim_request
 from serving.pipeline.errors import DerenderError
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import TokenKind
@@ -137,8 +137,9 @@ class StreamingRenderSession:
         self.relays = 0
         self.derender_calls = 0
         # Set once the sidecar has shown it runs the plain path (derender/payload.py): later
-        # calls carry the slim request and no prompt ids.
+        # calls carry the slim request and no prompt ids, or no request where none is read.
         self._slim: dict[str, Any] | None = None
+        self._unread = request_unread(kind, body)
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -214,7 +215,9 @@ class StreamingRenderSession:
         finish = choices[0].get("finish_reason") if choices else None
         state = self.choice(index).stream_state if index is not None else None
         slim = self._slim if state is not None else None  # a choice's first call seeds from the prompt
-        request = slim if slim is not None else self.body
+        request: dict[str, Any] | None = slim if slim is not None else self.body
+        if slim is not None and self._unread and not reads_request(event):
+            request = None
         prompt_ids = None if slim is not None else self.prompt_ids
         tries = 1 + max(0, self.settings.derender_retries)
         # The chunk's own bound, plus the time derender may wait for a sidecar being restarted.

@@ -180,13 +180,14 @@ class RenderClient:
         stream_state: dict[str, Any] | None,
         prompt_tokens: int,
         prompt_token_ids: list[int] | None,
-        request: dict[str, Any],
+        request: dict[str, Any] | None,
         model: str | None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Derender one generate event with the previous state; return ``(chunk, next_state)``.
 
         ``prompt_token_ids`` None leaves them out (a plain-path call after the first,
-        ``derender/payload.py``); ``prompt_tokens`` is always sent, for usage.
+        ``derender/payload.py``), and so does ``request`` None (a plain-path call that reads none
+        of it); ``prompt_tokens`` is always sent, for usage.
         """
         body: dict[str, Any] = {
             "stream": True,
@@ -197,7 +198,8 @@ class RenderClient:
         }
         if prompt_token_ids is not None:
             body["prompt_token_ids"] = prompt_token_ids
-        body["chat_request" if kind == "chat" else "completion_request"] = request
+        if request is not None:
+            body["chat_request" if kind == "chat" else "completion_request"] = request
         out = await self._post_derender(CHAT_DERENDER if kind == "chat" else COMPLETIONS_DERENDER, body)
         chunk = out.get("chunk")
         if not isinstance(chunk, dict):
