@@ -97,7 +97,6 @@ class LaunchedStack:
         api_key: str,
         engines: str = "vllm",
         union_engines: int = 2,
-        engine_dtype: str = "auto",
         probe_interval_s: float | None = None,
         env: Mapping[str, str] | None = None,
         launcher_log: Path | None = None,
@@ -107,7 +106,7 @@ class LaunchedStack:
         ``MOTOR_MODEL_DIR``, ``MOTOR_RENDER_PYTHON`` and ``MOTOR_ENGINE_PYTHON`` come from the
         environment (``python3 -m toolchain exec`` sets them); ``env`` is added last. The
         launcher's own output goes to ``launcher_log`` (default ``var_dir/launcher.log``), its
-        children's logs to ``var_dir/log/``. ``engine_dtype`` is runstack's ``--engine-dtype``.
+        children's logs to ``var_dir/log/``.
         """
         var_dir.mkdir(parents=True, exist_ok=True)
         db = var_dir / "db.sqlite3"
@@ -119,7 +118,6 @@ class LaunchedStack:
             coordinator_port=free_port(),
             render_port=free_port(),
             engine_ports=tuple(free_port() for _ in range(union_engines)),
-            engine_dtype=engine_dtype,
             prefill_ports=(),
             decode_ports=(),
             database_url=f"sqlite:///{db}",
@@ -136,7 +134,7 @@ class LaunchedStack:
             sys.executable, str(stack.ROOT / "manage.py"), "runstack", "--engines", engines,
             "--port", str(cfg.coordinator_port), "--render-port", str(cfg.render_port),
             "--engine-ports", ",".join(map(str, cfg.engine_ports)), "--prefill-ports", "", "--decode-ports", "",
-            "--engine-dtype", engine_dtype, "--var-dir", str(var_dir),
+            "--var-dir", str(var_dir),
         ]
         log_path = launcher_log or var_dir / "launcher.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,6 @@ class StackConfig:
     decode_ports: tuple[int, ...] = (8221,)
     nixl_ports: tuple[int, ...] = ()
     render_workers: int = 4
-    engine_dtype: str = "auto"  # every vLLM engine's --dtype (tiers.ENGINE_DTYPES)
     database_url: str = ""
     redis_url: str = ""
     api_keys: tuple[str, ...] = ()
@@ -116,7 +115,6 @@ def engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
                 # Each engine gets its own core; two engines on one core halve each other's speed.
                 core=n % max(os.cpu_count() or 1, 1),
                 max_model_len=cfg.max_model_len,
-                dtype=cfg.engine_dtype,
             )
             timeout = 180.0
         else:
@@ -164,7 +162,6 @@ def pd_engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
                 max_model_len=cfg.max_model_len,
                 kv_role="kv_producer" if role == "prefill" else "kv_consumer",
                 nixl_port=nixl_port,
-                dtype=cfg.engine_dtype,
             )
             bound.append((HOST, nixl_port))
             timeout = 240.0

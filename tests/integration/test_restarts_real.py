@@ -7,14 +7,6 @@ engine are SIGKILLed. Every request must be answered with the greedy answer it g
 fault, both processes must be back in service (restarted by the launcher, the engine taken back
 by the probes' rise threshold) within their ready timeout plus ``MOTOR_PROBE_RISE`` probe
 intervals, and nothing may be left in flight.
-
-The engines run in float32 (``--engine-dtype``, the one flag beside what ``make run`` passes by
-default). In vLLM's CPU default, bfloat16, about 2 % of the tiny model's greedy steps are exact
-ties (``test_obfuscation_real.py``), and a tie or a near-tie can go either way when a different
-batch changes the kernels' rounding. The fault changes the batches: with one engine dead, all
-four load threads share the survivor. One run on the AMD EPYC answered 7 requests of one prompt
-differently, which this most likely explains (the fault-free load never did, in 1,429 requests);
-the claim here is that the restarts lose nothing, so the greedy answer must not hang on the batch.
 """
 
 from __future__ import annotations
@@ -56,7 +48,6 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedStack
     running = LaunchedStack.start(
         tmp_path_factory.mktemp("restarts-var"),
         api_key=API_KEY,
-        engine_dtype="float32",  # greedy answers independent of the batch (module docstring)
         probe_interval_s=PROBE_INTERVAL_S,
         env={"MOTOR_PROBE_RISE": str(settings.MOTOR_PROBE_RISE)},
         launcher_log=LOGS / "launcher.log",

@@ -133,16 +133,3 @@ def test_the_demo_fleet_registers_the_pd_engines() -> None:
     )
     assert views["decode-1"].role == "decode" and not views["decode-1"].native_openai
     assert views["union-1"].kv_transfer == "" and views["union-1"].native_openai
-
-
-def test_every_vllm_engine_runs_in_the_dtype_the_stack_asks_for() -> None:
-    def dtypes(cfg: stack.StackConfig) -> list[str | None]:
-        specs = [*stack.engine_specs(cfg), *stack.pd_engine_specs(cfg)]
-        assert len(specs) == 4  # two union engines, a prefill and a decode engine
-        return [s.argv[s.argv.index("--dtype") + 1] if "--dtype" in s.argv else None for s in specs]
-
-    assert dtypes(_config()) == [None] * 4  # auto: vLLM's own choice, nothing passed
-    assert dtypes(_config(engine_dtype="float32")) == ["float32"] * 4
-    assert dtypes(_config(engine_dtype="bfloat16")) == ["bfloat16"] * 4
-    with pytest.raises(ValueError, match="dtype must be one of"):
-        stack.engine_specs(_config(engine_dtype="fp8"))

@@ -34,16 +34,3 @@ def test_make_run_takes_the_server_from_motor_server(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("MOTOR_SERVER", "gunicorn")  # argparse never checks a default against the choices
     with pytest.raises(CommandError, match="MOTOR_SERVER='gunicorn' is not one of daphne, uvicorn"):
         call_command("runstack")
-
-
-def test_make_run_takes_the_engine_dtype_from_motor_engine_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    parser = Command().create_parser("manage.py", "runstack")
-    assert parser.parse_args([]).engine_dtype == "auto"
-    assert parser.parse_args(["--engine-dtype", "float32"]).engine_dtype == "float32"
-    monkeypatch.setenv("MOTOR_ENGINE_DTYPE", "float32")
-    assert Command().create_parser("manage.py", "runstack").parse_args([]).engine_dtype == "float32"
-    with pytest.raises(CommandError, match="invalid choice: 'fp8'"):
-        Command().create_parser("manage.py", "runstack").parse_args(["--engine-dtype", "fp8"])
-    monkeypatch.setenv("MOTOR_ENGINE_DTYPE", "fp8")
-    with pytest.raises(CommandError, match="MOTOR_ENGINE_DTYPE='fp8' is not one of auto, bfloat16, float32"):
-        call_command("runstack")

@@ -57,12 +57,6 @@ class Command(BaseCommand):
             help="comma-separated decode engines for the Handoff topology; empty for none",
         )
         parser.add_argument(
-            "--engine-dtype",
-            choices=tiers.ENGINE_DTYPES,
-            default=os.environ.get("MOTOR_ENGINE_DTYPE", "auto"),
-            help="the vLLM engines' --dtype (auto: vLLM's choice, bfloat16 on CPU; float32: no greedy near-ties)",
-        )
-        parser.add_argument(
             "--var-dir",
             default=os.environ.get("MOTOR_VAR_DIR", str(stack.ROOT / "var")),
             help="logs (log/) and the Celery broker folders (celery/) of this run",
@@ -71,10 +65,6 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **opts: Any) -> None:
         if opts["server"] not in stack.SERVERS:  # from MOTOR_SERVER: argparse checks only what is typed
             raise CommandError(f"MOTOR_SERVER={opts['server']!r} is not one of {', '.join(stack.SERVERS)}")
-        if opts["engine_dtype"] not in tiers.ENGINE_DTYPES:  # the same for MOTOR_ENGINE_DTYPE
-            raise CommandError(
-                f"MOTOR_ENGINE_DTYPE={opts['engine_dtype']!r} is not one of {', '.join(tiers.ENGINE_DTYPES)}"
-            )
         # Both keys reach ``demo_fleet`` through the environment (MOTOR_API_KEYS, MOTOR_DEMO_ADMIN_KEY),
         # which stores only their hashes as ApiKey records.
         api_key = os.environ.get("MOTOR_DEMO_API_KEY") or "sk-motor-" + secrets.token_urlsafe(18)
@@ -88,7 +78,6 @@ class Command(BaseCommand):
             engines=opts["engines"],
             coordinator_port=opts["port"],
             server=opts["server"],
-            engine_dtype=opts["engine_dtype"],
             render_port=opts["render_port"],
             engine_ports=_ports(opts["engine_ports"]),
             prefill_ports=_ports(opts["prefill_ports"]),
