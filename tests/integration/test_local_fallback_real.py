@@ -4,7 +4,8 @@ The fallback serves while the sidecar is down (a crash, a restart), and its requ
 on exactly as render would have started them: same prompt ids, same sampling parameters that
 matter, same decoded text. Compared here with the real vLLM 0.33 sidecar on the same model
 files, on chats and completions with digits (transformers' Qwen2 tokenizer splits them one by
-one where ``tokenizer.json`` alone would not), several turns, a system prompt and non-ASCII text.
+one where ``tokenizer.json`` alone would not), several turns, a system prompt and non-ASCII text;
+and the fallback's derender against the sidecar's on outputs a one-shot decode gets wrong.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from motorsite import stack
 from serving.pipeline.render import local_tokenizer as lt
-from serving.pipeline.render.tokenization import local_render, local_unsupported
+from serving.pipeline.render.tokenization import LocalDerenderer, local_render, local_unsupported
 from serving.pipeline.snapshot import ModelView
 
 pytestmark = pytest.mark.integration
@@ -108,3 +109,57 @@ def test_it_renders_tools_and_tool_turns_as_the_sidecar_does(render: httpx.Clien
     # The fallback still refuses such requests (they go native while render is down): only the
     # plain chats above are served from these ids.
     assert local_unsupported("chat", body) == "param:tools"
+
+
+def _unfinished(tok: lt.LocalTokenizer, text: str) -> list[int]:
+    """The ids of ``text`` cut inside its last multi-byte character: a one-shot decode ends in U+FFFD."""
+    ids = tok.encode(text, add_special_tokens=False)
+    cut = next(n for n in range(len(ids) - 1, 0, -1) if tok.decode(ids[:n]).endswith("\ufffd"))
+    return ids[:cut]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_it_derenders_as_the_sidecar_does(render: httpx.Client, tiers: stack.StackConfig, kind: str) -> None:
+    """The fallback's text is derender's, also where a one-shot decode differs: an output cut inside
+    a character (the sidecar drops the unfinished bytes) and a stop token (left out)."""
+    tok = lt.local_tokenizer(tiers.model_dir)
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 12, "temperature": 0.0}
+    body.update({"messages": CHATS[0]} if kind == "chat" else {"prompt": PROMPTS[0]})
+    rendered = render.post(f"/v1/{'chat/' if kind == 'chat' else ''}completions/render", json=body).json()
+    rendered = rendered if kind == "chat" else rendered[0]
+    generated = httpx.post(f"{tiers.engine_urls[0]}/inference/v1/generate", json={**rendered, "stream": False},
+                           timeout=60).json()
+    assert tok.eos_token_id is not None
+    unfinished = _unfinished(tok, " naïve café ✓")
+    outputs = [
+        ("length", generated["choices"][0]["token_ids"]),  # what the engine made of the prompt
+        ("length", unfinished),
+        ("length", generated["choices"][0]["token_ids"] + unfinished),
+        ("stop", tok.encode(" done", add_special_tokens=False) + [tok.eos_token_id]),
+    ]
+    local = LocalDerenderer(tok)
+    prompt = rendered["token_ids"]
+    for finish, ids in outputs:
+        response = {**generated, "choices": [{**generated["choices"][0], "token_ids": ids, "finish_reason": finish,
+                                              "stop_reason": None}]}
+        for skip in (True, False):
+            request = {**body, "skip_special_tokens": skip}
+            if kind == "chat":
+                theirs = render.post("/v1/chat/completions/derender", json={
+                    "model": "tiny", "generate_response": response, "prompt_tokens": len(prompt),
+                    "prompt_token_ids": prompt, "chat_request": request})
+                assert theirs.status_code == 200, theirs.text
+                text = theirs.json()["choices"][0]["message"]["content"]
+                ours = local.chat(response, prompt_ids=prompt, body=request)["choices"][0]["message"]["content"]
+            else:
+                theirs = render.post("/v1/completions/derender", json={
+                    "model": "tiny", "generate_responses": [response], "prompt_tokens": [len(prompt)],
+                    "prompt_token_ids": [prompt], "completion_request": request})
+                assert theirs.status_code == 200, theirs.text
+                text = theirs.json()["choices"][0]["text"]
+                ours = local.completions([response], prompt_ids=[prompt], body=request)["choices"][0]["text"]
+            assert ours == text, (finish, ids, skip)
+    # The cases differ from a one-shot decode, so the comparison above could fail.
+    assert tok.decode(unfinished).endswith("\ufffd") and not local.completions(
+        [{"choices": [{"index": 0, "token_ids": unfinished, "finish_reason": "length"}]}], prompt_ids=[prompt], body=body,
+    )["choices"][0]["text"].endswith("\ufffd")

@@ -7,6 +7,10 @@ engine are SIGKILLed. Every request must be answered with the greedy answer it g
 fault, both processes must be back in service (restarted by the launcher, the engine taken back
 by the probes' rise threshold) within their ready timeout plus ``MOTOR_PROBE_RISE`` probe
 intervals, and nothing may be left in flight.
+
+While the sidecar is down, requests are tokenized and (without a stream) derendered by the local
+fallback, so this also holds the fallback's text to the sidecar's: a completion whose 12 tokens
+ended inside a multi-byte character once came back with a trailing U+FFFD that derender drops.
 """
 
 from __future__ import annotations

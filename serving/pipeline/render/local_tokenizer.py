@@ -46,8 +46,8 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _backend_tokenizer(root: Path) -> Tokenizer:
-    """The ``tokenizers`` object that transformers (render's library) builds for ``root``.
+def _hf_tokenizer(root: Path) -> Any:
+    """The fast tokenizer that transformers (render's library) builds for ``root``.
 
     Not ``Tokenizer.from_file("tokenizer.json")``: transformers picks a tokenizer class from the
     model's config, and the class may replace the file's pre-tokenizer (Qwen2's splits digits one
@@ -61,10 +61,13 @@ def _backend_tokenizer(root: Path) -> Tokenizer:
         hf = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     except Exception as exc:  # OSError, ValueError, or whatever a broken file makes the loader raise
         raise LocalTokenizerUnavailable(f"no usable tokenizer in {root}: {exc}") from exc
-    backend = getattr(hf, "backend_tokenizer", None)
-    if not isinstance(backend, Tokenizer):
+    if not isinstance(getattr(hf, "backend_tokenizer", None), Tokenizer):
         raise LocalTokenizerUnavailable(f"{root} has no fast tokenizer (tokenizer.json)")
-    return backend
+    return hf
+
+
+# vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: how many prompt tokens seed the detokenizer.
+_SEED_OFFSET = 5
 
 
 class LocalTokenizer:
@@ -72,7 +75,8 @@ class LocalTokenizer:
 
     def __init__(self, model_path: str) -> None:
         root = Path(model_path)
-        self._tokenizer = _backend_tokenizer(root)
+        self._hf = _hf_tokenizer(root)
+        self._tokenizer: Tokenizer = self._hf.backend_tokenizer
         config = _read_json(root / "tokenizer_config.json")
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: Hugging Face picks "default"
@@ -116,6 +120,36 @@ class LocalTokenizer:
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def decode_output(self, prompt_ids: list[int], ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """The text vLLM's derender makes of the output ``ids`` of ``prompt_ids``.
+
+        Not ``decode``: derender runs vLLM's incremental detokenizer (``detokenize_incrementally``
+        in vllm/tokenizers/detokenizer_utils.py, 0.33.0), seeded with the prompt's last tokens, and
+        that never emits text ending in U+FFFD, so a byte-fallback character the output leaves
+        unfinished is dropped where a one-shot decode ends in "\ufffd". This is the same loop.
+        """
+        hf = self._hf
+        vocab = len(hf)
+
+        def tokens(some: list[int]) -> list[str]:
+            return [t or "" for t in hf.convert_ids_to_tokens(some, skip_special_tokens=skip_special_tokens)]
+
+        # convert_prompt_ids_to_tokens: the tail, with INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET (5) + 2.
+        seen = tokens(prompt_ids[-_SEED_OFFSET - 2:])
+        read_offset = len(seen)
+        prefix_offset = max(read_offset - _SEED_OFFSET, 0)
+        text: list[str] = []
+        for token_id in ids:
+            new = tokens([token_id]) if 0 <= token_id < vocab else [""]
+            seen += new
+            prefix_text = hf.convert_tokens_to_string(seen[prefix_offset:read_offset])
+            new_text = hf.convert_tokens_to_string(seen[prefix_offset:])
+            if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+                continue  # maybe an unfinished multi-byte character: wait for more
+            text.append(new_text[len(prefix_text):])
+            prefix_offset, read_offset = read_offset, len(seen)
+        return "".join(text)
 
 
 def _raise_exception(message: str) -> None:

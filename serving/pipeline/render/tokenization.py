@@ -313,6 +313,13 @@ class LocalDerenderer:
     tok: LocalTokenizer
     created: Callable[[], int] = field(default=lambda: int(time.time()))
 
+    def _text(self, prompt_ids: list[int], choice: Mapping[str, Any], body: Mapping[str, Any], skip: bool) -> str:
+        """The choice's text as derender makes it: the stop token left out, then decoded by vLLM's
+        incremental detokenizer (``LocalTokenizer.decode_output``)."""
+        ids = list(choice.get("token_ids") or [])
+        return self.tok.decode_output(prompt_ids, _without_stop_token(ids, choice, body, self.tok.eos_token_id),
+                                      skip_special_tokens=skip)
+
     def _usage(self, prompt: int, completion: int) -> dict[str, Any]:
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
                 "prompt_tokens_details": None}
@@ -325,7 +332,7 @@ class LocalDerenderer:
             ids = list(c.get("token_ids") or [])
             choices.append({
                 "index": c.get("index", 0),
-                "message": {"role": "assistant", "content": self.tok.decode(ids, skip_special_tokens=skip),
+                "message": {"role": "assistant", "content": self._text(prompt_ids, c, body, skip),
                             "refusal": None, "annotations": None, "audio": None, "function_call": None,
                             "tool_calls": [], "reasoning": None},
                 "logprobs": None, "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
@@ -352,7 +359,7 @@ class LocalDerenderer:
                 ids = list(c.get("token_ids") or [])
                 completion += len(ids)
                 choices.append({
-                    "index": len(choices), "text": self.tok.decode(ids, skip_special_tokens=skip), "logprobs": None,
+                    "index": len(choices), "text": self._text(prompt, c, body, skip), "logprobs": None,
                     "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
                     "prompt_logprobs": None, "prompt_token_ids": prompt if with_ids else None,
                     "token_ids": ids if with_ids else None,
@@ -362,3 +369,18 @@ class LocalDerenderer:
             "choices": choices, "service_tier": None, "system_fingerprint": None,
             "usage": self._usage(sum(len(p) for p in prompt_ids), completion), "kv_transfer_params": None,
         }
+
+
+def _without_stop_token(ids: list[int], choice: Mapping[str, Any], body: Mapping[str, Any], eos: int | None) -> list[int]:
+    """``ids`` without the token that stopped generation, as derender leaves it out
+    (``OnlineDerenderer._drop_stop_token``): EOS unless ``ignore_eos``, a ``stop_token_ids`` entry,
+    or the id the engine reported as ``stop_reason``; kept with ``include_stop_str_in_output``."""
+    reason = choice.get("stop_reason")
+    if choice.get("finish_reason") != "stop" or isinstance(reason, str) or not ids:
+        return ids
+    last = ids[-1]
+    if reason is None:
+        stopped = (last == eos and not body.get("ignore_eos")) or last in (body.get("stop_token_ids") or ())
+    else:
+        stopped = last == reason
+    return ids[:-1] if stopped and not body.get("include_stop_str_in_output") else ids
