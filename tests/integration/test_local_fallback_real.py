@@ -121,7 +121,8 @@ def _unfinished(tok: lt.LocalTokenizer, text: str) -> list[int]:
 @pytest.mark.parametrize("kind", ["chat", "completions"])
 def test_it_derenders_as_the_sidecar_does(render: httpx.Client, tiers: stack.StackConfig, kind: str) -> None:
     """The fallback's text is derender's, also where a one-shot decode differs: an output cut inside
-    a character (the sidecar drops the unfinished bytes) and a stop token (left out)."""
+    a character (the sidecar drops the unfinished bytes), a stop token (left out) and a stop string
+    (cut at)."""
     tok = lt.local_tokenizer(tiers.model_dir)
     body: dict[str, Any] = {"model": "tiny", "max_tokens": 12, "temperature": 0.0}
     body.update({"messages": CHATS[0]} if kind == "chat" else {"prompt": PROMPTS[0]})
@@ -136,14 +137,17 @@ def test_it_derenders_as_the_sidecar_does(render: httpx.Client, tiers: stack.Sta
         ("length", unfinished),
         ("length", generated["choices"][0]["token_ids"] + unfinished),
         ("stop", tok.encode(" done", add_special_tokens=False) + [tok.eos_token_id]),
+        # A stop string the engine matched: the text is cut before it (after it with
+        # include_stop_str_in_output, below).
+        ("stop", tok.encode(" all done, more", add_special_tokens=False), " done,"),
     ]
     local = LocalDerenderer(tok)
     prompt = rendered["token_ids"]
-    for finish, ids in outputs:
+    for finish, ids, *reason in outputs:
         response = {**generated, "choices": [{**generated["choices"][0], "token_ids": ids, "finish_reason": finish,
-                                              "stop_reason": None}]}
-        for skip in (True, False):
-            request = {**body, "skip_special_tokens": skip}
+                                              "stop_reason": reason[0] if reason else None}]}
+        for skip, include in ((True, False), (False, False), (True, True)):
+            request = {**body, "skip_special_tokens": skip, "include_stop_str_in_output": include}
             if kind == "chat":
                 theirs = render.post("/v1/chat/completions/derender", json={
                     "model": "tiny", "generate_response": response, "prompt_tokens": len(prompt),
@@ -158,7 +162,7 @@ def test_it_derenders_as_the_sidecar_does(render: httpx.Client, tiers: stack.Sta
                 assert theirs.status_code == 200, theirs.text
                 text = theirs.json()["choices"][0]["text"]
                 ours = local.completions([response], prompt_ids=[prompt], body=request)["choices"][0]["text"]
-            assert ours == text, (finish, ids, skip)
+            assert ours == text, (finish, ids, reason, skip, include)
     # The cases differ from a one-shot decode, so the comparison above could fail.
     assert tok.decode(unfinished).endswith("\ufffd") and not local.completions(
         [{"choices": [{"index": 0, "token_ids": unfinished, "finish_reason": "length"}]}], prompt_ids=[prompt], body=body,

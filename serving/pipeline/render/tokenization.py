@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from serving.pipeline.derender.holdback import StopHoldback, stop_strings
 from serving.pipeline.errors import RenderUnavailable, RequestError
 from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import RenderClient
@@ -313,12 +314,16 @@ class LocalDerenderer:
     tok: LocalTokenizer
     created: Callable[[], int] = field(default=lambda: int(time.time()))
 
-    def _text(self, prompt_ids: list[int], choice: Mapping[str, Any], body: Mapping[str, Any], skip: bool) -> str:
-        """The choice's text as derender makes it: the stop token left out, then decoded by vLLM's
-        incremental detokenizer (``LocalTokenizer.decode_output``)."""
-        ids = list(choice.get("token_ids") or [])
-        return self.tok.decode_output(prompt_ids, _without_stop_token(ids, choice, body, self.tok.eos_token_id),
+    def _text(
+        self, prompt_ids: list[int], ids: list[int], choice: Mapping[str, Any], body: Mapping[str, Any], skip: bool
+    ) -> str:
+        """The choice's text as derender makes it (``OnlineDerenderer._decode_output``): the stop
+        token left out, decoded by vLLM's incremental detokenizer (``LocalTokenizer.decode_output``)
+        and cut at the stop string the engine reported, as the streaming path cuts it."""
+        text = self.tok.decode_output(prompt_ids, _without_stop_token(ids, choice, body, self.tok.eos_token_id),
                                       skip_special_tokens=skip)
+        cut = StopHoldback(stop_strings(body), include_in_output=bool(body.get("include_stop_str_in_output")))
+        return cut.feed(text, finished=True, stop_reason=choice.get("stop_reason"))  # the whole text, final
 
     def _usage(self, prompt: int, completion: int) -> dict[str, Any]:
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
@@ -332,7 +337,7 @@ class LocalDerenderer:
             ids = list(c.get("token_ids") or [])
             choices.append({
                 "index": c.get("index", 0),
-                "message": {"role": "assistant", "content": self._text(prompt_ids, c, body, skip),
+                "message": {"role": "assistant", "content": self._text(prompt_ids, ids, c, body, skip),
                             "refusal": None, "annotations": None, "audio": None, "function_call": None,
                             "tool_calls": [], "reasoning": None},
                 "logprobs": None, "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
@@ -359,7 +364,7 @@ class LocalDerenderer:
                 ids = list(c.get("token_ids") or [])
                 completion += len(ids)
                 choices.append({
-                    "index": len(choices), "text": self._text(prompt, c, body, skip), "logprobs": None,
+                    "index": len(choices), "text": self._text(prompt, ids, c, body, skip), "logprobs": None,
                     "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
                     "prompt_logprobs": None, "prompt_token_ids": prompt if with_ids else None,
                     "token_ids": ids if with_ids else None,
