@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -44,7 +43,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, Awaitable
 
 import httpx
 
@@ -55,8 +54,9 @@ from bench.common import bench_stack, loadavg, percentile, publish, section_head
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, free_port  # noqa: E402
 from serving.pipeline.derender.coalesce import coalesced  # noqa: E402
-from serving.pipeline.http11 import Http11Client, StreamReply  # noqa: E402
+from serving.pipeline.http11 import Http11Client  # noqa: E402
 from serving.pipeline.render.client import RenderClient  # noqa: E402
+from serving.pipeline.sse import iter_event_batches  # noqa: E402
 
 SECTION = "## bench/hotpath.py"
 API_KEY = "sk-bench-" + uuid.uuid4().hex[:12]
@@ -126,7 +126,8 @@ async def direct(client: Http11Client, render: RenderClient, engine: str, body: 
     state, first = None, None
     async with client.stream("POST", engine + "/inference/v1/generate", json=req) as r:
         # The same coalescing as the coordinator's: what queued up during a derender goes in one call.
-        async for event in coalesced(_events(r)):
+        r.whole_reads = True
+        async for event in coalesced(iter_event_batches(r.aiter_raw())):
             chunk, state = await render.derender_chunk(
                 "chat", event, stream_state=state, prompt_tokens=len(ids), prompt_token_ids=ids, request=body,
                 model="tiny",
@@ -135,12 +136,6 @@ async def direct(client: Http11Client, render: RenderClient, engine: str, body: 
                 first = time.perf_counter() - t0
     s.ttft.append(first or 0.0)
     s.e2e.append(time.perf_counter() - t0)
-
-
-async def _events(r: StreamReply) -> AsyncIterator[dict[str, Any]]:
-    async for line in r.aiter_lines():
-        if line.startswith("data:") and line != "data: [DONE]":
-            yield json.loads(line[5:])
 
 
 def _ms(values: list[float], q: float) -> str:

@@ -187,9 +187,10 @@ def main() -> int:
         )
     lines += [
         "",
-        "- coalescing off: the producers stop after about MERGE_QUEUE_SIZE + 2 per prompt engine events and the "
-        "engine stream backs up; coalescing on: the merge queue holds merged chunks (each up to MAX_PENDING events), "
-        "so short outputs are read from the engine to the end while the client waits, still within a bounded heap",
+        "- each prompt's producer stops with one chunk in its derender or blocked on the merge queue; the engines' "
+        "sent events wait in the connection (up to HIGH_WATER + READ_SIZE bytes) and the kernel's socket buffers. "
+        "Coalescing off reads one network chunk at a time, on reads all that arrived and merges it: one read is "
+        "never more than MAX_PENDING raw events per derender call",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -87,14 +87,11 @@ class StreamReply:
         self.status_code = conn.status
         self.headers = conn.headers
         self.sse_done = False  # the body's last piece ended the SSE stream
+        # Each piece all that arrived since the last (``Connection.read_piece``), not one chunk.
+        self.whole_reads = False
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        while True:
-            piece = await self._conn.read_piece(self._timeout)
-            if piece is None:
-                return
-            self.sse_done = piece.endswith(DONE_FRAME)
-            yield piece
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return _Pieces(self)
 
     async def aiter_lines(self) -> AsyncIterator[str]:
         pending = b""
@@ -110,6 +107,26 @@ class StreamReply:
 
     async def aread(self) -> bytes:
         return b"".join([piece async for piece in self.aiter_raw()])
+
+
+class _Pieces:
+    """``StreamReply.aiter_raw``: a plain async iterator, not a generator, so that between reads
+    nothing here still holds the piece it handed over (up to ``HIGH_WATER`` + ``READ_SIZE``
+    bytes with whole reads, while a stalled client's stream waits)."""
+
+    def __init__(self, reply: StreamReply) -> None:
+        self._reply = reply
+
+    def __aiter__(self) -> _Pieces:
+        return self
+
+    async def __anext__(self) -> bytes:
+        reply = self._reply
+        piece = await reply._conn.read_piece(reply._timeout, whole=reply.whole_reads)
+        if piece is None:
+            raise StopAsyncIteration
+        reply.sse_done = piece.endswith(DONE_FRAME)
+        return piece
 
 
 class Http11Client:

@@ -257,11 +257,22 @@ class Connection(asyncio.Protocol):
                 raise _lost(self.lost, "before the response head")
             await self._wait(timeout_s, "waiting for the response head")
 
-    async def read_piece(self, timeout_s: float | None) -> bytes | None:
-        """The next piece of the body, or None once it has been read whole."""
+    async def read_piece(self, timeout_s: float | None, *, whole: bool = False) -> bytes | None:
+        """The next chunk of the body (waits for one), or None once it has been read whole.
+
+        ``whole``: all of the body that arrived and was not read yet, in one piece. A coalescing
+        stream reader reads so (derender/coalesce.py): it sees at once every event that queued
+        while it was busy derendering, and merges them. A reader that takes events one by one
+        reads chunk by chunk instead, so what it holds parsed is one chunk's events.
+        """
         while True:
             if self.pieces:
-                piece = self.pieces.popleft()
+                pieces = self.pieces
+                if whole and len(pieces) > 1:
+                    piece = b"".join(pieces)
+                    pieces.clear()
+                else:
+                    piece = pieces.popleft()
                 self.buffered -= len(piece)
                 if self._paused and self.buffered <= HIGH_WATER // 2:
                     self._resume()

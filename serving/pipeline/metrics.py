@@ -217,7 +217,7 @@ def merge(exports: list[Export], *, now: float, bucket_s: int = BUCKET_S, bucket
 
 
 class TimedEvents:
-    """Wraps an engine's stream of generate events and records its outcome once.
+    """Wraps an engine's stream of generate events (a list per read) and records its outcome once.
 
     A plain async iterator rather than an async generator on purpose: it holds no frame to be
     finalized later, so a client that leaves mid-stream leaves nothing for the loop to clean up,
@@ -225,7 +225,7 @@ class TimedEvents:
     """
 
     def __init__(
-        self, instance: str, events: AsyncIterator[dict[str, Any]], registry: MetricsRegistry | None = None,
+        self, instance: str, events: AsyncIterator[list[dict[str, Any]]], registry: MetricsRegistry | None = None,
         *, clock: Callable[[], float] = time.perf_counter, on_first: Callable[[], None] | None = None,
     ) -> None:
         self._instance = instance
@@ -243,9 +243,9 @@ class TimedEvents:
     def __aiter__(self) -> TimedEvents:
         return self
 
-    async def __anext__(self) -> dict[str, Any]:
+    async def __anext__(self) -> list[dict[str, Any]]:
         try:
-            event = await self._events.__anext__()
+            batch = await self._events.__anext__()
         except StopAsyncIteration:
             self._record(ok=True)
             raise
@@ -255,14 +255,14 @@ class TimedEvents:
         if self._on_first is not None:
             on_first, self._on_first = self._on_first, None
             on_first()
-        tokens = sum(len(c.get("token_ids") or ()) for c in event.get("choices") or ())
+        tokens = sum(len(c.get("token_ids") or ()) for event in batch for c in event.get("choices") or ())
         if tokens:
             now = self._clock()
             if self._first is None:
                 self._first = now
             self._last = now
             self._tokens += tokens
-        return event
+        return batch
 
     def _record(self, *, ok: bool) -> None:
         if self._recorded:

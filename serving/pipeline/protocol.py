@@ -8,6 +8,7 @@ and type the engine boundary; code that copies or rewrites bodies keeps plain di
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any, Literal, TypedDict
 
 # OpenAI APIs the coordinator serves token-only (render + derender exist for them).
@@ -18,6 +19,11 @@ ApiKind = Literal["chat", "completions", "responses", "messages"]
 TopologyName = Literal["union", "handoff", "trigger"]
 # Where a prompt's ids came from.
 TokenizerSource = Literal["render", "local"]
+# A streaming generate's events, a list per read: those that arrived together (never empty), so
+# the reader downstream sees what queued while it was busy without a task of its own to look.
+# The reader empties each list it takes; every layer passes the same list on (or changes it in
+# place), so none holds an event the reader has taken while the stream waits on a slow client.
+EventBatches = AsyncIterator[list[dict[str, Any]]]
 
 
 class SamplingParams(TypedDict, total=False):

@@ -22,28 +22,62 @@ class StreamTruncated(SSEProtocolError):
     """The upstream closed the stream before ``data: [DONE]``."""
 
 
-async def iter_events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
-    """Yield each ``data:`` event's JSON until ``[DONE]``.
+async def iter_event_batches(pieces: AsyncIterator[bytes]) -> AsyncIterator[list[dict[str, Any]]]:
+    """Each ``data:`` event's JSON until ``[DONE]``, a list per piece of the body: the events that
+    arrived together, in order.
 
-    Raises ``StreamTruncated`` if the lines end before ``[DONE]`` (a dropped connection that
-    closed cleanly looks exactly like that), ``SSEProtocolError`` on data that is not JSON.
+    A line cut between pieces waits for its end. Raises ``StreamTruncated`` if the body ends
+    before ``[DONE]`` (a dropped connection that closed cleanly looks exactly like that),
+    ``SSEProtocolError`` on data that is not a JSON object; either only after the events before
+    it were yielded. Nothing here holds a piece, or an event once its list was handed on: the
+    stream's reader empties each list it takes (``EventBatches``).
     """
-    async for line in lines:
-        if not line or line.startswith(":"):
-            continue  # blank separator or keep-alive comment
-        if not line.startswith("data:"):
-            continue  # vLLM writes no event:/id: fields; ignore them if a proxy adds some
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        try:
-            event = loads(data)
-        except ValueError as exc:
-            raise SSEProtocolError(f"bad SSE data: {data[:200]!r}") from exc
-        if not isinstance(event, dict):
-            raise SSEProtocolError(f"SSE data is not an object: {data[:200]!r}")
-        yield event
+    tail = b""
+    async for piece in pieces:
+        if b"\n" not in piece:
+            tail += piece
+            continue
+        batch, tail, end = _split(tail + piece)
+        del piece
+        if batch:
+            yield batch
+        if end is not None:
+            if end is _DONE:
+                return
+            raise end
+    batch, _, end = _split(tail + b"\n")
+    if batch:
+        yield batch
+    if end is _DONE:
+        return
+    if end is not None:
+        raise end
     raise StreamTruncated("stream ended before [DONE]")
+
+
+_DONE = SSEProtocolError("[DONE]")  # how ``_split`` says the stream ended; never raised
+
+
+def _split(data: bytes) -> tuple[list[dict[str, Any]], bytes, SSEProtocolError | None]:
+    """The events of the complete lines of ``data``, the incomplete last line, and how the
+    events stopped early: ``_DONE``, or the error a line raised (the events before it stand)."""
+    *lines, tail = data.split(b"\n")
+    events: list[dict[str, Any]] = []
+    for raw in lines:
+        line = raw.rstrip(b"\r")
+        if not line.startswith(b"data:"):
+            continue  # blank separator, keep-alive comment; vLLM writes no event:/id: fields
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return events, tail, _DONE
+        try:
+            event = loads(payload)
+        except ValueError:
+            return events, tail, SSEProtocolError(f"bad SSE data: {payload[:200]!r}")
+        if not isinstance(event, dict):
+            return events, tail, SSEProtocolError(f"SSE data is not an object: {payload[:200]!r}")
+        events.append(event)
+    return events, tail, None
 
 
 class FieldScrub:

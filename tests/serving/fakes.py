@@ -88,6 +88,8 @@ class StreamPlan:
     tokens: int = 3  # generated per choice, the last one EOS
     error_code: int = 500
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    # Every event in one network chunk: what a reader finds queued when an engine ran ahead of it.
+    burst: bool = False
 
 
 class FakeUpstreams:
@@ -268,11 +270,14 @@ class FakeUpstreams:
         after = len(events) if plan.after is None else plan.after
 
         async def agen() -> AsyncIterator[bytes]:
-            for event in events[:after]:
-                line = "data: " + json.dumps(event, separators=(",", ":")) + "\n\n"
-                # Split each event across two network chunks, as TCP may.
-                yield line[:7].encode()
-                yield line[7:].encode()
+            frames = [b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events[:after]]
+            if plan.burst:
+                yield b"".join(frames)
+            else:
+                for line in frames:
+                    # Split each event across two network chunks, as TCP may.
+                    yield line[:7]
+                    yield line[7:]
             if plan.end == "done":
                 yield b"data: [DONE]\n\n"
             elif plan.end == "raise":

@@ -15,7 +15,7 @@ from serving.pipeline.placement.scheduler import Scheduler
 
 def _is_asyncgen_finalizer(task: asyncio.Task[Any]) -> bool:
     # The loop closes a dropped, suspended async generator in a task of its own. httpx's nested
-    # aiter_lines/aiter_text/aiter_raw generators end up there after iter_events stops at [DONE].
+    # aiter_lines/aiter_text/aiter_raw generators end up there after iter_event_batches stops at [DONE].
     return type(task.get_coro()).__name__ == "async_generator_athrow"
 
 

@@ -4,7 +4,8 @@ A multi-prompt streaming completion (one engine stream and one derender producer
 merged through ``MERGE_QUEUE_SIZE``) is read one frame, then left unread for a few thousand loop
 turns. The engines must stop being read (pulled events stay under the sum of the bounds), the
 derender calls must stop, and once the client reads again everything arrives and nothing leaked.
-Runs with derender coalescing off and on (its reader buffers up to ``coalesce.MAX_PENDING``).
+Runs with derender coalescing off and on: the coalescing reader reads no further ahead than the
+plain one (it merges what one read of the engine stream brought, and reads only when asked).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-from serving.pipeline.derender import coalesce
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import GENERATE_PREFIX
 from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
@@ -39,7 +39,6 @@ from tests.serving.fakes import (
 PROMPTS = 4
 TOKENS = 120
 QUEUE = 4  # MERGE_QUEUE_SIZE for the test: small, so the bound is what stops the producers
-PENDING = 8  # coalesce.MAX_PENDING for the test
 PAUSE_TURNS = 1500  # loop turns the client reads nothing; bounded, no wall clock
 
 
@@ -80,7 +79,6 @@ def pulled(upstreams: FakeUpstreams) -> Counter[str]:
 def pipeline(request: pytest.FixtureRequest, mock_client: httpx.AsyncClient, scheduler: Scheduler,
              monkeypatch: pytest.MonkeyPatch) -> ServingPipeline:
     monkeypatch.setattr(fanout, "MERGE_QUEUE_SIZE", QUEUE)
-    monkeypatch.setattr(coalesce, "MAX_PENDING", PENDING)
     snap = fleet_snapshot(derender_coalesce=request.param)
     return ServingPipeline(snap, RenderClient(mock_client, RENDER_URL, 5.0), EngineClient(mock_client), scheduler)
 
@@ -98,7 +96,6 @@ async def test_it_makes_producers_wait_for_a_client_that_reads_nothing(
             "stream_options": {"include_usage": True}, "max_tokens": TOKENS}
     stream = await pipeline.completions(body, "bp1")
     assert isinstance(stream, EventStream)
-    coalescing = pipeline.snapshot.render.derender_coalesce
     async with asyncio.timeout(30):
         frames = stream.frames()
         raw = [await frames.__anext__()]
@@ -111,11 +108,8 @@ async def test_it_makes_producers_wait_for_a_client_that_reads_nothing(
         assert sum(pulled.values()) == read_at_pause
         assert len(upstreams.calls_of("derender")) == derenders_at_pause
         # ... within the bounds: the merge queue, one chunk per producer blocked on it and one in
-        # its derender; with coalescing each of those may be a merge of up to PENDING events, plus
-        # the reader's buffer and the one event it holds while waiting.
-        item = PENDING if coalescing else 1
-        per_stream = 2 * item + ((PENDING + 1) if coalescing else 0)
-        assert read_at_pause <= QUEUE * item + PROMPTS * per_stream + 1
+        # its derender, each one read of its engine stream (one event a read here), coalescing or not.
+        assert read_at_pause <= QUEUE + PROMPTS * 2 + 1
         assert read_at_pause < PROMPTS * (TOKENS + 1)  # far from everything
 
         raw += [f async for f in frames]
@@ -180,7 +174,7 @@ async def test_a_client_that_leaves_while_producers_wait_releases_everything(
 async def test_a_client_that_leaves_while_the_engine_stalls_mid_stream_releases_everything(
     pipeline: ServingPipeline, upstreams: FakeUpstreams, scheduler: Scheduler
 ) -> None:
-    """The coalescing reader is inside the engine stream's read when the client leaves."""
+    """The stream is waiting on a stalled engine when the client leaves: nothing is left behind."""
     upstreams.default_plan = StreamPlan(after=3, end="hang")
     before = asyncio.all_tasks()
     stream = await pipeline.chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},

@@ -1,4 +1,4 @@
-"""Coalescing of engine events while derender is busy (serving/pipeline/dederender/coalesce.py)."""
+"""Coalescing of engine events that arrived while derender was busy (serving/pipeline/derender/coalesce.py)."""
 
 from __future__ import annotations
 
@@ -35,33 +35,24 @@ USAGE_ONLY = {"request_id": "generate-tokens-x", "usage": {"prompt_tokens": 5, "
 ERROR = {"error": {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}}
 
 
-async def source(events: list[dict[str, Any]], *, fail: BaseException | None = None,
-                 gate: asyncio.Event | None = None) -> AsyncIterator[dict[str, Any]]:
-    for e in events:
-        yield e
+async def source(reads: list[list[dict[str, Any]]], *, fail: BaseException | None = None,
+                 gate: asyncio.Event | None = None) -> AsyncIterator[list[dict[str, Any]]]:
+    """An engine stream as its connection hands it over: a list of the events of each read."""
+    for batch in reads:
+        yield batch
     if gate is not None:
         await gate.wait()
     if fail is not None:
         raise fail
 
 
-async def drain_after_all_read(events: list[dict[str, Any]], **kw: Any) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Consume with the first event alone and the rest buffered: the reader is held at the gate."""
+def one_by_one(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    return [[e] for e in events]
+
+
+async def drain(reads: list[list[dict[str, Any]]], **kw: Any) -> tuple[list[dict[str, Any]], dict[str, int]]:
     stats: dict[str, int] = {}
-    gate = asyncio.Event()
-
-    async def engine() -> AsyncIterator[dict[str, Any]]:
-        yield events[0]
-        await gate.wait()
-        for e in events[1:]:
-            yield e
-
-    gen = coalesced(engine(), stats=stats, **kw)
-    first = await gen.__anext__()
-    gate.set()
-    for _ in range(20):
-        await asyncio.sleep(0)  # the consumer is busy: the reader buffers the rest
-    out = [first] + [e async for e in gen]
+    out = [e async for e in coalesced(source(reads), stats=stats, **kw)]
     return out, stats
 
 
@@ -93,20 +84,18 @@ def test_it_refuses_to_merge_across_choices_or_with_usage() -> None:
     assert event_choice_index(USAGE_ONLY) is None
 
 
-async def test_it_passes_events_through_unchanged_for_a_consumer_that_keeps_up() -> None:
+async def test_it_passes_events_through_unchanged_when_each_read_brings_one() -> None:
     events = [token_event(0, [i]) for i in range(5)] + [USAGE_ONLY]
-    stats: dict[str, int] = {}
-    out = [e async for e in coalesced(source(events), stats=stats)]
-    # A consumer that never awaits between pulls may still see merges; what it sees must add up.
-    assert sum(len(e["choices"][0]["token_ids"]) for e in out if e["choices"]) == 5
-    assert out[-1] is USAGE_ONLY
-    assert stats["events_in"] == 6
+    out, stats = await drain(one_by_one(events))
+    assert all(o is e for o, e in zip(out, events, strict=True))
+    assert stats == {"events_in": 6, "events_out": 6, "high_water": 1}
 
 
-async def test_it_merges_what_queued_while_the_consumer_was_busy() -> None:
+async def test_it_merges_what_one_read_brought() -> None:
+    # What queued in the connection while the consumer was busy comes as one read.
     events = [token_event(0, [i], usage=i + 1) for i in range(6)]
     events[-1]["choices"][0]["finish_reason"] = "length"
-    out, stats = await drain_after_all_read(events + [USAGE_ONLY])
+    out, stats = await drain([events[:1], events[1:] + [USAGE_ONLY]])
     assert out[0]["choices"][0]["token_ids"] == [0]
     assert out[1]["choices"][0]["token_ids"] == [1, 2, 3, 4, 5]
     assert out[1]["choices"][0]["finish_reason"] == "length"
@@ -117,7 +106,7 @@ async def test_it_merges_what_queued_while_the_consumer_was_busy() -> None:
 
 async def test_it_never_merges_across_choice_indices_and_keeps_per_choice_order() -> None:
     events = [token_event(i % 2, [10 * (i % 2) + i]) for i in range(8)]
-    out, _ = await drain_after_all_read(events)
+    out, _ = await drain([events[:1], events[1:]])
     by_index: dict[int, list[int]] = {0: [], 1: []}
     for e in out:
         assert len(e["choices"]) == 1
@@ -127,14 +116,14 @@ async def test_it_never_merges_across_choice_indices_and_keeps_per_choice_order(
 
 
 async def test_it_delivers_an_error_event_unmerged_after_what_came_before() -> None:
-    out, _ = await drain_after_all_read([token_event(0, [1]), token_event(0, [2]), token_event(0, [3]), ERROR])
+    out, _ = await drain([[token_event(0, [1])], [token_event(0, [2]), token_event(0, [3]), ERROR]])
     assert [e.get("choices", [{}])[0].get("token_ids") for e in out[:-1]] == [[1], [2, 3]]
     assert out[-1] is ERROR
 
 
 async def test_it_raises_the_source_failure_after_the_events_read_before_it() -> None:
     gate = asyncio.Event()
-    gen = coalesced(source([token_event(0, [1]), token_event(0, [2])], fail=ConnectionError("drop"), gate=gate))
+    gen = coalesced(source([[token_event(0, [1])], [token_event(0, [2])]], fail=ConnectionError("drop"), gate=gate))
     seen = [await gen.__anext__()]
     gate.set()
     with pytest.raises(ConnectionError):
@@ -143,81 +132,74 @@ async def test_it_raises_the_source_failure_after_the_events_read_before_it() ->
     assert sum(len(e["choices"][0]["token_ids"]) for e in seen) == 2
 
 
-async def test_it_bounds_the_buffer_and_makes_the_reader_wait() -> None:
-    produced = 0
-
-    async def engine() -> AsyncIterator[dict[str, Any]]:
-        nonlocal produced
-        for i in range(50):
-            produced += 1
-            yield token_event(0, [i])
-
-    stats: dict[str, int] = {}
-    gen = coalesced(engine(), max_pending=4, stats=stats)
-    first = await gen.__anext__()
-    for _ in range(50):
-        await asyncio.sleep(0)
-    # The consumer paused after its first pull (which took a full buffer): the reader filled the
-    # buffer again and holds one more event while it waits, nothing beyond.
-    assert produced == 4 + 4 + 1
-    rest = [e async for e in gen]
-    ids = first["choices"][0]["token_ids"] + [t for e in rest for t in e["choices"][0]["token_ids"]]
-    assert ids == list(range(50))
-    assert stats["high_water"] <= 4
+async def test_one_merged_event_covers_at_most_max_pending_engine_events() -> None:
+    read = [token_event(0, [i]) for i in range(1, 50)]
+    out, stats = await drain([[token_event(0, [0])], read], max_pending=4)
+    assert [len(e["choices"][0]["token_ids"]) for e in out] == [1] + [4] * 12 + [1]
+    assert [t for e in out for t in e["choices"][0]["token_ids"]] == list(range(50))
+    assert stats["events_out"] == 14
 
 
-async def test_it_cancels_the_reader_when_closed_early() -> None:
+async def test_it_starts_no_task_and_leaves_the_engine_stream_to_its_owner() -> None:
     gate = asyncio.Event()
     closed = asyncio.Event()
 
-    async def engine() -> AsyncIterator[dict[str, Any]]:
+    async def engine() -> AsyncIterator[list[dict[str, Any]]]:
         try:
-            yield token_event(0, [1])
+            yield [token_event(0, [1])]
             await gate.wait()  # a stalled engine
         finally:
             closed.set()
 
     before = asyncio.all_tasks()
-    gen = coalesced(engine())
+    stream = engine()
+    gen = coalesced(stream)
     await gen.__anext__()
+    assert asyncio.all_tasks() == before  # nothing reads ahead behind the consumer's back
     await gen.aclose()
+    assert not closed.is_set()
+    await stream.aclose()  # the owner's to close, and closable: nothing else is inside it
     assert closed.is_set()
-    assert asyncio.all_tasks() == before
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3), st.integers(0, 3)), min_size=1, max_size=30))
-def test_it_concatenates_to_the_uncoalesced_stream_per_choice(plan: list[tuple[int, int, int]]) -> None:
-    """Whatever the consumer's pauses, per choice the ids and logprobs add up to the originals."""
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3), st.booleans()), min_size=1, max_size=30))
+def test_it_concatenates_to_the_uncoalesced_stream_per_choice(plan: list[tuple[int, int, bool]]) -> None:
+    """However the events fall into reads, per choice the ids and logprobs add up to the originals."""
 
     async def run() -> None:
         events = [token_event(index, list(range(100 * index + k * 10, 100 * index + k * 10 + size)))
                   for k, (index, size, _) in enumerate(plan)]
+        reads: list[list[dict[str, Any]]] = []
+        for e, (_, _, new_read) in zip(events, plan, strict=True):
+            if new_read or not reads:
+                reads.append([])
+            reads[-1].append(e)
         expected: dict[int, list[int]] = {}
         for e in events:
             expected.setdefault(e["choices"][0]["index"], []).extend(e["choices"][0]["token_ids"])
         got: dict[int, list[int]] = {}
         got_lp: dict[int, list[int]] = {}
-        k = 0
-        async for e in coalesced(source(events), max_pending=5):
+        out, stats = await drain(reads, max_pending=5)
+        for e in out:
             c = e["choices"][0]
             got.setdefault(c["index"], []).extend(c["token_ids"])
             got_lp.setdefault(c["index"], []).extend(x["token_id"] for x in c["logprobs"]["content"])
-            for _ in range(plan[k % len(plan)][2]):
-                await asyncio.sleep(0)  # the consumer is busy for a while
-            k += 1
         assert got == expected
         assert got_lp == expected
+        assert stats["events_in"] == len(events)
+        # Never more calls than events, never fewer than each read's choices capped by max_pending.
+        assert sum(len({x["choices"][0]["index"] for x in r}) for r in reads) <= len(out) <= len(events)
 
     asyncio.run(run())
 
 
-async def paced(events: list[dict[str, Any]], log: list[str]) -> AsyncIterator[dict[str, Any]]:
+async def paced(events: list[dict[str, Any]], log: list[str]) -> AsyncIterator[list[dict[str, Any]]]:
     """An engine that sends one event per loop turn, logging each as sent."""
     for e in events:
         await asyncio.sleep(0)
         log.append(f"sent {e['choices'][0]['token_ids'] if e.get('choices') else 'usage'}")
-        yield e
+        yield [e]
 
 
 async def test_a_stream_interval_sends_the_first_token_alone_then_runs_of_n_however_fast_derender_is() -> None:
@@ -242,7 +224,7 @@ async def test_a_stream_interval_never_waits_on_one_choice_while_the_buffer_is_f
     events += [token_event(0, [2], finish="stop"), token_event(1, [110], finish="stop")]
     got: dict[int, list[int]] = {0: [], 1: []}
     async with asyncio.timeout(5):
-        async for e in coalesced(source(events), stream_interval=4, max_pending=4):
+        async for e in coalesced(source(one_by_one(events)), stream_interval=4, max_pending=4):
             got[e["choices"][0]["index"]] += e["choices"][0]["token_ids"]
     assert got == {0: [1, 2], 1: [100 + t for t in range(11)]}
 
@@ -253,7 +235,7 @@ async def test_a_stream_interval_lets_an_error_and_the_end_through_at_once() -> 
     assert [e.get("error") is not None for e in out] == [False, False, True]
     assert out[1]["choices"][0]["token_ids"] == [2]  # short of the interval, but nothing more was coming
     with pytest.raises(RuntimeError, match="gone"):
-        async for _ in coalesced(source([token_event(0, [1]), token_event(0, [2])], fail=RuntimeError("gone")),
+        async for _ in coalesced(source([[token_event(0, [1])], [token_event(0, [2])]], fail=RuntimeError("gone")),
                                  stream_interval=8):
             pass
 

@@ -14,6 +14,7 @@ import pytest
 
 from serving.pipeline import http11, http11_wire
 from serving.pipeline.http11 import Http11Client
+from serving.pipeline.sse import iter_event_batches
 
 Handler = Callable[["Request", asyncio.StreamWriter], Awaitable[None]]
 
@@ -122,6 +123,35 @@ async def test_a_stream_is_read_line_by_line_and_its_connection_reused_after_don
         await asyncio.sleep(0.01)  # the drain hands the connection back when the terminator lands
     await client.post(srv.url + "/gen", json={})
     assert srv.connections <= 2
+    await client.aclose()
+
+
+async def test_what_queued_while_the_reader_was_busy_comes_as_one_piece_of_events(server: Any) -> None:
+    # Coalescing rests on this (derender/coalesce.py): the events an engine sent while the stream's
+    # reader was away derendering come out of the connection at once, as one list of events.
+    sent = asyncio.Event()
+
+    async def burst(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(chunk(b'data: {"i": 0}\n\n'))
+        await writer.drain()
+        await sent.wait()
+        for i in range(1, 6):
+            writer.write(chunk(b'data: {"i": %d}\n\n' % i))
+            await writer.drain()
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    client = Http11Client()
+    async with client.stream("POST", (await server(burst)).url, json={}) as reply:
+        reply.whole_reads = True  # as the engine client opens a stream for a coalescing reader
+        batches = iter_event_batches(reply.aiter_raw())
+        assert await anext(batches) == [{"i": 0}]
+        sent.set()
+        while len(reply._conn.pieces) < 6:  # the reader is busy: the connection buffers
+            await asyncio.sleep(0.01)
+        assert await anext(batches) == [{"i": i} for i in range(1, 6)]
+        assert [b async for b in batches] == []
     await client.aclose()
 
 
@@ -273,7 +303,8 @@ async def test_a_body_of_known_length_is_read_in_larger_pieces_and_a_stream_afte
         sizes = [len(piece) async for piece in reply.aiter_raw()]
     assert sum(sizes) == 256 * 1024
     assert max(sizes) > http11.READ_SIZE
-    assert max(sizes) <= http11_wire.BODY_READ_SIZE
+    # What queued while the reader was away comes in one piece: one read more than the pause point.
+    assert max(sizes) <= http11.HIGH_WATER + http11_wire.BODY_READ_SIZE
     await read_flood_after_it_pauses(client, srv.url + "/stream")
     assert srv.connections == 1  # the same connection served both
     await client.aclose()

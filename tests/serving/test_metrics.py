@@ -58,9 +58,9 @@ def test_it_keeps_instances_apart() -> None:
     assert snap["e1"].errors_total == 0 and snap["e2"].errors_total == 1
 
 
-async def _events(items: list[dict[str, Any]], fail: bool = False) -> AsyncIterator[dict[str, Any]]:
+async def _events(items: list[dict[str, Any]], fail: bool = False) -> AsyncIterator[list[dict[str, Any]]]:
     for item in items:
-        yield item
+        yield [item]
     if fail:
         raise EngineError("dropped", instance="e1")
 
@@ -69,26 +69,31 @@ def _tok(n: int) -> dict[str, Any]:
     return {"choices": [{"index": 0, "token_ids": list(range(n))}]}
 
 
-async def _timed_events(clock: Clock, steps: list[tuple[float, dict[str, Any]]]) -> AsyncIterator[dict[str, Any]]:
-    """Each event arrives ``delay`` seconds (on ``clock``) after the one before."""
-    for delay, event in steps:
+async def _timed_events(
+    clock: Clock, steps: list[tuple[float, list[dict[str, Any]]]]
+) -> AsyncIterator[list[dict[str, Any]]]:
+    """Each read arrives ``delay`` seconds (on ``clock``) after the one before."""
+    for delay, batch in steps:
         clock.now += delay
-        yield event
+        yield batch
 
 
 async def test_it_times_a_stream_once_when_it_ends() -> None:
     clock = Clock(50.0)
     reg = MetricsRegistry(clock=Clock())
-    # Established at 50.0; tokens at 50.25 (1), 50.5 (1), an empty event at 50.75, then 2 at 51.5.
-    events = _timed_events(clock, [(0.25, _tok(1)), (0.25, _tok(1)), (0.25, {"choices": []}), (0.75, _tok(2))])
+    # Established at 50.0; tokens at 50.25 (1), 50.5 (1), an empty event at 50.75, then 2 + 1 at
+    # 51.5 in one read.
+    events = _timed_events(
+        clock, [(0.25, [_tok(1)]), (0.25, [_tok(1)]), (0.25, [{"choices": []}]), (0.75, [_tok(2), _tok(1)])]
+    )
     timed = TimedEvents("e1", events, reg, clock=clock)
-    got = [e async for e in timed]
-    assert len(got) == 4
+    got = [b async for b in timed]
+    assert [len(b) for b in got] == [1, 1, 1, 2]
     series = reg.snapshot()["e1"]
     assert (series.requests_total, series.errors_total, series.ttft_count, series.tpot_count) == (1, 0, 1, 1)
-    # TTFT: 200 -> first token. TPOT: (last token - first token) / (4 tokens - 1).
+    # TTFT: 200 -> first token. TPOT: (last token - first token) / (5 tokens - 1).
     assert series.ttft_sum_s == pytest.approx(0.25)
-    assert series.tpot_sum_s == pytest.approx((51.5 - 50.25) / 3)
+    assert series.tpot_sum_s == pytest.approx((51.5 - 50.25) / 4)
 
 
 async def test_it_counts_a_stream_that_fails_as_an_error() -> None:

@@ -82,9 +82,11 @@ class RecordingEngines(EngineClient):
         await super().abort(instance, request_ids)
 
     @asynccontextmanager
-    async def generate_stream(self, instance: InstanceView, request: dict[str, Any]) -> AsyncIterator[Any]:
+    async def generate_stream(
+        self, instance: InstanceView, request: dict[str, Any], *, whole_reads: bool = False
+    ) -> AsyncIterator[Any]:
         self.sent.append((instance.name, True, request))
-        async with super().generate_stream(instance, request) as events:
+        async with super().generate_stream(instance, request, whole_reads=whole_reads) as events:
             yield events
 
 

@@ -690,9 +690,9 @@ async def test_without_coalescing_each_engine_event_is_one_derender_call_and_one
     # The real-engine parity test cannot prove this: vLLM itself merges a request's deltas when
     # its HTTP writer falls behind (RequestOutputCollector), so its events may carry several
     # tokens. Here the engine sends one token per event, all at once, so that a reader that
-    # coalesces finds them queued behind each derender call.
+    # coalesces finds them queued behind the first derender call.
     pipeline = make_pipeline(derender_coalesce=coalesce)
-    upstreams.default_plan = StreamPlan(tokens=12)
+    upstreams.default_plan = StreamPlan(tokens=12, burst=True)
     stream = await pipeline.chat(chat_body(stream=True, max_tokens=12), "r-coalesce")
     assert isinstance(stream, EventStream)
     chunks = (await drain(stream))[:-1]

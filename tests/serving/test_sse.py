@@ -9,16 +9,25 @@ import httpx
 import pytest
 
 from serving.pipeline.request_checks import RESPONSE_CONTROLS
-from serving.pipeline.sse import DONE, FieldScrub, SSEProtocolError, StreamTruncated, frame, iter_events
+from serving.pipeline.sse import DONE, FieldScrub, SSEProtocolError, StreamTruncated, frame, iter_event_batches
 
 
-async def _lines(*lines: str) -> AsyncIterator[str]:
-    for line in lines:
-        yield line
+async def _pieces(*pieces: bytes) -> AsyncIterator[bytes]:
+    for piece in pieces:
+        yield piece
 
 
-async def _collect(lines: AsyncIterator[str]) -> list[dict]:
-    return [e async for e in iter_events(lines)]
+def _lines(*lines: str) -> AsyncIterator[bytes]:
+    """Each line its own piece of the body, as an engine writing them one by one would."""
+    return _pieces(*(line.encode() + b"\n" for line in lines))
+
+
+async def _batches(pieces: AsyncIterator[bytes]) -> list[list[dict]]:
+    return [b async for b in iter_event_batches(pieces)]
+
+
+async def _collect(pieces: AsyncIterator[bytes]) -> list[dict]:
+    return [e for b in await _batches(pieces) for e in b]
 
 
 def test_frame_is_one_compact_data_line_and_a_blank_line() -> None:
@@ -60,8 +69,8 @@ async def test_iter_events_skips_comments_blank_lines_and_other_fields() -> None
 async def test_a_stream_that_ends_before_done_is_truncated() -> None:
     seen = []
     with pytest.raises(StreamTruncated):
-        async for e in iter_events(_lines('data: {"i":1}', "")):
-            seen.append(e)
+        async for b in iter_event_batches(_lines('data: {"i":1}', "")):
+            seen.extend(b)
     assert seen == [{"i": 1}]  # what came before the drop was still delivered
 
 
@@ -94,13 +103,34 @@ async def test_frames_round_trip_through_httpx_line_splitting_across_chunk_bound
             yield p
 
     response = httpx.Response(200, content=body())
-    assert await _collect(response.aiter_lines()) == payloads
+    assert await _collect(response.aiter_bytes()) == payloads
+
+
+async def test_events_that_arrive_in_one_piece_come_as_one_batch_in_order() -> None:
+    raw = b"".join(frame({"i": i}) for i in range(3))
+    assert await _batches(_pieces(raw, frame({"i": 3}), b": keep-alive\n\n", DONE)) == [
+        [{"i": 0}, {"i": 1}, {"i": 2}], [{"i": 3}]
+    ]
+
+
+async def test_a_bad_event_inside_a_piece_comes_after_the_events_before_it() -> None:
+    seen: list[list[dict]] = []
+    with pytest.raises(SSEProtocolError):
+        async for b in iter_event_batches(_pieces(frame({"i": 0}) + b"data: {not json\n\n" + frame({"i": 1}))):
+            seen.append(b)
+    assert seen == [[{"i": 0}]]
+
+
+async def test_a_last_line_without_its_newline_still_counts() -> None:
+    assert await _collect(_pieces(frame({"i": 0}) + b"data: [DONE]")) == [{"i": 0}]
+    with pytest.raises(StreamTruncated):
+        await _collect(_pieces(b'data: {"i": 0}'))
 
 
 async def test_crlf_framing_is_accepted() -> None:
     raw = b'data: {"i":1}\r\n\r\ndata: [DONE]\r\n\r\n'
     response = httpx.Response(200, content=raw)
-    assert await _collect(response.aiter_lines()) == [{"i": 1}]
+    assert await _collect(response.aiter_bytes()) == [{"i": 1}]
 
 
 LEAKY = (

@@ -59,11 +59,12 @@ def event(token: int, index: int = 0, finish: str | None = None) -> dict[str, An
     return {"request_id": "g", "choices": [{"index": index, "token_ids": [token], "finish_reason": finish}]}
 
 
-async def events(*items: dict[str, Any] | BaseException) -> AsyncIterator[dict[str, Any]]:
+async def events(*items: dict[str, Any] | BaseException) -> AsyncIterator[list[dict[str, Any]]]:
+    """The engine's reads, one event each."""
     for item in items:
         if isinstance(item, BaseException):
             raise item
-        yield item
+        yield [item]
 
 
 def session(render: FakeRender, **settings: Any) -> StreamingRenderSession:

@@ -1,11 +1,13 @@
-"""Fewer derender calls under load: merge engine events that arrive while a derender is in flight.
+"""Fewer derender calls under load: merge engine events that arrived while a derender was in flight.
 
 The RFC derenders every engine event with its own HTTP call. When the sidecar is slower than the
 engine (many streams, a parser replaying the whole output per call) events pile up behind the
-derender of the previous one. ``coalesced`` reads the engine stream in a task of its own while the
-consumer is busy and hands the consumer, per pull, everything that queued up for one choice merged
-into a single generate event (``merge_events``), so the next derender covers several engine
-events in one call.
+derender of the previous one. They pile up in the engine connection's buffer, which hands all of
+them over at the next read (``Connection.read_piece``, one list of events per read: ``EventBatches``),
+so ``coalesced`` needs no task of its own to watch the stream: per pull it merges, per choice,
+what that read brought into a single generate event (``merge_events``), and the next derender
+covers several engine events in one call. What a stream holds while its client reads nothing is
+then what the connection holds (``HIGH_WATER``), not a second buffer of parsed events.
 
 What is never merged, because derender or the client would see the difference:
 
@@ -15,8 +17,8 @@ What is never merged, because derender or the client would see the difference:
 - in-band error events (``{"error": ...}``), which never go to derender at all.
 
 Order is kept: an event never overtakes one that arrived before it for the same choice, and
-nothing overtakes an error or usage event (both end the stream). The buffer is bounded: when
-``max_pending`` events wait, the reader stops reading and the engine's stream backs up over TCP.
+nothing overtakes an error or usage event (both end the stream). One merged event covers at most
+``max_pending`` engine events; what a read brought beyond that waits for the next pull.
 
 ``stream_interval`` (``RenderConfig.stream_interval``, vLLM's ``--stream-interval``) also holds a
 choice's events back until that many have queued, so each derender call covers that many even
@@ -27,16 +29,18 @@ once its choice finished, the stream ended, an error or usage event waits, or th
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections import deque
 from typing import Any, AsyncIterator, Callable
 
-# Engine events buffered per stream while the consumer is busy: the most one derender call covers.
+from serving.pipeline.protocol import EventBatches
+from serving.pipeline.snapshot import RenderView
+
+# The most engine events one derender call covers.
 MAX_PENDING = 64
-# A run of one choice's events is folded into one merged event every FOLD_EVERY events, so the
-# buffer holds a token list, not up to MAX_PENDING parsed events (about 1 KiB each: 500 KiB a
-# stream whose client reads nothing). Merging is associative, so folding early changes nothing.
+# A run of one choice's events is folded into one merged event every FOLD_EVERY events, so a
+# run held for ``stream_interval`` is a token list, not that many parsed events (about 1 KiB
+# each). Merging is associative, so folding early changes nothing.
 FOLD_EVERY = 4
 
 
@@ -95,7 +99,8 @@ def merge_events(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class _Pending:
-    """The reader's buffer: groups of events, each one choice's run or a lone pass-through event."""
+    """What was read and not yet taken: groups of events, each one choice's run or a lone
+    pass-through event."""
 
     def __init__(self, max_pending: int, interval: int = 1) -> None:
         self.max_pending = max_pending
@@ -103,11 +108,9 @@ class _Pending:
         self.started: set[int] = set()  # choices whose first event was taken
         # [choice index or None, events (folded), raw events in them]
         self.groups: deque[list[Any]] = deque()
-        self.count = 0  # raw events buffered, never above max_pending
+        self.count = 0  # raw events held
         self.high_water = 0
         self.done = False
-        self.error: BaseException | None = None
-        self.changed = asyncio.Condition()
 
     def add(self, event: dict[str, Any]) -> None:
         index = event_choice_index(event)
@@ -120,7 +123,7 @@ class _Pending:
                 if g_index is None:
                     break
                 if g_index == index:
-                    if g_events[-1]["choices"][0].get("finish_reason") is None:
+                    if g_events[-1]["choices"][0].get("finish_reason") is None and group[2] < self.max_pending:
                         g_events.append(event)
                         if len(g_events) >= FOLD_EVERY:
                             group[1] = [merge_events(g_events)]
@@ -130,6 +133,13 @@ class _Pending:
                     break
         self.groups.append([index, [event], 1])
         self._counted()
+
+    def extend(self, batch: list[dict[str, Any]]) -> None:
+        """Take every event of ``batch`` (one read), emptying it: the layers below, which still
+        name the list, hold nothing of it while the consumer derenders (``EventBatches``)."""
+        for event in batch:
+            self.add(event)
+        batch.clear()
 
     def _counted(self) -> None:
         self.count += 1
@@ -159,72 +169,64 @@ class _Pending:
 
 
 async def coalesced(
-    events: AsyncIterator[dict[str, Any]],
+    batches: EventBatches,
     *,
     max_pending: int | None = None,
     stats: dict[str, int] | None = None,
     stream_interval: int = 1,
 ) -> AsyncIterator[dict[str, Any]]:
-    """Yield ``events`` with the token events that queued up while the consumer was busy merged.
+    """Yield the events of ``batches`` with each read's token events merged per choice.
 
-    With ``stream_interval`` 1 a consumer that keeps up sees the events unchanged, one by one;
-    with N it sees each choice's first event alone, then runs of N (the module docstring says
-    what is never held back). An exception of ``events``
-    is raised after the events read before it were yielded. Closing or cancelling this generator
-    cancels and awaits the reader task; ``events`` itself stays the caller's to close. ``stats``,
-    when given, receives ``events_in``, ``events_out`` and ``high_water`` (buffer peak).
+    With ``stream_interval`` 1 a consumer that keeps up (one event a read) sees the events
+    unchanged, one by one; with N it sees each choice's first event alone, then runs of N (the
+    module docstring says what is never held back). An exception of ``batches`` is raised after
+    the events read before it were yielded; ``batches`` stays the caller's to close. ``stats``,
+    when given, receives ``events_in``, ``events_out`` and ``high_water`` (most events held).
     """
     pending = _Pending(max(1, MAX_PENDING if max_pending is None else max_pending), stream_interval)
-    events_in = 0
-
-    async def read() -> None:
-        nonlocal events_in
-        try:
-            async for event in events:
-                async with pending.changed:
-                    # Bounded: wait for the consumer instead of buffering without limit.
-                    await pending.changed.wait_for(lambda: pending.count < pending.max_pending)
-                    pending.add(event)
-                    events_in += 1
-                    pending.changed.notify_all()
-        except Exception as exc:
-            pending.error = exc
-        finally:
-            pending.done = True
-            # Wake a consumer waiting for more: the stream ended (or failed) and it must finish.
-            async with pending.changed:
-                pending.changed.notify_all()
-
-    reader = asyncio.create_task(read())
-    events_out = 0
+    events_in = events_out = 0
+    error: Exception | None = None
     try:
         while True:
-            async with pending.changed:
-                await pending.changed.wait_for(lambda: pending.ready() or pending.done)
-                if not pending.groups:
-                    break
-                batch = pending.take()
-                pending.changed.notify_all()
+            while not pending.ready() and not pending.done:
+                try:
+                    batch = await anext(batches)
+                except StopAsyncIteration:
+                    pending.done = True
+                except Exception as exc:
+                    error, pending.done = exc, True
+                else:
+                    events_in += len(batch)
+                    pending.extend(batch)
+            if not pending.groups:
+                break
             events_out += 1
-            yield merge_events(batch)
-        if pending.error is not None:
-            raise pending.error
+            yield merge_events(pending.take())
+        if error is not None:
+            raise error
     finally:
-        reader.cancel()
-        await asyncio.wait([reader])
         if stats is not None:
             stats.update(events_in=events_in, events_out=events_out, high_water=pending.high_water)
 
 
-def passthrough(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    return events
+async def each_event(batches: EventBatches) -> AsyncIterator[dict[str, Any]]:
+    """The events of ``batches`` one by one: the reader with coalescing off."""
+    async for batch in batches:
+        while batch:
+            yield batch.pop(0)  # taken out: held by the consumer alone
 
 
-def event_reader(
-    enabled: bool, stream_interval: int = 1
-) -> Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[dict[str, Any]]]:
-    """The streaming session's engine-event reader: ``coalesced`` when the render config says so
-    (``derender_coalesce``, or a ``stream_interval`` above 1, which needs the same reader)."""
-    if stream_interval > 1:
-        return functools.partial(coalesced, stream_interval=stream_interval)
-    return coalesced if enabled else passthrough
+def coalesces(render: RenderView) -> bool:
+    """Whether the render config's streams are read by ``coalesced``: ``derender_coalesce``, or a
+    ``stream_interval`` above 1, which needs the same reader. Its engine streams are then read
+    whole (``Connection.read_piece``): one read brings all that is there to merge."""
+    return render.derender_coalesce or render.stream_interval > 1
+
+
+def event_reader(render: RenderView) -> Callable[[EventBatches], AsyncIterator[dict[str, Any]]]:
+    """The streaming session's engine-event reader for the render config."""
+    if not coalesces(render):
+        return each_event
+    if render.stream_interval > 1:
+        return functools.partial(coalesced, stream_interval=render.stream_interval)
+    return coalesced

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serving.pipeline import metric_names
+from serving.pipeline.derender.coalesce import each_event
 from serving.pipeline.derender.payload import proves_plain_path, reads_request, request_unread, slim_request
 from serving.pipeline.errors import DerenderError
 from serving.pipeline.phases import NO_PHASES, Phases
-from serving.pipeline.protocol import TokenKind
+from serving.pipeline.protocol import EventBatches, TokenKind
 from serving.pipeline.render.client import DerenderRetryable, RenderClient
 
 logger = logging.getLogger(__name__)
@@ -87,15 +88,12 @@ class PendingChunk:
     finish_reason: str | None
 
 
-# Coalescing (derender/coalesce.py) reads engine events and may merge those waiting behind an
-# in-flight derender; hold-back (derender/holdback.py) sees each derendered chunk before the client
-# does. The identity defaults serve sessions built without either (unit tests).
-EventReader = Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[dict[str, Any]]]
+# The reader turns the engine's reads into the events to derender: one by one, or merged where
+# several arrived behind an in-flight derender (derender/coalesce.py); hold-back
+# (derender/holdback.py) sees each derendered chunk before the client does. The defaults serve
+# sessions built without either (unit tests).
+EventReader = Callable[[EventBatches], AsyncIterator[dict[str, Any]]]
 ChunkFilter = Callable[[dict[str, Any]], "dict[str, Any] | None"]
-
-
-def _identity_reader(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    return events
 
 
 def _identity_filter(chunk: dict[str, Any]) -> dict[str, Any] | None:
@@ -116,7 +114,7 @@ class StreamingRenderSession:
         public_id: str,
         prompt_index: int = 0,
         settings: StreamSettings = StreamSettings(),
-        reader: EventReader = _identity_reader,
+        reader: EventReader = each_event,
         chunk_filter: ChunkFilter = _identity_filter,
         phases: Phases = NO_PHASES,
     ) -> None:
@@ -280,12 +278,12 @@ class StreamingRenderSession:
             type(exc).__name__, str(retrying).lower(),
         )
 
-    async def chunks(self, events: AsyncIterator[dict[str, Any]]) -> AsyncGenerator[dict[str, Any], None]:
+    async def chunks(self, events: EventBatches) -> AsyncGenerator[dict[str, Any], None]:
         """Derendered chunks of one attempt's events; each is committed once the consumer resumes.
 
         ``events`` are already through the engine boundary (semantic ids) and error checks.
         """
-        # The coalescing reader wraps the engine events here, and only here.
+        # The (coalescing) reader wraps the engine events here, and only here.
         reader = self.reader(events)
         try:
             async for event in reader:
@@ -297,7 +295,6 @@ class StreamingRenderSession:
                 # Handed on (or held back by the filter, which now owns it): commit.
                 self.commit(pending)
         finally:
-            # A reader of our own (coalescing) reads ``events`` in a task: stop it now, before the
-            # caller closes the engine stream under it ("aclose(): ... already running").
-            if reader is not events:
-                await reader.aclose()  # type: ignore[attr-defined]
+            # The reader is a generator suspended in ``events``: finish it now, not in the loop's
+            # asyncgen finalizer after the caller closed the engine stream under it.
+            await reader.aclose()  # type: ignore[attr-defined]

@@ -20,8 +20,9 @@ import httpx
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError
 from serving.pipeline.http import Upstream
 from serving.pipeline.http11 import StreamReply, loads
+from serving.pipeline.protocol import EventBatches
 from serving.pipeline.snapshot import InstanceView
-from serving.pipeline.sse import SSEProtocolError, iter_events
+from serving.pipeline.sse import SSEProtocolError, iter_event_batches
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,14 @@ def raise_for_error_event(instance: InstanceView, event: dict[str, Any]) -> None
     if isinstance(code, int) and 400 <= code < 500 and code != 429:
         raise UpstreamRequestError(code, {"error": err}, source="engine")
     raise EngineError(f"{instance.name} failed mid-stream: {str(err)[:200]}", instance=instance.name)
+
+
+def _first_error(batch: list[dict[str, Any]]) -> int | None:
+    """Where the first in-band error event of ``batch`` is, if there is one."""
+    for i, event in enumerate(batch):
+        if event.get("error") is not None:
+            return i
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,12 +145,14 @@ class EngineClient:
 
     @asynccontextmanager
     async def generate_stream(
-        self, instance: InstanceView, request: dict[str, Any]
-    ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        self, instance: InstanceView, request: dict[str, Any], *, whole_reads: bool = False
+    ) -> AsyncIterator[EventBatches]:
         """Open a streaming generate; entering means the engine accepted it (HTTP 200).
 
-        Yields an iterator of events (``[DONE]`` consumed); iterating raises ``EngineError``
-        when the stream drops, stalls past the read timeout or reports an engine failure.
+        Yields the events, a list per read (``[DONE]`` consumed); iterating raises
+        ``EngineError`` when the stream drops, stalls past the read timeout or reports an engine
+        failure, after the events that came before it. ``whole_reads``: each read takes all that
+        arrived since the last (for a coalescing reader), not one network chunk.
         """
         try:
             async with self._client.stream(
@@ -154,15 +165,25 @@ class EngineClient:
                     except ValueError:
                         body = raw.decode(errors="replace")
                     _raise_for_status(instance, response.status_code, body)
+                if isinstance(response, StreamReply):
+                    response.whole_reads = whole_reads
                 yield self._events(instance, response)
         except httpx.HTTPError as exc:
             raise EngineError(f"{instance.name} stream failed: {exc!r}", instance=instance.name) from exc
 
-    async def _events(self, instance: InstanceView, response: StreamReply | httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    async def _events(self, instance: InstanceView, response: StreamReply | httpx.Response) -> EventBatches:
+        pieces = response.aiter_raw() if isinstance(response, StreamReply) else response.aiter_bytes()
         try:
-            async for event in iter_events(response.aiter_lines()):
-                raise_for_error_event(instance, event)
-                yield event
+            async for batch in iter_event_batches(pieces):
+                cut = _first_error(batch)
+                if cut is None:
+                    yield batch
+                    continue
+                error = batch[cut]
+                del batch[cut:]
+                if batch:
+                    yield batch  # what came before the error is the client's
+                raise_for_error_event(instance, error)
         except SSEProtocolError as exc:
             raise EngineError(f"{instance.name} stream broke: {exc}", instance=instance.name) from exc
         except httpx.HTTPError as exc:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serving.pipeline import metric_names, metrics
+from serving.pipeline.derender.coalesce import coalesces
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.native import NativeClient, NativeStream
 from serving.pipeline.engine.requests import validate_generate_response
@@ -26,7 +27,7 @@ from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapabili
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.placement.scheduler import Scheduler
-from serving.pipeline.protocol import ApiKind
+from serving.pipeline.protocol import ApiKind, EventBatches
 from serving.pipeline.render.tokenization import TokenizedPrompt
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 
@@ -181,8 +182,8 @@ class EngineGuard:
 
     async def open_stream(
         self, instance: InstanceView, request: dict[str, Any], *, tokens: int, stack: AsyncExitStack,
-        reserved: Reservation | None = None, phases: Phases = NO_PHASES,
-    ) -> AsyncIterator[dict[str, Any]]:
+        reserved: Reservation | None = None, phases: Phases = NO_PHASES, whole_reads: bool = False,
+    ) -> EventBatches:
         """Open one streaming generate (established: HTTP 200); its holds and stream go on ``stack``.
 
         The events are raw (physical when obfuscated): ``inbound_event`` turns each semantic.
@@ -193,7 +194,7 @@ class EngineGuard:
             await self._holds(instance, tokens, reserved, stack, phases)
             sent = phases.now()
             events = await stack.enter_async_context(
-                self.engines.generate_stream(instance, self.boundary.outbound(request, instance))
+                self.engines.generate_stream(instance, self.boundary.outbound(request, instance), whole_reads=whole_reads)
             )
         return metrics.TimedEvents(
             instance.name, events, on_first=lambda: phases.observe(metric_names.PHASE_FIRST_CHUNK, sent)
@@ -229,7 +230,7 @@ class Opened:
 
     instance: InstanceView
     request_id: str
-    events: AsyncIterator[dict[str, Any]] | None = None
+    events: EventBatches | None = None
     response: dict[str, Any] | None = None
 
 
@@ -286,10 +287,11 @@ class GenerateContext:
     async def stream_leg(
         self, instance: InstanceView, request: dict[str, Any], *, phase: str, tokens: int, stack: AsyncExitStack,
         reserved: Reservation | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> EventBatches:
         """Open one streaming generate on ``instance`` through the guard; return its events."""
         events = await self.guard.open_stream(
-            instance, request, tokens=tokens, stack=stack, reserved=reserved, phases=self.phases.on(leg=phase)
+            instance, request, tokens=tokens, stack=stack, reserved=reserved, phases=self.phases.on(leg=phase),
+            whole_reads=coalesces(self.snapshot.render),  # what its reader will merge (coalesce.py)
         )
         logger.info(
             "generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d engine_request_id=%s result=established "

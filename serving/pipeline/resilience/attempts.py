@@ -16,7 +16,7 @@ instance while non-streaming excluded both; both now exclude both.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Collection
+from collections.abc import Collection
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,7 +29,7 @@ from serving.pipeline.errors import EngineError, EngineLacksCapability, NoCapaci
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.placement.scheduler import Placement
-from serving.pipeline.protocol import TopologyName
+from serving.pipeline.protocol import EventBatches, TopologyName
 from serving.pipeline.render.tokenization import TokenizedPrompt, TokenizedRequest
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 from serving.pipeline.streaming.relay import RetryRequestPlan
@@ -73,7 +73,7 @@ class OpenStream:
     prompt_index: int
     instance: InstanceView
     request_id: str
-    events: AsyncIterator[dict[str, Any]]
+    events: EventBatches
     stack: AsyncExitStack = field(default_factory=AsyncExitStack)
     attempt: int = 0
     topology: TopologyName = "union"

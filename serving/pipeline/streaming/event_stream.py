@@ -79,8 +79,7 @@ class EventStream:
                     self.render, self.kind, derender_request(self.body), p.token_ids,
                     request_id=self.request_id, public_id=self.public_id, prompt_index=i,
                     settings=self.settings,
-                    reader=event_reader(self.attempts.snapshot.render.derender_coalesce,
-                                        self.attempts.snapshot.render.stream_interval),
+                    reader=event_reader(self.attempts.snapshot.render),
                     chunk_filter=ChunkHoldback(self.kind, self.body).apply, phases=self.phases,
                 )
                 for i, p in enumerate(self.tokenized.prompts)
@@ -169,10 +168,12 @@ class EventStream:
             # Whatever opened is owned by the stream now, so aclose releases it on any exit.
             self.streams = streams + old[len(streams):]
 
-    async def _events(self, stream: OpenStream) -> AsyncGenerator[dict[str, Any], None]:
-        """The attempt's events through the engine boundary, each within the chunk timeout."""
+    async def _events(self, stream: OpenStream) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """The attempt's events (a list per read) through the engine boundary, each read within
+        the chunk timeout."""
         timeout = self.settings.chunk_timeout_s
         events = stream.events
+        inbound, instance = self.attempts.guard.inbound_event, stream.instance
         while True:
             try:
                 async with asyncio.timeout(timeout):
@@ -183,7 +184,9 @@ class EventStream:
                 raise EngineError(
                     f"{stream.instance.name} sent nothing for {timeout:g}s mid-stream", instance=stream.instance.name
                 ) from exc
-            yield self.attempts.guard.inbound_event(raw, stream.instance)
+            # In place: the reader empties the list it takes, and nothing here holds an event then.
+            raw[:] = [inbound(event, instance) for event in raw]
+            yield raw
 
     async def _prompt_chunks(self, index: int, *, remap: bool = False) -> AsyncGenerator[dict[str, Any], None]:
         """Derendered chunks of prompt ``index`` across its attempts (relaying where allowed)."""
@@ -308,14 +311,14 @@ class EventStream:
 
 async def _budget_spent_events(
     body: dict[str, Any], engine_request_id: str, *, finish: bool
-) -> AsyncGenerator[dict[str, Any], None]:
+) -> AsyncGenerator[list[dict[str, Any]], None]:
     """The end of a stream whose whole output budget (or finish) was committed before its engine
     failed: the finish chunk if it is missing, the usage chunk if asked for (numbers are ours)."""
     rid = GENERATE_PREFIX + engine_request_id
     if finish:
-        yield {"request_id": rid, "usage": None, "output_mode": "tokens",
-               "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [],
-                            "logprobs": None}]}
+        yield [{"request_id": rid, "usage": None, "output_mode": "tokens",
+                "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [],
+                             "logprobs": None}]}]
     if (body.get("stream_options") or {}).get("include_usage"):
-        yield {"request_id": rid, "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-               "output_mode": "tokens", "choices": []}
+        yield [{"request_id": rid, "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+                "output_mode": "tokens", "choices": []}]

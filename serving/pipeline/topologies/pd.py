@@ -20,7 +20,6 @@ from contextlib import AbstractContextManager, AsyncExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import (
     Any,
-    AsyncIterator,
     Awaitable,
     Callable,
     Mapping,
@@ -31,6 +30,7 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import GenerateContext, Opened, Reservation
 from serving.pipeline.errors import NoCapacity
 from serving.pipeline.placement.scheduler import Placement
+from serving.pipeline.protocol import EventBatches
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.topologies.hybrid import pd_instances
 from serving.pipeline.topologies.metaserver import MetaServer, process_metaserver
@@ -98,7 +98,7 @@ LegFn = Callable[[InstanceView, dict[str, Any], str, int, Reservation | None], A
 # admission tokens, the attempt's stack that takes the leg's holds and HTTP stream, reservation) -> events.
 StreamLegFn = Callable[
     [InstanceView, dict[str, Any], str, int, AsyncExitStack, Reservation | None],
-    Awaitable[AsyncIterator[dict[str, Any]]],
+    Awaitable[EventBatches],
 ]
 # Takes an instance's breaker slot, admission lease and load hold ahead of its leg.
 ReserveFn = Callable[[InstanceView, int], Awaitable[Reservation]]
@@ -236,7 +236,7 @@ def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s
     async def stream_leg(
         instance: InstanceView, request: dict[str, Any], phase: str, tokens: int, stack: AsyncExitStack,
         reserved: Reservation | None,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> EventBatches:
         return await ctx.stream_leg(instance, request, phase=phase, tokens=tokens, stack=stack, reserved=reserved)
 
     async def reserve(instance: InstanceView, tokens: int) -> Reservation:
