@@ -20,18 +20,20 @@ of at most ``READ_SIZE`` more held per ``PAUSE_MAX_S`` of a client's silence.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import Any
 
 import httpx
 
-# An engine's SSE event is a few hundred bytes, so a reader that keeps up never nears these; they
-# bound what a stream whose client reads nothing holds per connection (issue 11: 64 KiB a stream;
-# 8 KiB + 16 KiB held 44 KiB of a two-prompt stream's 148).
-HIGH_WATER = 4 * 1024
+# An engine's SSE event is a few hundred bytes, so a reader that keeps up at a real engine's pace
+# never nears these; they bound what a stream whose client reads nothing holds per connection
+# (issue 11: 64 KiB a stream; at 4 KiB + 4 KiB the two connections of a two-prompt stream held 18
+# of its 80 KiB, at 2 + 2 they hold 9 of 64). They also bound what one coalescing read merges, up
+# to about a dozen events a derender call: enough under load (bench/coalesce.py: a few calls for
+# 65 engine chunks at 64 streams).
+HIGH_WATER = 2 * 1024
 # The most one socket read hands over for a response head and a streamed body (asyncio's default
 # is 256 KiB).
-READ_SIZE = 4 * 1024
+READ_SIZE = 2 * 1024
 # ... and for a body of known length, which its caller reads whole: 0.5 ms against 1.4 ms for a
 # 218 KiB body read 4 KiB at a time (2-CPU EPYC).
 BODY_READ_SIZE = 64 * 1024
@@ -61,7 +63,9 @@ class Connection(asyncio.Protocol):
         self.complete = False
         self.received = False  # any byte of this response arrived
         self.keep_alive = True
-        self.pieces: deque[bytes] = deque()
+        # A list, not a deque: it holds a few pieces at most, and an empty deque weighs 0.7 KiB
+        # (per connection, per open stream: issue 11's memory budget).
+        self.pieces: list[bytes] = []
         self.buffered = 0
         self._remaining = -1  # Content-Length left; -1 chunked or until close
         self._chunked = False
@@ -272,7 +276,7 @@ class Connection(asyncio.Protocol):
                     piece = b"".join(pieces)
                     pieces.clear()
                 else:
-                    piece = pieces.popleft()
+                    piece = pieces.pop(0)
                 self.buffered -= len(piece)
                 if self._paused and self.buffered <= HIGH_WATER // 2:
                     self._resume()

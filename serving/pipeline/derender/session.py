@@ -288,6 +288,7 @@ class StreamingRenderSession:
         try:
             async for event in reader:
                 pending = await self.derender(event)
+                del event  # derendered: not held while the client is slow to take the chunk
                 # The hold-back filter sees every chunk here, before the client does.
                 out = self.chunk_filter(pending.chunk)
                 if out is not None:
