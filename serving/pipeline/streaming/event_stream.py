@@ -115,7 +115,7 @@ class EventStream:
                     async with aclosing(source) as chunks:
                         async for chunk in chunks:
                             self._visible = True
-                            yield frame(chunk)
+                            yield chunk if isinstance(chunk, bytes) else frame(chunk)
                     break
                 except EngineError as exc:
                     if self._visible or restarts <= 0:
@@ -188,8 +188,15 @@ class EventStream:
             raw[:] = [inbound(event, instance) for event in raw]
             yield raw
 
-    async def _prompt_chunks(self, index: int, *, remap: bool = False) -> AsyncGenerator[dict[str, Any], None]:
-        """Derendered chunks of prompt ``index`` across its attempts (relaying where allowed)."""
+    async def _prompt_chunks(
+        self, index: int, *, fanned: bool = False
+    ) -> AsyncGenerator[dict[str, Any] | bytes, None]:
+        """Derendered chunks of prompt ``index`` across its attempts (relaying where allowed).
+
+        ``fanned``: a source of the fan-in (``_merged``): choice indices made global, and every
+        chunk but the usage-only one framed already, because the merge queue holds what it is
+        given while a slow client waits, and a frame weighs a fraction of the parsed chunk.
+        """
         session = self.sessions[index]
         while True:
             stream = self.streams[index]
@@ -197,10 +204,7 @@ class EventStream:
             try:
                 async with aclosing(session.chunks(self._events(stream))) as chunks:
                     async for chunk in chunks:
-                        if remap:
-                            for c in chunk.get("choices") or []:
-                                c["index"] = index * self.n + c.get("index", 0)
-                        yield chunk
+                        yield self._fanned(chunk, index) if fanned else chunk
             except EngineError as exc:
                 if not session.visible:
                     session.restore(snapshot)
@@ -222,20 +226,27 @@ class EventStream:
                     tail_events = _budget_spent_events(self.body, stream.request_id, finish=not done)
                     async with aclosing(session.chunks(tail_events)) as tail:
                         async for chunk in tail:
-                            yield chunk
+                            yield self._fanned(chunk, index) if fanned else chunk
                     return
                 self.streams[index] = replacement
                 continue
             stream.finished = True
             return
 
-    async def _merged(self) -> AsyncGenerator[dict[str, Any], None]:
-        """Fan-in of per-prompt streams: global choice index, one merged usage chunk."""
+    def _fanned(self, chunk: dict[str, Any], index: int) -> dict[str, Any] | bytes:
+        """Prompt ``index``'s chunk as the fan-in takes it: global choice indices, and framed
+        unless it is the usage-only chunk (``_merged`` sums those)."""
+        for c in chunk.get("choices") or []:
+            c["index"] = index * self.n + c.get("index", 0)
+        return chunk if _usage_only(chunk) else frame(chunk)
+
+    async def _merged(self) -> AsyncGenerator[dict[str, Any] | bytes, None]:
+        """Fan-in of per-prompt streams (framed chunks): global choice index, one merged usage chunk."""
         usage: dict[str, int] = {}
         usage_template: dict[str, Any] | None = None
 
-        def source(index: int) -> Callable[[], AsyncGenerator[dict[str, Any], None]]:
-            return lambda: self._prompt_chunks(index, remap=True)
+        def source(index: int) -> Callable[[], AsyncGenerator[dict[str, Any] | bytes, None]]:
+            return lambda: self._prompt_chunks(index, fanned=True)
 
         def on_stop(failed: list[int], exc: BaseException) -> None:
             cancelled = [i for i in range(len(self.streams)) if i not in failed and not self.streams[i].finished]
@@ -248,7 +259,7 @@ class EventStream:
         sources = [source(i) for i in range(len(self.streams))]
         async with aclosing(fan_in(sources, on_stop=on_stop)) as chunks:
             async for chunk in chunks:
-                if not chunk.get("choices") and chunk.get("usage"):
+                if isinstance(chunk, dict):  # the usage-only chunk: the one left parsed
                     usage_template = chunk
                     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
                         usage[key] = usage.get(key, 0) + int(chunk["usage"].get(key) or 0)
@@ -307,6 +318,10 @@ class EventStream:
                 self.release_render()  # no derender call follows: the old sidecar may go
         if errors:
             raise errors[0]
+
+
+def _usage_only(chunk: dict[str, Any]) -> bool:
+    return not chunk.get("choices") and bool(chunk.get("usage"))
 
 
 async def _budget_spent_events(
