@@ -1,0 +1,73 @@
+"""The engine client's streamed events, a list per read (serving/pipeline/engine/client.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.errors import EngineError, UpstreamRequestError
+from tests.serving.fakes import instance
+
+
+def _frame(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def _token(t: int) -> dict[str, Any]:
+    return {"request_id": "generate-tokens-x", "choices": [{"index": 0, "token_ids": [t], "finish_reason": None}]}
+
+
+def _engine(*pieces: bytes) -> EngineClient:
+    async def body() -> Any:
+        for piece in pieces:
+            yield piece
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    return EngineClient(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+
+
+async def _reads(engine: EngineClient) -> tuple[list[list[dict[str, Any]]], BaseException | None]:
+    reads: list[list[dict[str, Any]]] = []
+    try:
+        async with engine.generate_stream(instance("e1"), {"request_id": "x", "token_ids": [1]}) as events:
+            async for batch in events:
+                reads.append(list(batch))
+    except (EngineError, UpstreamRequestError) as exc:
+        return reads, exc
+    return reads, None
+
+
+async def test_events_that_arrived_together_come_as_one_list() -> None:
+    reads, error = await _reads(_engine(_frame(_token(1)), _frame(_token(2)) + _frame(_token(3)), b"data: [DONE]\n\n"))
+    assert error is None
+    assert reads == [[_token(1)], [_token(2), _token(3)]]
+
+
+@pytest.mark.parametrize(("code", "raised"), [(500, EngineError), (400, UpstreamRequestError)])
+async def test_an_error_event_inside_a_read_comes_after_the_events_before_it(
+    code: int, raised: type[BaseException]
+) -> None:
+    error = {"error": {"message": "boom", "type": "X", "param": None, "code": code}}
+    # The events after the error in the same read are never handed on: the stream ended there.
+    reads, exc = await _reads(_engine(_frame(_token(1)) + _frame(_token(2)) + _frame(error) + _frame(_token(3))))
+    assert reads == [[_token(1), _token(2)]]
+    assert isinstance(exc, raised)
+
+
+async def test_an_error_event_first_in_a_read_hands_on_nothing_of_that_read() -> None:
+    error = {"error": {"message": "boom", "type": "X", "param": None, "code": 500}}
+    reads, exc = await _reads(_engine(_frame(_token(1)), _frame(error) + _frame(_token(2))))
+    assert reads == [[_token(1)]]
+    assert isinstance(exc, EngineError)
+
+
+async def test_a_stream_cut_inside_a_read_is_an_engine_error_after_what_was_whole() -> None:
+    reads, exc = await _reads(_engine(_frame(_token(1)) + b'data: {"request_id": "gen'))
+    assert reads == [[_token(1)]]
+    assert isinstance(exc, EngineError)
