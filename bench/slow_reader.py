@@ -189,8 +189,8 @@ def main() -> int:
         "",
         "- each prompt's producer stops with one chunk in its derender or blocked on the merge queue; the engines' "
         "sent events wait in the connection (up to HIGH_WATER + READ_SIZE bytes) and the kernel's socket buffers. "
-        "Coalescing off reads one network chunk at a time, on reads all that arrived and merges it: one read is "
-        "never more than MAX_PENDING raw events per derender call",
+        "Coalescing off reads one network chunk at a time, on reads all that arrived and merges it (a derender call "
+        "covers at most MAX_PENDING raw events)",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
