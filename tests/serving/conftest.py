@@ -7,11 +7,22 @@ from typing import AsyncIterator
 
 import httpx
 import pytest
+import uvloop
 
 from tests.pd_sims import http, load  # noqa: F401  (fixtures of the P/D topology tests)
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
 from tests.serving.router_fakes import Rig, assert_no_leaks, make_rig
 from tests.serving.shared_redis import prefix, redis_client  # noqa: F401  (fixtures of the Redis-backed tests)
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
+    """The event loops a test module runs on: asyncio's, and uvloop too for a module that asks with
+    ``pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])``. uvicorn runs the coordinator on
+    uvloop when it is installed, and uvloop's transports are not asyncio's classes."""
+    marker = item.get_closest_marker("asyncio")
+    if marker is not None and "loop_factories" in marker.kwargs:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
 
 
 @pytest.fixture
