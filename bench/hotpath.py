@@ -13,7 +13,9 @@ result runs beside this one. Two workloads, each on every path, in interleaved r
             own HTTP client (``serving/pipeline/http11.py``, used for every path here) (the stream: the events that queued up during a derender go in one call, as
             the coordinator's coalescing does; stream_state carried)
     now     the coordinator from this tree (Daphne, as ``make run`` serves it)
-    uvicorn the same coordinator under uvicorn (``--uvicorn``; same database)
+    uvicorn the same coordinator under uvicorn on uvloop and httptools, as ``MOTOR_SERVER=uvicorn``
+            serves it (``--uvicorn``; same database); ``--uvicorn-asyncio`` adds a row of uvicorn
+            on asyncio's loop and h11, what it runs without those two
     base    the coordinator at REV
 
 Reported per workload and path: E2E p50/p99 (and TTFT p50 for streams), the coordinator
@@ -21,7 +23,8 @@ process's CPU per request (/proc, its whole process tree), the render sidecar's 
 apart, and what each coordinator adds at p50 over ``direct``.
 
     python3 -m toolchain exec bench/hotpath.py [--requests 60] [--rounds 3] [--baseline REV]
-                                               [--uvicorn] [--tpot-ms 0] [--write]
+                                               [--uvicorn] [--uvicorn-asyncio] [--tpot-ms 0]
+                                               [--write]
 
 ``--tpot-ms`` paces the engine (enginesim's ``--tpot-ms``): at 0 it streams as fast as it can and
 the events that arrive during a derender call merge into the next; at a real engine's pace
@@ -231,6 +234,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", help="a git revision whose coordinator runs beside this tree's")
     parser.add_argument("--uvicorn", action="store_true", help="also this tree's coordinator under uvicorn")
+    parser.add_argument(
+        "--uvicorn-asyncio", action="store_true",
+        help="also under uvicorn on asyncio's loop and h11 (what uvicorn runs without uvloop and httptools)",
+    )
     parser.add_argument("--tpot-ms", type=float, default=0.0, help="the engine's time per output token (enginesim)")
     parser.add_argument("--write", action="store_true", help="write the section into bench/RESULTS.md")
     args = parser.parse_args()
@@ -250,12 +257,16 @@ def main() -> int:
         specs = [stack.coordinator_spec(cfg)]
         urls = {"direct": "", "now": cfg.coordinator_url}
         if args.uvicorn:
-            uv_cfg = replace(cfg, coordinator_port=free_port())
+            uv_cfg = replace(cfg, server="uvicorn", coordinator_port=free_port())  # as MOTOR_SERVER=uvicorn runs it
             spec = stack.coordinator_spec(uv_cfg)
-            argv = [cfg.app_python, "-m", "uvicorn", "--host", stack.HOST, "--port", str(uv_cfg.coordinator_port),
-                    "--no-access-log", "--log-level", "warning", "motorsite.asgi:application"]
-            specs.append(replace(spec, name="coordinator-uvicorn", argv=argv, log_path=cfg.log_dir / "uvicorn.log"))
+            specs.append(replace(spec, name="coordinator-uvicorn", log_path=cfg.log_dir / "uvicorn.log"))
             urls["uvicorn"] = uv_cfg.coordinator_url
+        if args.uvicorn_asyncio:
+            ua_cfg = replace(cfg, server="uvicorn", coordinator_port=free_port())
+            spec = stack.coordinator_spec(ua_cfg)
+            argv = [*spec.argv[:-1], "--loop", "asyncio", "--http", "h11", spec.argv[-1]]  # the later flags win
+            specs.append(replace(spec, name="coordinator-uvicorn-asyncio", argv=argv, log_path=cfg.log_dir / "uva.log"))
+            urls["uvicorn-asyncio"] = ua_cfg.coordinator_url
         if args.baseline:
             base_cfg = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{tmp / 'base.sqlite3'}")
             specs.append(_coordinator_from(_baseline_tree(args.baseline, tmp, exits), base_cfg, "coordinator-base"))
@@ -267,6 +278,8 @@ def main() -> int:
             pids["base"] = coords.pids["coordinator-base"]
         if args.uvicorn:
             pids["uvicorn"] = coords.pids["coordinator-uvicorn"]
+        if args.uvicorn_asyncio:
+            pids["uvicorn-asyncio"] = coords.pids["coordinator-uvicorn-asyncio"]
         load = loadavg()
         results = asyncio.run(measure(args, urls, pids, render_url, cfg.engine_urls[0], tiers.pids["render"]))
         load_after = loadavg()
