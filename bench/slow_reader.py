@@ -20,7 +20,8 @@ checks that everything completes. ``--top N`` prints the N largest allocation si
 traceback) at the first row's blocked point.
 
     python3 -m toolchain exec bench/slow_reader.py [--streams 1,16,64] [--prompts 2] [--tokens 1000]
-                                                   [--top 0] [--write]
+                                                   [--top 0] [--loop asyncio]
+                                                   [--write]
 
 Reports numbers only; nothing here asserts on memory.
 """
@@ -141,12 +142,24 @@ def print_top(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: in
             print("    " + line)
 
 
+def run(main: Any, loop: str) -> Any:
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    return asyncio.run(main)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", default="1,16,64")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--top", type=int, default=0, help="print the N largest allocation sites held")
+    parser.add_argument(
+        "--loop", choices=("asyncio", "uvloop"), default="asyncio",
+        help="the coordinator's event loop: asyncio's under Daphne (the default), uvloop under MOTOR_SERVER=uvicorn",
+    )
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     import logging
@@ -157,7 +170,7 @@ def main() -> int:
     with fake_upstreams(args.tokens) as urls:
         for streams in [int(x) for x in args.streams.split(",")]:
             for coalesce in (False, True):
-                r = asyncio.run(measure(streams, args, coalesce, urls, args.top))
+                r = run(measure(streams, args, coalesce, urls, args.top), args.loop)
                 print(streams, coalesce, r, flush=True)
                 rows.append((streams, coalesce, r))
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -166,6 +179,7 @@ def main() -> int:
         f"- date: {now}",
         f"- machine: {machine()}; load average {loadavg()}",
         f"- command: `{command_line()}` (from the repository root)",
+        f"- event loop: {args.loop}",
         f"- workload: streaming completions with {args.prompts} prompts x {args.tokens} tokens each (one engine "
         f"stream per prompt), against the fake upstreams served over 127.0.0.1 by a process of their own "
         f"(`bench/fake_upstream_server.py`), reached with the production client (`Http11Client`); each client "
