@@ -26,6 +26,7 @@ PEER_LABELS = {
     "sglang": "SGLang gateway",
     "litellm": "LiteLLM proxy",
     "motorsite": "motorsite",
+    "motorsite-uvicorn": "motorsite (uvicorn)",
     "pd-floor": "client legs (floor)",
     "pd-motorsite": "motorsite Handoff",
 }

@@ -8,7 +8,8 @@ litellm sglang-router``, done here when missing):
     direct     POST <engine>/v1/chat/completions
     sglang     sglang-router (``launch_router --worker-urls <engine> --policy round_robin``)
     litellm    LiteLLM's proxy (``litellm --config``, one worker, ``hosted_vllm/`` provider)
-    motorsite  the coordinator at this checkout (render -> generate -> derender)
+    motorsite  the coordinator at this checkout (render -> generate -> derender), under Daphne
+               as ``make run`` serves it; ``--uvicorn`` adds it under uvicorn beside it
 
 Chat, streaming and JSON, at each concurrency of ``--concurrency`` (1, 4, 16), in interleaved
 rounds: every round runs every cell (mode, concurrency) on every path, the paths' order rotated
@@ -27,7 +28,7 @@ and a real decode engine (NixlConnector over UCX on loopback) start, and two pat
 and SGLang's gateway is tried once in P/D mode (``--pd-disaggregation``) against the same pair.
 
     python3 -m toolchain exec bench/peers.py [--requests 24] [--rounds 3] [--concurrency 1,4,16]
-                                             [--max-tokens 32] [--no-pd] [--write]
+                                             [--max-tokens 32] [--no-pd] [--uvicorn] [--write]
 
 ``--write`` replaces this benchmark's section of ``bench/RESULTS.md``. Reports numbers only;
 nothing here asserts on timings, and no test runs it.
@@ -66,7 +67,10 @@ SECTION = "## bench/peers.py"
 MODES = ("stream", "json")
 # One letter per path in every request's system line: unique per path, and the same length on all
 # of them, so no path's prompts are longer than another's.
-TAGS = {"direct": "a", "sglang": "b", "litellm": "c", "motorsite": "d", "pd-floor": "c", "pd-motorsite": "f"}
+TAGS = {
+    "direct": "a", "sglang": "b", "litellm": "c", "motorsite": "d", "motorsite-uvicorn": "e", "pd-floor": "c",
+    "pd-motorsite": "f",
+}
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 Run = Callable[[httpx.AsyncClient, int], Awaitable[Sample]]
@@ -332,20 +336,23 @@ def _concurrency(text: str) -> list[int]:
 
 def with_motorsite(
     exits: contextlib.ExitStack, cfg: stack.StackConfig, key: str, paths: list[Route],
-    args: argparse.Namespace, render_pid: int, offset: int, notes: list[str],
+    args: argparse.Namespace, render_pid: int, offset: int, notes: list[str], *, uvicorn: bool = False,
 ) -> dict[tuple[str, str, int], Cell]:
-    """Start a coordinator for ``cfg``'s fleet, add it to ``paths`` as ``key``, and run every cell."""
-    print(f"starting {PEER_LABELS[key]} ...", flush=True)
-    # A port picked only now: one picked before the engines started may since be theirs (vLLM and
-    # NIXL bind ephemeral ports of their own).
-    cfg = replace(cfg, coordinator_port=free_port())
+    """Start a coordinator for ``cfg``'s fleet, add it to ``paths`` as ``key``, and run every cell;
+    ``uvicorn``: a second one beside it under uvicorn (``MOTOR_SERVER=uvicorn``) as ``key-uvicorn``."""
     stack.prepare_database(cfg)
-    sup = Supervisor([stack.coordinator_spec(cfg)])
-    exits.enter_context(sup)
-    paths.append(chat_path(
-        key, cfg.coordinator_url, args, AUTH, cpu_roots=(sup.pids["coordinator"],), sidecar=True,
-        metrics_url=cfg.coordinator_url,
-    ))
+    for name, server in [(key, "daphne"), *([(f"{key}-uvicorn", "uvicorn")] if uvicorn else [])]:
+        print(f"starting {PEER_LABELS[name]} ...", flush=True)
+        # A port picked only now: one picked before the engines started may since be theirs (vLLM
+        # and NIXL bind ephemeral ports of their own).
+        one = replace(cfg, coordinator_port=free_port(), server=server)
+        spec = replace(stack.coordinator_spec(one), name=name, log_path=one.log_dir / f"{name}.log")
+        sup = Supervisor([spec])
+        exits.enter_context(sup)
+        paths.append(chat_path(
+            name, one.coordinator_url, args, AUTH, cpu_roots=(sup.pids[name],), sidecar=True,
+            metrics_url=one.coordinator_url,
+        ))
     cells = asyncio.run(run_cells(paths, args, render_pid, offset))
     notes += errors(cells)
     return cells
@@ -374,7 +381,7 @@ def union_phase(args: argparse.Namespace, cfg: stack.StackConfig, tmp: Path, ren
             headers = {"Authorization": f"Bearer {LITELLM_KEY}"} if key == "litellm" else {}
             base = f"http://{stack.HOST}:{spec.ports[0][1]}"
             paths.append(chat_path(key, base, args, headers, cpu_roots=(sup.pids[key],)))
-        cells = with_motorsite(exits, cfg, "motorsite", paths, args, render_pid, 0, notes)
+        cells = with_motorsite(exits, cfg, "motorsite", paths, args, render_pid, 0, notes, uvicorn=args.uvicorn)
         notes.append(
             f"union part: the render sidecar idles at {sidecar_idle(cells, paths)} (measured while the other paths ran); "
             "motorsite's sidecar column includes that rate over its own runs"
@@ -427,6 +434,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens of every request (default 32)")
     parser.add_argument("--allow-eos", action="store_true", help="do not send ignore_eos (outputs may be shorter)")
     parser.add_argument("--no-pd", action="store_true", help="skip the prefill/decode part")
+    parser.add_argument(
+        "--uvicorn", action="store_true", help="also motorsite under uvicorn (MOTOR_SERVER=uvicorn) in the union part",
+    )
     parser.add_argument("--write", action="store_true", help="write the section into bench/RESULTS.md")
     parser.add_argument("--keep-logs", action="store_true", help="keep the temp log directory")
     args = parser.parse_args()
