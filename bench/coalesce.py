@@ -5,14 +5,18 @@ sidecar (``--parsers`` starts it with the hermes tool and qwen3 reasoning parser
 streaming derender replays the whole output on every call), one ``enginesim`` engine with a
 small TPOT (``--tpot-ms``, default 2 ms: chunks arrive faster than derender answers under load)
 and two coordinators in front of both, one with ``derender_coalesce`` on and one with it off (with
-``--stream-interval N`` a third: coalescing on and ``RenderConfig.stream_interval`` N).
+``--stream-interval N`` another: coalescing on and ``RenderConfig.stream_interval`` N; with
+``--uvicorn`` another: coalescing on, under uvicorn as ``MOTOR_SERVER=uvicorn`` serves it).
 Then, per concurrency level (1, 16, 64 streams by default), the same streaming chat workload runs
 against each coordinator in turn and reports per request: derender calls (one per SSE chunk the
 coordinator writes, each one derender call), the render sidecar's CPU time, TTFT, TPOT and E2E.
+The engine alone runs beside them at each level: the same chats, rendered before any timing,
+streamed from enginesim's ``/inference/v1/generate`` by the same client at the same concurrency,
+the baseline of issue 11's "TPOT p99 within 1.5x of the engine alone" (its own column).
 
     python3 -m toolchain exec bench/coalesce.py [--levels 1,16,64] [--requests-per-stream 2]
                                                 [--max-tokens 64] [--tpot-ms 2] [--parsers]
-                                                [--stream-interval N] [--write]
+                                                [--stream-interval N] [--uvicorn] [--write]
 
 Reports numbers only; nothing here asserts on timings.
 """
@@ -31,6 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -44,6 +49,7 @@ from bench.common import (  # noqa: E402
     machine,
     percentile,
     require_env,
+    tree_cpu_seconds,
     write_section,
 )
 from motorsite import stack, tiers  # noqa: E402
@@ -63,13 +69,60 @@ class Run:
     e2e: list[float] = field(default_factory=list)
     errors: int = 0
     render_cpu: float = 0.0
+    coordinator_cpu: float | None = None  # None: no coordinator on this path
     requests: int = 0
 
 
-async def one(client: httpx.AsyncClient, url: str, i: int, args: argparse.Namespace, run: Run) -> None:
-    body = {"model": "tiny", "stream": True, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+ENGINE_ALONE = "engine alone"
+
+
+def chat(i: int, args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": "tiny", "stream": True, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "user", "content": f"request {i} {uuid.uuid4().hex[:6]}"}],
             "stream_options": {"include_usage": True}}
+
+
+def render_all(render_url: str, count: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The engine-alone requests: chats rendered by the sidecar into generate bodies, before any timing."""
+    with httpx.Client(timeout=TIMEOUT, trust_env=False) as client:
+        bodies = []
+        for i in range(count):
+            reply = client.post(f"{render_url}/v1/chat/completions/render", json=chat(i, args))
+            reply.raise_for_status()
+            bodies.append(reply.json())
+    return bodies
+
+
+async def one_generate(client: httpx.AsyncClient, url: str, body: dict[str, Any], run: Run) -> None:
+    """One streamed generate on the engine itself, timed as ``one`` times a chat."""
+    t0 = time.perf_counter()
+    ttft = None
+    tokens = 0
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            run.errors += 1
+            await response.aread()
+            if run.errors == 1:
+                print(f"!! HTTP {response.status_code}: {response.text[:300]}", file=sys.stderr)
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            n = sum(len(c.get("token_ids") or []) for c in event.get("choices") or [])
+            if n and ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens += n
+    e2e = time.perf_counter() - t0
+    run.e2e.append(e2e)
+    if ttft is not None:
+        run.ttft.append(ttft)
+    if ttft is not None and tokens > 1:
+        run.tpot.append((e2e - ttft) / (tokens - 1))
+
+
+async def one(client: httpx.AsyncClient, url: str, i: int, args: argparse.Namespace, run: Run) -> None:
+    body = chat(i, args)
     t0 = time.perf_counter()
     ttft = None
     chunks = 0
@@ -104,23 +157,38 @@ async def one(client: httpx.AsyncClient, url: str, i: int, args: argparse.Namesp
         run.tpot.append((e2e - ttft) / (tokens - 1))
 
 
-async def workload(url: str, streams: int, args: argparse.Namespace, render_pgid: int | None) -> Run:
+async def workload(
+    url: str, streams: int, args: argparse.Namespace, render_pgid: int | None,
+    bodies: list[dict[str, Any]] | None = None, coordinator_pid: int | None = None,
+) -> Run:
+    """``streams`` workers over ``streams * requests_per_stream`` chats to a coordinator at ``url``, or,
+    with ``bodies`` (rendered, one per request and warm-up), generate calls to the engine at ``url``."""
     run = Run()
+    warm = min(streams, 4)
+
+    async def request(i: int, into: Run) -> None:
+        if bodies is None:
+            await one(client, url, i, args, into)
+        else:
+            await one_generate(client, url, bodies[i], into)
+
     async with httpx.AsyncClient(timeout=TIMEOUT, trust_env=False,
                                  limits=httpx.Limits(max_connections=streams + 4)) as client:
-        await asyncio.gather(*(one(client, url, -k - 1, args, Run()) for k in range(min(streams, 4))))  # warm-up
-        cpu0 = group_cpu_seconds(render_pgid)
+        await asyncio.gather(*(request(k, Run()) for k in range(warm)))
+        cpu0, coord0 = group_cpu_seconds(render_pgid), tree_cpu_seconds(coordinator_pid)
         total = streams * args.requests_per_stream
         queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(total):
+        for i in range(warm, warm + total):
             queue.put_nowait(i)
 
         async def worker() -> None:
             while not queue.empty():
-                await one(client, url, queue.get_nowait(), args, run)
+                await request(queue.get_nowait(), run)
 
         await asyncio.gather(*(worker() for _ in range(streams)))
         run.render_cpu = group_cpu_seconds(render_pgid) - cpu0
+        if coordinator_pid is not None:
+            run.coordinator_cpu = tree_cpu_seconds(coordinator_pid) - coord0
         run.requests = total
     return run
 
@@ -134,15 +202,19 @@ def _ms(v: float | None) -> str:
 
 
 def table(rows: list[tuple[int, str, Run]]) -> str:
-    out = ["| streams | coalescing | derender calls / request (p50) | sidecar CPU ms / request | TTFT p50 ms | "
-           "TPOT p50 ms | TPOT p99 ms | E2E p50 ms | requests ok / err |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    out = ["| streams | coalescing | derender calls / request (p50) | sidecar CPU ms / request | coordinator CPU ms / "
+           "request | TTFT p50 ms | TPOT p50 ms | TPOT p99 ms | TPOT p99 / engine alone | E2E p50 ms | requests ok / err |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    alone = {streams: pct(run.tpot, 0.99) for streams, mode, run in rows if mode == ENGINE_ALONE}
     for streams, mode, run in rows:
         calls = percentile([float(c) for c in run.chunks], 0.5) if run.chunks else None
         cpu = run.render_cpu / max(run.requests, 1)
+        coord = "–" if run.coordinator_cpu is None else f"{run.coordinator_cpu / max(run.requests, 1) * 1000:.1f}"
+        p99, base = pct(run.tpot, 0.99), alone.get(streams)
+        ratio = f"{p99 / base:.2f}×" if p99 is not None and base else "–"
         out.append(
-            f"| {streams} | {mode} | {'–' if calls is None else f'{calls:.0f}'} | {cpu * 1000:.1f} | "
-            f"{_ms(pct(run.ttft, 0.5))} | {_ms(pct(run.tpot, 0.5))} | {_ms(pct(run.tpot, 0.99))} | {_ms(pct(run.e2e, 0.5))} | "
+            f"| {streams} | {mode} | {'–' if calls is None else f'{calls:.0f}'} | {cpu * 1000:.1f} | {coord} | "
+            f"{_ms(pct(run.ttft, 0.5))} | {_ms(pct(run.tpot, 0.5))} | {_ms(p99)} | {ratio} | {_ms(pct(run.e2e, 0.5))} | "
             f"{len(run.e2e)} / {run.errors} |"
         )
     return "\n".join(out)
@@ -170,6 +242,8 @@ def main() -> int:
     parser.add_argument("--parsers", action="store_true", help="render sidecar with tool and reasoning parsers")
     parser.add_argument("--stream-interval", type=int, default=0,
                         help="also measure a coordinator with coalescing on and this stream_interval")
+    parser.add_argument("--uvicorn", action="store_true",
+                        help="also a coordinator with coalescing on under uvicorn (MOTOR_SERVER=uvicorn)")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -195,6 +269,8 @@ def main() -> int:
     on = coordinator(cfg, tmp / "on.sqlite3", True)
     off = coordinator(cfg, tmp / "off.sqlite3", False)
     modes = [("on", on), ("off", off)]
+    if args.uvicorn:
+        modes.append(("on, uvicorn", replace(coordinator(cfg, tmp / "uvicorn.sqlite3", True), server="uvicorn")))
     if args.stream_interval > 1:
         modes.append((f"on, interval {args.stream_interval}",
                       coordinator(cfg, tmp / "interval.sqlite3", True, args.stream_interval)))
@@ -202,17 +278,21 @@ def main() -> int:
     load_before = loadavg()
     with contextlib.ExitStack() as exits:
         tier_sup = exits.enter_context(Supervisor([render, engine]))
-        for _, c in modes:
-            exits.enter_context(Supervisor([stack.coordinator_spec(c)]))
+        coordinator_pids = {}
+        for mode, c in modes:
+            coordinator_pids[mode] = exits.enter_context(Supervisor([stack.coordinator_spec(c)])).pids["coordinator"]
         render_pgid = tier_sup.pids.get("render")
+        generate_url = f"{cfg.engine_urls[0]}/inference/v1/generate"
         for streams in levels:
-            # Alternate which mode goes first per level, so drift hits both alike.
-            order = modes if streams % 2 == 0 else modes[::-1]
-            for mode, c in order:
-                print(f"{streams} streams, coalescing {mode} ...", flush=True)
-                run = asyncio.run(workload(f"{c.coordinator_url}/v1/chat/completions", streams, args, render_pgid))
+            bodies = render_all(f"http://{stack.HOST}:{cfg.render_port}", streams * args.requests_per_stream + 4, args)
+            paths = [(m, f"{c.coordinator_url}/v1/chat/completions", None) for m, c in modes]
+            paths.append((ENGINE_ALONE, generate_url, bodies))
+            # Alternate which path goes first per level, so drift hits them alike.
+            for mode, url, rendered in (paths if streams % 2 == 0 else paths[::-1]):
+                print(f"{streams} streams, {mode} ...", flush=True)
+                run = asyncio.run(workload(url, streams, args, render_pgid, rendered, coordinator_pids.get(mode)))
                 rows.append((streams, mode, run))
-    rows.sort(key=lambda r: (r[0], r[1] != "off", r[1]))
+    rows.sort(key=lambda r: (r[0], r[1] != ENGINE_ALONE, r[1] != "off", r[1]))
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = "\n".join([
         SECTION, "",
@@ -225,13 +305,16 @@ def main() -> int:
         f"{'with hermes + qwen3 parsers' if args.parsers else 'without parsers'} ({cfg.render_workers} workers); "
         f"{len(modes)} coordinators ({' / '.join(m for m, _ in modes)}) on the same sidecar and engine",
         "- derender calls / request: SSE chunks the coordinator wrote (one derender call each, the usage chunk "
-        "included); sidecar CPU: utime+stime of its process group over the measured requests, per request",
+        "included); sidecar CPU: utime+stime of its process group over the measured requests, per request; "
+        "coordinator CPU: the same of the coordinator's process tree",
         "",
         table(rows),
         "",
         "- with coalescing, TPOT is the average per token; the client gets the tokens in fewer, larger chunks "
         "(that is the trade: chunk granularity for sidecar load). Without it, derender is one call per token and "
         "the sidecar becomes the bottleneck as streams multiply",
+        f"- {ENGINE_ALONE}: the same chats rendered up front, streamed from enginesim's /inference/v1/generate by "
+        "this client at the same concurrency (no coordinator, no derender)",
     ]) + "\n"
     print(text)
     if args.write:
