@@ -47,7 +47,9 @@ def close_connection(scope: Scope) -> bool:
     """Close the client connection under this request; False if it cannot be reached."""
     send = scope.get(RAW_SEND_KEY)
     transport = getattr(getattr(send, "__self__", None), "transport", None)
-    if not isinstance(transport, asyncio.BaseTransport):
+    # Not an isinstance check: uvloop's transports (uvicorn's loop when uvloop is installed)
+    # do not subclass asyncio's.
+    if transport is None or not callable(getattr(transport, "is_closing", None)):
         return False
     # close() (not abort()) flushes what was already written: the tokens sent before a
     # drop reach the client, then the body ends without its final chunk.
