@@ -13,9 +13,12 @@ from django.conf import settings
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.asgi import get_asgi_application
 
+from motorsite.daphne_requests import hand_bodies_unparsed
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "motorsite.settings")
 
 django_asgi_app = get_asgi_application()
+hand_bodies_unparsed()  # under Daphne: no form parsing by Twisted before the app sees a body
 if settings.MOTOR_SERVE_STATIC:
     # The admin's CSS and JS straight from the app directories: one process, no collectstatic,
     # no separate web server in the embedded default.

@@ -71,3 +71,28 @@ def test_engine_controls_stop_at_the_coordinator(coordinator: stack.StackConfig,
     assert ours.json()["error"]["param"] == field
     served = post(coordinator.coordinator_url, "/v1/chat/completions", chat())
     assert served.status_code == 200 and served.json()["kv_transfer_params"] is None
+
+
+# (Content-Type, body): valid JSON under another label, and a multipart body Twisted cannot parse.
+MEDIA_CASES = [
+    ("text/plain", json.dumps(chat()).encode()),
+    ("application/x-www-form-urlencoded", json.dumps(chat()).encode()),
+    ("multipart/form-data; boundary=motor", b"not a multipart body"),
+]
+
+
+@pytest.mark.parametrize(("content_type", "body"), MEDIA_CASES, ids=["text", "form", "broken-multipart"])
+def test_a_body_not_declared_json_is_refused_as_vllm_refuses_it(
+    coordinator: stack.StackConfig, content_type: str, body: bytes
+) -> None:
+    """Daphne's Twisted requests used to parse form bodies first and answer a broken one themselves
+    (a bare 400 and a dropped connection); the edge now sees every body and answers in OpenAI's shape."""
+    headers = {**HEADERS, "Content-Type": content_type}
+    theirs, ours = (
+        httpx.post(base + "/v1/chat/completions", content=body, headers=headers, timeout=120.0, trust_env=False)
+        for base in (coordinator.engine_urls[0], coordinator.coordinator_url)
+    )
+    assert theirs.status_code == ours.status_code == 400, (theirs.text, ours.text)
+    assert ours.headers["content-type"] == "application/json"
+    assert set(ours.json()["error"]) == {"message", "type", "param", "code"}
+    assert "Only 'application/json' is allowed" in ours.json()["error"]["message"]

@@ -182,6 +182,41 @@ async def test_nesting_up_to_the_bound_and_many_brackets_pass(
     assert (await v1.post("/v1/chat/completions", json=wide)).status_code == 200
 
 
+# --------------------------------------------------------------------------- the body's media type, as vLLM checks it
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/jsonl"],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+async def test_a_body_not_declared_json_is_400_as_vllm_answers_it(
+    v1: httpx.AsyncClient, upstream: FakeUpstreams, open_access: None, path: str, content_type: str | None
+) -> None:
+    # Valid JSON whatever the label: vLLM's routes refuse it for the label alone (validate_json_request).
+    request = v1.build_request("POST", path, content=json.dumps(CHAT).encode())  # bytes: no Content-Type
+    if content_type is not None:
+        request.headers["content-type"] = content_type
+    error = assert_openai_error(await v1.send(request), 400)
+    assert error["message"] == "Unsupported Media Type: Only 'application/json' is allowed."
+    assert upstream.calls == []
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", "application/json ;x=1"])
+async def test_json_with_parameters_or_in_capitals_is_json(
+    v1: httpx.AsyncClient, upstream: FakeUpstreams, open_access: None, content_type: str
+) -> None:
+    response = await raw_post(v1, json.dumps(CHAT), **{"Content-Type": content_type})
+    assert response.status_code == 200, response.text
+
+
+async def test_the_media_type_is_checked_before_the_body_is_read(upstream: FakeUpstreams, open_access: None) -> None:
+    scope = post_scope([])
+    scope["headers"] = [(k, b"text/plain" if k == b"content-type" else v) for k, v in scope["headers"]]
+    sent, read = await call(scope, [json.dumps(CHAT).encode()])
+    assert read == 0 and sent[0]["status"] == 400
+
+
 # --------------------------------------------------------------------------- the size cap, before the body is held
 
 
