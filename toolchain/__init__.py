@@ -173,8 +173,12 @@ def ensure(kind: str) -> Path:
 
 
 # The packages vLLM's imports need on these paths (from vllm-on-cpu.md); everything else in its
-# Requires-Dist is CUDA kernels the CPU paths never import.
+# Requires-Dist is CUDA kernels the CPU paths never import. httptools is not imported by vLLM but
+# by uvicorn, which serves vLLM's HTTP with it when it is there: vLLM asks for fastapi[standard]
+# (so uvicorn[standard]), whose extras the constraints below drop. Without it uvicorn parses
+# every request in pure Python (h11): 12-16 % more sidecar CPU per derender or render call.
 NEEDED = (
+    "httptools "
     "packaging regex pyyaml huggingface_hub pydantic numpy psutil cbor2 pyzmq urllib3 transformers "
     "aiohttp requests oss-harmony openai msgspec cloudpickle pillow pybase64 cachetools uvloop "
     "py-cpuinfo fastapi prometheus_client partial-json-parser uvicorn llguidance watchfiles orjson "
