@@ -69,6 +69,9 @@ def check_engine_cpu(*, cpuinfo: Path | None = None, machine: str | None = None)
         raise UnsupportedCPU(reason)
 
 
+UNLOGGED_PATHS = "/v1/chat/completions/derender,/v1/completions/derender,/health"
+
+
 def render_sidecar_command(
     *,
     python: str,
@@ -97,6 +100,9 @@ def render_sidecar_command(
         # Must equal the engines': render clamps max_tokens to max_model_len - prompt length.
         "--max-model-len", str(max_model_len),
         "--renderer-num-workers", str(workers),
+        # uvicorn's access log would write a line per derender call, that is per token of every
+        # stream; the coordinator logs each request's outcome. Render calls keep theirs.
+        "--disable-access-log-for-endpoints", UNLOGGED_PATHS,
     ]
     if parsers:
         argv += _PARSER_FLAGS
