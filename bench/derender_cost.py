@@ -21,7 +21,10 @@ stime of its process tree, less its idle rate), this client's CPU and the wall t
 call per prompt for scale. Rounds interleave the variants.
 
     python3 -m toolchain exec bench/derender_cost.py [--calls 400] [--rounds 3] [--gap-ms 4]
-                                                     [--render-workers 4] [--write]
+                                                     [--prompt-words 0] [--render-workers 4] [--write]
+
+``--prompt-words N`` appends N words to the user message: a long prompt makes the first call
+carry that many more ids and that much more message, on the first token's path.
 
 ``--render-workers`` is the sidecar's ``--renderer-num-workers`` (``RenderConfig.renderer_num_workers``,
 4 by default as in the RFC): the thread pool that every derender call goes through.
@@ -86,17 +89,25 @@ class Cost:
         return (1000 * max(self.sidecar - idle_rate * self.wall, 0.0) / n, 1000 * self.client / n, 1000 * self.wall / n)
 
 
+def chat_body(prompt_words: int) -> dict[str, Any]:
+    """``BODY`` with ``prompt_words`` more words in its user message."""
+    user = BODY["messages"][1]["content"] + " cats" * prompt_words
+    return {**BODY, "messages": [BODY["messages"][0], {"role": "user", "content": user}]}
+
+
 async def measure(render_url: str, render_pid: int, args: argparse.Namespace) -> tuple[dict[tuple[str, float], Cost], Cost, float]:
     client = Http11Client()
     render = RenderClient(client, render_url, 60.0)
+    body = chat_body(args.prompt_words)
     try:
-        ids = (await render.render_chat(BODY, uuid.uuid4().hex))["token_ids"]
+        ids = (await render.render_chat(body, uuid.uuid4().hex))["token_ids"]
+        args.prompt_tokens = len(ids)
         _, state = await render.derender_chunk(
-            "chat", EVENT, stream_state=None, prompt_tokens=len(ids), prompt_token_ids=ids, request=BODY, model="tiny",
+            "chat", EVENT, stream_state=None, prompt_tokens=len(ids), prompt_token_ids=ids, request=body, model="tiny",
         )
-        slim = slim_request("chat", BODY)
+        slim = slim_request("chat", body)
         bodies: dict[str, dict[str, Any]] = {
-            "first": {"prompt_token_ids": ids, "chat_request": BODY, "stream_state": None},
+            "first": {"prompt_token_ids": ids, "chat_request": body, "stream_state": None},
             "plain": {"chat_request": slim, "stream_state": state},
             "bare": {"stream_state": state},
         }
@@ -128,7 +139,7 @@ async def measure(render_url: str, render_pid: int, args: argparse.Namespace) ->
                     c.calls += args.calls
             s0, c0, t0 = tree_cpu_seconds(render_pid), own_cpu_seconds(), time.perf_counter()
             for _ in range(args.calls // 4):
-                await render.render_chat(BODY, uuid.uuid4().hex)
+                await render.render_chat(body, uuid.uuid4().hex)
             renders.sidecar += tree_cpu_seconds(render_pid) - s0
             renders.client += own_cpu_seconds() - c0
             renders.wall += time.perf_counter() - t0
@@ -147,7 +158,8 @@ def report(costs: dict[tuple[str, float], Cost], renders: Cost, idle_rate: float
     lines = section_head(HEADING, load, "2 cores shared by the sidecar and this client")
     lines += [
         f"- workload: one call at a time, {args.calls} per cell and round, {args.rounds} interleaved rounds, after 20 "
-        "warm-up calls per variant; a one-token engine event; the coordinator's own client (`RenderClient`); "
+        f"warm-up calls per variant; a {args.prompt_tokens}-token prompt; a one-token engine event; the coordinator's "
+        "own client (`RenderClient`); "
         f"sidecar with --renderer-num-workers {args.render_workers}; it idled at {1000 * idle_rate:.1f} ms CPU per "
         "second, taken out of its column",
         "",
@@ -167,6 +179,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=400, help="calls per cell and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gap-ms", type=float, default=4.0, help="the spaced rows' pause between calls")
+    parser.add_argument("--prompt-words", type=int, default=0, help="words appended to the user message")
     parser.add_argument("--render-workers", type=int, default=4, help="the sidecar's --renderer-num-workers")
     parser.add_argument("--write", action="store_true", help="write the section into bench/RESULTS.md")
     args = parser.parse_args()
