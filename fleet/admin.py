@@ -11,6 +11,7 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.db import models
 from django.db.models import QuerySet
 from django.forms.models import construct_instance
 from django.http import HttpRequest
@@ -107,10 +108,20 @@ class DrainingFilter(admin.SimpleListFilter):
         return queryset
 
 
+def _plain_http_urls(db_field: models.Field[Any, Any], **kwargs: Any) -> forms.Field | None:
+    """Form fields with URLs assumed http:// when typed without a scheme (engines speak plain HTTP;
+    Django's default becomes https in 6.0 and warns until then)."""
+    if isinstance(db_field, models.URLField):
+        kwargs.setdefault("assume_scheme", "http")
+    return db_field.formfield(**kwargs)
+
+
 class EngineInstanceForm(forms.ModelForm):
     class Meta:
         model = EngineInstance
         fields = "__all__"
+        # The admin builds a subclass of this form before it applies its own callback.
+        formfield_callback = _plain_http_urls
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
@@ -139,6 +150,7 @@ class EngineInstanceForm(forms.ModelForm):
 @admin.register(EngineInstance)
 class EngineInstanceAdmin(admin.ModelAdmin):
     form = EngineInstanceForm
+    formfield_overrides = {models.URLField: {"assume_scheme": "http"}}  # as the form's own callback
     list_display = (
         "name", "url", "role", "served_model", "state", "breaker_column", "health_column", "drift", "model_record",
         "inflight", "obfuscation", "process_column", "last_probe_at", "capabilities",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -115,6 +116,18 @@ def test_a_pd_violation_is_refused_by_the_form(staff_client: Client, served_mode
     form["kv_connector"] = "MooncakeLayerwiseConnector"
     assert staff_client.post("/admin/fleet/engineinstance/add/", form).status_code == 302
     assert BreakerState.objects.filter(instance__name="d").exists()
+
+
+def test_an_engine_url_without_a_scheme_is_plain_http(staff_client: Client, served_model: ServedModel) -> None:
+    form = {
+        "name": "u", "url": "127.0.0.1:8201", "role": "union", "served_model": served_model.id, "kind": "vllm",
+        "weight": 1, "token_capacity": 100, "cap_token_generate": "on", "hardware_kind": "cpu", "tp": 1, "dp": 1, "ep": 1,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Django's warning that the default scheme becomes https in 6.0
+        response = staff_client.post("/admin/fleet/engineinstance/add/", form)
+    assert response.status_code == 302, response.content.decode()
+    assert EngineInstance.objects.get(name="u").url == "http://127.0.0.1:8201"
 
 
 def test_a_new_api_key_is_shown_once_and_only_its_hash_is_stored(staff_client: Client) -> None:
