@@ -16,19 +16,17 @@ import sys
 from typing import Any
 
 
-def hand_bodies_unparsed() -> bool:
-    """Make Daphne's requests skip Twisted's form parsing; returns whether Daphne is loaded.
+def hand_bodies_unparsed() -> None:
+    """Make Daphne's requests skip Twisted's form parsing.
 
     Called when the ASGI application is imported: under Daphne its request class is imported
     by then, and under any other server there is nothing to change (Twisted is not imported
     for it). Idempotent.
     """
     module = sys.modules.get("daphne.http_protocol")
-    if module is None:
-        return False
-    request_class = module.WebRequest
-    if getattr(request_class, "_motor_bodies_unparsed", False):
-        return True
+    request_class = getattr(module, "WebRequest", None)
+    if request_class is None or getattr(request_class, "_motor_bodies_unparsed", False):
+        return
     init = request_class.__init__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -37,4 +35,3 @@ def hand_bodies_unparsed() -> bool:
 
     request_class.__init__ = __init__
     request_class._motor_bodies_unparsed = True
-    return True
