@@ -293,6 +293,6 @@ def prepare_database(cfg: StackConfig) -> None:
         fleet += ["--prefill", url]
     for url in cfg.decode_urls:
         fleet += ["--decode", url]
-    if cfg.admin_password:
-        fleet += [f"--admin-password={cfg.admin_password}"]  # one token: a generated one may start with "-"
-    subprocess.run(fleet, check=True, env=env, cwd=ROOT)
+    # The password goes by the environment, never argv: any user of the machine reads argv (ps).
+    fleet_env = {**env, "MOTOR_DEMO_ADMIN_PASSWORD": cfg.admin_password} if cfg.admin_password else env
+    subprocess.run(fleet, check=True, env=fleet_env, cwd=ROOT)

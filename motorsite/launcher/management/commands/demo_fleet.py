@@ -31,8 +31,8 @@ class Command(BaseCommand):
         # P/D instances: NixlConnector over loopback (pull, Handoff); tokens-only, no native API.
         parser.add_argument("--prefill", action="append", default=[], help="prefill engine base URL, repeatable")
         parser.add_argument("--decode", action="append", default=[], help="decode engine base URL, repeatable")
+        # The admin's password is MOTOR_DEMO_ADMIN_PASSWORD, never an argument: argv is public (ps).
         parser.add_argument("--admin-user", default="admin")
-        parser.add_argument("--admin-password", default="")
         # Defaults come from the environment ``motorsite.stack`` gives this command, so ``make run``
         # and the integration tests create the key records without new arguments.
         parser.add_argument(
@@ -86,11 +86,12 @@ class Command(BaseCommand):
         # The demo fleet is exactly what this run started; stale rows from another run would
         # send traffic to ports nobody listens on.
         removed, _ = EngineInstance.objects.exclude(name__in=names).delete()
-        if opts["admin_password"]:
+        admin_password = os.environ.get("MOTOR_DEMO_ADMIN_PASSWORD", "")
+        if admin_password:
             User = get_user_model()
             user, _ = User.objects.get_or_create(username=opts["admin_user"])
             user.is_staff = user.is_superuser = True
-            user.set_password(opts["admin_password"])
+            user.set_password(admin_password)
             user.save()
         client_keys = opts["client_key"]
         if client_keys is None:

@@ -69,7 +69,7 @@ class Command(BaseCommand):
         # which stores only their hashes as ApiKey records.
         api_key = os.environ.get("MOTOR_DEMO_API_KEY") or "sk-motor-" + secrets.token_urlsafe(18)
         admin_key = os.environ.get("MOTOR_DEMO_ADMIN_KEY") or "mk-admin-" + secrets.token_urlsafe(18)
-        admin_password = os.environ.get("MOTOR_DEMO_ADMIN_PASSWORD") or secrets.token_urlsafe(9)
+        admin_password = os.environ.get("MOTOR_DEMO_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
         cfg = stack.StackConfig(
             model_dir=_required_env("MOTOR_MODEL_DIR"),
             render_python=_required_env("MOTOR_RENDER_PYTHON"),
