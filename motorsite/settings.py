@@ -373,6 +373,14 @@ MOTOR_PROBE_FALL = env_int("MOTOR_PROBE_FALL", 3)
 MOTOR_PROBE_RETENTION_DAYS = env_int("MOTOR_PROBE_RETENTION_DAYS", 7)
 MOTOR_QUARANTINE_ON_DRIFT = env_bool("MOTOR_QUARANTINE_ON_DRIFT", True)
 
+# make run's children (motorsite/supervisor.py) write var/log/<name>.log; each is rotated once it
+# passes MOTOR_LOG_MAX_BYTES, keeping MOTOR_LOG_BACKUPS older files, so a chatty engine cannot
+# fill the disk that holds the database and the Celery broker.
+MOTOR_LOG_MAX_BYTES = env_int("MOTOR_LOG_MAX_BYTES", 32 * 1024 * 1024)
+MOTOR_LOG_BACKUPS = env_int("MOTOR_LOG_BACKUPS", 3)
+if MOTOR_LOG_MAX_BYTES < 0 or MOTOR_LOG_BACKUPS < 0:
+    raise ImproperlyConfigured("MOTOR_LOG_MAX_BYTES and MOTOR_LOG_BACKUPS must not be negative")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

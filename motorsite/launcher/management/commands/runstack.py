@@ -83,6 +83,8 @@ class Command(BaseCommand):
             prefill_ports=_ports(opts["prefill_ports"]),
             decode_ports=_ports(opts["decode_ports"]),
             log_dir=Path(opts["var_dir"]) / "log",
+            log_max_bytes=settings.MOTOR_LOG_MAX_BYTES,
+            log_backups=settings.MOTOR_LOG_BACKUPS,
             celery_dir=Path(opts["var_dir"]) / "celery",
             database_url=os.environ.get("DATABASE_URL", ""),
             redis_url=settings.REDIS_URL,
