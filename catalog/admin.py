@@ -9,6 +9,7 @@ from django.contrib import admin, messages
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 
+from catalog.key_refs import InvalidKeyRef, check_key_ref
 from catalog.models import ModelRevision, RenderConfig, ServedModel
 from catalog.services import render_config_save
 from motorsite.core import InvalidError, bump_control_version
@@ -59,11 +60,23 @@ class RenderConfigForm(forms.ModelForm):
     class Meta:
         model = RenderConfig
         fields = "__all__"
+        # The model's help text predates the rule (changing it needs a migration): the form says it.
+        help_texts = {
+            "obfuscation_key_ref": (
+                "Where the key is, never the key: `setting:MOTOR_OBFUSCATION_KEY_<NAME>` (an environment "
+                "variable) or `file:<path>` under MOTOR_OBFUSCATION_KEY_DIR."
+            ),
+        }
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
         if data.get("obfuscation") and not (data.get("obfuscation_key_ref") and data.get("obfuscation_key_id")):
             raise forms.ValidationError("Obfuscation needs a key reference and a key id.")
+        if data.get("obfuscation_key_ref"):
+            try:
+                check_key_ref(data["obfuscation_key_ref"])
+            except InvalidKeyRef as exc:
+                self.add_error("obfuscation_key_ref", str(exc))
         return data
 
 

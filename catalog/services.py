@@ -19,6 +19,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from catalog.fingerprints import fingerprint_model_dir
+from catalog.key_refs import InvalidKeyRef, check_key_ref
 from catalog.models import STREAM_INTERVAL_MAX, ModelRevision, RenderConfig, RenderStreamReport, ServedModel
 from motorsite.core import ConflictError, InvalidError, NotFoundError, bump_control_version
 
@@ -76,7 +77,17 @@ def parse_render_config(data: Any) -> dict[str, Any]:
             raise InvalidError(f"render_config.{key} must be at most {_MAXIMUM[key]}, got {value}.")
     if flat.get("obfuscation") and not (flat.get("obfuscation_key_ref") and flat.get("obfuscation_key_id")):
         raise InvalidError("render_config.obfuscation needs obfuscation_key_ref and obfuscation_key_id.")
+    if flat.get("obfuscation_key_ref"):
+        key_ref_check(flat["obfuscation_key_ref"])
     return flat
+
+
+def key_ref_check(ref: str) -> None:
+    """Raise ``InvalidError`` unless ``ref`` names an obfuscation key (``catalog.key_refs``)."""
+    try:
+        check_key_ref(ref)
+    except InvalidKeyRef as exc:
+        raise InvalidError(f"{exc}.") from None
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,8 @@ def render_config_save(*, config: RenderConfig, changed: tuple[str, ...], actor:
     """Save ``config`` whose fields ``changed`` were just set (the admin's path), and publish it."""
     if config.obfuscation and not (config.obfuscation_key_ref and config.obfuscation_key_id):
         raise InvalidError("Obfuscation needs obfuscation_key_ref and obfuscation_key_id.")
+    if config.obfuscation_key_ref:
+        key_ref_check(config.obfuscation_key_ref)
     restart = config.pk is not None and any(k in RenderConfig.RESTART_KEYS for k in changed)
     with transaction.atomic():
         if restart:

@@ -373,6 +373,9 @@ MOTOR_PROBE_FALL = env_int("MOTOR_PROBE_FALL", 3)
 MOTOR_PROBE_RETENTION_DAYS = env_int("MOTOR_PROBE_RETENTION_DAYS", 7)
 MOTOR_QUARANTINE_ON_DRIFT = env_bool("MOTOR_QUARANTINE_ON_DRIFT", True)
 
+# Where a render config's `file:` obfuscation key references may point (catalog/key_refs.py): a
+# reference elsewhere is refused, so the admin cannot be made to read (and hash) any file.
+MOTOR_OBFUSCATION_KEY_DIR = Path(env_str("MOTOR_OBFUSCATION_KEY_DIR", str(MOTOR_VAR_DIR / "obfuscation-keys")))
 # make run's children (motorsite/supervisor.py) write var/log/<name>.log; each is rotated once it
 # passes MOTOR_LOG_MAX_BYTES, keeping MOTOR_LOG_BACKUPS older files, so a chatty engine cannot
 # fill the disk that holds the database and the Celery broker.

@@ -14,9 +14,9 @@ import os
 import re
 import secrets
 import shlex
-import sys
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 

@@ -16,7 +16,7 @@ from serving.obfuscation_keys import key_id_of
 from serving.pipeline.obfuscation import mapping as obfuscation
 
 KEY = "k" * 32
-SETTING = "MOTOR_TEST_OBFUSCATION_KEY"
+SETTING = "MOTOR_OBFUSCATION_KEY_TEST"
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,6 @@ owner (as a coordinator process records its own), that owner's callback is forwa
 from __future__ import annotations
 
 import base64
-import hashlib
 import hmac
 import http.server
 import json

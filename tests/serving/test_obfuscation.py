@@ -429,24 +429,25 @@ def test_it_leaves_a_plain_deployment_unchanged() -> None:
 def test_it_resolves_key_references(settings: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from serving.obfuscation_keys import KeyUnavailable, key_id_of, resolve_key
 
-    settings.MOTOR_TEST_OBF_KEY = "k" * 32
-    assert resolve_key("setting:MOTOR_TEST_OBF_KEY") == b"k" * 32
-    monkeypatch.setenv("MOTOR_TEST_OBF_ENV_KEY", "e" * 20)
-    assert resolve_key("setting:MOTOR_TEST_OBF_ENV_KEY") == b"e" * 20
+    settings.MOTOR_OBFUSCATION_KEY_DIR = tmp_path
+    settings.MOTOR_OBFUSCATION_KEY_TEST = "k" * 32
+    assert resolve_key("setting:MOTOR_OBFUSCATION_KEY_TEST") == b"k" * 32
+    monkeypatch.setenv("MOTOR_OBFUSCATION_KEY_TEST_ENV", "e" * 20)
+    assert resolve_key("setting:MOTOR_OBFUSCATION_KEY_TEST_ENV") == b"e" * 20
     (tmp_path / "key").write_bytes(b"f" * 40 + b"\n")
     assert resolve_key(f"file:{tmp_path / 'key'}") == b"f" * 40
     assert key_id_of(f"file:{tmp_path / 'key'}") == key_id(b"f" * 40)
     for ref, why in [
-        ("setting:MOTOR_NO_SUCH_KEY", "not set"),
+        ("setting:MOTOR_OBFUSCATION_KEY_NO_SUCH", "not set"),
         (f"file:{tmp_path / 'missing'}", "cannot read"),
-        ("vault:x", "unknown key reference"),
-        ("plain-key-material", "is not"),
+        ("vault:x", "names no obfuscation key"),
+        ("plain-key-material", "names no obfuscation key"),
     ]:
         with pytest.raises(KeyUnavailable, match=why):
             resolve_key(ref)
-    settings.MOTOR_TEST_OBF_KEY = "short"
+    settings.MOTOR_OBFUSCATION_KEY_TEST = "short"
     with pytest.raises(KeyUnavailable, match="shorter"):
-        resolve_key("setting:MOTOR_TEST_OBF_KEY")
+        resolve_key("setting:MOTOR_OBFUSCATION_KEY_TEST")
 
 
 def test_it_registers_the_configured_key_when_a_snapshot_is_built(settings: Any, tmp_path: Any) -> None:
@@ -456,23 +457,23 @@ def test_it_registers_the_configured_key_when_a_snapshot_is_built(settings: Any,
 
     (tmp_path / "config.json").write_text('{"vocab_size": 600}')
     models = [ModelView("tiny", str(tmp_path), 2048)]
-    settings.MOTOR_TEST_OBF_KEY = "a-test-key-of-enough-length"
+    settings.MOTOR_OBFUSCATION_KEY_TEST = "a-test-key-of-enough-length"
     good = key_id(b"a-test-key-of-enough-length")
     clear_mappings()
     try:
         assert load_for(RenderConfig(obfuscation=False), models) is None
-        cfg = RenderConfig(obfuscation=True, obfuscation_key_ref="setting:MOTOR_TEST_OBF_KEY", obfuscation_key_id=good)
+        cfg = RenderConfig(obfuscation=True, obfuscation_key_ref="setting:MOTOR_OBFUSCATION_KEY_TEST", obfuscation_key_id=good)
         m = load_for(cfg, models)
         assert m is not None and m.key_id == good and m.vocab_size == 600 and load_error() == ""
         snap_render = RenderView(enable=True, base_url="x", timeout_s=1, obfuscation=True, obfuscation_key_id=good)
         assert require_mapping(snap_render, m) is m
         # A key reference that resolves to nothing: no mapping, a reason, and traffic refused.
         clear_mappings()
-        bad = RenderConfig(obfuscation=True, obfuscation_key_ref="setting:MOTOR_NO_SUCH_KEY", obfuscation_key_id=good)
+        bad = RenderConfig(obfuscation=True, obfuscation_key_ref="setting:MOTOR_OBFUSCATION_KEY_NO_SUCH", obfuscation_key_id=good)
         assert load_for(bad, models) is None
         assert "not set" in load_error()
         # A key whose id is not the configured one: registered, and reported as a mismatch.
-        wrong = RenderConfig(obfuscation=True, obfuscation_key_ref="setting:MOTOR_TEST_OBF_KEY", obfuscation_key_id="0" * 16)
+        wrong = RenderConfig(obfuscation=True, obfuscation_key_ref="setting:MOTOR_OBFUSCATION_KEY_TEST", obfuscation_key_id="0" * 16)
         assert load_for(wrong, models) is not None
         assert "has id" in load_error()
     finally:
@@ -494,12 +495,12 @@ def obf_fleet(transactional_db: None, settings: Any, upstreams: Any, mock_client
 
     settings.MOTOR_API_KEYS = []
     settings.MOTOR_OPEN_ACCESS = True
-    settings.MOTOR_OBF_VIEW_KEY = VIEW_KEY
+    settings.MOTOR_OBFUSCATION_KEY_VIEW = VIEW_KEY
     settings.MOTOR_OBFUSCATION_VOCAB_SIZE = 152000
     model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
     RenderConfig.objects.create(
         host="render.test", port=8100, timeout_ms=5000, obfuscation=True,
-        obfuscation_key_ref="setting:MOTOR_OBF_VIEW_KEY", obfuscation_key_id=key_id(VIEW_KEY.encode()),
+        obfuscation_key_ref="setting:MOTOR_OBFUSCATION_KEY_VIEW", obfuscation_key_id=key_id(VIEW_KEY.encode()),
     )
     EngineInstance.objects.create(name="e1", url=ENGINE_URLS["e1"], served_model=model, obfuscation_key_id=key_id(VIEW_KEY.encode()))
     EngineInstance.objects.create(name="e2", url=ENGINE_URLS["e2"], served_model=model)  # plain weights
@@ -534,7 +535,7 @@ async def test_the_api_sends_engines_physical_ids_and_clients_get_semantic_ones(
 async def test_the_api_refuses_traffic_when_the_key_is_missing(
     obf_fleet: Any, settings: Any, v1: httpx.AsyncClient
 ) -> None:
-    del settings.MOTOR_OBF_VIEW_KEY
+    del settings.MOTOR_OBFUSCATION_KEY_VIEW
     r = await v1.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
     assert r.status_code == 503
     assert r.json()["error"]["type"] == "ServiceUnavailableError"
