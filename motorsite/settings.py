@@ -93,7 +93,7 @@ DEV_SECRET_KEY = "motorsite-dev-only-not-secret"
 # always passes and a typed or copied one mostly does not. These are not strength estimates; they
 # refuse what a review found shipped (deploy/k8s/secret.yaml's `sk-motor-change-me` opened /v1).
 API_KEY_MIN_LENGTH = 20
-API_KEY_MIN_UNIQUE = 8
+API_KEY_MIN_UNIQUE = 6
 PASSWORD_MIN_LENGTH = 12
 PASSWORD_MIN_UNIQUE = 6
 # Parts of the placeholders and examples this project has shipped (the k8s Secret, compose, the

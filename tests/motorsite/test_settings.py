@@ -137,7 +137,7 @@ GOOD_API_KEY = "sk-" + "0123456789abcdefghijklmnopqrstuvwxyzABCD"
     [
         ("MOTOR_API_KEYS", "sk-motor-change-me", "placeholder"),
         ("MOTOR_API_KEYS", f"{GOOD_API_KEY},sk-test", "shorter than 20"),  # every key of the list
-        ("MOTOR_API_KEYS", "sk-aaaaaaaaaaaaaaaaaaaaaaaa", "fewer than 8 distinct"),
+        ("MOTOR_API_KEYS", "sk-aaaaaaaaaaaaaaaaaaaaaaaa", "fewer than 6 distinct"),
         ("MOTOR_DEMO_API_KEY", "sk-...", "placeholder"),
         ("MOTOR_DEMO_ADMIN_KEY", "mk-admin-change-me", "placeholder"),
         ("MOTOR_DEMO_ADMIN_KEY", "hunter2", "shorter than 20"),
