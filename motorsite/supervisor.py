@@ -397,6 +397,9 @@ class Supervisor:
                 # Checked before every probe, for every child started so far: an engine that
                 # crashes while the coordinator starts must fail the start, not be found later.
                 self.check_children()
+                # A start may take minutes (real engines): logs keep their bound meanwhile too.
+                for started in [*self._children, *([] if any(c is child for c in self._children) else [child])]:
+                    started.rotate_log()
                 # The child waited for, too: a replacement (``add``) is not among the children
                 # yet, and one that exits at once must fail now, not after its ready timeout.
                 returncode = child.popen.poll()

@@ -88,3 +88,20 @@ def test_make_run_gives_every_child_the_configured_bound(tmp_path: Path) -> None
         log_max_bytes=1234, log_backups=5,
     )
     assert {(s.log_max_bytes, s.log_backups) for s in stack.build_specs(cfg)} == {(1234, 5)}
+
+
+def test_a_child_still_starting_is_rotated_too(tmp_path: Path) -> None:
+    # Real engines take minutes to become ready; their logs keep the bound meanwhile. The child
+    # only becomes "ready" (its flag file) after its log was rotated once.
+    flag = tmp_path / "ready"
+    script = CHILD.replace('print("last words", flush=True)', f'open({str(flag)!r}, "w").close(); print("last words", flush=True)')
+    script = script.replace("sys.exit(3)", "import time as t; t.sleep(60)")
+    spec = ProcessSpec(
+        name="chatty", argv=[sys.executable, "-c", script, str(MAX), str(LINE), "100"],
+        log_path=tmp_path / "chatty.log", ready_argv=["test", "-f", str(flag)], ready_timeout=60.0,
+        log_max_bytes=MAX, log_backups=1,
+    )
+    with Supervisor([spec]):
+        assert flag.exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["chatty.log", "chatty.log.1", "ready"]
+        assert (tmp_path / "chatty.log.1").stat().st_size <= MAX + LINE
