@@ -283,7 +283,7 @@ class SharedBreakerBoard(BreakerBoard):
             return
         open_until = self._wall() + (b.open_until - self._clock()) if new is State.OPEN else None
         try:
-            self.sink(instance.id, new.value, reason, b.failures, open_until, b.open_s)
+            self.sink(instance.id, new.value, reason, b.failures, open_until, b.open_s, b.epoch)
         except Exception:  # the write-back must never break a request
             logger.exception("breaker sink failed instance=%s", instance.name)
 
