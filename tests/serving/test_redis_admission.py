@@ -161,6 +161,26 @@ async def test_a_step_of_redis_wall_clock_frees_no_lease(redis_client: Any, pref
     assert await keys(redis_client, prefix) == []
 
 
+async def test_a_step_back_of_redis_wall_clock_does_not_hold_a_crashed_holders_tokens(
+    redis_client: Any, prefix: str
+) -> None:
+    shift_key = f"{prefix}:test_time_shift"
+    shifted = ShiftedTime(redis_client, shift_key)
+    crashed = RedisTokenAdmission(shifted, AdmissionSettings(), prefix=prefix, lease_ttl_s=0.3)
+    lease = await crashed.acquire(E1, 100)
+    crashed._renewers.pop(lease.lease_id).cancel()  # the process dies: no release, no renewal
+    await redis_client.set(shift_key, -3600)  # then Redis's clock steps an hour back
+    survivor = RedisTokenAdmission(shifted, AdmissionSettings(wait_s=5.0), prefix=prefix, recheck_s=0.1)
+    try:
+        async with asyncio.timeout(4):  # not an hour: the leases' clock went on from where it was
+            async with await survivor.acquire(E1, 100):
+                assert survivor.inflight_tokens() == {"e1": 100}
+        await settle(survivor)
+    finally:
+        await redis_client.delete(shift_key)
+    assert await keys(redis_client, prefix) == []
+
+
 async def test_a_crashed_holders_lease_comes_back_after_it_expires(redis_client: Any, prefix: str) -> None:
     crashed = RedisTokenAdmission(redis_client, AdmissionSettings(), prefix=prefix, lease_ttl_s=0.3)
     lease = await crashed.acquire(E1, 100)
