@@ -53,7 +53,8 @@ async def test_a_stop_string_on_a_tokens_only_fleet_goes_native(rig: Rig) -> Non
     out = await rig.pipeline(snapshot_with(*PLAIN)).chat(body, "n1")
     assert out == {"id": "native", "object": "native", "served_by": "e1", "path": "/v1/chat/completions"}
     assert rig.native.calls == [("e1", "/v1/chat/completions", body)]
-    assert rig.upstreams.calls == []  # neither render nor generate
+    # Render is asked for the prompt's token count (admission), never for a generate.
+    assert [c.path for c in rig.upstreams.calls] == ["/v1/chat/completions/render"]
     assert rig.counters.get("motor_route_decisions_total", path="native", reason="stop_strings") == 1
 
 
