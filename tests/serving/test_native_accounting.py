@@ -25,7 +25,7 @@ from serving import runtime, snapshots
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.rate_limit import TokenRateLimiter
 from tests.serving.fakes import CHAT_PROMPT, ENGINE_URLS, MODEL, FakeUpstreams
-from tests.serving.live_edge import _daphne, error_of, served  # noqa: F401  (fixtures)
+from tests.serving.live_edge import error_of
 from tests.serving.router_fakes import NATIVE_PATHS, NativeEngines, model_dir
 from tests.serving.test_tokenization import connect_error
 
