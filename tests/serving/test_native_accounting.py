@@ -123,6 +123,20 @@ async def test_n_of_the_wrong_type_is_vllms_schema_400_on_every_api(
     assert_nothing_held()
 
 
+@pytest.mark.parametrize(("path", "body", "field", "kind"), [
+    ("/v1/responses", response_body(temperature="hot"), "temperature", "float_parsing"),
+    ("/v1/messages", message(stream="maybe"), "stream", "bool_parsing"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": "loud"}, "echo", "bool_parsing"),
+])
+async def test_mistyped_fields_on_the_native_apis_are_vllms_schema_400(
+    served: str, fleet: Observed, path: str, body: dict[str, Any], field: str, kind: str
+) -> None:
+    error = error_of(await post(served, path, body), 400)
+    assert error["type"] == "Bad Request" and error["param"] == f"body.{field}" and kind in error["message"]
+    assert fleet.calls == []
+    assert_nothing_held()
+
+
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
 async def test_a_huge_n_cannot_reserve_an_instance(served: str, fleet: Observed, path: str) -> None:
     key, window = await limited_key(10**9)
