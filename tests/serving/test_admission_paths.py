@@ -13,7 +13,7 @@ from serving.pipeline.engine.native import prompt_bound
 from serving.pipeline.errors import AdmissionUnavailable, RequestError
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.rate_limit import KeyLimit, TokenRateLimited, TokenRateLimiter
-from tests.serving.fakes import CHAT_PROMPT, MODEL
+from tests.serving.fakes import CHAT_PROMPT, MODEL, error_json
 from tests.serving.router_fakes import Rig, chat_body, engine, model_dir, respond, snapshot_with
 from tests.serving.test_tokenization import connect_error, expected_chat_ids
 
@@ -97,3 +97,18 @@ async def test_a_multi_prompt_stream_that_cannot_hold_all_its_prompts_fails_fast
     # An unrelated request is served at once afterwards.
     out = await rig.pipeline(snapshot_with(only)).completions({"model": MODEL, "prompt": "a", "max_tokens": 5}, "t6")
     assert out["choices"]
+
+
+async def test_render_only_counts_a_native_prompt_and_its_verdict_never_refuses_it(
+    rig: Rig, limiter: TokenRateLimiter
+) -> None:
+    # Render cannot know a response only the engine stored: its 4xx costs the count, not the request.
+    rig.upstreams.override("render", "render", respond(404, error_json(404, "Response resp_x not found", "NotFoundError")))
+    rate_limit.bind(roomy := KeyLimit("e" * 64, "team-e", 10_000))
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 5, "previous_response_id": "resp_x"}
+    out = await rig.pipeline(snapshot_with(*PLAIN)).responses(dict(body), "t11")
+    assert out["path"] == "/v1/responses"
+    (count,) = rig.upstreams.calls_of("render")
+    assert count.path == "/v1/responses/render" and count.body["mm_payload"] == "none"  # ids only, no tensors
+    assert rig.native.calls == [("e1", "/v1/responses", body)]  # the client's body, as sent
+    assert limiter.used(roomy.key_id) == prompt_bound("responses", body)[0] + 5

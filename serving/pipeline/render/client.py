@@ -121,7 +121,8 @@ class RenderClient:
         Raises what rendering raises: ``UpstreamRequestError`` for render's verdict on the body,
         ``RenderUnavailable`` when the sidecar cannot answer (an older one lacks the route: 404).
         """
-        out = await self._post_render(RENDER_PATHS[kind], body, request_id)
+        # Only the ids' layout is read: "none" spares the processed media tensors in the answer.
+        out = await self._post_render(RENDER_PATHS[kind], {**body, "mm_payload": "none"}, request_id)
         rendered = out if isinstance(out, list) else [out]
         if not (rendered and all(isinstance(r, dict) and _has_token_ids(r) for r in rendered)):
             raise RenderUnavailable("render answered without usable token_ids", reason="no_token_ids")
