@@ -197,7 +197,7 @@ def _integer(body: dict[str, Any], name: str) -> int | None:
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("top_k", "seed", "min_tokens")
 _BOOLS = ("stream", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "return_token_ids")
-_TYPED: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {  # floats, ints, bools
+_TYPED: dict[ApiKind, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {  # floats, ints, bools
     "chat": (_FLOATS, _INTS, _BOOLS),
     "completions": (_FLOATS, _INTS, (*_BOOLS, "echo")),
     "responses": (("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"), ("top_k",),

@@ -102,6 +102,10 @@ def _hint(reason: str) -> str:
     return f": {hint}." if hint else ""
 
 
+def _no_native_engine(model: str, reason: str) -> NoCapacity:
+    return NoCapacity(f"no engine serves the native OpenAI API for model {model!r} ({reason})" + _hint(reason))
+
+
 class ServingPipeline:
     """Serves one request against one fleet snapshot."""
 
@@ -331,19 +335,19 @@ class ServingPipeline:
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
             raise unservable
         if not native_candidates(self.snapshot, self.scheduler, model.name):
-            # Before counting: a request no engine can take costs no render call.
-            raise NoCapacity(
-                f"no engine serves the native OpenAI API for model {model.name!r} ({reason})" + _hint(reason)
-            )
+            # Decided native, but no engine can take it now: no render call to count its prompt.
+            self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
+            logger.info("route request_id=%s kind=%s path=native reason=%s result=no_engine", request_id, kind, reason)
+            raise _no_native_engine(model.name, reason)
         # Charged what the engine may really process: prompt tokens plus n x the output bound it
         # will resolve (engine/native.NativeEstimate), per instance context length.
         estimate = await self._native_estimate(kind, body, request_id, tokenized, render_tried)
+        charge = estimate.tokens(model.max_model_len)
         self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
         logger.info("route request_id=%s kind=%s path=native reason=%s prompt_tokens=%d counted_by=%s tokens=%d",
-                    request_id, kind, reason, sum(estimate.prompts), estimate.source,
-                    estimate.tokens(model.max_model_len))
+                    request_id, kind, reason, sum(estimate.prompts), estimate.source, charge)
         # Charged here too (once per request: a request that moved from token-only is not charged twice).
-        await rate_limit.charge_request(estimate.tokens(model.max_model_len))
+        await rate_limit.charge_request(charge)
         excluded: set[str] = set()
         last: EngineError | None = None
         for attempt in range(self.policy.max_attempts):
@@ -351,9 +355,7 @@ class ServingPipeline:
             if not candidates:
                 if last is not None:
                     raise last
-                raise NoCapacity(
-                    f"no engine serves the native OpenAI API for model {model.name!r} ({reason})" + _hint(reason)
-                )
+                raise _no_native_engine(model.name, reason)
             instance = candidates[0]
             start = time.perf_counter()
             stack = AsyncExitStack()
@@ -386,7 +388,7 @@ class ServingPipeline:
             return result
         if last is not None:
             raise last
-        raise NoCapacity(f"no engine serves the native OpenAI API for model {model.name!r} ({reason})" + _hint(reason))
+        raise _no_native_engine(model.name, reason)
 
     async def _native_estimate(
         self, kind: ApiKind, body: dict[str, Any], request_id: str, tokenized: TokenizedRequest | None,

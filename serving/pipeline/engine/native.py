@@ -131,7 +131,7 @@ def prompt_bound(kind: ApiKind, body: Mapping[str, Any]) -> tuple[int, ...]:
     A byte-level BPE token (the models vLLM serves) covers at least one byte of text, so a
     text's UTF-8 length bounds its tokens; for chats the whole body's JSON is counted, whose
     keys and quotes around each message outweigh the few tokens a chat template adds. Token-id
-    prompts count exactly. (An image given by URL is the one thing this undercounts.)
+    prompts count exactly. (Media given by URL, images or audio, is what this undercounts.)
     """
     prompt = body.get("prompt")
     if kind == "completions" and isinstance(prompt, (str, list)):
