@@ -130,7 +130,7 @@ class FrontDoorChannel(http.HTTPChannel):  # type: ignore[misc]
             super().allHeadersReceived()
             return
         request = self.requests[-1]
-        head = Head.parse(_path(self._path), _headers(request))
+        head = Head.parse(self._command.decode("ascii", "replace"), _path(self._path), _headers(request))
         if head.needs_snapshot:
             snapshot = fresh_snapshot()
             if snapshot is None:

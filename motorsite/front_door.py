@@ -5,8 +5,9 @@ request reads the whole body (to a temporary file past 100 kB) before the applic
 and Django's handler spools it before the view, under any server. Here each request that carries
 a body (a Content-Length above zero, or chunked) is judged from its head alone:
 
-    /v1/...                        a client key (``serving.edge.keys``, from the fleet snapshot),
-                                   body up to ``MOTOR_MAX_BODY_BYTES``
+    /v1/...                        a route and method of the edge (404, 405), then a client key
+                                   (``serving.edge.keys``, from the fleet snapshot), body up to
+                                   ``MOTOR_MAX_BODY_BYTES``
     /api/...                       an admin key (the snapshot's ``admin_keys``): 401, a client
                                    key 403, body up to ``MOTOR_CONTROL_MAX_BODY_BYTES``
     /internal/metaserver/<token>   the route MAC and registration (``MetaServer.check``), 404/409;
@@ -38,7 +39,8 @@ from django.conf import settings
 
 from serving.edge.asgi import ASGIApp, Message, Receive, Scope, Send
 from serving.edge.keys import INVALID_KEY, is_client_key
-from serving.pipeline.errors import MotorError, RequestError, Unauthorized, error_body
+from serving.edge.openai_api import METHODS
+from serving.pipeline.errors import MotorError, NotFound, RequestError, Unauthorized, error_body
 from serving.pipeline.snapshot import FleetSnapshot
 from serving.pipeline.topologies.metaserver import (
     CALLBACK_PATH,
@@ -87,6 +89,7 @@ class Head:
     """What the front door reads of a request: its route and the headers that decide it."""
 
     route: Route
+    method: str
     path: str
     has_body: bool
     declared: int | None  # Content-Length; None when chunked (or unparseable: the server refuses those)
@@ -94,7 +97,7 @@ class Head:
     forwarded: bool  # a metaserver callback another replica forwarded
 
     @classmethod
-    def parse(cls, path: str, headers: Iterable[tuple[bytes, bytes]]) -> Head:
+    def parse(cls, method: str, path: str, headers: Iterable[tuple[bytes, bytes]]) -> Head:
         """``headers`` as ASGI gives them: names in lower case."""
         declared: int | None = None
         has_body = False
@@ -116,7 +119,7 @@ class Head:
                 forwarded = value == b"1"
         if has_body and declared == 0:
             declared = None  # "Content-Length: 0" beside chunked: count what arrives
-        return cls(route_of(path), path, has_body, declared, bearer, forwarded)
+        return cls(route_of(path), method, path, has_body, declared, bearer, forwarded)
 
     @property
     def needs_snapshot(self) -> bool:
@@ -165,7 +168,13 @@ def route_of(path: str) -> Route:
 def refusal(route: Route, status: int, message: str) -> Refusal:
     """An answer in the shape the route's own errors have."""
     if route is Route.V1:
-        exc: MotorError = Unauthorized(message) if status == 401 else RequestError(message, status=status)
+        exc: MotorError
+        if status == 401:
+            exc = Unauthorized(message)
+        elif status == 404:
+            exc = NotFound(message)
+        else:
+            exc = RequestError(message, status=status)
         code, payload = error_body(exc)
         return Refusal(code, orjson.dumps(payload))
     if route is Route.API:
@@ -198,6 +207,12 @@ def check_head(head: Head, snapshot: FleetSnapshot | None, limits: Limits) -> Re
         return None
     route = head.route
     if route is Route.V1:
+        # The edge's own order: the path, the method, then the key (serving.edge.openai_api).
+        method = METHODS.get(head.path)
+        if method is None:
+            return refusal(route, 404, f"Not found: {head.method} {head.path}")
+        if head.method != method:
+            return refusal(route, 405, f"Method not allowed; use {method}.")
         if not limits.open_access and (snapshot is None or not is_client_key(head.bearer, snapshot, env_keys=limits.env_keys)):
             return refusal(route, 401, INVALID_KEY)
     elif route is Route.API:
@@ -246,7 +261,7 @@ class FrontDoor:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        head = Head.parse(scope["path"], scope["headers"])
+        head = Head.parse(scope["method"], scope["path"], scope["headers"])
         if not head.has_body:
             await self.app(scope, receive, send)
             return
