@@ -37,7 +37,7 @@ from daphne import http_protocol
 from django.conf import settings
 from twisted.web import http
 
-from motorsite.front_door import Head, Limits, Refusal, check_head, log_refusal, too_large, unavailable
+from motorsite.front_door import Head, Refusal, check_head, current_limits, log_refusal, too_large, unavailable
 from serving.pipeline.errors import MotorError
 from serving.pipeline.snapshot import FleetSnapshot
 from serving.snapshots import current_snapshot, fresh_snapshot
@@ -74,7 +74,6 @@ class FrontDoorChannel(http.HTTPChannel):  # type: ignore[misc]
     """Twisted's HTTP/1.1 connection with the front door and the header deadline."""
 
     header_timeout: float = 20.0
-    limits: Limits = Limits(v1_max_body=0, control_max_body=0)
     motor_refused = False
     _head_timer: Any = None  # twisted DelayedCall while the connection waits for a request's headers
     _head_started = False  # a byte of that request has arrived (a 408 is then owed)
@@ -143,7 +142,7 @@ class FrontDoorChannel(http.HTTPChannel):  # type: ignore[misc]
     def _judge(self, head: Head, snapshot: FleetSnapshot | None) -> bool:
         """Refuse, or let Twisted read the body (counted when chunked); whether it may be read."""
         try:
-            answer = check_head(head, snapshot, self.limits)
+            answer = check_head(head, snapshot, current_limits())
         except MotorError as exc:
             answer = unavailable(head.route, exc)
         if answer is not None:
@@ -152,7 +151,7 @@ class FrontDoorChannel(http.HTTPChannel):  # type: ignore[misc]
         if head.declared is None:
             request = self.requests[-1]
             request.motor_head = head
-            request.motor_cap = self.limits.cap(head.route)
+            request.motor_cap = current_limits().cap(head.route)
         super().allHeadersReceived()  # the body's file, and "100 Continue" if the client waits for it
         return True
 
@@ -235,7 +234,6 @@ def install() -> None:
     this changes nothing that server uses.
     """
     FrontDoorChannel.header_timeout = settings.MOTOR_HEADER_TIMEOUT_S
-    FrontDoorChannel.limits = Limits.from_settings()
     factory = http_protocol.HTTPFactory
     if getattr(factory, "_motor_front_door", False):
         return

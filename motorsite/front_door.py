@@ -36,6 +36,8 @@ from http import HTTPStatus
 
 import orjson
 from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 
 from serving.edge.asgi import ASGIApp, Message, Receive, Scope, Send
 from serving.edge.keys import INVALID_KEY, is_client_key
@@ -84,7 +86,7 @@ class Limits:
         return self.v1_max_body if route is Route.V1 else self.control_max_body
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built on every request with a body, and frozen costs a microsecond
 class Head:
     """What the front door reads of a request: its route and the headers that decide it."""
 
@@ -92,7 +94,7 @@ class Head:
     method: str
     path: str
     has_body: bool
-    declared: int | None  # Content-Length; None when chunked (or unparseable: the server refuses those)
+    declared: int | None  # Content-Length; None when the body must be counted (chunked)
     bearer: bytes  # the token of ``Authorization: Bearer <token>``, or b""
     forwarded: bool  # a metaserver callback another replica forwarded
 
@@ -100,25 +102,31 @@ class Head:
     def parse(cls, method: str, path: str, headers: Iterable[tuple[bytes, bytes]]) -> Head:
         """``headers`` as ASGI gives them: names in lower case."""
         declared: int | None = None
-        has_body = False
-        bearer = b""
+        lengths = 0
+        chunked = False
+        authorization: bytes | None = None
         forwarded = False
         for name, value in headers:
             if name == b"content-length":
                 value = value.strip()
-                length = int(value) if value.isdigit() else None
-                # Two lengths are refused by both servers; take the larger to be safe anyway.
-                declared = length if declared is None or length is None else max(declared, length)
-                has_body = has_body or length != 0
+                length = int(value) if value.isdigit() else -1  # unparseable: the server refuses it
+                declared = length if declared is None else max(declared, length)
+                lengths += 1
             elif name == b"transfer-encoding":
-                has_body = True
+                chunked = True
             elif name == b"authorization":
-                if value[:7].lower() == b"bearer ":
-                    bearer = value[7:].strip()
+                if authorization is None:  # the first, as the edge reads it (serving.edge.asgi.header)
+                    authorization = value
             elif name == _FORWARDED:
                 forwarded = value == b"1"
-        if has_body and declared == 0:
-            declared = None  # "Content-Length: 0" beside chunked: count what arrives
+        has_body = chunked or bool(declared)
+        # Both servers refuse two lengths, or a length beside chunked; if one ever took such a
+        # request, its body is counted as it arrives rather than trusted.
+        if chunked or lengths > 1 or declared == -1:
+            declared = None
+        bearer = b""
+        if authorization is not None and authorization[:7].lower() == b"bearer ":
+            bearer = authorization[7:].strip()
         return cls(route_of(path), method, path, has_body, declared, bearer, forwarded)
 
     @property
@@ -153,6 +161,23 @@ class Refusal:
     async def send(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
         await send({"type": "http.response.body", "body": self.body})
+
+
+_limits: Limits | None = None
+
+
+def current_limits() -> Limits:
+    """The limits in the settings, read once (again after a test changes a setting)."""
+    global _limits
+    if _limits is None:
+        _limits = Limits.from_settings()
+    return _limits
+
+
+@receiver(setting_changed)
+def _settings_changed(**kwargs: object) -> None:
+    global _limits
+    _limits = None
 
 
 def route_of(path: str) -> Route:
@@ -265,7 +290,7 @@ class FrontDoor:
         if not head.has_body:
             await self.app(scope, receive, send)
             return
-        limits = self.limits or Limits.from_settings()
+        limits = self.limits or current_limits()
         snapshot = None
         answer: Refusal | None
         try:

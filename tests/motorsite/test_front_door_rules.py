@@ -7,6 +7,10 @@ the shape of its answer without any I/O.
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import orjson
 import pytest
@@ -14,6 +18,7 @@ import pytest
 from motorsite.front_door import Head, Limits, Route, check_head
 from serving.pipeline.snapshot import ClientKeyView, FleetSnapshot, RenderView
 
+ROOT = Path(__file__).resolve().parents[2]
 CLIENT = b"sk-motor-client"
 REVOKED = b"sk-motor-revoked"
 ADMIN = b"mk-admin-ops"
@@ -118,3 +123,28 @@ def test_env_keys_open_v1_until_a_client_record_exists() -> None:
     env = Limits(v1_max_body=1000, control_max_body=100, env_keys=("sk-env",))
     assert check_head(head("/v1/completions", key=b"sk-env"), unmanaged, env) is None
     assert check_head(head("/v1/completions", key=b"sk-env"), SNAPSHOT, env) is not None
+
+
+@pytest.mark.parametrize(
+    "env", [{"MOTOR_HEADER_TIMEOUT_MS": "0"}, {"MOTOR_HEADER_TIMEOUT_MS": "soon"}, {"MOTOR_CONTROL_MAX_BODY_BYTES": "-1"}]
+)
+def test_a_bad_front_door_setting_stops_the_start(tmp_path: Path, env: dict[str, str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "motorsite.settings", "MOTOR_VAR_DIR": str(tmp_path), **env},
+    )
+    assert done.returncode != 0 and "ImproperlyConfigured" in done.stderr
+    assert next(iter(env)) in done.stderr
+
+
+def test_a_body_it_cannot_trust_the_length_of_is_counted() -> None:
+    both = Head.parse("POST", "/v1/completions", [(b"content-length", b"5"), (b"transfer-encoding", b"chunked")])
+    twice = Head.parse("POST", "/v1/completions", [(b"content-length", b"5"), (b"content-length", b"9")])
+    garbled = Head.parse("POST", "/v1/completions", [(b"content-length", b"5x")])
+    assert all(h.has_body and h.declared is None for h in (both, twice, garbled))
+
+
+def test_the_first_authorization_header_counts_as_at_the_edge() -> None:
+    two = [(b"authorization", b"Bearer nope"), (b"authorization", b"Bearer " + CLIENT), (b"content-length", b"5")]
+    answer = check_head(Head.parse("POST", "/v1/completions", two), SNAPSHOT, LIMITS)
+    assert answer is not None and answer.status == 401
