@@ -253,6 +253,8 @@ class ServingPipeline:
         phases.on(source=tokenized.tokenizer_source).observe(metric_names.PHASE_RENDER, start)
         self._log_render(request_id, model.name, tokenized, tokenized.tokenizer_source, tokenized.fallback_reason)
         request_checks.check_tokenized(tokenized.prompts, kind=kind, model=model)
+        for prompt in tokenized.prompts:
+            self.boundary.admit(prompt.generate_request)  # with obfuscation on: a 400 before any quota
         # The client key's tokens-per-minute window is charged once the real count is known.
         await rate_limit.charge_request(sum(requested_tokens(p) for p in tokenized.prompts))
         requires_tokenizer = engine_tokenizer_feature(kind, body) is not None
