@@ -267,7 +267,10 @@ class EngineInstanceAdmin(admin.ModelAdmin):
         return super().history_view(request, object_id, extra)
 
     def save_model(self, request: HttpRequest, obj: EngineInstance, form: Any, change: bool) -> None:
-        services.instance_save(instance=obj, actor=_actor(request))
+        # An edit saves only the fields the operator changed: ``obj`` was read when the form was
+        # posted, and saving it whole would put back whatever state, probe verdict or other
+        # operator's edit landed since then.
+        services.instance_save(instance=obj, actor=_actor(request), fields=form.changed_data if change else None)
 
     def delete_model(self, request: HttpRequest, obj: EngineInstance) -> None:
         services.instance_delete(instance_id=obj.id, actor=_actor(request))
@@ -396,11 +399,15 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> tuple[str, ...]:
         # The scope of an existing key never changes: a client key must not become an admin key.
-        return ("prefix", "created", "scope") if obj else ()
+        # Revocation is one way, through the action: an unchecked box on a form opened before
+        # the key was revoked must not bring it back.
+        return ("prefix", "created", "scope", "revoked") if obj else ()
 
     def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
         if change:
-            obj.save()
+            # Only what the form changed: a whole-row save from this copy could undo a revocation
+            # made meanwhile (the revoke action, another operator).
+            obj.save(update_fields=form.changed_data)
             services.bump_control_version()
             return
         created, key = services.api_key_create(

@@ -219,15 +219,24 @@ class BreakerState(models.Model):
         obj, _ = cls.objects.get_or_create(instance_id=instance_id)
         return obj
 
-    def _flip(self, new_state: str, *, reason: str, actor: str, bump_epoch: bool, **fields: object) -> bool:
+    def _flip(
+        self, new_state: str, *, reason: str, actor: str, bump_epoch: bool, epoch: int | None = None, **fields: object
+    ) -> bool:
+        """Compare-and-set the state (and, when ``epoch`` is given, the operator epoch); True if written."""
         with transaction.atomic():
-            old = BreakerState.objects.filter(id=self.id).values_list("state", flat=True).first()
-            if old is None:
+            row = BreakerState.objects.filter(id=self.id).values_list("state", "epoch").first()
+            if row is None:
                 return False
+            old, current_epoch = row
+            if epoch is not None and epoch != current_epoch:
+                return False  # decided before an operator's reset or force-open: theirs stands
             updates: dict[str, object] = {"state": new_state, "updated": timezone.now(), **fields}
             if bump_epoch:
                 updates["epoch"] = F("epoch") + 1
-            if not BreakerState.objects.filter(id=self.id, state=old).update(**updates):
+            # The epoch in the filter too: an operator action that lands between the read and this
+            # write bumps it, and then this write matches no row.
+            expected = {"epoch": epoch} if epoch is not None else {}
+            if not BreakerState.objects.filter(id=self.id, state=old, **expected).update(**updates):
                 return False
             if old != new_state or bump_epoch:
                 BreakerFlip.objects.create(
@@ -249,12 +258,17 @@ class BreakerState(models.Model):
         )
 
     def record(
-        self, new_state: str, *, reason: str, actor: str = "request path", consecutive_failures: int,
+        self, new_state: str, *, reason: str, actor: str = "request path", epoch: int, consecutive_failures: int,
         open_until: datetime | None, open_seconds: float,
     ) -> bool:
-        """The request path's write-back of a transition it already made in memory (no epoch bump)."""
+        """The request path's write-back of a transition it already made in memory (no epoch bump).
+
+        ``epoch`` is the operator epoch the deciding breaker had adopted. The write-back is
+        asynchronous, so it may arrive after an operator reset or force-open (which bump the
+        epoch): it is then dropped (False) rather than undoing the operator's action.
+        """
         return self._flip(
-            new_state, reason=reason, actor=actor, bump_epoch=False,
+            new_state, reason=reason, actor=actor, bump_epoch=False, epoch=epoch,
             consecutive_failures=consecutive_failures, open_until=open_until, open_seconds=open_seconds,
         )
 

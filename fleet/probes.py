@@ -298,11 +298,18 @@ def _probe_engine_version(
     mismatch = "; ".join(record_mismatch(instance.served_model.name, instance.served_model.model_path, report))[:500]
     with transaction.atomic():
         row = EngineInstance.objects.filter(id=instance.id).values_list("version_drift", "model_mismatch").first()
-        EngineInstance.objects.filter(id=instance.id).update(
+        # Compare-and-set on the flags we read, as the health probe does: of two version probes
+        # racing (the schedule and "probe now"), the one that wrote first owns the flip and its
+        # history row; the other leaves only its result row.
+        written = row is not None and EngineInstance.objects.filter(
+            id=instance.id, version_drift=row[0], model_mismatch=row[1]
+        ).update(
             reported_version=report.version, reported_root=report.root, reported_name=report.name,
             reported_max_model_len=report.max_model_len, reported_fingerprint=report.fingerprint or {},
             version_drift=bool(reasons), drift_reason=drift_reason, model_mismatch=mismatch,
         )
+        if not written:
+            row = None
         if row is not None and row[1] != mismatch:  # only a change writes history, as for drift
             InstanceEvent.objects.create(
                 instance=instance, kind="model", old=str(bool(row[1])).lower(), new=str(bool(mismatch)).lower(),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import Count
 from kombu.exceptions import OperationalError
 
@@ -209,15 +209,29 @@ def instance_create(*, actor: str, **fields: Any) -> EngineInstance:
 
 
 def instance_update(*, instance_id: int, actor: str, **fields: Any) -> EngineInstance:
+    """Change the operator fields named in ``fields`` and no other column (a REST PATCH)."""
     instance = _get(instance_id)
     for name, value in fields.items():
         if name not in INSTANCE_FIELDS:
             raise InvalidError(f"Field {name!r} cannot be changed here.")
         setattr(instance, name, value)
-    return instance_save(instance=instance, actor=actor)
+    return instance_save(instance=instance, actor=actor, fields=tuple(fields))
 
 
-def instance_save(*, instance: EngineInstance, actor: str) -> EngineInstance:
+def instance_save(*, instance: EngineInstance, actor: str, fields: Iterable[str] | None = None) -> EngineInstance:
+    """Validate ``instance`` and save it: a new one whole, an existing one only its ``fields``.
+
+    ``fields`` are operator fields (``INSTANCE_FIELDS``; default: all of them). The object is a
+    copy read a moment ago, and a whole-row save would write back the state, health, drift and
+    probe columns as they were then, undoing a quarantine or a probe verdict that landed
+    meanwhile: those columns change only through their compare-and-set methods. Raises
+    ``NotFoundError`` (the instance or its served model is gone), ``ConflictError`` (name taken),
+    ``InvalidError`` (a field or a fleet rule).
+    """
+    names = INSTANCE_FIELDS if fields is None else tuple(_column(f) for f in fields)
+    unknown = [f for f in names if f not in INSTANCE_FIELDS]
+    if unknown:
+        raise InvalidError(f"Field(s) {', '.join(map(repr, unknown))} cannot be changed here.")
     if not ServedModel.objects.filter(id=instance.served_model_id).exists():
         raise NotFoundError(f"No served model with id {instance.served_model_id}.")
     try:
@@ -229,21 +243,38 @@ def instance_save(*, instance: EngineInstance, actor: str) -> EngineInstance:
         raise (ConflictError if codes == {"unique"} else InvalidError)(message) from None
     validate_pd(PDDeclaration.of(instance))
     validate_ports(instance)
-    before = EngineInstance.objects.filter(id=instance.id).values(*INSTANCE_FIELDS).first() if instance.id else None
-    with transaction.atomic():
-        instance.save()
-        BreakerState.objects.get_or_create(instance=instance)
-        # One history row per edit, whoever made it (admin form, API, command), so the instance's
-        # history shows API edits next to the admin's. (A creation is the row itself.)
-        if before is not None:
-            changed = [f for f in INSTANCE_FIELDS if before[f] != getattr(instance, f)]
-            if changed:
-                InstanceEvent.objects.create(
-                    instance=instance, kind="config", new="changed", actor=actor, reason=", ".join(changed)[:500]
-                )
-        bump_control_version()
+    before = EngineInstance.objects.filter(id=instance.id).values(*names).first() if instance.id else None
+    if instance.id and before is None:
+        raise NotFoundError(f"No engine instance with id {instance.id}.")  # deleted meanwhile
+    try:
+        with transaction.atomic():
+            _save_instance(instance, before, names, actor)
+    except DatabaseError:
+        if instance.id and not EngineInstance.objects.filter(id=instance.id).exists():
+            raise NotFoundError(f"No engine instance with id {instance.id}.") from None  # deleted meanwhile
+        raise
     logger.info("instance saved id=%s name=%s actor=%s", instance.id, instance.name, actor)
     return instance
+
+
+def _save_instance(instance: EngineInstance, before: dict[str, Any] | None, names: tuple[str, ...], actor: str) -> None:
+    # An existing row: only ``names`` (an empty tuple saves nothing, Django's rule for update_fields).
+    instance.save(update_fields=None if before is None else names)
+    BreakerState.objects.get_or_create(instance=instance)
+    # One history row per edit, whoever made it (admin form, API, command), so the instance's
+    # history shows API edits next to the admin's. (A creation is the row itself.)
+    if before is not None:
+        changed = [f for f in names if before[f] != getattr(instance, f)]
+        if changed:
+            InstanceEvent.objects.create(
+                instance=instance, kind="config", new="changed", actor=actor, reason=", ".join(changed)[:500]
+            )
+    bump_control_version()
+
+
+def _column(field: str) -> str:
+    """The ``INSTANCE_FIELDS`` name of a model or form field (the form says ``served_model``)."""
+    return "served_model_id" if field == "served_model" else field
 
 
 def instance_delete(*, instance_id: int, actor: str) -> None:
@@ -309,16 +340,17 @@ def breaker_force_open(*, instance_id: int, actor: str, seconds: float = 60.0) -
 
 
 def breaker_record(
-    *, instance_id: int, new_state: str, reason: str, consecutive_failures: int,
+    *, instance_id: int, new_state: str, reason: str, epoch: int, consecutive_failures: int,
     open_until: Any, open_seconds: float,
 ) -> bool:
-    """Write back a transition the request path already made (see ``fleet.writeback``)."""
+    """Write back a transition the request path already made under operator ``epoch`` (see
+    ``fleet.writeback``); False when nothing was written (instance gone, epoch overtaken)."""
     if not EngineInstance.objects.filter(id=instance_id).exists():
         return False  # deleted meanwhile: nothing to record
     with transaction.atomic():
         breaker = BreakerState.for_instance(instance_id)
         changed = breaker.record(
-            new_state, reason=reason, consecutive_failures=consecutive_failures,
+            new_state, reason=reason, epoch=epoch, consecutive_failures=consecutive_failures,
             open_until=open_until, open_seconds=open_seconds,
         )
         bump_control_version()

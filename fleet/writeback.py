@@ -5,6 +5,10 @@ daemon thread per process drains the queue through ``fleet.services.breaker_reco
 queue is full (the database is slow or down) the transition is dropped with a log line: the
 in-memory breaker is the authority for routing, the database copy is for operators, and a
 later transition of the same instance overwrites it anyway.
+
+Each transition carries the operator epoch its breaker had adopted, and is written only while
+the database still holds that epoch (compare-and-set in ``BreakerState.record``): one that an
+operator's reset or force-open overtook on its way here is dropped, never written over it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class BreakerTransition:
     consecutive_failures: int
     open_until: float | None  # wall-clock epoch seconds, or None
     open_seconds: float
+    epoch: int  # the operator epoch the deciding breaker had adopted
 
 
 class BreakerWriteBack:
@@ -91,6 +96,7 @@ class BreakerWriteBack:
         breaker_record(
             instance_id=item.instance_id, new_state=item.new_state, reason=item.reason,
             consecutive_failures=item.consecutive_failures, open_until=open_until, open_seconds=item.open_seconds,
+            epoch=item.epoch,
         )
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -121,12 +127,14 @@ def submit_breaker_transition(
     consecutive_failures: int,
     open_until: float | datetime | None,
     open_seconds: float,
+    *,
+    epoch: int,
 ) -> bool:
     """Record a breaker transition for the admin; never blocks. ``open_until`` is epoch seconds or a datetime."""
     if isinstance(open_until, datetime):
         open_until = open_until.timestamp()
     return _writeback.submit(
-        BreakerTransition(instance_id, new_state, reason, consecutive_failures, open_until, open_seconds)
+        BreakerTransition(instance_id, new_state, reason, consecutive_failures, open_until, open_seconds, epoch)
     )
 
 

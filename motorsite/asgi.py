@@ -13,19 +13,21 @@ from django.conf import settings
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.asgi import get_asgi_application
 
-from motorsite.daphne_requests import hand_bodies_unparsed
-
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "motorsite.settings")
 
 django_asgi_app = get_asgi_application()
-hand_bodies_unparsed()  # under Daphne: no form parsing by Twisted before the app sees a body
 if settings.MOTOR_SERVE_STATIC:
     # The admin's CSS and JS straight from the app directories: one process, no collectstatic,
     # no separate web server in the embedded default.
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
 # Imported once Django is set up: the edge reads settings and the snapshot builder uses the ORM.
+from motorsite import daphne_requests  # noqa: E402
+from motorsite.front_door import FrontDoor  # noqa: E402
 from serving.edge import openai_api  # noqa: E402
 from serving.edge.asgi import PrefixMount  # noqa: E402
 
-application = ProtocolTypeRouter({"http": PrefixMount("/v1", openai_api.application, django_asgi_app)})
+# Under Daphne: the front door and the header deadline on Twisted's connections, bodies unparsed.
+daphne_requests.install()
+# The front door first: no key, no body (under uvicorn; Daphne's requests are judged in Twisted).
+application = ProtocolTypeRouter({"http": FrontDoor(PrefixMount("/v1", openai_api.application, django_asgi_app))})

@@ -283,8 +283,23 @@ STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "var" / "static"
 MOTOR_SERVE_STATIC = env_bool("MOTOR_SERVE_STATIC", True)
 # Long prompts and token-id prompts are big JSON bodies; Django's 2.5 MB default is too small.
-# The /v1 edge (serving/edge) refuses a body over it with 413 before holding it in memory.
+# Every /v1 body over it is refused with 413 before it is read (motorsite/front_door.py).
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("MOTOR_MAX_BODY_BYTES", 32 * 1024 * 1024)
+# Every other route (admin, /api, the metaserver callback, the rest of Django) takes small
+# bodies: a form, an instance record, a callback's transfer parameters. Over this: 413 before the
+# body is read (motorsite/front_door.py), and the admin's login page is reachable without a key.
+MOTOR_CONTROL_MAX_BODY_BYTES = env_int("MOTOR_CONTROL_MAX_BODY_BYTES", 1024 * 1024)
+# From the moment the server waits for a request (connection open, or the previous response
+# sent) until the request's headers are complete: a client that trickles its headers (slowloris)
+# or holds an idle connection is cut then, under Daphne and uvicorn alike. Far above what a
+# client on a slow link needs for a few KiB of headers. A load balancer that keeps idle
+# connections to this process open longer would see them closed: set it above the balancer's
+# idle timeout there (README, "In front of the coordinator").
+MOTOR_HEADER_TIMEOUT_S = env_int("MOTOR_HEADER_TIMEOUT_MS", 20000) / 1000
+if MOTOR_HEADER_TIMEOUT_S <= 0 or MOTOR_CONTROL_MAX_BODY_BYTES < 0 or DATA_UPLOAD_MAX_MEMORY_SIZE < 0:
+    raise ImproperlyConfigured(
+        "MOTOR_HEADER_TIMEOUT_MS must be positive; MOTOR_MAX_BODY_BYTES and MOTOR_CONTROL_MAX_BODY_BYTES not negative"
+    )
 # Deepest nesting of a /v1 body (400 past it): well inside what every encoder downstream
 # (httpx, the standard library, pydantic) handles; chat bodies with tools and JSON schemas nest
 # a few dozen levels at most.

@@ -28,6 +28,7 @@ HOST = "127.0.0.1"
 # The coordinator's ASGI server: Daphne (Channels' own, the default) or uvicorn on uvloop and
 # httptools, which bench/hotpath.py measures at about a fifth less coordinator CPU per request.
 SERVERS = ("daphne", "uvicorn")
+UVICORN_PROTOCOL = "motorsite.uvicorn_protocol:HeaderDeadlineProtocol"
 
 
 @dataclass(frozen=True)
@@ -230,10 +231,11 @@ def server_args(cfg: StackConfig) -> list[str]:
     if cfg.server == "uvicorn":
         # No lifespan: the application is Channels' router, which has no lifespan handler. The
         # loop and parser named, not "auto": auto falls back to asyncio and h11 without a word,
-        # and the measured gain is theirs.
+        # and the measured gain is theirs. The parser is httptools with a deadline for request
+        # headers (uvicorn has none of its own).
         return [
             "uvicorn", "--host", HOST, "--port", str(cfg.coordinator_port), "--lifespan", "off", "--no-access-log",
-            "--loop", "uvloop", "--http", "httptools",
+            "--loop", "uvloop", "--http", UVICORN_PROTOCOL,
         ]
     if cfg.server != "daphne":
         raise ValueError(f"unknown server {cfg.server!r}: one of {', '.join(SERVERS)}")

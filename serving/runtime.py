@@ -129,13 +129,15 @@ def _breakers(redis: Any | None) -> BreakerBoard:
 
 def submit_breaker_transition(
     instance_id: int, new_state: str, reason: str, consecutive_failures: int,
-    open_until: float | None, open_seconds: float,
+    open_until: float | None, open_seconds: float, epoch: int,
 ) -> None:
     """The breakers' sink: hand a request-path transition to the control plane's write-back."""
     # Imported here: fleet's models load after this module (it is imported while URLs load).
     from fleet import writeback
 
-    writeback.submit_breaker_transition(instance_id, new_state, reason, consecutive_failures, open_until, open_seconds)
+    writeback.submit_breaker_transition(
+        instance_id, new_state, reason, consecutive_failures, open_until, open_seconds, epoch=epoch
+    )
 
 
 def engine_ids(snapshot: FleetSnapshot, prompt_ids: Sequence[int]) -> Sequence[int]:

@@ -72,9 +72,10 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
         "key_hash", "name", "tokens_per_minute", "allow_priority", "revoked",
     ))
     client_keys = {h: ClientKeyView(name, tpm, prio) for h, name, tpm, prio, revoked in keys if not revoked}
+    admin_keys = frozenset(ApiKey.objects.filter(scope=ApiKey.Scope.ADMIN, revoked=False).values_list("key_hash", flat=True))
     return FleetSnapshot(
         version=version, models=models, render=render, instances=instances,
-        client_keys=client_keys, client_keys_managed=bool(keys),
+        client_keys=client_keys, client_keys_managed=bool(keys), admin_keys=admin_keys,
     )
 
 
@@ -120,6 +121,14 @@ def _instance_view(i: EngineInstance) -> InstanceView:
         breaker_epoch=breaker.epoch if breaker else 0,
         obfuscation_key_id=i.obfuscation_key_id,
     )
+
+
+def fresh_snapshot() -> FleetSnapshot | None:
+    """The snapshot ``current_snapshot`` would return now without a query, or None when it would
+    check the database first (for callers that cannot await: Daphne's request hook)."""
+    if _current is not None and clock() - _checked_at < settings.MOTOR_SNAPSHOT_POLL_S:
+        return _current
+    return None
 
 
 async def current_snapshot() -> FleetSnapshot:

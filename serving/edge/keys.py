@@ -31,6 +31,16 @@ def bearer_token(scope: Scope) -> bytes:
     return value[7:].strip()
 
 
+def is_client_key(token: bytes, snapshot: FleetSnapshot, *, env_keys: Sequence[str]) -> bool:
+    """Whether ``token`` opens /v1, as ``authenticate`` decides, without binding anything
+    (the front door asks this before a request's body is read)."""
+    if not token or not token.isascii():
+        return False
+    if snapshot.client_keys_managed:
+        return hashlib.sha256(token).hexdigest() in snapshot.client_keys
+    return any(hmac.compare_digest(token, k.encode()) for k in env_keys)
+
+
 def authenticate(scope: Scope, snapshot: FleetSnapshot, *, env_keys: Sequence[str], open_access: bool) -> None:
     """Let the request through or raise ``Unauthorized`` (401); binds the key's token rate limit.
 

@@ -214,6 +214,11 @@ ROUTES: dict[str, Endpoint] = {
 }
 
 
+# The method each route takes: the front door (motorsite/front_door.py) answers an unknown path or
+# method from the head, in the order the endpoints do (route, method, key), before any body is read.
+METHODS: dict[str, str] = {path: "GET" if path == "/v1/models" else "POST" for path in ROUTES}
+
+
 async def application(scope: Scope, receive: Receive, send: Send) -> None:
     """The /v1 ASGI app (HTTP only; ``motorsite/asgi.py`` mounts it)."""
     endpoint = ROUTES.get(scope["path"])

@@ -11,7 +11,10 @@ What is refused, with vLLM 0.33's status and message where it has one (400, ``Ba
   ``max_tokens``) not an integer, below 1 or above ``max_model_len``; ``n`` and ``best_of`` not
   an integer in [1, ``VLLM_MAX_N_SEQUENCES``]; more completion prompts than
   ``RequestLimits.max_prompts``; ``n`` x prompts over ``RequestLimits.max_choices`` (the
-  coordinator's own cap, ``MOTOR_MAX_CHOICES``);
+  coordinator's own cap, ``MOTOR_MAX_CHOICES``), on all four APIs alike;
+- types: the sampling fields the coordinator reads (``temperature``, ``top_k``, ``stream``,
+  ``echo``, ...) as vLLM's lax schema reads them (``"stream": "false"`` is false, as vLLM
+  takes it; ``"temperature": "hot"`` is vLLM's schema 400), rewritten in the body;
 - ``structured_outputs`` that is not an object (vLLM itself answers 500 there), ``stop`` that is
   not a string or a list of strings: routing reads both, so the schema's 400 comes first;
 - engine controls (one rule: refused, never silently dropped, so a client learns its field had
@@ -153,25 +156,64 @@ class SchemaError(RequestError):
     type = "Bad Request"
 
 
-# vLLM parses bodies with pydantic in lax mode: "5", 5.0 and true are the integers 5, 5 and 1.
+# vLLM parses bodies with pydantic in lax mode: "5", 5.0 and true are the integers 5, 5 and 1;
+# "0.5" is the number 0.5; "false", "0", "off" and 0 are the boolean false. Its answer to
+# anything else is a schema 400 (``"temperature": "hot"``, ``"stream": "maybe"``).
 _LAX_INT: TypeAdapter[int] = TypeAdapter(int)
+_LAX_FLOAT: TypeAdapter[float] = TypeAdapter(float)
+_LAX_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
 
 
-def _integer(body: dict[str, Any], name: str) -> int | None:
-    """``body[name]`` as vLLM's schema reads it (None when absent or null), written back as an int
-    so every later reader sees what the engines will; 400 for what the schema refuses."""
+def _schema_error(name: str, value: Any, exc: ValidationError) -> SchemaError:
+    first = exc.errors()[0]
+    detail = {"type": first["type"], "loc": f"body.{name}", "msg": first["msg"], "input": str(value)[:100]}
+    return SchemaError(f"1 validation error:\n  {detail}", param=f"body.{name}")
+
+
+def _lax(body: dict[str, Any], name: str, adapter: TypeAdapter[Any], kept: tuple[type, ...]) -> Any:
+    """``body[name]`` as vLLM's schema reads it (None when absent or null), written back in that
+    type unless it already is one of ``kept``, so every later reader (routing, accounting, the
+    local fallback) sees what the engines will; 400 with vLLM's schema error otherwise."""
     value = body.get(name)
     if value is None:
         return None
     try:
-        number = _LAX_INT.validate_python(value)
+        parsed = adapter.validate_python(value)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        detail = {"type": first["type"], "loc": f"body.{name}", "msg": first["msg"], "input": str(value)[:100]}
-        raise SchemaError(f"1 validation error:\n  {detail}", param=f"body.{name}") from None
-    if not _is_int(value):
-        body[name] = number
+        raise _schema_error(name, value, exc) from None
+    if not isinstance(value, kept) or (isinstance(value, bool) and bool not in kept):
+        body[name] = parsed
+    return parsed
+
+
+def _integer(body: dict[str, Any], name: str) -> int | None:
+    number: int | None = _lax(body, name, _LAX_INT, (int,))
     return number
+
+
+# The typed fields each API's schema holds that the coordinator reads on some path (routing,
+# accounting, the local tokenizer's GenerateRequest) beyond the output bound and ``n``. A string
+# in a boolean field is the trap: Python's truth of "false" is True, vLLM's is False.
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INTS = ("top_k", "seed", "min_tokens")
+_BOOLS = ("stream", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "return_token_ids")
+_TYPED: dict[ApiKind, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {  # floats, ints, bools
+    "chat": (_FLOATS, _INTS, _BOOLS),
+    "completions": (_FLOATS, _INTS, (*_BOOLS, "echo")),
+    "responses": (("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"), ("top_k",),
+                  ("stream",)),
+    "messages": (("temperature", "top_p"), ("top_k",), ("stream",)),
+}
+
+
+def _check_types(kind: ApiKind, body: dict[str, Any]) -> None:
+    floats, ints, bools = _TYPED[kind]
+    for name in floats:
+        _lax(body, name, _LAX_FLOAT, (int, float))
+    for name in ints:
+        _integer(body, name)
+    for name in bools:
+        _lax(body, name, _LAX_BOOL, (bool,))
 
 
 # vLLM's schema for ``stop``: a string or a list of strings (no lax coercion from numbers).
@@ -183,9 +225,7 @@ def _typed(body: Mapping[str, Any], name: str, adapter: TypeAdapter[Any]) -> Non
     try:
         adapter.validate_python(body.get(name))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        detail = {"type": first["type"], "loc": f"body.{name}", "msg": first["msg"], "input": str(body.get(name))[:100]}
-        raise SchemaError(f"1 validation error:\n  {detail}", param=f"body.{name}") from None
+        raise _schema_error(name, body.get(name), exc) from None
 
 
 def _dataclass_field(body: Mapping[str, Any], name: str, schema: str) -> None:
@@ -232,32 +272,35 @@ def prompt_count(body: Mapping[str, Any]) -> int:
 
 
 def check_body(kind: ApiKind, body: dict[str, Any], model: ModelView, limits: RequestLimits) -> None:
-    """Refuse a body whose numbers or engine controls must not go further (400); return None.
+    """Refuse a body whose numbers, types or engine controls must not go further (400); return None.
 
-    Integers the schema accepts in another spelling ("5", 5.0) are rewritten as ints in ``body``.
+    Every API is checked the same way, whichever path serves it (token-only, the local fallback,
+    an engine's own API): values the schema accepts in another spelling ("5", 5.0, "0.5",
+    "false") are rewritten in ``body`` as vLLM reads them, so routing and accounting read what
+    the engines will; ``n`` x prompts is bounded by ``RequestLimits.max_choices``.
     """
     _check_controls(body, current_policy())
+    _check_types(kind, body)
+    n = _sequences(_integer(body, "n"), "n")
     if kind == "messages":
         # Anthropic requires max_tokens and validates it positive (vLLM's AnthropicMessagesRequest).
         value = _integer(body, "max_tokens")
         if value is None:
             raise RequestError("1 validation error:\n  max_tokens: Field required", param="max_tokens")
         _max_output(value, "max_tokens", model.max_model_len)
-        return
-    if kind == "responses":
+    elif kind == "responses":
         _max_output(_integer(body, "max_output_tokens"), "max_output_tokens", model.max_model_len)
-        return
-    _dataclass_field(body, "structured_outputs", "StructuredOutputsParams")
-    _typed(body, "stop", _STOP)  # routing reads it (engine/native.engine_tokenizer_feature)
-    max_tokens = _integer(body, "max_tokens")
-    completion = _integer(body, "max_completion_tokens") if kind == "chat" else None
-    # vLLM bounds the field it uses: max_completion_tokens wins over max_tokens (chat only).
-    if completion is not None:
-        _max_output(completion, "max_completion_tokens", model.max_model_len)
-    elif not (kind == "completions" and max_tokens == 0 and body.get("echo")):  # echo without generation
-        _max_output(max_tokens, "max_tokens", model.max_model_len)
-    n = _sequences(_integer(body, "n"), "n")
-    _sequences(_integer(body, "best_of"), "best_of")
+    else:
+        _dataclass_field(body, "structured_outputs", "StructuredOutputsParams")
+        _typed(body, "stop", _STOP)  # routing reads it (engine/native.engine_tokenizer_feature)
+        max_tokens = _integer(body, "max_tokens")
+        completion = _integer(body, "max_completion_tokens") if kind == "chat" else None
+        # vLLM bounds the field it uses: max_completion_tokens wins over max_tokens (chat only).
+        if completion is not None:
+            _max_output(completion, "max_completion_tokens", model.max_model_len)
+        elif not (kind == "completions" and max_tokens == 0 and body.get("echo")):  # echo without generation
+            _max_output(max_tokens, "max_tokens", model.max_model_len)
+        _sequences(_integer(body, "best_of"), "best_of")
     prompts = prompt_count(body) if kind == "completions" else 1
     if prompts > limits.max_prompts:
         raise RequestError(

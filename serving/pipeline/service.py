@@ -41,9 +41,11 @@ from serving.pipeline.engine.leg import BreakerOpen, EngineGuard
 from serving.pipeline.engine.native import (
     NATIVE_HINTS,
     NativeClient,
+    NativeEstimate,
     NativeStream,
     engine_tokenizer_feature,
     native_reason,
+    prompt_bound,
 )
 from serving.pipeline.errors import (
     EngineError,
@@ -100,6 +102,10 @@ def _hint(reason: str) -> str:
     return f": {hint}." if hint else ""
 
 
+def _no_native_engine(model: str, reason: str) -> NoCapacity:
+    return NoCapacity(f"no engine serves the native OpenAI API for model {model!r} ({reason})" + _hint(reason))
+
+
 class ServingPipeline:
     """Serves one request against one fleet snapshot."""
 
@@ -125,7 +131,8 @@ class ServingPipeline:
         self.engines = engines
         self.scheduler = scheduler
         self.policy = AttemptPolicy(max_attempts=max_attempts)
-        self.native = native or NativeClient(engines._client)
+        # The native path's JSON replies get the token-only path's deadline (ReplyDeadline).
+        self.native = native or NativeClient(engines._client, deadline=engines.deadline)
         self.counters = counters or RouterCounters()
         self.boundary = boundary or EngineBoundary()
         self.render_health = render_health or RenderHealth()
@@ -239,13 +246,15 @@ class ServingPipeline:
                     f"render is unavailable ({exc.fallback_reason}) and this request needs render's metadata; "
                     "the native path is closed with obfuscation on", reason=exc.fallback_reason,
                 ) from exc
-            return await self._native(kind, body, request_id, exc.reason, phases)
+            return await self._native(kind, body, request_id, exc.reason, phases, render_tried=True)
         except MotorError as exc:
             self._log_render(request_id, model.name, None, "render", None, outcome=type(exc).__name__)
             raise
         phases.on(source=tokenized.tokenizer_source).observe(metric_names.PHASE_RENDER, start)
         self._log_render(request_id, model.name, tokenized, tokenized.tokenizer_source, tokenized.fallback_reason)
         request_checks.check_tokenized(tokenized.prompts, kind=kind, model=model)
+        for prompt in tokenized.prompts:
+            self.boundary.admit(prompt.generate_request)  # with obfuscation on: a 400 before any quota
         # The client key's tokens-per-minute window is charged once the real count is known.
         await rate_limit.charge_request(sum(requested_tokens(p) for p in tokenized.prompts))
         requires_tokenizer = engine_tokenizer_feature(kind, body) is not None
@@ -257,7 +266,7 @@ class ServingPipeline:
             # Nothing reached the client yet: the whole request may move to the native path.
             if self.snapshot.render.obfuscation:
                 raise
-            return await self._native(kind, body, request_id, "engine_capability", phases)
+            return await self._native(kind, body, request_id, "engine_capability", phases, tokenized=tokenized)
         return await self._derender(kind, body, request_id, tokenized, responses, phases)
 
     def _log_render(
@@ -303,9 +312,14 @@ class ServingPipeline:
     # -- the native path -----------------------------------------------------------------------------
 
     async def _native(
-        self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, phases: Phases
+        self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, phases: Phases,
+        *, tokenized: TokenizedRequest | None = None, render_tried: bool = False,
     ) -> dict[str, Any] | NativeStream:
-        """Serve ``body`` on an engine's own OpenAI API, retrying elsewhere within the budget."""
+        """Serve ``body`` on an engine's own OpenAI API, retrying elsewhere within the budget.
+
+        ``tokenized``: the request's prompts when render (or the local tokenizer) already made
+        them; ``render_tried``: render was just found unusable, so it is not asked to count.
+        """
         model = self._model(body)
         phases.placed("native")  # the end-to-end phase's topology
         if self.snapshot.render.obfuscation:
@@ -322,15 +336,20 @@ class ServingPipeline:
             self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
             raise unservable
+        if not native_candidates(self.snapshot, self.scheduler, model.name):
+            # Decided native, but no engine can take it now: no render call to count its prompt.
+            self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
+            logger.info("route request_id=%s kind=%s path=native reason=%s result=no_engine", request_id, kind, reason)
+            raise _no_native_engine(model.name, reason)
+        # Charged what the engine may really process: prompt tokens plus n x the output bound it
+        # will resolve (engine/native.NativeEstimate), per instance context length.
+        estimate = await self._native_estimate(kind, body, request_id, tokenized, render_tried)
+        charge = estimate.tokens(model.max_model_len)
         self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
-        logger.info("route request_id=%s kind=%s path=native reason=%s", request_id, kind, reason)
-        # The body is the client's; the tokens are only an estimate (no prompt ids here).
-        # request_checks.check_body bounded these, so the estimate is positive and finite.
-        max_out = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
-        tokens = (max_out if isinstance(max_out, int) else 16) * int(body.get("n") or 1)
-        tokens *= request_checks.prompt_count(body) if kind == "completions" else 1
+        logger.info("route request_id=%s kind=%s path=native reason=%s prompt_tokens=%d counted_by=%s tokens=%d",
+                    request_id, kind, reason, sum(estimate.prompts), estimate.source, charge)
         # Charged here too (once per request: a request that moved from token-only is not charged twice).
-        await rate_limit.charge_request(tokens)
+        await rate_limit.charge_request(charge)
         excluded: set[str] = set()
         last: EngineError | None = None
         for attempt in range(self.policy.max_attempts):
@@ -338,14 +357,15 @@ class ServingPipeline:
             if not candidates:
                 if last is not None:
                     raise last
-                raise NoCapacity(
-                    f"no engine serves the native OpenAI API for model {model.name!r} ({reason})" + _hint(reason)
-                )
+                raise _no_native_engine(model.name, reason)
             instance = candidates[0]
             start = time.perf_counter()
             stack = AsyncExitStack()
             try:
-                result = await self.guard.native(instance, kind, body, request_id, tokens=tokens, stack=stack)
+                result = await self.guard.native(
+                    instance, kind, body, request_id, tokens=estimate.tokens(instance.max_model_len),
+                    max_output=estimate.output(instance.max_model_len), stack=stack,
+                )
             except BreakerOpen:
                 # Raced a half-open probe slot: not this request's failure, just not this instance.
                 await stack.aclose()
@@ -370,7 +390,30 @@ class ServingPipeline:
             return result
         if last is not None:
             raise last
-        raise NoCapacity(f"no engine serves the native OpenAI API for model {model.name!r} ({reason})" + _hint(reason))
+        raise _no_native_engine(model.name, reason)
+
+    async def _native_estimate(
+        self, kind: ApiKind, body: dict[str, Any], request_id: str, tokenized: TokenizedRequest | None,
+        render_tried: bool,
+    ) -> NativeEstimate:
+        """The request's prompt tokens (render's count where it can give one, else a bound from the
+        body's size) and output bound. Render is asked for a count only: its verdict on the body
+        never replaces the engine's (a Responses request naming a response only the engine
+        stored is a 4xx to render), and a sidecar that cannot answer costs a fallback, no error."""
+        if tokenized is not None:
+            counts = [len(p.token_ids) for p in tokenized.prompts]
+            return NativeEstimate.of(kind, body, counts, tokenized.tokenizer_source)
+        if not render_tried and self.snapshot.render.enable and not self.render_health.skip():
+            try:
+                counts = await self.render.prompt_lengths(kind, body, request_id)
+            except RenderUnavailable as exc:
+                self.render_health.mark(exc)
+            except UpstreamRequestError:
+                pass  # the engine's own API judges the body; the estimate falls back to its size
+            else:
+                self.render_health.mark(None)
+                return NativeEstimate.of(kind, body, counts, "render")
+        return NativeEstimate.of(kind, body, prompt_bound(kind, body), "bound")
 
     async def _render_verdict(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> None:
         """Let render judge ``body`` (vLLM's own schema and validators): its 4xx propagates; an
@@ -401,7 +444,9 @@ class ServingPipeline:
             # RFC: Trigger 多 prompt 流式仍沿用原生链路. Nothing reached the client yet.
             for s in streams:
                 await s.aclose(self.engines)
-            return await self._native(kind, body, request_id, "trigger_multi_prompt_stream", phases)
+            return await self._native(
+                kind, body, request_id, "trigger_multi_prompt_stream", phases, tokenized=tokenized
+            )
         except BaseException:
             for s in streams:
                 await s.aclose(self.engines)

@@ -90,3 +90,5 @@ class FleetSnapshot:
     # client key record exists (even revoked): from then on only these keys open /v1.
     client_keys: Mapping[str, ClientKeyView] = field(default_factory=dict)
     client_keys_managed: bool = False
+    # Active admin keys (/api) by sha256 hex: the front door refuses a body without one unread.
+    admin_keys: frozenset[str] = frozenset()

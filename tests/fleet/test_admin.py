@@ -140,6 +140,16 @@ def test_a_new_api_key_is_shown_once_and_only_its_hash_is_stored(staff_client: C
     assert key not in staff_client.get(f"/admin/fleet/apikey/{record.id}/change/").content.decode()
 
 
+def test_a_key_form_opened_before_a_revocation_does_not_bring_the_key_back(staff_client: Client) -> None:
+    record, _ = services.api_key_create(name="app", scope="client")
+    services.api_key_revoke(ids=[record.id])  # meanwhile, the revoke action
+    # What a form read before the revocation posts: "revoked" unchecked, and a new name.
+    form = {"name": "app-renamed", "tokens_per_minute": "", "revoked": ""}
+    assert staff_client.post(f"/admin/fleet/apikey/{record.id}/change/", form).status_code == 302
+    record.refresh_from_db()
+    assert (record.name, record.revoked) == ("app-renamed", True)
+
+
 def test_a_render_config_change_needing_a_restart_is_flagged(staff_client: Client, db: None) -> None:
     config = RenderConfig.objects.create()
     form = {"name": "default", "enable": "on", "host": "127.0.0.1", "port": 8101, "timeout_ms": 5000, "renderer_num_workers": 4,

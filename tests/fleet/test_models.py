@@ -72,7 +72,7 @@ def test_operator_breaker_actions_bump_the_epoch_and_record_flips(engine_up: Eng
 def test_request_path_record_does_not_bump_the_epoch(engine_up: EngineInstance) -> None:
     until = timezone.now() + timedelta(seconds=4)
     assert services.breaker_record(
-        instance_id=engine_up.id, new_state="open", reason="3 failures", consecutive_failures=3,
+        instance_id=engine_up.id, new_state="open", reason="3 failures", epoch=0, consecutive_failures=3,
         open_until=until, open_seconds=4.0,
     )
     breaker = BreakerState.objects.get(instance=engine_up)
@@ -80,9 +80,20 @@ def test_request_path_record_does_not_bump_the_epoch(engine_up: EngineInstance) 
     assert BreakerFlip.objects.get(instance=engine_up).actor == "request path"
 
 
+def test_a_write_back_decided_before_an_operator_reset_is_dropped(engine_up: EngineInstance) -> None:
+    services.breaker_reset(instance_id=engine_up.id, actor="alice")  # epoch 0 -> 1
+    stale = {"new_state": "open", "reason": "3 failures", "consecutive_failures": 3, "open_until": None, "open_seconds": 5.0}
+    assert not services.breaker_record(instance_id=engine_up.id, epoch=0, **stale)
+    breaker = BreakerState.objects.get(instance=engine_up)
+    assert (breaker.state, breaker.epoch) == ("closed", 1)
+    assert list(BreakerFlip.objects.filter(instance=engine_up).values_list("actor", flat=True)) == ["alice"]
+    assert services.breaker_record(instance_id=engine_up.id, epoch=1, **stale)  # decided after it: recorded
+    assert BreakerState.objects.get(instance=engine_up).state == "open"
+
+
 def test_recording_for_a_deleted_instance_is_a_no_op(db: None) -> None:
     assert not services.breaker_record(
-        instance_id=999, new_state="open", reason="x", consecutive_failures=1, open_until=None, open_seconds=1.0
+        instance_id=999, new_state="open", reason="x", epoch=0, consecutive_failures=1, open_until=None, open_seconds=1.0
     )
 
 

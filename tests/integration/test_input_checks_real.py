@@ -96,3 +96,26 @@ def test_a_body_not_declared_json_is_refused_as_vllm_refuses_it(
     assert ours.headers["content-type"] == "application/json"
     assert set(ours.json()["error"]) == {"message", "type", "param", "code"}
     assert "Only 'application/json' is allowed" in ours.json()["error"]["message"]
+
+
+# Sampling fields as vLLM 0.33's own server reads them (pydantic's lax mode), on the token-only path.
+MISTYPED = [chat(temperature="hot"), chat(top_k="x"), chat(stream="maybe"), chat(ignore_eos="maybe")]
+
+
+@pytest.mark.parametrize("body", MISTYPED, ids=["temperature", "top_k", "stream", "ignore_eos"])
+def test_a_mistyped_sampling_field_gets_vllms_schema_400(coordinator: stack.StackConfig, body: dict[str, Any]) -> None:
+    theirs = post(coordinator.engine_urls[0], "/v1/chat/completions", body)
+    ours = post(coordinator.coordinator_url, "/v1/chat/completions", body)
+    assert theirs.status_code == ours.status_code == 400, (theirs.text, ours.text)
+    mine, vllm = ours.json()["error"], theirs.json()["error"]
+    assert (mine["type"], mine["param"]) == (vllm["type"], vllm["param"])
+    assert mine["message"].split("'input'")[0] == vllm["message"].split("'input'")[0]
+
+
+def test_stream_false_as_a_string_is_a_json_answer_as_vllm_gives(coordinator: stack.StackConfig) -> None:
+    body = chat(stream="false", temperature=0)
+    theirs = post(coordinator.engine_urls[0], "/v1/chat/completions", body)
+    ours = post(coordinator.coordinator_url, "/v1/chat/completions", body)
+    assert theirs.status_code == ours.status_code == 200, (theirs.text, ours.text)
+    assert theirs.headers["content-type"] == ours.headers["content-type"] == "application/json"
+    assert ours.json()["choices"][0]["message"]["content"] == theirs.json()["choices"][0]["message"]["content"]

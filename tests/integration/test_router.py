@@ -16,6 +16,8 @@ import pytest
 
 from motorsite import stack
 from motorsite.supervisor import free_port
+from serving.pipeline.protocol import ApiKind
+from serving.pipeline.render.client import RenderClient
 
 from .conftest import API_KEY, _coordinator
 
@@ -87,3 +89,25 @@ def test_without_render_a_completion_is_tokenized_locally(
     assert [c["text"] for c in local["choices"]] == [c["text"] for c in through_render["choices"]]
     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
         assert local["usage"][key] == through_render["usage"][key]
+
+
+NATIVE_APIS = [
+    ("responses", "/v1/responses", {"model": "tiny", "input": "Tell me about lists", "max_output_tokens": 8,
+                                    "temperature": 0}),
+    ("messages", "/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about lists"}],
+                                  "max_tokens": 8, "temperature": 0}),
+]
+
+
+@pytest.mark.parametrize(("kind", "path", "body"), NATIVE_APIS, ids=[k for k, _, _ in NATIVE_APIS])
+async def test_the_native_path_counts_the_prompt_the_engine_reads(
+    coordinator: stack.StackConfig, kind: ApiKind, path: str, body: dict[str, Any]
+) -> None:
+    """The real sidecar's count-only render (what admission and the key's window hold on the
+    native path) equals the prompt tokens the real engine reports for the same body, served
+    through the coordinator by that engine's own API."""
+    async with httpx.AsyncClient(trust_env=False) as http:
+        render = RenderClient(http, f"http://127.0.0.1:{coordinator.render_port}", 60.0)
+        (count,) = await render.prompt_lengths(kind, dict(body), "count")
+    answer = post(coordinator.coordinator_url, path, body)
+    assert answer["usage"]["input_tokens"] == count

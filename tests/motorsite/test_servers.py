@@ -21,7 +21,7 @@ def test_daphne_serves_by_default_and_uvicorn_on_request() -> None:
     assert uvicorn[1:4] == ["-m", "uvicorn", "--host"] and uvicorn[-1] == "motorsite.asgi:application"
     assert uvicorn[uvicorn.index("--port") + 1] == "8123"
     assert uvicorn[uvicorn.index("--lifespan") + 1] == "off"  # Channels' router has no lifespan handler
-    assert (uvicorn[uvicorn.index("--loop") + 1], uvicorn[uvicorn.index("--http") + 1]) == ("uvloop", "httptools")
+    assert (uvicorn[uvicorn.index("--loop") + 1], uvicorn[uvicorn.index("--http") + 1]) == ("uvloop", stack.UVICORN_PROTOCOL)
     with pytest.raises(ValueError, match="one of daphne, uvicorn"):
         stack.coordinator_spec(replace(CFG, server="hypercorn"))
 

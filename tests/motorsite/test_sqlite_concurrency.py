@@ -69,7 +69,7 @@ def _write(instance_id: int, key: str) -> dict[str, Any]:
         # What the write-back thread runs for each queued transition; called from several threads
         # here so that it collides with itself as well as with the API and the probes.
         writeback.BreakerWriteBack.write(
-            writeback.BreakerTransition(instance_id, "open", "3 failures in a row", 3, None, 1.0)
+            writeback.BreakerTransition(instance_id, "open", "3 failures in a row", 3, None, 1.0, epoch=0)
         )
 
     def probe() -> None:

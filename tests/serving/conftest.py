@@ -11,6 +11,7 @@ import uvloop
 
 from tests.pd_sims import http, load  # noqa: F401  (fixtures of the P/D topology tests)
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
+from tests.serving.live_edge import _daphne, served  # noqa: F401  (the app behind Daphne and uvicorn on a socket)
 from tests.serving.router_fakes import Rig, assert_no_leaks, make_rig
 from tests.serving.shared_redis import prefix, redis_client  # noqa: F401  (fixtures of the Redis-backed tests)
 

@@ -196,6 +196,9 @@ class FakeUpstreams:
         base = request.headers.get("X-Request-Id") or body.get("request_id") or "anon"
         if request.url.path == "/v1/chat/completions/render":
             return httpx.Response(200, json=self._generate_request(f"chatcmpl-{base}", CHAT_PROMPT, body, True))
+        if request.url.path in ("/v1/responses/render", "/v1/messages/render"):
+            # vLLM 0.33's sidecar renders these APIs too, one GenerateRequest (the native path counts it).
+            return httpx.Response(200, json=self._generate_request(f"resp-{base}", CHAT_PROMPT, body, True))
         prompt = body["prompt"]
         prompts = prompt if isinstance(prompt, list) else [prompt]
         if len(prompts) == 1:

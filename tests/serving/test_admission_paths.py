@@ -9,10 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from serving.pipeline.engine.native import prompt_bound
 from serving.pipeline.errors import AdmissionUnavailable, RequestError
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.rate_limit import KeyLimit, TokenRateLimited, TokenRateLimiter
-from tests.serving.fakes import MODEL
+from tests.serving.fakes import CHAT_PROMPT, MODEL, error_json
 from tests.serving.router_fakes import Rig, chat_body, engine, model_dir, respond, snapshot_with
 from tests.serving.test_tokenization import connect_error, expected_chat_ids
 
@@ -31,17 +32,17 @@ def limiter(monkeypatch: pytest.MonkeyPatch) -> Iterator[TokenRateLimiter]:
 
 async def test_the_native_path_is_charged(rig: Rig, limiter: TokenRateLimiter) -> None:
     await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=60), "t1")
-    assert limiter.used(KEY.key_id) == 60
+    assert limiter.used(KEY.key_id) == len(CHAT_PROMPT) + 60  # render's prompt count + max_tokens
     rate_limit.bind(KEY)  # the next request of the same key
     with pytest.raises(TokenRateLimited):
         await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=60), "t2")
     assert len(rig.native.calls) == 1  # refused before any engine
-    assert limiter.used(KEY.key_id) == 60
+    assert limiter.used(KEY.key_id) == len(CHAT_PROMPT) + 60
 
 
 async def test_responses_are_charged_their_max_output_tokens(rig: Rig, limiter: TokenRateLimiter) -> None:
     await rig.pipeline(snapshot_with(*PLAIN)).responses({"model": MODEL, "input": "hi", "max_output_tokens": 33}, "t10")
-    assert limiter.used(KEY.key_id) == 33
+    assert limiter.used(KEY.key_id) == len(CHAT_PROMPT) + 33
 
 
 async def test_the_local_fallback_is_charged(rig: Rig, limiter: TokenRateLimiter) -> None:
@@ -52,10 +53,14 @@ async def test_the_local_fallback_is_charged(rig: Rig, limiter: TokenRateLimiter
 
 async def test_a_fallback_that_goes_native_is_charged_once(rig: Rig, limiter: TokenRateLimiter) -> None:
     rig.upstreams.override("render", "render", connect_error)
+    rate_limit.bind(roomy := KeyLimit("d" * 64, "team-d", 10_000))
     snap = snapshot_with(engine("e1", native_openai=True), engine("e2"), model_path=model_dir())
-    await rig.pipeline(snap).chat(chat_body(max_tokens=7, tools=[{"type": "function", "function": {"name": "f"}}]), "t8")
+    body = chat_body(max_tokens=7, tools=[{"type": "function", "function": {"name": "f"}}])
+    await rig.pipeline(snap).chat(body, "t8")
     assert len(rig.native.calls) == 1
-    assert limiter.used(KEY.key_id) == 7  # the native estimate, charged on the native path
+    assert len(rig.upstreams.calls_of("render")) == 1  # render is not asked again to count
+    # The native estimate, charged on the native path: render is down, so the body's size bounds the prompt.
+    assert limiter.used(roomy.key_id) == prompt_bound("chat", body)[0] + 7
 
 
 async def test_a_request_moved_from_token_only_to_native_is_not_charged_twice(
@@ -92,3 +97,18 @@ async def test_a_multi_prompt_stream_that_cannot_hold_all_its_prompts_fails_fast
     # An unrelated request is served at once afterwards.
     out = await rig.pipeline(snapshot_with(only)).completions({"model": MODEL, "prompt": "a", "max_tokens": 5}, "t6")
     assert out["choices"]
+
+
+async def test_render_only_counts_a_native_prompt_and_its_verdict_never_refuses_it(
+    rig: Rig, limiter: TokenRateLimiter
+) -> None:
+    # Render cannot know a response only the engine stored: its 4xx costs the count, not the request.
+    rig.upstreams.override("render", "render", respond(404, error_json(404, "Response resp_x not found", "NotFoundError")))
+    rate_limit.bind(roomy := KeyLimit("e" * 64, "team-e", 10_000))
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 5, "previous_response_id": "resp_x"}
+    out = await rig.pipeline(snapshot_with(*PLAIN)).responses(dict(body), "t11")
+    assert out["path"] == "/v1/responses"
+    (count,) = rig.upstreams.calls_of("render")
+    assert count.path == "/v1/responses/render" and count.body["mm_payload"] == "none"  # ids only, no tensors
+    assert rig.native.calls == [("e1", "/v1/responses", body)]  # the client's body, as sent
+    assert limiter.used(roomy.key_id) == prompt_bound("responses", body)[0] + 5

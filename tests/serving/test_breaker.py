@@ -74,9 +74,9 @@ def test_every_transition_reaches_the_sink_with_wall_clock_open_until() -> None:
     assert b.begin(E1)
     b.success(E1)
     assert sink == [
-        (E1.id, "open", "connect refused", 3, 5010.0, 10),
-        (E1.id, "half_open", "open time passed", 3, None, 10),
-        (E1.id, "closed", "trial succeeded", 0, None, 0.0),
+        (E1.id, "open", "connect refused", 3, 5010.0, 10, 0),
+        (E1.id, "half_open", "open time passed", 3, None, 10, 0),
+        (E1.id, "closed", "trial succeeded", 0, None, 0.0, 0),
     ]
 
 
@@ -125,6 +125,15 @@ def test_a_higher_epoch_from_an_operator_is_adopted() -> None:
 def test_an_instance_first_seen_open_starts_open() -> None:
     b = board(Clock())
     assert not b.allows(replace(E1, breaker_state="open", breaker_epoch=4))
+
+
+def test_the_sink_gets_the_operator_epoch_the_breaker_adopted() -> None:
+    sink: list[tuple[Any, ...]] = []
+    b = board(Clock(), sink)
+    reset = replace(E1, breaker_state="closed", breaker_epoch=4)
+    for _ in range(3):
+        b.failure(reset, "boom")
+    assert sink[-1][0:2] == (E1.id, "open") and sink[-1][-1] == 4  # the write-back is compared with it
 
 
 def test_a_failing_sink_never_breaks_the_request() -> None:

@@ -3,12 +3,20 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from serving.pipeline.engine.native import NativeStream, native_reason
+from serving.pipeline.engine.native import (
+    NativeEstimate,
+    NativeStream,
+    native_reason,
+    prompt_bound,
+    requested_output,
+    sequences,
+)
 from serving.pipeline.errors import EngineError, NoCapacity, RequestError, UpstreamRequestError
 from tests.serving.fakes import MODEL, error_json
 from tests.serving.router_fakes import Rig, chat_body, engine, respond, snapshot_with
@@ -53,7 +61,8 @@ async def test_a_stop_string_on_a_tokens_only_fleet_goes_native(rig: Rig) -> Non
     out = await rig.pipeline(snapshot_with(*PLAIN)).chat(body, "n1")
     assert out == {"id": "native", "object": "native", "served_by": "e1", "path": "/v1/chat/completions"}
     assert rig.native.calls == [("e1", "/v1/chat/completions", body)]
-    assert rig.upstreams.calls == []  # neither render nor generate
+    # Render is asked for the prompt's token count (admission), never for a generate.
+    assert [c.path for c in rig.upstreams.calls] == ["/v1/chat/completions/render"]
     assert rig.counters.get("motor_route_decisions_total", path="native", reason="stop_strings") == 1
 
 
@@ -151,3 +160,49 @@ async def test_a_missing_capability_with_obfuscation_on_is_not_sent_native(rig: 
     with pytest.raises(EngineError):
         await rig.pipeline(snapshot_with(*keyed, obfuscation=True, obfuscation_key_id="k1")).chat(chat_body(), "n14")
     assert rig.native.calls == []
+
+
+# -- the native estimate (pure) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "requested"),
+    [
+        ("chat", {"max_completion_tokens": 7, "max_tokens": 9}, 7),  # vLLM's order: the first present
+        ("chat", {"max_tokens": 9}, 9),
+        ("chat", {}, None),  # up to the context
+        ("completions", {}, 16),  # CompletionRequest's default
+        ("completions", {"max_tokens": 0, "echo": True}, 1),  # echo without generation: one step
+        ("responses", {"max_tokens": 1, "max_completion_tokens": 2}, None),  # not Responses fields
+        ("responses", {"max_output_tokens": 50}, 50),
+        ("messages", {"max_tokens": 8}, 8),
+    ],
+)
+def test_the_output_bound_is_read_from_the_field_each_api_uses(
+    kind: Any, body: dict[str, Any], requested: int | None
+) -> None:
+    assert requested_output(kind, body) == requested
+
+
+def test_only_chat_and_completions_decode_n_sequences() -> None:
+    assert [sequences(k, {"n": 4}) for k in ("chat", "completions", "responses", "messages")] == [4, 4, 1, 1]
+
+
+def test_the_prompt_bound_counts_ids_exactly_and_text_by_its_bytes() -> None:
+    assert prompt_bound("completions", {"prompt": [5, 6, 7]}) == (3,)
+    assert prompt_bound("completions", {"prompt": [[5, 6], [7]]}) == (2, 1)
+    assert prompt_bound("completions", {"prompt": ["ab", "ñ"]}) == (3, 3)  # UTF-8 bytes, + a BOS each
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "héllo"}]}
+    assert prompt_bound("chat", chat) == (len(json.dumps(chat, ensure_ascii=False).encode()),)
+
+
+def test_the_estimate_resolves_the_output_against_the_context_left() -> None:
+    est = NativeEstimate.of("chat", {"max_tokens": 100, "n": 2}, [50], "render")
+    assert (est.tokens(1000), est.output(1000)) == (50 + 2 * 100, 100)
+    assert (est.tokens(120), est.output(120)) == (50 + 2 * 70, 70)  # capped at the room left
+    to_context = NativeEstimate.of("responses", {}, [50], "render")
+    assert (to_context.tokens(1000), to_context.output(1000)) == (1000, 950)
+    # A prompt bound past the context counts as the context: the engine refuses anything longer.
+    over = NativeEstimate.of("completions", {"prompt": ["x", "y"]}, [5000, 10], "bound")
+    assert over.tokens(1000) == (999 + 1) + (10 + 16)
+    assert over.output(1000) == 16

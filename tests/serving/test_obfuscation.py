@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from typing import Any, Iterator
 
 import httpx
@@ -91,11 +92,12 @@ def test_it_refuses_ids_outside_the_vocabulary() -> None:
 
 
 def full_request() -> dict[str, Any]:
-    """A GenerateRequest with every id-valued field set, as render and the router could send it."""
+    """A GenerateRequest with every field set, as render (a chat with tools, a reasoning parser and
+    token offsets) and the router could send it."""
     return {
         "request_id": "chatcmpl-1",
         "token_ids": [1, 5, 9, 2, 0, 511],
-        "token_offsets": None,
+        "token_offsets": [[0, 3], [3, 7], [7, 8], [8, 12], [12, 13], [13, 20]],
         "features": None,
         "content_parts": None,
         "sampling_params": {
@@ -113,11 +115,17 @@ def full_request() -> dict[str, Any]:
             "output_kind": 2,
         },
         "model": "tiny",
+        "reasoning_ended": None,
+        "reasoning_parser_kwargs": {"chat_template_kwargs": {"enable_thinking": False, "persona": "Captain Nemo"}},
         "output_mode": "tokens",
-        "parse_context": {"tools": None, "tool_choice": "none"},
+        "parse_context": {
+            "tools": [{"type": "function", "function": {"name": "lookup_salary", "parameters": {"type": "object"}}}],
+            "tool_choice": "auto",
+            "chat_template_kwargs": {"persona": "Captain Nemo"},
+        },
         "stream": False,
         "stream_options": None,
-        "cache_salt": None,
+        "cache_salt": "tenant-acme",
         "priority": 0,
         "kv_transfer_params": {"do_remote_decode": True},
         "ec_transfer_params": None,
@@ -139,10 +147,33 @@ def test_it_maps_every_id_valued_request_field_and_leaves_the_input_alone() -> N
     assert sp["trace_decode_token_ids"] == [p(12), p(13)]
     assert sp["logit_bias"] == {str(p(5)): 1.5, str(p(300)): -100.0}
     assert sp["prompt_logprob_token_ids"] == [[p(1), p(2), -1], [p(3), -1, -1]]
-    # Everything that is not an id travels unchanged.
-    for name in ("request_id", "model", "parse_context", "kv_transfer_params", "priority", "return_token_ids"):
+    # Numbers, flags, names and connector state travel unchanged.
+    for name in ("request_id", "model", "kv_transfer_params", "priority", "return_token_ids", "stream"):
         assert out[name] == req[name]
     assert sp["temperature"] == 0.0 and sp["max_tokens"] == 8 and sp["logprobs"] == 3
+
+
+def test_it_leaves_out_what_the_engine_never_reads_and_digests_the_cache_salt() -> None:
+    req = full_request()
+    out = obfuscate_request(req, MAPPING)
+    # Tool schemas, chat_template_kwargs (twice) and character offsets: generate reads none of
+    # them in tokens mode (module docstring), so none of them is sent.
+    for name in ("parse_context", "token_offsets", "reasoning_parser_kwargs", "reasoning_ended"):
+        assert name not in out
+    wire = json.dumps(out)
+    for text in ("lookup_salary", "Captain Nemo", "enable_thinking", "tenant-acme"):
+        assert text not in wire
+    assert out["cache_salt"] == MAPPING.salt("tenant-acme") and len(out["cache_salt"]) == 64
+    assert req["parse_context"]["tool_choice"] == "auto"  # the coordinator's copy keeps it
+
+
+def test_the_salt_digest_partitions_the_cache_as_the_client_did_and_fits_vllm() -> None:
+    assert MAPPING.salt("a") == TokenMapping.from_key(KEY, VOCAB).salt("a")  # every process agrees
+    assert MAPPING.salt("a") != MAPPING.salt("b")
+    assert MAPPING.salt("a") != TokenMapping.from_key(b"another-key-of-enough-bytes", VOCAB).salt("a")
+    # vLLM's cache_salt check: at most 128 characters, none of @ / \\ NUL.
+    salt = MAPPING.salt("x@y/z\\" + "\x00" * 3 + "é" * 300)
+    assert len(salt) <= 128 and not set(salt) & set("@/\\\x00")
 
 
 def test_it_obfuscates_what_engine_request_builds_for_every_attempt() -> None:
@@ -161,7 +192,9 @@ def test_it_obfuscates_what_engine_request_builds_for_every_attempt() -> None:
         (lambda r: r["sampling_params"].__setitem__("stop", ["\n\n"]), "stop"),
         (lambda r: r["sampling_params"].__setitem__("bad_words", ["secret"]), "bad_words"),
         (lambda r: r["sampling_params"].__setitem__("structured_outputs", {"json": {}}), "structured_outputs"),
-        (lambda r: r.__setitem__("content_parts", [{"type": "image_url", "url": "x"}]), "content_parts"),
+        (lambda r: r.__setitem__("content_parts", [{"type": "image_url", "url": "x"}]), "messages"),
+        (lambda r: r.__setitem__("features", {"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": []},
+                                              "kwargs_data": {"image": ["cGl4ZWxz"]}}), "messages"),
         (lambda r: r.__setitem__("output_mode", "derender"), "output_mode"),
         (lambda r: r.__setitem__("prompt_text", "hello"), None),
         (lambda r: r["sampling_params"].__setitem__("banned_token_ids", [1]), "sampling_params"),

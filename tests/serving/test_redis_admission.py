@@ -1,6 +1,7 @@
-"""Token admission shared through the real Redis on 127.0.0.1 (db 14): leases on Redis's clock,
-a FIFO queue per instance woken by pub/sub, waiters that leave no member behind, and 503 with
-``Retry-After`` when Redis is away. Two independent clients stand for two processes."""
+"""Token admission shared through the real Redis on 127.0.0.1 (db 14): leases on a clock that a
+step of Redis's wall clock does not move, a FIFO queue per instance woken by pub/sub, waiters that
+leave no member behind, and 503 with ``Retry-After`` when Redis is away. Two independent clients
+stand for two processes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,31 @@ from serving.pipeline.flow_control.admission import AdmissionSettings, reserve_t
 from serving.pipeline.flow_control.redis_admission import RedisTokenAdmission
 from tests.serving import shared_redis
 from tests.serving.fakes import instance
-from tests.serving.shared_redis import keys
+
+# A step of Redis's wall clock, played without touching the machine's clock: the scripts of a
+# client wrapped in ShiftedTime see ``redis.call('TIME')`` plus the seconds stored in a key the
+# test sets. Nothing else changes; it is the real Redis underneath.
+SHIFTED_TIME = (
+    "(function() local t = redis.call('TIME') "
+    "return {tostring(tonumber(t[1]) + tonumber(redis.call('GET', '%s') or '0')), t[2]} end)()"
+)
+
+
+class ShiftedTime:
+    def __init__(self, client: Any, shift_key: str) -> None:
+        self._client = client
+        self._shift_key = shift_key
+
+    def register_script(self, script: str) -> Any:
+        return self._client.register_script(script.replace("redis.call('TIME')", SHIFTED_TIME % self._shift_key))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+async def keys(redis_client: Any, prefix: str) -> list[str]:
+    """What is left under ``prefix`` besides the leases' clock (one small hash that stays)."""
+    return [k for k in await shared_redis.keys(redis_client, prefix) if k != f"{prefix}:clock"]
 
 E1 = replace(instance("e1"), token_capacity=100)
 E2 = replace(instance("e2"), token_capacity=100)
@@ -90,7 +115,7 @@ async def test_it_refuses_a_non_positive_amount_in_python_and_in_the_script(redi
         with pytest.raises(RequestError):
             await a.acquire(E1, amount)
     with pytest.raises(ResponseError, match="positive integer"):  # a caller that bypassed acquire
-        await a._acquire(keys=a._keys("e1"), args=[a.channel, "x", -5, 100, -1, 1000, 1000, "0", "e1"])
+        await a._acquire(keys=a._keys("e1"), args=[a.channel, a.clock_step_ms, "x", -5, 100, -1, 1000, 1000, "0", "e1"])
     assert await keys(redis_client, prefix) == []
     async with await a.acquire(E1, 60):  # later acquires work: nothing is poisoned
         with pytest.raises(AdmissionTimeout):
@@ -99,17 +124,60 @@ async def test_it_refuses_a_non_positive_amount_in_python_and_in_the_script(redi
     assert await keys(redis_client, prefix) == []
 
 
-async def test_lease_expiry_is_on_redis_clock_not_the_process_clock(
+async def test_lease_expiry_is_on_the_shared_leases_clock_not_the_process_clock(
     redis_client: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a = RedisTokenAdmission(redis_client, AdmissionSettings(), prefix=prefix, lease_ttl_s=15)
     monkeypatch.setattr(time, "time", lambda: 10.0)  # this process's wall clock is 56 years off
     lease = await a.acquire(E1, 10)
-    seconds, micros = await redis_client.time()
+    clock_ms = float(await redis_client.hget(f"{prefix}:clock", "now"))
     expiry_ms = await redis_client.zscore(f"{prefix}:leases", lease.lease_id)
-    assert 14_000 <= expiry_ms - (seconds * 1000 + micros // 1000) <= 15_000
+    assert expiry_ms - clock_ms == 15_000
     lease.release()
     await settle(a)
+    assert await keys(redis_client, prefix) == []
+
+
+async def test_a_step_of_redis_wall_clock_frees_no_lease(redis_client: Any, prefix: str) -> None:
+    shift_key = f"{prefix}:test_time_shift"
+    other = shared_redis.client()
+    a = RedisTokenAdmission(ShiftedTime(redis_client, shift_key), AdmissionSettings(), prefix=prefix, recheck_s=0.1)
+    b = RedisTokenAdmission(
+        ShiftedTime(other, shift_key), AdmissionSettings(wait_s=0.5), prefix=prefix, recheck_s=0.1
+    )
+    try:
+        held = await a.acquire(E1, 100)
+        await redis_client.set(shift_key, 3600)  # Redis's clock steps an hour forward (NTP, a restored VM)
+        with pytest.raises(AdmissionTimeout):
+            await b.acquire(E1, 10)  # b still sees a's tokens: the lease outlived the step
+        assert await redis_client.zscore(f"{prefix}:leases", held.lease_id) is not None
+        held.release()
+        async with asyncio.timeout(3):
+            (await b.acquire(E1, 10)).release()  # and a release still frees them at once
+        await settle(a, b)
+    finally:
+        await other.aclose()
+        await redis_client.delete(shift_key)
+    assert await keys(redis_client, prefix) == []
+
+
+async def test_a_step_back_of_redis_wall_clock_does_not_hold_a_crashed_holders_tokens(
+    redis_client: Any, prefix: str
+) -> None:
+    shift_key = f"{prefix}:test_time_shift"
+    shifted = ShiftedTime(redis_client, shift_key)
+    crashed = RedisTokenAdmission(shifted, AdmissionSettings(), prefix=prefix, lease_ttl_s=0.3)
+    lease = await crashed.acquire(E1, 100)
+    crashed._renewers.pop(lease.lease_id).cancel()  # the process dies: no release, no renewal
+    await redis_client.set(shift_key, -3600)  # then Redis's clock steps an hour back
+    survivor = RedisTokenAdmission(shifted, AdmissionSettings(wait_s=5.0), prefix=prefix, recheck_s=0.1)
+    try:
+        async with asyncio.timeout(4):  # not an hour: the leases' clock went on from where it was
+            async with await survivor.acquire(E1, 100):
+                assert survivor.inflight_tokens() == {"e1": 100}
+        await settle(survivor)
+    finally:
+        await redis_client.delete(shift_key)
     assert await keys(redis_client, prefix) == []
 
 

@@ -46,7 +46,8 @@ async def test_a_stream_goes_native_when_the_sidecar_lacks_streaming_derender(ri
     raw = await read_all(stream)
     assert raw.endswith(b"data: [DONE]\n\n") and b'"content":"hi"' in raw
     assert rig.native.calls == [("e1", "/v1/chat/completions", body)]
-    assert rig.upstreams.calls == []  # neither render nor derender nor token-only generate
+    # Render is asked for the prompt's token count only: neither derender nor token-only generate.
+    assert [c.path for c in rig.upstreams.calls] == ["/v1/chat/completions/render"]
     assert rig.counters.get("motor_route_decisions_total", path="native", reason="no_streaming_derender") == 1
 
 

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from serving.pipeline import request_checks
+from serving.pipeline.engine.native import prompt_bound
 from serving.pipeline.errors import MotorError, RequestError
 from serving.pipeline.request_checks import KeyPolicy, RequestLimits, VocabularyUnknown
 from serving.pipeline.snapshot import FleetSnapshot, ModelView
@@ -129,8 +130,10 @@ async def test_a_valid_native_request_reserves_positive_tokens(rig: Rig) -> None
         return original(host, path, body)
 
     rig.native.answer = observe  # type: ignore[method-assign]
-    await _call(rig, snapshot_with(*NATIVE, enable=False), "chat", chat_body(max_tokens=7, n=3))
-    assert seen == [{"e1": 21}]
+    body = chat_body(max_tokens=7, n=3)
+    await _call(rig, snapshot_with(*NATIVE, enable=False), "chat", body)
+    # Render disabled: the prompt is counted from the body's size, plus n x max_tokens.
+    assert seen == [{"e1": prompt_bound("chat", body)[0] + 21}]
 
 
 # -- engine controls ------------------------------------------------------------------------------

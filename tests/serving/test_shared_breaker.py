@@ -227,3 +227,21 @@ async def test_without_redis_the_trial_is_claimed_per_process() -> None:
     await board.flush()
     assert board.state(E1) is State.CLOSED
     await gone.aclose()
+
+
+async def test_a_full_queue_never_drops_a_trial_release(two: Any, redis_client: Any, prefix: str) -> None:
+    a, b, _, _ = two
+    await tripped_and_waited(two)
+    # A third process whose queue to Redis holds two ops, and Redis slower than its verdicts: every
+    # op below is queued before its worker runs once.
+    c = SharedBreakerBoard(redis_client, prefix=prefix, refresh_s=0, threshold=3, base_open_s=0.3, max_pending=2)
+    await synced(c)
+    assert await c.claim(E1) and not await a.claim(E1) and not await b.claim(E1)
+    c.release(E1)  # the trial ended without a verdict (a 4xx, cancelled): its claim must go
+    for n in range(5):
+        c.allows(replace(E1, id=100 + n, name=f"x{n}"))  # re-reads of other instances fill the queue
+    assert [op.kind for op in c._ops] == ["unclaim", "read"]  # the bound holds; the re-reads gave way
+    await c.flush()
+    assert await keys(redis_client, prefix) == [f"{prefix}:{E1.id}"]  # the claim is gone...
+    assert await b.claim(E1)  # ...so another process sends the trial now, not in 600 s
+    b.success(E1)

@@ -95,9 +95,19 @@ class ReplyDeadline:
     per_token_s: float = 0.1
 
     def seconds(self, request: Mapping[str, Any]) -> float:
-        max_tokens = (request.get("sampling_params") or {}).get("max_tokens")
+        """The deadline of a GenerateRequest, from its ``sampling_params.max_tokens``."""
+        return self.for_budget((request.get("sampling_params") or {}).get("max_tokens"))
+
+    def for_budget(self, max_tokens: object) -> float:
+        """The deadline of a reply whose output is bounded by ``max_tokens`` per choice (the
+        native path passes the bound the engine will resolve)."""
         budget = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0
         return self.base_s + self.per_token_s * budget
+
+    def timeout(self, base: httpx.Timeout, max_tokens: object) -> httpx.Timeout:
+        """``base`` with its read timeout (the wait for a whole non-streaming reply) set to
+        ``for_budget(max_tokens)``; connect, write and pool stay the shared client's."""
+        return httpx.Timeout(connect=base.connect, read=self.for_budget(max_tokens), write=base.write, pool=base.pool)
 
 
 class EngineClient:
@@ -109,8 +119,7 @@ class EngineClient:
     def _reply_timeout(self, request: Mapping[str, Any]) -> httpx.Timeout | None:
         if self.deadline is None:
             return None
-        t = self._client.timeout
-        return httpx.Timeout(connect=t.connect, read=self.deadline.seconds(request), write=t.write, pool=t.pool)
+        return self.deadline.timeout(self._client.timeout, (request.get("sampling_params") or {}).get("max_tokens"))
 
     async def generate(self, instance: InstanceView, request: dict[str, Any]) -> dict[str, Any]:
         """Non-streaming generate; returns the GenerateResponse JSON as the engine wrote it.

@@ -205,12 +205,15 @@ class EngineGuard:
 
     async def native(
         self, instance: InstanceView, kind: ApiKind, body: dict[str, Any], request_id: str, *, tokens: int,
-        stack: AsyncExitStack,
+        stack: AsyncExitStack, max_output: int | None = None,
     ) -> dict[str, Any] | NativeStream:
-        """One call to an engine's own OpenAI API; a stream takes ``stack`` (its holds) over."""
+        """One call to an engine's own OpenAI API; a stream takes ``stack`` (its holds) over.
+
+        ``tokens``: what admission holds; ``max_output``: the output bound per choice (the reply's deadline).
+        """
         async with self.breaker_scope(instance, record_failure=False):
             await self._hold(instance, tokens, stack)
-            return await self.native_client.call(instance, kind, body, request_id, stack)
+            return await self.native_client.call(instance, kind, body, request_id, stack, max_output=max_output)
 
     async def abort(self, instance: InstanceView, request_ids: list[str]) -> None:
         await self.engines.abort(instance, request_ids)

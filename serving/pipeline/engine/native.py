@@ -12,18 +12,28 @@ permuted and their own tokenizer would produce garbage, so such requests are ref
 
 The body goes to the engine as the client sent it, and the engine's answer comes back as is:
 JSON, or the SSE byte stream relayed chunk by chunk.
+
+Accounting (``NativeEstimate``): admission and the key's tokens per minute hold what the
+engine may really process, as on the token-only path: each prompt's tokens plus ``n`` times the
+output bound vLLM resolves (``min(requested, max_model_len - prompt)``, the whole room left when
+the API's own field is absent), read from the field each API's schema uses
+(``NATIVE_OUTPUT_FIELDS``). Prompt tokens are render's count when the request was rendered
+(or render answers a count-only render call), else an upper bound from the body's size
+(``prompt_bound``). A JSON answer's deadline scales with that bound (``ReplyDeadline``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
 
 import httpx
 
+from serving.pipeline.engine.client import ReplyDeadline
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError, error_body
 from serving.pipeline.http import Upstream
 from serving.pipeline.http11 import StreamReply, loads
@@ -78,6 +88,93 @@ def native_reason(kind: ApiKind, body: Mapping[str, Any], snapshot: FleetSnapsho
     if feature is not None and not any(i.tokenizer for i in union_role(eligible_instances(snapshot, model))):
         return feature
     return None
+
+
+# The field each engine API reads its output bound from (vLLM 0.33's schemas), and its default
+# when absent: a number, or None for "the room left in the context". Only these count: vLLM's
+# Responses schema ignores ``max_tokens``, so a body with ``max_tokens: 1`` and no
+# ``max_output_tokens`` generates up to the context there.
+NATIVE_OUTPUT_FIELDS: dict[ApiKind, tuple[tuple[str, ...], int | None]] = {
+    "chat": (("max_completion_tokens", "max_tokens"), None),  # the first present wins (vLLM's order)
+    "completions": (("max_tokens",), 16),  # CompletionRequest.max_tokens = 16
+    "responses": (("max_output_tokens",), None),
+    "messages": (("max_tokens",), None),  # required (request_checks)
+}
+
+
+def requested_output(kind: ApiKind, body: Mapping[str, Any]) -> int | None:
+    """The output bound per choice ``body`` asks of the engine's own API (request_checks made it
+    an int), or None when the engine may generate up to its context."""
+    names, default = NATIVE_OUTPUT_FIELDS[kind]
+    for name in names:
+        value = body.get(name)
+        if value is not None:
+            if kind == "completions" and value == 0 and body.get("echo"):
+                return 1  # echo without generation: vLLM still runs one step (max_tokens=1)
+            return int(value)
+    return default
+
+
+def sequences(kind: ApiKind, body: Mapping[str, Any]) -> int:
+    """How many sequences the engine decodes per prompt: ``n`` on chat and completions; the
+    Responses and Messages schemas have no ``n`` (vLLM ignores it there): one."""
+    return int(body.get("n") or 1) if kind in ("chat", "completions") else 1
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", errors="surrogatepass"))
+
+
+def prompt_bound(kind: ApiKind, body: Mapping[str, Any]) -> tuple[int, ...]:
+    """Each prompt's tokens estimated from the body alone, erring high, for when render cannot count.
+
+    A byte-level BPE token (the models vLLM serves) covers at least one byte of text, so a
+    text's UTF-8 length bounds its tokens; for chats the whole body's JSON is counted, whose
+    keys and quotes around each message outweigh the few tokens a chat template adds. Token-id
+    prompts count exactly. (Media given by URL, images or audio, is what this undercounts.)
+    """
+    prompt = body.get("prompt")
+    if kind == "completions" and isinstance(prompt, (str, list)):
+        if isinstance(prompt, str):
+            return (_utf8_len(prompt) + 1,)  # + the BOS a tokenizer may add
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return (len(prompt),)
+        return tuple(
+            _utf8_len(p) + 1 if isinstance(p, str) else len(p) if isinstance(p, list) else _utf8_len(json.dumps(p))
+            for p in prompt
+        ) or (1,)
+    return (_utf8_len(json.dumps(body, ensure_ascii=False)),)
+
+
+@dataclass(frozen=True, slots=True)
+class NativeEstimate:
+    """What one native request may make an engine process, per instance context length."""
+
+    prompts: tuple[int, ...]  # tokens per prompt: exact (render) or an upper bound
+    requested: int | None  # the output bound asked per choice; None: up to the context
+    n: int  # sequences per prompt
+    source: str  # render | local | bound: where the prompt counts came from (logs)
+
+    @classmethod
+    def of(cls, kind: ApiKind, body: Mapping[str, Any], prompts: Sequence[int], source: str) -> NativeEstimate:
+        return cls(tuple(max(1, p) for p in prompts) or (1,), requested_output(kind, body), sequences(kind, body), source)
+
+    def _output(self, prompt: int, max_model_len: int) -> int:
+        room = max(1, max_model_len - prompt)
+        return room if self.requested is None else max(1, min(self.requested, room))
+
+    def output(self, max_model_len: int) -> int:
+        """The longest output one choice may have (what the reply's deadline scales with)."""
+        return max(self._output(min(p, max_model_len - 1), max_model_len) for p in self.prompts)
+
+    def tokens(self, max_model_len: int) -> int:
+        """Prompt plus ``n`` x resolved output, summed over prompts: what admission holds. A
+        prompt bound past the context counts as the context (the engine would refuse more)."""
+        total = 0
+        for p in self.prompts:
+            prompt = min(p, max_model_len - 1)
+            total += prompt + self.n * self._output(prompt, max_model_len)
+        return total
 
 
 # What the client can do when a request of this reason finds no native path (refused or no engine).
@@ -148,16 +245,21 @@ class NativeStream:
 class NativeClient:
     """Calls one engine's own OpenAI API over the shared HTTP client."""
 
-    def __init__(self, client: Upstream) -> None:
+    def __init__(self, client: Upstream, *, deadline: ReplyDeadline | None = None) -> None:
         self._client = client
+        # The token-only path's deadline for a whole reply (None: the shared client's read timeout).
+        self.deadline = deadline
 
     async def call(
-        self, instance: InstanceView, kind: ApiKind, body: dict[str, Any], request_id: str, stack: AsyncExitStack
+        self, instance: InstanceView, kind: ApiKind, body: dict[str, Any], request_id: str, stack: AsyncExitStack,
+        *, max_output: int | None = None,
     ) -> dict[str, Any] | NativeStream:
         """Send ``body`` to ``instance``; a stream is returned only once the engine answered 200.
 
         ``stack`` holds what the call keeps (admission lease, load): a JSON answer closes it
-        before returning, a stream takes it over.
+        before returning, a stream takes it over. ``max_output``: the output bound per choice the
+        engine will resolve; a JSON answer may take as long as ``deadline`` gives it (a stream's
+        chunks each get the shared client's read timeout instead).
         """
         url = instance.url + NATIVE_PATHS[kind]
         headers = {"X-Request-Id": request_id}
@@ -171,7 +273,15 @@ class NativeClient:
                     raw = await streamed.aread()
                     _raise_for_status(instance, streamed.status_code, _json(raw))
                 return NativeStream(kind, instance, request_id, streamed, stack.pop_all())
-            response = await self._client.post(url, json=body, headers=headers)
+            if self.deadline is None:
+                response = await self._client.post(url, json=body, headers=headers)
+            else:
+                # An engine's own API sends nothing until a JSON answer is whole: a flat read
+                # timeout would cut a long healthy generation, trip the breaker and rerun it.
+                timeout = self.deadline.timeout(self._client.timeout, max_output)
+                response = await self._client.post(url, json=body, headers=headers, timeout=timeout)
+        except httpx.ReadTimeout as exc:
+            raise EngineError(f"{instance.name} gave no answer in time ({exc!r})", instance=instance.name) from exc
         except httpx.HTTPError as exc:
             raise EngineError(f"{instance.name} unreachable: {exc!r}", instance=instance.name) from exc
         payload = _json(response.content)

@@ -3,14 +3,18 @@
 The same rules as ``admission.TokenAdmission`` (capacity, global budget, a FIFO queue per
 instance, a bounded local queue, a deadline, ``reserve_together``), with the state in Redis:
 
-- ``<prefix>:leases`` is a sorted set of lease ids scored by their expiry, on Redis's own clock
-  (``redis.call('TIME')`` in every script, so processes with skewed clocks agree on it);
-  ``:lease_tokens`` and ``:lease_instance`` hold each lease's count and instance, ``:held`` the
-  tokens per instance and ``:total`` the sum. Every script first drops expired leases, so a
-  crashed process's tokens come back one TTL after its last renewal. Counts are never parsed out
-  of member names, and the scripts refuse a non-positive count themselves.
-- ``<prefix>:queue:<instance>`` is that instance's FIFO of waiting lease ids (scored by arrival
-  time on Redis's clock) and ``:queue_expiry:<instance>`` their heartbeat deadline: only the head
+- ``<prefix>:leases`` is a sorted set of lease ids scored by their expiry on the leases' clock
+  ``<prefix>:clock``, kept by the scripts themselves so processes with skewed clocks agree on it.
+  It follows the progress of Redis's ``TIME`` but moves at most a small step per script and
+  never back: ``TIME`` is the server's wall clock, and read directly, one forward step of it
+  would expire every lease at once (Redis's own key expiry is on the same wall clock, so
+  ``PEXPIRE`` would not help). ``:lease_tokens`` and ``:lease_instance`` hold each lease's count
+  and instance, ``:held`` the tokens per instance and ``:total`` the sum. Every script first
+  drops expired leases, so a crashed process's tokens come back about one TTL after its last
+  renewal (later while no script runs at all). Counts are never parsed out of member names, and
+  the scripts refuse a non-positive count themselves.
+- ``<prefix>:queue:<instance>`` is that instance's FIFO of waiting lease ids (scored by an
+  arrival counter) and ``:queue_expiry:<instance>`` their heartbeat deadline: only the head
   may take tokens, a waiter that times out or is cancelled removes itself, and one whose process
   died drops out after three missed heartbeats.
 
@@ -60,11 +64,28 @@ from serving.pipeline.snapshot import InstanceView
 logger = logging.getLogger(__name__)
 
 # KEYS: 1 leases, 2 lease_tokens, 3 lease_instance, 4 held, 5 total, 6 queue, 7 queue_expiry,
-# 8 budget_queue, 9 budget_expiry. ARGV[1] is the wake channel in every script.
+# 8 budget_queue, 9 budget_expiry, 10 clock. ARGV[1] is the wake channel and ARGV[2] the clock's
+# largest step (ms) in every script.
 _COMMON = """
+-- The leases' clock (ms), not Redis's TIME itself: TIME is the server's wall clock, and one
+-- forward step of it (NTP, a VM restored, an operator's date) would expire every lease and
+-- every waiter at once. This clock follows TIME's progress but moves at most ARGV[2] ms per
+-- script and never back, so a step of any size advances it less than any live lease or waiter
+-- has left (each renews well before that). Between two scripts further apart than ARGV[2] it
+-- lags, which only delays the expiry of a crashed process's lease.
 local function now_ms()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local wall = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local c = redis.call('HMGET', KEYS[10], 'now', 'wall')
+  local now = tonumber(c[1] or '0')
+  local step = wall - tonumber(c[2] or wall)
+  if step > 0 then now = now + math.min(step, tonumber(ARGV[2])) end
+  redis.call('HSET', KEYS[10], 'now', now, 'wall', wall)
+  return now
+end
+-- Arrival order of waiters: a counter, not a timestamp a backward step could reorder.
+local function arrival()
+  return redis.call('HINCRBY', KEYS[10], 'arrivals', 1)
 end
 local function drop(lease)
   local tokens = tonumber(redis.call('HGET', KEYS[2], lease) or '0')
@@ -103,16 +124,15 @@ local function wake(instance)
 end
 """
 
-# ARGV: 2 lease id, 3 tokens, 4 capacity, 5 budget (-1: none), 6 lease ttl ms, 7 waiter ttl ms,
-# 8 enqueue ('1': wait in the queue if not granted), 9 instance. Returns 1 if granted, else 0.
+# ARGV: 3 lease id, 4 tokens, 5 capacity, 6 budget (-1: none), 7 lease ttl ms, 8 waiter ttl ms,
+# 9 enqueue ('1': wait in the queue if not granted), 10 instance. Returns 1 if granted, else 0.
 _ACQUIRE = _COMMON + """
-local id, instance = ARGV[2], ARGV[9]
-local tokens = tonumber(ARGV[3])
+local id, instance = ARGV[3], ARGV[10]
+local tokens = tonumber(ARGV[4])
 if not tokens or tokens < 1 or tokens ~= math.floor(tokens) then
   return redis.error_reply('tokens must be a positive integer')
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 prune(now)
 prune_queue(now, instance)
 local head = redis.call('ZRANGE', KEYS[6], 0, 0)[1]
@@ -120,19 +140,19 @@ local queued = redis.call('ZSCORE', KEYS[6], id)
 if head == nil or head == id then
   local here = tonumber(redis.call('HGET', KEYS[4], instance) or '0')
   local all = tonumber(redis.call('GET', KEYS[5]) or '0')
-  local budget = tonumber(ARGV[5])
-  local fits_here = here + tokens <= tonumber(ARGV[4]) or here == 0
+  local budget = tonumber(ARGV[6])
+  local fits_here = here + tokens <= tonumber(ARGV[5]) or here == 0
   local bhead = redis.call('ZRANGE', KEYS[8], 0, 0)[1]
   local fits_budget = budget < 0 or ((all + tokens <= budget or all == 0) and (bhead == nil or bhead == id))
-  if fits_here and not fits_budget and budget >= 0 and ARGV[8] == '1' then
+  if fits_here and not fits_budget and budget >= 0 and ARGV[9] == '1' then
     -- An instance's head held only by the budget holds back every later request, on any instance.
     if not redis.call('ZSCORE', KEYS[8], id) then
-      redis.call('ZADD', KEYS[8], queued or (tonumber(t[1]) * 1000000 + tonumber(t[2])), id)
+      redis.call('ZADD', KEYS[8], queued or arrival(), id)
     end
-    redis.call('ZADD', KEYS[9], now + tonumber(ARGV[7]), id)
+    redis.call('ZADD', KEYS[9], now + tonumber(ARGV[8]), id)
   end
   if fits_here and fits_budget then
-    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[6]), id)
+    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[7]), id)
     redis.call('HSET', KEYS[2], id, tokens)
     redis.call('HSET', KEYS[3], id, instance)
     redis.call('HINCRBY', KEYS[4], instance, tokens)
@@ -147,17 +167,17 @@ if head == nil or head == id then
     return 1
   end
 end
-if ARGV[8] == '1' then
-  if not queued then redis.call('ZADD', KEYS[6], tonumber(t[1]) * 1000000 + tonumber(t[2]), id) end
-  redis.call('ZADD', KEYS[7], now + tonumber(ARGV[7]), id)
+if ARGV[9] == '1' then
+  if not queued then redis.call('ZADD', KEYS[6], arrival(), id) end
+  redis.call('ZADD', KEYS[7], now + tonumber(ARGV[8]), id)
 end
 return 0
 """
 
 # A lease released or a waiter gone (timed out, cancelled, or granted as it was cancelled).
-# ARGV: 2 lease id, 3 instance. Returns 1 if it held or queued anything.
+# ARGV: 3 lease id, 4 instance. Returns 1 if it held or queued anything.
 _FORGET = _COMMON + """
-local id, instance = ARGV[2], ARGV[3]
+local id, instance = ARGV[3], ARGV[4]
 prune(now_ms())
 local changed = redis.call('ZREM', KEYS[6], id) + redis.call('ZREM', KEYS[8], id)
 redis.call('ZREM', KEYS[7], id)
@@ -170,23 +190,23 @@ if changed > 0 then wake(instance) end
 return changed
 """
 
-# ARGV: 2 lease id, 3 ttl ms. Returns 0 when the lease had already expired.
+# ARGV: 3 lease id, 4 ttl ms. Returns 0 when the lease had already expired.
 _RENEW = _COMMON + """
 local now = now_ms()
 prune(now)
-if not redis.call('ZSCORE', KEYS[1], ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[3]), ARGV[2])
+if not redis.call('ZSCORE', KEYS[1], ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[4]), ARGV[3])
 return 1
 """
 
-# ARGV: 2 instance, 3 waiter ttl ms, 4... this process's waiting lease ids for that instance.
+# ARGV: 3 instance, 4 waiter ttl ms, 5... this process's waiting lease ids for that instance.
 _HEARTBEAT = _COMMON + """
 local now = now_ms()
 prune(now)
-prune_queue(now, ARGV[2])
-for i = 4, #ARGV do
-  redis.call('ZADD', KEYS[7], 'XX', now + tonumber(ARGV[3]), ARGV[i])
-  redis.call('ZADD', KEYS[9], 'XX', now + tonumber(ARGV[3]), ARGV[i])
+prune_queue(now, ARGV[3])
+for i = 5, #ARGV do
+  redis.call('ZADD', KEYS[7], 'XX', now + tonumber(ARGV[4]), ARGV[i])
+  redis.call('ZADD', KEYS[9], 'XX', now + tonumber(ARGV[4]), ARGV[i])
 end
 return 1
 """
@@ -211,6 +231,10 @@ class RedisTokenAdmission(TokenAdmission):
         self.channel = f"{prefix}:wake"
         self.lease_ttl_s = lease_ttl_s  # how long a crashed holder keeps its tokens
         self.recheck_s = recheck_s  # safety-net re-check and waiters' heartbeat (not the wake-up path)
+        # The leases' clock moves at most this much per script (see _COMMON): less than a live
+        # lease (renewed every third of its TTL) or waiter (heartbeat every recheck_s, three
+        # missed to expire) has left, whatever step Redis's own clock takes.
+        self.clock_step_ms = max(int(min(lease_ttl_s / 3, recheck_s) * 1000), 1)
         self._acquire = redis.register_script(_ACQUIRE)
         self._forget_script = redis.register_script(_FORGET)
         self._renew = redis.register_script(_RENEW)
@@ -226,6 +250,7 @@ class RedisTokenAdmission(TokenAdmission):
         return [
             f"{p}:leases", f"{p}:lease_tokens", f"{p}:lease_instance", f"{p}:held", f"{p}:total",
             f"{p}:queue:{instance}", f"{p}:queue_expiry:{instance}", f"{p}:budget_queue", f"{p}:budget_expiry",
+            f"{p}:clock",
         ]
 
     def waiting(self) -> int:
@@ -243,7 +268,7 @@ class RedisTokenAdmission(TokenAdmission):
         ok = await self._acquire(
             keys=self._keys(instance.name),
             args=[
-                self.channel, lease.lease_id, lease.tokens, instance.token_capacity, budget,
+                self.channel, self.clock_step_ms, lease.lease_id, lease.tokens, instance.token_capacity, budget,
                 int(self.lease_ttl_s * 1000), waiter_ttl_ms, "1" if enqueue else "0", instance.name,
             ],
         )
@@ -351,13 +376,17 @@ class RedisTokenAdmission(TokenAdmission):
         waiter_ttl_ms = int(max(3 * self.recheck_s, 1.0) * 1000)
         for instance, local in list(self._local.items()):
             ids = [w.lease_id for w in local]
-            await self._heartbeat(keys=self._keys(instance), args=[self.channel, instance, waiter_ttl_ms, *ids])
+            await self._heartbeat(
+                keys=self._keys(instance), args=[self.channel, self.clock_step_ms, instance, waiter_ttl_ms, *ids]
+            )
 
     async def _keep(self, instance: str, lease_id: str) -> None:
         while True:
             await asyncio.sleep(self.lease_ttl_s / 3)
             try:
-                kept = await self._renew(keys=self._keys(instance), args=[self.channel, lease_id, int(self.lease_ttl_s * 1000)])
+                kept = await self._renew(
+                    keys=self._keys(instance), args=[self.channel, self.clock_step_ms, lease_id, int(self.lease_ttl_s * 1000)]
+                )
             except (RedisError, OSError) as exc:  # Redis away: the lease may lapse; the request goes on
                 logger.warning("admission lease renewal failed instance=%s: %r", instance, exc)
                 continue
@@ -367,7 +396,7 @@ class RedisTokenAdmission(TokenAdmission):
 
     async def _forget(self, instance: str, lease_id: str) -> None:
         try:
-            await self._forget_script(keys=self._keys(instance), args=[self.channel, lease_id, instance])
+            await self._forget_script(keys=self._keys(instance), args=[self.channel, self.clock_step_ms, lease_id, instance])
         except (RedisError, OSError) as exc:  # it expires on its own (lease TTL, waiter heartbeat)
             logger.warning("admission forget failed instance=%s: %r", instance, exc)
 

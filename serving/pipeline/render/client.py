@@ -17,12 +17,20 @@ import httpx
 from serving.pipeline.errors import DerenderError, RenderUnavailable, UpstreamRequestError
 from serving.pipeline.http import Upstream
 from serving.pipeline.http11 import Reply
-from serving.pipeline.protocol import TokenKind
+from serving.pipeline.protocol import ApiKind, TokenKind
 
 logger = logging.getLogger(__name__)
 
 CHAT_RENDER = "/v1/chat/completions/render"
 COMPLETIONS_RENDER = "/v1/completions/render"
+# vLLM 0.33's sidecar renders the Responses and Messages APIs too (no derender exists for them):
+# the native path asks it only for their prompt token counts.
+RENDER_PATHS: dict[ApiKind, str] = {
+    "chat": CHAT_RENDER,
+    "completions": COMPLETIONS_RENDER,
+    "responses": "/v1/responses/render",
+    "messages": "/v1/messages/render",
+}
 CHAT_DERENDER = "/v1/chat/completions/derender"
 COMPLETIONS_DERENDER = "/v1/completions/derender"
 
@@ -106,6 +114,19 @@ class RenderClient:
         if not (isinstance(out, list) and out and all(isinstance(r, dict) and _has_token_ids(r) for r in out)):
             raise RenderUnavailable("render answered without usable token_ids", reason="no_token_ids")
         return out
+
+    async def prompt_lengths(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> list[int]:
+        """How many tokens each prompt of ``body`` renders to (one for all but completions).
+
+        Raises what rendering raises: ``UpstreamRequestError`` for render's verdict on the body,
+        ``RenderUnavailable`` when the sidecar cannot answer (an older one lacks the route: 404).
+        """
+        # Only the ids' layout is read: "none" spares the processed media tensors in the answer.
+        out = await self._post_render(RENDER_PATHS[kind], {**body, "mm_payload": "none"}, request_id)
+        rendered = out if isinstance(out, list) else [out]
+        if not (rendered and all(isinstance(r, dict) and _has_token_ids(r) for r in rendered)):
+            raise RenderUnavailable("render answered without usable token_ids", reason="no_token_ids")
+        return [len(r["token_ids"]) for r in rendered]
 
     async def _post_derender(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         loop = asyncio.get_running_loop()

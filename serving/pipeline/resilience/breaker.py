@@ -33,9 +33,12 @@ class State(enum.Enum):
 
 
 class TransitionSink(Protocol):
+    """Receives every transition; ``epoch`` is the operator epoch the breaker had adopted when it
+    moved, so the control plane can drop a transition that an operator action has overtaken."""
+
     def __call__(
         self, instance_id: int, new_state: str, reason: str, consecutive_failures: int,
-        open_until: float | None, open_seconds: float,
+        open_until: float | None, open_seconds: float, epoch: int,
     ) -> None: ...
 
 
@@ -150,7 +153,7 @@ class BreakerBoard:
         if self.sink is not None:
             open_until = self._wall() + (b.open_until - self._clock()) if new is State.OPEN else None
             try:
-                self.sink(instance.id, new.value, reason, b.failures, open_until, b.open_s)
+                self.sink(instance.id, new.value, reason, b.failures, open_until, b.open_s, b.epoch)
             except Exception:  # the write-back must never break a request
                 logger.exception("breaker sink failed instance=%s", instance.name)
 

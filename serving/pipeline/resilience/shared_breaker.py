@@ -17,7 +17,9 @@ local trial slot and then ``SET <prefix>:<id>:trial NX PX`` in Redis, valued wit
 own token; a process that finds the key taken gives its slot back and keeps away from the
 instance for ``refresh_s``. The trial's verdict (or release) deletes the key after the verdict
 itself reached Redis, and only if this board still holds it; a process that dies mid-trial
-leaves a claim that expires after ``trial_claim_s``. While Redis is unreachable the claim
+leaves a claim that expires after ``trial_claim_s``. The queue to the worker is bounded
+(``max_pending``), but a claim's deletion is never what a full queue drops: lost, it would keep
+every process away from the instance's half-open trial until the claim expired. While Redis is unreachable the claim
 falls back to the local slot: one trial per process, as a per-process board.
 
 Operator overrides still win: the snapshot's higher ``breaker_epoch`` is adopted locally as
@@ -132,7 +134,9 @@ class SharedBreakerBoard(BreakerBoard):
         self._token = f"{os.getpid()}:{uuid.uuid4().hex}"  # this board's claims, not another's
         self._claims: set[int] = set()  # instance ids whose fleet-wide trial this board holds
         self._elsewhere: dict[int, float] = {}  # instance id -> until when another process's trial runs
-        self._ops: deque[_Op] = deque(maxlen=max_pending)  # bounded: the oldest re-read is dropped first
+        self._ops: deque[_Op] = deque()  # bounded by ``max_pending``, see ``_enqueue``
+        self.max_pending = max_pending
+        self.dropped = 0  # ops a full queue dropped (re-reads first, then verdicts; never an unclaim)
         self._worker: asyncio.Task[None] | None = None
         self._read_at: dict[int, float] = {}
         self._moved: tuple[State, str] | None = None  # the flip the last local verdict made
@@ -231,10 +235,31 @@ class SharedBreakerBoard(BreakerBoard):
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # no loop (a synchronous caller): the local verdict stands, the next read syncs
+        if len(self._ops) >= self.max_pending:
+            self._drop_one()
         self._ops.append(op)
         # (A worker of another, closed loop never finishes: start one on this loop.)
         if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
             self._worker = loop.create_task(self._drain())
+
+    def _drop_one(self) -> None:
+        """Make room in a full queue (Redis slower than the verdicts come): drop the oldest re-read,
+        else the oldest verdict or adoption; never an ``unclaim``.
+
+        A dropped re-read is made again after ``refresh_s``, a dropped verdict costs one count
+        toward the shared threshold, but a dropped ``unclaim`` would hold the fleet's one half-open
+        trial of that instance for ``trial_claim_s`` (600 s by default) with no trial running.
+        Unclaims are at most one per claim this board held, so keeping them all keeps the queue
+        bounded by ``max_pending`` plus the instances with a claim.
+        """
+        for kinds in (("read",), ("failure", "success", "adopt")):
+            for i, queued in enumerate(self._ops):
+                if queued.kind in kinds:
+                    del self._ops[i]
+                    self.dropped += 1
+                    logger.warning("breaker redis queue full, dropped instance=%s op=%s dropped_total=%d",
+                                   queued.instance.name, queued.kind, self.dropped)
+                    return
 
     async def _drain(self) -> None:
         while self._ops:
@@ -283,7 +308,7 @@ class SharedBreakerBoard(BreakerBoard):
             return
         open_until = self._wall() + (b.open_until - self._clock()) if new is State.OPEN else None
         try:
-            self.sink(instance.id, new.value, reason, b.failures, open_until, b.open_s)
+            self.sink(instance.id, new.value, reason, b.failures, open_until, b.open_s, b.epoch)
         except Exception:  # the write-back must never break a request
             logger.exception("breaker sink failed instance=%s", instance.name)
 
