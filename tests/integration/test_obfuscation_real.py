@@ -308,7 +308,7 @@ def obf_coordinator(
         tiers, engine_ports=(int(obf_url.rsplit(":", 1)[1]),), coordinator_port=free_port(),
         database_url=f"sqlite:///{tmp_path / 'coordinator.sqlite3'}", log_dir=tiers.log_dir / "obf-coordinator",
         # The key reaches the coordinator as deployments pass it: an environment variable the
-        # render config names (`setting:NAME`), never stored in the database.
+        # render config names (`setting:MOTOR_OBFUSCATION_KEY_<NAME>`), never stored in the database.
         extra_env={**tiers.extra_env, "MOTOR_OBFUSCATION_KEY_COORDINATOR": _env("MOTOR_OBF_TEST_KEY")},
     )
     stack.prepare_database(cfg)
@@ -632,14 +632,14 @@ def leak_fleet(
         cfg = replace(
             tiers, engine_ports=tuple(p.port for p in fronts), coordinator_port=free_port(),
             render_port=injector.port, database_url=f"sqlite:///{db}", log_dir=tiers.log_dir / "obf-leak",
-            extra_env={**tiers.extra_env, "MOTOR_OBF_COORDINATOR_KEY": _env("MOTOR_OBF_TEST_KEY"),
+            extra_env={**tiers.extra_env, "MOTOR_OBFUSCATION_KEY_COORDINATOR": _env("MOTOR_OBF_TEST_KEY"),
                        "MOTOR_BREAKER_THRESHOLD": "1000"},
         )
         stack.prepare_database(cfg)
         with sqlite3.connect(db) as conn:
             assert conn.execute(
                 "UPDATE serving_renderconfig SET obfuscation = 1, obfuscation_key_ref = ?, obfuscation_key_id = ?",
-                ("setting:MOTOR_OBF_COORDINATOR_KEY", key_id),
+                ("setting:MOTOR_OBFUSCATION_KEY_COORDINATOR", key_id),
             ).rowcount == 1
             assert conn.execute(
                 "UPDATE fleet_engineinstance SET obfuscation_key_id = ?, cap_native_openai = 0, cap_tokenizer = 0",
