@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Iterable
 from django.conf import settings
 
 from catalog.key_refs import InvalidKeyRef, check_key_ref
-from serving.pipeline.obfuscation import mapping as obfuscation
-from serving.pipeline.obfuscation.mapping import TokenMapping, key_id
+from serving.pipeline.obfuscation import keyring as obfuscation
+from serving.pipeline.obfuscation.mapping import MIN_KEY_BYTES, TokenMapping, key_id
 
 if TYPE_CHECKING:
     from catalog.models import RenderConfig
@@ -61,8 +61,8 @@ def resolve_key(ref: str) -> bytes:
             key = Path(where).read_bytes().strip()
         except OSError as exc:
             raise KeyUnavailable(f"cannot read key file {where}: {exc.strerror}") from None
-    if len(key) < obfuscation.MIN_KEY_BYTES:
-        raise KeyUnavailable(f"the key from {ref} is shorter than {obfuscation.MIN_KEY_BYTES} bytes")
+    if len(key) < MIN_KEY_BYTES:
+        raise KeyUnavailable(f"the key from {ref} is shorter than {MIN_KEY_BYTES} bytes")
     return key
 
 

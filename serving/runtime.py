@@ -47,7 +47,7 @@ from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
 from serving.pipeline.flow_control.redis_admission import RedisTokenAdmission
 from serving.pipeline.metrics import RouterCounters
-from serving.pipeline.obfuscation import mapping as obfuscation
+from serving.pipeline.obfuscation import keyring as obfuscation
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.obfuscation.mapping import TokenMapping
 from serving.pipeline.phases import Histograms

@@ -19,7 +19,8 @@ from catalog.key_refs import InvalidKeyRef, check_key_ref
 from catalog.models import RenderConfig, ServedModel
 from fleet import services as fleet_services
 from serving.obfuscation_keys import KeyUnavailable, resolve_key
-from serving.pipeline.obfuscation import mapping as obfuscation
+from serving.pipeline.obfuscation import keyring as obfuscation
+from serving.pipeline.obfuscation.mapping import key_id
 
 KEY = "an-obfuscation-key-0123456789"
 
@@ -149,7 +150,7 @@ def test_the_admin_shows_no_hash_of_a_secret_a_stored_reference_names(
     fleet_services.instance_create(
         actor="t", name="e1", url="http://e1.test:1", served_model_id=model.id, obfuscation_key_id="x"
     )
-    secret_id = obfuscation.key_id(settings.SECRET_KEY.encode())
+    secret_id = key_id(settings.SECRET_KEY.encode())
     for page in ("/admin/fleet/engineinstance/", "/admin/fleet/dashboard/"):
         html = staff_client.get(page).content.decode()
         assert "names no obfuscation key" in html

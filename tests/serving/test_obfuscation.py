@@ -18,22 +18,24 @@ from enginesim.testing import LiveServer
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.errors import RequestError
+from serving.pipeline.obfuscation.keyring import (
+    clear_mappings,
+    eligible,
+    load_error,
+    mapping_for,
+    register_mapping,
+    require_mapping,
+)
 from serving.pipeline.obfuscation.mapping import (
     ObfuscatedOutputInvalid,
     ObfuscationKeyError,
     ObfuscationRefused,
     TokenMapping,
-    clear_mappings,
     deobfuscate_event,
     deobfuscate_response,
-    eligible,
     key_id,
-    load_error,
-    mapping_for,
     obfuscate_request,
     permutation,
-    register_mapping,
-    require_mapping,
 )
 from serving.pipeline.placement import filters
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, RenderView

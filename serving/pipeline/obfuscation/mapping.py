@@ -51,7 +51,7 @@ engine's copy. ``refuse_unsendable`` runs right after render, so a refused reque
 before admission; ``obfuscate_request`` runs again before every engine request (retries,
 relays, P/D legs). An id outside the vocabulary is refused too. A deployment with obfuscation
 on but no usable key refuses all traffic (``ObfuscationKeyError``); an instance whose declared
-key id differs from the render config's is not eligible for it (``eligible``). Without
+key id differs from the render config's is not eligible for it (``keyring.eligible``). Without
 obfuscation nothing here runs.
 
 Errors (all in the ``serving.pipeline.errors`` tree):
@@ -69,14 +69,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from serving.pipeline.errors import MotorError, RequestError
-
-if TYPE_CHECKING:
-    from serving.pipeline.snapshot import FleetSnapshot, InstanceView, RenderView
 
 # Domain separation: the permutation and the key id are different functions of the same key.
 _PERMUTATION_DOMAIN = b"motorsite/token-permutation/v1"
@@ -220,54 +217,6 @@ def _apply(
     out: list[int] = table[arr].tolist()
     return out
 
-
-
-# --- fail-closed helpers -----------------------------------------------------------------------
-
-
-def require_mapping(render: RenderView, mapping: TokenMapping | None) -> TokenMapping | None:
-    """Return the mapping to use for a request: ``None`` without obfuscation, else ``mapping``.
-
-    Raises ``ObfuscationKeyError`` when obfuscation is on and there is no key, or the loaded
-    key is not the one the render config names (a rotation half done): traffic is refused, never
-    sent plain and never sent to an engine's native OpenAI path instead.
-    """
-    if not render.obfuscation:
-        return None
-    if not render.obfuscation_key_id:
-        raise ObfuscationKeyError("token obfuscation is on but the render config names no key id; refusing traffic")
-    if mapping is None:
-        raise ObfuscationKeyError(
-            f"token obfuscation is on but key {render.obfuscation_key_id} is not available; refusing traffic"
-        )
-    if mapping.key_id != render.obfuscation_key_id:
-        raise ObfuscationKeyError(
-            f"token obfuscation key mismatch: the render config names {render.obfuscation_key_id}, "
-            f"the loaded key is {mapping.key_id}; refusing traffic"
-        )
-    return mapping
-
-
-def eligible(instance: InstanceView, render: RenderView) -> tuple[bool, str]:
-    """Whether ``instance`` may take this deployment's token-only traffic, and why not.
-
-    With obfuscation on, only instances that declare the render config's key id; with it off,
-    only instances with plain weights (an obfuscated engine fed plain ids answers garbage).
-    """
-    if render.obfuscation:
-        if not render.obfuscation_key_id:
-            return False, "obfuscation is on but the render config names no key id"
-        if not instance.obfuscation_key_id:
-            return False, f"instance serves plain weights; obfuscated traffic needs key {render.obfuscation_key_id}"
-        if instance.obfuscation_key_id != render.obfuscation_key_id:
-            return False, (
-                f"instance key id {instance.obfuscation_key_id} differs from the render config's "
-                f"{render.obfuscation_key_id}"
-            )
-        return True, ""
-    if instance.obfuscation_key_id:
-        return False, f"instance serves weights obfuscated with key {instance.obfuscation_key_id} but obfuscation is off"
-    return True, ""
 
 
 # --- the request boundary ----------------------------------------------------------------------
@@ -510,47 +459,3 @@ def _deobfuscate_logprobs(content: list[dict[str, Any]], mapping: TokenMapping) 
             entry["top_logprobs"] = [{**t, "token_id": next(ids)} for t in tops]
         out.append(entry)
     return out
-
-
-# --- the process's loaded keys -----------------------------------------------------------------
-# Keys are secrets and never enter the snapshot: the Django side (``serving.obfuscation_keys``)
-# resolves the render config's key reference when a snapshot is built and registers the mapping
-# here; the request path only looks it up by the key id the snapshot names.
-
-_mappings: dict[str, TokenMapping] = {}
-_latest: TokenMapping | None = None
-_load_error = ""
-
-
-def register_mapping(mapping: TokenMapping) -> None:
-    global _latest, _load_error
-    _mappings[mapping.key_id] = mapping
-    _latest = mapping
-    _load_error = ""
-
-
-def register_load_error(reason: str) -> None:
-    """Remember why the configured key could not be loaded (shown by ``load_error``, logged by the caller)."""
-    global _load_error
-    _load_error = reason
-
-
-def load_error() -> str:
-    return _load_error
-
-
-def clear_mappings() -> None:
-    global _latest, _load_error
-    _mappings.clear()
-    _latest = None
-    _load_error = ""
-
-
-def mapping_for(snapshot: FleetSnapshot) -> TokenMapping | None:
-    """The loaded mapping the snapshot's render config names, else the last one loaded (or None).
-
-    Returning the last one on a miss lets ``require_mapping`` say "mismatch" rather than "missing".
-    """
-    if not snapshot.render.obfuscation:
-        return None
-    return _mappings.get(snapshot.render.obfuscation_key_id) or _latest
