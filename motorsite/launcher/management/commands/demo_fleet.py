@@ -16,7 +16,6 @@ from fleet.models import ApiKey, EngineInstance
 from fleet.services import api_key_ensure, instance_create, instance_delete, instance_update
 from motorsite.core import bump_control_version
 
-
 ACTOR = "demo_fleet"  # who the instances' history names for what this command changed
 
 
