@@ -343,3 +343,14 @@ async def test_a_trial_release_that_meets_redis_away_is_sent_again_when_it_is_ba
         await c.aclose()
         assert c._unreleased == {} and c._retrier is None
         await through_gate.aclose()
+
+
+async def test_a_trial_claim_of_the_previous_version_holds_until_it_expires(two: Any, redis_client: Any, prefix: str) -> None:
+    a, b, _, _ = two
+    await tripped_and_waited(two)
+    # A process not yet upgraded claimed the trial as it did (SET NX PX), and is still running it.
+    await redis_client.set(f"{prefix}:{E1.id}:trial", "old-process", nx=True, px=300)
+    assert not await a.claim(E1)  # held: not a Redis error, so not a local trial either
+    await asyncio.sleep(0.4)  # Redis expired it (the old process died mid-trial)
+    assert await a.claim(E1)
+    a.success(E1)

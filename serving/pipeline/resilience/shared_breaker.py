@@ -114,6 +114,8 @@ return {state, failures, open_until - now, open_ms, stored, flipped}
 # as long as the step (back).
 _CLAIM = clock_lua("KEYS[2]", "ARGV[3]") + """
 local now = now_ms()
+-- A claim of the previous version (a string, SET NX PX) holds until Redis expires it.
+if redis.call('TYPE', KEYS[1]).ok == 'string' then return 0 end
 local c = redis.call('HMGET', KEYS[1], 'token', 'until')
 if c[1] and c[1] ~= ARGV[1] and tonumber(c[2]) > now then return 0 end
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'until', now + tonumber(ARGV[2]))
@@ -123,6 +125,7 @@ return 1
 # KEYS[1]: a trial claim. ARGV[1]: the claimer's token. Deletes the claim only if it is still ours
 # (it may have expired and been taken by another process meanwhile).
 _UNCLAIM = """
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return 0 end
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
