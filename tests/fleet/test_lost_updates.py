@@ -6,11 +6,12 @@ are two tests, each a subprocess of its own.
 
 Each race is played in its worst order on purpose rather than left to chance: writer A is paused
 just before it starts writing (its first ``BEGIN``, which on SQLite takes the write lock, or its
-first ``UPDATE`` or locking read of the contested row) while writer B, on its own connection in another thread,
-does its whole write and commits; then A goes on. That is the widest window a stale copy can have,
-and it is the same window on every run. The writers run in a subprocess with ``DATABASE_URL``
-set (this file run as a script, as in ``tests/motorsite/test_sqlite_concurrency.py``), so they use
-exactly the ``DATABASES`` that ``motorsite.settings`` builds for ``make run`` and for PostgreSQL.
+first ``UPDATE`` or locking read of the contested row) while writer B, on its own connection in
+another thread, does its whole write and commits; then A goes on. That is the widest window a
+stale copy can have, and it is the same window on every run. The writers run in a subprocess
+with ``DATABASE_URL`` set (this file run as a script, as in
+``tests/motorsite/test_sqlite_concurrency.py``), so they use exactly the ``DATABASES`` that
+``motorsite.settings`` builds for ``make run`` and for PostgreSQL.
 
 On SQLite the admin change view is one ``BEGIN IMMEDIATE`` transaction (Django wraps it in
 ``atomic``), so there B goes first and A reads fresh: SQLite serializes that path by itself;
@@ -70,7 +71,8 @@ def _pause_before_writing(run_b: Callable[[], None], tables: tuple[str, ...], *,
 
     def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
         contested = any(f'"{table}"' in sql for table in tables)
-        writing = at_once or sql.startswith("BEGIN") or contested and (sql.startswith("UPDATE") or sql.endswith(" FOR UPDATE"))
+        locking = contested and (sql.startswith("UPDATE") or sql.endswith(" FOR UPDATE"))
+        writing = at_once or sql.startswith("BEGIN") or locking
         if writing and not state["paused"]:
             state["paused"] = True
             b = threading.Thread(target=run_b)
