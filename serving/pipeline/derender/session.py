@@ -154,7 +154,11 @@ class StreamingRenderSession:
     @property
     def committed_ids(self) -> list[int]:
         """The relay ledger of a single-choice stream (choice 0)."""
-        return list(self.choice(0).output_ids)
+        return self.committed_ids_of(0)
+
+    def committed_ids_of(self, index: int) -> list[int]:
+        """The relay ledger of choice ``index``: the semantic output ids its client has."""
+        return list(self.choice(index).output_ids)
 
     @property
     def completion_tokens(self) -> int:
