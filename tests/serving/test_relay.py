@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -396,6 +397,24 @@ async def test_multi_prompt_fan_out_has_global_indices_one_usage_one_done(
     assert len(usage) == 1 and usage[0]["usage"]["completion_tokens"] == 16
     assert usage[0]["usage"]["prompt_tokens"] == 2 + 3  # completion_prompt_ids: 2 and 3 tokens
     assert {c["choices"][0]["index"] for c in frames if isinstance(c, dict) and c.get("choices")} == {0, 1, 2, 3}
+
+
+async def test_fan_out_commits_a_chunk_only_once_the_client_was_handed_it(
+    pipeline: ServingPipeline, engines: ContextEngines,
+) -> None:
+    body = {"model": MODEL, "prompt": ["a", "b", "c"], "stream": True, "max_tokens": 6}
+    stream = await pipeline.completions(body, "r6b")
+    assert isinstance(stream, EventStream)
+    handed = 0
+    async with asyncio.timeout(WATCHDOG_S), aclosing(stream.frames()) as frames:
+        async for raw in frames:
+            # What the sessions committed is what the client has been handed, never what only
+            # entered the merge queue (the chunk in hand commits when the client asks for more).
+            committed = sum(s.completion_tokens for s in stream.sessions)
+            assert handed <= committed + raw.count(b"<") and committed <= handed, (committed, handed)
+            handed += raw.count(b"<")
+            await asyncio.sleep(0)  # a slow client: the producers run meanwhile
+    assert handed == 18 == sum(s.completion_tokens for s in stream.sessions)
 
 
 async def test_disconnect_during_relay_releases_everything(

@@ -311,7 +311,8 @@ class EventStream:
             )
 
         sources = [source(i) for i in range(len(self.streams))]
-        async with aclosing(fan_in(sources, on_stop=on_stop)) as chunks:
+        # handed_on: a prompt's session commits a chunk once the client took it, not when it was queued.
+        async with aclosing(fan_in(sources, on_stop=on_stop, handed_on=True)) as chunks:
             async for chunk in chunks:
                 if isinstance(chunk, dict):  # the usage-only chunk: the one left parsed
                     usage_template = chunk
