@@ -248,6 +248,34 @@ async def test_a_relayed_stream_equals_the_fault_free_stream(
     assert scheduler.breakers._get(pipeline.snapshot.instances[0]).failures == 1  # the breaker heard it
 
 
+async def test_a_chunk_held_back_for_a_stop_string_is_not_committed_and_a_relay_regenerates_it(
+    mock_client: httpx.AsyncClient, scheduler: Scheduler, engines: ContextEngines, upstreams: FakeUpstreams,
+) -> None:
+    from dataclasses import replace
+
+    from tests.serving.fakes import instance
+
+    # Stop strings go to tokenizer-loaded engines only; "zz" never occurs, but its hold-back keeps
+    # the chunk with the last character back until the next one comes.
+    snapshot = fleet_snapshot(replace(instance("e1"), tokenizer=True), replace(instance("e2"), tokenizer=True))
+    pipeline = ServingPipeline(
+        snapshot, RenderClient(mock_client, RENDER_URL, 5.0), EngineClient(mock_client), scheduler,
+        stream_settings=StreamSettings(chunk_timeout_s=2.0, max_relays=2),
+    )
+    engines.faults["e1"] = [Fault("raise", 3)]
+
+    frames = await drain(await pipeline.chat(chat(stop=["zz"], stream_options={"include_usage": True}), "r1s"))
+
+    assert content(frames) == text(EXPECTED) and roles(frames) == 1
+    first, relay = upstreams.calls_of("generate")
+    # The client had the first two chunks; the third was held back, so it was never the
+    # client's: the relay continues from two committed ids, and regenerates the third.
+    assert relay.body["token_ids"] == CHAT_PROMPT + EXPECTED[:2]
+    assert relay.body["sampling_params"]["max_tokens"] == 6
+    usage = [c["usage"] for c in frames if isinstance(c, dict) and c.get("usage")]
+    assert len(usage) == 1 and usage[0]["completion_tokens"] == 8
+
+
 async def test_an_in_band_400_ends_the_stream_without_relay_or_breaker(
     pipeline: ServingPipeline, engines: ContextEngines, upstreams: FakeUpstreams, scheduler: Scheduler,
 ) -> None:

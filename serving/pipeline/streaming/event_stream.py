@@ -84,7 +84,7 @@ class EventStream:
                     request_id=self.request_id, public_id=self.public_id, prompt_index=i,
                     settings=self.settings,
                     reader=event_reader(self.attempts.snapshot.render),
-                    chunk_filter=ChunkHoldback(self.kind, self.body).apply, phases=self.phases,
+                    holdback=ChunkHoldback(self.kind, self.body), phases=self.phases,
                 )
                 for i, p in enumerate(self.tokenized.prompts)
             ]
