@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from typing import Any, TypeVar
 
@@ -445,7 +445,7 @@ class ServingPipeline:
         """
         attempts = self.attempts(request_id, phases)
 
-        def opener(index: int) -> Callable[[], Awaitable[OpenStream]]:
+        def opener(index: int) -> Callable[[], Coroutine[Any, Any, OpenStream]]:
             return lambda: attempts.open(tokenized, index, requires_tokenizer)
 
         try:

@@ -39,7 +39,7 @@ class StreamSettings:
 
     # An engine that sends no event for this long has stalled: the attempt fails (relay / error).
     chunk_timeout_s: float = 60.0
-    # Relays per request after a mid-stream engine failure (single prompt, n == 1).
+    # Relays per request after a mid-stream engine failure (single prompt, all its choices).
     max_relays: int = 2
     # Derender retries of the same chunk with the same state, on connection errors and 5xx only;
     # all tries of one chunk share one chunk timeout.

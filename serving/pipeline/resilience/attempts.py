@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,8 +26,8 @@ from serving.pipeline import metric_names
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import EngineGuard, GenerateContext
 from serving.pipeline.engine.requests import attempt_request_id, resolved_max_tokens, with_max_tokens
-from serving.pipeline.flow_control.admission import reserve_together
 from serving.pipeline.errors import EngineError, EngineLacksCapability, NoCapacity, TriggerMultiPromptStream
+from serving.pipeline.flow_control.admission import reserve_together
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.placement.scheduler import Placement, Scheduler
@@ -100,7 +100,7 @@ class OpenStream:
 
 
 async def open_together(
-    openers: Sequence[Callable[[], Awaitable[OpenStream]]], engines: EngineClient
+    openers: Sequence[Callable[[], Coroutine[Any, Any, OpenStream]]], engines: EngineClient
 ) -> list[OpenStream]:
     """Run ``openers`` concurrently and return their streams in order, all or none.
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,7 +162,7 @@ class EventStream:
             self.public_id, len(old), exc.instance, type(exc).__name__,
         )
 
-        def opener(stream: OpenStream) -> Callable[[], Awaitable[OpenStream]]:
+        def opener(stream: OpenStream) -> Callable[[], Coroutine[Any, Any, OpenStream]]:
             return lambda: self.attempts.open(
                 self.tokenized, stream.prompt_index, self.requires_tokenizer, first_attempt=stream.attempt + 1,
                 exclude=self.attempts.policy.excluded_after_restart(exc),
@@ -361,7 +361,7 @@ class EventStream:
             return [], spent
         exclude = self.attempts.policy.excluded_after_stream_failure(failed.instance)
 
-        def opener(plan: RetryRequestPlan) -> Callable[[], Awaitable[OpenStream]]:
+        def opener(plan: RetryRequestPlan) -> Callable[[], Coroutine[Any, Any, OpenStream]]:
             return lambda: self.attempts.open(
                 self.tokenized, failed.prompt_index, self.requires_tokenizer, plan=plan, exclude=exclude,
             )
@@ -370,7 +370,7 @@ class EventStream:
         # Labels from fixed sets only: the failed stream's topology, and whether it stalled.
         reason = "stall" if isinstance(exc.__cause__, TimeoutError) else "failure"
         self.attempts.counters.inc(metric_names.STREAM_RELAYS, topology=failed.topology, reason=reason)
-        for plan, replacement in zip(plans, replacements):
+        for plan, replacement in zip(plans, replacements, strict=True):
             replacement.choice = plan.choice
             logger.warning(
                 "relay request_id=%s prompt=%d choice=%s committed_tokens=%d remaining_tokens=%d old_instance=%s "
