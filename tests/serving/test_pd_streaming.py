@@ -626,3 +626,43 @@ async def test_a_failed_opening_cancels_and_releases_its_siblings_before_the_res
     assert info.value.status == 400 and seen["peak"] == 2
     await http.delete(prefill.url + "/sim/faults")
     # (The fixture asserts nothing is held: leases, loads, engine streams, tasks.)
+
+
+def choice_texts(frames: list[Any]) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for c in frames:
+        if isinstance(c, dict) and c.get("choices"):
+            choice = c["choices"][0]
+            texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+    return texts
+
+
+async def test_the_choices_of_an_n_2_stream_relay_onto_handoff_each_from_its_own_ids(
+    rig_factory: Any, union: LiveServer, prefill: LiveServer, decode: LiveServer, http: httpx.AsyncClient,
+) -> None:
+    body = chat(n=2, temperature=1.0)
+    expected = await drain(await rig_factory(view(union)).pipeline.chat(body, "n0"))
+    u, p, d = view(union), view(prefill, "prefill", "pull"), view(decode, "decode", "pull")
+    rig = rig_factory(u, p, d)
+    # n > 1 stays on union (one instance samples every choice); it drops after 5 ids of the two.
+    await http.post(union.url + "/sim/faults", json={"mode": "drop_after_tokens", "tokens": 5, "count": 1})
+
+    frames = await drain(await rig.pipeline.chat(body, "n1"))
+
+    assert choice_texts(frames) == choice_texts(expected) and set(choice_texts(frames)) == {0, 1}
+    assert usage(frames)["completion_tokens"] == usage(expected)["completion_tokens"]
+    assert not any(isinstance(c, dict) and "error" in c for c in frames)
+    # Each choice went on alone (n 1), so it is P/D-eligible now: a Handoff each, P and D given
+    # the same replay ids, the choice's own committed ids after the prompt.
+    sent = rig.engines.sent
+    assert (sent[0][0], sent[0][2]["sampling_params"]["n"]) == (u.name, 2)
+    legs = sent[1:]
+    assert sorted((name, streaming) for name, streaming, _ in legs) == sorted(
+        [(p.name, False), (p.name, False), (d.name, True), (d.name, True)])
+    decode_legs = [r for name, streaming, r in legs if streaming]
+    prefill_legs = [r for name, streaming, r in legs if not streaming]
+    assert sorted(r["token_ids"] for r in decode_legs) == sorted(r["token_ids"] for r in prefill_legs)
+    committed = sorted(len(r["token_ids"]) - len(CHAT_PROMPT) for r in decode_legs)
+    assert sum(committed) == 5 and all(k >= 1 for k in committed)
+    assert all(r["sampling_params"]["n"] == 1 for r in decode_legs)
+    await http.delete(union.url + "/sim/faults")

@@ -29,6 +29,7 @@ from tests.serving.fakes import (
     RENDER_URL,
     FakeUpstreams,
     SSEBody,
+    completion_prompt_ids,
     error_json,
     fleet_snapshot,
     parse_frames,
@@ -350,6 +351,25 @@ async def test_n_greater_than_one_relays_every_open_choice_from_its_own_committe
     assert pipeline.counters.get("motor_stream_relays_total", topology="union", reason="failure") == int(bool(relayed))
     assert ("e1", "generate-tokens-chatcmpl-r4") in upstreams.aborted_ids()
     assert scheduler.breakers._get(pipeline.snapshot.instances[0]).failures == 1
+
+
+async def test_a_single_prompt_completion_with_n_2_relays_each_choice_under_its_index(
+    pipeline: ServingPipeline, engines: ContextEngines, upstreams: FakeUpstreams,
+) -> None:
+    engines.faults["e1"] = [Fault("raise", 5)]
+    body = {"model": MODEL, "prompt": "a", "stream": True, "max_tokens": 6, "n": 2}
+
+    frames = await drain(await pipeline.completions(body, "r4e"))
+
+    prompt = completion_prompt_ids(0)  # what the fake render makes of a single prompt
+    texts: dict[int, str] = {}
+    for f in frames[:-1]:
+        c = f["choices"][0]
+        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {j: text(choice_reference(prompt, 6, j)) for j in (0, 1)} and frames[-1] == "[DONE]"
+    relays = {g.body["request_id"]: g.body["token_ids"] for g in upstreams.calls_of("generate")[1:]}
+    assert relays == {"cmpl-r4e-a1-c0": prompt + choice_reference(prompt, 6, 0)[:3],
+                      "cmpl-r4e-a1-c1": prompt + choice_reference(prompt, 6, 1)[:2]}
 
 
 async def test_a_relayed_choice_that_fails_again_relays_again_and_the_others_follow(
