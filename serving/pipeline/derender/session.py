@@ -101,12 +101,16 @@ EventReader = Callable[[EventBatches], AsyncIterator[dict[str, Any]]]
 
 
 class Holdback(Protocol):
+    """Says which derendered chunks may go to the client now (``ChunkHoldback`` for stop strings)."""
+
     def release(self, pending: PendingChunk) -> list[PendingChunk]: ...
 
     def discard(self) -> None: ...
 
 
 class _NoHoldback:
+    """Every chunk goes at once (no stop strings, or a session built for a unit test)."""
+
     def release(self, pending: PendingChunk) -> list[PendingChunk]:
         return [pending]
 

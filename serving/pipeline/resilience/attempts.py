@@ -109,7 +109,8 @@ async def open_together(
     after another; the caller commits the response only once every one is established (RFC: all
     generate streams ready before the client's response). The first failure cancels and awaits
     the others, closes (and aborts) whatever had opened, and is raised. Leases are taken inside
-    ``reserve_together``: a stream never waits for admission on its siblings' leases.
+    ``reserve_together`` one at a time (``admission_turn`` in the guarded leg), as if the streams
+    opened one after another: only the first may wait for room, while its siblings hold nothing.
     """
     with reserve_together():
         if len(openers) == 1:

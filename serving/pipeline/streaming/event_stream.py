@@ -233,7 +233,8 @@ class EventStream:
                 replacements, spent = (
                     await self._relay(session, streams, culprit, exc, open_choices) if open_choices else ([], [])
                 )
-                self.streams = [s for s in self.streams if s.prompt_index != index] + replacements
+                if replacements:  # (the closed ones stay otherwise: _merged indexes streams by prompt)
+                    self.streams = [s for s in self.streams if s.prompt_index != index] + replacements
                 if spent or not replacements:
                     # Every output token of these choices was already committed: end them as the
                     # engine would have (and the stream, with its usage, if nothing continues).
