@@ -8,6 +8,10 @@ Exceptions, raised by ``read_body``:
 
 ClientGone      the client disconnected before its body was complete: there is nobody to answer
 BodyTooLarge    the body is over the cap (Content-Length, or counted while reading): 413
+
+and by ``send_stream``:
+
+ClientStalled   the client read nothing for the stall deadline: its stream was cut
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ class ClientGone(Exception):
 
 class BodyTooLarge(Exception):
     """The request body is over the cap."""
+
+
+class ClientStalled(Exception):
+    """The client read nothing of a streaming response for the stall deadline; the stream was cut."""
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -147,26 +155,42 @@ async def send_json(send: Send, status: int, payload: Any, extra: Iterable[tuple
 
 async def send_stream(
     send: Send, frames: AsyncGenerator[bytes, None], extra: Iterable[tuple[bytes, bytes]], watch: DisconnectWatch,
-    scrub: FieldScrub | None = None,
+    scrub: FieldScrub | None = None, stall_s: float | None = None,
 ) -> None:
     """A 200 ``text/event-stream`` of ``frames``, each sent as it comes (through ``scrub`` if given:
     a frame cut across chunks is sent once whole).
 
-    ``aclosing``: when the send fails or the task is cancelled between frames, the generator is
-    closed here, in this task, so its ``finally`` (abort the engines, release) has run when this
+    A ``send`` waits while the client is not reading (the server's write buffer is full: uvicorn's
+    flow control, Daphne's through ``motorsite.send_flow``), which holds the engines back. One that
+    waits longer than ``stall_s`` cuts the stream: raises ``ClientStalled``, and the server drops
+    the connection of the abandoned send (``motorsite.send_flow``).
+
+    ``aclosing``: when the send fails, stalls or the task is cancelled between frames, the generator
+    is closed here, in this task, so its ``finally`` (abort the engines, release) has run when this
     returns or raises.
     """
-    await send({"type": "http.response.start", "status": 200, "headers": [*STREAM_HEADERS, *extra]})
+
+    async def send_within(message: Message) -> None:
+        try:
+            async with asyncio.timeout(stall_s):
+                await send(message)
+        except TimeoutError:
+            # The connection is dropped for the abandoned send, and the server reports that as a
+            # disconnect: the watch must not cancel this task while the generator is closed.
+            watch.complete = True
+            raise ClientStalled from None
+
+    await send_within({"type": "http.response.start", "status": 200, "headers": [*STREAM_HEADERS, *extra]})
     async with aclosing(frames) as chunks:
         async for chunk in chunks:
             if scrub is not None:
                 chunk = scrub.feed(chunk)
                 if not chunk:
                     continue
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send_within({"type": "http.response.body", "body": chunk, "more_body": True})
     watch.complete = True
     rest = scrub.flush() if scrub is not None else b""
-    await send({"type": "http.response.body", "body": rest, "more_body": False})
+    await send_within({"type": "http.response.body", "body": rest, "more_body": False})
 
 
 class PrefixMount:
