@@ -125,11 +125,12 @@ class App:
 def _padded(answer: dict[str, Any], pad_bytes: int) -> dict[str, Any]:
     """A derendered chunk whose text grew by ``pad_bytes`` per choice: big frames fill a client's buffers fast."""
     for choice in (answer.get("chunk") or {}).get("choices") or []:
+        # Every frame at least pad_bytes long, the role-only and finishing ones too.
         delta = choice.get("delta")
-        if delta is not None and isinstance(delta.get("content"), str):
-            delta["content"] += "x" * pad_bytes
-        elif isinstance(choice.get("text"), str):
-            choice["text"] += "x" * pad_bytes
+        if delta is not None:
+            delta["content"] = (delta.get("content") or "") + "x" * pad_bytes
+        else:
+            choice["text"] = (choice.get("text") or "") + "x" * pad_bytes
     return answer
 
 
