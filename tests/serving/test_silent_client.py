@@ -153,3 +153,24 @@ def test_a_client_that_reads_nothing_is_held_back_then_cut_and_others_are_served
             silent.close()
         log = (cfg.log_dir / f"coordinator-{server}.log").read_text()
         assert log.count("outcome=client_stalled") == 1
+
+
+@pytest.mark.parametrize("server", stack.SERVERS)
+def test_a_reading_client_gets_whole_streams_one_after_another_on_one_connection(fleet: Fleet, server: str) -> None:
+    """The flow registered on each response is let go when it ends: the next request on the same
+    keep-alive connection registers its own (Twisted refuses a second producer)."""
+    auth = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    with fleet.coordinator(server) as (cfg, _), httpx.Client(base_url=cfg.coordinator_url, headers=auth,
+                                                            timeout=WAIT_S) as client:
+        for _ in range(2):
+            with client.stream("POST", "/v1/chat/completions", content=chat(TOKENS, stream=True)) as response:
+                assert response.status_code == 200
+                body = b"".join(response.iter_raw())
+            assert body.endswith(b"data: [DONE]\n\n")
+            assert body.count(b"data: {") >= TOKENS  # every token, each frame PAD bytes and more
+        assert client.get("/healthz").status_code == 200  # Django's side too, on the same connection
+    log = (cfg.log_dir / f"coordinator-{server}.log").read_text()
+    assert "Producer was not unregistered" not in log and "Traceback" not in log
+    if server == "daphne":  # its access log names the client's address and port: one connection
+        clients = [line.split()[0] for line in log.splitlines() if '"POST /v1/chat/completions"' in line]
+        assert len(clients) == 2 and len(set(clients)) == 1, clients
