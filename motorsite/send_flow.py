@@ -32,6 +32,10 @@ from typing import Any
 
 # Where the flow of a Daphne response is kept, on its request object.
 _FLOW = "_motor_send_flow"
+# The server's write buffer per connection past which send() waits (both servers' default is
+# 64 KiB). The kernel's socket buffer is in front of it (autotuned to megabytes for a client that
+# reads), so a small one costs a reading client nothing, and a silent one holds this much here.
+WRITE_BUFFER_BYTES = 8 * 1024
 
 
 class SendFlow:
@@ -74,6 +78,8 @@ def _attach(request: Any) -> None:
     # A previous response on this keep-alive connection may still fill the buffer: then the
     # channel is waiting for the transport already, and resumes this producer when it drains.
     flow = SendFlow(paused=bool(getattr(channel, "_waitingForTransport", False)))
+    # FileDescriptor pauses its producer past bufferSize (a class attribute, 64 KiB): this connection's own.
+    channel.transport.bufferSize = WRITE_BUFFER_BYTES
     request.registerProducer(flow, True)
     setattr(request, _FLOW, flow)
 
@@ -132,6 +138,8 @@ def _patch_uvicorn(cycle_class: Any) -> None:
     send = cycle_class.send
 
     async def send_or_abort(self: Any, message: Any) -> None:
+        if message.get("type") == "http.response.start" and not self.disconnected:
+            self.transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
         try:
             await send(self, message)
         except asyncio.CancelledError:

@@ -62,8 +62,13 @@ class Fleet:
         cfg = replace(self.cfg, server=server, coordinator_port=free_port(),
                       extra_env={**self.cfg.extra_env, **(env or {})})
         spec = stack.coordinator_spec(cfg)
-        with Supervisor([replace(spec, log_path=cfg.log_dir / f"coordinator-{server}.log")]) as sup:
+        with Supervisor([replace(spec, log_path=coordinator_log(cfg))]) as sup:
             yield cfg, sup.pids["coordinator"]
+
+
+def coordinator_log(cfg: stack.StackConfig) -> Path:
+    """The log of the coordinator ``Fleet.coordinator`` started with ``cfg`` (one per process)."""
+    return cfg.log_dir / f"coordinator-{cfg.server}-{cfg.coordinator_port}.log"
 
 
 @contextlib.contextmanager

@@ -22,16 +22,16 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from motorsite import stack
-from tests.serving.served import API_KEY, Fleet, fake_fleet
+from motorsite import send_flow, stack
+from tests.serving.served import API_KEY, Fleet, coordinator_log, fake_fleet
 
 TOKENS = 1000  # each engine stream's length: far more than the kernel's buffers take, padded
 PAD = 16 * 1024  # bytes of text added to every derendered chunk (bench/fake_upstream_server.py)
 PROMPT_TOKENS = 10  # what the fake render makes of the chat below
-STALL_S = 3
-# The server's write buffer (Twisted's and asyncio's 64 KiB marks), plus the frame that crossed
-# it and the one being derendered when the producer stopped.
-HELD_BOUND = 64 * 1024 + 2 * (PAD + 1024)
+STALL_S = 5  # long enough to measure the blocked stream before it is cut
+# The server's write buffer (motorsite.send_flow's mark under both servers), plus the frame that
+# crossed it and the one being derendered when the producer stopped.
+HELD_BOUND = send_flow.WRITE_BUFFER_BYTES + 2 * (PAD + 1024)
 POLL_S = 0.25
 STILL_POLLS = 4  # the stream is blocked: no derender call over this many polls
 WAIT_S = 30.0  # an upper bound for a state to be reached, never a timing assertion
@@ -65,12 +65,13 @@ def open_silent(port: int) -> socket.socket:
 def kernel_queued(server_port: int, client: socket.socket) -> int:
     """Bytes in the kernel between the coordinator and ``client``: its socket's send queue and the client's receive queue."""
     client_port = client.getsockname()[1]
-    send_queue = 0
+    send_queue = None
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
         local, remote = (int(a.rsplit(":", 1)[1], 16) for a in fields[1:3])
         if (local, remote) == (server_port, client_port):
             send_queue = int(fields[4].split(":")[0], 16)
+    assert send_queue is not None, "the server's side of the connection is gone: measured too late"
     received = struct.unpack("i", fcntl.ioctl(client, termios.FIONREAD, b"\0" * 4))[0]
     return send_queue + received
 
@@ -151,7 +152,7 @@ def test_a_client_that_reads_nothing_is_held_back_then_cut_and_others_are_served
             assert ended in ("eof", "reset")
         finally:
             silent.close()
-        log = (cfg.log_dir / f"coordinator-{server}.log").read_text()
+        log = coordinator_log(cfg).read_text()
         assert log.count("outcome=client_stalled") == 1
 
 
@@ -169,7 +170,7 @@ def test_a_reading_client_gets_whole_streams_one_after_another_on_one_connection
             assert body.endswith(b"data: [DONE]\n\n")
             assert body.count(b"data: {") >= TOKENS  # every token, each frame PAD bytes and more
         assert client.get("/healthz").status_code == 200  # Django's side too, on the same connection
-    log = (cfg.log_dir / f"coordinator-{server}.log").read_text()
+    log = coordinator_log(cfg).read_text()
     assert "Producer was not unregistered" not in log and "Traceback" not in log
     if server == "daphne":  # its access log names the client's address and port: one connection
         clients = [line.split()[0] for line in log.splitlines() if '"POST /v1/chat/completions"' in line]
