@@ -135,6 +135,31 @@ async def test_a_send_that_waits_past_the_stall_deadline_cuts_the_stream() -> No
     assert asyncio.all_tasks() == before
 
 
+async def test_a_cancel_from_elsewhere_during_a_waiting_send_is_no_stall() -> None:
+    inbox = Inbox()
+    waiting = asyncio.Event()
+
+    async def frames() -> Any:
+        yield b"data: {}\n\n"
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            waiting.set()
+            await asyncio.Event().wait()
+
+    async def handler() -> None:
+        async with DisconnectWatch(inbox) as watch:
+            await send_stream(send, frames(), (), watch, stall_s=60)
+
+    task = asyncio.create_task(handler())
+    await waiting.wait()
+    task.cancel()  # the server shutting down
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    loop = asyncio.get_running_loop()
+    assert all(h.cancelled() for h in loop._scheduled)  # type: ignore[attr-defined]  # the deadline's timer went
+
+
 def scope(headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
     return {"type": "http", "headers": headers or []}
 
