@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import socket
 import struct
+import subprocess
+import sys
 import termios
 import time
 from pathlib import Path
@@ -23,7 +26,7 @@ import httpx
 import pytest
 
 from motorsite import stack
-from tests.serving.served import API_KEY, Fleet, coordinator_log, fake_fleet
+from tests.serving.served import API_KEY, ROOT, Fleet, coordinator_log, fake_fleet
 
 TOKENS = 1000  # each engine stream's length: far more than the kernel's buffers take, padded
 PAD = 16 * 1024  # bytes of text added to every derendered chunk (bench/fake_upstream_server.py)
@@ -157,6 +160,24 @@ def test_a_client_that_reads_nothing_is_held_back_then_cut_and_others_are_served
 
 
 @pytest.mark.parametrize("server", stack.SERVERS)
+def test_a_client_that_hangs_up_while_its_stream_is_held_back_frees_it_at_once(fleet: Fleet, server: str) -> None:
+    """The send waiting for the client to read returns when the connection is lost (Twisted stops
+    the producer), so the disconnect cancels the request long before the stall deadline."""
+    with fleet.coordinator(server, {"MOTOR_CLIENT_STALL_S": "3600"}) as (cfg, _):
+        before = fleet.stats()
+        silent = open_silent(cfg.coordinator_port)
+        try:
+            calls = wait_blocked(fleet) - before["derender_calls"]
+            assert calls < TOKENS
+        finally:
+            silent.close()
+        stats = wait_idle(fleet, cfg)
+        aborted = stats["aborted"][len(before["aborted"]):]
+        assert len(aborted) == 1 and aborted[0].startswith("generate-tokens-chatcmpl-")
+        assert "outcome=client_stalled" not in coordinator_log(cfg).read_text()
+
+
+@pytest.mark.parametrize("server", stack.SERVERS)
 def test_a_reading_client_gets_whole_streams_one_after_another_on_one_connection(fleet: Fleet, server: str) -> None:
     """The flow registered on each response is let go when it ends: the next request on the same
     keep-alive connection registers its own (Twisted refuses a second producer)."""
@@ -175,3 +196,13 @@ def test_a_reading_client_gets_whole_streams_one_after_another_on_one_connection
     if server == "daphne":  # its access log names the client's address and port: one connection
         clients = [line.split()[0] for line in log.splitlines() if '"POST /v1/chat/completions"' in line]
         assert len(clients) == 2 and len(set(clients)) == 1, clients
+
+
+@pytest.mark.parametrize(("value", "error"), [("0", "must be at least 1"), ("soon", "must be an integer")])
+def test_a_bad_stall_deadline_stops_the_start(tmp_path: Path, value: str, error: str) -> None:
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "motorsite.settings", "MOTOR_VAR_DIR": str(tmp_path),
+           "MOTOR_CLIENT_STALL_S": value}
+    started = subprocess.run([sys.executable, "-c", "import django; django.setup()"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert started.returncode != 0
+    assert f"MOTOR_CLIENT_STALL_S {error}" in started.stderr
