@@ -3,20 +3,20 @@
 Daphne hands each ``http.response.body`` to Twisted's ``Request.write`` and returns at once: the
 bytes go to the transport's write buffer, which has no limit. A stream whose client reads nothing
 would pull the whole answer from the engines into this process at full speed (issue 31: 8 silent
-streams of 16,000 tokens grew the coordinator by 12 MiB). Twisted has the mechanism: a transport
-pauses its registered streaming producer once its write buffer passes ``bufferSize`` (64 KiB,
-``twisted.internet.abstract.FileDescriptor``) and resumes it once the buffer has drained, and
-``HTTPChannel`` passes both on to the producer registered on its current request. Daphne
-registers none. Here every response registers one, and ``send()`` of a body with more to come
-waits while it is paused, as uvicorn's does (its ``FlowControl``, at asyncio's 64 KiB high-water
-mark): a silent client holds at most one write buffer and one chunk in the server.
+streams, n 8, 2,000 tokens, grew the coordinator by 12 MiB). Twisted has the mechanism: a
+transport pauses its registered streaming producer once its write buffer passes ``bufferSize``
+(64 KiB, ``twisted.internet.abstract.FileDescriptor``) and resumes it once the buffer has
+drained, and ``HTTPChannel`` passes both on to the producer registered on its current request.
+Daphne registers none. Here every response registers one, and ``send()`` of a body with more to
+come waits while it is paused, as uvicorn's does (its ``FlowControl``). Both servers' marks are
+set to ``WRITE_BUFFER_BYTES``: a silent client holds at most that and one chunk in the server.
 
 A send abandoned while it waits (the edge's stall deadline cancels it, ``MOTOR_CLIENT_STALL_S``)
 drops the connection, under both servers: that response can no longer be completed, and the
 server would otherwise keep the socket and its full buffer until the client reads or leaves
 (uvicorn closes such a connection only once its buffer has been flushed).
 
-Daphne 4.2.3 on Twisted 25, uvicorn 0.54 (httptools and h11); nothing here runs under a server
+Read against Daphne 4.2.3 on Twisted 26.10, uvicorn 0.54 (httptools and h11); nothing here runs under a server
 that is not imported.
 """
 
