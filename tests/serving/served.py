@@ -14,6 +14,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,7 +26,7 @@ from motorsite.supervisor import Supervisor, free_port
 from tests.serving.fakes import MODEL, VOCAB_SIZE
 
 ROOT = Path(__file__).resolve().parents[2]
-API_KEY = "sk-served-test"
+API_KEY = "sk-served-" + uuid.uuid4().hex  # the settings refuse a short or repetitive key
 
 
 @contextlib.contextmanager
