@@ -411,7 +411,9 @@ class ServingPipeline:
         if tokenized is not None:
             counts = [len(p.token_ids) for p in tokenized.prompts]
             return NativeEstimate.of(kind, body, counts, tokenized.tokenizer_source)
-        if not render_tried and self.snapshot.render.enable and not self.render_health.skip():
+        # A sidecar below the token-in floor (0.23) has no render route to count with.
+        if (not render_tried and self.snapshot.render.enable and self.snapshot.render.token_in
+                and not self.render_health.skip()):
             try:
                 counts = await self.render.prompt_lengths(kind, body, request_id)
             except RenderUnavailable as exc:
@@ -426,7 +428,7 @@ class ServingPipeline:
     async def _render_verdict(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> None:
         """Let render judge ``body`` (vLLM's own schema and validators): its 4xx propagates; an
         unusable sidecar has no verdict, and the caller's answer stands."""
-        if not self.snapshot.render.enable or self.render_health.skip():
+        if not self.snapshot.render.enable or not self.snapshot.render.token_in or self.render_health.skip():
             return
         try:
             if kind == "chat":
