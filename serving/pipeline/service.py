@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Collection, Coroutine, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from typing import Any, TypeVar
 
@@ -62,7 +62,7 @@ from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.phases import NO_PHASES, Phases
-from serving.pipeline.placement.filters import native_candidates
+from serving.pipeline.placement.filters import has_native_pd, native_candidates
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind, TokenKind
 from serving.pipeline.render.client import RenderClient
@@ -81,9 +81,10 @@ from serving.pipeline.resilience.attempts import (
     open_together,
     requested_tokens,
 )
-from serving.pipeline.snapshot import FleetSnapshot, ModelView
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
 from serving.pipeline.streaming.event_stream import EventStream
 from serving.pipeline.streaming.fanout import first_error
+from serving.pipeline.topologies.native_pd import NativeCall, NativePair, native_pairs, native_pd_ineligible, run_native_handoff
 from serving.pipeline.topologies.registry import TopologyRegistry
 
 logger = logging.getLogger(__name__)
@@ -107,8 +108,8 @@ def _hint(reason: str) -> str:
     return f": {hint}." if hint else ""
 
 
-def _no_native_engine(model: str, reason: str) -> NoCapacity:
-    return NoCapacity(f"no engine serves the native OpenAI API for model {model!r} ({reason})" + _hint(reason))
+def _no_native_engine(model: str, reason: str, note: str = "") -> NoCapacity:
+    return NoCapacity(f"no engine serves the native OpenAI API for model {model!r} ({reason}{note})" + _hint(reason))
 
 
 class ServingPipeline:
@@ -344,11 +345,13 @@ class ServingPipeline:
             self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
             raise unservable
-        if not native_candidates(self.snapshot, self.scheduler, model.name):
+        # A P/D pair's own API serves what it can serve exactly (topologies/native_pd.py).
+        pd_unfit = native_pd_ineligible(kind, body)
+        if not self._native_routes(model.name, pd_unfit):
             # Decided native, but no engine can take it now: no render call to count its prompt.
             self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
             logger.info("route request_id=%s kind=%s path=native reason=%s result=no_engine", request_id, kind, reason)
-            raise _no_native_engine(model.name, reason)
+            raise _no_native_engine(model.name, reason, self._pd_unfit_note(model.name, pd_unfit))
         # Charged what the engine may really process: prompt tokens plus n x the output bound it
         # will resolve (engine/native.NativeEstimate), per instance context length.
         estimate = await self._native_estimate(kind, body, request_id, tokenized, render_tried)
@@ -361,37 +364,49 @@ class ServingPipeline:
         excluded: set[str] = set()
         last: EngineError | None = None
         for attempt in range(self.policy.max_attempts):
-            candidates = native_candidates(self.snapshot, self.scheduler, model.name, exclude=excluded)
-            if not candidates:
+            routes = self._native_routes(model.name, pd_unfit, exclude=excluded)
+            if not routes:
                 if last is not None:
                     raise last
-                raise _no_native_engine(model.name, reason)
-            instance = candidates[0]
+                raise _no_native_engine(model.name, reason, self._pd_unfit_note(model.name, pd_unfit))
+            route = routes[0]
+            # The instance that answers the client: the union one, or the pair's decode side.
+            instance = route.decode if isinstance(route, NativePair) else route
+            names = route.names if isinstance(route, NativePair) else (route.name,)
             start = time.perf_counter()
             stack = AsyncExitStack()
             try:
-                result = await self.guard.native(
-                    instance, kind, body, request_id, tokens=estimate.tokens(instance.max_model_len),
-                    max_output=estimate.output(instance.max_model_len), stack=stack,
-                )
+                if isinstance(route, NativePair):
+                    result = await run_native_handoff(
+                        self._native_call(kind), route, kind, body, f"{request_id}-{attempt}",
+                        prompt_tokens=sum(estimate.prompts), tokens=estimate.tokens(instance.max_model_len),
+                        max_output=estimate.output(instance.max_model_len), stack=stack,
+                    )
+                else:
+                    result = await self.guard.native(
+                        instance, kind, body, request_id, tokens=estimate.tokens(instance.max_model_len),
+                        max_output=estimate.output(instance.max_model_len), stack=stack,
+                    )
             except BreakerOpen:
                 # Raced a half-open probe slot: not this request's failure, just not this instance.
                 await stack.aclose()
-                excluded.add(instance.name)
+                excluded.update(names)
                 continue
             except EngineError as exc:
                 # Busy, lacking the capability or failed (the guard told the breaker which): elsewhere.
+                # A pair is left whole, as the token-only attempt policy leaves one: the fault may
+                # lie between P and D (the KV transfer).
                 await stack.aclose()
                 last = exc
-                excluded.add(instance.name)
-                logger.warning("native request_id=%s instance=%s attempt=%d result=%s", request_id, instance.name,
+                excluded.update(names)
+                logger.warning("native request_id=%s instance=%s attempt=%d result=%s", request_id, ",".join(names),
                                attempt, type(exc).__name__)
                 continue
             except BaseException:
                 await stack.aclose()
                 raise
             logger.info("native request_id=%s instance=%s attempt=%d result=ok latency_ms=%.1f",
-                        request_id, instance.name, attempt, _ms(start))
+                        request_id, ",".join(names), attempt, _ms(start))
             if isinstance(result, NativeStream):
                 return result
             await stack.aclose()
@@ -399,6 +414,39 @@ class ServingPipeline:
         if last is not None:
             raise last
         raise _no_native_engine(model.name, reason)
+
+    def _native_routes(
+        self, model: str, pd_unfit: str, *, exclude: Collection[str] = ()
+    ) -> list[InstanceView | NativePair]:
+        """Where the native path may go now, best first: union instances' own API (least loaded),
+        then P/D pairs' (the guide's proxy flow) when the request fits a pair."""
+        routes: list[InstanceView | NativePair] = list(
+            native_candidates(self.snapshot, self.scheduler, model, exclude=exclude)
+        )
+        if not pd_unfit:
+            load = self.scheduler.load.inflight
+            routes += native_pairs(
+                self.snapshot, model, live=self.scheduler.eligible, exclude=exclude,
+                load=lambda i: load(i.name) / max(i.weight, 1),
+            )
+        return routes
+
+    def _pd_unfit_note(self, model: str, pd_unfit: str) -> str:
+        """What the 503 adds when only P/D pairs serve the native path and this request fits none."""
+        if pd_unfit and has_native_pd(self.snapshot, model):
+            return f"; prefill/decode pairs cannot serve it exactly ({pd_unfit})"
+        return ""
+
+    def _native_call(self, kind: ApiKind) -> NativeCall:
+        """One guarded leg of a native P/D run (breaker, admission, load, the reply's deadline)."""
+
+        async def call(
+            instance: InstanceView, body: dict[str, Any], leg_id: str, tokens: int, max_output: int | None,
+            stack: AsyncExitStack,
+        ) -> dict[str, Any] | NativeStream:
+            return await self.guard.native(instance, kind, body, leg_id, tokens=tokens, max_output=max_output, stack=stack)
+
+        return call
 
     async def _native_estimate(
         self, kind: ApiKind, body: dict[str, Any], request_id: str, tokenized: TokenizedRequest | None,

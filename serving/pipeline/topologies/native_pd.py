@@ -1,0 +1,148 @@
+"""The native path on prefill/decode engines: the vllm-ascend guide's proxy flow, at the OpenAI level.
+
+What the RFC calls the native path (原生链路) is the engine API the coordinator used before render:
+on a fleet of P/D pairs, the guide's global proxy. The client's body goes to P's own OpenAI API
+with one output token (``max_completion_tokens`` / ``max_tokens`` / ``max_output_tokens`` 1 as
+the API names it), no stream, and ``kv_transfer_params: {"do_remote_decode": true, ...}``; P
+prefills, keeps the KV and answers with the params D needs (the top-level ``kv_transfer_params``
+of its JSON answer, which vLLM's chat, completions, Responses and Anthropic schemas all carry);
+then the same body goes to D's own OpenAI API with those params verbatim, streaming or not, and
+D's answer is the client's. Upstream vLLM's MooncakeConnector pairs get the router's params on
+both legs instead (``handoff.router_pull_params``), as the token-only Handoff gives them.
+
+Only pull pairs (Handoff) run it: a push pair (Trigger) needs D's metaserver callback to name the
+request by the id D's OpenAI server gives it, a contract no engine here can show. Requests a
+pair cannot serve exactly stay off it (``native_pd_ineligible``): several samples or prompts per
+body (P returns one set of params for the batch), prompt logprobs (D computes no prompt), a
+Responses ``background`` run (P would answer before prefilling). With obfuscation on nothing
+here runs: the native path is closed (the pipeline refuses before it gets here).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Collection, Mapping
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from serving.pipeline.errors import EngineError
+from serving.pipeline.placement.filters import eligible_instances, native_pd_role
+from serving.pipeline.protocol import ApiKind
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView
+from serving.pipeline.topologies.handoff import router_pull_params, router_supplies_params
+from serving.pipeline.topologies.pd import PREFILL_KV_PARAMS
+
+logger = logging.getLogger(__name__)
+
+# The field each API reads its output bound from: what P's leg sets to one token.
+PREFILL_OUTPUT_FIELD: dict[ApiKind, str] = {
+    "chat": "max_completion_tokens",  # read before max_tokens by vLLM's chat schema
+    "completions": "max_tokens",
+    "responses": "max_output_tokens",
+    "messages": "max_tokens",
+}
+
+
+def native_pd_ineligible(kind: ApiKind, body: Mapping[str, Any]) -> str:
+    """Why ``body`` cannot take a P/D pair's own API exactly, or "" when it can."""
+    if kind in ("chat", "completions"):
+        if int(body.get("n") or 1) > 1 or int(body.get("best_of") or 1) > 1:
+            return "n>1"
+        if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
+            return "prompt_logprobs"
+    if kind == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt) and len(prompt) > 1:
+            return "several_prompts"
+    if kind == "responses" and body.get("background"):
+        return "background"
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class NativePair:
+    """A prefill and a decode instance that serve the native path together."""
+
+    prefill: InstanceView
+    decode: InstanceView
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return self.prefill.name, self.decode.name
+
+
+def native_pairs(
+    snapshot: FleetSnapshot, model: str, *, live: Callable[[InstanceView], bool], load: Callable[[InstanceView], float],
+    exclude: Collection[str] = (),
+) -> list[NativePair]:
+    """Eligible pairs of ``model`` (one connector, or a blank one on either side), least loaded first."""
+    pool = eligible_instances(snapshot, model, live=live, exclude=exclude)
+    pairs = [
+        NativePair(p, d)
+        for p in native_pd_role(pool, "prefill") for d in native_pd_role(pool, "decode")
+        if not p.kv_connector or not d.kv_connector or p.kv_connector == d.kv_connector
+    ]
+    return sorted(pairs, key=lambda x: (max(load(x.prefill), load(x.decode)), x.names))
+
+
+def prefill_body(kind: ApiKind, body: Mapping[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """P's leg: the client's body for one output token, whole (no stream), asking P to keep the KV."""
+    leg = dict(body)
+    leg["stream"] = False
+    leg.pop("stream_options", None)
+    if kind == "chat":
+        leg.pop("max_tokens", None)
+    leg[PREFILL_OUTPUT_FIELD[kind]] = 1
+    if "min_tokens" in leg:
+        leg["min_tokens"] = 1  # vLLM refuses min_tokens above max_tokens
+    if kind == "responses":
+        leg["store"] = False  # P's one-token answer is no response the client could ever name
+    leg["kv_transfer_params"] = kv_transfer_params
+    return leg
+
+
+def decode_body(body: Mapping[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """D's leg: the client's body as sent, with the params P returned (the very object)."""
+    leg = dict(body)
+    leg["kv_transfer_params"] = kv_transfer_params
+    return leg
+
+
+# One guarded call to an engine's own API: (instance, body, leg request id, admission tokens,
+# output bound, the leg's stack) -> JSON answer or an established stream (which takes the stack).
+NativeCall = Callable[[InstanceView, dict[str, Any], str, int, int | None, AsyncExitStack], Any]
+
+
+async def run_native_handoff(
+    call: NativeCall, pair: NativePair, kind: ApiKind, body: dict[str, Any], request_id: str, *,
+    prompt_tokens: int, tokens: int, max_output: int | None, stack: AsyncExitStack,
+) -> Any:
+    """Prefill on P's own API, then D's with P's params; returns D's answer (JSON or stream).
+
+    ``tokens``/``max_output``: D's admission tokens and output bound; P holds the prompt and its
+    one token. ``stack`` takes D's holds (a stream keeps them). Raises ``EngineError`` naming P
+    when P fails or answers without params (D is then never called: invented params crash a real
+    decode engine), naming D when D fails; an engine's 4xx propagates as the client's error.
+    """
+    prefill, decode = pair.prefill, pair.decode
+    p_id, d_id = f"{request_id}-prefill", f"{request_id}-decode"
+    if router_supplies_params(prefill, decode):
+        # Unique and unguessable, as the token-only Handoff's: P keeps the blocks under it.
+        p_params, kv = router_pull_params(prefill, f"{request_id}-{secrets.token_hex(8)}")
+    else:
+        p_params, kv = dict(PREFILL_KV_PARAMS), None
+    p_stack = AsyncExitStack()
+    async with p_stack:
+        answer = await call(prefill, prefill_body(kind, body, p_params), p_id,
+                            min(prompt_tokens, prefill.max_model_len - 1) + 1, 1, p_stack)
+    if kv is None:
+        kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(kv, dict) or not kv:
+            raise EngineError(
+                f"{prefill.name} answered the native prefill leg without kv_transfer_params (is it a KV producer?)",
+                instance=prefill.name,
+            )
+    logger.info("native_pd request_id=%s prefill=%s decode=%s leg=decode", request_id, prefill.name, decode.name)
+    return await call(decode, decode_body(body, kv), d_id, tokens, max_output, stack)

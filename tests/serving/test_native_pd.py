@@ -1,0 +1,194 @@
+"""Issue 33, finding 1: the native path on a fleet of prefill/decode pairs only.
+
+The vllm-ascend guide's proxy flow at the OpenAI level: the client's body to P's own API with one
+output token and ``do_remote_decode``, then to D's own API with the ``kv_transfer_params`` P
+answered, verbatim; D's answer is the client's. Through the real servers (Daphne and uvicorn on a
+127.0.0.1 socket) against live simulators (their own OpenAI API, ``enginesim.openai_api``), each
+answer compared with a union simulator's own answer to the same body (the simulators' output is a
+function of seed and context, like greedy decoding). Render-off traffic, Responses and Messages,
+streaming and not; what a pair cannot serve exactly is a 503 that says why; nothing is held after.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from catalog.models import RenderConfig, ServedModel
+from enginesim import SimConfig
+from enginesim.faults import FaultMode
+from enginesim.testing import LiveServer, eventually
+from fleet.models import EngineInstance
+from serving import runtime, snapshots
+from serving.pipeline.errors import RequestError
+from tests.pd_sims import pd_sim_fixtures
+from tests.serving.fakes import MODEL
+from tests.serving.live_edge import error_of
+from tests.serving.router_fakes import Rig, engine, snapshot_with
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CONFIG = SimConfig(
+    served_model_names=(MODEL,), vocab_size=152_000, eos_token_ids=(2,), special_token_ids=frozenset({0, 1, 2, 3}),
+    max_model_len=4096, block_size=16,
+)
+union, prefill, decode, push_prefill, push_decode = pd_sim_fixtures(CONFIG, push_timeout_s=5.0)
+
+
+@pytest.fixture
+def pd_only(
+    transactional_db: None, prefill: LiveServer, decode: LiveServer, union: LiveServer, settings: Any
+) -> Iterator[tuple[LiveServer, LiveServer]]:
+    """A fleet of one P/D pair (NIXL pull) serving token-only generate and their own OpenAI API,
+    render off; the union simulator is no part of it (the reference answers come from it directly)."""
+    settings.MOTOR_API_KEYS = []
+    settings.MOTOR_OPEN_ACCESS = True
+    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=4096, vocab_size=152_000)
+    RenderConfig.objects.create(host="127.0.0.1", port=9, enable=False)
+    for role, server in (("prefill", prefill), ("decode", decode)):
+        EngineInstance.objects.create(
+            name=f"{role}-1", url=server.url, served_model=model, role=role, kind="sim", cap_native_openai=True,
+            cap_tokenizer=True, kv_connector="NixlConnector", kv_transfer="pull",
+        )
+    for server in (prefill, decode, union):
+        server.reset()
+    snapshots.invalidate()
+    yield prefill, decode
+    snapshots.invalidate()
+
+
+async def assert_nothing_held(*servers: LiveServer) -> None:
+    async def idle() -> bool:
+        return (runtime.inflight_tokens() == {} and runtime.load.snapshot() == {}
+                and all(s.engine.stats.active_streams == 0 and s.engine.running == 0 for s in servers))
+
+    await eventually(idle)
+
+
+async def post(base: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=base, trust_env=False, timeout=30) as client:
+        return await client.post(path, json=body)
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about prefill and decode."}],
+            "max_tokens": 12, "temperature": 0, **extra}
+
+
+def streamed_text(path: str, raw: bytes) -> str:
+    """The text of an SSE answer in the API's own stream format."""
+    text = ""
+    for block in raw.decode().split("\n\n"):
+        data = next((line[6:] for line in block.split("\n") if line.startswith("data: ")), None)
+        if data is None or data == "[DONE]":
+            continue
+        event = json.loads(data)
+        if path == "/v1/chat/completions":
+            text += "".join(c["delta"].get("content") or "" for c in event["choices"])
+        elif path == "/v1/completions":
+            text += "".join(c["text"] for c in event["choices"])
+        elif event.get("type") == "response.output_text.delta":
+            text += event["delta"]
+        elif event.get("type") == "content_block_delta":
+            text += event["delta"]["text"]
+    return text
+
+
+def whole_text(path: str, answer: dict[str, Any]) -> str:
+    if path == "/v1/chat/completions":
+        return str(answer["choices"][0]["message"]["content"])
+    if path == "/v1/completions":
+        return str(answer["choices"][0]["text"])
+    if path == "/v1/responses":
+        return str(answer["output"][0]["content"][0]["text"])
+    return str(answer["content"][0]["text"])
+
+
+BODIES = [
+    ("/v1/chat/completions", chat()),
+    ("/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0}),
+    ("/v1/responses", {"model": MODEL, "input": "What is KV transfer?", "max_output_tokens": 9}),
+    ("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 11}),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize(("path", "body"), BODIES, ids=[p.rsplit("/", 1)[1] for p, _ in BODIES])
+async def test_a_pd_only_fleet_serves_the_native_path_through_the_guides_proxy_flow(
+    served: str, pd_only: tuple[LiveServer, LiveServer], union: LiveServer, path: str, body: dict[str, Any],
+    stream: bool,
+) -> None:
+    p, d = pd_only
+    body = {**body, "stream": stream}
+    ours = await post(served, path, body)
+    theirs = await post(union.url, path, body)
+    assert ours.status_code == 200, ours.text
+    if stream:
+        assert ours.headers["content-type"].startswith("text/event-stream")
+        assert streamed_text(path, ours.content) == streamed_text(path, theirs.content) != ""
+    else:
+        answer = ours.json()
+        assert whole_text(path, answer) == whole_text(path, theirs.json()) != ""
+        assert answer["usage"] == theirs.json()["usage"]
+        assert answer.get("kv_transfer_params") is None  # D's connector params stay inside
+    # P prefilled once (one token, non-streaming), D decoded once with the whole prompt from P's KV.
+    assert (p.engine.stats.requests_received, d.engine.stats.requests_received) == (1, 1)
+    by_source = d.engine.stats.prompt_tokens_by_source
+    assert by_source["external_kv_transfer"] > 0 and by_source["local_compute"] == 0
+    await assert_nothing_held(p, d, union)
+
+
+async def test_a_stream_with_usage_counts_like_the_union_engine(
+    served: str, pd_only: tuple[LiveServer, LiveServer], union: LiveServer
+) -> None:
+    body = chat(stream=True, stream_options={"include_usage": True})
+    ours, theirs = await post(served, "/v1/chat/completions", body), await post(union.url, "/v1/chat/completions", body)
+
+    def usage(raw: bytes) -> Any:
+        frames = [json.loads(b[6:]) for b in raw.decode().split("\n\n") if b.startswith("data: {")]
+        return frames[-1]["usage"]
+
+    assert ours.status_code == 200 and usage(ours.content) == usage(theirs.content)
+    assert ours.content.endswith(b"data: [DONE]\n\n") and ours.content.count(b"[DONE]") == 1
+    await assert_nothing_held(*pd_only)
+
+
+async def test_what_a_pair_cannot_serve_exactly_is_a_503_saying_why(
+    served: str, pd_only: tuple[LiveServer, LiveServer]
+) -> None:
+    p, d = pd_only
+    error = error_of(await post(served, "/v1/chat/completions", chat(n=2)), 503)
+    assert "prefill/decode pairs cannot serve it exactly (n>1)" in error["message"]
+    assert p.engine.stats.requests_received == d.engine.stats.requests_received == 0
+    await assert_nothing_held(p, d)
+
+
+async def test_a_failed_prefill_never_reaches_decode(served: str, pd_only: tuple[LiveServer, LiveServer]) -> None:
+    p, d = pd_only
+    p.engine.faults.arm(_fault(), 5)
+    error = error_of(await post(served, "/v1/chat/completions", chat()), 502)
+    assert error["type"] == "BadGatewayError"
+    assert p.engine.stats.requests_received == 1 and d.engine.stats.requests_received == 0
+    await assert_nothing_held(p, d)
+
+
+def _fault() -> Any:
+    from enginesim.faults import Fault
+
+    return Fault(mode=FaultMode.HTTP_STATUS, status=500)
+
+
+async def test_with_obfuscation_on_a_pd_pair_never_gets_the_native_path(rig: Rig) -> None:
+    fleet = snapshot_with(
+        engine("e1", role="prefill", native_openai=True, kv_transfer="pull", kv_connector="NixlConnector"),
+        engine("e2", role="decode", native_openai=True, kv_transfer="pull", kv_connector="NixlConnector"),
+        obfuscation=True,
+    )
+    with pytest.raises(RequestError) as info:
+        await rig.pipeline(fleet).responses({"model": MODEL, "input": "hi"}, "obf1")
+    assert info.value.status == 400 and "obfuscation" in info.value.message
+    assert rig.native.calls == [] and rig.upstreams.calls == []
