@@ -488,7 +488,7 @@ class ServingPipeline:
 
     async def _open(
         self, body: dict[str, Any], kind: TokenKind, request_id: str, tokenized: TokenizedRequest,
-        requires_tokenizer: bool, phases: Phases,
+        requires_tokenizer: bool, phases: Phases, *, trigger_fanout: bool = False,
     ) -> EventStream | NativeStream | dict[str, Any]:
         """Establish every engine stream of the request before the client sees a byte.
 
@@ -496,6 +496,7 @@ class ServingPipeline:
         them); the response is committed once, when every stream is established.
         """
         attempts = self.attempts(request_id, phases)
+        attempts.trigger_fanout = trigger_fanout
 
         def opener(index: int) -> Callable[[], Coroutine[Any, Any, OpenStream]]:
             return lambda: attempts.open(tokenized, index, requires_tokenizer)
@@ -505,8 +506,19 @@ class ServingPipeline:
         except TriggerMultiPromptStream:
             # RFC: Trigger 多 prompt 流式仍沿用原生链路. Nothing reached the client yet, and
             # open_together closed whatever had opened.
-            return await self._native(
-                kind, body, request_id, "trigger_multi_prompt_stream", phases, tokenized=tokenized
+            fleet_native = self._native_routes(tokenized.model, native_pd_ineligible(kind, body))
+            if fleet_native and not self.snapshot.render.obfuscation:
+                return await self._native(
+                    kind, body, request_id, "trigger_multi_prompt_stream", phases, tokenized=tokenized
+                )
+            # No native path for it here (a P/D pair takes no body of several prompts, so on a
+            # Trigger-only fleet there is none; nor with obfuscation on): rather than fail the
+            # request, each prompt runs its own Trigger, merged as on Handoff. The fan-out is the
+            # one every topology shares; nothing in it is Trigger-specific.
+            logger.info("route request_id=%s kind=%s path=token_only reason=trigger_multi_prompt_stream "
+                        "result=fanout (no native path)", request_id, kind)
+            return await self._open(
+                body, kind, request_id, tokenized, requires_tokenizer, phases, trigger_fanout=True
             )
         n = int(body.get("n") or 1)
         public_id = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
