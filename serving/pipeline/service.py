@@ -8,7 +8,8 @@ own between requests. The phases, each logged once per outcome with the request 
 0. body checks (``request_checks.py``): numbers, engine controls and key policy, before any
    path uses the body; every JSON answer is scrubbed of engine-internal fields on the way out;
 1. routing: ``native_reason`` sends what token-only cannot serve exactly to an engine's own
-   OpenAI API (``engine/native.py``), or refuses it with obfuscation on;
+   OpenAI API (``engine/native.py``: a union engine's, or a P/D pair's through the guide's proxy
+   flow, ``topologies/native_pd.py``), or refuses it with obfuscation on;
 2. tokenization (``render/tokenization.py``): render, or the local tokenizer when render is
    unusable; the local fallback hands requests it cannot build exactly to the native path;
 3. poison check (``request_checks.check_tokenized``): ids outside the vocabulary (503 while
@@ -84,7 +85,13 @@ from serving.pipeline.resilience.attempts import (
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
 from serving.pipeline.streaming.event_stream import EventStream
 from serving.pipeline.streaming.fanout import first_error
-from serving.pipeline.topologies.native_pd import NativeCall, NativePair, native_pairs, native_pd_ineligible, run_native_handoff
+from serving.pipeline.topologies.native_pd import (
+    NativeCall,
+    NativePair,
+    native_pairs,
+    native_pd_ineligible,
+    run_native_handoff,
+)
 from serving.pipeline.topologies.registry import TopologyRegistry
 
 logger = logging.getLogger(__name__)

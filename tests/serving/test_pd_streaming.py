@@ -26,7 +26,7 @@ from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer, eventually
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.errors import NoCapacity, UpstreamRequestError
+from serving.pipeline.errors import UpstreamRequestError
 from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard

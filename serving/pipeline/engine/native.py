@@ -7,8 +7,9 @@ of the model loads a tokenizer (a tokenizer-loaded engine takes those token-only
 tokenizer fallback lacking render's metadata; an engine without token-only generate; a
 streaming request when the sidecar has no streaming derender (older than vLLM 0.27, as the
 version probe records in ``RenderView.streaming_derender``), and every request when it is older
-than 0.24 (no derender, ``no_derender``) or 0.23 (no token-in render, ``no_token_in``). Only
-instances declaring ``native_openai`` serve it. With obfuscation on, the engines' weights are
+than 0.24 (no derender, ``no_derender``) or 0.23 (no token-in render, ``no_token_in``). Union
+instances declaring ``native_openai`` serve it, and on fleets of P/D pairs that declare it, the
+guide's proxy flow through both (``topologies/native_pd.py``). With obfuscation on, the engines' weights are
 permuted and their own tokenizer would produce garbage, so such requests are refused (400).
 
 The body goes to the engine as the client sent it, and the engine's answer comes back as is:

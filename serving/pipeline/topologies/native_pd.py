@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
+from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import EngineError
 from serving.pipeline.placement.filters import eligible_instances, native_pd_role
 from serving.pipeline.protocol import ApiKind
@@ -112,13 +113,15 @@ def decode_body(body: Mapping[str, Any], kv_transfer_params: dict[str, Any]) -> 
 
 # One guarded call to an engine's own API: (instance, body, leg request id, admission tokens,
 # output bound, the leg's stack) -> JSON answer or an established stream (which takes the stack).
-NativeCall = Callable[[InstanceView, dict[str, Any], str, int, int | None, AsyncExitStack], Any]
+NativeCall = Callable[
+    [InstanceView, dict[str, Any], str, int, int | None, AsyncExitStack], Awaitable[dict[str, Any] | NativeStream]
+]
 
 
 async def run_native_handoff(
     call: NativeCall, pair: NativePair, kind: ApiKind, body: dict[str, Any], request_id: str, *,
     prompt_tokens: int, tokens: int, max_output: int | None, stack: AsyncExitStack,
-) -> Any:
+) -> dict[str, Any] | NativeStream:
     """Prefill on P's own API, then D's with P's params; returns D's answer (JSON or stream).
 
     ``tokens``/``max_output``: D's admission tokens and output bound; P holds the prompt and its
