@@ -38,7 +38,7 @@ from serving.pipeline import metric_names, request_checks
 from serving.pipeline.derender.full import derender_full
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.engine.leg import BreakerOpen, EngineGuard
+from serving.pipeline.engine.leg import BreakerOpen, EngineGuard, Reservation
 from serving.pipeline.engine.native import (
     NATIVE_HINTS,
     NativeClient,
@@ -385,7 +385,7 @@ class ServingPipeline:
             try:
                 if isinstance(route, NativePair):
                     result = await run_native_handoff(
-                        self._native_call(kind), route, kind, body, f"{request_id}-{attempt}",
+                        self._native_call(kind), self.guard.reserve, route, kind, body, f"{request_id}-{attempt}",
                         prompt_tokens=sum(estimate.prompts), tokens=estimate.tokens(instance.max_model_len),
                         max_output=estimate.output(instance.max_model_len), stack=stack,
                     )
@@ -449,9 +449,11 @@ class ServingPipeline:
 
         async def call(
             instance: InstanceView, body: dict[str, Any], leg_id: str, tokens: int, max_output: int | None,
-            stack: AsyncExitStack,
+            stack: AsyncExitStack, reserved: Reservation | None,
         ) -> dict[str, Any] | NativeStream:
-            return await self.guard.native(instance, kind, body, leg_id, tokens=tokens, max_output=max_output, stack=stack)
+            return await self.guard.native(
+                instance, kind, body, leg_id, tokens=tokens, max_output=max_output, stack=stack, reserved=reserved,
+            )
 
         return call
 

@@ -24,7 +24,7 @@ from enginesim.faults import FaultMode
 from enginesim.testing import LiveServer, eventually
 from fleet.models import EngineInstance
 from serving import runtime, snapshots
-from serving.pipeline.errors import RequestError
+from serving.pipeline.errors import QueueFull, RequestError
 from tests.pd_sims import pd_sim_fixtures
 from tests.serving.fakes import MODEL
 from tests.serving.live_edge import error_of
@@ -192,3 +192,24 @@ async def test_with_obfuscation_on_a_pd_pair_never_gets_the_native_path(rig: Rig
         await rig.pipeline(fleet).responses({"model": MODEL, "input": "hi"}, "obf1")
     assert info.value.status == 400 and "obfuscation" in info.value.message
     assert rig.native.calls == [] and rig.upstreams.calls == []
+
+
+async def test_a_decode_side_without_room_refuses_before_prefill_pins_kv(
+    served: str, pd_only: tuple[LiveServer, LiveServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # D's holds are reserved before P prefills (as the token-only Handoff does): a full D refuses
+    # the request while P has computed nothing it would keep pinned for a pull that never comes.
+    p, d = pd_only
+    acquire = runtime.admission.acquire
+
+    async def full_decode(instance: Any, tokens: int) -> Any:
+        if instance.role == "decode":
+            raise QueueFull("queue full", retry_after_s=2)
+        return await acquire(instance, tokens)
+
+    monkeypatch.setattr(runtime.admission, "acquire", full_decode)
+    response = await post(served, "/v1/responses", BODIES[2][1])
+    error_of(response, 429)
+    assert response.headers["Retry-After"] == "2"
+    assert p.engine.stats.requests_received == d.engine.stats.requests_received == 0
+    await assert_nothing_held(p, d)

@@ -27,6 +27,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
+from serving.pipeline.engine.leg import Reservation
 from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import EngineError
 from serving.pipeline.placement.filters import eligible_instances, native_pd_role
@@ -112,20 +113,24 @@ def decode_body(body: Mapping[str, Any], kv_transfer_params: dict[str, Any]) -> 
 
 
 # One guarded call to an engine's own API: (instance, body, leg request id, admission tokens,
-# output bound, the leg's stack) -> JSON answer or an established stream (which takes the stack).
+# output bound, the leg's stack, the holds reserved for it) -> JSON answer or an established
+# stream (which takes the stack).
 NativeCall = Callable[
-    [InstanceView, dict[str, Any], str, int, int | None, AsyncExitStack], Awaitable[dict[str, Any] | NativeStream]
+    [InstanceView, dict[str, Any], str, int, int | None, AsyncExitStack, Reservation | None],
+    Awaitable[dict[str, Any] | NativeStream],
 ]
+# Takes an instance's breaker slot, admission lease and load hold ahead of its call.
+ReserveFn = Callable[[InstanceView, int], Awaitable[Reservation]]
 
 
 async def run_native_handoff(
-    call: NativeCall, pair: NativePair, kind: ApiKind, body: dict[str, Any], request_id: str, *,
+    call: NativeCall, reserve: ReserveFn, pair: NativePair, kind: ApiKind, body: dict[str, Any], request_id: str, *,
     prompt_tokens: int, tokens: int, max_output: int | None, stack: AsyncExitStack,
 ) -> dict[str, Any] | NativeStream:
     """Prefill on P's own API, then D's with P's params; returns D's answer (JSON or stream).
 
-    ``tokens``/``max_output``: D's admission tokens and output bound; P holds the prompt and its
-    one token. ``stack`` takes D's holds (a stream keeps them). Raises ``EngineError`` naming P
+    ``tokens``/``max_output``: D's admission tokens and output bound, reserved (``reserve``) before
+    P runs; P holds the prompt and its one token. ``stack`` takes D's holds (a stream keeps them). Raises ``EngineError`` naming P
     when P fails or answers without params (D is then never called: invented params crash a real
     decode engine), naming D when D fails; an engine's 4xx propagates as the client's error.
     """
@@ -136,16 +141,21 @@ async def run_native_handoff(
         p_params, kv = router_pull_params(prefill, f"{request_id}-{secrets.token_hex(8)}")
     else:
         p_params, kv = dict(PREFILL_KV_PARAMS), None
-    p_stack = AsyncExitStack()
-    async with p_stack:
-        answer = await call(prefill, prefill_body(kind, body, p_params), p_id,
-                            min(prompt_tokens, prefill.max_model_len - 1) + 1, 1, p_stack)
-    if kv is None:
-        kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-        if not isinstance(kv, dict) or not kv:
-            raise EngineError(
-                f"{prefill.name} answered the native prefill leg without kv_transfer_params (is it a KV producer?)",
-                instance=prefill.name,
-            )
-    logger.info("native_pd request_id=%s prefill=%s decode=%s leg=decode", request_id, prefill.name, decode.name)
-    return await call(decode, decode_body(body, kv), d_id, tokens, max_output, stack)
+    # D first, as the token-only Handoff does: a decode side that is held off or full refuses the
+    # attempt before P prefills KV that would stay pinned on P, waiting for a pull that never comes.
+    reserved = await reserve(decode, tokens)
+    try:
+        async with AsyncExitStack() as p_stack:
+            answer = await call(prefill, prefill_body(kind, body, p_params), p_id,
+                                min(prompt_tokens, prefill.max_model_len - 1) + 1, 1, p_stack, None)
+        if kv is None:
+            kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            if not isinstance(kv, dict) or not kv:
+                raise EngineError(
+                    f"{prefill.name} answered the native prefill leg without kv_transfer_params (is it a KV producer?)",
+                    instance=prefill.name,
+                )
+        logger.info("native_pd request_id=%s prefill=%s decode=%s leg=decode", request_id, prefill.name, decode.name)
+        return await call(decode, decode_body(body, kv), d_id, tokens, max_output, stack, reserved)
+    finally:
+        await reserved.aclose()  # unused when P failed (D's breaker stays as it was); a no-op once taken
