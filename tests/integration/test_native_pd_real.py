@@ -67,6 +67,15 @@ def metric(url: str, source: str) -> float:
     return float(match.group(1))
 
 
+def native_decisions(cfg: stack.StackConfig, reason: str) -> float:
+    """The coordinator's count of requests it routed to the native path for ``reason``."""
+    text = httpx.get(cfg.coordinator_url + "/metrics", timeout=10.0, trust_env=False).text
+    for line in text.splitlines():
+        if line.startswith("motor_route_decisions_total{") and 'path="native"' in line and f'reason="{reason}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def text_of(path: str, answer: dict[str, Any]) -> str:
     if path == "/v1/chat/completions":
         return str(answer["choices"][0]["message"]["content"])
@@ -84,11 +93,12 @@ def prompt_tokens(path: str, answer: dict[str, Any]) -> int:
 
 
 CASES = {
-    "responses": ("/v1/responses", lambda w: {"input": prose(w), "max_output_tokens": 16}),
-    "messages": ("/v1/messages", lambda w: {"messages": [{"role": "user", "content": prose(w)}], "max_tokens": 16}),
+    "responses": ("/v1/responses", "api:responses", lambda w: {"input": prose(w), "max_output_tokens": 16}),
+    "messages": ("/v1/messages", "api:messages",
+                 lambda w: {"messages": [{"role": "user", "content": prose(w)}], "max_tokens": 16}),
     # A stop string: no union engine loads a tokenizer here, so token-only cannot run it.
-    "chat-stop": ("/v1/chat/completions", lambda w: {"messages": [{"role": "user", "content": prose(w)}],
-                                                     "max_tokens": 16, "stop": ["qqqq"]}),
+    "chat-stop": ("/v1/chat/completions", "stop_strings",
+                  lambda w: {"messages": [{"role": "user", "content": prose(w)}], "max_tokens": 16, "stop": ["qqqq"]}),
 }
 
 
@@ -97,10 +107,11 @@ def test_a_pd_only_fleet_answers_through_the_proxy_flow_like_a_union_engine(
     native_pd: tuple[stack.StackConfig, str], case: str
 ) -> None:
     cfg, union_url = native_pd
-    path, make = CASES[case]
+    path, reason, make = CASES[case]
     body = {"model": cfg.served_model_name, "temperature": 0, **make(case.split("-")[0] + "x")}
     decode_url = cfg.decode_urls[0]
     external, local = metric(decode_url, "external_kv_transfer"), metric(decode_url, "local_compute")
+    decided = native_decisions(cfg, reason)
     ours = httpx.post(cfg.coordinator_url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                       timeout=300.0, trust_env=False)
     assert ours.status_code == 200, ours.text
@@ -112,6 +123,7 @@ def test_a_pd_only_fleet_answers_through_the_proxy_flow_like_a_union_engine(
     # D decoded it with the whole prompt's KV from P, and computed none of it itself.
     assert metric(decode_url, "external_kv_transfer") - external == prompt_tokens(path, answer)
     assert metric(decode_url, "local_compute") == local
+    assert native_decisions(cfg, reason) == decided + 1  # the native path's flow, not token-only Handoff
 
 
 def test_a_streamed_chat_takes_the_proxy_flow_and_streams_the_union_engines_text(
@@ -122,6 +134,7 @@ def test_a_streamed_chat_takes_the_proxy_flow_and_streams_the_union_engines_text
             "messages": [{"role": "user", "content": prose("streamy")}], "stream": True}
     decode_url = cfg.decode_urls[0]
     local = metric(decode_url, "local_compute")
+    decided = native_decisions(cfg, "stop_strings")
     chunks: list[dict[str, Any]] = []
     with httpx.stream("POST", cfg.coordinator_url + "/v1/chat/completions", json=body,
                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300.0, trust_env=False) as response:
@@ -130,10 +143,11 @@ def test_a_streamed_chat_takes_the_proxy_flow_and_streams_the_union_engines_text
     for line in lines:
         if line.startswith("data: ") and line != "data: [DONE]":
             chunks.append(json.loads(line[len("data: "):]))
-    assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+    assert [line for line in lines if line][-1] == "data: [DONE]"
     assert not any("error" in c for c in chunks), chunks[-3:]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
     theirs = httpx.post(union_url + "/v1/chat/completions", json={**body, "stream": False}, timeout=300.0,
                         trust_env=False).json()
     assert text == theirs["choices"][0]["message"]["content"] != ""
     assert metric(decode_url, "local_compute") == local
+    assert native_decisions(cfg, "stop_strings") == decided + 1
