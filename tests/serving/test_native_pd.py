@@ -25,6 +25,7 @@ from enginesim.testing import LiveServer, eventually
 from fleet.models import EngineInstance
 from serving import runtime, snapshots
 from serving.pipeline.errors import QueueFull, RequestError
+from serving.pipeline.topologies.native_pd import decode_body, native_pd_ineligible, prefill_body
 from tests.pd_sims import pd_sim_fixtures
 from tests.serving.fakes import MODEL
 from tests.serving.live_edge import error_of
@@ -213,3 +214,37 @@ async def test_a_decode_side_without_room_refuses_before_prefill_pins_kv(
     assert response.headers["Retry-After"] == "2"
     assert p.engine.stats.requests_received == d.engine.stats.requests_received == 0
     await assert_nothing_held(p, d)
+
+
+@pytest.mark.parametrize(("kind", "body", "field"), [
+    ("chat", chat(stream=True, stream_options={"include_usage": True}, min_tokens=5), "max_completion_tokens"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 30, "stream": True}, "max_tokens"),
+    ("responses", {"model": MODEL, "input": "x", "max_output_tokens": 30}, "max_output_tokens"),
+    ("messages", {"model": MODEL, "messages": [], "max_tokens": 30}, "max_tokens"),
+])
+def test_the_prefill_leg_is_the_guides_one_token_whole_request(kind: Any, body: dict[str, Any], field: str) -> None:
+    params = {"do_remote_decode": True, "do_remote_prefill": False}
+    leg = prefill_body(kind, body, params)
+    assert leg[field] == 1 and leg["stream"] is False and "stream_options" not in leg
+    assert leg["kv_transfer_params"] is params
+    if kind == "chat":
+        assert "max_tokens" not in leg  # vLLM's chat reads max_completion_tokens first; one bound only
+    assert leg.get("min_tokens", 1) == 1
+    assert leg.get("store", False) is False
+    answered = {"do_remote_prefill": True, "remote_engine_id": "p"}
+    d_leg = decode_body(body, answered)
+    assert d_leg["kv_transfer_params"] is answered and {k: v for k, v in d_leg.items() if k != "kv_transfer_params"} == body
+
+
+@pytest.mark.parametrize(("kind", "body", "why"), [
+    ("chat", chat(n=2), "n>1"),
+    ("completions", {"model": MODEL, "prompt": "x", "best_of": 3}, "n>1"),
+    ("chat", chat(prompt_logprobs=1), "prompt_logprobs"),
+    ("completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, "prompt_logprobs"),
+    ("completions", {"model": MODEL, "prompt": ["a", "b"]}, "several_prompts"),
+    ("responses", {"model": MODEL, "input": "x", "background": True}, "background"),
+    ("completions", {"model": MODEL, "prompt": [5, 6, 7], "echo": True}, ""),
+    ("messages", {"model": MODEL, "messages": [], "max_tokens": 3}, ""),
+])
+def test_what_a_pair_cannot_serve_exactly(kind: Any, body: dict[str, Any], why: str) -> None:
+    assert native_pd_ineligible(kind, body) == why
