@@ -84,6 +84,19 @@ def test_a_fleet_that_could_serve_it_is_not_refused() -> None:
     assert unservable(snapshot_with(*TOKENS_ONLY), MODEL, "local:logprobs", body) is None
 
 
+def test_a_pd_pair_serving_its_own_api_could_serve_it() -> None:
+    # Issue 33: the native path's P/D flow (topologies/native_pd.py); a push pair serves none.
+    def pair(transfer: str) -> Any:
+        return snapshot_with(
+            engine("e1", role="prefill", native_openai=True, kv_transfer=transfer, state="draining"),
+            engine("e2", role="decode", native_openai=True, kv_transfer=transfer),
+        )
+
+    for reason in ("api:responses", "api:messages", "echo", "structured_output"):
+        assert unservable(pair("pull"), MODEL, reason, chat_body(response_format=JSON_SCHEMA)) is None
+        assert unservable(pair("push"), MODEL, reason, chat_body(response_format=JSON_SCHEMA)) is not None
+
+
 @pytest.mark.parametrize("kind", ["chat", "completions"])
 @pytest.mark.parametrize("value", ["yes", ["a"], 5])
 async def test_structured_outputs_that_is_not_an_object_is_the_schemas_400_on_every_fleet(
