@@ -85,12 +85,14 @@ from serving.pipeline.resilience.attempts import (
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
 from serving.pipeline.streaming.event_stream import EventStream
 from serving.pipeline.streaming.fanout import first_error
+from serving.pipeline.topologies.metaserver import process_metaserver
 from serving.pipeline.topologies.native_pd import (
     NativeCall,
     NativePair,
     native_pairs,
     native_pd_ineligible,
     run_native_handoff,
+    run_native_trigger,
 )
 from serving.pipeline.topologies.registry import TopologyRegistry
 
@@ -383,7 +385,14 @@ class ServingPipeline:
             start = time.perf_counter()
             stack = AsyncExitStack()
             try:
-                if isinstance(route, NativePair):
+                if isinstance(route, NativePair) and route.transfer == "push":
+                    result = await run_native_trigger(
+                        self._native_call(kind), route, kind, body, f"{request_id}-{attempt}",
+                        metaserver=process_metaserver(), prompt_tokens=sum(estimate.prompts),
+                        tokens=estimate.tokens(instance.max_model_len),
+                        max_output=estimate.output(instance.max_model_len), stack=stack,
+                    )
+                elif isinstance(route, NativePair):
                     result = await run_native_handoff(
                         self._native_call(kind), self.guard.reserve, route, kind, body, f"{request_id}-{attempt}",
                         prompt_tokens=sum(estimate.prompts), tokens=estimate.tokens(instance.max_model_len),

@@ -25,6 +25,8 @@ from enginesim.testing import LiveServer, eventually
 from fleet.models import EngineInstance
 from serving import runtime, snapshots
 from serving.pipeline.errors import QueueFull, RequestError
+from serving.pipeline.topologies import metaserver as metaserver_module
+from serving.pipeline.topologies.metaserver import MetaServer
 from serving.pipeline.topologies.native_pd import decode_body, native_pd_ineligible, prefill_body
 from tests.pd_sims import pd_sim_fixtures
 from tests.serving.fakes import MODEL
@@ -248,3 +250,67 @@ def test_the_prefill_leg_is_the_guides_one_token_whole_request(kind: Any, body: 
 ])
 def test_what_a_pair_cannot_serve_exactly(kind: Any, body: dict[str, Any], why: str) -> None:
     assert native_pd_ineligible(kind, body) == why
+
+
+# -- push pairs (Trigger): D's own API first, P's on D's callback -----------------------------------
+
+
+@pytest.fixture
+def push_only(
+    transactional_db: None, push_prefill: LiveServer, push_decode: LiveServer, union: LiveServer, settings: Any,
+    served: str, monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[LiveServer, LiveServer, MetaServer]]:
+    """A fleet of one push pair (the layer-wise connector's order) serving their own OpenAI API,
+    render off; D calls the coordinator's real metaserver view back on the served socket."""
+    settings.MOTOR_API_KEYS = []
+    settings.MOTOR_OPEN_ACCESS = True
+    metaserver = MetaServer(served)
+    monkeypatch.setattr(metaserver_module, "_process", metaserver)
+    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=4096, vocab_size=152_000)
+    RenderConfig.objects.create(host="127.0.0.1", port=9, enable=False)
+    for role, server in (("prefill", push_prefill), ("decode", push_decode)):
+        EngineInstance.objects.create(
+            name=f"{role}-1", url=server.url, served_model=model, role=role, kind="sim", cap_native_openai=True,
+            cap_tokenizer=True, kv_connector="MooncakeLayerwiseConnector", kv_transfer="push",
+        )
+    for server in (push_prefill, push_decode, union):
+        server.reset()
+    snapshots.invalidate()
+    yield push_prefill, push_decode, metaserver
+    snapshots.invalidate()
+    assert metaserver.pending == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize(("path", "body"), BODIES, ids=[p.rsplit("/", 1)[1] for p, _ in BODIES])
+async def test_a_trigger_only_fleet_serves_the_native_path_in_the_push_order(
+    served: str, push_only: tuple[LiveServer, LiveServer, MetaServer], union: LiveServer, path: str,
+    body: dict[str, Any], stream: bool,
+) -> None:
+    p, d, metaserver = push_only
+    body = {**body, "stream": stream}
+    ours = await post(served, path, body)
+    theirs = await post(union.url, path, body)
+    assert ours.status_code == 200, ours.text
+    if stream:
+        assert streamed_text(path, ours.content) == streamed_text(path, theirs.content) != ""
+    else:
+        assert whole_text(path, ours.json()) == whole_text(path, theirs.json()) != ""
+        assert ours.json().get("kv_transfer_params") is None
+    # D first, its callback delivered once, P's one-token prefill pushed the whole prompt to D.
+    assert (p.engine.stats.requests_received, d.engine.stats.requests_received) == (1, 1)
+    assert metaserver.delivered == 1
+    by_source = d.engine.stats.prompt_tokens_by_source
+    assert by_source["external_kv_transfer"] > 0 and by_source["local_compute"] == 0
+    await assert_nothing_held(p, d, union)
+
+
+async def test_a_trigger_prefill_that_fails_fails_the_attempt_and_frees_decode(
+    served: str, push_only: tuple[LiveServer, LiveServer, MetaServer]
+) -> None:
+    p, d, metaserver = push_only
+    p.engine.faults.arm(_fault(), 5)
+    error = error_of(await post(served, "/v1/messages", BODIES[3][1]), 502)
+    assert error["type"] == "BadGatewayError"
+    assert p.engine.stats.requests_received == 1 and metaserver.delivered == 1
+    await assert_nothing_held(p, d)

@@ -69,16 +69,17 @@ def native_role(pool: Iterable[InstanceView]) -> list[InstanceView]:
 
 
 def native_pd_role(pool: Iterable[InstanceView], role: str) -> list[InstanceView]:
-    """Instances of ``role`` ("prefill" | "decode") that serve their own OpenAI API and pull KV:
-    the native path's P/D pairs (``topologies/native_pd.py``)."""
-    return [i for i in pool if i.role == role and i.native_openai and i.kv_transfer == "pull"]
+    """Instances of ``role`` ("prefill" | "decode") that serve their own OpenAI API and transfer
+    KV: the native path's P/D pairs (``topologies/native_pd.py``)."""
+    return [i for i in pool if i.role == role and i.native_openai and i.kv_transfer in KV_TRANSFER_MODES]
 
 
 def has_native_pd(snapshot: FleetSnapshot, model: str) -> bool:
-    """Whether ``model`` has a prefill and a decode instance, whatever their state, that could
-    serve the native path as a pair."""
+    """Whether ``model`` has a prefill and a decode instance of one transfer mode, whatever their
+    state, that could serve the native path as a pair."""
     pool = [i for i in snapshot.instances if i.model == model]
-    return bool(native_pd_role(pool, "prefill")) and bool(native_pd_role(pool, "decode"))
+    prefills, decodes = native_pd_role(pool, "prefill"), native_pd_role(pool, "decode")
+    return any(p.kv_transfer == d.kv_transfer for p in prefills for d in decodes)
 
 
 def native_candidates(
