@@ -11,6 +11,7 @@ streaming and not; what a pair cannot serve exactly is a 503 that says why; noth
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 
 from catalog.models import RenderConfig, ServedModel
 from enginesim import SimConfig
-from enginesim.faults import FaultMode
+from enginesim.faults import Fault, FaultMode
 from enginesim.testing import LiveServer, eventually
 from fleet.models import EngineInstance
 from serving import runtime, snapshots
@@ -179,9 +180,7 @@ async def test_a_failed_prefill_never_reaches_decode(served: str, pd_only: tuple
     await assert_nothing_held(p, d)
 
 
-def _fault() -> Any:
-    from enginesim.faults import Fault
-
+def _fault() -> Fault:
     return Fault(mode=FaultMode.HTTP_STATUS, status=500)
 
 
@@ -313,4 +312,54 @@ async def test_a_trigger_prefill_that_fails_fails_the_attempt_and_frees_decode(
     error = error_of(await post(served, "/v1/messages", BODIES[3][1]), 502)
     assert error["type"] == "BadGatewayError"
     assert p.engine.stats.requests_received == 1 and metaserver.delivered == 1
+    await assert_nothing_held(p, d)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_client_leaving_while_p_prefills_frees_both_sides(
+    served: str, pd_only: tuple[LiveServer, LiveServer], stream: bool
+) -> None:
+    # P never answers (stalled); the client hangs up meanwhile. D's reservation, P's call and its
+    # engine slot are all given back, and D never hears of the request.
+    p, d = pd_only
+    p.engine.faults.arm(Fault(mode=FaultMode.STALL_AFTER_TOKENS, tokens=0), 1)
+    request = asyncio.create_task(post(served, "/v1/chat/completions", chat(stream=stream)))
+
+    async def prefilling() -> bool:
+        return p.engine.stats.requests_received == 1 and runtime.inflight_tokens() != {}
+
+    await eventually(prefilling)
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+
+    async def p_let_go() -> bool:
+        return p.engine.stats.disconnects == 1
+
+    await eventually(p_let_go)
+    await assert_nothing_held(p, d)
+    assert d.engine.stats.requests_received == 0
+
+
+async def test_a_client_leaving_a_trigger_run_frees_both_sides_and_the_registration(
+    served: str, push_only: tuple[LiveServer, LiveServer, MetaServer]
+) -> None:
+    p, d, metaserver = push_only
+    p.engine.faults.arm(Fault(mode=FaultMode.STALL_AFTER_TOKENS, tokens=0), 1)
+    request = asyncio.create_task(post(served, "/v1/responses", BODIES[2][1]))
+
+    async def prefilling() -> bool:
+        return metaserver.delivered == 1 and p.engine.stats.requests_received == 1
+
+    await eventually(prefilling)
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+
+    async def released() -> bool:
+        # D's connection is closed too (the simulator, like a real D waiting for KV, then drops the
+        # request when its push never comes); the coordinator holds nothing of either side.
+        return metaserver.pending == 0 and p.engine.stats.disconnects == 1
+
+    await eventually(released)
     await assert_nothing_held(p, d)
