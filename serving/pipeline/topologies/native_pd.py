@@ -198,6 +198,7 @@ async def run_native_trigger(
     prefill, decode = pair.prefill, pair.decode
     leg_id = f"{request_id}-trigger"
     d_stack = AsyncExitStack()
+    await metaserver.advertise()  # as the token-only Trigger: a callback landing on a replica finds us
     with metaserver.register(request_id, engine_request_id="") as reg:
         d_body = decode_body(body, {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": reg.url})
         d_body["request_id"] = leg_id
