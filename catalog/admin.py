@@ -13,6 +13,7 @@ from django.http import HttpRequest
 from catalog.key_refs import InvalidKeyRef, check_key_ref
 from catalog.models import ModelRevision, RenderConfig, ServedModel
 from catalog.services import render_config_save
+from fleet.verdicts import render_traffic
 from motorsite.admin_forms import OperatorEditForm
 from motorsite.core import InvalidError, bump_control_version
 
@@ -103,10 +104,10 @@ class RenderConfigAdmin(admin.ModelAdmin):
     form = RenderConfigForm
     list_display = (
         "name", "enable", "host", "port", "timeout_ms", "renderer_num_workers", "health", "sidecar_version",
-        "model_record", "restart_required",
+        "traffic", "model_record", "restart_required",
     )
     readonly_fields = (
-        "sidecar_version", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",
+        "sidecar_version", "traffic", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",
         "restart_required",
     )
     fieldsets = (
@@ -115,10 +116,15 @@ class RenderConfigAdmin(admin.ModelAdmin):
         ("Limits", {"fields": ("timeout_ms", "context_budget", "derender_coalesce", "stream_interval")}),
         ("Token obfuscation", {"fields": ("obfuscation", "obfuscation_key_ref", "obfuscation_key_id")}),
         ("Probed", {"fields": (
-            "sidecar_version", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",
+            "sidecar_version", "traffic", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",
             "restart_required",
         )}),
     )
+
+    @admin.display(description="traffic")
+    def traffic(self, obj: RenderConfig) -> str:
+        """Where the RFC's version floors send requests with this sidecar, and why."""
+        return render_traffic(obj.sidecar_version)
 
     @admin.display(description="model record", ordering="model_mismatch")
     def model_record(self, obj: RenderConfig) -> str:

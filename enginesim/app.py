@@ -1,5 +1,8 @@
 """Starlette app of the simulator: vLLM's token-only endpoints plus ``/sim/*`` controls.
 
+Also the engine's own OpenAI API (``enginesim.openai_api``): chat, completions, Responses and
+Anthropic Messages, with ``kv_transfer_params`` for the P/D roles as vLLM takes them.
+
 Control API (test-only, unauthenticated):
 
 - ``POST /sim/script`` ``{"prompt_token_ids", "output_token_ids", "match": "exact"|"suffix"}``
@@ -28,6 +31,7 @@ from enginesim.control import ControlHandlers
 from enginesim.engine import SimEngine
 from enginesim.errors import SimError
 from enginesim.generate import GenerateHandlers
+from enginesim.openai_api import OpenAIHandlers
 from enginesim.probes import ProbeHandlers
 from enginesim.streaming import RawSendApp
 
@@ -54,7 +58,13 @@ def create_app(config: SimConfig | None = None) -> Starlette:
     """A simulator app for ``config``; ``app.state.engine`` is its :class:`SimEngine`."""
     engine = SimEngine(config or SimConfig())
     g, p, c = GenerateHandlers(engine), ProbeHandlers(engine), ControlHandlers(engine)
+    o = OpenAIHandlers(g)
     routes = [
+        # The engine's own OpenAI API (a tokenizer-loaded vLLM's), over a toy tokenizer: see openai_api.
+        Route("/v1/chat/completions", o.chat, methods=["POST"]),
+        Route("/v1/completions", o.completions, methods=["POST"]),
+        Route("/v1/responses", o.responses, methods=["POST"]),
+        Route("/v1/messages", o.messages, methods=["POST"]),
         Route("/inference/v1/generate", g.generate, methods=["POST"]),
         Route("/inference/v1/abort_requests", g.abort_requests, methods=["POST"]),
         # The legacy unauthenticated route of --tokens-only servers.

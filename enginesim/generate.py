@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -87,6 +87,11 @@ class GenerateHandlers:
         self.engine = engine
 
     async def generate(self, request: Request) -> Response:
+        return await self.serve(request, lambda: parse(request, GenerateRequest))
+
+    async def serve(self, request: Request, read: Callable[[], Awaitable[GenerateRequest]]) -> Response:
+        """One generate: ``read`` gives the body (the OpenAI API's handlers build it from theirs),
+        answered as a GenerateResponse or its stream, faults and KV transfer included."""
         engine = self.engine
         engine.stats.requests_received += 1
         engine.stats.x_request_ids.append(request.headers.get("x-request-id"))
@@ -97,7 +102,7 @@ class GenerateHandlers:
         if fault is not None and fault.mode is FaultMode.HTTP_STATUS:
             raise SimError(f"Simulated engine failure (HTTP {fault.status})", status=fault.status)
 
-        body = await parse(request, GenerateRequest)
+        body = await read()
         engine.stats.last_token_ids = list(body.token_ids)
         engine.check_model(body.model)
         engine.admit(body)

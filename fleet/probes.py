@@ -40,6 +40,7 @@ from fleet.verdicts import (  # noqa: F401  (the verdicts are part of what calle
     parse_version,
     record_mismatch,
     render_capabilities,
+    render_traffic,
 )
 from motorsite import tiers
 from motorsite.core import bump_control_version, current_render_config
@@ -393,7 +394,7 @@ def audit_fleet() -> AuditReport:
     summary = {
         "render": None if cfg is None else {
             "url": cfg.base_url, "enable": cfg.enable, "health": cfg.health, "version": cfg.sidecar_version,
-            "streaming_derender": cfg.streaming_derender,
+            "streaming_derender": cfg.streaming_derender, "traffic": render_traffic(cfg.sidecar_version),
         },
         "instances": instances,
         "counts": {

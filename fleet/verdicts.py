@@ -84,6 +84,27 @@ def render_capabilities(version: str) -> RenderCapabilities:
     return RenderCapabilities(v >= TOKEN_IN_MIN, v >= DERENDER_MIN, v >= STREAMING_DERENDER_MIN)
 
 
+def probed_capabilities(version: str) -> RenderCapabilities:
+    """What the data plane may use of a sidecar whose probe recorded ``version``: everything while
+    nothing is recorded yet (a fresh deployment, or a probe that got no version answer: the
+    deployment's own word stands until a probe says otherwise), else ``render_capabilities``."""
+    if not version:
+        return RenderCapabilities(True, True, True)
+    return render_capabilities(version)
+
+
+def render_traffic(version: str) -> str:
+    """Which path the version floors leave a sidecar reporting ``version`` (the admin shows it)."""
+    caps = probed_capabilities(version)
+    if not caps.token_in:
+        return f"native: sidecar vLLM {version} is older than 0.23 (no token-in render)"
+    if not caps.derender:
+        return f"native: sidecar vLLM {version} is older than 0.24 (no derender)"
+    if not caps.streaming_derender:
+        return f"token-only; streams native: sidecar vLLM {version} is older than 0.27 (no streaming derender)"
+    return "token-only" if version else "token-only (version not probed yet)"
+
+
 @dataclass(frozen=True, slots=True)
 class TierReport:
     """What one tier says it serves (``/v1/models``, ``/version``) and the hashes of its model files."""

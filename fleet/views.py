@@ -24,6 +24,7 @@ from catalog.models import Health
 from fleet.models import BreakerState, EngineInstance, ManagedProcess, process_of
 from fleet.presenters import ObfuscationStatus, inflight_tokens
 from fleet.reports import reports_read, this_process
+from fleet.verdicts import render_traffic
 from motorsite.core import current_render_config
 from serving.pipeline import metrics
 
@@ -152,6 +153,8 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "title": "Fleet dashboard",
         "rows": rows,
         "render": render_config,
+        # Where the version floors send traffic, and why (fleet.verdicts.render_traffic).
+        "render_traffic": render_traffic(render_config.sidecar_version) if render_config is not None else "",
         "sick_count": sum(r.sick for r in rows),
         # The processes drawn: this one, and every other that reported (a replica, or a worker).
         "coordinators": 1 + sum((r.host, r.pid) != this_process() for r in reports),

@@ -50,6 +50,9 @@ class StackConfig:
     prefill_ports: tuple[int, ...] = (8211,)
     decode_ports: tuple[int, ...] = (8221,)
     nixl_ports: tuple[int, ...] = ()
+    # How the real P/D engines run: "tokens-only" (token ids only, as `make run` starts them) or
+    # "scale-out" (a tokenizer and their own OpenAI API too: the native path's P/D pairs).
+    pd_mode: str = "tokens-only"
     render_workers: int = 4
     database_url: str = ""
     redis_url: str = ""
@@ -165,8 +168,9 @@ def pd_engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
                 model_dir=cfg.model_dir,
                 served_model_name=cfg.served_model_name,
                 port=port,
-                # No native API or tokenizer needed on P/D: the coordinator sends token ids.
-                mode="tokens-only",
+                # Tokens-only by default: the coordinator sends token ids; scale-out adds the
+                # engine's own OpenAI API for the native path's P/D flow.
+                mode=cfg.pd_mode,
                 core=n % cores,
                 max_model_len=cfg.max_model_len,
                 kv_role="kv_producer" if role == "prefill" else "kv_consumer",
@@ -309,6 +313,8 @@ def prepare_database(cfg: StackConfig) -> None:
         fleet += ["--prefill", url]
     for url in cfg.decode_urls:
         fleet += ["--decode", url]
+    if cfg.engines == "vllm" and cfg.pd_mode == "scale-out":
+        fleet += ["--pd-native"]
     # The password goes by the environment, never argv: any user of the machine reads argv (ps).
     fleet_env = {**env, "MOTOR_DEMO_ADMIN_PASSWORD": cfg.admin_password} if cfg.admin_password else env
     subprocess.run(fleet, check=True, env=fleet_env, cwd=ROOT)

@@ -28,6 +28,7 @@ from catalog.fingerprints import config_vocab_size
 from catalog.models import Health, RenderConfig, ServedModel
 from fleet.ascend import ASCEND_CONNECTORS, ASCEND_GENERATIONS
 from fleet.models import ApiKey, BreakerState, EngineInstance
+from fleet.verdicts import probed_capabilities
 from motorsite.core import current_render_config, read_control_version
 from serving import obfuscation_keys
 from serving.pipeline.errors import ControlDataUnavailable
@@ -56,6 +57,8 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
     cfg = current_render_config() or RenderConfig()
     # The key stays out of the snapshot; its mapping is registered with the data plane by key id.
     obfuscation_keys.load_for(cfg, models.values())
+    # The version floors act on what the probe recorded (the same rule the admin shows).
+    caps = probed_capabilities(cfg.sidecar_version)
     render = RenderView(
         enable=cfg.enable,
         base_url=cfg.base_url,
@@ -63,7 +66,9 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
         context_budget=cfg.context_budget,
         obfuscation=cfg.obfuscation,
         obfuscation_key_id=cfg.obfuscation_key_id,
-        streaming_derender=cfg.streaming_derender,
+        token_in=caps.token_in,
+        derender=caps.derender,
+        streaming_derender=cfg.streaming_derender and caps.streaming_derender,
         derender_coalesce=cfg.derender_coalesce,
         stream_interval=cfg.stream_interval,
     )

@@ -138,7 +138,8 @@ class NoCapacity(MotorError):
 
 
 class TriggerMultiPromptStream(NoCapacity):
-    """A multi-prompt streaming request was placed on Trigger: the RFC serves it natively."""
+    """A multi-prompt streaming request was placed on Trigger: the RFC serves it natively (the
+    pipeline runs it on Trigger per prompt instead where the fleet has no native path)."""
 
 
 class ControlDataUnavailable(MotorError):

@@ -81,7 +81,7 @@ ENGINE_IN_FLIGHT_TOKENS = Family("motor_engine_in_flight_tokens", "gauge",
 # Why a request took the native path (``engine.native.native_reason``, the pipeline's own
 # reasons, and the local fallback's ``NeedsNative`` categories).
 NATIVE_REASONS = frozenset({
-    "api:responses", "api:messages", "render_disabled", "no_streaming_derender", "echo",
+    "api:responses", "api:messages", "render_disabled", "no_token_in", "no_derender", "no_streaming_derender", "echo",
     "stop_strings", "structured_output", "forced_tool_choice", "engine_capability",
     "trigger_multi_prompt_stream", "local:stream", "local:param", "local:messages",
 })

@@ -41,6 +41,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from serving.pipeline.errors import MotorError, RequestError
+from serving.pipeline.placement.filters import has_native_pd
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.snapshot import FleetSnapshot, ModelView
 
@@ -98,7 +99,8 @@ def unservable(
     what, param, tokenizer_serves = feature
     if any(i.model == model and i.role == "union"
            and (i.native_openai or (tokenizer_serves and i.tokenizer and i.token_generate))
-           for i in snapshot.instances):
+           for i in snapshot.instances) or has_native_pd(snapshot, model):
+        # (A prefill/decode pair serving its own OpenAI API runs the native path too.)
         return None
     if reason.startswith("api:"):
         return FeatureUnavailable(

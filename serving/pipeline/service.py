@@ -8,7 +8,8 @@ own between requests. The phases, each logged once per outcome with the request 
 0. body checks (``request_checks.py``): numbers, engine controls and key policy, before any
    path uses the body; every JSON answer is scrubbed of engine-internal fields on the way out;
 1. routing: ``native_reason`` sends what token-only cannot serve exactly to an engine's own
-   OpenAI API (``engine/native.py``), or refuses it with obfuscation on;
+   OpenAI API (``engine/native.py``: a union engine's, or a P/D pair's through the guide's proxy
+   flow, ``topologies/native_pd.py``), or refuses it with obfuscation on;
 2. tokenization (``render/tokenization.py``): render, or the local tokenizer when render is
    unusable; the local fallback hands requests it cannot build exactly to the native path;
 3. poison check (``request_checks.check_tokenized``): ids outside the vocabulary (503 while
@@ -29,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Collection, Coroutine, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from typing import Any, TypeVar
 
@@ -37,7 +38,7 @@ from serving.pipeline import metric_names, request_checks
 from serving.pipeline.derender.full import derender_full
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.engine.leg import BreakerOpen, EngineGuard
+from serving.pipeline.engine.leg import BreakerOpen, EngineGuard, Reservation
 from serving.pipeline.engine.native import (
     NATIVE_HINTS,
     NativeClient,
@@ -62,7 +63,7 @@ from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.phases import NO_PHASES, Phases
-from serving.pipeline.placement.filters import native_candidates
+from serving.pipeline.placement.filters import has_native_pd, native_candidates
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind, TokenKind
 from serving.pipeline.render.client import RenderClient
@@ -81,9 +82,18 @@ from serving.pipeline.resilience.attempts import (
     open_together,
     requested_tokens,
 )
-from serving.pipeline.snapshot import FleetSnapshot, ModelView
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
 from serving.pipeline.streaming.event_stream import EventStream
 from serving.pipeline.streaming.fanout import first_error
+from serving.pipeline.topologies.metaserver import process_metaserver
+from serving.pipeline.topologies.native_pd import (
+    NativeCall,
+    NativePair,
+    native_pairs,
+    native_pd_ineligible,
+    run_native_handoff,
+    run_native_trigger,
+)
 from serving.pipeline.topologies.registry import TopologyRegistry
 
 logger = logging.getLogger(__name__)
@@ -107,8 +117,8 @@ def _hint(reason: str) -> str:
     return f": {hint}." if hint else ""
 
 
-def _no_native_engine(model: str, reason: str) -> NoCapacity:
-    return NoCapacity(f"no engine serves the native OpenAI API for model {model!r} ({reason})" + _hint(reason))
+def _no_native_engine(model: str, reason: str, note: str = "") -> NoCapacity:
+    return NoCapacity(f"no engine serves the native OpenAI API for model {model!r} ({reason}{note})" + _hint(reason))
 
 
 class ServingPipeline:
@@ -344,11 +354,13 @@ class ServingPipeline:
             self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
             raise unservable
-        if not native_candidates(self.snapshot, self.scheduler, model.name):
+        # A P/D pair's own API serves what it can serve exactly (topologies/native_pd.py).
+        pd_unfit = native_pd_ineligible(kind, body)
+        if not self._native_routes(model.name, pd_unfit):
             # Decided native, but no engine can take it now: no render call to count its prompt.
             self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
             logger.info("route request_id=%s kind=%s path=native reason=%s result=no_engine", request_id, kind, reason)
-            raise _no_native_engine(model.name, reason)
+            raise _no_native_engine(model.name, reason, self._pd_unfit_note(model.name, pd_unfit))
         # Charged what the engine may really process: prompt tokens plus n x the output bound it
         # will resolve (engine/native.NativeEstimate), per instance context length.
         estimate = await self._native_estimate(kind, body, request_id, tokenized, render_tried)
@@ -361,37 +373,56 @@ class ServingPipeline:
         excluded: set[str] = set()
         last: EngineError | None = None
         for attempt in range(self.policy.max_attempts):
-            candidates = native_candidates(self.snapshot, self.scheduler, model.name, exclude=excluded)
-            if not candidates:
+            routes = self._native_routes(model.name, pd_unfit, exclude=excluded)
+            if not routes:
                 if last is not None:
                     raise last
-                raise _no_native_engine(model.name, reason)
-            instance = candidates[0]
+                raise _no_native_engine(model.name, reason, self._pd_unfit_note(model.name, pd_unfit))
+            route = routes[0]
+            # The instance that answers the client: the union one, or the pair's decode side.
+            instance = route.decode if isinstance(route, NativePair) else route
+            names = route.names if isinstance(route, NativePair) else (route.name,)
             start = time.perf_counter()
             stack = AsyncExitStack()
             try:
-                result = await self.guard.native(
-                    instance, kind, body, request_id, tokens=estimate.tokens(instance.max_model_len),
-                    max_output=estimate.output(instance.max_model_len), stack=stack,
-                )
+                if isinstance(route, NativePair) and route.transfer == "push":
+                    result = await run_native_trigger(
+                        self._native_call(kind), route, kind, body, f"{request_id}-{attempt}",
+                        metaserver=process_metaserver(), prompt_tokens=sum(estimate.prompts),
+                        tokens=estimate.tokens(instance.max_model_len),
+                        max_output=estimate.output(instance.max_model_len), stack=stack,
+                    )
+                elif isinstance(route, NativePair):
+                    result = await run_native_handoff(
+                        self._native_call(kind), self.guard.reserve, route, kind, body, f"{request_id}-{attempt}",
+                        prompt_tokens=sum(estimate.prompts), tokens=estimate.tokens(instance.max_model_len),
+                        max_output=estimate.output(instance.max_model_len), stack=stack,
+                    )
+                else:
+                    result = await self.guard.native(
+                        instance, kind, body, request_id, tokens=estimate.tokens(instance.max_model_len),
+                        max_output=estimate.output(instance.max_model_len), stack=stack,
+                    )
             except BreakerOpen:
                 # Raced a half-open probe slot: not this request's failure, just not this instance.
                 await stack.aclose()
-                excluded.add(instance.name)
+                excluded.update(names)
                 continue
             except EngineError as exc:
                 # Busy, lacking the capability or failed (the guard told the breaker which): elsewhere.
+                # A pair is left whole, as the token-only attempt policy leaves one: the fault may
+                # lie between P and D (the KV transfer).
                 await stack.aclose()
                 last = exc
-                excluded.add(instance.name)
-                logger.warning("native request_id=%s instance=%s attempt=%d result=%s", request_id, instance.name,
+                excluded.update(names)
+                logger.warning("native request_id=%s instance=%s attempt=%d result=%s", request_id, ",".join(names),
                                attempt, type(exc).__name__)
                 continue
             except BaseException:
                 await stack.aclose()
                 raise
             logger.info("native request_id=%s instance=%s attempt=%d result=ok latency_ms=%.1f",
-                        request_id, instance.name, attempt, _ms(start))
+                        request_id, ",".join(names), attempt, _ms(start))
             if isinstance(result, NativeStream):
                 return result
             await stack.aclose()
@@ -399,6 +430,41 @@ class ServingPipeline:
         if last is not None:
             raise last
         raise _no_native_engine(model.name, reason)
+
+    def _native_routes(
+        self, model: str, pd_unfit: str, *, exclude: Collection[str] = ()
+    ) -> list[InstanceView | NativePair]:
+        """Where the native path may go now, best first: union instances' own API (least loaded),
+        then P/D pairs' (the guide's proxy flow) when the request fits a pair."""
+        routes: list[InstanceView | NativePair] = list(
+            native_candidates(self.snapshot, self.scheduler, model, exclude=exclude)
+        )
+        if not pd_unfit:
+            load = self.scheduler.load.inflight
+            routes += native_pairs(
+                self.snapshot, model, live=self.scheduler.eligible, exclude=exclude,
+                load=lambda i: load(i.name) / max(i.weight, 1),
+            )
+        return routes
+
+    def _pd_unfit_note(self, model: str, pd_unfit: str) -> str:
+        """What the 503 adds when only P/D pairs serve the native path and this request fits none."""
+        if pd_unfit and has_native_pd(self.snapshot, model):
+            return f"; prefill/decode pairs cannot serve it exactly ({pd_unfit})"
+        return ""
+
+    def _native_call(self, kind: ApiKind) -> NativeCall:
+        """One guarded leg of a native P/D run (breaker, admission, load, the reply's deadline)."""
+
+        async def call(
+            instance: InstanceView, body: dict[str, Any], leg_id: str, tokens: int, max_output: int | None,
+            stack: AsyncExitStack, reserved: Reservation | None,
+        ) -> dict[str, Any] | NativeStream:
+            return await self.guard.native(
+                instance, kind, body, leg_id, tokens=tokens, max_output=max_output, stack=stack, reserved=reserved,
+            )
+
+        return call
 
     async def _native_estimate(
         self, kind: ApiKind, body: dict[str, Any], request_id: str, tokenized: TokenizedRequest | None,
@@ -411,7 +477,9 @@ class ServingPipeline:
         if tokenized is not None:
             counts = [len(p.token_ids) for p in tokenized.prompts]
             return NativeEstimate.of(kind, body, counts, tokenized.tokenizer_source)
-        if not render_tried and self.snapshot.render.enable and not self.render_health.skip():
+        # A sidecar below the token-in floor (0.23) has no render route to count with.
+        if (not render_tried and self.snapshot.render.enable and self.snapshot.render.token_in
+                and not self.render_health.skip()):
             try:
                 counts = await self.render.prompt_lengths(kind, body, request_id)
             except RenderUnavailable as exc:
@@ -426,7 +494,7 @@ class ServingPipeline:
     async def _render_verdict(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> None:
         """Let render judge ``body`` (vLLM's own schema and validators): its 4xx propagates; an
         unusable sidecar has no verdict, and the caller's answer stands."""
-        if not self.snapshot.render.enable or self.render_health.skip():
+        if not self.snapshot.render.enable or not self.snapshot.render.token_in or self.render_health.skip():
             return
         try:
             if kind == "chat":
@@ -438,7 +506,7 @@ class ServingPipeline:
 
     async def _open(
         self, body: dict[str, Any], kind: TokenKind, request_id: str, tokenized: TokenizedRequest,
-        requires_tokenizer: bool, phases: Phases,
+        requires_tokenizer: bool, phases: Phases, *, trigger_fanout: bool = False,
     ) -> EventStream | NativeStream | dict[str, Any]:
         """Establish every engine stream of the request before the client sees a byte.
 
@@ -446,6 +514,7 @@ class ServingPipeline:
         them); the response is committed once, when every stream is established.
         """
         attempts = self.attempts(request_id, phases)
+        attempts.trigger_fanout = trigger_fanout
 
         def opener(index: int) -> Callable[[], Coroutine[Any, Any, OpenStream]]:
             return lambda: attempts.open(tokenized, index, requires_tokenizer)
@@ -455,8 +524,19 @@ class ServingPipeline:
         except TriggerMultiPromptStream:
             # RFC: Trigger 多 prompt 流式仍沿用原生链路. Nothing reached the client yet, and
             # open_together closed whatever had opened.
-            return await self._native(
-                kind, body, request_id, "trigger_multi_prompt_stream", phases, tokenized=tokenized
+            fleet_native = self._native_routes(tokenized.model, native_pd_ineligible(kind, body))
+            if fleet_native and not self.snapshot.render.obfuscation:
+                return await self._native(
+                    kind, body, request_id, "trigger_multi_prompt_stream", phases, tokenized=tokenized
+                )
+            # No native path for it here (a P/D pair takes no body of several prompts, so on a
+            # Trigger-only fleet there is none; nor with obfuscation on): rather than fail the
+            # request, each prompt runs its own Trigger, merged as on Handoff. The fan-out is the
+            # one every topology shares; nothing in it is Trigger-specific.
+            logger.info("route request_id=%s kind=%s path=token_only reason=trigger_multi_prompt_stream "
+                        "result=fanout (no native path)", request_id, kind)
+            return await self._open(
+                body, kind, request_id, tokenized, requires_tokenizer, phases, trigger_fanout=True
             )
         n = int(body.get("n") or 1)
         public_id = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"

@@ -28,7 +28,12 @@ class RenderView:
     context_budget: bool = False  # clamp max_tokens to the chosen engine's room left
     obfuscation: bool = False
     obfuscation_key_id: str = ""  # which key; the key itself never enters the snapshot
-    streaming_derender: bool = True  # False: the sidecar is older than 0.27, streams take the native path
+    # The RFC's version floors, from the probe's record of the sidecar's vLLM version
+    # (``fleet.verdicts.probed_capabilities``): below 0.23 no render of token ids, below 0.24 no
+    # derender, below 0.27 no streaming derender. What a floor removes takes the native path.
+    token_in: bool = True
+    derender: bool = True
+    streaming_derender: bool = True
     # Merge engine chunks queued behind a streaming derender (derender/coalesce.py). On in the
     # database (RenderConfig); off for hand-built snapshots, whose tests count one call per event.
     derender_coalesce: bool = False

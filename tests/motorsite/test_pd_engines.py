@@ -133,3 +133,29 @@ def test_the_demo_fleet_registers_the_pd_engines() -> None:
     )
     assert views["decode-1"].role == "decode" and not views["decode-1"].native_openai
     assert views["union-1"].kv_transfer == "" and views["union-1"].native_openai
+
+
+def test_scale_out_pd_engines_serve_their_own_api_and_the_demo_fleet_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The native path's P/D pairs (issue 33): scale-out P/D engines load a tokenizer and serve
+    # their own OpenAI API, and the fleet records it, so the native path can place on them.
+    cfg = _config(prefill_ports=(9001,), decode_ports=(9002,), nixl_ports=(9101, 9102), pd_mode="scale-out")
+    prefill, decode = stack.pd_engine_specs(cfg)
+    assert "--enable-scale-out" in prefill.argv and "--tokens-only" not in decode.argv
+    seen: list[list[str]] = []
+    monkeypatch.setattr(stack.subprocess, "run", lambda argv, **_kw: seen.append(list(argv)))
+    stack.prepare_database(cfg)
+    assert "--pd-native" in seen[-1]
+
+
+@pytest.mark.django_db
+def test_the_demo_fleet_records_scale_out_pd_engines_as_native() -> None:
+    from django.core.management import call_command
+
+    from serving.snapshots import build_snapshot
+
+    call_command(
+        "demo_fleet", "--model-dir", "/m", "--prefill", "http://127.0.0.1:2", "--decode", "http://127.0.0.1:3",
+        "--pd-native", stdout=io.StringIO(),
+    )
+    views = {i.name: i for i in build_snapshot().instances}
+    assert all(v.native_openai and v.tokenizer and v.kv_transfer == "pull" for v in views.values())

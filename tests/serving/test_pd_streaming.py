@@ -26,7 +26,7 @@ from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer, eventually
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.errors import NoCapacity, UpstreamRequestError
+from serving.pipeline.errors import UpstreamRequestError
 from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard
@@ -314,18 +314,34 @@ async def test_pd_ineligible_requests_stream_on_union(
     assert [(name, streaming) for name, streaming, _ in rig.engines.sent[1:]] == [(u.name, False)]
 
 
-async def test_trigger_multi_prompt_streaming_takes_the_native_path(
+async def test_trigger_multi_prompt_streaming_without_a_native_path_fans_out_on_trigger(
     rig_factory: Any, metaserver: MetaServer, union: LiveServer, push_prefill: LiveServer, push_decode: LiveServer,
 ) -> None:
-    rig = rig_factory(view(push_prefill, "prefill", "push"), view(push_decode, "decode", "push"))
-    body = {"model": MODEL, "prompt": ["a", "b"], "stream": True, "max_tokens": 4}
+    # Issue 33: a Trigger-only fleet has no native path (its push pairs serve none), so the RFC's
+    # native route would be a 503. Each prompt runs its own Trigger instead, merged as on Handoff.
+    p, d = view(push_prefill, "prefill", "push"), view(push_decode, "decode", "push")
+    rig = rig_factory(p, d)
+    body = {"model": MODEL, "prompt": ["a", "b"], "stream": True, "max_tokens": 4, "ignore_eos": True}
 
-    # No engine of this fleet serves the native API: the decision is made and logged, then 503.
-    with pytest.raises(NoCapacity, match="trigger_multi_prompt_stream"):
-        await rig.pipeline.completions(body, "m1")
+    stream = await rig.pipeline.completions(body, "m1")
+    assert isinstance(stream, EventStream)
+    async with asyncio.timeout(WATCHDOG_S):
+        frames = parse_frames(b"".join([f async for f in stream.frames()]))
 
-    assert rig.pipeline.counters.get("motor_route_decisions_total", path="native", reason="trigger_multi_prompt_stream") == 1
-    assert rig.engines.sent == []  # decided at placement, before any engine saw the request
+    assert frames[-1] == "[DONE]" and frames.count("[DONE]") == 1
+    assert not any(isinstance(f, dict) and "error" in f for f in frames)
+    texts: dict[int, str] = {}
+    for f in frames:
+        if isinstance(f, dict):
+            for c in f["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert sorted(texts) == [0, 1] and all(texts.values())
+    # Two Trigger runs: D first (streaming), then P's prefill on D's callback, once per prompt.
+    assert sorted((name, streaming) for name, streaming, _ in rig.engines.sent) == sorted(
+        [(d.name, True), (p.name, False)] * 2
+    )
+    assert metaserver.delivered == 2 and metaserver.pending == 0
+    assert rig.pipeline.counters.get("motor_route_decisions_total", path="native", reason="trigger_multi_prompt_stream") == 0
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,22 @@ def test_a_fleet_that_could_serve_it_is_not_refused() -> None:
     assert unservable(snapshot_with(*TOKENS_ONLY), MODEL, "local:logprobs", body) is None
 
 
+def test_a_pd_pair_serving_its_own_api_could_serve_it() -> None:
+    # Issue 33: the native path's P/D flow (topologies/native_pd.py), in either transfer mode; a
+    # prefill and a decode of different modes make no pair.
+    def pair(p_transfer: str, d_transfer: str) -> Any:
+        return snapshot_with(
+            engine("e1", role="prefill", native_openai=True, kv_transfer=p_transfer, state="draining"),
+            engine("e2", role="decode", native_openai=True, kv_transfer=d_transfer),
+        )
+
+    body = chat_body(response_format=JSON_SCHEMA)
+    for reason in ("api:responses", "api:messages", "echo", "structured_output"):
+        assert unservable(pair("pull", "pull"), MODEL, reason, body) is None
+        assert unservable(pair("push", "push"), MODEL, reason, body) is None
+        assert unservable(pair("pull", "push"), MODEL, reason, body) is not None
+
+
 @pytest.mark.parametrize("kind", ["chat", "completions"])
 @pytest.mark.parametrize("value", ["yes", ["a"], 5])
 async def test_structured_outputs_that_is_not_an_object_is_the_schemas_400_on_every_fleet(

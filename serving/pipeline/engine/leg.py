@@ -207,14 +207,17 @@ class EngineGuard:
 
     async def native(
         self, instance: InstanceView, kind: ApiKind, body: dict[str, Any], request_id: str, *, tokens: int,
-        stack: AsyncExitStack, max_output: int | None = None,
+        stack: AsyncExitStack, max_output: int | None = None, reserved: Reservation | None = None,
     ) -> dict[str, Any] | NativeStream:
         """One call to an engine's own OpenAI API; a stream takes ``stack`` (its holds) over.
 
-        ``tokens``: what admission holds; ``max_output``: the output bound per choice (the reply's deadline).
+        ``tokens``: what admission holds; ``max_output``: the output bound per choice (the reply's
+        deadline); ``reserved``: the instance's holds taken ahead (a native P/D run's decode side).
         """
-        async with self.breaker_scope(instance, record_failure=False):
-            await self._hold(instance, tokens, stack)
+        if reserved is None:
+            await self._admit(instance)
+        async with self._outcome(instance, record_failure=False):
+            await self._holds(instance, tokens, reserved, stack, NO_PHASES)
             return await self.native_client.call(instance, kind, body, request_id, stack, max_output=max_output)
 
     async def abort(self, instance: InstanceView, request_ids: list[str]) -> None:

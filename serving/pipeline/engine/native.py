@@ -6,8 +6,10 @@ strings, structured output / guided decoding or a forced tool choice when no tok
 of the model loads a tokenizer (a tokenizer-loaded engine takes those token-only); the local
 tokenizer fallback lacking render's metadata; an engine without token-only generate; a
 streaming request when the sidecar has no streaming derender (older than vLLM 0.27, as the
-version probe records in ``RenderView.streaming_derender``). Only
-instances declaring ``native_openai`` serve it. With obfuscation on, the engines' weights are
+version probe records in ``RenderView.streaming_derender``), and every request when it is older
+than 0.24 (no derender, ``no_derender``) or 0.23 (no token-in render, ``no_token_in``). Union
+instances declaring ``native_openai`` serve it, and on fleets of P/D pairs that declare it, the
+guide's proxy flow through both (``topologies/native_pd.py``). With obfuscation on, the engines' weights are
 permuted and their own tokenizer would produce garbage, so such requests are refused (400).
 
 The body goes to the engine as the client sent it, and the engine's answer comes back as is:
@@ -79,6 +81,14 @@ def native_reason(kind: ApiKind, body: Mapping[str, Any], snapshot: FleetSnapsho
         return f"api:{kind}"
     if not snapshot.render.enable:
         return "render_disabled"
+    if not snapshot.render.token_in:
+        # Below vLLM 0.23 the sidecar has no render route: token-only would have no ids to send.
+        return "no_token_in"
+    if not snapshot.render.derender:
+        # Below 0.24 there is no derender: token-only ids would have no way back to text. The local
+        # tokenizer cannot stand in for it either (the RFC: a request without render's full
+        # metadata keeps the native path), so the whole request goes native.
+        return "no_derender"
     if body.get("stream") and not snapshot.render.streaming_derender:
         # The sidecar derenders whole responses only: a stream's chunks would have nowhere to go.
         return "no_streaming_derender"
@@ -179,6 +189,8 @@ class NativeEstimate:
 
 # What the client can do when a request of this reason finds no native path (refused or no engine).
 NATIVE_HINTS = {
+    "no_token_in": "the render sidecar is older than vLLM 0.23 and cannot render token ids; upgrade the sidecar",
+    "no_derender": "the render sidecar is older than vLLM 0.24 and cannot derender; upgrade the sidecar",
     "no_streaming_derender": "the render sidecar is older than vLLM 0.27 and cannot derender a stream; "
     "send the request with `stream: false`, or upgrade the sidecar",
 }

@@ -5,8 +5,8 @@ fits the deployment's obfuscation (``obfuscation.eligible``: the key id its weig
 permuted with), is not excluded by an earlier attempt, and passes the live verdict
 (``Scheduler.eligible``: its health probe and its circuit breaker). Without a live verdict the
 set is the snapshot's static one (what routing asks before placement: does any engine load a
-tokenizer). Union, P/D and the native path
-then only pick roles and capabilities out of that one set; scoring and picking follow in
+tokenizer). Union, P/D and the native path (union instances' own API, or P/D pairs' in
+``topologies/native_pd.py``) then only pick roles and capabilities out of that one set; scoring and picking follow in
 ``scheduler.py`` (union) and ``topologies/hybrid.py`` (P/D).
 """
 
@@ -66,6 +66,20 @@ def pd_role(pool: Iterable[InstanceView], role: str) -> list[InstanceView]:
 def native_role(pool: Iterable[InstanceView]) -> list[InstanceView]:
     """Union instances that serve their own OpenAI API."""
     return [i for i in pool if i.role == "union" and i.native_openai]
+
+
+def native_pd_role(pool: Iterable[InstanceView], role: str) -> list[InstanceView]:
+    """Instances of ``role`` ("prefill" | "decode") that serve their own OpenAI API and transfer
+    KV: the native path's P/D pairs (``topologies/native_pd.py``)."""
+    return [i for i in pool if i.role == role and i.native_openai and i.kv_transfer in KV_TRANSFER_MODES]
+
+
+def has_native_pd(snapshot: FleetSnapshot, model: str) -> bool:
+    """Whether ``model`` has a prefill and a decode instance of one transfer mode, whatever their
+    state, that could serve the native path as a pair."""
+    pool = [i for i in snapshot.instances if i.model == model]
+    prefills, decodes = native_pd_role(pool, "prefill"), native_pd_role(pool, "decode")
+    return any(p.kv_transfer == d.kv_transfer for p in prefills for d in decodes)
 
 
 def native_candidates(

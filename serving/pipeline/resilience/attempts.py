@@ -186,6 +186,9 @@ class Attempts:
         self.request_id = request_id  # the client-facing id (logs)
         self.counters = counters or RouterCounters()  # the process's, for relays
         self.phases = phases  # the request's; each attempt's copy carries its topology
+        # Multi-prompt streams may run on Trigger (one Trigger run per prompt, merged): only once
+        # the request found no native path (the RFC's route for them), never by default.
+        self.trigger_fanout = False
 
     def budget(
         self, request: dict[str, Any], prompt_tokens: int, model: str, *, exclude: Collection[str] = ()
@@ -252,7 +255,7 @@ class Attempts:
                 raise
             phases = self.phases.placed(placement.topology)
             phases.observe(metric_names.PHASE_PLACEMENT, start)
-            if stream and placement.topology == "trigger" and len(tokenized.prompts) > 1:
+            if stream and placement.topology == "trigger" and len(tokenized.prompts) > 1 and not self.trigger_fanout:
                 logger.info("route request_id=%s prompt=%d path=native reason=trigger_multi_prompt_stream instances=%s",
                             prompt.request_id, index, placement.names)
                 raise TriggerMultiPromptStream("multi-prompt streaming on Trigger takes the native path")

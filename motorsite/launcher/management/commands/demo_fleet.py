@@ -33,6 +33,10 @@ class Command(BaseCommand):
         # P/D instances: NixlConnector over loopback (pull, Handoff); tokens-only, no native API.
         parser.add_argument("--prefill", action="append", default=[], help="prefill engine base URL, repeatable")
         parser.add_argument("--decode", action="append", default=[], help="decode engine base URL, repeatable")
+        parser.add_argument(
+            "--pd-native", action="store_true",
+            help="the P/D engines run with --enable-scale-out: a tokenizer and their own OpenAI API (native P/D path)",
+        )
         # The admin's password is MOTOR_DEMO_ADMIN_PASSWORD, never an argument: argv is public (ps).
         parser.add_argument("--admin-user", default="admin")
         # Defaults come from the environment ``motorsite.stack`` gives this command, so ``make run``
@@ -71,9 +75,9 @@ class Command(BaseCommand):
                 "kind": opts["engine_kind"],
                 "cap_token_generate": True,
                 # The demo's real union engines run with --enable-scale-out: tokenizer and native
-                # API; its P/D engines are tokens-only.
-                "cap_native_openai": opts["engine_kind"] == "vllm" and union,
-                "cap_tokenizer": opts["engine_kind"] == "vllm" and union,
+                # API; its P/D engines are tokens-only unless started scale-out (--pd-native).
+                "cap_native_openai": opts["engine_kind"] == "vllm" and (union or opts["pd_native"]),
+                "cap_tokenizer": opts["engine_kind"] == "vllm" and (union or opts["pd_native"]),
                 "kv_connector": "" if union else EngineInstance.KVConnector.NIXL,
                 "kv_transfer": "" if union else EngineInstance.KVTransfer.PULL,
                 "model_dir": opts["model_dir"],
