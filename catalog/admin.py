@@ -12,8 +12,8 @@ from django.http import HttpRequest
 
 from catalog.key_refs import InvalidKeyRef, check_key_ref
 from catalog.models import ModelRevision, RenderConfig, ServedModel
+from catalog.render_versions import render_traffic
 from catalog.services import render_config_save
-from fleet.verdicts import render_traffic
 from motorsite.admin_forms import OperatorEditForm
 from motorsite.core import InvalidError, bump_control_version
 

@@ -25,22 +25,24 @@ from django.utils import timezone
 
 from catalog.fingerprints import config_vocab_size, fingerprint_model_dir
 from catalog.models import Health, RenderConfig, ServedModel
-from fleet.models import AuditReport, BreakerState, EngineInstance, InstanceEvent, ProbeResult
-from fleet.verdicts import (  # noqa: F401  (the verdicts are part of what callers read as probes.*)
+from catalog.render_versions import (  # noqa: F401  (read as probes.* too)
     DERENDER_MIN,
-    FINGERPRINT_KEYS,
     STREAMING_DERENDER_MIN,
     TOKEN_IN_MIN,
-    HealthStep,
     RenderCapabilities,
+    parse_version,
+    render_capabilities,
+    render_traffic,
+)
+from fleet.models import AuditReport, BreakerState, EngineInstance, InstanceEvent, ProbeResult
+from fleet.verdicts import (  # noqa: F401  (the verdicts are part of what callers read as probes.*)
+    FINGERPRINT_KEYS,
+    HealthStep,
     Thresholds,
     TierReport,
     drift_reasons,
     next_health,
-    parse_version,
     record_mismatch,
-    render_capabilities,
-    render_traffic,
 )
 from motorsite import tiers
 from motorsite.core import bump_control_version, current_render_config

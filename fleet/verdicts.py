@@ -1,7 +1,6 @@
 """What the probes' answers mean: pure functions, no I/O and no database.
 
-The consecutive-success / consecutive-failure rule (``next_health``), version parsing and the
-render capabilities a version gives (``render_capabilities``), what one tier reports
+The consecutive-success / consecutive-failure rule (``next_health``), what one tier reports
 (``TierReport``), what makes an engine drift from its reference (``drift_reasons``) and how a
 served model's record differs from what its engines load (``record_mismatch``). ``fleet.probes``
 does the I/O around them.
@@ -9,11 +8,11 @@ does the I/O around them.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from catalog.models import Health
+from catalog.render_versions import TOKEN_IN_MIN, parse_version
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,60 +48,6 @@ def next_health(health: str, successes: int, failures: int, ok: bool, t: Thresho
         if health != Health.FAILING and failures >= t.fall:
             health = Health.FAILING
     return HealthStep(health, successes, failures)
-
-
-_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
-
-
-def parse_version(text: str) -> tuple[int, int, int] | None:
-    """``"0.33.0"``, ``"0.32.0+cpu"``, ``"0.27.1rc1"``, ``"0.11.1.dev3+g0abc"`` -> (major, minor, patch)."""
-    m = _VERSION.match(text or "")
-    if m is None:
-        return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
-
-
-# From the RFC's version requirements: render token-in needs 0.23, the complete non-streaming
-# render/derender 0.24, streaming derender 0.27.
-TOKEN_IN_MIN = (0, 23, 0)
-DERENDER_MIN = (0, 24, 0)
-STREAMING_DERENDER_MIN = (0, 27, 0)
-
-
-@dataclass(frozen=True, slots=True)
-class RenderCapabilities:
-    token_in: bool
-    derender: bool
-    streaming_derender: bool
-
-
-def render_capabilities(version: str) -> RenderCapabilities:
-    """What a sidecar reporting ``version`` can do; an unparsable version can do nothing."""
-    v = parse_version(version)
-    if v is None:
-        return RenderCapabilities(False, False, False)
-    return RenderCapabilities(v >= TOKEN_IN_MIN, v >= DERENDER_MIN, v >= STREAMING_DERENDER_MIN)
-
-
-def probed_capabilities(version: str) -> RenderCapabilities:
-    """What the data plane may use of a sidecar whose probe recorded ``version``: everything while
-    nothing is recorded yet (a fresh deployment, or a probe that got no version answer: the
-    deployment's own word stands until a probe says otherwise), else ``render_capabilities``."""
-    if not version:
-        return RenderCapabilities(True, True, True)
-    return render_capabilities(version)
-
-
-def render_traffic(version: str) -> str:
-    """Which path the version floors leave a sidecar reporting ``version`` (the admin shows it)."""
-    caps = probed_capabilities(version)
-    if not caps.token_in:
-        return f"native: sidecar vLLM {version} is older than 0.23 (no token-in render)"
-    if not caps.derender:
-        return f"native: sidecar vLLM {version} is older than 0.24 (no derender)"
-    if not caps.streaming_derender:
-        return f"token-only; streams native: sidecar vLLM {version} is older than 0.27 (no streaming derender)"
-    return "token-only" if version else "token-only (version not probed yet)"
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,10 +21,10 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
 from catalog.models import Health
+from catalog.render_versions import render_traffic
 from fleet.models import BreakerState, EngineInstance, ManagedProcess, process_of
 from fleet.presenters import ObfuscationStatus, inflight_tokens
 from fleet.reports import reports_read, this_process
-from fleet.verdicts import render_traffic
 from motorsite.core import current_render_config
 from serving.pipeline import metrics
 

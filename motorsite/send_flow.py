@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import socket
 import struct
 import sys
@@ -162,11 +161,10 @@ def install() -> None:
         _patch_daphne(server.Server, protocol.WebRequest)
         server.Server._motor_send_flow = True
     if "uvicorn" in sys.modules:
-        for name in ("uvicorn.protocols.http.httptools_impl", "uvicorn.protocols.http.h11_impl"):
-            try:
-                module = importlib.import_module(name)
-            except ImportError:  # its parser (httptools, h11) is not installed
-                continue
+        # Both of uvicorn's parsers are in the lock file; which one serves is its --http choice.
+        from uvicorn.protocols.http import h11_impl, httptools_impl
+
+        for module in (httptools_impl, h11_impl):
             cycle = module.RequestResponseCycle
             if not getattr(cycle, "_motor_send_flow", False):
                 _patch_uvicorn(cycle)

@@ -26,9 +26,9 @@ from django.db import Error as DatabaseError
 
 from catalog.fingerprints import config_vocab_size
 from catalog.models import Health, RenderConfig, ServedModel
+from catalog.render_versions import probed_capabilities
 from fleet.ascend import ASCEND_CONNECTORS, ASCEND_GENERATIONS
 from fleet.models import ApiKey, BreakerState, EngineInstance
-from fleet.verdicts import probed_capabilities
 from motorsite.core import current_render_config, read_control_version
 from serving import obfuscation_keys
 from serving.pipeline.errors import ControlDataUnavailable

@@ -29,7 +29,7 @@ class RenderView:
     obfuscation: bool = False
     obfuscation_key_id: str = ""  # which key; the key itself never enters the snapshot
     # The RFC's version floors, from the probe's record of the sidecar's vLLM version
-    # (``fleet.verdicts.probed_capabilities``): below 0.23 no render of token ids, below 0.24 no
+    # (``catalog.render_versions.probed_capabilities``): below 0.23 no render of token ids, below 0.24 no
     # derender, below 0.27 no streaming derender. What a floor removes takes the native path.
     token_in: bool = True
     derender: bool = True

@@ -17,9 +17,9 @@ import pytest
 from django.test import Client
 
 from catalog.models import RenderConfig, ServedModel
+from catalog.render_versions import render_traffic
 from fleet import probes
 from fleet.models import EngineInstance
-from fleet.verdicts import render_traffic
 from serving import runtime, snapshots
 from serving.snapshots import build_snapshot
 from tests.fleet.test_probes import tiers_answering
