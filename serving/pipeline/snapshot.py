@@ -18,6 +18,10 @@ class ModelView:
     # Rows of the model's embedding (config.json ``vocab_size``), from the control plane; None
     # while unknown, and then the token-only path refuses traffic (request_checks.require_vocab).
     vocab_size: int | None = None
+    # The reasoning parser the render sidecar runs for this model (its active revision's
+    # ``reasoning_parser``; empty: none). The local fallback has no vLLM parser, so with one set
+    # it refuses plain chats rather than answer with the reasoning inside ``content``.
+    reasoning_parser: str = ""
 
 
 @dataclass(frozen=True, slots=True)
