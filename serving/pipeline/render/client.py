@@ -98,10 +98,12 @@ class RenderClient:
 
     async def _post_render(self, path: str, body: dict[str, Any], request_id: str) -> Any:
         try:
-            response = await self._client.post(
-                self._base_url + path, json=body, headers={"X-Request-Id": request_id}, timeout=self._timeout
-            )
-        except httpx.TimeoutException as exc:
+            # The whole call (httpx's timeouts are per phase: a sidecar trickling bytes would pass).
+            async with asyncio.timeout(self.timeout_s):
+                response = await self._client.post(
+                    self._base_url + path, json=body, headers={"X-Request-Id": request_id}, timeout=self._timeout
+                )
+        except (httpx.TimeoutException, TimeoutError) as exc:
             raise RenderUnavailable(f"render timed out: {exc!r}", reason="timeout") from exc
         except httpx.TransportError as exc:
             raise RenderUnavailable(f"render unreachable: {exc!r}", reason="unreachable") from exc
@@ -142,8 +144,9 @@ class RenderClient:
 
     async def _post_derender(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            response = await self._client.post(self._base_url + path, json=body, timeout=self._timeout)
-        except httpx.TimeoutException as exc:
+            async with asyncio.timeout(self.timeout_s):  # the whole call, as for render
+                response = await self._client.post(self._base_url + path, json=body, timeout=self._timeout)
+        except (httpx.TimeoutException, TimeoutError) as exc:
             raise DerenderError(f"derender timed out: {exc!r}", status=504) from exc
         except httpx.TransportError as exc:
             raise DerenderRetryable(f"derender unreachable: {exc!r}") from exc
