@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port, together
+from motorsite.supervisor import Supervisor, free_port
 from serving.pipeline.render.local_tokenizer import LocalTokenizer
 from serving.pipeline.render.tokenization import local_render, local_unsupported
 from serving.pipeline.snapshot import ModelView
@@ -38,10 +38,20 @@ pytestmark = pytest.mark.integration
 
 EOS = 2  # <|im_end|>
 THOUGHT = "<think>reasoning</think>the answer"
-# The sampling parameters the fallback builds; render's answer carries these among others.
-COMPARED = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
-            "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
-            "skip_special_tokens", "include_stop_str_in_output")
+# The sampling parameters the fallback builds, with vLLM 0.33's SamplingParams defaults: render's
+# answer leaves out a value equal to its default (the struct is ``omit_defaults``), and the
+# engine reads it back as that default.
+COMPARED: dict[str, Any] = {
+    "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 1.0,
+    "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "stop": [], "stop_token_ids": [], "ignore_eos": False,
+    "max_tokens": 16, "min_tokens": 0, "skip_special_tokens": True, "include_stop_str_in_output": False,
+}
+
+
+def as_engine_reads(params: dict[str, Any]) -> dict[str, Any]:
+    """The compared parameters as an engine decodes them (omitted: the default; None lists: empty)."""
+    out = {k: params.get(k, default) for k, default in COMPARED.items()}
+    return {k: [] if v is None and k in ("stop", "stop_token_ids") else v for k, v in out.items()}
 CHAT = [{"role": "user", "content": "What is 12345 + 67890? Answer in 3 words."}]
 BODIES: list[tuple[str, dict[str, Any]]] = [
     ("chat", {"messages": CHAT}),  # every default from the generation config, max_tokens too
@@ -61,7 +71,9 @@ def cfg(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory
         base_config, model_dir=str(model), render_port=free_port(), render_workers=1, render_parsers=True,
         engines="sim", engine_ports=(free_port(),), log_dir=base_config.log_dir / "fallback-parity",
     )
-    with Supervisor(together([stack.render_spec(config), *stack.engine_specs(config)])):
+    # One after the other: a simulated engine's 30 s readiness bound would run out while the
+    # sidecar loads on a busy machine.
+    with Supervisor([stack.render_spec(config)]), Supervisor(stack.engine_specs(config)):
         yield config
 
 
@@ -108,14 +120,14 @@ def test_the_fallback_builds_the_sidecars_generate_request(
     ours = local_render(LocalTokenizer(cfg.model_dir), kind, body, "x", model)  # type: ignore[arg-type]
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in theirs]
     for mine, render in zip(ours, theirs, strict=True):
-        assert {k: mine["sampling_params"][k] for k in COMPARED} == {k: render["sampling_params"][k] for k in COMPARED}
+        assert as_engine_reads(mine["sampling_params"]) == as_engine_reads(render["sampling_params"])
 
 
 def test_the_sidecar_applies_the_generation_defaults(cfg: stack.StackConfig, sidecar: httpx.Client) -> None:
     """The model's defaults are in force on the sidecar, so the comparison above could fail."""
     params = sidecar.post("/v1/chat/completions/render", json={"model": cfg.served_model_name, "messages": CHAT}
                           ).json()["sampling_params"]
-    assert params["temperature"] == GENERATION_DEFAULTS["temperature"] != 1.0
+    assert params["temperature"] == GENERATION_DEFAULTS["temperature"] != COMPARED["temperature"]
     assert params["top_k"] == GENERATION_DEFAULTS["top_k"] and params["max_tokens"] == GENERATION_DEFAULTS["max_new_tokens"]
 
 

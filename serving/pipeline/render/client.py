@@ -117,7 +117,7 @@ class RenderClient:
 
     async def render_chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """Return one GenerateRequest for a chat request."""
-        out = await self._post_render(CHAT_RENDER, body, request_id)
+        out: dict[str, Any] = await self._post_render(CHAT_RENDER, body, request_id)
         _check_generate_requests([out])
         return out
 
