@@ -54,7 +54,11 @@ class ModelRevision(models.Model):
         help_text="The sidecar's --reasoning-parser. Set: while render is down, chats are refused (503) rather "
         "than answered by the local fallback with the reasoning inside the content.",
     )
-    tool_parser = models.CharField(max_length=100, blank=True, help_text="The sidecar's --tool-call-parser.")
+    tool_parser = models.CharField(
+        max_length=100, blank=True,
+        help_text="The sidecar's --tool-call-parser. Set: while render is down, chats are refused (503) too: "
+        "the sidecar's parser changes how every chat is decoded.",
+    )
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -53,6 +53,7 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
         m.name: ModelView(
             m.name, m.model_path, m.max_model_len, m.vocab_size or config_vocab_size(m.model_path),
             reasoning_parser=m.active_revision.reasoning_parser if m.active_revision else "",
+            tool_parser=m.active_revision.tool_parser if m.active_revision else "",
         )
         for m in ServedModel.objects.select_related("active_revision")
     }

@@ -8,7 +8,8 @@ sidecar, the other's sidecar address has nothing listening, so every request the
 local fallback. Compared:
 
 - the GenerateRequest the fallback builds with the sidecar's own, sampling parameters included
-  (the generation defaults fill in what a request leaves out, as render fills them in);
+  (the generation defaults fill in what a request leaves out, as render fills them in; vLLM's
+  normalizations: greedy, the least temperature, a null completion ``max_tokens``, seed -1);
 - completions answered by both coordinators: the same text, finish reason and usage;
 - a chat the sidecar's reasoning parser splits into ``reasoning`` and ``content``: the fallback
   refuses it (503 with ``Retry-After``) instead of answering with ``<think>`` inside the content.
@@ -55,10 +56,12 @@ def as_engine_reads(params: dict[str, Any]) -> dict[str, Any]:
 CHAT = [{"role": "user", "content": "What is 12345 + 67890? Answer in 3 words."}]
 BODIES: list[tuple[str, dict[str, Any]]] = [
     ("chat", {"messages": CHAT}),  # every default from the generation config, max_tokens too
-    ("chat", {"messages": CHAT, "temperature": 0, "max_tokens": 5, "top_k": -1}),  # the request's own win
+    ("chat", {"messages": CHAT, "temperature": 0, "max_tokens": 5, "top_k": -1}),  # greedy: the knobs off
+    ("chat", {"messages": CHAT, "temperature": 0.8, "top_k": -1, "min_p": 0, "max_tokens": None}),  # the request's own win
+    ("chat", {"messages": CHAT, "temperature": 0.001}),  # raised to vLLM's least temperature
     ("chat", {"messages": CHAT, "max_completion_tokens": 4, "top_p": 0.5, "seed": 7, "stop": ["\n"]}),
     ("completions", {"prompt": "The year 1999 had 365 days"}),  # max_tokens: the schema's 16
-    ("completions", {"prompt": "def f", "max_tokens": None}),  # an explicit null: the model's default
+    ("completions", {"prompt": "def f", "max_tokens": None, "seed": -1}),  # null: the schema's 16 again
     ("completions", {"prompt": ["first 1", "second 22"], "temperature": 1.2, "min_p": 0.1, "max_tokens": 6}),
 ]
 
@@ -120,7 +123,13 @@ def test_the_fallback_builds_the_sidecars_generate_request(
     ours = local_render(LocalTokenizer(cfg.model_dir), kind, body, "x", model)  # type: ignore[arg-type]
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in theirs]
     for mine, render in zip(ours, theirs, strict=True):
-        assert as_engine_reads(mine["sampling_params"]) == as_engine_reads(render["sampling_params"])
+        expected = as_engine_reads(render["sampling_params"])
+        if kind == "chat":
+            # The one difference, and why the fallback refuses chats for a sidecar with parsers:
+            # vLLM's parser engine turns skip_special_tokens off for every chat it will parse.
+            assert expected["skip_special_tokens"] is False
+            expected["skip_special_tokens"] = True
+        assert as_engine_reads(mine["sampling_params"]) == expected
 
 
 def test_the_sidecar_applies_the_generation_defaults(cfg: stack.StackConfig, sidecar: httpx.Client) -> None:
@@ -173,5 +182,5 @@ def test_a_chat_render_would_parse_for_reasoning_is_refused_by_the_fallback(
     assert refused.status_code == 503, refused.text
     assert refused.headers["retry-after"] == "5"
     error = refused.json()["error"]
-    assert error["type"] == "ServiceUnavailableError" and "reasoning parser" in error["message"]
+    assert error["type"] == "ServiceUnavailableError" and "reasoning or tool parser" in error["message"]
     assert "<think>" not in json.dumps(refused.json())

@@ -35,14 +35,16 @@ CONTEXT = 2048
 
 
 def make_fleet(upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch, settings: Any, *,
-               model_path: str, reasoning_parser: str = "") -> None:
+               model_path: str, reasoning_parser: str = "", tool_parser: str = "") -> None:
     """The fakes' two engines and render sidecar, and a served model whose files are ``model_path``
     (the local fallback reads them) and whose revision records the sidecar's reasoning parser."""
     settings.MOTOR_API_KEYS = []
     settings.MOTOR_OPEN_ACCESS = True
     model = ServedModel.objects.create(name=MODEL, model_path=model_path, max_model_len=CONTEXT, vocab_size=151936)
-    if reasoning_parser:
-        model.active_revision = ModelRevision.objects.create(served_model=model, reasoning_parser=reasoning_parser)
+    if reasoning_parser or tool_parser:
+        model.active_revision = ModelRevision.objects.create(
+            served_model=model, reasoning_parser=reasoning_parser, tool_parser=tool_parser,
+        )
         model.save()
     RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
     for name, url in ENGINE_URLS.items():
@@ -69,11 +71,12 @@ def variant_fleet(transactional_db: None, upstreams: FakeUpstreams, monkeypatch:
     snapshots.invalidate()
 
 
-@pytest.fixture
-def parser_fleet(transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch, settings: Any
-                 ) -> Iterator[FakeUpstreams]:
-    """The fleet with a sidecar that runs the qwen3 reasoning parser (recorded in the model's revision)."""
-    make_fleet(upstreams, monkeypatch, settings, model_path=model_dir(), reasoning_parser="qwen3")
+@pytest.fixture(params=[("qwen3", ""), ("", "hermes")], ids=["reasoning-parser", "tool-parser"])
+def parser_fleet(request: pytest.FixtureRequest, transactional_db: None, upstreams: FakeUpstreams,
+                 monkeypatch: pytest.MonkeyPatch, settings: Any) -> Iterator[FakeUpstreams]:
+    """The fleet with a sidecar that runs a parser (recorded in the model's revision)."""
+    reasoning, tool = request.param
+    make_fleet(upstreams, monkeypatch, settings, model_path=model_dir(), reasoning_parser=reasoning, tool_parser=tool)
     yield upstreams
     snapshots.invalidate()
 
@@ -161,18 +164,22 @@ async def test_the_fallback_applies_the_models_generation_defaults(served: str, 
     expected = {k: GENERATION_DEFAULTS[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")}
     assert {k: silent[k] for k in expected} == expected
     assert silent["max_tokens"] == GENERATION_DEFAULTS["max_new_tokens"]  # vLLM: the default bounds an omitted max_tokens
+    assert (await params("/v1/chat/completions", chat(max_tokens=None)))["max_tokens"] == GENERATION_DEFAULTS["max_new_tokens"]
     # The request's own values win, zero included.
-    explicit = await params("/v1/chat/completions", chat(temperature=0, top_k=-1, max_tokens=3))
-    assert (explicit["temperature"], explicit["top_k"], explicit["max_tokens"]) == (0.0, -1, 3)
+    explicit = await params("/v1/chat/completions", chat(temperature=0.8, top_k=-1, min_p=0, max_tokens=3))
+    assert (explicit["temperature"], explicit["top_k"], explicit["min_p"], explicit["max_tokens"]) == (0.8, -1, 0.0, 3)
     assert explicit["top_p"] == GENERATION_DEFAULTS["top_p"]
-    # Completions: an omitted max_tokens is the schema's 16; an explicit null is the model's default.
+    # Greedy turns the other knobs off, as vLLM's SamplingParams does, the model's defaults included.
+    greedy = await params("/v1/chat/completions", chat(temperature=0))
+    assert (greedy["temperature"], greedy["top_p"], greedy["top_k"], greedy["min_p"]) == (0.0, 1.0, 0, 0.0)
+    # Completions: a missing or null max_tokens is the schema's 16 (vLLM's normalize_null_max_tokens).
     assert (await params("/v1/completions", {"model": MODEL, "prompt": "def f"}))["max_tokens"] == 16
     nulled = await params("/v1/completions", {"model": MODEL, "prompt": "def f", "max_tokens": None})
-    assert nulled["max_tokens"] == GENERATION_DEFAULTS["max_new_tokens"]
+    assert nulled["max_tokens"] == 16 and nulled["temperature"] == GENERATION_DEFAULTS["temperature"]
     assert_nothing_held()
 
 
-async def test_a_chat_the_sidecar_would_parse_for_reasoning_is_refused_not_answered_differently(
+async def test_a_chat_the_sidecar_would_parse_is_refused_not_answered_differently(
     served: str, parser_fleet: FakeUpstreams
 ) -> None:
     upstreams = parser_fleet
@@ -184,9 +191,9 @@ async def test_a_chat_the_sidecar_would_parse_for_reasoning_is_refused_not_answe
     response = await post(served, "/v1/chat/completions", chat(max_tokens=4))
     error = error_of(response, 503)
     assert response.headers["retry-after"] == "5"
-    assert error["type"] == "ServiceUnavailableError" and "reasoning parser" in error["message"]
+    assert error["type"] == "ServiceUnavailableError" and "reasoning or tool parser" in error["message"]
     assert len(upstreams.calls_of("generate")) == generated  # nothing ran on an engine
-    # Completions are never parsed for reasoning: the fallback serves them.
+    # Completions are never parsed: the fallback serves them.
     answered = await post(served, "/v1/completions", {"model": MODEL, "prompt": "def f", "max_tokens": 3})
     assert answered.status_code == 200, answered.text
     assert_nothing_held()

@@ -208,16 +208,19 @@ class TokenizationService:
             # The reason is the category (``local:param``, a metric label); which key it was, a
             # name the client chose, goes to the log only.
             raise NeedsNative(f"local:{unsupported.partition(':')[0]}", reason, detail=f"local:{unsupported}") from cause
-        if kind == "chat" and self.model.reasoning_parser:
-            # Render's derender splits reasoning from content with the sidecar's parser; the
-            # local derender has no vLLM parser, and its answer would carry the reasoning inside
-            # ``content``. Refused, with when to come back, rather than answered differently.
+        parsers = [p for p in (self.model.reasoning_parser, self.model.tool_parser) if p]
+        if kind == "chat" and parsers:
+            # A sidecar with parsers answers every chat through them: the reasoning parser splits
+            # reasoning from content, and vLLM's parser engine turns skip_special_tokens off for
+            # every chat it parses. The local derender has no vLLM parser; its answer would carry
+            # the reasoning inside ``content``. Refused, with when to come back, rather than
+            # answered differently.
             refused = RenderUnavailable(
-                f"{cause.message}; the local fallback cannot run reasoning parser "
-                f"{self.model.reasoning_parser!r}", reason=reason, retry_after_s=self.health.retry_after_s,
+                f"{cause.message}; the local fallback cannot run the sidecar's parsers {parsers}",
+                reason=reason, retry_after_s=self.health.retry_after_s,
             )
             refused.public = ("The tokenization service is unavailable and this model's chat answers need its "
-                              "reasoning parser; retry later.")
+                              "reasoning or tool parser; retry later.")
             raise refused from cause
         try:
             tok = await self.local_tokenizer()
@@ -227,6 +230,11 @@ class TokenizationService:
         prompts = tuple(TokenizedPrompt(list(r["token_ids"]), r) for r in rendered)
         return TokenizedRequest(kind, self.model.name, prompts, "local", reason, (time.perf_counter() - start) * 1000)
 
+
+# vLLM's sampling_params._SAMPLING_EPS and _MAX_TEMP: below the first is greedy, a positive
+# temperature below the second is raised to it.
+_SAMPLING_EPS = 1e-5
+_MIN_TEMPERATURE = 1e-2
 
 # vLLM's ``_DEFAULT_SAMPLING_PARAMS`` (chat and completions alike): the OpenAI defaults, used
 # where neither the request nor the model's generation config says otherwise.
@@ -239,9 +247,9 @@ _OPENAI_DEFAULTS: dict[str, float | int] = {
 def _max_tokens(
     kind: TokenKind, body: Mapping[str, Any], prompt_len: int, max_model_len: int, default: int | None = None
 ) -> int:
-    """vLLM's resolution (``get_max_tokens``): the client's value, else 16 for a completion that
-    leaves the key out (``CompletionRequest.max_tokens``' default), else the generation config's
-    ``max_new_tokens`` (``default``); never more than the room left in the context."""
+    """vLLM's resolution (``get_max_tokens``): the client's value, else 16 for a completion (its
+    schema's default, an explicit null included: ``normalize_null_max_tokens``), else the
+    generation config's ``max_new_tokens`` (``default``); never more than the room left."""
     room = max_model_len - prompt_len
     if room <= 0:
         raise RequestError(
@@ -252,7 +260,7 @@ def _max_tokens(
     requested = body.get("max_completion_tokens") if kind == "chat" else None
     if requested is None:
         requested = body.get("max_tokens")
-    if requested is None and kind == "completions" and "max_tokens" not in body:
+    if requested is None and kind == "completions":
         requested = COMPLETIONS_DEFAULT_MAX_TOKENS
     elif requested is None:
         return room if default is None else min(default, room)
@@ -286,16 +294,24 @@ def _sampling_params(
         name: body[name] if body.get(name) is not None else defaults.get(name, fallback)
         for name, fallback in _OPENAI_DEFAULTS.items()
     }
+    temperature, top_p, top_k, min_p = (float(chosen["temperature"]), float(chosen["top_p"]), int(chosen["top_k"]),
+                                        float(chosen["min_p"]))
+    # SamplingParams.__post_init__'s normalizations, so the engine sees the same values either way.
+    if 0 < temperature < _MIN_TEMPERATURE:
+        temperature = _MIN_TEMPERATURE
+    if temperature < _SAMPLING_EPS:  # greedy: the other sampling knobs are off
+        top_p, top_k, min_p = 1.0, 0, 0.0
+    seed = body.get("seed")
     params: dict[str, Any] = {
         "n": int(body.get("n") or 1),
         "presence_penalty": float(chosen["presence_penalty"]),
         "frequency_penalty": float(chosen["frequency_penalty"]),
         "repetition_penalty": float(chosen["repetition_penalty"]),
-        "temperature": float(chosen["temperature"]),
-        "top_p": float(chosen["top_p"]),
-        "top_k": int(chosen["top_k"]),
-        "min_p": float(chosen["min_p"]),
-        "seed": body.get("seed"),
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "seed": None if seed == -1 else seed,
         "stop": [stop] if isinstance(stop, str) else list(stop),
         "stop_token_ids": list(body.get("stop_token_ids") or []),
         "ignore_eos": bool(body.get("ignore_eos")),
@@ -389,7 +405,7 @@ class LocalDerenderer:
 
     def _usage(self, prompt: int, completion: int) -> dict[str, Any]:
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-                "prompt_tokens_details": None}
+                "prompt_tokens_details": None, "completion_tokens_details": None}
 
     def chat(self, response: Mapping[str, Any], *, prompt_ids: list[int], body: Mapping[str, Any]) -> dict[str, Any]:
         skip = _skip_special_tokens(body, self.tok.generation_defaults)
