@@ -69,18 +69,18 @@ def _is_request_error(status: int, body: Any) -> bool:
 # in front of it) says "slow down"; a fallback would take the load it shed onto the coordinator.
 # A 5xx is render being unavailable, as the RFC counts derender's: that falls back.
 RENDER_KEPT = frozenset({413, 429})
+# The OpenAI error ``type`` given to a kept status whose answer carried no OpenAI error body.
+_ERROR_TYPES = {413: "RequestEntityTooLarge", 422: "Unprocessable", 429: "TooManyRequests"}
 
 
 def _request_error(status: int, body: Any, *, source: str) -> UpstreamRequestError:
     """The sidecar's verdict as the client's error; a body that is no OpenAI error (a proxy's
     page, nothing) gets the standard shape, with the status kept."""
     if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
-        body = {"error": {"message": f"{source} rejected the request ({status})", "type": _ERROR_TYPES.get(status, "BadRequestError"),
-                          "param": None, "code": status}}
+        kind = _ERROR_TYPES.get(status, "BadRequestError")
+        body = {"error": {"message": f"{source} rejected the request ({status})", "type": kind, "param": None,
+                          "code": status}}
     return UpstreamRequestError(status, body, source=source)
-
-
-_ERROR_TYPES = {413: "RequestEntityTooLarge", 422: "Unprocessable", 429: "TooManyRequests"}
 
 
 class RenderClient:
