@@ -186,7 +186,7 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="motorsite-derender-cost-"))
     (tmp / "logs").mkdir()
-    cfg = bench_stack("bench/derender_cost.py", engines="sim", engine_count=0, api_key="unused",
+    cfg = bench_stack("bench/derender_cost.py", engines="sim", engine_count=0, api_key="sk-unused-" + "0123456789abcdef",
                       log_dir=tmp / "logs", database_url=f"sqlite:///{tmp / 'unused.sqlite3'}",
                       render_workers=args.render_workers)
     with Supervisor([stack.render_spec(cfg)]) as tiers:

@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-KEY = "sk-bench-front"
+KEY = "sk-bench-front-" + "0123456789abcdef"  # a key the settings accept (20+ characters, 6+ distinct)
 BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
 ANSWER = {"id": "chatcmpl-x", "object": "chat.completion", "choices": [], "usage": {"prompt_tokens": 1}}
 

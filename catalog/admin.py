@@ -6,16 +6,30 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
-from django.db.models import Count, QuerySet
+from django.db import transaction
+from django.db.models import Count, Model, QuerySet
 from django.http import HttpRequest
 
+from catalog.key_refs import InvalidKeyRef, check_key_ref
 from catalog.models import ModelRevision, RenderConfig, ServedModel
 from catalog.services import render_config_save
+from motorsite.admin_forms import OperatorEditForm
 from motorsite.core import InvalidError, bump_control_version
+
+
+def _save_changed(obj: Model, form: Any, change: bool) -> None:
+    """Save a new row whole, an edited one only in the fields its form changed.
+
+    ``obj`` is a copy read when the form was posted: saved whole, it would put back what landed
+    since then, such as the active revision ``revision_record`` switched or the vocabulary size
+    the version probe wrote (both compare-and-set or targeted updates, never a save).
+    """
+    obj.save(update_fields=form.changed_data if change else None)
 
 
 @admin.register(ServedModel)
 class ServedModelAdmin(admin.ModelAdmin):
+    form = OperatorEditForm
     list_display = ("name", "model_path", "max_model_len", "vocab_size", "active_revision", "instance_count")
     list_select_related = ("active_revision",)
     search_fields = ("name",)
@@ -28,8 +42,9 @@ class ServedModelAdmin(admin.ModelAdmin):
         return super().get_queryset(request).annotate(n_instances=Count("instances"))
 
     def save_model(self, request: HttpRequest, obj: ServedModel, form: Any, change: bool) -> None:
-        super().save_model(request, obj, form, change)
-        bump_control_version()
+        with transaction.atomic():
+            _save_changed(obj, form, change)
+            bump_control_version()
 
     def delete_model(self, request: HttpRequest, obj: ServedModel) -> None:
         super().delete_model(request, obj)
@@ -42,6 +57,7 @@ class ServedModelAdmin(admin.ModelAdmin):
 
 @admin.register(ModelRevision)
 class ModelRevisionAdmin(admin.ModelAdmin):
+    form = OperatorEditForm
     list_display = ("served_model", "label", "tokenizer_hash_short", "chat_template_hash_short", "created")
     list_select_related = ("served_model",)
     list_filter = ("served_model",)
@@ -54,16 +70,31 @@ class ModelRevisionAdmin(admin.ModelAdmin):
     def chat_template_hash_short(self, obj: ModelRevision) -> str:
         return obj.chat_template_hash[:12] or "-"
 
+    def save_model(self, request: HttpRequest, obj: ModelRevision, form: Any, change: bool) -> None:
+        _save_changed(obj, form, change)
 
-class RenderConfigForm(forms.ModelForm):
+
+class RenderConfigForm(OperatorEditForm):
     class Meta:
         model = RenderConfig
         fields = "__all__"
+        # The model's help text predates the rule (changing it needs a migration): the form says it.
+        help_texts = {
+            "obfuscation_key_ref": (
+                "Where the key is, never the key: `setting:MOTOR_OBFUSCATION_KEY_<NAME>` (an environment "
+                "variable) or `file:<path>` under MOTOR_OBFUSCATION_KEY_DIR."
+            ),
+        }
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
         if data.get("obfuscation") and not (data.get("obfuscation_key_ref") and data.get("obfuscation_key_id")):
             raise forms.ValidationError("Obfuscation needs a key reference and a key id.")
+        if data.get("obfuscation_key_ref"):
+            try:
+                check_key_ref(data["obfuscation_key_ref"])
+            except InvalidKeyRef as exc:
+                self.add_error("obfuscation_key_ref", str(exc))
         return data
 
 

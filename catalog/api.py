@@ -9,6 +9,7 @@ from django.http import HttpRequest
 from ninja import Field, Router, Schema
 
 from catalog import services
+from catalog.key_refs import key_ref_pattern
 from catalog.models import STREAM_INTERVAL_MAX, RenderConfig
 from motorsite.core import (
     MAX_ID,
@@ -63,7 +64,7 @@ class RenderConfigPatch(BodySchema):
     derender_coalesce: bool | None = None
     stream_interval: int | None = Field(None, ge=1, le=STREAM_INTERVAL_MAX)
     obfuscation: bool | None = None
-    obfuscation_key_ref: str | None = Field(None, max_length=300)
+    obfuscation_key_ref: str | None = Field(None, max_length=300, pattern=key_ref_pattern())
     obfuscation_key_id: str | None = Field(None, max_length=100)
 
 
@@ -97,7 +98,8 @@ class RenderConfigImport(BodySchema):
     obfuscation: bool = optional(
         description="true needs obfuscation_key_ref and obfuscation_key_id (422 otherwise)."
     )
-    obfuscation_key_ref: str = optional(max_length=300)
+    # Only what exists to hold an obfuscation key (catalog.key_refs); the key directory is this deployment's.
+    obfuscation_key_ref: str = optional(max_length=300, pattern=key_ref_pattern())
     obfuscation_key_id: str = optional(max_length=100)
 
     # parse_render_config's one rule across keys, as JSON Schema says it (it answers 422 itself).
@@ -145,6 +147,8 @@ def get_render_config(request: HttpRequest, config_id: int) -> Any:
 def publish_render_config(request: HttpRequest, config_id: int, body: RenderConfigPatch) -> dict[str, Any]:
     config = _get(config_id)
     changes = {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
+    if changes.get("obfuscation_key_ref"):
+        services.key_ref_check(changes["obfuscation_key_ref"])  # 422: the body's own value
     return _publish(changes, request, name=config.name)
 
 

@@ -19,6 +19,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from catalog.fingerprints import fingerprint_model_dir
+from catalog.key_refs import InvalidKeyRef, check_key_ref
 from catalog.models import STREAM_INTERVAL_MAX, ModelRevision, RenderConfig, RenderStreamReport, ServedModel
 from motorsite.core import ConflictError, InvalidError, NotFoundError, bump_control_version
 
@@ -76,7 +77,17 @@ def parse_render_config(data: Any) -> dict[str, Any]:
             raise InvalidError(f"render_config.{key} must be at most {_MAXIMUM[key]}, got {value}.")
     if flat.get("obfuscation") and not (flat.get("obfuscation_key_ref") and flat.get("obfuscation_key_id")):
         raise InvalidError("render_config.obfuscation needs obfuscation_key_ref and obfuscation_key_id.")
+    if flat.get("obfuscation_key_ref"):
+        key_ref_check(flat["obfuscation_key_ref"])
     return flat
+
+
+def key_ref_check(ref: str) -> None:
+    """Raise ``InvalidError`` unless ``ref`` names an obfuscation key (``catalog.key_refs``)."""
+    try:
+        check_key_ref(ref)
+    except InvalidKeyRef as exc:
+        raise InvalidError(f"{exc}.") from None
 
 
 @dataclass(frozen=True)
@@ -103,18 +114,63 @@ def render_config_publish(*, changes: dict[str, Any], actor: str, name: str | No
         changed = tuple(k for k, v in changes.items() if getattr(config, k) != v)
         for k, v in changes.items():
             setattr(config, k, v)
-        return render_config_save(config=config, changed=changed, actor=actor)
+        return _publish(config, changed, actor)
+
+
+# What an operator sets on a render config; every other column is the probes' or the launcher's.
+RENDER_CONFIG_FIELDS = ("name", *RenderConfig.IMPORT_KEYS)
+# The columns only the probes and the launcher write (compare-and-set updates, never a save).
+_MACHINE_FIELDS = (
+    "sidecar_version", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",
+    "restart_required",
+)
 
 
 def render_config_save(*, config: RenderConfig, changed: tuple[str, ...], actor: str) -> PublishResult:
-    """Save ``config`` whose fields ``changed`` were just set (the admin's path), and publish it."""
+    """Save the fields ``changed`` of ``config`` (the admin form's copy) and publish the result.
+
+    ``config`` was read when the form was posted: saved whole, it would write back the probes'
+    verdict (health, versions), the launcher's port and ``restart_required`` as they were then,
+    undoing whatever landed meanwhile. So only ``changed`` (operator fields) is copied onto the row
+    as it is now, read under a row lock so the obfuscation rule is checked against what the
+    database holds. Raises ``InvalidError`` (a field or that rule), ``NotFoundError`` (deleted).
+    """
+    unknown = [f for f in changed if f not in RENDER_CONFIG_FIELDS]
+    if unknown:
+        raise InvalidError(f"Render config field(s) {', '.join(map(repr, unknown))} cannot be changed here.")
+    if config.pk is None:
+        return _publish(config, changed, actor)
+    with transaction.atomic():
+        current = RenderConfig.objects.select_for_update().filter(pk=config.pk).first()
+        if current is None:
+            raise NotFoundError(f"No render config with id {config.pk}.")
+        # (A form posted without the values it was opened with names every field: keep the real
+        # changes, so an unchanged port does not flag a restart.)
+        changed = tuple(f for f in changed if getattr(current, f) != getattr(config, f))
+        for field in changed:
+            setattr(current, field, getattr(config, field))
+        result = _publish(current, changed, actor)
+    # The caller's copy shows what was saved (the admin's messages and redirect read it).
+    for field in (*RENDER_CONFIG_FIELDS, *_MACHINE_FIELDS):
+        setattr(config, field, getattr(current, field))
+    return result
+
+
+def _publish(config: RenderConfig, changed: tuple[str, ...], actor: str) -> PublishResult:
+    """Save ``config`` (a new one whole; an existing one, read fresh under a lock, only ``changed``)."""
     if config.obfuscation and not (config.obfuscation_key_ref and config.obfuscation_key_id):
         raise InvalidError("Obfuscation needs obfuscation_key_ref and obfuscation_key_id.")
+    if config.obfuscation_key_ref:
+        key_ref_check(config.obfuscation_key_ref)
     restart = config.pk is not None and any(k in RenderConfig.RESTART_KEYS for k in changed)
     with transaction.atomic():
-        if restart:
-            config.restart_required = True
-        config.save()
+        if config.pk is None:
+            config.save()
+        else:
+            # Set, never cleared here: only the launcher clears it, once a sidecar serves the change.
+            if restart:
+                config.restart_required = True
+            config.save(update_fields=[*changed, "restart_required"] if restart else changed)
         bump_control_version()
     logger.info(
         "render config published name=%s changed=%s restart_required=%s actor=%s",

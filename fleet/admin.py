@@ -29,6 +29,7 @@ from fleet.models import (
     process_of,
 )
 from fleet.presenters import ObfuscationStatus, inflight_tokens
+from motorsite.admin_forms import OperatorEditForm
 
 MACHINE_OWNED = (
     "state", "health", "consecutive_successes", "consecutive_failures", "last_probe_at", "last_probe_ok",
@@ -116,7 +117,7 @@ def _plain_http_urls(db_field: models.Field[Any, Any], **kwargs: Any) -> forms.F
     return db_field.formfield(**kwargs)
 
 
-class EngineInstanceForm(forms.ModelForm):
+class EngineInstanceForm(OperatorEditForm):
     class Meta:
         model = EngineInstance
         fields = "__all__"
@@ -386,6 +387,7 @@ class AuditReportAdmin(ReadOnlyAdmin):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
+    form = OperatorEditForm
     list_display = ("name", "prefix", "scope", "tokens_per_minute", "allow_priority", "revoked", "created")
     list_filter = ("scope", "revoked")
     search_fields = ("name", "prefix")

@@ -414,3 +414,22 @@ class CoordinatorReport(models.Model):
 
     def __str__(self) -> str:
         return f"{self.host}:{self.pid}"
+
+
+class CoordinatorAddress(models.Model):
+    """Where one coordinator process can be reached by the others (machine-owned).
+
+    Written by that process (``fleet.replicas``) before it hands out a Trigger callback URL and
+    renewed while it does; another replica that receives one of its callbacks forwards it only
+    to the ``url`` recorded here under the token's ``owner``, never to an address the token
+    names. Rows not renewed for ``fleet.replicas.STALE_S`` are ignored and deleted.
+    """
+
+    owner = models.CharField(max_length=64, unique=True, help_text="The process's metaserver id, fresh per start.")
+    url = models.CharField(max_length=300, help_text="MOTOR_METASERVER_OWNER_URL of that process.")
+    host = models.CharField(max_length=255)
+    pid = models.PositiveIntegerField()
+    seen = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.owner} at {self.url}"

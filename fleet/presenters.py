@@ -13,7 +13,7 @@ from catalog.models import RenderConfig
 from fleet.models import EngineInstance
 from motorsite.core import current_render_config
 from serving import obfuscation_keys
-from serving.pipeline.obfuscation import mapping as obfuscation
+from serving.pipeline.obfuscation import keyring as obfuscation
 from serving.pipeline.snapshot import RenderView
 
 if TYPE_CHECKING:

@@ -149,10 +149,12 @@ def probe_render_health(*, client: httpx.Client | None = None) -> ProbeResult | 
             break
     step = next_health(cfg.health, successes, failures, outcome.ok, t)
     with transaction.atomic():
-        RenderConfig.objects.filter(id=cfg.id, health=cfg.health).update(
+        # Compare-and-set on the verdict read before the probe: a concurrent probe that wrote
+        # first owns the flip (this one leaves only its result row).
+        written = RenderConfig.objects.filter(id=cfg.id, health=cfg.health).update(
             health=step.health, last_probe_at=timezone.now(), last_probe_error=outcome.error,
         )
-        if step.changed_from(cfg.health):
+        if written and step.changed_from(cfg.health):
             logger.info("render sidecar %s health %s -> %s", cfg.base_url, cfg.health, step.health)
         return ProbeResult.objects.create(
             instance=None, kind="health", ok=outcome.ok, latency_ms=outcome.latency_ms,

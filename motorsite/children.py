@@ -25,10 +25,12 @@ import httpx
 from motorsite.processes import (
     ORPHAN_GRACE,
     POLL_INTERVAL_MIN,
+    RUN_BANNER,
     ProcessSpec,
     can_bind,
     log_tail,
     probe,
+    rotate_log,
     terminate_group,
 )
 from motorsite.restarts import RestartTracker
@@ -136,6 +138,13 @@ class Child:
         )
         return ChildEvent(name, "exited", pid, self.restarts, reason, tail)
 
+    def rotate_log(self) -> None:
+        """Rotate this child's log when it passed its bound (``processes.rotate_log``)."""
+        if rotate_log(self.spec.log_path, max_bytes=self.spec.log_max_bytes, backups=self.spec.log_backups):
+            # This run's output now continues at the start of the fresh file (log_tail reads
+            # the rest from the newest rotated file).
+            self.log_offset = 0
+
     def restart(self) -> ChildEvent | None:
         """Start the process again once its back-off is over; an event only if that failed at once."""
         spec = self.spec
@@ -192,7 +201,7 @@ def _launch(spec: ProcessSpec) -> tuple[subprocess.Popen[bytes], int]:
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(spec.env)
     with open(spec.log_path, "ab") as log:
-        log.write(f"--- supervisor: starting {spec.name}: {spec.argv}\n".encode())
+        log.write(RUN_BANNER + f"{spec.name}: {spec.argv}\n".encode())
         log.flush()
         offset = log.tell()
         popen = subprocess.Popen(

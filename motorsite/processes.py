@@ -33,6 +33,14 @@ from motorsite.restarts import RestartPolicy
 logger = logging.getLogger("motorsite.supervisor")
 
 LOG_TAIL_LINES = 40
+# A child's log is rotated once it passes this many bytes, keeping this many older files
+# (``<log>.1`` the newest): at most about (backups + 1) x max bytes per child, however long it
+# runs and however much it prints (a vLLM engine's access log alone is a line per request).
+# make run takes both from MOTOR_LOG_MAX_BYTES and MOTOR_LOG_BACKUPS (motorsite/settings.py).
+LOG_MAX_BYTES = 32 * 1024 * 1024
+LOG_BACKUPS = 3
+# The line a child's log gets before each run's own output (children.spawn writes it).
+RUN_BANNER = b"--- supervisor: starting "
 # How long stop() waits for the kernel to release a dead child's listening sockets before it
 # reports the port as leaked; closing happens at process exit, so this only covers exit latency.
 PORT_RELEASE_TIMEOUT = 5.0
@@ -78,6 +86,9 @@ class ProcessSpec:
     # not need each other (the render sidecar and the engines) start in one go, and the next spec
     # without the flag waits for the whole group. Each one's ready_timeout counts from its spawn.
     start_with_previous: bool = False
+    # Rotation of ``log_path`` (``rotate_log``); 0 bytes: never rotated.
+    log_max_bytes: int = LOG_MAX_BYTES
+    log_backups: int = LOG_BACKUPS
 
     def __post_init__(self) -> None:
         checks = [self.ready_url, self.ready_post, self.ready_argv]
@@ -115,17 +126,69 @@ def wait_port_free(host: str, port: int, timeout: float) -> bool:
 
 
 def log_tail(path: Path, offset: int = 0, lines: int = LOG_TAIL_LINES) -> str:
-    """Return the last `lines` lines of `path` written after byte `offset` ("" if unreadable)."""
+    """Return the last `lines` lines of `path` written after byte `offset` ("" if unreadable).
+
+    Offset 0 means the run's output began before the log was last rotated (a run's own output
+    always follows its banner line, so it never starts at 0 otherwise): lines missing from the
+    fresh file are taken from the end of ``<log>.1``, back to that run's banner.
+    """
     try:
-        with open(path, "rb") as log:
-            size = log.seek(0, os.SEEK_END)
-            # 64 KiB holds 40 lines of any sane log; reading only the end keeps a gigabyte
-            # vLLM log from being loaded to print 40 lines.
-            log.seek(max(offset, size - 65536))
-            data = log.read()
+        data = _read_end(path, offset)
     except OSError as exc:
         return f"<cannot read {path}: {exc}>"
-    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
+    found = data.decode("utf-8", errors="replace").splitlines()
+    if offset == 0 and len(found) < lines:
+        try:
+            earlier = _read_end(rotated(path, 1), 0)
+        except OSError:
+            earlier = b""
+        banner = earlier.rfind(RUN_BANNER)
+        if banner >= 0:
+            earlier = earlier[earlier.find(b"\n", banner) + 1:] if b"\n" in earlier[banner:] else b""
+        found = earlier.decode("utf-8", errors="replace").splitlines() + found
+    return "\n".join(found[-lines:])
+
+
+def _read_end(path: Path, offset: int) -> bytes:
+    with open(path, "rb") as log:
+        size = log.seek(0, os.SEEK_END)
+        # 64 KiB holds 40 lines of any sane log; reading only the end keeps a gigabyte
+        # vLLM log from being loaded to print 40 lines.
+        log.seek(max(offset, size - 65536))
+        return log.read()
+
+
+def rotated(path: Path, n: int) -> Path:
+    """The ``n``-th older file of ``path`` (``engine-1.log.1`` the newest)."""
+    return path.with_name(f"{path.name}.{n}")
+
+
+def rotate_log(path: Path, *, max_bytes: int, backups: int) -> bool:
+    """Rotate ``path`` if it passed ``max_bytes``; return whether it did.
+
+    Copy and truncate, as logrotate's ``copytruncate``: the child keeps writing to the file it
+    was given (opened for appending, so its next write lands at the new end, 0); renaming the
+    file would leave it writing to the renamed one forever. Lines the child writes between the
+    copy and the truncation are lost (a few milliseconds), which a log can afford.
+    """
+    if max_bytes <= 0:
+        return False
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+        if backups > 0:
+            for n in range(backups - 1, 0, -1):
+                if rotated(path, n).exists():
+                    os.replace(rotated(path, n), rotated(path, n + 1))
+            with open(path, "rb") as src, open(rotated(path, 1), "wb") as dst:
+                while chunk := src.read(1024 * 1024):
+                    dst.write(chunk)
+        os.truncate(path, 0)
+    except OSError as exc:
+        # A full disk must not stop supervision; the next pass tries again.
+        logger.warning("could not rotate %s: %s", path, exc)
+        return False
+    return True
 
 
 def probe(client: httpx.Client, spec: ProcessSpec, remaining: float) -> str:

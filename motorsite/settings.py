@@ -89,10 +89,38 @@ def database_from_url(url: str, *, sqlite_timeout_s: float = 5.0) -> dict[str, o
 SECRET_KEY_MIN_LENGTH = 50
 SECRET_KEY_MIN_UNIQUE = 5
 DEV_SECRET_KEY = "motorsite-dev-only-not-secret"
+# Client and admin keys, and the demo admin password: what a random key of the documented recipe
+# always passes and a typed or copied one mostly does not. These are not strength estimates; they
+# refuse what a review found shipped (deploy/k8s/secret.yaml's `sk-motor-change-me` opened /v1).
+API_KEY_MIN_LENGTH = 20
+API_KEY_MIN_UNIQUE = 6
+PASSWORD_MIN_LENGTH = 12
+PASSWORD_MIN_UNIQUE = 6
+# Parts of the placeholders and examples this project has shipped (the k8s Secret, compose, the
+# README): a secret containing one was copied from a file, not generated, and is public.
+PLACEHOLDER_MARKERS = (
+    "change-me", "changeme", "change_me", "replace-me", "replace_me", "placeholder", "example", "...", "<", ">",
+)
+# What each kind of secret is generated with; the refusal says it, so the fix is one paste.
+GENERATE_SECRET_KEY = "python3 -c 'import secrets; print(secrets.token_urlsafe(50))'"
+GENERATE_API_KEY = "python3 -c 'import secrets; print(\"sk-\" + secrets.token_urlsafe(32))'"
+GENERATE_PASSWORD = "python3 -c 'import secrets; print(secrets.token_urlsafe(16))'"
+
+
+def is_placeholder(value: str) -> bool:
+    """Whether ``value`` carries a marker of a shipped placeholder (``change-me``, ``sk-...``)."""
+    lowered = value.lower()
+    return any(marker in lowered for marker in PLACEHOLDER_MARKERS)
 
 
 def check_secret_key(key: str, *, name: str = "SECRET_KEY") -> str:
-    """Return ``key`` if Django's deploy check would call it strong; raise ``ImproperlyConfigured`` if not."""
+    """Return ``key`` if Django's deploy check would call it strong and it is no shipped placeholder;
+    raise ``ImproperlyConfigured`` if not (the message never repeats the key)."""
+    if is_placeholder(key):
+        raise ImproperlyConfigured(
+            f"{name} is a placeholder copied from an example (deploy/k8s/secret.yaml, compose, the README), "
+            f"which anyone can read: generate one with {GENERATE_SECRET_KEY}"
+        )
     if (
         len(key) < SECRET_KEY_MIN_LENGTH
         or len(set(key)) < SECRET_KEY_MIN_UNIQUE
@@ -101,10 +129,37 @@ def check_secret_key(key: str, *, name: str = "SECRET_KEY") -> str:
     ):
         raise ImproperlyConfigured(
             f"{name} must be at least {SECRET_KEY_MIN_LENGTH} characters with {SECRET_KEY_MIN_UNIQUE} or more "
-            "distinct ones (python3 -c 'import secrets; print(secrets.token_urlsafe(50))'); "
+            f"distinct ones ({GENERATE_SECRET_KEY}); "
             "or leave it unset to have one generated under MOTOR_VAR_DIR"
         )
     return key
+
+
+def check_api_key(key: str, *, name: str, min_length: int = API_KEY_MIN_LENGTH, min_unique: int = API_KEY_MIN_UNIQUE,
+                  generate: str = GENERATE_API_KEY) -> str:
+    """Return ``key`` (a client or admin key, or a password) unless it is a placeholder or too weak
+    to be a generated one; raise ``ImproperlyConfigured`` saying how to make one (never the key)."""
+    if is_placeholder(key):
+        raise ImproperlyConfigured(
+            f"{name} holds a placeholder copied from an example, which anyone can read: generate one with {generate}"
+        )
+    if len(key) < min_length or len(set(key)) < min_unique:
+        raise ImproperlyConfigured(
+            f"{name} holds a key shorter than {min_length} characters or with fewer than {min_unique} distinct "
+            f"ones: generate one with {generate}"
+        )
+    return key
+
+
+def check_database_password(url: str) -> str:
+    """Return ``url`` unless its password is a shipped placeholder (``postgresql://u:change-me@...``)."""
+    password = unquote(urlparse(url).password or "")
+    if password and is_placeholder(password):
+        raise ImproperlyConfigured(
+            f"DATABASE_URL's password is a placeholder copied from an example: set the database user's real "
+            f"password (generate one with {GENERATE_PASSWORD})"
+        )
+    return url
 
 
 def persistent_secret_key(path: Path) -> str:
@@ -136,6 +191,10 @@ MOTOR_VAR_DIR = Path(env_str("MOTOR_VAR_DIR", str(BASE_DIR / "var")))
 # With DEBUG off a key is either given (and strong) or generated once and kept in MOTOR_VAR_DIR.
 # Several machines serving one site (Kubernetes replicas) must share one: set SECRET_KEY there.
 if DEBUG:
+    # Any given key is taken as it is (a development machine), but never a shipped placeholder: a
+    # debug pod started from the k8s Secret would sign metaserver routes with a public key.
+    if env_str("SECRET_KEY") and is_placeholder(env_str("SECRET_KEY")):
+        check_secret_key(env_str("SECRET_KEY"))
     SECRET_KEY = env_str("SECRET_KEY") or DEV_SECRET_KEY
 elif env_str("SECRET_KEY"):
     SECRET_KEY = check_secret_key(env_str("SECRET_KEY"))
@@ -202,7 +261,8 @@ TEMPLATES = [
 MOTOR_SQLITE_TIMEOUT_S = env_int("MOTOR_SQLITE_TIMEOUT_MS", 10000) / 1000
 DATABASES = {
     "default": database_from_url(
-        env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / 'var' / 'db.sqlite3'}"), sqlite_timeout_s=MOTOR_SQLITE_TIMEOUT_S
+        check_database_password(env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / 'var' / 'db.sqlite3'}")),
+        sqlite_timeout_s=MOTOR_SQLITE_TIMEOUT_S,
     )
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -248,7 +308,20 @@ MOTOR_MAX_JSON_DEPTH = env_int("MOTOR_MAX_JSON_DEPTH", 64)
 # Client keys for /v1 (serving/edge/keys.py): the ApiKey records of the control plane; until
 # the first client record exists, these plain keys. With no key at all /v1 answers 401: it is
 # open to anyone only with MOTOR_OPEN_ACCESS=true, never by accident.
-MOTOR_API_KEYS = [k for k in env_str("MOTOR_API_KEYS", env_str("MOTOR_DEMO_API_KEY")).split(",") if k]
+MOTOR_API_KEYS = [
+    check_api_key(k, name="MOTOR_API_KEYS" if env_str("MOTOR_API_KEYS") else "MOTOR_DEMO_API_KEY")
+    for k in env_str("MOTOR_API_KEYS", env_str("MOTOR_DEMO_API_KEY")).split(",")
+    if k
+]
+# Read by demo_fleet and runstack (not settings), checked here so that no process starts with a
+# weak one: the admin key opens /api, the password the admin.
+if env_str("MOTOR_DEMO_ADMIN_KEY"):
+    check_api_key(env_str("MOTOR_DEMO_ADMIN_KEY"), name="MOTOR_DEMO_ADMIN_KEY")
+if env_str("MOTOR_DEMO_ADMIN_PASSWORD"):
+    check_api_key(
+        env_str("MOTOR_DEMO_ADMIN_PASSWORD"), name="MOTOR_DEMO_ADMIN_PASSWORD",
+        min_length=PASSWORD_MIN_LENGTH, min_unique=PASSWORD_MIN_UNIQUE, generate=GENERATE_PASSWORD,
+    )
 MOTOR_OPEN_ACCESS = env_bool("MOTOR_OPEN_ACCESS", False)
 
 # Bounds of the data plane, each a named knob (the pipeline never invents its own timeouts).
@@ -275,6 +348,10 @@ for _name in ("MOTOR_METASERVER_BASE_URL", "MOTOR_METASERVER_OWNER_URL"):
     _url = env_str(_name)
     if _url and (urlparse(_url).scheme not in ("http", "https") or not urlparse(_url).netloc):
         raise ImproperlyConfigured(f"{_name} must be an http(s) URL such as http://10.0.0.5:8000, got {_url!r}")
+# Signs Trigger's callback routes (serving.pipeline.topologies.metaserver reads it itself); the
+# default is derived from SECRET_KEY, checked above.
+if env_str("MOTOR_METASERVER_KEY"):
+    check_secret_key(env_str("MOTOR_METASERVER_KEY"), name="MOTOR_METASERVER_KEY")
 # The name this coordinator process goes by in motor_coordinator_info (and its traces): the pod name
 # in the k8s manifests, the service in compose; Prometheus joins it onto every metric of the process.
 MOTOR_REPLICA = env_str("MOTOR_REPLICA") or socket.gethostname()
@@ -311,6 +388,17 @@ MOTOR_PROBE_RISE = env_int("MOTOR_PROBE_RISE", 2)
 MOTOR_PROBE_FALL = env_int("MOTOR_PROBE_FALL", 3)
 MOTOR_PROBE_RETENTION_DAYS = env_int("MOTOR_PROBE_RETENTION_DAYS", 7)
 MOTOR_QUARANTINE_ON_DRIFT = env_bool("MOTOR_QUARANTINE_ON_DRIFT", True)
+
+# Where a render config's `file:` obfuscation key references may point (catalog/key_refs.py): a
+# reference elsewhere is refused, so the admin cannot be made to read (and hash) any file.
+MOTOR_OBFUSCATION_KEY_DIR = Path(env_str("MOTOR_OBFUSCATION_KEY_DIR", str(MOTOR_VAR_DIR / "obfuscation-keys")))
+# make run's children (motorsite/supervisor.py) write var/log/<name>.log; each is rotated once it
+# passes MOTOR_LOG_MAX_BYTES, keeping MOTOR_LOG_BACKUPS older files, so a chatty engine cannot
+# fill the disk that holds the database and the Celery broker.
+MOTOR_LOG_MAX_BYTES = env_int("MOTOR_LOG_MAX_BYTES", 32 * 1024 * 1024)
+MOTOR_LOG_BACKUPS = env_int("MOTOR_LOG_BACKUPS", 3)
+if MOTOR_LOG_MAX_BYTES < 0 or MOTOR_LOG_BACKUPS < 0:
+    raise ImproperlyConfigured("MOTOR_LOG_MAX_BYTES and MOTOR_LOG_BACKUPS must not be negative")
 
 LOGGING = {
     "version": 1,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from motorsite import tiers
+from motorsite.processes import LOG_BACKUPS, LOG_MAX_BYTES
 from motorsite.restarts import RestartPolicy
 from motorsite.supervisor import ProcessSpec, together
 
@@ -59,6 +60,9 @@ class StackConfig:
     api_keys: tuple[str, ...] = ()
     admin_password: str = ""
     log_dir: Path = ROOT / "var" / "log"
+    # Each child's log is rotated past this many bytes, keeping this many older files (0: never).
+    log_max_bytes: int = LOG_MAX_BYTES
+    log_backups: int = LOG_BACKUPS
     extra_env: dict[str, str] = field(default_factory=dict)
     celery: bool = True  # start a Celery worker and beat (probes, audit)
     # Broker folders (filesystem transport) and beat's schedule: one per stack, so a test's worker
@@ -100,6 +104,8 @@ def render_spec(cfg: StackConfig) -> ProcessSpec:
         argv=argv,
         env=env,
         log_path=cfg.log_dir / "render.log",
+        log_max_bytes=cfg.log_max_bytes,
+        log_backups=cfg.log_backups,
         ports=[(HOST, cfg.render_port)],
         ready_post=tiers.render_ready_request(cfg.served_model_name),
         ready_base_url=f"http://{HOST}:{cfg.render_port}",
@@ -133,6 +139,8 @@ def engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
                 argv=argv,
                 env=env,
                 log_path=cfg.log_dir / f"engine-{n + 1}.log",
+                log_max_bytes=cfg.log_max_bytes,
+                log_backups=cfg.log_backups,
                 ports=[(HOST, port)],
                 ready_post=tiers.engine_ready_request(cfg.served_model_name),
                 ready_base_url=f"http://{HOST}:{port}",
@@ -183,6 +191,8 @@ def pd_engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
                 argv=argv,
                 env=env,
                 log_path=cfg.log_dir / f"{name}.log",
+                log_max_bytes=cfg.log_max_bytes,
+                log_backups=cfg.log_backups,
                 ports=bound,
                 ready_post=tiers.engine_ready_request(cfg.served_model_name),
                 ready_base_url=f"http://{HOST}:{port}",
@@ -244,6 +254,8 @@ def coordinator_spec(cfg: StackConfig) -> ProcessSpec:
         env=coordinator_env(cfg),
         cwd=ROOT,
         log_path=cfg.log_dir / "coordinator.log",
+        log_max_bytes=cfg.log_max_bytes,
+        log_backups=cfg.log_backups,
         ports=[(HOST, cfg.coordinator_port)],
         ready_url=f"{cfg.coordinator_url}/healthz",
         ready_timeout=30.0,
@@ -267,6 +279,8 @@ def celery_specs(cfg: StackConfig) -> list[ProcessSpec]:
                 env={**coordinator_env(cfg), "MOTOR_CELERY_READY_FILE": str(ready)},
                 cwd=ROOT,
                 log_path=cfg.log_dir / f"{name}.log",
+                log_max_bytes=cfg.log_max_bytes,
+                log_backups=cfg.log_backups,
                 ready_argv=["test", "-f", str(ready)],
                 ready_timeout=60.0,
                 restart=cfg.restart,
@@ -302,6 +316,6 @@ def prepare_database(cfg: StackConfig) -> None:
         fleet += ["--prefill", url]
     for url in cfg.decode_urls:
         fleet += ["--decode", url]
-    if cfg.admin_password:
-        fleet += [f"--admin-password={cfg.admin_password}"]  # one token: a generated one may start with "-"
-    subprocess.run(fleet, check=True, env=env, cwd=ROOT)
+    # The password goes by the environment, never argv: any user of the machine reads argv (ps).
+    fleet_env = {**env, "MOTOR_DEMO_ADMIN_PASSWORD": cfg.admin_password} if cfg.admin_password else env
+    subprocess.run(fleet, check=True, env=fleet_env, cwd=ROOT)

@@ -295,10 +295,13 @@ class Supervisor:
         return 1 if self.died is not None else 0
 
     def supervise_once(self, client: httpx.Client) -> None:
-        """One pass of wait()'s loop: notice exits, start children whose back-off is over, probe
-        starting ones. Raises ChildDied when a child without a restart policy has exited."""
+        """One pass of wait()'s loop: rotate logs past their bound, notice exits, start children
+        whose back-off is over, probe starting ones. Raises ChildDied when a child without a
+        restart policy has exited."""
         for child in list(self._children):
             if child.state in (ChildState.STARTING, ChildState.RUNNING):
+                # Before the exit check, so a tail read just below sees the rotated files as they are.
+                child.rotate_log()
                 returncode = child.popen.poll()
                 if returncode is not None:
                     tail = log_tail(child.spec.log_path, child.log_offset)
@@ -394,6 +397,9 @@ class Supervisor:
                 # Checked before every probe, for every child started so far: an engine that
                 # crashes while the coordinator starts must fail the start, not be found later.
                 self.check_children()
+                # A start may take minutes (real engines): logs keep their bound meanwhile too.
+                for started in [*self._children, *([] if any(c is child for c in self._children) else [child])]:
+                    started.rotate_log()
                 # The child waited for, too: a replacement (``add``) is not among the children
                 # yet, and one that exits at once must fail now, not after its ready timeout.
                 returncode = child.popen.poll()

@@ -1,9 +1,11 @@
 """Obfuscation keys: resolve the render config's key reference into a loaded token mapping.
 
-The render config stores where the key is, never the key (``RenderConfig.obfuscation_key_ref``):
+The render config stores where the key is, never the key (``RenderConfig.obfuscation_key_ref``),
+and may name only what exists to hold one (``catalog.key_refs``, checked again here):
 
-- ``setting:NAME``: the Django setting ``NAME``, else the environment variable ``NAME``;
-- ``file:/path``: the file's contents (surrounding whitespace stripped), e.g. a mounted secret.
+- ``setting:MOTOR_OBFUSCATION_KEY[_NAME]``: the Django setting of that name, else the environment variable;
+- ``file:/path`` under ``MOTOR_OBFUSCATION_KEY_DIR``: the file's contents (surrounding whitespace
+  stripped), e.g. a mounted secret.
 
 The key id is a short hash of the key (``serving.pipeline.obfuscation.key_id``): the render config
 names it and each engine instance declares the one its weights were permuted with, so a rotation
@@ -25,8 +27,9 @@ from typing import TYPE_CHECKING, Iterable
 
 from django.conf import settings
 
-from serving.pipeline.obfuscation import mapping as obfuscation
-from serving.pipeline.obfuscation.mapping import TokenMapping, key_id
+from catalog.key_refs import InvalidKeyRef, check_key_ref
+from serving.pipeline.obfuscation import keyring as obfuscation
+from serving.pipeline.obfuscation.mapping import MIN_KEY_BYTES, TokenMapping, key_id
 
 if TYPE_CHECKING:
     from catalog.models import RenderConfig
@@ -41,9 +44,11 @@ class KeyUnavailable(Exception):
 
 def resolve_key(ref: str) -> bytes:
     """Return the key material ``ref`` points to; raise ``KeyUnavailable`` saying why not (never the key)."""
-    kind, _, where = ref.partition(":")
-    if not where:
-        raise KeyUnavailable(f"key reference {ref!r} is not `setting:NAME` or `file:/path`")
+    try:
+        # Before anything is read: a reference to another secret must not even be looked at.
+        kind, where = check_key_ref(ref)
+    except InvalidKeyRef as exc:
+        raise KeyUnavailable(str(exc)) from None
     if kind == "setting":
         value = getattr(settings, where, None)
         if value is None:
@@ -51,15 +56,13 @@ def resolve_key(ref: str) -> bytes:
         if not value:
             raise KeyUnavailable(f"setting or environment variable {where} is not set")
         key = value if isinstance(value, bytes) else str(value).encode()
-    elif kind == "file":
+    else:
         try:
             key = Path(where).read_bytes().strip()
         except OSError as exc:
             raise KeyUnavailable(f"cannot read key file {where}: {exc.strerror}") from None
-    else:
-        raise KeyUnavailable(f"unknown key reference kind {kind!r} (use `setting:` or `file:`)")
-    if len(key) < obfuscation.MIN_KEY_BYTES:
-        raise KeyUnavailable(f"the key from {ref} is shorter than {obfuscation.MIN_KEY_BYTES} bytes")
+    if len(key) < MIN_KEY_BYTES:
+        raise KeyUnavailable(f"the key from {ref} is shorter than {MIN_KEY_BYTES} bytes")
     return key
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from django.conf import settings
 
+from fleet.replicas import ReplicaDirectory
 from serving import stream_reports
 from serving.pipeline import http, metric_names, metrics, tracing
 from serving.pipeline.derender.session import StreamSettings
@@ -46,7 +47,7 @@ from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
 from serving.pipeline.flow_control.redis_admission import RedisTokenAdmission
 from serving.pipeline.metrics import RouterCounters
-from serving.pipeline.obfuscation import mapping as obfuscation
+from serving.pipeline.obfuscation import keyring as obfuscation
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.obfuscation.mapping import TokenMapping
 from serving.pipeline.phases import Histograms
@@ -62,6 +63,7 @@ from serving.pipeline.resilience.shared_breaker import SharedBreakerBoard
 from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot
 from serving.pipeline.topologies import hybrid
+from serving.pipeline.topologies.metaserver import process_metaserver
 from serving.pipeline.topologies.registry import TopologyRegistry
 
 logger = logging.getLogger(__name__)
@@ -189,6 +191,9 @@ def build() -> Runtime:
         load_margin_tokens=int(_knob("MOTOR_AFFINITY_LOAD_MARGIN_TOKENS", DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS) or 0),
     )
     hybrid.install(scheduler)
+    # Trigger callbacks that land on another replica are routed by the control plane's record of
+    # each process's address, never by an address in the callback's URL.
+    process_metaserver().directory = ReplicaDirectory()
     live_streams = LiveStreams()
     stream_reporter = stream_reports.StreamReporter(live_streams.counts)
     live_streams.on_change = stream_reporter.notify

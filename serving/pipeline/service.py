@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from typing import Any, TypeVar
 
@@ -59,7 +59,6 @@ from serving.pipeline.errors import (
     UpstreamRequestError,
 )
 from serving.pipeline.flow_control import rate_limit
-from serving.pipeline.flow_control.admission import reserve_together
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.phases import NO_PHASES, Phases
@@ -75,7 +74,13 @@ from serving.pipeline.render.tokenization import (
     TokenizedRequest,
 )
 from serving.pipeline.request_checks import RequestLimits
-from serving.pipeline.resilience.attempts import AttemptPolicy, Attempts, OpenStream, requested_tokens
+from serving.pipeline.resilience.attempts import (
+    AttemptPolicy,
+    Attempts,
+    OpenStream,
+    open_together,
+    requested_tokens,
+)
 from serving.pipeline.snapshot import FleetSnapshot, ModelView
 from serving.pipeline.streaming.event_stream import EventStream
 from serving.pipeline.streaming.fanout import first_error
@@ -253,8 +258,13 @@ class ServingPipeline:
         phases.on(source=tokenized.tokenizer_source).observe(metric_names.PHASE_RENDER, start)
         self._log_render(request_id, model.name, tokenized, tokenized.tokenizer_source, tokenized.fallback_reason)
         request_checks.check_tokenized(tokenized.prompts, kind=kind, model=model)
-        # The client key's tokens-per-minute window is charged once the real count is known.
-        await rate_limit.charge_request(sum(requested_tokens(p) for p in tokenized.prompts))
+        for prompt in tokenized.prompts:
+            self.boundary.admit(prompt.generate_request)  # with obfuscation on: a 400 before any quota
+        # The client key's tokens-per-minute window is charged once the real count is known, with
+        # the output bound the context budget leaves (the one placement and admission use).
+        await rate_limit.charge_request(
+            sum(requested_tokens(p, self.snapshot, self.scheduler, model.name) for p in tokenized.prompts)
+        )
         requires_tokenizer = engine_tokenizer_feature(kind, body) is not None
         try:
             if body.get("stream"):
@@ -430,25 +440,24 @@ class ServingPipeline:
         self, body: dict[str, Any], kind: TokenKind, request_id: str, tokenized: TokenizedRequest,
         requires_tokenizer: bool, phases: Phases,
     ) -> EventStream | NativeStream | dict[str, Any]:
-        """Establish every engine stream of the request before the client sees a byte."""
-        streams: list[OpenStream] = []
+        """Establish every engine stream of the request before the client sees a byte.
+
+        The prompts open concurrently (their prefills overlap, as the non-streaming path runs
+        them); the response is committed once, when every stream is established.
+        """
         attempts = self.attempts(request_id, phases)
+
+        def opener(index: int) -> Callable[[], Coroutine[Any, Any, OpenStream]]:
+            return lambda: attempts.open(tokenized, index, requires_tokenizer)
+
         try:
-            # Every prompt's lease at once or fail fast: the client reads none before all are open.
-            with reserve_together():
-                for index in range(len(tokenized.prompts)):
-                    streams.append(await attempts.open(tokenized, index, requires_tokenizer))
+            streams = await open_together([opener(i) for i in range(len(tokenized.prompts))], self.engines)
         except TriggerMultiPromptStream:
-            # RFC: Trigger 多 prompt 流式仍沿用原生链路. Nothing reached the client yet.
-            for s in streams:
-                await s.aclose(self.engines)
+            # RFC: Trigger 多 prompt 流式仍沿用原生链路. Nothing reached the client yet, and
+            # open_together closed whatever had opened.
             return await self._native(
                 kind, body, request_id, "trigger_multi_prompt_stream", phases, tokenized=tokenized
             )
-        except BaseException:
-            for s in streams:
-                await s.aclose(self.engines)
-            raise
         n = int(body.get("n") or 1)
         public_id = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
         return EventStream(

@@ -12,9 +12,11 @@ import ast
 import io
 import os
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +35,18 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 # What compose passes where make run passes a local value (kept literal: compose interpolates it).
-DATABASE_URL = "postgresql://motorsite:${POSTGRES_PASSWORD:-motorsite}@postgres:5432/motorsite"
+DATABASE_URL = "postgresql://motorsite:${POSTGRES_PASSWORD:?set POSTGRES_PASSWORD to a generated password}@postgres:5432/motorsite"
 REDIS_URL = "redis://redis:6379/0"
 API_KEY = "${MOTOR_DEMO_API_KEY:?set a client key}"
 VLLM_PREFIX = ["python", "-m", "vllm.entrypoints.cli.main"]  # the vLLM image's ENTRYPOINT
 DOCKER_COMPOSE = shutil.which("docker-compose")
 STRONG_KEY = "compose-test-" + "0123456789abcdefghijklmnopqrstuvwxyzABCDEF"  # passes check_secret_key
+# What the file's header tells a user to export, generated the way it says.
+USER_ENV = {
+    "SECRET_KEY": STRONG_KEY,
+    "MOTOR_DEMO_API_KEY": "sk-" + secrets.token_urlsafe(32),
+    "POSTGRES_PASSWORD": secrets.token_urlsafe(16),
+}
 
 
 @pytest.fixture
@@ -164,7 +172,7 @@ def test_the_compose_file_passes_compose_s_own_schema_check(tmp_path: Path) -> N
     # docker-compose parses and validates without a Docker engine; the toolchain installs it for the suite.
     if DOCKER_COMPOSE is None:
         pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
-    env = {**os.environ, "MOTOR_MODEL_DIR": str(tmp_path), "MOTOR_DEMO_API_KEY": "sk-test", "SECRET_KEY": STRONG_KEY}
+    env = {**os.environ, "MOTOR_MODEL_DIR": str(tmp_path), **USER_ENV}
     for profile in ([], ["--profile", "ascend"]):
         done = subprocess.run(
             [DOCKER_COMPOSE, "-f", str(ROOT / "docker" / "compose.yaml"), *profile, "config", "--services"],
@@ -184,7 +192,8 @@ def test_the_app_services_need_a_secret_key_the_settings_accept(tmp_path: Path) 
     if DOCKER_COMPOSE is None:
         pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
     env = {k: v for k, v in os.environ.items() if k != "SECRET_KEY"}
-    env.update(MOTOR_MODEL_DIR=str(tmp_path), MOTOR_DEMO_API_KEY="sk-test")
+    env.update(MOTOR_MODEL_DIR=str(tmp_path), MOTOR_DEMO_API_KEY=USER_ENV["MOTOR_DEMO_API_KEY"],
+               POSTGRES_PASSWORD=USER_ENV["POSTGRES_PASSWORD"])
     compose = [DOCKER_COMPOSE, "-f", str(ROOT / "docker" / "compose.yaml"), "config"]
     done = subprocess.run(compose, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "set SECRET_KEY to 50 or more random characters" in done.stderr
@@ -199,3 +208,54 @@ def test_the_app_services_need_a_secret_key_the_settings_accept(tmp_path: Path) 
 def test_the_coordinator_names_its_replica() -> None:
     # motor_coordinator_info{replica}; the default keeps a plain `up` naming it after its service.
     assert SERVICES["coordinator"]["environment"]["MOTOR_REPLICA"] == "${MOTOR_REPLICA-coordinator}"
+
+
+def compose_config(tmp_path: Path, **user: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in USER_ENV}
+    env.update(MOTOR_MODEL_DIR=str(tmp_path), **user)
+    return subprocess.run([DOCKER_COMPOSE or "docker-compose", "-f", str(ROOT / "docker" / "compose.yaml"), "config"],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("name", sorted(USER_ENV))
+def test_compose_ships_no_secret_and_needs_each_one(tmp_path: Path, name: str) -> None:
+    # It once defaulted the database password to "motorsite"; now every secret is the user's.
+    if DOCKER_COMPOSE is None:
+        pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
+    done = compose_config(tmp_path, **{k: v for k, v in USER_ENV.items() if k != name})
+    assert done.returncode != 0 and name in done.stderr
+
+
+def app_env(tmp_path: Path, **user: str) -> dict[str, str]:
+    """The coordinator container's environment as compose interpolates it, run from this checkout."""
+    done = compose_config(tmp_path, **user)
+    assert done.returncode == 0, done.stderr
+    env = yaml.safe_load(done.stdout)["services"]["coordinator"]["environment"]
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("MOTOR_", "SECRET_KEY", "DATABASE_URL", "REDIS_URL"))}
+    return {**inherited, **{k: str(v) for k, v in env.items()}, "PYTHONPATH": str(ROOT), "MOTOR_VAR_DIR": str(tmp_path),
+            "MOTOR_CELERY_DIR": str(tmp_path / "celery")}
+
+
+def load_settings(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", "import django; django.setup()"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("MOTOR_DEMO_API_KEY", "sk-..."),  # the header's example before it said how to generate one
+        ("MOTOR_DEMO_API_KEY", "sk-test"),
+        ("SECRET_KEY", "change-me-to-the-output-of-secrets-token-urlsafe-50-before-applying"),
+        ("POSTGRES_PASSWORD", "change-me"),
+    ],
+)
+def test_the_app_services_refuse_a_weak_or_placeholder_secret(tmp_path: Path, name: str, value: str) -> None:
+    if DOCKER_COMPOSE is None:
+        pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
+    done = load_settings(app_env(tmp_path, **{**USER_ENV, name: value}))
+    assert done.returncode != 0 and "ImproperlyConfigured" in done.stderr, done.stderr[-1500:]
+    assert "generate one with python3 -c" in done.stderr
+    # ...and the values the header says to generate start (the refusal above can fail).
+    done = load_settings(app_env(tmp_path, **USER_ENV))
+    assert done.returncode == 0, done.stderr[-1500:]

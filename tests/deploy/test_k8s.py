@@ -7,7 +7,11 @@ field fails as well as a wrong type; a kind with no schema fails too instead of 
 from __future__ import annotations
 
 import ast
+import os
 import re
+import secrets
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ import yaml
 
 from catalog.management.commands.render_image import DEFAULT_RENDER_IMAGE
 from motorsite import stack, tiers
+from motorsite.supervisor import free_port
 from serving.pipeline import metric_names
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
@@ -133,3 +138,73 @@ def test_the_sidecar_image_is_set_from_the_render_config() -> None:
 def test_each_coordinator_pod_names_its_replica_by_its_own_name() -> None:
     env = {e["name"]: e for e in containers("motorsite-coordinator")["coordinator"]["env"]}
     assert env["MOTOR_REPLICA"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+
+# -- the shipped Secret starts nothing -----------------------------------------------------------
+
+# What the Secret's comments tell an operator to generate, one per key.
+GENERATED = {
+    "SECRET_KEY": secrets.token_urlsafe(50),
+    "DATABASE_URL": f"postgresql://motorsite:{secrets.token_urlsafe(16)}@postgres:5432/motorsite",
+    "MOTOR_API_KEYS": "sk-" + secrets.token_urlsafe(32),
+    "MOTOR_DEMO_ADMIN_KEY": "mk-" + secrets.token_urlsafe(32),
+}
+
+
+def pod_env(secret: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """The environment ``envFrom`` gives a coordinator container, run from this checkout instead of /app."""
+    config = one("ConfigMap", "motorsite-config")["data"]
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("MOTOR_", "SECRET_KEY", "DATABASE_URL", "REDIS_URL"))}
+    # No Redis named redis here: the settings only need to load, and must refuse before anything connects.
+    return {**inherited, **config, **secret, "PYTHONPATH": str(stack.ROOT), "MOTOR_VAR_DIR": str(tmp_path),
+            "MOTOR_CELERY_DIR": str(tmp_path / "celery")}
+
+
+def shipped_secret() -> dict[str, str]:
+    return dict(one("Secret", "motorsite-keys")["stringData"])
+
+
+def test_the_secret_names_every_key_it_is_generated_for() -> None:
+    assert set(shipped_secret()) == set(GENERATED)
+
+
+@pytest.mark.parametrize(
+    "container", ["migrate", "coordinator"], ids=["init container (migrate)", "coordinator (daphne)"]
+)
+def test_a_pod_started_with_the_shipped_secret_refuses_to_start(container: str, tmp_path: Path) -> None:
+    # The container's own command, binding 127.0.0.1 on a free port instead of the pod's 0.0.0.0:8000.
+    pod = one("Deployment", "motorsite-coordinator")["spec"]["template"]["spec"]
+    if container == "migrate":
+        [init] = pod["initContainers"]
+        argv = init["command"]
+    else:
+        argv = containers("motorsite-coordinator")["coordinator"]["command"]
+        argv = [a if a != "0.0.0.0" else "127.0.0.1" for a in argv]
+        argv[argv.index("-p") + 1] = str(free_port())
+    argv = [sys.executable, *argv[1:]]
+    done = subprocess.run(argv, env=pod_env(shipped_secret(), tmp_path), cwd=stack.ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert "ImproperlyConfigured: SECRET_KEY is a placeholder" in done.stderr, done.stderr[-2000:]
+    assert "secrets.token_urlsafe(50)" in done.stderr  # says how to make a real one
+    assert not (tmp_path / "secret_key").exists()
+
+
+def load_settings(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", "import django; django.setup()"], env=env, cwd=stack.ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("name", sorted(GENERATED))
+def test_each_placeholder_of_the_secret_is_refused_on_its_own(name: str, tmp_path: Path) -> None:
+    # Every other value generated as the comments say: this placeholder alone stops the start.
+    secret = {**GENERATED, name: shipped_secret()[name]}
+    done = load_settings(pod_env(secret, tmp_path))
+    assert done.returncode != 0
+    assert f"ImproperlyConfigured: {name}" in done.stderr, done.stderr[-2000:]
+    assert "placeholder" in done.stderr and "generate one with python3 -c" in done.stderr
+
+
+def test_the_secret_filled_in_as_its_comments_say_starts(tmp_path: Path) -> None:
+    done = load_settings(pod_env(GENERATED, tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -13,10 +13,10 @@ from fleet import services
 from fleet.models import EngineInstance
 from fleet.presenters import ObfuscationStatus
 from serving.obfuscation_keys import key_id_of
-from serving.pipeline.obfuscation import mapping as obfuscation
+from serving.pipeline.obfuscation import keyring as obfuscation
 
 KEY = "k" * 32
-SETTING = "MOTOR_TEST_OBFUSCATION_KEY"
+SETTING = "MOTOR_OBFUSCATION_KEY_TEST"
 
 
 @pytest.fixture(autouse=True)

@@ -5,6 +5,9 @@ both ways untouched. Proxies share one ``Cut``: while it is armed, the first eve
 response any of them relays is cut after ``after_bytes`` of it, both sockets closed, as a
 crashed engine or a broken network would; the cut disarms itself. What the client sees is a
 chunked response ending early, so the coordinator relays the stream to another instance.
+
+Every byte sent towards the engine is also kept (``sent``), so a test can assert what an engine
+received, on every connection and attempt.
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ class CuttingProxy:
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._sent: list[bytearray] = []  # per connection, in the order they were accepted
+
+    def sent(self) -> list[bytes]:
+        """What the proxy has forwarded to the engine so far: each connection's bytes, in order."""
+        with self._lock:
+            return [bytes(b) for b in self._sent]
 
     @property
     def url(self) -> str:
@@ -87,15 +96,19 @@ class CuttingProxy:
             except OSError:
                 _close(client)
                 continue
+            sent = bytearray()
             with self._lock:
                 self._sockets.update((client, upstream))
+                self._sent.append(sent)
             state = _Exchange()
-            self._spawn(self._requests, client, upstream, state)
+            self._spawn(self._requests, client, upstream, state, sent)
             self._spawn(self._responses, upstream, client, state)
 
-    def _requests(self, client: socket.socket, upstream: socket.socket, state: _Exchange) -> None:
+    def _requests(self, client: socket.socket, upstream: socket.socket, state: _Exchange, sent: bytearray) -> None:
         while data := _recv(client):
             state.new_request()  # keep-alive: the next response is a new one
+            with self._lock:
+                sent += data
             if not _send(upstream, data):
                 break
         self._drop(client, upstream)

@@ -308,14 +308,14 @@ def obf_coordinator(
         tiers, engine_ports=(int(obf_url.rsplit(":", 1)[1]),), coordinator_port=free_port(),
         database_url=f"sqlite:///{tmp_path / 'coordinator.sqlite3'}", log_dir=tiers.log_dir / "obf-coordinator",
         # The key reaches the coordinator as deployments pass it: an environment variable the
-        # render config names (`setting:NAME`), never stored in the database.
-        extra_env={**tiers.extra_env, "MOTOR_OBF_COORDINATOR_KEY": _env("MOTOR_OBF_TEST_KEY")},
+        # render config names (`setting:MOTOR_OBFUSCATION_KEY_<NAME>`), never stored in the database.
+        extra_env={**tiers.extra_env, "MOTOR_OBFUSCATION_KEY_COORDINATOR": _env("MOTOR_OBF_TEST_KEY")},
     )
     stack.prepare_database(cfg)
     with sqlite3.connect(tmp_path / "coordinator.sqlite3") as conn:
         assert conn.execute(
             "UPDATE serving_renderconfig SET obfuscation = 1, obfuscation_key_ref = ?, obfuscation_key_id = ?",
-            ("setting:MOTOR_OBF_COORDINATOR_KEY", key_id),
+            ("setting:MOTOR_OBFUSCATION_KEY_COORDINATOR", key_id),
         ).rowcount == 1
         # The obfuscated engine runs tokens-only: no native API, no tokenizer of its own.
         assert conn.execute(
@@ -380,14 +380,14 @@ def obf_fleet(
         cfg = replace(
             tiers, engine_ports=tuple(p.port for p in fronts), coordinator_port=free_port(),
             database_url=f"sqlite:///{db}", log_dir=tiers.log_dir / "obf-fleet",
-            extra_env={**tiers.extra_env, "MOTOR_OBF_COORDINATOR_KEY": _env("MOTOR_OBF_TEST_KEY"),
+            extra_env={**tiers.extra_env, "MOTOR_OBFUSCATION_KEY_COORDINATOR": _env("MOTOR_OBF_TEST_KEY"),
                        "MOTOR_BREAKER_THRESHOLD": "1000"},
         )
         stack.prepare_database(cfg)
         with sqlite3.connect(db) as conn:
             assert conn.execute(
                 "UPDATE serving_renderconfig SET obfuscation = 1, obfuscation_key_ref = ?, obfuscation_key_id = ?",
-                ("setting:MOTOR_OBF_COORDINATOR_KEY", key_id),
+                ("setting:MOTOR_OBFUSCATION_KEY_COORDINATOR", key_id),
             ).rowcount == 1
             assert conn.execute(
                 "UPDATE fleet_engineinstance SET obfuscation_key_id = ?, cap_native_openai = 0, cap_tokenizer = 0",
@@ -489,3 +489,338 @@ def test_a_stream_cut_mid_way_is_relayed_to_the_other_obfuscated_engine_unchange
     assert relay is not None, got["id"]
     assert int(relay[1]) > 0 and relay[2] != relay[3]
     assert_same_stream(got, want)
+
+
+# --- nothing an obfuscated engine receives is readable ----------------------------------------
+# A chat with tools, tool_choice, chat_template_kwargs, a cache salt and token offsets asked for,
+# through a render sidecar with parsers (hermes tools, qwen3 reasoning: render then also fills
+# reasoning_parser_kwargs) and a coordinator whose two instances are the obfuscated engines behind
+# proxies that record every byte sent to them. Each marker below is in render's answer; none may
+# be in any byte an engine receives, on any attempt.
+
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "lookup_salary_kestrel", "description": "Quartz-Heron ledger of pay",
+        "parameters": {"type": "object", "properties": {"employee_zircon": {"type": "string"}},
+                       "required": ["employee_zircon"]},
+    },
+}]
+LEAK_CHAT = {
+    "model": "tiny",
+    "messages": [{"role": "system", "content": "You are the payroll desk of Marzipan-Lighthouse."},
+                 {"role": "user", "content": "What does employee Quokka-Saffron earn?"}],
+    "tools": TOOLS, "tool_choice": "auto",
+    "chat_template_kwargs": {"enable_thinking": False, "persona": "Obsidian-Walrus"},
+    "cache_salt": "Velvet-Comet-salt", "return_token_offsets": True,
+    "max_tokens": 24, "temperature": 0,
+}
+# Markers render puts in its GenerateRequest (tool schema, kwargs, salt) and the prompt's text.
+RENDERED_MARKERS = ("lookup_salary_kestrel", "Quartz-Heron", "employee_zircon", "Obsidian-Walrus", "Velvet-Comet")
+MARKERS = (*RENDERED_MARKERS, "Marzipan-Lighthouse", "Quokka-Saffron")
+# What a multimodal model's render adds (vllm-protocol.md 3.1): content hashes and the pixels.
+FEATURES = {
+    "mm_hashes": {"image": ["Pelican-hash-of-a-passport"]},
+    "mm_placeholders": {"image": [{"offset": 1, "length": 2}]},
+    "kwargs_data": {"image": ["UGFzc3BvcnQtUGl4ZWxzLU5lYnVsYQ=="]},  # base64 of "Passport-Pixels-Nebula"
+    "mm_metadata": None,
+}
+FEATURE_MARKERS = ("Pelican-hash-of-a-passport", "UGFzc3BvcnQtUGl4ZWxzLU5lYnVsYQ==")
+
+
+class RenderInjector:
+    """An HTTP proxy on 127.0.0.1 in front of a render sidecar. While ``fields`` is set, chat render
+    answers get them added, as a multimodal model's render fills ``features`` (the tiny model is
+    text-only, so the real sidecar refuses images itself)."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.server
+        import threading
+
+        injector = self
+        self.fields: dict[str, Any] = {}
+        self._client = httpx.Client(base_url=upstream, timeout=120.0, trust_env=False)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as the coordinator's client expects
+
+            def do_GET(self) -> None:
+                self._forward()
+
+            def do_POST(self) -> None:
+                self._forward()
+
+            def _forward(self) -> None:
+                size = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(size) if size else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "x-request-id")}
+                r = injector._client.request(self.command, self.path, content=body, headers=headers)
+                content = r.content
+                if injector.fields and self.path == "/v1/chat/completions/render" and r.status_code == 200:
+                    content = json.dumps({**r.json(), **injector.fields}).encode()
+                self.send_response(r.status_code)
+                self.send_header("Content-Type", r.headers.get("content-type", "application/json"))
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> RenderInjector:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+        self._client.close()
+
+
+@pytest.fixture(scope="module")
+def parser_render(tiers: stack.StackConfig) -> Iterator[str]:
+    """A render sidecar with parsers (hermes tool calls, qwen3 reasoning), as test_parsers_real's."""
+    port = free_port()
+    argv, env = tier_commands.render_sidecar_command(
+        python=tiers.render_python, model_dir=tiers.model_dir, served_model_name=tiers.served_model_name,
+        port=port, workers=2, parsers=True, max_model_len=tiers.max_model_len,
+    )
+    spec = ProcessSpec(
+        name="render-obf-parsers", argv=argv, env=env, log_path=tiers.log_dir / "render-obf-parsers.log",
+        ports=[("127.0.0.1", port)], ready_post=tier_commands.render_ready_request(tiers.served_model_name),
+        ready_base_url=f"http://127.0.0.1:{port}", ready_timeout=300.0,
+    )
+    with Supervisor([spec]):
+        yield f"http://127.0.0.1:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class LeakFleet:
+    cfg: stack.StackConfig
+    cut: Cut
+    proxies: tuple[CuttingProxy, ...]  # in front of the two obfuscated engines; they record what they send
+    injector: RenderInjector
+
+    def sent(self) -> list[bytes]:
+        """Every connection's bytes to either engine so far."""
+        return [conn for p in self.proxies for conn in p.sent()]
+
+
+@pytest.fixture(scope="module")
+def leak_fleet(
+    tiers: stack.StackConfig, engines: Engines, obf_model: tuple[Path, TokenMapping], parser_render: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[LeakFleet]:
+    """``obf_fleet`` with the parser sidecar (behind a ``RenderInjector``) and recording proxies."""
+    import sqlite3
+    from dataclasses import replace
+
+    cut = Cut()
+    key_id = obf_model[1].key_id
+    db = tmp_path_factory.mktemp("obf-leak") / "coordinator.sqlite3"
+    with contextlib.ExitStack() as stack_:
+        injector = stack_.enter_context(RenderInjector(parser_render))
+        fronts = tuple(
+            stack_.enter_context(CuttingProxy(int(url.rsplit(":", 1)[1]), cut)) for url in (engines.obf, engines.obf2)
+        )
+        cfg = replace(
+            tiers, engine_ports=tuple(p.port for p in fronts), coordinator_port=free_port(),
+            render_port=injector.port, database_url=f"sqlite:///{db}", log_dir=tiers.log_dir / "obf-leak",
+            extra_env={**tiers.extra_env, "MOTOR_OBFUSCATION_KEY_COORDINATOR": _env("MOTOR_OBF_TEST_KEY"),
+                       "MOTOR_BREAKER_THRESHOLD": "1000"},
+        )
+        stack.prepare_database(cfg)
+        with sqlite3.connect(db) as conn:
+            assert conn.execute(
+                "UPDATE serving_renderconfig SET obfuscation = 1, obfuscation_key_ref = ?, obfuscation_key_id = ?",
+                ("setting:MOTOR_OBFUSCATION_KEY_COORDINATOR", key_id),
+            ).rowcount == 1
+            assert conn.execute(
+                "UPDATE fleet_engineinstance SET obfuscation_key_id = ?, cap_native_openai = 0, cap_tokenizer = 0",
+                (key_id,),
+            ).rowcount == 2
+        stack_.enter_context(Supervisor([stack.coordinator_spec(cfg)]))
+        yield LeakFleet(cfg, cut, fronts, injector)
+
+
+def _generate_bodies(connections: list[bytes]) -> list[dict[str, Any]]:
+    """The JSON bodies of the generate requests in the recorded bytes (the coordinator's client
+    sends ``Content-Length`` bodies)."""
+    bodies = []
+    for raw in connections:
+        while raw:
+            head, sep, rest = raw.partition(b"\r\n\r\n")
+            assert sep, f"an incomplete request head: {head[:200]!r}"
+            lines = head.decode("latin-1").split("\r\n")
+            fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+            assert "transfer-encoding" not in fields, "a chunked request body: teach this parser chunked"
+            size = int(fields.get("content-length", "0"))
+            body, raw = rest[:size], rest[size:]
+            if lines[0].startswith("POST /inference/v1/generate "):
+                bodies.append(json.loads(body))
+    return bodies
+
+
+def _new(before: list[bytes], after: list[bytes]) -> list[bytes]:
+    """What each connection sent since ``before`` (connections only grow, new ones are appended)."""
+    return [a[len(before[i]):] if i < len(before) else a for i, a in enumerate(after)]
+
+
+def _assert_unreadable(sent: list[bytes], markers: tuple[str, ...] = MARKERS + FEATURE_MARKERS) -> None:
+    wire = b"\n".join(sent)
+    assert [m for m in markers if m.encode() in wire] == []
+    # Nor escaped as JSON would write a non-ASCII rendering of them.
+    assert [m for m in markers if json.dumps(m).encode()[1:-1] in wire] == []
+
+
+async def _chat_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A chat stream as a client assembles it: content, reasoning, tool calls, token ids, finish."""
+    from .conftest import API_KEY
+
+    out: dict[str, Any] = {"content": "", "reasoning": "", "tool_calls": {}, "token_ids": [], "finish": None}
+    async with http.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True},
+                           headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for c in chunk["choices"]:
+                d = c.get("delta") or {}
+                out["content"] += d.get("content") or ""
+                out["reasoning"] += d.get("reasoning") or d.get("reasoning_content") or ""
+                for tc in d.get("tool_calls") or []:
+                    slot = out["tool_calls"].setdefault(tc["index"], {"name": "", "arguments": ""})
+                    slot["name"] += (tc.get("function") or {}).get("name") or ""
+                    slot["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+                out["token_ids"] += c.get("token_ids") or []
+                out["finish"] = c.get("finish_reason") or out["finish"]
+    return out
+
+
+def _as_streamed(answer: dict[str, Any]) -> dict[str, Any]:
+    """A non-streaming chat answer in ``_chat_stream``'s shape."""
+    (choice,) = answer["choices"]
+    message = choice["message"]
+    return {
+        "content": message.get("content") or "",
+        "reasoning": message.get("reasoning") or message.get("reasoning_content") or "",
+        "tool_calls": {i: {"name": t["function"]["name"], "arguments": t["function"]["arguments"]}
+                       for i, t in enumerate(message.get("tool_calls") or [])},
+        "token_ids": choice.get("token_ids") or [],
+        "finish": choice["finish_reason"],
+    }
+
+
+@pytest.fixture
+def parser_path(http: httpx.AsyncClient, engines: Engines, obf_model: tuple[Path, TokenMapping], parser_render: str) -> Path_:
+    """The in-test boundary on the parser sidecar and the first obfuscated engine: the reference answer."""
+    mapping = obf_model[1]
+    return Path_(RenderClient(http, parser_render, 60.0), EngineClient(http),
+                 _instance("obf", engines.obf, mapping.key_id), mapping)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_no_tool_schema_kwargs_salt_or_offsets_reach_an_obfuscated_engine(
+    leak_fleet: LeakFleet, parser_path: Path_, http: httpx.AsyncClient, parser_render: str,
+    obf_model: tuple[Path, TokenMapping], stream: bool,
+) -> None:
+    from .conftest import API_KEY
+
+    mapping = obf_model[1]
+    body = {**LEAK_CHAT, "return_token_ids": True}
+    # Render's own answer carries every marker (tools and kwargs in parse_context and
+    # reasoning_parser_kwargs, the salt, the offsets): what an engine would get passed through.
+    rendered = (await http.post(parser_render + "/v1/chat/completions/render", json=body)).json()
+    assert [m for m in RENDERED_MARKERS if m not in json.dumps(rendered)] == []
+    assert rendered["token_offsets"] and rendered["parse_context"]["tools"] and rendered["reasoning_parser_kwargs"]
+
+    before = leak_fleet.sent()
+    if stream:
+        got = await _chat_stream(http, leak_fleet.cfg.coordinator_url, body)
+    else:
+        r = await http.post(leak_fleet.cfg.coordinator_url + "/v1/chat/completions", json=body,
+                            headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 200, r.text
+    sent = _new(before, leak_fleet.sent())
+    _assert_unreadable(sent)
+    (engine_body,) = _generate_bodies(sent)
+    # The prompt as physical ids, the salt as its keyed digest, nothing the engine does not read.
+    assert engine_body["token_ids"] == mapping.to_physical(rendered["token_ids"])
+    assert engine_body["cache_salt"] == mapping.salt("Velvet-Comet-salt")
+    assert {"parse_context", "token_offsets", "reasoning_parser_kwargs", "reasoning_ended"}.isdisjoint(engine_body)
+
+    # And the client's answer is the model's: the same engine behind the in-test boundary.
+    want = await parser_path.chat(body, "obf-leak-reference")
+    if stream:
+        assert got == _as_streamed(want)
+        assert got["token_ids"]
+    else:
+        assert_same_answer(r.json(), want)
+
+
+async def test_a_relayed_stream_sends_nothing_readable_either(
+    leak_fleet: LeakFleet, parser_path: Path_, http: httpx.AsyncClient, obf_model: tuple[Path, TokenMapping],
+) -> None:
+    # No return_token_ids: the first event stays small, so the cut comes after output was committed.
+    body = {**LEAK_CHAT, "max_tokens": 32, "logprobs": True, "top_logprobs": 2}
+    relays, cuts = _relays(leak_fleet.cfg), leak_fleet.cut.cuts
+    before = leak_fleet.sent()
+    leak_fleet.cut.arm(after_bytes=1500)
+    got = await _chat_stream(http, leak_fleet.cfg.coordinator_url, body)
+    assert leak_fleet.cut.cuts == cuts + 1 and not leak_fleet.cut.armed
+    assert _relays(leak_fleet.cfg) == relays + 1  # relayed mid-way, not restarted
+    sent = _new(before, leak_fleet.sent())
+    _assert_unreadable(sent)
+    # Two attempts, on either engine: the replay is the one with the longer prompt.
+    first, replay = sorted(_generate_bodies(sent), key=lambda b: len(b["token_ids"]))
+    # The replay prompt (prompt + committed output) was obfuscated again, salt digested again.
+    prompt = first["token_ids"]
+    assert replay["token_ids"][:len(prompt)] == prompt and len(replay["token_ids"]) > len(prompt)
+    assert replay["cache_salt"] == first["cache_salt"] == obf_model[1].salt("Velvet-Comet-salt")
+    want = _as_streamed(await parser_path.chat(body, "obf-relay-reference"))
+    assert {k: v for k, v in got.items() if k != "token_ids"} == {k: v for k, v in want.items() if k != "token_ids"}
+
+
+REFUSED = {
+    # A multimodal model's render output: pixels and content hashes the engine would read plainly.
+    "features": ({**LEAK_CHAT}, {"features": FEATURES}, "messages"),
+    # The real sidecar refuses an image for the text-only model itself (its own 400).
+    "image": ({"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Quokka-Saffron's passport"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, None, None),
+    # Forced tool calls are a grammar over the tool names: the engine would compile it in text.
+    "tool-required": ({**LEAK_CHAT, "tool_choice": "required"}, None, None),
+    "tool-named": ({**LEAK_CHAT, "tool_choice": {"type": "function", "function": {"name": "lookup_salary_kestrel"}}},
+                   None, None),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("case", list(REFUSED))
+async def test_what_an_engine_would_read_plainly_is_refused_before_any_byte_reaches_it(
+    leak_fleet: LeakFleet, http: httpx.AsyncClient, case: str, stream: bool,
+) -> None:
+    from .conftest import API_KEY
+
+    body, fields, param = REFUSED[case]
+    before = leak_fleet.sent()
+    leak_fleet.injector.fields = fields or {}
+    try:
+        r = await http.post(leak_fleet.cfg.coordinator_url + "/v1/chat/completions", json={**body, "stream": stream},
+                            headers={"Authorization": f"Bearer {API_KEY}"})
+    finally:
+        leak_fleet.injector.fields = {}
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]  # the OpenAI error shape, before any stream starts
+    assert set(error) >= {"message", "type", "param", "code"} and error["code"] == 400
+    if param is not None:
+        assert error["param"] == param and "multimodal" in error["message"], error
+    assert b"".join(_new(before, leak_fleet.sent())) == b""  # not one byte to an engine

@@ -30,7 +30,7 @@ PRINT = (
 
 def start(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """Import the settings as a starting process does, in ``tmp_path`` as its var dir."""
-    base = {k: v for k, v in os.environ.items() if k not in ("SECRET_KEY", "DEBUG", "MOTOR_TLS", "MOTOR_HSTS_SECONDS")}
+    base = {k: v for k, v in os.environ.items() if k not in ("SECRET_KEY", "DEBUG", "DATABASE_URL") and not k.startswith("MOTOR_")}
     return subprocess.run(
         [sys.executable, "-c", PRINT], cwd=ROOT, capture_output=True, text=True, timeout=60,
         env={**base, "DJANGO_SETTINGS_MODULE": "motorsite.settings", "MOTOR_VAR_DIR": str(tmp_path), **env},
@@ -43,7 +43,7 @@ def started(tmp_path: Path, **env: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("key", ["change-me", "x" * 60, "django-insecure-" + STRONG, DEV_SECRET_KEY])
+@pytest.mark.parametrize("key", ["short-key", "x" * 60, "django-insecure-" + STRONG, DEV_SECRET_KEY])
 def test_it_refuses_a_weak_secret_key_at_start(tmp_path: Path, key: str) -> None:
     done = start(tmp_path, SECRET_KEY=key)
     assert done.returncode != 0
@@ -102,10 +102,63 @@ def test_secure_cookies_follow_the_tls_setting(tmp_path: Path) -> None:
     assert "MOTOR_TLS must be a boolean" in start(tmp_path, SECRET_KEY=STRONG, MOTOR_TLS="https").stderr
 
 
-def test_the_kubernetes_secret_passes_the_rule() -> None:
+def test_the_kubernetes_secret_is_refused() -> None:
+    # Its placeholder once had the length the rule demands, so it passed, and signed metaserver
+    # routes with a key anyone could read (tests/deploy/test_k8s.py starts a pod's processes with it).
     docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "secret.yaml").read_text()))
     key = next(d for d in docs if d and d["kind"] == "Secret")["stringData"]["SECRET_KEY"]
-    assert check_secret_key(key) == key
+    with pytest.raises(ImproperlyConfigured, match="placeholder"):
+        check_secret_key(key)
+
+
+# The kind of value the k8s Secret shipped until it was refused: long enough, and public.
+LONG_PLACEHOLDER = "change-me-to-the-output-of-secrets-token-urlsafe-50-before-applying"
+
+
+@pytest.mark.parametrize("name", ["SECRET_KEY", "MOTOR_METASERVER_KEY"])
+def test_it_refuses_a_long_placeholder_key(tmp_path: Path, name: str) -> None:
+    done = start(tmp_path, **{"SECRET_KEY": STRONG, name: LONG_PLACEHOLDER})
+    assert done.returncode != 0
+    assert f"ImproperlyConfigured: {name} is a placeholder" in done.stderr
+    assert "secrets.token_urlsafe(50)" in done.stderr and LONG_PLACEHOLDER not in done.stderr
+
+
+def test_debug_still_refuses_a_placeholder_key(tmp_path: Path) -> None:
+    done = start(tmp_path, DEBUG="true", SECRET_KEY=LONG_PLACEHOLDER)
+    assert done.returncode != 0 and "SECRET_KEY is a placeholder" in done.stderr
+    assert started(tmp_path, DEBUG="true", SECRET_KEY="short-dev-key")["SECRET_KEY"] == "short-dev-key"
+
+
+GOOD_API_KEY = "sk-" + "0123456789abcdefghijklmnopqrstuvwxyzABCD"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "why"),
+    [
+        ("MOTOR_API_KEYS", "sk-motor-change-me", "placeholder"),
+        ("MOTOR_API_KEYS", f"{GOOD_API_KEY},sk-test", "shorter than 20"),  # every key of the list
+        ("MOTOR_API_KEYS", "sk-aaaaaaaaaaaaaaaaaaaaaaaa", "fewer than 6 distinct"),
+        ("MOTOR_DEMO_API_KEY", "sk-...", "placeholder"),
+        ("MOTOR_DEMO_ADMIN_KEY", "mk-admin-change-me", "placeholder"),
+        ("MOTOR_DEMO_ADMIN_KEY", "hunter2", "shorter than 20"),
+        ("MOTOR_DEMO_ADMIN_PASSWORD", "hunter2", "shorter than 12"),
+        ("MOTOR_DEMO_ADMIN_PASSWORD", "changeme12345", "placeholder"),
+        ("DATABASE_URL", "postgresql://motorsite:change-me@postgres:5432/motorsite", "placeholder"),
+    ],
+)
+def test_it_refuses_a_weak_or_placeholder_secret_at_start(tmp_path: Path, name: str, value: str, why: str) -> None:
+    done = start(tmp_path, SECRET_KEY=STRONG, **{name: value})
+    assert done.returncode != 0
+    assert f"ImproperlyConfigured: {name}" in done.stderr and why in done.stderr, done.stderr[-1500:]
+    assert "generate one with python3 -c" in done.stderr
+    assert value not in done.stderr  # the refusal does not print the secret
+
+
+def test_it_takes_generated_keys_and_passwords(tmp_path: Path) -> None:
+    started(
+        tmp_path, SECRET_KEY=STRONG, MOTOR_METASERVER_KEY=STRONG[::-1], MOTOR_API_KEYS=f"{GOOD_API_KEY},{GOOD_API_KEY[::-1]}",
+        MOTOR_DEMO_ADMIN_KEY="mk-" + GOOD_API_KEY, MOTOR_DEMO_ADMIN_PASSWORD="Xk9_dash-Qw3rty",
+    )
 
 
 def test_check_secret_key_names_what_it_checked() -> None:

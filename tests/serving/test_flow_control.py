@@ -10,7 +10,14 @@ from dataclasses import replace
 import pytest
 
 from serving.pipeline.errors import AdmissionTimeout, AdmissionUnavailable, QueueFull, RequestError
-from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission, reserve_together
+from serving.pipeline.flow_control.admission import (
+    AdmissionSettings,
+    Lease,
+    TokenAdmission,
+    admission_turn,
+    reserve_together,
+)
+from serving.pipeline.snapshot import InstanceView
 from tests.serving.fakes import instance
 
 E1 = replace(instance("e1"), token_capacity=100)
@@ -181,4 +188,33 @@ async def test_a_request_holding_nothing_inside_reserve_together_may_still_wait(
         assert adm.waiting() == 1
         other.release()
         (await waiting).release()
+    assert adm.inflight_tokens() == {} and adm.waiting() == 0
+
+
+async def test_streams_opened_together_take_their_leases_one_at_a_time() -> None:
+    # The prompts of a stream open concurrently. One waiting for a full instance must not let a
+    # sibling hold another instance meanwhile: two such requests, each holding one instance and
+    # waiting for the other's, would both wait out the deadline.
+    adm = TokenAdmission(AdmissionSettings(wait_s=30.0))
+    other = await adm.acquire(E1, 100)  # E1 is full
+    granted: list[str] = []
+
+    async def open_prompt(instance: InstanceView) -> Lease:
+        async with admission_turn():
+            lease = await adm.acquire(instance, 60)
+        granted.append(instance.name)
+        return lease
+
+    async with asyncio.timeout(5):
+        with reserve_together():
+            waiting = asyncio.create_task(open_prompt(E1))
+            sibling = asyncio.create_task(open_prompt(E2))  # E2 has room, but it is not its turn
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert adm.waiting() == 1 and granted == [] and adm.inflight_tokens() == {"e1": 100}
+            other.release()
+            leases = [await waiting, await sibling]
+    assert granted == ["e1", "e2"]
+    for lease in leases:
+        lease.release()
     assert adm.inflight_tokens() == {} and adm.waiting() == 0

@@ -9,11 +9,13 @@ exactly the deltas native vLLM sends.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serving.pipeline.derender.holdback import ChunkHoldback, StopHoldback, derender_request, stop_strings
+from serving.pipeline.derender.session import PendingChunk
 
 
 def check_stop_strings(output_text: str, new_char_count: int, stop: list[str], include: bool) -> tuple[str, int] | None:
@@ -120,19 +122,52 @@ def test_it_keeps_memory_bounded_over_a_long_stream() -> None:
     assert len(hold._tail) <= 2 * len("<end>") + len("token ")
 
 
-def test_it_rewrites_chat_and_completion_chunks_per_choice() -> None:
+def _pending(chunk: dict[str, Any], ids: tuple[int, ...] = (1,)) -> PendingChunk:
+    choices = chunk.get("choices") or []
+    index = choices[0]["index"] if choices else None
+    return PendingChunk(chunk, index, {"n": len(ids)}, ids, choices[0].get("finish_reason") if choices else None)
+
+
+def _chat(index: int, content: str, finish: str | None = None, stop_reason: str | None = None) -> PendingChunk:
+    return _pending({"choices": [{"index": index, "delta": {"content": content}, "finish_reason": finish,
+                                  "stop_reason": stop_reason}]})
+
+
+def test_it_holds_whole_chunks_per_choice_and_cuts_the_last_at_the_stop_string() -> None:
     body = {"stop": ["!!", ""], "include_stop_str_in_output": False, "messages": []}
     assert stop_strings(body) == ["!!"]
     assert "stop" not in derender_request(body) and derender_request(body)["messages"] == []
     chat = ChunkHoldback("chat", body)
-    c1 = chat.apply({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi!"}, "finish_reason": None}]})
-    assert c1["choices"][0]["delta"] == {"role": "assistant", "content": "hi"}
-    c2 = chat.apply({"choices": [{"index": 1, "delta": {"content": "yo"}, "finish_reason": None}]})
-    assert c2["choices"][0]["delta"]["content"] == "y"
-    c3 = chat.apply({"choices": [{"index": 0, "delta": {"content": "! tail"}, "finish_reason": "stop",
-                                  "stop_reason": "!!"}]})
-    assert c3["choices"][0]["delta"]["content"] is None
+    c1 = _chat(0, "hi!")
+    assert chat.release(c1) == []  # its last character may start "!!": the whole chunk waits
+    c2 = _chat(1, "yo")
+    assert chat.release(c2) == []  # choices are held apart
+    c3 = _chat(0, "ok!")
+    assert chat.release(c3) == [c1]  # c1's text now ends 3 characters before the end: sent whole
+    assert c1.chunk["choices"][0]["delta"]["content"] == "hi!"
+    c4 = _chat(0, "! tail", "stop", "!!")
+    assert chat.release(c4) == [c3, c4]  # the finish releases the rest, cut at the stop string
+    assert [c.chunk["choices"][0]["delta"]["content"] for c in (c3, c4)] == ["ok", None]
     comp = ChunkHoldback("completions", {"stop": "zz", "include_stop_str_in_output": True})
-    out = comp.apply({"choices": [{"index": 0, "text": "abzz", "finish_reason": "stop", "stop_reason": "zz"}]})
-    assert out["choices"][0]["text"] == "abzz"
+    out = _pending({"choices": [{"index": 0, "text": "abzz", "finish_reason": "stop", "stop_reason": "zz"}]})
+    assert comp.release(out) == [out] and out.chunk["choices"][0]["text"] == "abzz"
     assert not ChunkHoldback("chat", {"messages": []}).active
+
+
+def test_a_stop_string_across_held_chunks_is_cut_where_it_starts() -> None:
+    comp = ChunkHoldback("completions", {"stop": ["END"]})
+    pieces = [_pending({"choices": [{"index": 0, "text": t, "finish_reason": None}]}) for t in ("ab", "cE", "N")]
+    released = [p for piece in pieces for p in comp.release(piece)]
+    last = _pending({"choices": [{"index": 0, "text": "Dxy", "finish_reason": "stop", "stop_reason": "END"}]})
+    released += comp.release(last)
+    assert released == [*pieces, last]
+    assert "".join(p.chunk["choices"][0]["text"] for p in released) == "abc"
+
+
+def test_discard_forgets_what_an_attempt_left_held() -> None:
+    comp = ChunkHoldback("completions", {"stop": ["END"]})
+    first = _pending({"choices": [{"index": 0, "text": "abcd", "finish_reason": None}]})
+    assert comp.release(first) == []
+    comp.discard()  # the attempt failed: "abcd" was never the client's, a relay regenerates it
+    again = _pending({"choices": [{"index": 0, "text": "xyz", "finish_reason": "length"}]})
+    assert comp.release(again) == [again] and again.chunk["choices"][0]["text"] == "xyz"

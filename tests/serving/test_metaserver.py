@@ -1,5 +1,6 @@
 """The Trigger metaserver: per-request unguessable tokens, one callback each, released once, and a
-callback that reaches another replica routed to its owner (signed route, one hop)."""
+callback that reaches another replica routed to its owner (signed token, the owner's address from
+the directory, one hop)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ async def test_it_hands_each_request_its_own_url_naming_this_process() -> None:
     b = ms.register("r2", engine_request_id="generate-tokens-r2-decode")
     assert a.url.startswith(BASE + CALLBACK_PATH + ms.owner + ".")
     assert a.token != b.token
-    # 256 random bits between the route and the MAC.
-    assert len(a.token.split(".")[2]) >= 43
+    # <owner>.<256 random bits>.<MAC>: no address in it.
+    owner, secret, mac = a.token.split(".")
+    assert owner == ms.owner and len(secret) >= 43 and len(mac) == 43
     assert ms.pending == 2
     a.release()
     b.release()
@@ -147,44 +149,140 @@ async def test_it_delivers_from_another_thread() -> None:
 # -- routing between replicas ------------------------------------------------------------
 
 
-def replicas(key_b: bytes = KEY) -> tuple[MetaServer, MetaServer]:
-    return MetaServer(BASE, key=KEY), MetaServer(OTHER, key=key_b)
+class Directory:
+    """The control plane's directory as the metaserver sees it, in memory (``fleet.replicas`` in production)."""
+
+    def __init__(self) -> None:
+        self.addresses: dict[str, str] = {}
+        self.lookups = 0
+
+    async def advertise(self, owner: str, url: str) -> None:
+        self.addresses = {o: u for o, u in self.addresses.items() if u != url}  # a restart at one address
+        self.addresses[owner] = url
+
+    async def address_of(self, owner: str) -> str | None:
+        self.lookups += 1
+        return self.addresses.get(owner)
+
+
+async def replicas(key_b: bytes = KEY) -> tuple[MetaServer, MetaServer]:
+    directory = Directory()
+    a, b = MetaServer(BASE, key=KEY, directory=directory), MetaServer(OTHER, key=key_b, directory=directory)
+    await a.advertise()
+    await b.advertise()
+    return a, b
+
+
+class Recorder:
+    """An owner's HTTP side: every request it receives, answered as ``answer`` says."""
+
+    def __init__(self, answer: Any = None) -> None:
+        self.seen: list[httpx.Request] = []
+        self.answer = answer or (lambda request: httpx.Response(200, json={"status": "accepted"}))
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request)
+        return self.answer(request)  # type: ignore[no-any-return]
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(self))
 
 
 async def test_it_names_the_owner_of_another_replicas_token() -> None:
-    a, b = replicas()
+    a, b = await replicas()
     with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
         with pytest.raises(CallbackElsewhere) as info:
             b.check(reg.token)
-        assert info.value.status == 421 and info.value.owner_url == BASE
+        assert info.value.status == 421 and info.value.owner == a.owner
         # Routing is no refusal: nothing counted, and the owner still takes the callback.
         assert b.refused == 0
         a.deliver(reg.token, body())
     assert a.pending == b.pending == 0
 
 
-async def test_it_routes_to_the_owners_own_address_not_the_base_url() -> None:
-    # The base URL names a load balancer; what another replica posts to is the owner's address.
-    a = MetaServer("http://lb.example", owner_url=BASE, key=KEY)
-    b = MetaServer("http://lb.example", owner_url=OTHER, key=KEY)
+async def test_it_routes_to_the_address_the_owner_advertised_not_the_base_url() -> None:
+    # The base URL names a load balancer; what another replica posts to is the owner's own address.
+    directory = Directory()
+    a = MetaServer("http://lb.example", owner_url=BASE, key=KEY, directory=directory)
+    b = MetaServer("http://lb.example", owner_url=OTHER, key=KEY, directory=directory)
+    owner = Recorder()
     with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
         assert reg.url.startswith("http://lb.example" + CALLBACK_PATH)
+        await a.advertise()  # what the Trigger opener does before it registers
         with pytest.raises(CallbackElsewhere) as info:
             b.check(reg.token)
-        assert info.value.owner_url == BASE
+        async with owner.client() as client:
+            await b.forward(info.value, reg.token, b"{}", client)
+    assert [str(r.url) for r in owner.seen] == [BASE + CALLBACK_PATH + reg.token]
+
+
+async def test_it_advertises_once_a_while_not_per_request() -> None:
+    directory = Directory()
+    ms = MetaServer(BASE, directory=directory)
+    calls: list[str] = []
+    real = directory.advertise
+
+    async def counting(owner: str, url: str) -> None:
+        calls.append(owner)
+        await real(owner, url)
+
+    directory.advertise = counting  # type: ignore[method-assign]
+    for _ in range(3):
+        await ms.advertise()
+    assert calls == [ms.owner] and directory.addresses == {ms.owner: BASE}
+
+
+async def test_a_directory_that_fails_never_fails_the_request() -> None:
+    directory = Directory()
+    attempts: list[str] = []
+
+    async def down(owner: str, url: str) -> None:
+        attempts.append(owner)
+        raise ConnectionError("database is away")
+
+    directory.advertise = down  # type: ignore[method-assign]
+    ms = MetaServer(BASE, directory=directory)
+    await ms.advertise()
+    await ms.advertise()  # within the retry interval: no second attempt
+    assert attempts == [ms.owner]
+    with ms.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
+        ms.deliver(reg.token, body())  # its own callbacks still arrive
+
+
+async def test_a_correctly_signed_token_of_an_owner_nobody_advertised_is_never_forwarded() -> None:
+    # Signed with the shared key (leaked, or a replica's own): the owner id is all it can name,
+    # and an owner the directory does not know has no address to post to.
+    a, b = await replicas()
+    unsigned = "0123456789ab.secret"
+    token = f"{unsigned}.{a._mac(unsigned)}"
+    with pytest.raises(CallbackElsewhere) as info:
+        b.check(token)
+    nobody = Recorder()
+    async with nobody.client() as client:
+        with pytest.raises(CallbackRefused) as refused:
+            await b.forward(info.value, token, b"{}", client)
+    assert refused.value.status == 404 and nobody.seen == [] and b.refused == 1
+    assert b.forward_results == {}
 
 
 @pytest.mark.parametrize(
     ("forge", "why"),
     [
-        # A route to an address of the forger's choosing, under the genuine MAC: never forwarded.
-        pytest.param(lambda t: ".".join([t[0], "aHR0cDovL2V2aWw", t[2], t[3]]), "route", id="rerouted"),
-        pytest.param(lambda t: ".".join([t[0], t[1], "guess", t[3]]), "secret", id="secret"),
-        pytest.param(lambda t: ".".join([t[0], t[1], t[2], "A" * 43]), "mac", id="mac"),
+        # main's token format, naming an address of the forger's choosing: not even parsed as a token.
+        pytest.param(lambda t: ".".join([t[0], "aHR0cDovL2V2aWw", t[1], t[2]]), "route", id="rerouted"),
+        pytest.param(lambda t: ".".join([t[0], "guess", t[2]]), "secret", id="secret"),
+        pytest.param(lambda t: ".".join([t[0], t[1], "A" * 43]), "mac", id="mac"),
+        # Malformed MACs: refused as unknown, never a TypeError (compare_digest and non-ASCII str).
+        pytest.param(lambda t: ".".join([t[0], t[1], "é" * 43]), "non-ascii mac", id="non-ascii"),
+        pytest.param(lambda t: ".".join([t[0], t[1], "\udcff"]), "lone surrogate", id="surrogate"),
+        pytest.param(lambda t: ".".join([t[0], t[1], t[2][:-1]]), "short mac", id="short"),
+        pytest.param(lambda t: ".".join([t[0], t[1], t[2] + "AAAA"]), "long mac", id="long"),
+        pytest.param(lambda t: ".".join([t[0], t[1], "!!!!"]), "not base64", id="not-base64"),
+        pytest.param(lambda t: ".".join([t[0], t[1], ""]), "no mac", id="empty"),
     ],
 )
 async def test_it_never_forwards_a_forged_token(forge: Any, why: str) -> None:
-    a, b = replicas()
+    a, b = await replicas()
     with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
         with pytest.raises(CallbackRefused) as info:
             b.check(forge(reg.token.split(".")))
@@ -193,7 +291,7 @@ async def test_it_never_forwards_a_forged_token(forge: Any, why: str) -> None:
 
 
 async def test_it_cannot_route_without_the_shared_key() -> None:
-    a, b = replicas(key_b=b"x" * 32)
+    a, b = await replicas(key_b=b"x" * 32)
     with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
         with pytest.raises(CallbackRefused) as info:
             b.deliver(reg.token, body())
@@ -201,49 +299,71 @@ async def test_it_cannot_route_without_the_shared_key() -> None:
 
 
 async def test_it_forwards_a_callback_at_most_once() -> None:
-    a, b = replicas()
+    a, b = await replicas()
     with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
-        # A forwarded callback that lands on a non-owner (a stale route) is not passed on again.
+        # A forwarded callback that lands on a non-owner (a stale entry) is not passed on again.
         with pytest.raises(CallbackRefused) as info:
             b.check(reg.token, forwarded=True)
         assert not isinstance(info.value, CallbackElsewhere) and info.value.status == 404
 
 
 async def test_it_refuses_a_token_of_the_process_that_ran_here_before() -> None:
-    a = MetaServer(BASE, key=KEY)
+    a, other = await replicas()
     with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
-        restarted = MetaServer(BASE, key=KEY)  # same address and key, new process
-        with pytest.raises(CallbackRefused) as info:
-            restarted.check(reg.token)
-        assert not isinstance(info.value, CallbackElsewhere) and info.value.status == 404
+        restarted = MetaServer(BASE, key=KEY, directory=a.directory)  # same address and key, new process
+        await restarted.advertise()  # takes the address over from the process before it
+        for replica in (restarted, other):
+            with pytest.raises(CallbackElsewhere) as info:
+                replica.check(reg.token)
+            nobody = Recorder()
+            async with nobody.client() as client:
+                with pytest.raises(CallbackRefused) as refused:
+                    await replica.forward(info.value, reg.token, b"{}", client)
+            assert refused.value.status == 404 and nobody.seen == []
+
+
+async def test_it_answers_503_while_the_directory_cannot_be_read() -> None:
+    a, b = await replicas()
+
+    async def down(owner: str) -> str | None:
+        raise ConnectionError("database is away")
+
+    b.directory.address_of = down  # type: ignore[union-attr, method-assign]
+    with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
+        with pytest.raises(CallbackElsewhere) as info:
+            b.check(reg.token)
+        nobody = Recorder()
+        async with nobody.client() as client:
+            with pytest.raises(CallbackRefused) as refused:
+                await b.forward(info.value, reg.token, b"{}", client)
+    assert refused.value.status == 503 and nobody.seen == []
 
 
 async def test_it_forwards_the_body_unchanged_and_returns_the_owners_answer() -> None:
-    a, b = replicas()
-    seen: list[httpx.Request] = []
+    a, b = await replicas()
 
-    def owner(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
+    def answer(request: httpx.Request) -> httpx.Response:
         token = request.url.path.removeprefix(CALLBACK_PATH)
         reg = a.deliver(token, json.loads(request.content), forwarded=request.headers.get(FORWARDED_HEADER) == "1")
         return httpx.Response(200, json={"status": "accepted", "request": reg.request_id})
 
+    owner = Recorder(answer)
     with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
         raw = json.dumps(body(remote_cached_tokens=3)).encode()
         with pytest.raises(CallbackElsewhere) as info:
             b.check(reg.token)
-        async with httpx.AsyncClient(transport=httpx.MockTransport(owner)) as client:
-            answer = await b.forward(info.value, reg.token, raw, client)
-        assert answer.status_code == 200 and answer.json()["request"] == "r1"
-        assert str(seen[0].url) == reg.url  # the owner's own address
-        assert seen[0].content == raw and seen[0].headers[FORWARDED_HEADER] == "1"
+        async with owner.client() as client:
+            answer_ = await b.forward(info.value, reg.token, raw, client)
+        assert answer_.status_code == 200 and answer_.json()["request"] == "r1"
+        assert str(owner.seen[0].url) == reg.url  # the owner's own address
+        assert owner.seen[0].content == raw and owner.seen[0].headers[FORWARDED_HEADER] == "1"
         assert (await reg.wait(1.0))["remote_cached_tokens"] == 3
     assert (a.delivered, b.forwarded, b.refused) == (1, 1, 0)
     assert b.forward_results == {"accepted": 1}  # motor_trigger_callbacks_total{result}
 
 
 async def test_it_answers_502_when_the_owner_is_unreachable() -> None:
-    a, b = replicas()
+    a, b = await replicas()
 
     def down(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
@@ -307,7 +427,7 @@ async def test_the_view_checks_the_token_before_it_parses_the_body(
     client = AsyncClient()
     with metaserver.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
         forged = await client.post(f"{CALLBACK_PATH}{metaserver.owner}.guess", b"[" * 10000, content_type="application/json")
-        other = await client.post(f"{CALLBACK_PATH}someone-else.aHR0cDovL3g.x.y", b"{", content_type="application/json")
+        other = await client.post(f"{CALLBACK_PATH}someone-else.x.y", b"{", content_type="application/json")
         assert (forged.status_code, other.status_code) == (404, 404)
         assert parsed == []  # neither body was parsed
         assert metaserver.refused == 2
@@ -321,9 +441,11 @@ async def test_the_view_forwards_another_replicas_callback_to_its_owner(
 ) -> None:
     # The view under test is replica B (``metaserver``); the owner A answers through a mock
     # transport that hands the forwarded request to A's registry.
-    b = MetaServer("http://testserver", key=KEY)
+    directory = Directory()
+    b = MetaServer("http://testserver", key=KEY, directory=directory)
     monkeypatch.setattr(metaserver_module, "_process", b)
-    a = MetaServer(OTHER, key=KEY)
+    a = MetaServer(OTHER, key=KEY, directory=directory)
+    await a.advertise()
     forwarded: list[httpx.Request] = []
 
     def owner(request: httpx.Request) -> httpx.Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from typing import Any, Iterator
 
 import httpx
@@ -17,22 +18,24 @@ from enginesim.testing import LiveServer
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.errors import RequestError
+from serving.pipeline.obfuscation.keyring import (
+    clear_mappings,
+    eligible,
+    load_error,
+    mapping_for,
+    register_mapping,
+    require_mapping,
+)
 from serving.pipeline.obfuscation.mapping import (
     ObfuscatedOutputInvalid,
     ObfuscationKeyError,
     ObfuscationRefused,
     TokenMapping,
-    clear_mappings,
     deobfuscate_event,
     deobfuscate_response,
-    eligible,
     key_id,
-    load_error,
-    mapping_for,
     obfuscate_request,
     permutation,
-    register_mapping,
-    require_mapping,
 )
 from serving.pipeline.placement import filters
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, RenderView
@@ -91,11 +94,12 @@ def test_it_refuses_ids_outside_the_vocabulary() -> None:
 
 
 def full_request() -> dict[str, Any]:
-    """A GenerateRequest with every id-valued field set, as render and the router could send it."""
+    """A GenerateRequest with every field set, as render (a chat with tools, a reasoning parser and
+    token offsets) and the router could send it."""
     return {
         "request_id": "chatcmpl-1",
         "token_ids": [1, 5, 9, 2, 0, 511],
-        "token_offsets": None,
+        "token_offsets": [[0, 3], [3, 7], [7, 8], [8, 12], [12, 13], [13, 20]],
         "features": None,
         "content_parts": None,
         "sampling_params": {
@@ -113,11 +117,17 @@ def full_request() -> dict[str, Any]:
             "output_kind": 2,
         },
         "model": "tiny",
+        "reasoning_ended": None,
+        "reasoning_parser_kwargs": {"chat_template_kwargs": {"enable_thinking": False, "persona": "Captain Nemo"}},
         "output_mode": "tokens",
-        "parse_context": {"tools": None, "tool_choice": "none"},
+        "parse_context": {
+            "tools": [{"type": "function", "function": {"name": "lookup_salary", "parameters": {"type": "object"}}}],
+            "tool_choice": "auto",
+            "chat_template_kwargs": {"persona": "Captain Nemo"},
+        },
         "stream": False,
         "stream_options": None,
-        "cache_salt": None,
+        "cache_salt": "tenant-acme",
         "priority": 0,
         "kv_transfer_params": {"do_remote_decode": True},
         "ec_transfer_params": None,
@@ -139,10 +149,33 @@ def test_it_maps_every_id_valued_request_field_and_leaves_the_input_alone() -> N
     assert sp["trace_decode_token_ids"] == [p(12), p(13)]
     assert sp["logit_bias"] == {str(p(5)): 1.5, str(p(300)): -100.0}
     assert sp["prompt_logprob_token_ids"] == [[p(1), p(2), -1], [p(3), -1, -1]]
-    # Everything that is not an id travels unchanged.
-    for name in ("request_id", "model", "parse_context", "kv_transfer_params", "priority", "return_token_ids"):
+    # Numbers, flags, names and connector state travel unchanged.
+    for name in ("request_id", "model", "kv_transfer_params", "priority", "return_token_ids", "stream"):
         assert out[name] == req[name]
     assert sp["temperature"] == 0.0 and sp["max_tokens"] == 8 and sp["logprobs"] == 3
+
+
+def test_it_leaves_out_what_the_engine_never_reads_and_digests_the_cache_salt() -> None:
+    req = full_request()
+    out = obfuscate_request(req, MAPPING)
+    # Tool schemas, chat_template_kwargs (twice) and character offsets: generate reads none of
+    # them in tokens mode (module docstring), so none of them is sent.
+    for name in ("parse_context", "token_offsets", "reasoning_parser_kwargs", "reasoning_ended"):
+        assert name not in out
+    wire = json.dumps(out)
+    for text in ("lookup_salary", "Captain Nemo", "enable_thinking", "tenant-acme"):
+        assert text not in wire
+    assert out["cache_salt"] == MAPPING.salt("tenant-acme") and len(out["cache_salt"]) == 64
+    assert req["parse_context"]["tool_choice"] == "auto"  # the coordinator's copy keeps it
+
+
+def test_the_salt_digest_partitions_the_cache_as_the_client_did_and_fits_vllm() -> None:
+    assert MAPPING.salt("a") == TokenMapping.from_key(KEY, VOCAB).salt("a")  # every process agrees
+    assert MAPPING.salt("a") != MAPPING.salt("b")
+    assert MAPPING.salt("a") != TokenMapping.from_key(b"another-key-of-enough-bytes", VOCAB).salt("a")
+    # vLLM's cache_salt check: at most 128 characters, none of @ / \\ NUL.
+    salt = MAPPING.salt("x@y/z\\" + "\x00" * 3 + "é" * 300)
+    assert len(salt) <= 128 and not set(salt) & set("@/\\\x00")
 
 
 def test_it_obfuscates_what_engine_request_builds_for_every_attempt() -> None:
@@ -161,7 +194,9 @@ def test_it_obfuscates_what_engine_request_builds_for_every_attempt() -> None:
         (lambda r: r["sampling_params"].__setitem__("stop", ["\n\n"]), "stop"),
         (lambda r: r["sampling_params"].__setitem__("bad_words", ["secret"]), "bad_words"),
         (lambda r: r["sampling_params"].__setitem__("structured_outputs", {"json": {}}), "structured_outputs"),
-        (lambda r: r.__setitem__("content_parts", [{"type": "image_url", "url": "x"}]), "content_parts"),
+        (lambda r: r.__setitem__("content_parts", [{"type": "image_url", "url": "x"}]), "messages"),
+        (lambda r: r.__setitem__("features", {"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": []},
+                                              "kwargs_data": {"image": ["cGl4ZWxz"]}}), "messages"),
         (lambda r: r.__setitem__("output_mode", "derender"), "output_mode"),
         (lambda r: r.__setitem__("prompt_text", "hello"), None),
         (lambda r: r["sampling_params"].__setitem__("banned_token_ids", [1]), "sampling_params"),
@@ -429,24 +464,25 @@ def test_it_leaves_a_plain_deployment_unchanged() -> None:
 def test_it_resolves_key_references(settings: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from serving.obfuscation_keys import KeyUnavailable, key_id_of, resolve_key
 
-    settings.MOTOR_TEST_OBF_KEY = "k" * 32
-    assert resolve_key("setting:MOTOR_TEST_OBF_KEY") == b"k" * 32
-    monkeypatch.setenv("MOTOR_TEST_OBF_ENV_KEY", "e" * 20)
-    assert resolve_key("setting:MOTOR_TEST_OBF_ENV_KEY") == b"e" * 20
+    settings.MOTOR_OBFUSCATION_KEY_DIR = tmp_path
+    settings.MOTOR_OBFUSCATION_KEY_TEST = "k" * 32
+    assert resolve_key("setting:MOTOR_OBFUSCATION_KEY_TEST") == b"k" * 32
+    monkeypatch.setenv("MOTOR_OBFUSCATION_KEY_TEST_ENV", "e" * 20)
+    assert resolve_key("setting:MOTOR_OBFUSCATION_KEY_TEST_ENV") == b"e" * 20
     (tmp_path / "key").write_bytes(b"f" * 40 + b"\n")
     assert resolve_key(f"file:{tmp_path / 'key'}") == b"f" * 40
     assert key_id_of(f"file:{tmp_path / 'key'}") == key_id(b"f" * 40)
     for ref, why in [
-        ("setting:MOTOR_NO_SUCH_KEY", "not set"),
+        ("setting:MOTOR_OBFUSCATION_KEY_NO_SUCH", "not set"),
         (f"file:{tmp_path / 'missing'}", "cannot read"),
-        ("vault:x", "unknown key reference"),
-        ("plain-key-material", "is not"),
+        ("vault:x", "names no obfuscation key"),
+        ("plain-key-material", "names no obfuscation key"),
     ]:
         with pytest.raises(KeyUnavailable, match=why):
             resolve_key(ref)
-    settings.MOTOR_TEST_OBF_KEY = "short"
+    settings.MOTOR_OBFUSCATION_KEY_TEST = "short"
     with pytest.raises(KeyUnavailable, match="shorter"):
-        resolve_key("setting:MOTOR_TEST_OBF_KEY")
+        resolve_key("setting:MOTOR_OBFUSCATION_KEY_TEST")
 
 
 def test_it_registers_the_configured_key_when_a_snapshot_is_built(settings: Any, tmp_path: Any) -> None:
@@ -456,23 +492,23 @@ def test_it_registers_the_configured_key_when_a_snapshot_is_built(settings: Any,
 
     (tmp_path / "config.json").write_text('{"vocab_size": 600}')
     models = [ModelView("tiny", str(tmp_path), 2048)]
-    settings.MOTOR_TEST_OBF_KEY = "a-test-key-of-enough-length"
+    settings.MOTOR_OBFUSCATION_KEY_TEST = "a-test-key-of-enough-length"
     good = key_id(b"a-test-key-of-enough-length")
     clear_mappings()
     try:
         assert load_for(RenderConfig(obfuscation=False), models) is None
-        cfg = RenderConfig(obfuscation=True, obfuscation_key_ref="setting:MOTOR_TEST_OBF_KEY", obfuscation_key_id=good)
+        cfg = RenderConfig(obfuscation=True, obfuscation_key_ref="setting:MOTOR_OBFUSCATION_KEY_TEST", obfuscation_key_id=good)
         m = load_for(cfg, models)
         assert m is not None and m.key_id == good and m.vocab_size == 600 and load_error() == ""
         snap_render = RenderView(enable=True, base_url="x", timeout_s=1, obfuscation=True, obfuscation_key_id=good)
         assert require_mapping(snap_render, m) is m
         # A key reference that resolves to nothing: no mapping, a reason, and traffic refused.
         clear_mappings()
-        bad = RenderConfig(obfuscation=True, obfuscation_key_ref="setting:MOTOR_NO_SUCH_KEY", obfuscation_key_id=good)
+        bad = RenderConfig(obfuscation=True, obfuscation_key_ref="setting:MOTOR_OBFUSCATION_KEY_NO_SUCH", obfuscation_key_id=good)
         assert load_for(bad, models) is None
         assert "not set" in load_error()
         # A key whose id is not the configured one: registered, and reported as a mismatch.
-        wrong = RenderConfig(obfuscation=True, obfuscation_key_ref="setting:MOTOR_TEST_OBF_KEY", obfuscation_key_id="0" * 16)
+        wrong = RenderConfig(obfuscation=True, obfuscation_key_ref="setting:MOTOR_OBFUSCATION_KEY_TEST", obfuscation_key_id="0" * 16)
         assert load_for(wrong, models) is not None
         assert "has id" in load_error()
     finally:
@@ -494,12 +530,12 @@ def obf_fleet(transactional_db: None, settings: Any, upstreams: Any, mock_client
 
     settings.MOTOR_API_KEYS = []
     settings.MOTOR_OPEN_ACCESS = True
-    settings.MOTOR_OBF_VIEW_KEY = VIEW_KEY
+    settings.MOTOR_OBFUSCATION_KEY_VIEW = VIEW_KEY
     settings.MOTOR_OBFUSCATION_VOCAB_SIZE = 152000
     model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
     RenderConfig.objects.create(
         host="render.test", port=8100, timeout_ms=5000, obfuscation=True,
-        obfuscation_key_ref="setting:MOTOR_OBF_VIEW_KEY", obfuscation_key_id=key_id(VIEW_KEY.encode()),
+        obfuscation_key_ref="setting:MOTOR_OBFUSCATION_KEY_VIEW", obfuscation_key_id=key_id(VIEW_KEY.encode()),
     )
     EngineInstance.objects.create(name="e1", url=ENGINE_URLS["e1"], served_model=model, obfuscation_key_id=key_id(VIEW_KEY.encode()))
     EngineInstance.objects.create(name="e2", url=ENGINE_URLS["e2"], served_model=model)  # plain weights
@@ -534,7 +570,7 @@ async def test_the_api_sends_engines_physical_ids_and_clients_get_semantic_ones(
 async def test_the_api_refuses_traffic_when_the_key_is_missing(
     obf_fleet: Any, settings: Any, v1: httpx.AsyncClient
 ) -> None:
-    del settings.MOTOR_OBF_VIEW_KEY
+    del settings.MOTOR_OBFUSCATION_KEY_VIEW
     r = await v1.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
     assert r.status_code == 503
     assert r.json()["error"]["type"] == "ServiceUnavailableError"

@@ -3,6 +3,7 @@ engine-internal controls; pipeline tests run through the ``rig`` fixture (ends w
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -18,7 +19,7 @@ from serving.pipeline.obfuscation.mapping import (
     deobfuscate_response,
     obfuscate_request,
 )
-from tests.serving.fakes import VOCAB_SIZE, FakeUpstreams, StreamPlan, error_json, parse_frames
+from tests.serving.fakes import CHAT_PROMPT, VOCAB_SIZE, FakeUpstreams, StreamPlan, error_json, parse_frames
 from tests.serving.router_fakes import Rig, chat_body, engine, snapshot_with
 
 MAPPING = TokenMapping.from_key(b"allowlist-test-key-000001", VOCAB_SIZE)
@@ -124,3 +125,55 @@ async def test_without_obfuscation_an_engine_4xx_is_passed_unchanged(rig: Rig) -
     with pytest.raises(UpstreamRequestError) as info:
         await rig.pipeline(snapshot_with(engine("e1"), engine("e2"))).chat(chat_body(), "plain4xx")
     assert info.value.body() == body
+
+
+# --- what the engine receives: render's text-carrying fields stay behind --------------------------
+
+SECRETS = ("lookup_salary", "Salary of an employee", "employee_id", "Captain Nemo", "tenant-acme")
+
+
+def _render_with_text(fields: dict[str, Any]) -> Any:
+    """Render's answer for a chat with tools, a reasoning parser and offsets, plus ``fields``."""
+    def render(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        rendered = FakeUpstreams._generate_request("chatcmpl-leak", CHAT_PROMPT, body, True)
+        rendered["parse_context"].update(
+            tools=[{"type": "function", "function": {
+                "name": "lookup_salary", "description": "Salary of an employee",
+                "parameters": {"type": "object", "properties": {"employee_id": {"type": "string"}}}}}],
+            tool_choice="auto", chat_template_kwargs={"persona": "Captain Nemo"},
+        )
+        rendered.update(
+            reasoning_parser_kwargs={"chat_template_kwargs": {"persona": "Captain Nemo"}}, reasoning_ended=False,
+            token_offsets=[[i, i + 1] for i in range(len(CHAT_PROMPT))], cache_salt="tenant-acme", **fields,
+        )
+        return httpx.Response(200, json=rendered)
+    return render
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_no_tool_schema_kwargs_offsets_or_salt_reach_an_obfuscated_engine(rig: Rig, stream: bool) -> None:
+    rig.upstreams.override("render", "render", _render_with_text({}))
+    result = await _obfuscated(rig).chat(chat_body(stream=stream), "obfleak")
+    if stream:
+        frames = parse_frames(b"".join([f async for f in result.frames()]))  # type: ignore[union-attr]
+        assert frames[-1] == "[DONE]" and not any(isinstance(f, dict) and "error" in f for f in frames)
+    else:
+        assert result["choices"][0]["message"]["content"]  # type: ignore[index]
+    (call,) = rig.upstreams.calls_of("generate")
+    wire = json.dumps(call.body)
+    assert [s for s in SECRETS if s in wire] == []
+    assert {"parse_context", "token_offsets", "reasoning_parser_kwargs", "reasoning_ended"}.isdisjoint(call.body)
+    assert call.body["token_ids"] == MAPPING.to_physical(CHAT_PROMPT)
+    assert call.body["cache_salt"] == MAPPING.salt("tenant-acme")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_multimodal_features_are_refused_before_admission(rig: Rig, stream: bool) -> None:
+    features = {"mm_hashes": {"image": ["9f86d081884c7d65"]}, "mm_placeholders": {"image": [{"offset": 1, "length": 2}]},
+                "kwargs_data": {"image": ["cGl4ZWxzIG9mIGEgcGFzc3BvcnQ="]}, "mm_metadata": None}
+    rig.upstreams.override("render", "render", _render_with_text({"features": features}))
+    with pytest.raises(ObfuscationRefused) as info:
+        await _obfuscated(rig).chat(chat_body(stream=stream), "obfmm")
+    assert (info.value.status, info.value.param) == (400, "messages")
+    assert "multimodal" in str(info.value)
+    assert rig.upstreams.calls_of("generate") == []  # the rig's teardown checks no quota is held

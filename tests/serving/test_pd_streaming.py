@@ -10,6 +10,7 @@ registrations, open engine streams on the simulators, stray tasks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -25,7 +26,7 @@ from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer, eventually
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.errors import NoCapacity
+from serving.pipeline.errors import NoCapacity, UpstreamRequestError
 from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard
@@ -565,3 +566,103 @@ async def test_a_streaming_handoff_over_upstream_mooncake_writes_both_legs_param
     assert d_req["kv_transfer_params"]["remote_bootstrap_addr"] == mooncake_prefill.url
     after = (await http.get(mooncake_decode.url + "/sim/stats")).json()["prompt_tokens_by_source"]["external_kv_transfer"]
     assert after - before == len(CHAT_PROMPT)
+
+
+def _prefill_barrier(rig: Rig) -> dict[str, int]:
+    """Make every non-streaming generate (the P legs) wait, bounded, until two are in flight;
+    returns the record of the most that were. Opened one after another, the first would wait out
+    the bound alone and the peak would stay 1."""
+    inner = rig.engines.generate
+    seen = {"in_flight": 0, "peak": 0}
+    both = asyncio.Event()
+
+    async def generate(instance: InstanceView, request: dict[str, Any]) -> dict[str, Any]:
+        seen["in_flight"] += 1
+        seen["peak"] = max(seen["peak"], seen["in_flight"])
+        if seen["in_flight"] == 2:
+            both.set()
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(3.0):
+                    await both.wait()
+            return await inner(instance, request)
+        finally:
+            seen["in_flight"] -= 1
+
+    rig.engines.generate = generate  # type: ignore[method-assign]
+    return seen
+
+
+async def test_multi_prompt_streams_open_concurrently_under_handoff(
+    rig_factory: Any, prefill: LiveServer, decode: LiveServer,
+) -> None:
+    p, d = view(prefill, "prefill", "pull"), view(decode, "decode", "pull")
+    rig = rig_factory(p, d)
+    seen = _prefill_barrier(rig)
+    body = {"model": MODEL, "prompt": ["a", "b"], "stream": True, "max_tokens": 4, "ignore_eos": True}
+
+    frames = await drain(await rig.pipeline.completions(body, "c1"))
+
+    assert seen["peak"] == 2  # both prefills were in flight at once
+    assert frames[-1] == "[DONE]" and not any(isinstance(f, dict) and "error" in f for f in frames)
+    assert {f["choices"][0]["index"] for f in frames[:-1] if f.get("choices")} == {0, 1}
+    legs = sorted((name, streaming) for name, streaming, _ in rig.engines.sent)
+    assert legs == sorted([(p.name, False), (p.name, False), (d.name, True), (d.name, True)])
+
+
+async def test_a_failed_opening_cancels_and_releases_its_siblings_before_the_response(
+    rig_factory: Any, prefill: LiveServer, decode: LiveServer, http: httpx.AsyncClient,
+) -> None:
+    p, d = view(prefill, "prefill", "pull"), view(decode, "decode", "pull")
+    rig = rig_factory(p, d)
+    seen = _prefill_barrier(rig)
+    await http.post(prefill.url + "/sim/faults", json={"mode": "http_status", "status": 400, "count": 1})
+    body = {"model": MODEL, "prompt": ["a", "b"], "stream": True, "max_tokens": 4}
+
+    # One prompt's 400 is the request's answer, before any byte: no half-open response.
+    with pytest.raises(UpstreamRequestError) as info:
+        await rig.pipeline.completions(body, "c2")
+
+    assert info.value.status == 400 and seen["peak"] == 2
+    await http.delete(prefill.url + "/sim/faults")
+    # (The fixture asserts nothing is held: leases, loads, engine streams, tasks.)
+
+
+def choice_texts(frames: list[Any]) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for c in frames:
+        if isinstance(c, dict) and c.get("choices"):
+            choice = c["choices"][0]
+            texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+    return texts
+
+
+async def test_the_choices_of_an_n_2_stream_relay_onto_handoff_each_from_its_own_ids(
+    rig_factory: Any, union: LiveServer, prefill: LiveServer, decode: LiveServer, http: httpx.AsyncClient,
+) -> None:
+    body = chat(n=2, temperature=1.0)
+    expected = await drain(await rig_factory(view(union)).pipeline.chat(body, "n0"))
+    u, p, d = view(union), view(prefill, "prefill", "pull"), view(decode, "decode", "pull")
+    rig = rig_factory(u, p, d)
+    # n > 1 stays on union (one instance samples every choice); it drops after 5 ids of the two.
+    await http.post(union.url + "/sim/faults", json={"mode": "drop_after_tokens", "tokens": 5, "count": 1})
+
+    frames = await drain(await rig.pipeline.chat(body, "n1"))
+
+    assert choice_texts(frames) == choice_texts(expected) and set(choice_texts(frames)) == {0, 1}
+    assert usage(frames)["completion_tokens"] == usage(expected)["completion_tokens"]
+    assert not any(isinstance(c, dict) and "error" in c for c in frames)
+    # Each choice went on alone (n 1), so it is P/D-eligible now: a Handoff each, P and D given
+    # the same replay ids, the choice's own committed ids after the prompt.
+    sent = rig.engines.sent
+    assert (sent[0][0], sent[0][2]["sampling_params"]["n"]) == (u.name, 2)
+    legs = sent[1:]
+    assert sorted((name, streaming) for name, streaming, _ in legs) == sorted(
+        [(p.name, False), (p.name, False), (d.name, True), (d.name, True)])
+    decode_legs = [r for name, streaming, r in legs if streaming]
+    prefill_legs = [r for name, streaming, r in legs if not streaming]
+    assert sorted(r["token_ids"] for r in decode_legs) == sorted(r["token_ids"] for r in prefill_legs)
+    committed = sorted(len(r["token_ids"]) - len(CHAT_PROMPT) for r in decode_legs)
+    assert sum(committed) == 5 and all(k >= 1 for k in committed)
+    assert all(r["sampling_params"]["n"] == 1 for r in decode_legs)
+    await http.delete(union.url + "/sim/faults")

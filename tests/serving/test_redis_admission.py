@@ -18,31 +18,8 @@ from serving.pipeline.flow_control.admission import AdmissionSettings, reserve_t
 from serving.pipeline.flow_control.redis_admission import RedisTokenAdmission
 from tests.serving import shared_redis
 from tests.serving.fakes import instance
-
-# A step of Redis's wall clock, played without touching the machine's clock: the scripts of a
-# client wrapped in ShiftedTime see ``redis.call('TIME')`` plus the seconds stored in a key the
-# test sets. Nothing else changes; it is the real Redis underneath.
-SHIFTED_TIME = (
-    "(function() local t = redis.call('TIME') "
-    "return {tostring(tonumber(t[1]) + tonumber(redis.call('GET', '%s') or '0')), t[2]} end)()"
-)
-
-
-class ShiftedTime:
-    def __init__(self, client: Any, shift_key: str) -> None:
-        self._client = client
-        self._shift_key = shift_key
-
-    def register_script(self, script: str) -> Any:
-        return self._client.register_script(script.replace("redis.call('TIME')", SHIFTED_TIME % self._shift_key))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-
-async def keys(redis_client: Any, prefix: str) -> list[str]:
-    """What is left under ``prefix`` besides the leases' clock (one small hash that stays)."""
-    return [k for k in await shared_redis.keys(redis_client, prefix) if k != f"{prefix}:clock"]
+from tests.serving.shared_redis import ShiftedTime
+from tests.serving.shared_redis import keys_but_clock as keys
 
 E1 = replace(instance("e1"), token_capacity=100)
 E2 = replace(instance("e2"), token_capacity=100)

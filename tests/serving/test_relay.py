@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -28,6 +29,7 @@ from tests.serving.fakes import (
     RENDER_URL,
     FakeUpstreams,
     SSEBody,
+    completion_prompt_ids,
     error_json,
     fleet_snapshot,
     parse_frames,
@@ -107,7 +109,9 @@ class ContextEngines:
                         async for b in self._fail(fault):
                             yield b
                         return
-                    token = next_token(prompt + outs[j]) + j
+                    # Choices differ from their first token on, then follow their own context,
+                    # so a choice relayed alone (n 1) from its committed ids goes on as it would have.
+                    token = next_token(prompt + outs[j]) + (j if not outs[j] else 0)
                     outs[j].append(token)
                     sent += 1
                     yield event(j, token, "length" if pos == max_tokens - 1 else None)
@@ -245,6 +249,34 @@ async def test_a_relayed_stream_equals_the_fault_free_stream(
     assert scheduler.breakers._get(pipeline.snapshot.instances[0]).failures == 1  # the breaker heard it
 
 
+async def test_a_chunk_held_back_for_a_stop_string_is_not_committed_and_a_relay_regenerates_it(
+    mock_client: httpx.AsyncClient, scheduler: Scheduler, engines: ContextEngines, upstreams: FakeUpstreams,
+) -> None:
+    from dataclasses import replace
+
+    from tests.serving.fakes import instance
+
+    # Stop strings go to tokenizer-loaded engines only; "zz" never occurs, but its hold-back keeps
+    # the chunk with the last character back until the next one comes.
+    snapshot = fleet_snapshot(replace(instance("e1"), tokenizer=True), replace(instance("e2"), tokenizer=True))
+    pipeline = ServingPipeline(
+        snapshot, RenderClient(mock_client, RENDER_URL, 5.0), EngineClient(mock_client), scheduler,
+        stream_settings=StreamSettings(chunk_timeout_s=2.0, max_relays=2),
+    )
+    engines.faults["e1"] = [Fault("raise", 3)]
+
+    frames = await drain(await pipeline.chat(chat(stop=["zz"], stream_options={"include_usage": True}), "r1s"))
+
+    assert content(frames) == text(EXPECTED) and roles(frames) == 1
+    first, relay = upstreams.calls_of("generate")
+    # The client had the first two chunks; the third was held back, so it was never the
+    # client's: the relay continues from two committed ids, and regenerates the third.
+    assert relay.body["token_ids"] == CHAT_PROMPT + EXPECTED[:2]
+    assert relay.body["sampling_params"]["max_tokens"] == 6
+    usage = [c["usage"] for c in frames if isinstance(c, dict) and c.get("usage")]
+    assert len(usage) == 1 and usage[0]["completion_tokens"] == 8
+
+
 async def test_an_in_band_400_ends_the_stream_without_relay_or_breaker(
     pipeline: ServingPipeline, engines: ContextEngines, upstreams: FakeUpstreams, scheduler: Scheduler,
 ) -> None:
@@ -270,15 +302,119 @@ async def test_relays_are_bounded(pipeline: ServingPipeline, engines: ContextEng
     assert pipeline.counters.get("motor_stream_relays_total", topology="union", reason="failure") == 2
 
 
-async def test_n_greater_than_one_does_not_relay_after_visible_output(
+def choice_reference(prompt: list[int], max_tokens: int, j: int) -> list[int]:
+    """Choice ``j`` of the fake engine's fault-free n > 1 stream."""
+    out = [next_token(prompt) + j]
+    while len(out) < max_tokens:
+        out.append(next_token(prompt + out))
+    return out
+
+
+def choice_contents(frames: list[Any]) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for f in frames:
+        if isinstance(f, dict) and f.get("choices"):
+            c = f["choices"][0]
+            texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+    return texts
+
+
+@pytest.mark.parametrize(("after", "relayed"), [(3, {0: 2, 1: 1}), (15, {1: 7}), (16, {})],
+                         ids=["both-open", "one-finished", "all-finished"])
+async def test_n_greater_than_one_relays_every_open_choice_from_its_own_committed_ids(
+    pipeline: ServingPipeline, engines: ContextEngines, upstreams: FakeUpstreams, scheduler: Scheduler,
+    after: int, relayed: dict[int, int],
+) -> None:
+    engines.faults["e1"] = [Fault("raise", after)]
+
+    frames = await drain(await pipeline.chat(chat(n=2, stream_options={"include_usage": True}), "r4"))
+
+    # One uninterrupted stream per choice: each choice's text is its fault-free text, no error.
+    expected = {j: choice_reference(CHAT_PROMPT, 8, j) for j in (0, 1)}
+    assert choice_contents(frames) == {j: text(ids) for j, ids in expected.items()}
+    assert frames[-1] == "[DONE]" and not any(isinstance(c, dict) and "error" in c for c in frames)
+    assert roles(frames) == 2  # one role delta per choice, not per attempt
+    finishes = [c["choices"][0]["index"] for c in frames if isinstance(c, dict) and c.get("choices")
+                and c["choices"][0].get("finish_reason")]
+    assert sorted(finishes) == [0, 1]
+    usage = [c["usage"] for c in frames if isinstance(c, dict) and c.get("usage")]
+    assert len(usage) == 1 and usage[0]["completion_tokens"] == 16  # ours: every committed token, once
+    assert usage[0]["prompt_tokens"] == len(CHAT_PROMPT)
+    # Each open choice continued alone (n 1) from its own committed ids with its own budget.
+    first, *relays = upstreams.calls_of("generate")
+    assert first.body["sampling_params"]["n"] == 2
+    assert {r.body["request_id"]: (r.body["token_ids"], r.body["sampling_params"]["max_tokens"],
+                                   r.body["sampling_params"]["n"]) for r in relays} == {
+        f"chatcmpl-r4-a1-c{j}": (CHAT_PROMPT + expected[j][:k], 8 - k, 1) for j, k in relayed.items()
+    }
+    assert all(r.host == "e2" for r in relays)
+    assert pipeline.counters.get("motor_stream_relays_total", topology="union", reason="failure") == int(bool(relayed))
+    assert ("e1", "generate-tokens-chatcmpl-r4") in upstreams.aborted_ids()
+    assert scheduler.breakers._get(pipeline.snapshot.instances[0]).failures == 1
+
+
+async def test_a_single_prompt_completion_with_n_2_relays_each_choice_under_its_index(
     pipeline: ServingPipeline, engines: ContextEngines, upstreams: FakeUpstreams,
 ) -> None:
-    engines.faults["e1"] = [Fault("raise", 3)]
+    engines.faults["e1"] = [Fault("raise", 5)]
+    body = {"model": MODEL, "prompt": "a", "stream": True, "max_tokens": 6, "n": 2}
 
-    frames = await drain(await pipeline.chat(chat(n=2), "r4"))
+    frames = await drain(await pipeline.completions(body, "r4e"))
+
+    prompt = completion_prompt_ids(0)  # what the fake render makes of a single prompt
+    texts: dict[int, str] = {}
+    for f in frames[:-1]:
+        c = f["choices"][0]
+        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {j: text(choice_reference(prompt, 6, j)) for j in (0, 1)} and frames[-1] == "[DONE]"
+    relays = {g.body["request_id"]: g.body["token_ids"] for g in upstreams.calls_of("generate")[1:]}
+    assert relays == {"cmpl-r4e-a1-c0": prompt + choice_reference(prompt, 6, 0)[:3],
+                      "cmpl-r4e-a1-c1": prompt + choice_reference(prompt, 6, 1)[:2]}
+
+
+async def test_a_relayed_choice_that_fails_again_relays_again_and_the_others_follow(
+    pipeline: ServingPipeline, engines: ContextEngines, upstreams: FakeUpstreams,
+) -> None:
+    # e1 fails after 3 events; both choices go to e2, whose first stream (choice 0) fails after
+    # one more token: every open choice continues once more (back on e1), from what the client has.
+    engines.faults = {"e1": [Fault("raise", 3)], "e2": [Fault("raise", 1)]}
+
+    frames = await drain(await pipeline.chat(chat(n=2), "r4b"))
+
+    expected = {j: text(choice_reference(CHAT_PROMPT, 8, j)) for j in (0, 1)}
+    assert choice_contents(frames) == expected
+    assert frames[-1] == "[DONE]" and not any(isinstance(c, dict) and "error" in c for c in frames)
+    ids = [g.body["request_id"] for g in upstreams.calls_of("generate")]
+    assert ids[:3] == ["chatcmpl-r4b", "chatcmpl-r4b-a1-c0", "chatcmpl-r4b-a1-c1"]
+    assert all(i.startswith("chatcmpl-r4b-a2-c") for i in ids[3:]) and ids[3:]
+
+
+async def test_disconnect_while_choices_are_relayed_releases_every_choice_stream(
+    pipeline: ServingPipeline, engines: ContextEngines, upstreams: FakeUpstreams,
+) -> None:
+    engines.faults = {"e1": [Fault("raise", 3)], "e2": [Fault("hang", 1), Fault("hang", 1)]}
+    stream = await pipeline.chat(chat(n=2), "r4d")
+    assert isinstance(stream, EventStream)
+    frames = stream.frames()
+    async with asyncio.timeout(WATCHDOG_S):
+        got = [await anext(frames) for _ in range(5)]  # three from e1, one from each relayed choice
+        assert b"<" in got[-1]
+        assert upstreams.open_streams == {"chatcmpl-r4d-a1-c0", "chatcmpl-r4d-a1-c1"}
+        await frames.aclose()  # the client went away while both relayed choices stalled
+    assert upstreams.open_streams == set()
+    aborted = set(upstreams.aborted_ids())
+    assert {("e2", "generate-tokens-chatcmpl-r4d-a1-c0"), ("e2", "generate-tokens-chatcmpl-r4d-a1-c1")} <= aborted
+
+
+async def test_n_greater_than_one_relays_are_bounded_and_end_with_an_error_frame(
+    pipeline: ServingPipeline, engines: ContextEngines, upstreams: FakeUpstreams,
+) -> None:
+    engines.faults = {"e1": [Fault("raise", 3), Fault("raise", 0), Fault("raise", 0)],
+                      "e2": [Fault("raise", 0), Fault("raise", 0), Fault("raise", 0)]}
+
+    frames = await drain(await pipeline.chat(chat(n=2), "r4c"))
 
     assert frames[-2]["error"]["code"] == 502 and frames[-1] == "[DONE]"
-    assert len(upstreams.calls_of("generate")) == 1
     assert {c["choices"][0]["index"] for c in frames[:-2]} == {0, 1}
 
 
@@ -309,6 +445,24 @@ async def test_multi_prompt_fan_out_has_global_indices_one_usage_one_done(
     assert len(usage) == 1 and usage[0]["usage"]["completion_tokens"] == 16
     assert usage[0]["usage"]["prompt_tokens"] == 2 + 3  # completion_prompt_ids: 2 and 3 tokens
     assert {c["choices"][0]["index"] for c in frames if isinstance(c, dict) and c.get("choices")} == {0, 1, 2, 3}
+
+
+async def test_fan_out_commits_a_chunk_only_once_the_client_was_handed_it(
+    pipeline: ServingPipeline, engines: ContextEngines,
+) -> None:
+    body = {"model": MODEL, "prompt": ["a", "b", "c"], "stream": True, "max_tokens": 6}
+    stream = await pipeline.completions(body, "r6b")
+    assert isinstance(stream, EventStream)
+    handed = 0
+    async with asyncio.timeout(WATCHDOG_S), aclosing(stream.frames()) as frames:
+        async for raw in frames:
+            # What the sessions committed is what the client has been handed, never what only
+            # entered the merge queue (the chunk in hand commits when the client asks for more).
+            committed = sum(s.completion_tokens for s in stream.sessions)
+            assert handed <= committed + raw.count(b"<") and committed <= handed, (committed, handed)
+            handed += raw.count(b"<")
+            await asyncio.sleep(0)  # a slow client: the producers run meanwhile
+    assert handed == 18 == sum(s.completion_tokens for s in stream.sessions)
 
 
 async def test_disconnect_during_relay_releases_everything(

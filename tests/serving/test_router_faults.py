@@ -19,7 +19,9 @@ from serving.pipeline.errors import (
     RequestError,
     UpstreamRequestError,
 )
+from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
+from serving.pipeline.flow_control.rate_limit import KeyLimit, TokenRateLimiter
 from serving.pipeline.resilience.breaker import BreakerBoard, State
 from tests.serving.fakes import CHAT_PROMPT, MODEL, FakeUpstreams, completion_prompt_ids, error_json
 from tests.serving.router_fakes import (
@@ -206,6 +208,45 @@ async def test_the_context_budget_clamps_to_the_chosen_engines_room(rig: Rig, bu
     )
     (gen,) = rig.upstreams.calls_of("generate")
     assert gen.body["sampling_params"]["max_tokens"] == expected  # prompt 0 renders to 2 ids
+
+
+async def test_the_context_budget_clamps_before_placement_and_the_rate_limit_charge(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # e1 (first by name, so placed first) has room for 2000 tokens, e2 only for 998. The clamp
+    # comes before the engine is chosen, so it takes the smallest context among the candidates;
+    # placement scores, the lease, the key's tokens-per-minute charge and the engine see one number.
+    big, small = engine("e1", max_model_len=4096), engine("e2", max_model_len=1000)
+    limiter = TokenRateLimiter()
+    monkeypatch.setattr(rate_limit, "LIMITER", limiter)
+    key = KeyLimit("c" * 64, "team-c", 100_000)
+    placed: list[int] = []
+    place = rig.scheduler.place
+
+    def recording_place(*args: Any, **kwargs: Any) -> Any:
+        placed.append(kwargs["tokens"])
+        return place(*args, **kwargs)
+
+    monkeypatch.setattr(rig.scheduler, "place", recording_place)
+    leased: list[dict[str, int]] = []
+
+    def observe(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        leased.append(rig.scheduler.admission.inflight_tokens())
+        return httpx.Response(200, json=rig.upstreams.generate_response(body))
+
+    rig.upstreams.override("e1", "generate", observe)
+    rate_limit.bind(key)
+    try:
+        await rig.pipeline(snapshot_with(big, small, context_budget=True)).completions(
+            {"model": MODEL, "prompt": "x", "max_tokens": 2000}, "f12b"
+        )
+    finally:
+        rate_limit.bind(None)
+    room = 1000 - 2  # prompt 0 renders to 2 ids
+    (gen,) = rig.upstreams.calls_of("generate")
+    assert gen.host == "e1" and gen.body["sampling_params"]["max_tokens"] == room
+    assert placed == [2 + room] and leased == [{"e1": 2 + room}]
+    assert limiter.used(key.key_id) == 2 + room
 
 
 async def test_a_missing_max_tokens_counts_as_16(rig: Rig) -> None:

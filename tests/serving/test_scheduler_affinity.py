@@ -16,7 +16,8 @@ import pytest
 
 from enginesim.kvcache import EventPublisher, PrefixCache
 from serving.pipeline.flow_control.admission import TokenAdmission
-from serving.pipeline.obfuscation import mapping as obfuscation
+from serving.pipeline.obfuscation import keyring as obfuscation
+from serving.pipeline.obfuscation.mapping import TokenMapping
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex
 from serving.pipeline.placement.scheduler import LoadTracker, Placement, Scheduler
 from serving.pipeline.resilience.breaker import BreakerBoard
@@ -133,7 +134,7 @@ def test_approximate_mode_records_the_placed_prompt_and_precise_mode_waits_for_e
 def test_obfuscation_scores_and_records_physical_ids() -> None:
     from serving import runtime
 
-    mapping = obfuscation.TokenMapping.from_key(b"affinity-test-key", 4096)
+    mapping = TokenMapping.from_key(b"affinity-test-key", 4096)
     obfuscation.register_mapping(mapping)
     try:
         # Engines that take obfuscated traffic declare the deployment's key id.

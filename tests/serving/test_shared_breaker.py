@@ -1,6 +1,8 @@
 """Circuit breakers shared through the real Redis on 127.0.0.1 (db 14): one threshold and one
-state for every process, operator overrides that win, Redis's clock for the open time, and the
-local board as the fallback while Redis is away. Two independent clients stand for two processes."""
+state for every process, operator overrides that win, open times and trial claims on a clock in
+Redis that a step of Redis's wall clock does not move, trial releases that survive Redis being
+away, and the local board as the fallback while Redis is away. Two independent clients stand for
+two processes."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from serving.pipeline.resilience.breaker import State
 from serving.pipeline.resilience.shared_breaker import SharedBreakerBoard
 from tests.serving import shared_redis
 from tests.serving.fakes import instance
-from tests.serving.shared_redis import keys
+from tests.serving.shared_redis import RedisGate, ShiftedTime
+from tests.serving.shared_redis import keys_but_clock as keys
 
 E1 = instance("e1")
 
@@ -245,3 +248,109 @@ async def test_a_full_queue_never_drops_a_trial_release(two: Any, redis_client: 
     assert await keys(redis_client, prefix) == [f"{prefix}:{E1.id}"]  # the claim is gone...
     assert await b.claim(E1)  # ...so another process sends the trial now, not in 600 s
     b.success(E1)
+
+
+async def test_a_step_forward_of_redis_wall_clock_does_not_end_an_open_period(redis_client: Any, prefix: str) -> None:
+    shift_key = f"{prefix}:test_time_shift"
+    other = shared_redis.client()
+    a = SharedBreakerBoard(ShiftedTime(redis_client, shift_key), prefix=prefix, refresh_s=0, base_open_s=60)
+    b = SharedBreakerBoard(ShiftedTime(other, shift_key), prefix=prefix, refresh_s=0, base_open_s=60)
+    try:
+        for _ in range(3):
+            a.failure(E1, "boom")
+        await a.flush()
+        await redis_client.set(shift_key, 3600)  # Redis's clock steps an hour forward
+        await synced(b)
+        # Still open for about its minute, everywhere: no trial is sent to the failing engine.
+        assert b.state(E1) is State.OPEN and not await b.claim(E1)
+        assert 58 <= b._breakers[E1.id].open_until - b._clock() <= 60
+    finally:
+        await a.aclose()
+        await b.aclose()
+        await other.aclose()
+        await redis_client.delete(shift_key)
+
+
+async def test_a_step_back_of_redis_wall_clock_does_not_hold_an_open_period(redis_client: Any, prefix: str) -> None:
+    shift_key = f"{prefix}:test_time_shift"
+    other = shared_redis.client()
+    a = SharedBreakerBoard(ShiftedTime(redis_client, shift_key), prefix=prefix, refresh_s=0, base_open_s=0.3)
+    b = SharedBreakerBoard(ShiftedTime(other, shift_key), prefix=prefix, refresh_s=0, base_open_s=0.3)
+    try:
+        for _ in range(3):
+            a.failure(E1, "boom")
+        await a.flush()
+        await redis_client.set(shift_key, -3600)  # Redis's clock steps an hour back
+        await synced(b)  # (the clock stands still across the step: it goes on from here)
+        await asyncio.sleep(0.4)
+        await synced(b)
+        assert b.state(E1) is State.HALF_OPEN  # after its 0.3 s, not an hour
+        assert await b.claim(E1)
+        b.success(E1)
+    finally:
+        await a.aclose()
+        await b.aclose()
+        await other.aclose()
+        await redis_client.delete(shift_key)
+
+
+async def test_a_step_forward_of_redis_wall_clock_does_not_end_a_live_trials_claim(
+    redis_client: Any, prefix: str
+) -> None:
+    # (SET PX kept the claim on Redis's own key expiry, which ShiftedTime cannot move: this pins
+    # that the claim now lives on the breakers' clock rather than replaying main's failure.)
+    shift_key = f"{prefix}:test_time_shift"
+    other = shared_redis.client()
+    a = SharedBreakerBoard(ShiftedTime(redis_client, shift_key), prefix=prefix, refresh_s=0, base_open_s=0.3)
+    b = SharedBreakerBoard(ShiftedTime(other, shift_key), prefix=prefix, refresh_s=0, base_open_s=0.3)
+    try:
+        await tripped_and_waited((a, b, None, None))
+        assert await a.claim(E1)
+        await redis_client.set(shift_key, 3600)  # an hour forward while a's trial runs (claim: 600 s)
+        assert not await b.claim(E1)  # one trial, still
+        a.success(E1)
+        await a.flush()
+        assert f"{prefix}:{E1.id}:trial" not in await keys(redis_client, prefix)  # the verdict released it
+    finally:
+        await a.aclose()
+        await b.aclose()
+        await other.aclose()
+        await redis_client.delete(shift_key)
+
+
+async def test_a_trial_release_that_meets_redis_away_is_sent_again_when_it_is_back(
+    two: Any, redis_client: Any, prefix: str
+) -> None:
+    a, b, _, _ = two
+    await tripped_and_waited(two)
+    async with RedisGate() as gate:
+        through_gate = gate.client()
+        c = SharedBreakerBoard(through_gate, prefix=prefix, refresh_s=0, base_open_s=0.3)
+        c.release_retry_s = 0.05  # the first retry's delay (then doubling)
+        await synced(c)
+        assert await c.claim(E1) and not await b.claim(E1)
+        gate.shut()  # Redis unreachable from c just as its trial ends without a verdict
+        c.release(E1)
+        await c.flush()
+        assert f"{prefix}:{E1.id}:trial" in await keys(redis_client, prefix)  # the release failed...
+        assert not await b.claim(E1)
+        gate.open()
+        async with asyncio.timeout(5):  # ...and is sent again once Redis answers, not in 600 s
+            while f"{prefix}:{E1.id}:trial" in await keys(redis_client, prefix):
+                await asyncio.sleep(0.05)
+        assert await b.claim(E1)
+        b.success(E1)
+        await c.aclose()
+        assert c._unreleased == {} and c._retrier is None
+        await through_gate.aclose()
+
+
+async def test_a_trial_claim_of_the_previous_version_holds_until_it_expires(two: Any, redis_client: Any, prefix: str) -> None:
+    a, b, _, _ = two
+    await tripped_and_waited(two)
+    # A process not yet upgraded claimed the trial as it did (SET NX PX), and is still running it.
+    await redis_client.set(f"{prefix}:{E1.id}:trial", "old-process", nx=True, px=300)
+    assert not await a.claim(E1)  # held: not a Redis error, so not a local trial either
+    await asyncio.sleep(0.4)  # Redis expired it (the old process died mid-trial)
+    assert await a.claim(E1)
+    a.success(E1)

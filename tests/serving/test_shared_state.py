@@ -23,7 +23,7 @@ from serving.pipeline.resilience.breaker import State
 from serving.pipeline.resilience.shared_breaker import SharedBreakerBoard
 from tests.serving import shared_redis
 from tests.serving.fakes import instance
-from tests.serving.shared_redis import keys
+from tests.serving.shared_redis import ShiftedTime, keys, keys_but_clock
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = KeyLimit("d" * 64, "team-d", 100)
@@ -46,8 +46,10 @@ async def test_the_tokens_per_minute_window_is_shared_between_clients(redis_clie
         assert await a.aused(KEY.key_id) == 100
     finally:
         await other.aclose()
-    # Every key of the window expires on its own once idle (an idle key costs nothing).
-    for k in await keys(redis_client, prefix):
+    # Every key of the window expires on its own once idle (an idle key costs nothing); the
+    # windows' clock, one small hash, stays.
+    assert f"{prefix}:tpm:clock" in await keys(redis_client, prefix)
+    for k in await keys_but_clock(redis_client, f"{prefix}:tpm"):
         assert 0 < await redis_client.pttl(k) <= 61_000
 
 
@@ -60,12 +62,46 @@ async def test_the_shared_window_refuses_a_non_positive_amount_and_uses_redis_cl
             await limiter.acharge(KEY, amount)
     with pytest.raises(ResponseError, match="positive integer"):
         await limiter._charge(keys=limiter._keys(KEY.key_id), args=[500, "x", -7, 100])
-    assert await keys(redis_client, prefix) == []
+    assert await keys_but_clock(redis_client, f"{prefix}:tpm") == []
     monkeypatch.setattr(time, "time", lambda: 0.0)  # this process's wall clock plays no part
     await limiter.acharge(KEY, 100)
     await asyncio.sleep(0.6)  # the window slides on Redis's clock
     await limiter.acharge(KEY, 100)
     assert await limiter.aused(KEY.key_id) == 100
+
+
+async def test_a_step_back_of_redis_wall_clock_keeps_no_charge_in_the_window(redis_client: Any, prefix: str) -> None:
+    shift_key = f"{prefix}:test_time_shift"
+    limiter = RedisTokenRateLimiter(ShiftedTime(redis_client, shift_key), prefix=f"{prefix}:tpm", window_s=1.0)
+    try:
+        await limiter.acharge(KEY, 100)
+        await redis_client.set(shift_key, -3600)  # Redis's clock steps an hour back
+        with pytest.raises(TokenRateLimited) as info:
+            await limiter.acharge(KEY, 10)
+        assert info.value.retry_after_s == 1  # the window's second, not an hour and a second
+        async with asyncio.timeout(5):  # and a second later the key may spend its limit again
+            while True:
+                try:
+                    await limiter.acharge(KEY, 100)
+                    break
+                except TokenRateLimited:
+                    await asyncio.sleep(0.1)
+    finally:
+        await redis_client.delete(shift_key)
+
+
+async def test_a_step_forward_of_redis_wall_clock_frees_no_more_than_one_window(redis_client: Any, prefix: str) -> None:
+    shift_key = f"{prefix}:test_time_shift"
+    limiter = RedisTokenRateLimiter(ShiftedTime(redis_client, shift_key), prefix=f"{prefix}:tpm")
+    try:
+        await limiter.acharge(KEY, 100)
+        await redis_client.set(shift_key, 3600)  # an hour forward: the window empties, as after an idle minute
+        await limiter.acharge(KEY, 100)
+        with pytest.raises(TokenRateLimited) as info:  # but the minute after the step counts in full
+            await limiter.acharge(KEY, 10)
+        assert 58 <= info.value.retry_after_s <= 60
+    finally:
+        await redis_client.delete(shift_key)
 
 
 async def test_the_shared_window_answers_503_when_redis_is_away() -> None:

@@ -8,10 +8,12 @@ back). The mechanism that keeps such streams on the token-only path and equal to
    and reports the matched string as ``stop_reason`` with ``finish_reason: "stop"``;
 2. derender gets the request without ``stop`` (``derender_request``), so it neither refuses nor
    cuts, and returns the raw text of every token, including the stop string;
-3. the coordinator holds back the last ``max(len(stop)) - 1`` characters of each choice's text
-   until it is finished, and cuts the final text at the stop string (``StopHoldback``), the way
-   vLLM's ``IncrementalDetokenizer.get_next_output_text`` / ``check_stop_strings`` do. Text a
-   stop string may still start in is therefore never sent early.
+3. the coordinator holds back the chunks holding the last ``max(len(stop)) - 1`` characters of
+   each choice's text until it is finished, and cuts the final text at the stop string
+   (``ChunkHoldback``), the way vLLM's ``IncrementalDetokenizer.get_next_output_text`` /
+   ``check_stop_strings`` do. Text a stop string may still start in is therefore never sent
+   early. Chunks are held whole, so a chunk's state and ids are committed exactly when its text
+   is handed to the client (``StopHoldback`` is the character cursor, for a whole text).
 
 The concatenated text equals native vLLM's; token ids, logprobs, finish and stop reason and usage
 are the engine's own and pass through unchanged. Only ``delta.content`` (chat) and ``text``
@@ -21,9 +23,12 @@ cut from content only (documented limitation).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from serving.pipeline.protocol import TokenKind
+
+if TYPE_CHECKING:
+    from serving.pipeline.derender.session import PendingChunk
 
 
 def stop_strings(body: Mapping[str, Any]) -> list[str]:
@@ -95,36 +100,109 @@ class StopHoldback:
         return out
 
 
+class _ChoiceHold:
+    """The derendered chunks of one choice whose text may still be cut, held whole.
+
+    A chunk is sent whole or not at all: its ``stream_state`` and token ids can only be
+    committed together with all of its text, when the client is handed it (RFC: state is saved
+    only once the chunk can be given to the client). A held chunk is released once its text ends
+    at least ``buffer_length`` characters before the end of all text so far, the point before
+    which no stop string can still start (vLLM's hold-back rule, at chunk granularity); on the
+    finishing chunk everything is released, cut at the stop string.
+    """
+
+    def __init__(self, stop: list[str], include_in_output: bool) -> None:
+        self.stop = stop
+        self.include_in_output = include_in_output
+        longest = max((len(x) for x in stop), default=0)
+        self.buffer_length = 0 if include_in_output or not stop else longest - 1
+        self.held: list[tuple[PendingChunk, str]] = []  # (chunk, its original text), in order
+        self.held_text = ""  # the text of the held chunks: what the client has not been handed
+        self.finished = False
+
+    def push(self, pending: PendingChunk, text: str, *, finished: bool, stop_reason: Any, kind: TokenKind) -> list[PendingChunk]:
+        before = len(self.held_text)
+        self.held.append((pending, text))
+        self.held_text += text
+        if finished:
+            self.finished = True
+            cut = len(self.held_text)
+            if isinstance(stop_reason, str) and stop_reason:
+                # The stop string completed within this chunk's text, and never starts in text
+                # already sent (that text ends buffer_length before the end), so it lies in held_text.
+                at = self.held_text.find(stop_reason, max(0, before - len(stop_reason) + 1))
+                if at != -1:
+                    cut = at + (len(stop_reason) if self.include_in_output else 0)
+            released, start = [], 0
+            for chunk, original in self.held:
+                _set_text(chunk.chunk, kind, original[: max(0, cut - start)])
+                start += len(original)
+                released.append(chunk)
+            self.held, self.held_text = [], ""
+            return released
+        safe = len(self.held_text) - self.buffer_length
+        released, end = [], 0
+        while self.held and end + len(self.held[0][1]) <= safe:
+            chunk, original = self.held.pop(0)
+            end += len(original)
+            released.append(chunk)
+        self.held_text = self.held_text[end:]
+        return released
+
+    def discard(self) -> None:
+        """Forget the held chunks (their attempt failed): they were never the client's."""
+        self.held, self.held_text = [], ""
+
+
+def _text(chunk: dict[str, Any], kind: TokenKind) -> tuple[str, bool, Any]:
+    """The text, finished flag and stop reason of ``chunk``'s one choice."""
+    choice = (chunk.get("choices") or [{}])[0]
+    if kind == "chat":
+        delta = choice.get("delta")
+        text = (delta.get("content") or "") if isinstance(delta, dict) else ""
+    else:
+        text = choice.get("text") or ""
+    return text, choice.get("finish_reason") is not None, choice.get("stop_reason")
+
+
+def _set_text(chunk: dict[str, Any], kind: TokenKind, text: str) -> None:
+    for choice in chunk.get("choices") or []:
+        if kind == "chat":
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                delta["content"] = text or None  # derender's own convention for an empty delta
+        else:
+            choice["text"] = text
+
+
 class ChunkHoldback:
-    """Hold-back for the derendered chunks of one engine stream: one ``StopHoldback`` per choice."""
+    """Hold-back for the derendered chunks of one prompt's stream: one ``_ChoiceHold`` per choice.
+
+    ``release`` takes each derendered chunk and returns the chunks that may go to the client now,
+    in order, whole (only the finishing chunks' text is cut at the stop string); the session
+    commits each when the client is handed it. ``discard`` drops what is held when an attempt
+    fails, so a relay continues from what the client has.
+    """
 
     def __init__(self, kind: TokenKind, body: Mapping[str, Any]) -> None:
         self.kind = kind
         self.stop = stop_strings(body)
         self.include_in_output = bool(body.get("include_stop_str_in_output"))
-        self._choices: dict[int, StopHoldback] = {}
+        self._choices: dict[int, _ChoiceHold] = {}
 
     @property
     def active(self) -> bool:
         return bool(self.stop)
 
-    def apply(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        """Rewrite the text of ``chunk``'s choices in place (before any index remap) and return it."""
-        if not self.stop:
-            return chunk
-        for choice in chunk.get("choices") or []:
-            index = int(choice.get("index", 0))
-            hold = self._choices.get(index)
-            if hold is None:
-                hold = self._choices[index] = StopHoldback(self.stop, include_in_output=self.include_in_output)
-            finished = choice.get("finish_reason") is not None
-            if self.kind == "chat":
-                delta = choice.get("delta")
-                if not isinstance(delta, dict):
-                    continue
-                text = hold.feed(delta.get("content") or "", finished=finished, stop_reason=choice.get("stop_reason"))
-                delta["content"] = text or None  # derender's own convention for an empty delta
-            else:
-                choice["text"] = hold.feed(choice.get("text") or "", finished=finished,
-                                           stop_reason=choice.get("stop_reason"))
-        return chunk
+    def release(self, pending: PendingChunk) -> list[PendingChunk]:
+        if not self.stop or pending.index is None:
+            return [pending]  # nothing to hold; a usage-only chunk comes after every finish
+        hold = self._choices.get(pending.index)
+        if hold is None:
+            hold = self._choices[pending.index] = _ChoiceHold(self.stop, self.include_in_output)
+        text, finished, stop_reason = _text(pending.chunk, self.kind)
+        return hold.push(pending, text, finished=finished, stop_reason=stop_reason, kind=self.kind)
+
+    def discard(self) -> None:
+        for hold in self._choices.values():
+            hold.discard()

@@ -20,7 +20,7 @@ import logging
 from array import array
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from serving.pipeline import metric_names
 from serving.pipeline.derender.coalesce import each_event
@@ -39,7 +39,7 @@ class StreamSettings:
 
     # An engine that sends no event for this long has stalled: the attempt fails (relay / error).
     chunk_timeout_s: float = 60.0
-    # Relays per request after a mid-stream engine failure (single prompt, n == 1).
+    # Relays per request after a mid-stream engine failure (single prompt, all its choices).
     max_relays: int = 2
     # Derender retries of the same chunk with the same previous state, on connection errors and
     # 5xx only (MOTOR_DERENDER_CHUNK_RETRIES). 0, the RFC's "no automatic retry in this stage":
@@ -68,6 +68,11 @@ class ChoiceRecord:
     output_ids: array[int] = field(default_factory=lambda: array("q"))
     visible: bool = False  # a chunk of this choice was handed to the client
     finish_reason: str | None = None
+    # Derendered but not handed on yet (held back for stop strings): the next derender goes on
+    # from the last of them (``tip_state``); a failed attempt drops them (``drop_uncommitted``).
+    held: int = 0
+    held_tokens: int = 0
+    tip_state: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +97,27 @@ class PendingChunk:
 
 # The reader turns the engine's reads into the events to derender: one by one, or merged where
 # several arrived behind an in-flight derender (derender/coalesce.py); hold-back
-# (derender/holdback.py) sees each derendered chunk before the client does. The defaults serve
-# sessions built without either (unit tests).
+# (derender/holdback.py ``ChunkHoldback``) sees each derendered chunk before the client does and
+# says which may go now. The defaults serve sessions built without either (unit tests).
 EventReader = Callable[[EventBatches], AsyncIterator[dict[str, Any]]]
-ChunkFilter = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 
 
-def _identity_filter(chunk: dict[str, Any]) -> dict[str, Any] | None:
-    return chunk
+class Holdback(Protocol):
+    """Says which derendered chunks may go to the client now (``ChunkHoldback`` for stop strings)."""
+
+    def release(self, pending: PendingChunk) -> list[PendingChunk]: ...
+
+    def discard(self) -> None: ...
+
+
+class _NoHoldback:
+    """Every chunk goes at once (no stop strings, or a session built for a unit test)."""
+
+    def release(self, pending: PendingChunk) -> list[PendingChunk]:
+        return [pending]
+
+    def discard(self) -> None:
+        pass
 
 
 class StreamingRenderSession:
@@ -117,7 +135,7 @@ class StreamingRenderSession:
         prompt_index: int = 0,
         settings: StreamSettings = StreamSettings(),
         reader: EventReader = each_event,
-        chunk_filter: ChunkFilter = _identity_filter,
+        holdback: Holdback | None = None,
         phases: Phases = NO_PHASES,
     ) -> None:
         self.render = render
@@ -129,7 +147,7 @@ class StreamingRenderSession:
         self.prompt_index = prompt_index
         self.settings = settings
         self.reader = reader
-        self.chunk_filter = chunk_filter
+        self.holdback = holdback or _NoHoldback()
         self.phases = phases  # the request's: its first derender call is a phase of its TTFT
         self.choices: dict[int, ChoiceRecord] = {}
         self.attempt = 0
@@ -156,11 +174,22 @@ class StreamingRenderSession:
     @property
     def committed_ids(self) -> list[int]:
         """The relay ledger of a single-choice stream (choice 0)."""
-        return list(self.choice(0).output_ids)
+        return self.committed_ids_of(0)
+
+    def committed_ids_of(self, index: int) -> list[int]:
+        """The relay ledger of choice ``index``: the semantic output ids its client has."""
+        return list(self.choice(index).output_ids)
 
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.output_ids) for c in self.choices.values())
+
+    def drop_uncommitted(self) -> None:
+        """Forget what was derendered but never handed on: the next derender starts from the
+        committed state again (an attempt failed, or the stream ended)."""
+        self.holdback.discard()
+        for c in self.choices.values():
+            c.held, c.held_tokens, c.tip_state = 0, 0, None
 
     def usage(self, extra_tokens: int = 0) -> dict[str, int]:
         """The coordinator's own account: original prompt, every committed output token."""
@@ -178,6 +207,7 @@ class StreamingRenderSession:
 
     def restore(self, snapshot: AttemptSnapshot) -> None:
         """Back to the state ``snapshot`` took (the attempt failed before visible output)."""
+        self.drop_uncommitted()
         kept = {i for i, *_ in snapshot.choices}
         self.choices = {i: c for i, c in self.choices.items() if i in kept}
         for index, phase, state, count, visible, finish in snapshot.choices:
@@ -198,6 +228,9 @@ class StreamingRenderSession:
         record = self.choice(pending.index)
         record.stream_state = pending.next_state
         record.output_ids.extend(pending.token_ids)
+        if record.held:
+            record.held -= 1
+            record.held_tokens -= len(pending.token_ids)
         record.visible = True
         if pending.finish_reason is not None:
             record.finish_reason = pending.finish_reason
@@ -213,7 +246,9 @@ class StreamingRenderSession:
         index = int(choices[0].get("index", 0)) if choices else None
         token_ids = tuple(choices[0].get("token_ids") or ()) if choices else ()
         finish = choices[0].get("finish_reason") if choices else None
-        state = self.choice(index).stream_state if index is not None else None
+        record = self.choice(index) if index is not None else None
+        # The state after the last chunk derendered: a held-back chunk's, else the committed one.
+        state = None if record is None else (record.tip_state if record.held else record.stream_state)
         slim = self._slim if state is not None else None  # a choice's first call seeds from the prompt
         request: dict[str, Any] | None = slim if slim is not None else self.body
         if slim is not None and self._unread and not reads_request(event):
@@ -275,8 +310,10 @@ class StreamingRenderSession:
         usage = chunk.get("usage")
         if not isinstance(usage, dict):
             return
-        # continuous_usage_stats: a choice chunk counts itself; the final usage chunk counts all.
-        usage.update(self.usage(new_tokens if chunk.get("choices") else 0))
+        # continuous_usage_stats: a choice chunk counts itself and the held-back chunks before
+        # it (sent before it); the final usage chunk counts all.
+        held = sum(c.held_tokens for c in self.choices.values())
+        usage.update(self.usage(held + new_tokens if chunk.get("choices") else held))
 
     def _log_failure(self, index: int | None, exc: BaseException, *, retrying: bool = False) -> None:
         logger.warning(
@@ -296,13 +333,19 @@ class StreamingRenderSession:
             async for event in reader:
                 pending = await self.derender(event)
                 del event  # derendered: not held while the client is slow to take the chunk
-                # The hold-back filter sees every chunk here, before the client does.
-                out = self.chunk_filter(pending.chunk)
-                if out is not None:
-                    yield out
-                # Handed on (or held back by the filter, which now owns it): commit.
-                self.commit(pending)
+                if pending.index is not None:
+                    record = self.choice(pending.index)
+                    record.held += 1
+                    record.held_tokens += len(pending.token_ids)
+                    record.tip_state = pending.next_state
+                # The hold-back sees every chunk here, before the client does, and says which may go.
+                for ready in self.holdback.release(pending):
+                    yield ready.chunk
+                    # Resumed: the consumer handed the chunk on. Only now is it the client's.
+                    self.commit(ready)
         finally:
+            # Whatever is still held was never handed on (a failed attempt, the client left).
+            self.drop_uncommitted()
             # The reader is a generator suspended in ``events``: finish it now, not in the loop's
             # asyncgen finalizer after the caller closed the engine stream under it.
             await reader.aclose()  # type: ignore[attr-defined]

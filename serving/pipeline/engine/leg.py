@@ -24,6 +24,7 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.native import NativeClient, NativeStream
 from serving.pipeline.engine.requests import validate_generate_response
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability
+from serving.pipeline.flow_control.admission import admission_turn
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.placement.scheduler import Scheduler
@@ -125,7 +126,8 @@ class EngineGuard:
     ) -> None:
         """Admission lease and load hold on ``stack``, released when the stack closes."""
         start = phases.now()
-        lease = await self.scheduler.admission.acquire(instance, tokens)
+        async with admission_turn():  # a response's streams take their leases one at a time
+            lease = await self.scheduler.admission.acquire(instance, tokens)
         phases.observe(metric_names.PHASE_QUEUE_WAIT, start)  # here, so in-process and Redis admission alike
         stack.callback(lease.release)
         stack.enter_context(self.scheduler.load.hold(instance))

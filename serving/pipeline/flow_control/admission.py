@@ -34,8 +34,8 @@ import contextvars
 import logging
 import uuid
 from collections import Counter, deque
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -84,6 +84,10 @@ class _Together:
     """The leases one request took inside ``reserve_together``."""
 
     leases: list[Lease] = field(default_factory=list)
+    # One acquire at a time (``admission_turn``): the streams of one response open concurrently,
+    # but take their leases one after another, so one that waits holds none of its siblings'
+    # (two requests each holding one instance and waiting for the other's would wait out the deadline).
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def holding(self) -> bool:
         return any(not lease.released for lease in self.leases)
@@ -104,6 +108,17 @@ def reserve_together() -> Iterator[None]:
         yield
     finally:
         _together.reset(token)
+
+
+@asynccontextmanager
+async def admission_turn() -> AsyncIterator[None]:
+    """Inside ``reserve_together``, the one turn of its request to acquire a lease; else nothing."""
+    together = _together.get()
+    if together is None:
+        yield
+        return
+    async with together.turn:
+        yield
 
 
 def check_tokens(tokens: object) -> int:

@@ -12,8 +12,9 @@ non-positive amount is refused (``RequestError``), never charged.
 ``TokenRateLimiter`` is a sliding log of the last 60 s per key, in-process: with several
 coordinator processes each would enforce the limit on its own share of the traffic.
 ``RedisTokenRateLimiter`` (chosen by ``serving.runtime`` when ``REDIS_URL`` is set) keeps one
-window per key in Redis, trimmed, checked and charged in one Lua call on Redis's clock, so the
-limit holds across every process; Redis unreachable is 503 with ``Retry-After``.
+window per key in Redis, trimmed, checked and charged in one Lua call on a clock kept in Redis
+(``redis_clock``: it follows Redis's ``TIME`` but a step of that wall clock does not move it), so
+the limit holds across every process; Redis unreachable is 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from redis.exceptions import RedisError
 
 from serving.pipeline.errors import AdmissionUnavailable, RateLimited
 from serving.pipeline.flow_control.admission import check_tokens
+from serving.pipeline.redis_clock import clock_lua
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +132,17 @@ def over_limit(limit: KeyLimit, tokens: int, used: int, retry_after_s: int) -> T
     )
 
 
-# KEYS: 1 the key's window (sorted set: charge id -> time ms), 2 charge id -> tokens, 3 the sum.
-# ARGV: 1 window ms. Drops what left the window, on Redis's clock; returns {now ms, used}.
-_TRIM = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+# KEYS: 1 the key's window (sorted set: charge id -> time ms), 2 charge id -> tokens, 3 the sum,
+# 4 the windows' clock. ARGV: 1 window ms. Drops what left the window; sets {now ms, used}.
+#
+# "now" is the clock of ``redis_clock``, not Redis's TIME: read directly, a step of TIME an hour
+# back kept every charge of the last minute in the window for an hour (every limited key answered
+# 429 with a Retry-After of an hour). The clock moves at most one window per script: never
+# further, so a step forward frees no more than one idle minute would (the window empties), and
+# not less, so the clock never lags behind a window that real time has emptied: a client that
+# waits its Retry-After is let in however quiet the fleet is.
+_TRIM = clock_lua("KEYS[4]", "ARGV[1]") + """
+local now = now_ms()
 local window = tonumber(ARGV[1])
 local used = tonumber(redis.call('GET', KEYS[3]) or '0')
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - window)) do
@@ -174,7 +182,7 @@ _USED = _TRIM + "\nreturn used\n"
 
 
 class RedisTokenRateLimiter(TokenRateLimiter):
-    """One sliding window per key shared by every coordinator process, on Redis's clock."""
+    """One sliding window per key shared by every coordinator process, on the windows' clock in Redis."""
 
     def __init__(self, redis: Any, *, prefix: str = "motor:tpm", window_s: float = WINDOW_S, retry_after_s: int = 1) -> None:
         super().__init__(window_s)
@@ -185,7 +193,8 @@ class RedisTokenRateLimiter(TokenRateLimiter):
         self._used_script = redis.register_script(_USED)
 
     def _keys(self, key_id: str) -> list[str]:
-        return [f"{self.prefix}:{key_id}:log", f"{self.prefix}:{key_id}:tokens", f"{self.prefix}:{key_id}:used"]
+        p = self.prefix
+        return [f"{p}:{key_id}:log", f"{p}:{key_id}:tokens", f"{p}:{key_id}:used", f"{p}:clock"]
 
     def charge(self, limit: KeyLimit, tokens: int) -> None:
         raise TypeError("the shared limiter is asynchronous: use acharge")

@@ -59,30 +59,16 @@ from serving.pipeline.flow_control.admission import (
     queue_full,
     timed_out,
 )
+from serving.pipeline.redis_clock import clock_lua
 from serving.pipeline.snapshot import InstanceView
 
 logger = logging.getLogger(__name__)
 
 # KEYS: 1 leases, 2 lease_tokens, 3 lease_instance, 4 held, 5 total, 6 queue, 7 queue_expiry,
 # 8 budget_queue, 9 budget_expiry, 10 clock. ARGV[1] is the wake channel and ARGV[2] the clock's
-# largest step (ms) in every script.
-_COMMON = """
--- The leases' clock (ms), not Redis's TIME itself: TIME is the server's wall clock, and one
--- forward step of it (NTP, a VM restored, an operator's date) would expire every lease and
--- every waiter at once. This clock follows TIME's progress but moves at most ARGV[2] ms per
--- script and never back, so a step of any size advances it less than any live lease or waiter
--- has left (each renews well before that). Between two scripts further apart than ARGV[2] it
--- lags, which only delays the expiry of a crashed process's lease.
-local function now_ms()
-  local t = redis.call('TIME')
-  local wall = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local c = redis.call('HMGET', KEYS[10], 'now', 'wall')
-  local now = tonumber(c[1] or '0')
-  local step = wall - tonumber(c[2] or wall)
-  if step > 0 then now = now + math.min(step, tonumber(ARGV[2])) end
-  redis.call('HSET', KEYS[10], 'now', now, 'wall', wall)
-  return now
-end
+# largest step (ms) in every script: now_ms() is the leases' clock (``redis_clock``), which a step
+# of Redis's wall clock advances by less than any live lease or waiter has left.
+_COMMON = clock_lua("KEYS[10]", "ARGV[2]") + """
 -- Arrival order of waiters: a counter, not a timestamp a backward step could reorder.
 local function arrival()
   return redis.call('HINCRBY', KEYS[10], 'arrivals', 1)

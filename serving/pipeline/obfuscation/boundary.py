@@ -8,7 +8,7 @@ the pipeline only ever sees semantic ids.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from serving.pipeline.errors import MotorError, UpstreamRequestError
 from serving.pipeline.obfuscation.mapping import (
@@ -16,6 +16,7 @@ from serving.pipeline.obfuscation.mapping import (
     deobfuscate_event,
     deobfuscate_response,
     obfuscate_request,
+    refuse_unsendable,
     scrub_error,
 )
 from serving.pipeline.snapshot import InstanceView
@@ -26,6 +27,12 @@ class EngineBoundary:
 
     def __init__(self, mapping: TokenMapping | None = None) -> None:
         self.mapping = mapping
+
+    def admit(self, request: Mapping[str, Any]) -> None:
+        """Raise ``ObfuscationRefused`` now for a rendered request no engine may receive (media,
+        stop strings, grammars): checked once after render, before it is admitted or placed."""
+        if self.mapping is not None:
+            refuse_unsendable(request)
 
     def outbound(self, request: dict[str, Any], instance: InstanceView) -> dict[str, Any]:
         return request if self.mapping is None else obfuscate_request(request, self.mapping)

@@ -15,12 +15,44 @@ Who uses which ids:
 - semantic: flow control, derender, the relay/replay ledger of committed output (a replay
   prompt is re-obfuscated, like any request, right before it goes to the new attempt).
 
-Fail closed: a request is refused (``ObfuscationRefused``, 400) rather than sent when it would
-carry text the engine could read (stop strings, bad words, structured-output grammars, content
-parts, non-token output modes), an id outside the vocabulary, or a field this module does not
-know how to map. A deployment with obfuscation on but no usable key refuses all traffic
-(``ObfuscationKeyError``); an instance whose declared key id differs from the render config's
-is not eligible for it (``eligible``). Without obfuscation nothing here runs.
+What an obfuscated engine receives: nothing it could read as text. Each GenerateRequest field
+(vllm-protocol.md 3.1), by what vLLM 0.33.0's generate (``token_in_token_out/serving.py``) does
+with it in ``output_mode="tokens"``, the only mode allowed here:
+
+=========================  ==========================================  =============================
+field                      generate uses it for                        crosses the boundary as
+=========================  ==========================================  =============================
+token_ids                  the prompt                                  mapped to physical ids
+sampling_params            sampling; id lists, logit_bias keys         ids mapped; ``stop``,
+                                                                       ``bad_words``,
+                                                                       ``structured_outputs``,
+                                                                       ``extra_args``: refused (400)
+parse_context              derender mode only (tool schemas,           left out
+                           tool_choice, chat_template_kwargs)
+token_offsets              nothing (characters per token)              left out
+reasoning_parser_kwargs    structured outputs only (holds the          left out
+                           chat_template_kwargs)
+reasoning_ended            structured outputs only                     left out
+features                   multimodal: pixels/audio tensors and        refused (400) when set: no
+                           content hashes, needed in plain form        media obfuscation here
+content_parts              media URLs the engine fetches               refused (400) when set
+output_mode                response level                              "tokens" only, else 400
+cache_salt                 salts the prefix-cache hashes               keyed digest (``salt``): same
+                                                                       partition, unreadable
+request_id, model,         ids, names, flags, numbers, connector       unchanged
+return_token_ids, stream,  state (no text, no token ids)
+stream_options, priority,
+kv/ec_transfer_params
+anything else              (a field added upstream)                    refused (400)
+=========================  ==========================================  =============================
+
+The coordinator keeps what it leaves out: derender gets the client's own request, never the
+engine's copy. ``refuse_unsendable`` runs right after render, so a refused request gets its 400
+before admission; ``obfuscate_request`` runs again before every engine request (retries,
+relays, P/D legs). An id outside the vocabulary is refused too. A deployment with obfuscation
+on but no usable key refuses all traffic (``ObfuscationKeyError``); an instance whose declared
+key id differs from the render config's is not eligible for it (``keyring.eligible``). Without
+obfuscation nothing here runs.
 
 Errors (all in the ``serving.pipeline.errors`` tree):
 
@@ -35,19 +67,18 @@ MotorError
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from serving.pipeline.errors import MotorError, RequestError
 
-if TYPE_CHECKING:
-    from serving.pipeline.snapshot import FleetSnapshot, InstanceView, RenderView
-
 # Domain separation: the permutation and the key id are different functions of the same key.
 _PERMUTATION_DOMAIN = b"motorsite/token-permutation/v1"
 _KEY_ID_DOMAIN = b"motorsite/token-key-id/v1"
+_SALT_DOMAIN = b"motorsite/cache-salt/v1"
 MIN_KEY_BYTES = 16
 
 
@@ -110,10 +141,16 @@ class TokenMapping:
     # The same tables as Python lists, for short id lists (see _SHORT).
     _forward_list: list[int] = field(init=False, repr=False)
     _inverse_list: list[int] = field(init=False, repr=False)
+    # Keys the cache-salt digest. Derived from the permutation, which is exactly as secret as the
+    # key (whoever has it has broken the obfuscation anyway), so every way of building a mapping
+    # has one.
+    _salt_key: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_forward_list", self.forward.tolist())
         object.__setattr__(self, "_inverse_list", self.inverse.tolist())
+        table = np.ascontiguousarray(self.forward, dtype="<i8").tobytes()
+        object.__setattr__(self, "_salt_key", hashlib.sha256(_SALT_DOMAIN + table).digest())
 
     @classmethod
     def from_key(cls, key: bytes, vocab_size: int) -> TokenMapping:
@@ -141,6 +178,14 @@ class TokenMapping:
 
     def semantic(self, token_id: int) -> int:
         return self.to_semantic([token_id])[0]
+
+    def salt(self, cache_salt: str) -> str:
+        """The ``cache_salt`` an obfuscated engine gets: a keyed digest of the client's, 64 hex digits.
+
+        Equal salts stay equal and different ones different, so the engine's prefix cache is
+        partitioned exactly as the client asked, but the engine never reads the client's string.
+        """
+        return hmac.new(self._salt_key, cache_salt.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
 
 # Below this many ids a Python list lookup beats numpy's per-call overhead (streaming deltas,
@@ -174,67 +219,29 @@ def _apply(
 
 
 
-# --- fail-closed helpers -----------------------------------------------------------------------
-
-
-def require_mapping(render: RenderView, mapping: TokenMapping | None) -> TokenMapping | None:
-    """Return the mapping to use for a request: ``None`` without obfuscation, else ``mapping``.
-
-    Raises ``ObfuscationKeyError`` when obfuscation is on and there is no key, or the loaded
-    key is not the one the render config names (a rotation half done): traffic is refused, never
-    sent plain and never sent to an engine's native OpenAI path instead.
-    """
-    if not render.obfuscation:
-        return None
-    if not render.obfuscation_key_id:
-        raise ObfuscationKeyError("token obfuscation is on but the render config names no key id; refusing traffic")
-    if mapping is None:
-        raise ObfuscationKeyError(
-            f"token obfuscation is on but key {render.obfuscation_key_id} is not available; refusing traffic"
-        )
-    if mapping.key_id != render.obfuscation_key_id:
-        raise ObfuscationKeyError(
-            f"token obfuscation key mismatch: the render config names {render.obfuscation_key_id}, "
-            f"the loaded key is {mapping.key_id}; refusing traffic"
-        )
-    return mapping
-
-
-def eligible(instance: InstanceView, render: RenderView) -> tuple[bool, str]:
-    """Whether ``instance`` may take this deployment's token-only traffic, and why not.
-
-    With obfuscation on, only instances that declare the render config's key id; with it off,
-    only instances with plain weights (an obfuscated engine fed plain ids answers garbage).
-    """
-    if render.obfuscation:
-        if not render.obfuscation_key_id:
-            return False, "obfuscation is on but the render config names no key id"
-        if not instance.obfuscation_key_id:
-            return False, f"instance serves plain weights; obfuscated traffic needs key {render.obfuscation_key_id}"
-        if instance.obfuscation_key_id != render.obfuscation_key_id:
-            return False, (
-                f"instance key id {instance.obfuscation_key_id} differs from the render config's "
-                f"{render.obfuscation_key_id}"
-            )
-        return True, ""
-    if instance.obfuscation_key_id:
-        return False, f"instance serves weights obfuscated with key {instance.obfuscation_key_id} but obfuscation is off"
-    return True, ""
-
-
 # --- the request boundary ----------------------------------------------------------------------
 
-# GenerateRequest fields (vllm-protocol.md 3.1) by how they cross the boundary. Anything not
-# listed is refused: a field added upstream could carry plain ids, and guessing is not closed.
+# GenerateRequest fields (vllm-protocol.md 3.1; the per-field rule is the module docstring's
+# table, from what vLLM 0.33.0's generate does with each). Anything not listed is refused: a
+# field added upstream could carry text or plain ids, and guessing is not closed.
 _REQUEST_PASSTHROUGH = frozenset({
-    "request_id", "model", "reasoning_ended", "reasoning_parser_kwargs", "return_token_ids", "stream",
-    "stream_options", "cache_salt", "priority", "kv_transfer_params", "ec_transfer_params",
-    "token_offsets",  # character offsets into the prompt text; generate ignores them
-    "features",  # multimodal hashes, placeholder offsets and tensors: no token ids
-    "parse_context",  # read only in derender output mode, which is refused below
-    "output_mode",
+    "request_id", "model", "return_token_ids", "stream", "stream_options", "priority",
+    "kv_transfer_params", "ec_transfer_params",  # connector state: block ids and addresses
+    "output_mode",  # checked: only "tokens"
 })
-_REQUEST_TEXT_EMPTY_OK = ("content_parts",)
+# Render fills these with what the engine never reads on this path; they are left out, not sent.
+_REQUEST_DROPPED = frozenset({
+    "parse_context",  # tool schemas, tool_choice, chat_template_kwargs: read only in "derender" mode
+    "token_offsets",  # characters per token: generate ignores them, an engine could use them to
+                      # guess which physical id is which
+    "reasoning_parser_kwargs",  # chat_template_kwargs again: read only with structured outputs
+    "reasoning_ended",  # likewise only with structured outputs, which are refused below
+})
+# Content the engine would have to read in plain form (media to fetch, pixels, content hashes):
+# no mapping exists for it here, so a request that carries any is refused.
+_REQUEST_REFUSED = ("content_parts", "features")
+_REQUEST_KNOWN = _REQUEST_PASSTHROUGH | _REQUEST_DROPPED | {"token_ids", "sampling_params", "cache_salt",
+                                                            *_REQUEST_REFUSED}
 
 # SamplingParams fields (vllm-protocol.md 3.2).
 _SAMPLING_ID_LISTS = ("stop_token_ids", "allowed_token_ids", "logprob_token_ids", "trace_decode_token_ids")
@@ -247,39 +254,61 @@ _SAMPLING_PASSTHROUGH = frozenset({
     "skip_clone", "output_text_buffer_length", "skip_reading_prefix_cache",
     "thinking_token_budget", "repetition_detection", "routed_experts_prompt_start",
 })
+_SAMPLING_KNOWN = _SAMPLING_PASSTHROUGH | set(_SAMPLING_ID_LISTS) | set(_SAMPLING_TEXT) | {
+    "logit_bias", "prompt_logprob_token_ids", "structured_outputs", "extra_args",
+}
 
 
-def obfuscate_request(generate_request: dict[str, Any], mapping: TokenMapping) -> dict[str, Any]:
-    """Return a copy of ``generate_request`` with every id-valued field in physical ids.
+def refuse_unsendable(generate_request: Mapping[str, Any]) -> None:
+    """Raise ``ObfuscationRefused`` when ``generate_request`` cannot cross the boundary at all.
+
+    What ``obfuscate_request`` would refuse, without mapping anything: the pipeline calls it once
+    right after render, so such a request gets its 400 before it is admitted or placed.
+    """
+    unknown = set(generate_request) - _REQUEST_KNOWN
+    if unknown:
+        raise ObfuscationRefused(f"cannot obfuscate request field(s) {sorted(unknown)}; refusing to send them plain")
+    if generate_request.get("content_parts") or generate_request.get("features"):
+        raise ObfuscationRefused(
+            "multimodal input (images, audio, video) cannot be sent to an obfuscated engine: the engine "
+            "would need it in plain form. Send text only while token obfuscation is on.",
+            param="messages",
+        )
+    if generate_request.get("output_mode", "tokens") not in (None, "tokens"):
+        raise ObfuscationRefused("only output_mode 'tokens' can cross the obfuscation boundary", param="output_mode")
+    params = generate_request.get("sampling_params")
+    if params is not None:
+        _refuse_sampling(params)
+
+
+def obfuscate_request(generate_request: Mapping[str, Any], mapping: TokenMapping) -> dict[str, Any]:
+    """Return a copy of ``generate_request`` that an obfuscated engine may receive.
 
     Maps the prompt ``token_ids`` (of any topology and leg, replay prompts included: call this
     right before each engine request) and, in ``sampling_params``, ``stop_token_ids``,
     ``allowed_token_ids``, ``logprob_token_ids``, ``trace_decode_token_ids``, the keys of
-    ``logit_bias`` and the rows of ``prompt_logprob_token_ids`` (-1 padding stays -1). The input
-    is not modified. Raises ``ObfuscationRefused`` for anything that would carry text or plain
-    ids to the engine.
+    ``logit_bias`` and the rows of ``prompt_logprob_token_ids`` (-1 padding stays -1); replaces
+    ``cache_salt`` by a keyed digest of it; leaves out the fields the engine does not read
+    (``parse_context``, ``token_offsets``, ``reasoning_parser_kwargs``, ``reasoning_ended``).
+    The input is not modified. Raises ``ObfuscationRefused`` (``refuse_unsendable``) for anything
+    that would carry text or plain ids to the engine.
     """
-    unknown = set(generate_request) - _REQUEST_PASSTHROUGH - {"token_ids", "sampling_params", *_REQUEST_TEXT_EMPTY_OK}
-    if unknown:
-        raise ObfuscationRefused(f"cannot obfuscate request field(s) {sorted(unknown)}; refusing to send them plain")
-    for name in _REQUEST_TEXT_EMPTY_OK:
-        if generate_request.get(name):
-            raise ObfuscationRefused(f"{name} would send raw content to an obfuscated engine", param=name)
-    if generate_request.get("output_mode", "tokens") not in (None, "tokens"):
-        raise ObfuscationRefused("only output_mode 'tokens' can cross the obfuscation boundary", param="output_mode")
-    out = dict(generate_request)
+    refuse_unsendable(generate_request)
+    out = {k: v for k, v in generate_request.items() if k not in _REQUEST_DROPPED and k not in _REQUEST_REFUSED}
     token_ids = generate_request.get("token_ids")
     if token_ids is not None:
         out["token_ids"] = mapping.to_physical(token_ids)
     params = generate_request.get("sampling_params")
     if params is not None:
         out["sampling_params"] = _obfuscate_sampling(params, mapping)
+    salt = generate_request.get("cache_salt")
+    if salt is not None:
+        out["cache_salt"] = mapping.salt(str(salt))
     return out
 
 
-def _obfuscate_sampling(params: dict[str, Any], mapping: TokenMapping) -> dict[str, Any]:
-    known = _SAMPLING_PASSTHROUGH | set(_SAMPLING_ID_LISTS) | set(_SAMPLING_TEXT)
-    unknown = set(params) - known - {"logit_bias", "prompt_logprob_token_ids", "structured_outputs", "extra_args"}
+def _refuse_sampling(params: Mapping[str, Any]) -> None:
+    unknown = set(params) - _SAMPLING_KNOWN
     if unknown:
         raise ObfuscationRefused(
             f"cannot obfuscate sampling parameter(s) {sorted(unknown)}; refusing to send them plain",
@@ -297,6 +326,9 @@ def _obfuscate_sampling(params: dict[str, Any], mapping: TokenMapping) -> dict[s
     if params.get("structured_outputs"):
         # The engine would compile the grammar against its (plain) vocabulary: wrong ids and text exposed.
         raise ObfuscationRefused("structured outputs are not supported with token obfuscation", param="structured_outputs")
+
+
+def _obfuscate_sampling(params: Mapping[str, Any], mapping: TokenMapping) -> dict[str, Any]:
     out = dict(params)
     for name in _SAMPLING_ID_LISTS:
         if params.get(name) is not None:
@@ -427,47 +459,3 @@ def _deobfuscate_logprobs(content: list[dict[str, Any]], mapping: TokenMapping) 
             entry["top_logprobs"] = [{**t, "token_id": next(ids)} for t in tops]
         out.append(entry)
     return out
-
-
-# --- the process's loaded keys -----------------------------------------------------------------
-# Keys are secrets and never enter the snapshot: the Django side (``serving.obfuscation_keys``)
-# resolves the render config's key reference when a snapshot is built and registers the mapping
-# here; the request path only looks it up by the key id the snapshot names.
-
-_mappings: dict[str, TokenMapping] = {}
-_latest: TokenMapping | None = None
-_load_error = ""
-
-
-def register_mapping(mapping: TokenMapping) -> None:
-    global _latest, _load_error
-    _mappings[mapping.key_id] = mapping
-    _latest = mapping
-    _load_error = ""
-
-
-def register_load_error(reason: str) -> None:
-    """Remember why the configured key could not be loaded (shown by ``load_error``, logged by the caller)."""
-    global _load_error
-    _load_error = reason
-
-
-def load_error() -> str:
-    return _load_error
-
-
-def clear_mappings() -> None:
-    global _latest, _load_error
-    _mappings.clear()
-    _latest = None
-    _load_error = ""
-
-
-def mapping_for(snapshot: FleetSnapshot) -> TokenMapping | None:
-    """The loaded mapping the snapshot's render config names, else the last one loaded (or None).
-
-    Returning the last one on a miss lets ``require_mapping`` say "mismatch" rather than "missing".
-    """
-    if not snapshot.render.obfuscation:
-        return None
-    return _mappings.get(snapshot.render.obfuscation_key_id) or _latest

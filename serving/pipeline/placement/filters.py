@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING
 
-from serving.pipeline.obfuscation.mapping import eligible as key_eligible
+from serving.pipeline.obfuscation.keyring import eligible as key_eligible
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 
 if TYPE_CHECKING:

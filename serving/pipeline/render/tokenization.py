@@ -32,11 +32,15 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 @dataclass(frozen=True, slots=True)
 class TokenizedPrompt:
-    """One prompt of a request, as token ids plus what generate needs besides them."""
+    """One prompt of a request, as token ids plus what generate needs besides them.
+
+    Only semantic ids are kept: with obfuscation on, the physical ids are made where they are
+    used (the engine boundary per engine call, placement's affinity lookup), from these or from
+    a relay's replay ids, never stored on the request.
+    """
 
     token_ids: list[int]  # semantic ids: what the model's tokenizer produced
     generate_request: Mapping[str, Any]  # render's GenerateRequest, carried opaquely to generate
-    physical_ids: list[int] | None = None  # the ids an obfuscated engine sees (None: plain)
 
     @property
     def request_id(self) -> str:

@@ -15,8 +15,9 @@ instance while non-streaming excluded both; both now exclude both.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,12 +27,14 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import EngineGuard, GenerateContext
 from serving.pipeline.engine.requests import attempt_request_id, resolved_max_tokens, with_max_tokens
 from serving.pipeline.errors import EngineError, EngineLacksCapability, NoCapacity, TriggerMultiPromptStream
+from serving.pipeline.flow_control.admission import reserve_together
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.phases import NO_PHASES, Phases
-from serving.pipeline.placement.scheduler import Placement
+from serving.pipeline.placement.scheduler import Placement, Scheduler
 from serving.pipeline.protocol import EventBatches, TopologyName
 from serving.pipeline.render.tokenization import TokenizedPrompt, TokenizedRequest
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
+from serving.pipeline.streaming.fanout import first_error
 from serving.pipeline.streaming.relay import RetryRequestPlan
 from serving.pipeline.topologies.registry import TopologyRegistry
 
@@ -78,6 +81,9 @@ class OpenStream:
     attempt: int = 0
     topology: TopologyName = "union"
     finished: bool = False
+    # The client's choice index when this stream continues one choice of an n > 1 request (a
+    # relay: the engine calls it choice 0); None when its events carry the client's indexes.
+    choice: int | None = None
     _closed: bool = field(default=False, init=False)
 
     async def aclose(self, engines: EngineClient) -> None:
@@ -93,10 +99,77 @@ class OpenStream:
                 await engines.abort(self.instance, [self.request_id])
 
 
-def requested_tokens(prompt: TokenizedPrompt) -> int:
-    """Prompt + resolved max output (per choice), before any engine's context budget clamps it."""
+async def open_together(
+    openers: Sequence[Callable[[], Coroutine[Any, Any, OpenStream]]], engines: EngineClient
+) -> list[OpenStream]:
+    """Run ``openers`` concurrently and return their streams in order, all or none.
+
+    The streams of one response (the prompts of a multi-prompt stream, the choices a relay
+    continues) open at once, so under Handoff their prefills overlap instead of queueing one
+    after another; the caller commits the response only once every one is established (RFC: all
+    generate streams ready before the client's response). The first failure cancels and awaits
+    the others, closes (and aborts) whatever had opened, and is raised. Leases are taken inside
+    ``reserve_together`` one at a time (``admission_turn`` in the guarded leg), as if the streams
+    opened one after another: only the first may wait for room, while its siblings hold nothing.
+    """
+    with reserve_together():
+        if len(openers) == 1:
+            return [await openers[0]()]
+        tasks: list[asyncio.Task[OpenStream]] = []
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(opener()) for opener in openers]
+        except BaseException as exc:
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    await t.result().aclose(engines)
+            if isinstance(exc, BaseExceptionGroup):
+                raise first_error(exc) from exc
+            raise
+        return [t.result() for t in tasks]
+
+
+def context_room(
+    snapshot: FleetSnapshot, scheduler: Scheduler, model: str, prompt_tokens: int, *, exclude: Collection[str] = ()
+) -> int | None:
+    """The output room the context budget grants a prompt: the smallest context among the
+    instances its placement may end on (union or decode), minus the prompt. None: no such instance.
+
+    The clamp must come before placement and charging (RFC: the scheduling budget and the
+    engine's budget agree), when the chosen engine is not known yet: the smallest context is the
+    one bound every candidate honours (vLLM wants ``--max-model-len`` equal across a model's
+    instances; a fleet that differs gets the tightest). Instances that cannot hold the prompt
+    plus one token are skipped, as placement skips them (``Attempts.too_small``).
+    """
+    contexts = [
+        i.max_model_len for i in scheduler.pool(snapshot, model, exclude=exclude)
+        if i.token_generate and i.role in ("union", "decode") and i.max_model_len > prompt_tokens
+    ]
+    return min(contexts) - prompt_tokens if contexts else None
+
+
+def clamped_request(
+    snapshot: FleetSnapshot, scheduler: Scheduler, model: str, request: Mapping[str, Any], prompt_tokens: int, *,
+    exclude: Collection[str] = (),
+) -> dict[str, Any]:
+    """``request`` with ``max_tokens`` resolved (render's omitted 16) and, with the context budget
+    on, clamped to ``context_room``; the one value placement, admission, the rate-limit charge and
+    the engine all see."""
+    req = dict(request)
+    max_tokens = resolved_max_tokens(req)
+    if snapshot.render.context_budget:
+        room = context_room(snapshot, scheduler, model, prompt_tokens, exclude=exclude)
+        if room is not None:
+            max_tokens = max(1, min(max_tokens, room))
+    return with_max_tokens(req, max_tokens)
+
+
+def requested_tokens(prompt: TokenizedPrompt, snapshot: FleetSnapshot, scheduler: Scheduler, model: str) -> int:
+    """Prompt + max output per choice, as the context budget leaves it (``clamped_request``):
+    what the request is charged, the number its placement and lease will use."""
+    request = clamped_request(snapshot, scheduler, model, prompt.generate_request, len(prompt.token_ids))
     n = int(prompt.sampling_params.get("n") or 1)
-    return len(prompt.token_ids) + resolved_max_tokens(dict(prompt.generate_request)) * n
+    return len(prompt.token_ids) + resolved_max_tokens(request) * n
 
 
 class Attempts:
@@ -114,20 +187,18 @@ class Attempts:
         self.counters = counters or RouterCounters()  # the process's, for relays
         self.phases = phases  # the request's; each attempt's copy carries its topology
 
-    def budget(self, request: dict[str, Any], prompt_tokens: int, instance: InstanceView) -> tuple[dict[str, Any], int]:
-        """The engine request for ``instance`` and its admission tokens (prompt + max output).
+    def budget(
+        self, request: dict[str, Any], prompt_tokens: int, model: str, *, exclude: Collection[str] = ()
+    ) -> tuple[dict[str, Any], int]:
+        """The engine request and its tokens (prompt + max output per choice), before placement.
 
-        ``max_tokens`` is resolved first (render's omitted 16); with the context budget on it is
-        clamped to the room the instance has left and written into ``sampling_params``.
+        ``max_tokens`` is resolved (render's omitted 16) and, with the context budget on, clamped
+        to the room the candidates have (``context_room``) and written into ``sampling_params``:
+        placement scores, admission holds and the engine generates the same number.
         """
-        req = dict(request)
-        max_tokens = resolved_max_tokens(req)
-        if self.snapshot.render.context_budget:
-            room = instance.max_model_len - prompt_tokens
-            max_tokens = max(1, min(max_tokens, room))
-        req = with_max_tokens(req, max_tokens)
+        req = clamped_request(self.snapshot, self.guard.scheduler, model, request, prompt_tokens, exclude=exclude)
         n = int(req["sampling_params"].get("n") or 1)
-        return req, prompt_tokens + max_tokens * n
+        return req, prompt_tokens + resolved_max_tokens(req) * n
 
     def too_small(self, prompt: TokenizedPrompt) -> set[str]:
         """Instances whose own context cannot hold the prompt plus one output token."""
@@ -162,16 +233,17 @@ class Attempts:
         last: EngineError | None = None
         first = plan.attempt if plan is not None else first_attempt
         for attempt in range(first, first + self.policy.max_attempts):
-            base = replace(plan, attempt=attempt).request() if plan is not None else dict(prompt.generate_request)
-            n = int(base.get("sampling_params", {}).get("n") or 1)
-            estimate = len(token_ids) + resolved_max_tokens(base) * n
+            attempt_plan = replace(plan, attempt=attempt) if plan is not None else None
+            base = attempt_plan.request() if attempt_plan is not None else dict(prompt.generate_request)
+            # Clamped before placement: the scores, the lease and the engine see one budget.
+            engine_req, tokens = self.budget(base, len(token_ids), tokenized.model, exclude=excluded)
             ineligible = self.topologies.pd_ineligible(base)
             start = self.phases.now()
             try:
                 # A relay is placed like any prompt (same scheduler, same topology rules): in P/D,
                 # P and D both get the replay ids.
                 placement = self.guard.scheduler.place(
-                    self.snapshot, tokenized.model, token_ids, tokens=estimate, exclude=excluded,
+                    self.snapshot, tokenized.model, token_ids, tokens=tokens, exclude=excluded,
                     requires_tokenizer=requires_tokenizer, pd_ineligible=ineligible,
                 )
             except NoCapacity:
@@ -184,9 +256,9 @@ class Attempts:
                 logger.info("route request_id=%s prompt=%d path=native reason=trigger_multi_prompt_stream instances=%s",
                             prompt.request_id, index, placement.names)
                 raise TriggerMultiPromptStream("multi-prompt streaming on Trigger takes the native path")
-            # The decode instance's context bounds the budget (union: the one instance).
-            engine_req, tokens = self.budget(base, len(token_ids), placement.instances[-1])
-            rid = engine_req["request_id"] = attempt_request_id(prompt.request_id, attempt)
+            rid = engine_req["request_id"] = (
+                attempt_plan.request_id if attempt_plan is not None else attempt_request_id(prompt.request_id, attempt)
+            )
             logger.info(
                 "placement request_id=%s prompt=%d attempt=%d topology=%s instances=%s prefix_hit_blocks=%d tokens=%d "
                 "stream=%s pd_ineligible=%s", rid, index, attempt, placement.topology, placement.names,

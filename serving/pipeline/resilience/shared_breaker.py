@@ -13,14 +13,23 @@ replaces the cached entry. So another process's trip reaches this one within ``r
 at its own next verdict on that instance).
 
 A half-open trial is one fleet-wide: ``claim`` (the request path's async ``begin``) takes the
-local trial slot and then ``SET <prefix>:<id>:trial NX PX`` in Redis, valued with this board's
-own token; a process that finds the key taken gives its slot back and keeps away from the
-instance for ``refresh_s``. The trial's verdict (or release) deletes the key after the verdict
-itself reached Redis, and only if this board still holds it; a process that dies mid-trial
-leaves a claim that expires after ``trial_claim_s``. The queue to the worker is bounded
-(``max_pending``), but a claim's deletion is never what a full queue drops: lost, it would keep
-every process away from the instance's half-open trial until the claim expired. While Redis is unreachable the claim
+local trial slot and then the claim ``<prefix>:<id>:trial`` in Redis, valued with a token of
+this claim's own; a process that finds it taken gives its slot back and keeps away from the
+instance for ``refresh_s``. The trial's verdict (or release) deletes the claim after the verdict
+itself reached Redis, and only if it is still this claim; a process that dies mid-trial leaves a
+claim that lapses after ``trial_claim_s``. A deletion is never lost while this process lives:
+a full queue to the worker (``max_pending``) never drops one, and one that meets Redis away is
+sent again when Redis answers (at the next call that reaches it, or by a retry with backoff),
+until the claim would have lapsed anyway. Lost, it would keep every process away from the
+instance's half-open trial until then (600 s by default). While Redis is unreachable the claim
 falls back to the local slot: one trial per process, as a per-process board.
+
+Open periods and claims are timed on the clock of ``redis_clock`` (``<prefix>:clock``), not on
+Redis's ``TIME`` or its key expiry: both are the server's wall clock, and a step of it forward
+ended every open period and claim at once, a step back held them for as long as the step. The
+clock moves at most ``clock_step_ms`` per script (twice the re-read interval, at least 1 s), so
+a step shortens an open period or a claim by no more than that; after a fleet-wide lull with no
+breaker call at all it lags, which can hold an open breaker up to its remaining open time longer.
 
 Operator overrides still win: the snapshot's higher ``breaker_epoch`` is adopted locally as
 before and written to Redis with that epoch; the script ignores verdicts sent under an older
@@ -46,17 +55,18 @@ from typing import Any, Callable
 
 from redis.exceptions import RedisError
 
+from serving.pipeline.redis_clock import clock_lua
 from serving.pipeline.resilience.breaker import Breaker, BreakerBoard, State, TransitionSink
 from serving.pipeline.snapshot import InstanceView
 
 logger = logging.getLogger(__name__)
 
-# KEYS[1]: the instance's hash. ARGV: 1 op (read | failure | success | adopt), 2 the caller's
-# epoch, 3 threshold, 4 base open ms, 5 max open ms, 6 the operator's state (adopt).
-# Returns {state, failures, ms until open_until (may be negative), open ms, epoch, flipped}.
-_BREAKER = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+# KEYS[1]: the instance's hash, 2: the breakers' clock. ARGV: 1 op (read | failure | success |
+# adopt), 2 the caller's epoch, 3 threshold, 4 base open ms, 5 max open ms, 6 the operator's state
+# (adopt), 7 the clock's largest step ms. Returns {state, failures, ms until open_until (may be
+# negative), open ms, epoch, flipped}. open_until is on the clock of ``redis_clock``, not TIME.
+_BREAKER = clock_lua("KEYS[2]", "ARGV[7]") + """
+local now = now_ms()
 local op, epoch = ARGV[1], tonumber(ARGV[2])
 local h = redis.call('HMGET', KEYS[1], 'state', 'failures', 'open_until', 'open_ms', 'epoch')
 local state = h[1] or 'closed'
@@ -97,10 +107,26 @@ return {state, failures, open_until - now, open_ms, stored, flipped}
 """
 
 
+# KEYS[1]: a trial claim (a hash: the claimer's token, until when on the clock), 2: the breakers'
+# clock. ARGV: 1 the claimer's token, 2 the claim's lifetime ms, 3 the clock's largest step ms.
+# Returns 1 if the claim is now the caller's. Not ``SET NX PX``: Redis's key expiry is on its wall
+# clock, and a step of it would end a live trial's claim (forward) or keep a dead process's for
+# as long as the step (back).
+_CLAIM = clock_lua("KEYS[2]", "ARGV[3]") + """
+local now = now_ms()
+-- A claim of the previous version (a string, SET NX PX) holds until Redis expires it.
+if redis.call('TYPE', KEYS[1]).ok == 'string' then return 0 end
+local c = redis.call('HMGET', KEYS[1], 'token', 'until')
+if c[1] and c[1] ~= ARGV[1] and tonumber(c[2]) > now then return 0 end
+redis.call('HSET', KEYS[1], 'token', ARGV[1], 'until', now + tonumber(ARGV[2]))
+return 1
+"""
+
 # KEYS[1]: a trial claim. ARGV[1]: the claimer's token. Deletes the claim only if it is still ours
 # (it may have expired and been taken by another process meanwhile).
 _UNCLAIM = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return 0 end
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
@@ -112,6 +138,17 @@ class _Op:
     epoch: int
     reason: str = ""
     local_move: tuple[State, str] | None = None  # what the local machine did, reported if Redis is away
+    token: str = ""  # unclaim: the token of the claim to delete
+    give_up_at: float | None = None  # unclaim: when its claim has lapsed (None: trial_claim_s from now)
+
+
+@dataclass(frozen=True, slots=True)
+class _Unreleased:
+    """A trial claim whose deletion met Redis away: sent again until ``give_up_at`` (it has lapsed)."""
+
+    instance: InstanceView
+    token: str
+    give_up_at: float  # on the board's clock
 
 
 class SharedBreakerBoard(BreakerBoard):
@@ -121,18 +158,29 @@ class SharedBreakerBoard(BreakerBoard):
         self, redis: Any, *, prefix: str = "motor:breaker", refresh_s: float = 1.0, threshold: int = 3,
         base_open_s: float = 5.0, max_open_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time, sink: TransitionSink | None = None, max_pending: int = 10_000,
-        trial_claim_s: float = 600.0,
+        trial_claim_s: float = 600.0, release_retry_s: float = 0.5,
     ) -> None:
         super().__init__(threshold=threshold, base_open_s=base_open_s, max_open_s=max_open_s, clock=clock, wall=wall, sink=sink)
         self.redis = redis
         self.prefix = prefix
         self.refresh_s = refresh_s  # how stale this process's view of another's verdicts may get
         self._script = redis.register_script(_BREAKER)
+        self._claim_script = redis.register_script(_CLAIM)
         self._unclaim = redis.register_script(_UNCLAIM)
         # Bounds a dead process's claim; a trial that outlives it may meet a second one.
         self.trial_claim_s = trial_claim_s
+        # The clock in Redis moves at most this much per script: a re-read comes every refresh_s
+        # while an instance has traffic, so twice that never holds the clock back, and a step of
+        # Redis's wall clock takes no more than this off an open period or a claim.
+        self.clock_step_ms = max(int(2 * refresh_s * 1000), 1000)
         self._token = f"{os.getpid()}:{uuid.uuid4().hex}"  # this board's claims, not another's
-        self._claims: set[int] = set()  # instance ids whose fleet-wide trial this board holds
+        self._claim_seq = 0  # each claim's own token: a late deletion of one never deletes the next
+        self._claims: dict[int, str] = {}  # instance id -> the token of the fleet-wide trial this board holds
+        # Deletions of claims that met Redis away, by instance id; sent again when Redis answers,
+        # first after release_retry_s, then with the delay doubling up to 32 times that.
+        self._unreleased: dict[int, _Unreleased] = {}
+        self.release_retry_s = release_retry_s
+        self._retrier: asyncio.Task[None] | None = None
         self._elsewhere: dict[int, float] = {}  # instance id -> until when another process's trial runs
         self._ops: deque[_Op] = deque()  # bounded by ``max_pending``, see ``_enqueue``
         self.max_pending = max_pending
@@ -172,8 +220,16 @@ class SharedBreakerBoard(BreakerBoard):
         if not b.trial:
             return True  # closed: no trial to share
         key = self._claim_key(instance)
+        self._claim_seq += 1
+        token = f"{self._token}:{self._claim_seq}"
         try:
-            won = await self.redis.set(key, self._token, nx=True, px=max(int(self.trial_claim_s * 1000), 1))
+            stale = self._unreleased.pop(instance.id, None)
+            if stale is not None:  # this board's last claim of it, left by Redis away: it goes first
+                await self._send_unclaim(stale.instance, stale.token, stale.give_up_at)
+            won = await self._claim_script(
+                keys=[key, self._clock_key()],
+                args=[token, max(int(self.trial_claim_s * 1000), 1), self.clock_step_ms],
+            )
         except (RedisError, OSError) as exc:
             logger.warning("breaker redis unavailable instance=%s op=claim, trial claimed locally: %r",
                            instance.name, exc)
@@ -181,10 +237,10 @@ class SharedBreakerBoard(BreakerBoard):
         except BaseException:
             # Cancelled while asking: the slot goes back, and a claim that may have landed with it.
             b.trial = False
-            self._enqueue(_Op("unclaim", instance, b.epoch))
+            self._enqueue(_Op("unclaim", instance, b.epoch, token=token))
             raise
         if won:
-            self._claims.add(instance.id)
+            self._claims[instance.id] = token
             return True
         b.trial = False
         self._elsewhere[instance.id] = self._clock() + self.refresh_s
@@ -194,11 +250,14 @@ class SharedBreakerBoard(BreakerBoard):
     def _claim_key(self, instance: InstanceView) -> str:
         return f"{self.prefix}:{instance.id}:trial"
 
+    def _clock_key(self) -> str:
+        return f"{self.prefix}:clock"
+
     def _end_claim(self, instance: InstanceView) -> None:
         """The trial ended: its claim goes, after the verdict queued before it reached Redis."""
-        if instance.id in self._claims:
-            self._claims.discard(instance.id)
-            self._enqueue(_Op("unclaim", instance, self._breakers[instance.id].epoch))
+        token = self._claims.pop(instance.id, None)
+        if token is not None:
+            self._enqueue(_Op("unclaim", instance, self._breakers[instance.id].epoch, token=token))
 
     def release(self, instance: InstanceView) -> None:
         super().release(instance)
@@ -265,16 +324,14 @@ class SharedBreakerBoard(BreakerBoard):
         while self._ops:
             op = self._ops.popleft()
             if op.kind == "unclaim":
-                try:
-                    await self._unclaim(keys=[self._claim_key(op.instance)], args=[self._token])
-                except (RedisError, OSError) as exc:  # it expires on its own
-                    logger.warning("breaker redis unavailable instance=%s op=unclaim: %r", op.instance.name, exc)
+                give_up_at = self._clock() + self.trial_claim_s if op.give_up_at is None else op.give_up_at
+                await self._send_unclaim(op.instance, op.token, give_up_at)
                 continue
             try:
                 result = await self._script(
-                    keys=[f"{self.prefix}:{op.instance.id}"],
+                    keys=[f"{self.prefix}:{op.instance.id}", self._clock_key()],
                     args=[op.kind, op.epoch, self.threshold, int(self.base_open_s * 1000), int(self.max_open_s * 1000),
-                          op.reason if op.kind == "adopt" else ""],
+                          op.reason if op.kind == "adopt" else "", self.clock_step_ms],
                 )
             except (RedisError, OSError) as exc:
                 logger.warning("breaker redis unavailable instance=%s op=%s: %r", op.instance.name, op.kind, exc)
@@ -282,6 +339,52 @@ class SharedBreakerBoard(BreakerBoard):
                     self._report(op.instance, self._breakers[op.instance.id], *op.local_move)
                 continue
             self._apply(op, result)
+            self._requeue_unreleased()  # Redis answers again: the claims it could not delete go now
+
+    async def _send_unclaim(self, instance: InstanceView, token: str, give_up_at: float) -> None:
+        """Delete this board's claim ``token``; if Redis is away, keep it to send again (``_retry``)."""
+        try:
+            await self._unclaim(keys=[self._claim_key(instance)], args=[token])
+        except (RedisError, OSError) as exc:
+            again = self._clock() < give_up_at  # (past it, the claim has lapsed in Redis by itself)
+            if again:
+                self._unreleased[instance.id] = _Unreleased(instance, token, give_up_at)
+                self._start_retrier()
+            logger.warning("breaker redis unavailable instance=%s op=unclaim sent_again=%s: %r",
+                           instance.name, again, exc)
+        except BaseException:
+            self._unreleased[instance.id] = _Unreleased(instance, token, give_up_at)
+            raise
+
+    def _requeue_unreleased(self) -> None:
+        """Queue every claim deletion that met Redis away (dropping those whose claim has lapsed)."""
+        now = self._clock()
+        for instance_id, left in list(self._unreleased.items()):
+            del self._unreleased[instance_id]
+            if now < left.give_up_at:
+                self._ops.append(_Op("unclaim", left.instance, 0, token=left.token, give_up_at=left.give_up_at))
+
+    def _start_retrier(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._retrier is None or self._retrier.done() or self._retrier.get_loop() is not loop:
+            self._retrier = loop.create_task(self._retry())
+
+    async def _retry(self) -> None:
+        """Send the claim deletions Redis missed again, with backoff, while any is left: a process
+        with no traffic makes no other call that would carry them."""
+        delay = self.release_retry_s
+        while self._unreleased:
+            await asyncio.sleep(delay)
+            if not self._unreleased:
+                return
+            now = self._clock()
+            for instance_id, left in list(self._unreleased.items()):
+                if self._unreleased.get(instance_id) is not left:
+                    continue  # (sent meanwhile by the worker or a new claim)
+                del self._unreleased[instance_id]
+                if now < left.give_up_at:
+                    await self._send_unclaim(left.instance, left.token, left.give_up_at)
+            delay = min(delay * 2, 32 * self.release_retry_s)
 
     def _apply(self, op: _Op, result: list[Any]) -> None:
         raw_state, failures, remaining_ms, open_ms, epoch, flipped = result
@@ -317,4 +420,10 @@ class SharedBreakerBoard(BreakerBoard):
         while self._worker is not None and not self._worker.done():
             await asyncio.shield(self._worker)
 
-    aclose = flush
+    async def aclose(self) -> None:
+        """``flush``, then stop sending claim deletions again (those left lapse in Redis)."""
+        await self.flush()
+        retrier, self._retrier = self._retrier, None
+        if retrier is not None:
+            retrier.cancel()
+            await asyncio.gather(retrier, return_exceptions=True)

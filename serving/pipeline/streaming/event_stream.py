@@ -1,11 +1,14 @@
 """The SSE body of a streaming response: derender per chunk, relay, restart and fan-in.
 
-``EventStream`` owns the request's established engine streams (``OpenStream``, opened by
-``Attempts.open`` before the client saw a byte) until it is closed. One
-``StreamingRenderSession`` per prompt derenders with committed state across attempts; a single
-prompt with ``n == 1`` relays to another instance after a mid-stream engine failure (the plan in
-``relay.py``), everything else ends with an error frame once a chunk was visible; before any
-chunk was visible the whole request may start over.
+``EventStream`` owns the request's established engine streams (``OpenStream``, opened
+concurrently by ``open_together`` before the client saw a byte) until it is closed. One
+``StreamingRenderSession`` per prompt derenders with committed state across attempts. A single
+prompt relays to another instance after a mid-stream engine failure (the plan in ``relay.py``),
+every choice of it: with ``n > 1`` each unfinished choice continues in an engine stream of its
+own from its own committed ids and budget, and their events are merged back into the one
+session under the client's choice indexes. Several prompts cannot relay once a chunk was
+visible (RFC: no per-prompt replay in this stage) and end with an error frame; before any chunk
+was visible the whole request may start over.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,12 +27,11 @@ from serving.pipeline.derender.holdback import ChunkHoldback, derender_request
 from serving.pipeline.derender.session import ChoicePhase, StreamingRenderSession, StreamSettings
 from serving.pipeline.engine.requests import GENERATE_PREFIX
 from serving.pipeline.errors import EngineError, MotorError, error_body
-from serving.pipeline.flow_control.admission import reserve_together
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.tokenization import TokenizedRequest
-from serving.pipeline.resilience.attempts import Attempts, OpenStream
+from serving.pipeline.resilience.attempts import Attempts, OpenStream, open_together
 from serving.pipeline.sse import DONE, frame
 from serving.pipeline.streaming.fanout import fan_in
 from serving.pipeline.streaming.relay import RetryRequestPlan
@@ -46,8 +48,10 @@ class EventStream:
     """The SSE body of a streaming response; owns the engine streams until it is closed.
 
     One ``StreamingRenderSession`` per prompt derenders with committed state across attempts; a
-    single prompt with ``n == 1`` relays to another instance after a mid-stream engine failure
-    (``_prompt_chunks``), everything else ends with an error frame once a chunk was visible.
+    single prompt relays every unfinished choice to another instance after a mid-stream engine
+    failure (``_prompt_chunks``); several prompts end with an error frame once a chunk was visible.
+    ``streams`` are every open engine stream, tagged with their prompt (and, for a relayed
+    choice of an n > 1 request, their choice).
     """
 
     attempts: Attempts
@@ -80,7 +84,7 @@ class EventStream:
                     request_id=self.request_id, public_id=self.public_id, prompt_index=i,
                     settings=self.settings,
                     reader=event_reader(self.attempts.snapshot.render),
-                    chunk_filter=ChunkHoldback(self.kind, self.body).apply, phases=self.phases,
+                    holdback=ChunkHoldback(self.kind, self.body), phases=self.phases,
                 )
                 for i, p in enumerate(self.tokenized.prompts)
             ]
@@ -91,8 +95,9 @@ class EventStream:
 
     @property
     def relays_allowed(self) -> bool:
-        """The RFC relays one logical stream only: a single prompt with a single choice."""
-        return len(self.streams) == 1 and self.n == 1
+        """The RFC relays a single prompt (each of its choices has its own ledger and state);
+        several prompts only restart before visible output."""
+        return len(self.tokenized.prompts) == 1
 
     @property
     def started(self) -> bool:
@@ -103,12 +108,12 @@ class EventStream:
         self._started = True
         start = time.perf_counter()
         outcome = "ok"
-        # Fan-out (several prompts, or n > 1) cannot relay; before the client saw any chunk the
-        # whole request may start over instead (single prompts relay from zero committed ids).
+        # Fan-out (several prompts) cannot relay; before the client saw any chunk the whole
+        # request may start over instead (single prompts relay from zero committed ids).
         restarts = 0 if self.relays_allowed else self.settings.max_relays
         try:
             while True:
-                source = self._prompt_chunks(0) if len(self.streams) == 1 else self._merged()
+                source = self._prompt_chunks(0) if self.relays_allowed else self._merged()
                 try:
                     # aclosing: when the client leaves mid-stream (GeneratorExit here), the source must be
                     # closed now, so _merged cancels its producers before the engine streams are closed.
@@ -156,17 +161,16 @@ class EventStream:
             "stream_restart request_id=%s prompts=%d failed_instance=%s error=%s",
             self.public_id, len(old), exc.instance, type(exc).__name__,
         )
-        streams: list[OpenStream] = []
-        try:
-            with reserve_together():  # as when first opened: all prompts at once, never waiting on itself
-                for s in old:
-                    streams.append(await self.attempts.open(
-                        self.tokenized, s.prompt_index, self.requires_tokenizer, first_attempt=s.attempt + 1,
-                        exclude=self.attempts.policy.excluded_after_restart(exc),
-                    ))
-        finally:
-            # Whatever opened is owned by the stream now, so aclose releases it on any exit.
-            self.streams = streams + old[len(streams):]
+
+        def opener(stream: OpenStream) -> Callable[[], Coroutine[Any, Any, OpenStream]]:
+            return lambda: self.attempts.open(
+                self.tokenized, stream.prompt_index, self.requires_tokenizer, first_attempt=stream.attempt + 1,
+                exclude=self.attempts.policy.excluded_after_restart(exc),
+            )
+
+        # As when first opened: all prompts at once; a failure closes what had opened and the old
+        # streams (already closed) stay with the stream, so aclose has nothing left to release.
+        self.streams = await open_together([opener(s) for s in old], self.attempts.guard.engines)
 
     async def _events(self, stream: OpenStream) -> AsyncGenerator[list[dict[str, Any]], None]:
         """The attempt's events (a list per read) through the engine boundary, each read within
@@ -188,6 +192,9 @@ class EventStream:
             raw[:] = [inbound(event, instance) for event in raw]
             yield raw
 
+    def _streams_of(self, index: int) -> list[OpenStream]:
+        return [s for s in self.streams if s.prompt_index == index]
+
     async def _prompt_chunks(
         self, index: int, *, fanned: bool = False
     ) -> AsyncGenerator[dict[str, Any] | bytes, None]:
@@ -199,39 +206,87 @@ class EventStream:
         """
         session = self.sessions[index]
         while True:
-            stream = self.streams[index]
-            snapshot = session.begin_attempt(stream.attempt, stream.instance.name)
+            streams = self._streams_of(index)
+            snapshot = session.begin_attempt(max(s.attempt for s in streams), streams[0].instance.name)
+            failed: list[tuple[OpenStream, BaseException]] = []
             try:
-                async with aclosing(session.chunks(self._events(stream))) as chunks:
+                async with aclosing(self._prompt_events(streams, failed)) as events, \
+                        aclosing(session.chunks(events)) as chunks:
                     async for chunk in chunks:
                         yield self._fanned(chunk, index) if fanned else chunk
             except EngineError as exc:
                 if not session.visible:
                     session.restore(snapshot)
+                culprit = next((s for s, e in failed if e is exc), failed[0][0] if failed else streams[0])
                 # A mid-stream engine failure is the engine's: its breaker hears it.
-                self.attempts.guard.stream_failed(stream.instance, exc)
-                await stream.aclose(self.attempts.guard.engines)
-                # Every choice already finished (the engine failed before its usage event or
-                # [DONE]): nothing is missing but the usage chunk, which is ours anyway.
-                done = len(session.choices) == self.n and all(
-                    c.phase is ChoicePhase.DONE for c in session.choices.values()
-                )
-                if not done and (
-                    not self.relays_allowed or session.relays >= self.settings.max_relays
-                ):
+                self.attempts.guard.stream_failed(culprit.instance, exc)
+                for s in streams:
+                    await s.aclose(self.attempts.guard.engines)
+                # Choices still open (an engine that failed before its usage event or [DONE] may
+                # have finished them all: then nothing is missing but the usage chunk, ours anyway).
+                open_choices = [
+                    j for j in range(self.n)
+                    if (c := session.choices.get(j)) is None or c.phase is not ChoicePhase.DONE
+                ]
+                if open_choices and (not self.relays_allowed or session.relays >= self.settings.max_relays):
                     raise
-                replacement = None if done else await self._relay(session, stream, exc)
-                if replacement is None:
-                    # Every output token was already committed: end as the engine would have.
-                    tail_events = _budget_spent_events(self.body, stream.request_id, finish=not done)
+                replacements, spent = (
+                    await self._relay(session, streams, culprit, exc, open_choices) if open_choices else ([], [])
+                )
+                if replacements:  # (the closed ones stay otherwise: _merged indexes streams by prompt)
+                    self.streams = [s for s in self.streams if s.prompt_index != index] + replacements
+                if spent or not replacements:
+                    # Every output token of these choices was already committed: end them as the
+                    # engine would have (and the stream, with its usage, if nothing continues).
+                    tail_events = _budget_spent_events(
+                        self.body, streams[0].request_id, spent, usage=not replacements
+                    )
                     async with aclosing(session.chunks(tail_events)) as tail:
                         async for chunk in tail:
                             yield self._fanned(chunk, index) if fanned else chunk
+                if not replacements:
                     return
-                self.streams[index] = replacement
                 continue
-            stream.finished = True
+            for s in streams:
+                s.finished = True
             return
+
+    async def _prompt_events(
+        self, streams: list[OpenStream], failed: list[tuple[OpenStream, BaseException]]
+    ) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """The engine events of one prompt: its one stream's, or, once the choices of an n > 1
+        request continue in streams of their own, all of theirs merged under the client's
+        choice indexes, with one usage-only event of ours when every one ended (each engine
+        would send its own). A stream that fails is recorded in ``failed`` with its error."""
+        if len(streams) == 1 and streams[0].choice is None:
+            try:
+                async with aclosing(self._events(streams[0])) as events:
+                    async for batch in events:
+                        yield batch
+            except EngineError as exc:
+                failed.append((streams[0], exc))
+                raise
+            return
+
+        def lane(stream: OpenStream) -> Callable[[], AsyncGenerator[list[dict[str, Any]], None]]:
+            async def events() -> AsyncGenerator[list[dict[str, Any]], None]:
+                try:
+                    async with aclosing(self._events(stream)) as batches:
+                        async for batch in batches:
+                            kept = [_as_choice(e, stream.choice) for e in batch if not _usage_only_event(e)]
+                            if kept:
+                                yield kept
+                except EngineError as exc:
+                    failed.append((stream, exc))
+                    raise
+                stream.finished = True
+            return events
+
+        async with aclosing(fan_in([lane(s) for s in streams])) as batches:
+            async for batch in batches:
+                yield batch
+        if (self.body.get("stream_options") or {}).get("include_usage"):
+            yield [_usage_event(GENERATE_PREFIX + streams[0].request_id)]
 
     def _fanned(self, chunk: dict[str, Any], index: int) -> dict[str, Any] | bytes:
         """Prompt ``index``'s chunk as the fan-in takes it: global choice indices, and framed
@@ -257,7 +312,8 @@ class EventStream:
             )
 
         sources = [source(i) for i in range(len(self.streams))]
-        async with aclosing(fan_in(sources, on_stop=on_stop)) as chunks:
+        # handed_on: a prompt's session commits a chunk once the client took it, not when it was queued.
+        async with aclosing(fan_in(sources, on_stop=on_stop, handed_on=True)) as chunks:
             async for chunk in chunks:
                 if isinstance(chunk, dict):  # the usage-only chunk: the one left parsed
                     usage_template = chunk
@@ -269,38 +325,62 @@ class EventStream:
             yield {**usage_template, "usage": {**usage_template["usage"], **usage}}
 
     async def _relay(
-        self, session: StreamingRenderSession, failed: OpenStream, exc: EngineError
-    ) -> OpenStream | None:
-        """Continue a single-prompt stream on another instance from its committed output ids.
+        self, session: StreamingRenderSession, failed_streams: list[OpenStream], failed: OpenStream,
+        exc: EngineError, open_choices: list[int],
+    ) -> tuple[list[OpenStream], list[int]]:
+        """Continue a single prompt on other instances from what the client has.
 
-        Returns None when the whole output budget was already committed (nothing to generate).
+        With n == 1, or before anything was visible, one engine request carries on (all n
+        choices, from zero committed ids in the latter case). Otherwise each of ``open_choices``
+        continues alone (n 1) from its own committed ids with its own remaining budget; they open
+        together, all or none. Returns the new streams, and the open choices whose whole budget
+        was already committed (nothing to generate: the caller ends them).
         """
         prompt = self.tokenized.prompts[failed.prompt_index]
-        plan = RetryRequestPlan.build(prompt.generate_request, prompt.token_ids, session.committed_ids,
-                                      attempt=failed.attempt + 1)
+        attempt = max(s.attempt for s in failed_streams) + 1
         session.relays += 1
-        if plan.remaining_tokens < 1:
-            logger.warning(
-                "relay request_id=%s prompt=%d committed_tokens=%d remaining_tokens=0 old_instance=%s "
-                "new_instance=- error=%s", self.public_id, failed.prompt_index, len(plan.committed_ids),
-                failed.instance.name, type(exc).__name__,
+        if self.n == 1 or not session.visible:
+            choices: list[int | None] = [None]
+        else:
+            choices = list(open_choices)
+        plans: list[RetryRequestPlan] = []
+        spent: list[int] = []
+        for choice in choices:
+            committed = session.committed_ids if choice is None else session.committed_ids_of(choice)
+            plan = RetryRequestPlan.build(prompt.generate_request, prompt.token_ids, committed,
+                                          attempt=attempt, choice=choice)
+            if plan.remaining_tokens < 1:
+                spent.append(0 if choice is None else choice)
+                logger.warning(
+                    "relay request_id=%s prompt=%d choice=%s committed_tokens=%d remaining_tokens=0 old_instance=%s "
+                    "new_instance=- error=%s", self.public_id, failed.prompt_index, "-" if choice is None else choice,
+                    len(plan.committed_ids), failed.instance.name, type(exc).__name__,
+                )
+            else:
+                plans.append(plan)
+        if not plans:
+            return [], spent
+        exclude = self.attempts.policy.excluded_after_stream_failure(failed.instance)
+
+        def opener(plan: RetryRequestPlan) -> Callable[[], Coroutine[Any, Any, OpenStream]]:
+            return lambda: self.attempts.open(
+                self.tokenized, failed.prompt_index, self.requires_tokenizer, plan=plan, exclude=exclude,
             )
-            return None
-        replacement = await self.attempts.open(
-            self.tokenized, failed.prompt_index, self.requires_tokenizer, plan=plan,
-            exclude=self.attempts.policy.excluded_after_stream_failure(failed.instance),
-        )
+
+        replacements = await open_together([opener(p) for p in plans], self.attempts.guard.engines)
         # Labels from fixed sets only: the failed stream's topology, and whether it stalled.
         reason = "stall" if isinstance(exc.__cause__, TimeoutError) else "failure"
         self.attempts.counters.inc(metric_names.STREAM_RELAYS, topology=failed.topology, reason=reason)
-        logger.warning(
-            "relay request_id=%s prompt=%d committed_tokens=%d remaining_tokens=%d old_instance=%s new_instance=%s "
-            "old_engine_request_id=%s new_engine_request_id=%s relay=%d error=%s",
-            self.public_id, failed.prompt_index, len(plan.committed_ids), plan.remaining_tokens,
-            failed.instance.name, replacement.instance.name, failed.request_id, replacement.request_id,
-            session.relays, type(exc).__name__,
-        )
-        return replacement
+        for plan, replacement in zip(plans, replacements, strict=True):
+            replacement.choice = plan.choice
+            logger.warning(
+                "relay request_id=%s prompt=%d choice=%s committed_tokens=%d remaining_tokens=%d old_instance=%s "
+                "new_instance=%s old_engine_request_id=%s new_engine_request_id=%s relay=%d error=%s",
+                self.public_id, failed.prompt_index, "-" if plan.choice is None else plan.choice,
+                len(plan.committed_ids), plan.remaining_tokens, failed.instance.name, replacement.instance.name,
+                failed.request_id, replacement.request_id, session.relays, type(exc).__name__,
+            )
+        return replacements, spent
 
     async def aclose(self) -> None:
         if self._closed:
@@ -324,16 +404,33 @@ def _usage_only(chunk: dict[str, Any]) -> bool:
     return not chunk.get("choices") and bool(chunk.get("usage"))
 
 
+def _usage_only_event(event: dict[str, Any]) -> bool:
+    return "error" not in event and not event.get("choices") and event.get("usage") is not None
+
+
+def _as_choice(event: dict[str, Any], choice: int | None) -> dict[str, Any]:
+    """An event of a relayed choice's own stream (its engine calls it 0) under the client's index."""
+    if choice is not None:
+        for c in event.get("choices") or []:
+            c["index"] = choice
+    return event
+
+
+def _usage_event(rid: str) -> dict[str, Any]:
+    """A usage-only event for derender; the session puts its own numbers in (``_account``)."""
+    return {"request_id": rid, "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+            "output_mode": "tokens", "choices": []}
+
+
 async def _budget_spent_events(
-    body: dict[str, Any], engine_request_id: str, *, finish: bool
+    body: dict[str, Any], engine_request_id: str, choices: list[int], *, usage: bool
 ) -> AsyncGenerator[list[dict[str, Any]], None]:
-    """The end of a stream whose whole output budget (or finish) was committed before its engine
-    failed: the finish chunk if it is missing, the usage chunk if asked for (numbers are ours)."""
+    """The end of choices whose whole output budget was committed before their engine failed: a
+    finish chunk for each, then (``usage``: nothing else continues) the usage chunk if asked for."""
     rid = GENERATE_PREFIX + engine_request_id
-    if finish:
+    for index in choices:
         yield [{"request_id": rid, "usage": None, "output_mode": "tokens",
-                "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [],
+                "choices": [{"index": index, "finish_reason": "length", "stop_reason": None, "token_ids": [],
                              "logprobs": None}]}]
-    if (body.get("stream_options") or {}).get("include_usage"):
-        yield [{"request_id": rid, "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-                "output_mode": "tokens", "choices": []}]
+    if usage and (body.get("stream_options") or {}).get("include_usage"):
+        yield [_usage_event(rid)]

@@ -36,20 +36,31 @@ async def fan_in(
     sources: Sequence[Callable[[], AsyncGenerator[T, None]]],
     *,
     on_stop: Callable[[list[int], BaseException], None] = lambda _failed, _exc: None,
+    handed_on: bool = False,
 ) -> AsyncGenerator[T, None]:
     """Items of every source as they come; raises the first source's ``MotorError``.
 
     ``on_stop(failed_indexes, exc)`` is told when the fan-in ends early (a failure, or the
     reader left), after every producer stopped.
+
+    ``handed_on``: a source is resumed after yielding an item only once the reader of the
+    fan-in has taken that item and asked for the next one, as if it read the source itself. A
+    derender session commits a chunk when it is resumed, so its commit is the moment the client
+    was handed the chunk, not the moment the chunk entered the queue. The other sources go on
+    meanwhile: each holds at most one item the client has not taken.
     """
-    queue: asyncio.Queue[tuple[T] | None] = asyncio.Queue(MERGE_QUEUE_SIZE)
+    queue: asyncio.Queue[tuple[T, asyncio.Future[None] | None] | None] = asyncio.Queue(MERGE_QUEUE_SIZE)
     failed: list[int] = []
+    loop = asyncio.get_running_loop()
 
     async def produce(index: int) -> None:
         try:
             async with aclosing(sources[index]()) as items:
                 async for item in items:
-                    await queue.put((item,))
+                    taken = loop.create_future() if handed_on else None
+                    await queue.put((item, taken))
+                    if taken is not None:
+                        await taken
         except MotorError:
             failed.append(index)
             raise
@@ -70,8 +81,11 @@ async def fan_in(
 
     runner = asyncio.create_task(run_all())
     try:
-        while (item := await queue.get()) is not None:
-            yield item[0]
+        while (entry := await queue.get()) is not None:
+            item, taken = entry
+            yield item
+            if taken is not None and not taken.done():
+                taken.set_result(None)  # the reader came back for more: the item was handed on
         await runner  # re-raises a producer's failure
     except BaseException as exc:
         runner.cancel()

@@ -3,6 +3,8 @@
 What the client already saw is final, so the next attempt continues from it instead of starting
 over (RFC 流式 replay 与重调度): its prompt is the original prompt ids plus the committed semantic
 output ids, its budget is what is left of the client's, and it is already final ids (no render).
+With ``n > 1`` every unfinished choice has its own committed ids, so each continues in an engine
+request of its own (``choice``): ``n`` 1, that choice's replay ids and remaining budget.
 The plan is pure data; the pipeline places it like any other prompt (same scheduler, same topology
 rules, the obfuscation boundary re-obfuscates its ids on the way out).
 """
@@ -25,12 +27,15 @@ class RetryRequestPlan:
     prompt_ids: tuple[int, ...]  # the original prompt: derender and usage keep using these
     committed_ids: tuple[int, ...]  # semantic output ids the client has seen
     attempt: int  # the engine attempt number; names the engine request
+    # The client's choice index this plan continues when the request has n > 1 (None: n == 1).
+    choice: int | None = None
 
     @classmethod
     def build(
-        cls, base_request: Mapping[str, Any], prompt_ids: Sequence[int], committed_ids: Sequence[int], *, attempt: int
+        cls, base_request: Mapping[str, Any], prompt_ids: Sequence[int], committed_ids: Sequence[int], *,
+        attempt: int, choice: int | None = None,
     ) -> RetryRequestPlan:
-        return cls(base_request, tuple(prompt_ids), tuple(committed_ids), attempt)
+        return cls(base_request, tuple(prompt_ids), tuple(committed_ids), attempt, choice)
 
     @property
     def replay_ids(self) -> list[int]:
@@ -43,7 +48,9 @@ class RetryRequestPlan:
 
     @property
     def request_id(self) -> str:
-        return attempt_request_id(str(self.base_request["request_id"]), self.attempt)
+        """Each attempt, and each choice's continuation, has an id of its own (an abort names one)."""
+        rid = attempt_request_id(str(self.base_request["request_id"]), self.attempt)
+        return rid if self.choice is None else f"{rid}-c{self.choice}"
 
     def request(self) -> dict[str, Any]:
         """The GenerateRequest to place: replay ids, reduced budget, this attempt's own id.
@@ -58,6 +65,8 @@ class RetryRequestPlan:
         params["max_tokens"] = remaining
         if params.get("min_tokens"):
             params["min_tokens"] = max(0, int(params["min_tokens"]) - len(self.committed_ids))
+        if self.choice is not None:
+            params["n"] = 1  # one choice's continuation; the engine calls it choice 0
         req["sampling_params"] = params
         req["token_ids"] = self.replay_ids
         req["request_id"] = self.request_id

@@ -7,16 +7,20 @@ callback. Ours does not:
 
 - every Trigger request registers here and gets its own URL, ``<base>/internal/metaserver/<token>``,
   where ``<base>`` is how engines reach the coordinators and the token is
-  ``<owner>.<route>.<secret>.<mac>``: ``owner`` names this process, ``route`` is its own direct
-  address (base64url), ``secret`` is 256 random bits and ``mac`` an HMAC-SHA256 of the rest under
-  the key every replica shares (``MOTOR_METASERVER_KEY``);
+  ``<owner>.<secret>.<mac>``: ``owner`` names this process (fresh per start), ``secret`` is 256
+  random bits and ``mac`` an HMAC-SHA256 of the rest under the key every replica shares
+  (``MOTOR_METASERVER_KEY``);
 - a callback that reaches another replica (a load balancer in front, or a base URL that names a
-  Service) is routed to its owner: the replica checks the MAC first (a forged token is a 404 and
-  is never forwarded, so nobody can make a replica post to an address of their choosing), then
-  ``forward`` posts the body unchanged to the owner's direct address and returns its answer. A
-  forwarded callback is never forwarded again (one hop at most: a stale route cannot loop). The
-  request's task and its future live only in the owner, so routing needs no shared state and no
-  Redis call per request; only a callback that lands elsewhere pays one extra hop;
+  Service) is routed to its owner: the replica checks the MAC first (a forged token is a 404), then
+  looks the owner up in the ``ReplicaDirectory``, where every coordinator process advertised its
+  own address (``MOTOR_METASERVER_OWNER_URL``) before it handed out a callback URL, and ``forward``
+  posts the body unchanged there and returns the answer. The token carries no address: even with
+  the signing key (a leaked ``SECRET_KEY``) nobody can make a replica post anywhere but to an
+  address a coordinator process wrote into the control plane. An owner the directory does not
+  know is a 404. A forwarded callback is never forwarded again (one hop at most: a stale entry
+  cannot loop). The request's task and its future live only in the owner, so routing needs no
+  shared state per request; only a callback that lands elsewhere pays one extra hop (and, the
+  first time a replica sees that owner, one directory lookup);
 - registrations are looked up by the SHA-256 of the presented token, so lookup time says nothing
   about stored secrets, and an unknown token (forged, or of a request that already ended) is a 404;
 - a registration accepts exactly one callback: a replay is a 409 and never starts a second
@@ -24,14 +28,14 @@ callback. Ours does not:
 - the request's task releases its registration exactly once on every exit path (``release`` is
   idempotent, and ``Registration`` is a context manager), so ``pending`` returns to zero.
 
-Django-free: the view in ``serving.views_internal`` only calls ``check``, ``deliver`` and ``forward``.
+Django-free: the view in ``serving.views_internal`` only calls ``check``, ``deliver`` and ``forward``;
+the directory is the control plane's (``fleet.replicas``), installed by ``serving.runtime``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import enum
 import hashlib
 import hmac
@@ -42,7 +46,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -78,11 +82,33 @@ class CallbackRefused(Exception):
 
 
 class CallbackElsewhere(CallbackRefused):
-    """A genuine callback of another replica's request; ``owner_url`` is that replica's address."""
+    """A genuine callback (its MAC checked) of another replica's request; ``owner`` names that
+    process, whose address ``forward`` looks up in the directory."""
 
-    def __init__(self, owner_url: str) -> None:
-        super().__init__(421, f"this callback belongs to the coordinator process at {owner_url}")
-        self.owner_url = owner_url
+    def __init__(self, owner: str) -> None:
+        super().__init__(421, f"this callback belongs to coordinator process {owner}")
+        self.owner = owner
+
+
+class ReplicaDirectory(Protocol):
+    """Where each coordinator process says where it can be reached (the control plane's record).
+
+    ``advertise`` records this process's own address under its owner id (and may raise: the
+    caller logs and carries on); ``address_of`` returns the address a live process advertised
+    under ``owner``, or None.
+    """
+
+    async def advertise(self, owner: str, url: str) -> None: ...
+
+    async def address_of(self, owner: str) -> str | None: ...
+
+
+# How often a process that hands out callback URLs renews its directory entry; entries older than
+# ``fleet.replicas.STALE_S`` are ignored, so this must stay well inside it.
+ADVERTISE_EVERY_S = 60.0
+# The first write waits this long at most (a request is waiting); a failed one is retried this much later.
+ADVERTISE_TIMEOUT_S = 2.0
+ADVERTISE_RETRY_S = 5.0
 
 
 def _digest(token: str) -> str:
@@ -91,13 +117,6 @@ def _digest(token: str) -> str:
 
 def _b64(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
-
-
-def _unb64(text: str) -> str | None:
-    try:
-        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode("utf-8")
-    except (binascii.Error, ValueError):
-        return None
 
 
 @dataclass(eq=False)
@@ -148,20 +167,26 @@ class MetaServer:
 
     ``base_url`` goes into the callback URLs (how engines reach a coordinator: this process, or a
     load balancer in front of all); ``owner_url`` is this process's own address, where another
-    replica forwards a callback it received for us (default ``base_url``). ``key`` signs the
-    route; replicas that do not share it cannot route each other's callbacks (a random key, the
-    default, makes every foreign token a 404).
+    replica forwards a callback it received for us (default ``base_url``), advertised in
+    ``directory``. ``key`` signs tokens; replicas that do not share it cannot route each other's
+    callbacks (a random key, the default, makes every foreign token a 404), nor can a replica
+    without a directory (every foreign token is then a 404 too).
     """
 
     def __init__(
-        self, base_url: str, *, owner: str | None = None, owner_url: str | None = None, key: bytes | None = None
+        self, base_url: str, *, owner: str | None = None, owner_url: str | None = None, key: bytes | None = None,
+        directory: ReplicaDirectory | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.owner_url = (owner_url or base_url).rstrip("/")
         # Fresh per process start: a token handed out by a previous run never matches.
         self.owner = owner or uuid.uuid4().hex[:12]
         self._key = key or secrets.token_bytes(32)
-        self._route = _b64(self.owner_url.encode("utf-8"))
+        self.directory = directory
+        # When this process last advertised its address (the loop's clock; None: never), and the
+        # write under way, if any.
+        self._advertised_at: float | None = None
+        self._advertising: asyncio.Task[None] | None = None
         self._by_digest: dict[str, Registration] = {}
         # Counters for metrics and tests.
         self.delivered = 0
@@ -175,9 +200,43 @@ class MetaServer:
         """Registrations not yet released (zero when no Trigger request is in flight)."""
         return len(self._by_digest)
 
+    async def advertise(self) -> None:
+        """Make sure the directory knows this process's address before a callback URL goes out.
+
+        The first time it waits for the write (at most ``ADVERTISE_TIMEOUT_S``); after that a
+        renewal, due every ``ADVERTISE_EVERY_S``, runs in the background, so a slow or absent
+        database never holds a request. A failure is logged and retried when next due: the
+        callback of a request started here still reaches this process directly, only one that
+        lands on another replica would be refused meanwhile.
+        """
+        if self.directory is None:
+            return
+        loop = asyncio.get_running_loop()
+        if self._advertised_at is not None and loop.time() - self._advertised_at < ADVERTISE_EVERY_S:
+            return
+        if self._advertising is not None and not self._advertising.done():
+            if self._advertised_at is None:
+                await asyncio.shield(self._advertising)  # the first write, which another request started
+            return
+        self._advertising = loop.create_task(self._advertise(self.directory))
+        if self._advertised_at is None:
+            await asyncio.shield(self._advertising)
+
+    async def _advertise(self, directory: ReplicaDirectory) -> None:
+        try:
+            async with asyncio.timeout(ADVERTISE_TIMEOUT_S):
+                await directory.advertise(self.owner, self.owner_url)
+        except Exception as exc:
+            logger.warning("metaserver could not advertise %s as %s: %r", self.owner_url, self.owner, exc)
+            # Not again before one retry interval, so an outage costs one attempt per interval.
+            self._advertised_at = asyncio.get_running_loop().time() - ADVERTISE_EVERY_S + ADVERTISE_RETRY_S
+            return
+        self._advertised_at = asyncio.get_running_loop().time()
+
     def register(self, request_id: str, *, engine_request_id: str) -> Registration:
-        """Create the callback of one Trigger request; call from the request's own task."""
-        unsigned = f"{self.owner}.{self._route}.{secrets.token_urlsafe(32)}"
+        """Create the callback of one Trigger request; call from the request's own task
+        (after ``advertise``, so another replica can route it here)."""
+        unsigned = f"{self.owner}.{secrets.token_urlsafe(32)}"
         token = f"{unsigned}.{self._mac(unsigned)}"
         reg = Registration(self, request_id, token, engine_request_id)
         self._by_digest[_digest(token)] = reg
@@ -224,12 +283,16 @@ class MetaServer:
     async def forward(
         self, elsewhere: CallbackElsewhere, token: str, body: bytes, client: Upstream
     ) -> Reply | httpx.Response:
-        """Post a callback ``check`` found to be another replica's to its owner; return the answer.
+        """Post a callback ``check`` found to be another replica's to the address its owner
+        advertised in the directory; return the answer.
 
-        Raises ``CallbackRefused`` (502) when the owner cannot be reached in ``FORWARD_TIMEOUT_S``:
-        the owner process is gone, and with it the request that waited for this callback.
+        Raises ``CallbackRefused``: 404 when the directory knows no live process by that owner
+        (or names this process's own address), 503 when the directory cannot be read, 502 when
+        the owner cannot be reached in ``FORWARD_TIMEOUT_S`` (the owner process is gone, and
+        with it the request that waited for this callback).
         """
-        url = elsewhere.owner_url + CALLBACK_PATH + token
+        owner_url = await self._address_of(elsewhere.owner)
+        url = owner_url + CALLBACK_PATH + token
         try:
             response = await client.post(
                 url,
@@ -240,23 +303,39 @@ class MetaServer:
         except httpx.HTTPError as exc:
             self.refused += 1
             self.forward_results["unreachable"] += 1
-            logger.warning("metaserver could not forward a callback to %s: %r", elsewhere.owner_url, exc)
-            raise CallbackRefused(502, f"the coordinator process at {elsewhere.owner_url} is unreachable") from None
+            logger.warning("metaserver could not forward a callback to %s: %r", owner_url, exc)
+            raise CallbackRefused(502, f"the coordinator process at {owner_url} is unreachable") from None
         self.forwarded += 1
         self.forward_results["accepted" if 200 <= response.status_code < 300 else "refused"] += 1
-        logger.info("metaserver forwarded a callback to %s: %d", elsewhere.owner_url, response.status_code)
+        logger.info("metaserver forwarded a callback to %s: %d", owner_url, response.status_code)
         return response
+
+    async def _address_of(self, owner: str) -> str:
+        """The address ``owner`` advertised; raises ``CallbackRefused`` as ``forward`` says."""
+        try:
+            found = await self.directory.address_of(owner) if self.directory is not None else None
+        except Exception as exc:
+            self.refused += 1
+            logger.warning("metaserver could not look up coordinator process %s: %r", owner, exc)
+            raise CallbackRefused(503, "the coordinator directory is unavailable; try again") from None
+        # An entry naming this process's own address is a previous process here (it restarted):
+        # its request is gone, and a callback is never posted back to where it arrived.
+        if found is None or found.rstrip("/") == self.owner_url:
+            self.refused += 1
+            logger.warning("metaserver refused a callback: no live coordinator process %s", owner)
+            raise CallbackRefused(404, "unknown or expired callback token (its coordinator process is gone)")
+        return found.rstrip("/")
 
     def _mac(self, unsigned: str) -> str:
         return _b64(hmac.digest(self._key, unsigned.encode("utf-8", "surrogatepass"), "sha256"))
 
     def _waiting(self, token: str, forwarded: bool) -> Registration:
         parts = token.split(".")
-        if len(parts) != 4:
+        if len(parts) != 3:
             raise CallbackRefused(404, "unknown or expired callback token")
-        owner, route, _, mac = parts
+        owner, _, mac = parts
         if owner != self.owner:
-            raise self._elsewhere(token[: -len(mac) - 1], route, mac, forwarded)
+            raise self._elsewhere(token[: -len(mac) - 1], owner, mac, forwarded)
         reg = self._by_digest.get(_digest(token))
         if reg is None:
             raise CallbackRefused(404, "unknown or expired callback token")
@@ -264,17 +343,17 @@ class MetaServer:
             raise CallbackRefused(409, f"callback for request {reg.request_id} already delivered")
         return reg
 
-    def _elsewhere(self, unsigned: str, route: str, mac: str, forwarded: bool) -> CallbackRefused:
-        # The MAC before anything else: only a route a replica signed is ever posted to.
-        if not hmac.compare_digest(mac, self._mac(unsigned)):
+    def _elsewhere(self, unsigned: str, owner: str, mac: str, forwarded: bool) -> CallbackRefused:
+        # The MAC before anything else: only a token a replica signed is ever looked up. Compared
+        # as bytes: compare_digest refuses a str with non-ASCII characters (a TypeError, a 500),
+        # and a MAC of any length or alphabet is simply not equal.
+        if not hmac.compare_digest(mac.encode("utf-8", "surrogatepass"), self._mac(unsigned).encode("ascii")):
             return CallbackRefused(404, "unknown or expired callback token")
-        owner_url = _unb64(route)
-        # The owner's address now serves another process (it restarted), or a replica forwarded
-        # this to us by a route that names us: either way its request is gone, and one hop is all
-        # a callback gets.
-        if owner_url is None or forwarded or owner_url == self.owner_url:
+        # A replica forwarded this to us, though it is not ours (a stale directory entry, or this
+        # address now serves another process): one hop is all a callback gets.
+        if forwarded:
             return CallbackRefused(404, "unknown or expired callback token (its coordinator process is gone)")
-        return CallbackElsewhere(owner_url)
+        return CallbackElsewhere(owner)
 
     def _deliver(self, token: str, body: Any, forwarded: bool) -> Registration:
         reg = self._waiting(token, forwarded)
@@ -309,7 +388,7 @@ def process_metaserver() -> MetaServer:
     by the k8s manifests to the pod's IP) goes into callback URLs; ``MOTOR_METASERVER_OWNER_URL``
     (default: the base URL) is this process's direct address, which must differ from the base
     URL when that names a load balancer; ``MOTOR_METASERVER_KEY`` (default: ``SECRET_KEY``, which
-    replicas share) signs routes.
+    replicas share) signs tokens. ``serving.runtime`` installs the control plane's directory (``directory``).
     """
     global _process
     if _process is None:

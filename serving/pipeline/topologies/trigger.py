@@ -133,6 +133,8 @@ async def open_trigger(
     # waiting requests (mooncake_layerwise_connector.py, ``request_map``). Aborts still hit only
     # one leg: each goes to its own instance, and P and D are never the same one.
     p_id = d_id
+    # The directory must know this process before D gets a URL whose callback may land on another replica.
+    await metaserver.advertise()
     with metaserver.register(ctx.request_id, engine_request_id=engine_request_id(d_id)) as reg:
         d_request = _trigger_decode_request(engine_request, d_id, reg)
         # D's holds and stream live on their own stack until the run succeeded; then ``stack`` owns them.

@@ -12,9 +12,11 @@ from django.db import transaction
 from catalog.fingerprints import config_vocab_size
 from catalog.models import RenderConfig, ServedModel
 from catalog.services import revision_record
-from fleet.models import ApiKey, BreakerState, EngineInstance
-from fleet.services import api_key_ensure
+from fleet.models import ApiKey, EngineInstance
+from fleet.services import api_key_ensure, instance_create, instance_delete, instance_update
 from motorsite.core import bump_control_version
+
+ACTOR = "demo_fleet"  # who the instances' history names for what this command changed
 
 
 class Command(BaseCommand):
@@ -35,8 +37,8 @@ class Command(BaseCommand):
         # P/D instances: NixlConnector over loopback (pull, Handoff); tokens-only, no native API.
         parser.add_argument("--prefill", action="append", default=[], help="prefill engine base URL, repeatable")
         parser.add_argument("--decode", action="append", default=[], help="decode engine base URL, repeatable")
+        # The admin's password is MOTOR_DEMO_ADMIN_PASSWORD, never an argument: argv is public (ps).
         parser.add_argument("--admin-user", default="admin")
-        parser.add_argument("--admin-password", default="")
         # Defaults come from the environment ``motorsite.stack`` gives this command, so ``make run``
         # and the integration tests create the key records without new arguments.
         parser.add_argument(
@@ -54,48 +56,57 @@ class Command(BaseCommand):
                       "vocab_size": config_vocab_size(opts["model_dir"])},
         )
         # The version probe compares engines against this record; unchanged files add no row.
-        revision_record(served_model=model, model_dir=opts["model_dir"], actor="demo_fleet",
+        revision_record(served_model=model, model_dir=opts["model_dir"], actor=ACTOR,
                         reasoning_parser=opts["reasoning_parser"], tool_parser=opts["tool_parser"])
         RenderConfig.objects.update_or_create(
             name="default", defaults={"host": opts["render_host"], "port": opts["render_port"], "enable": True}
         )
-        names = []
         Role = EngineInstance.Role
         fleet = [(Role.UNION, url) for url in opts["engine"]]
         fleet += [(Role.PREFILL, url) for url in opts["prefill"]] + [(Role.DECODE, url) for url in opts["decode"]]
         counts: dict[str, int] = {}
+        wanted: dict[str, dict[str, Any]] = {}
         for role, url in fleet:
             counts[role] = counts.get(role, 0) + 1
-            name = f"{role}-{counts[role]}"
-            names.append(name)
             union = role == Role.UNION
-            EngineInstance.objects.update_or_create(
-                name=name,
-                defaults={
-                    "url": url,
-                    "role": role,
-                    "served_model": model,
-                    "kind": opts["engine_kind"],
-                    "state": EngineInstance.State.ACTIVE,
-                    "cap_token_generate": True,
-                    # The demo's real union engines run with --enable-scale-out: tokenizer and native
-                    # API; its P/D engines are tokens-only.
-                    "cap_native_openai": opts["engine_kind"] == "vllm" and union,
-                    "cap_tokenizer": opts["engine_kind"] == "vllm" and union,
-                    "kv_connector": "" if union else EngineInstance.KVConnector.NIXL,
-                    "kv_transfer": "" if union else EngineInstance.KVTransfer.PULL,
-                    "model_dir": opts["model_dir"],
-                },
-            )
-            BreakerState.objects.get_or_create(instance=EngineInstance.objects.get(name=name))
+            wanted[f"{role}-{counts[role]}"] = {
+                "url": url,
+                "role": role,
+                "served_model_id": model.id,
+                "kind": opts["engine_kind"],
+                "cap_token_generate": True,
+                # The demo's real union engines run with --enable-scale-out: tokenizer and native
+                # API; its P/D engines are tokens-only.
+                "cap_native_openai": opts["engine_kind"] == "vllm" and union,
+                "cap_tokenizer": opts["engine_kind"] == "vllm" and union,
+                "kv_connector": "" if union else EngineInstance.KVConnector.NIXL,
+                "kv_transfer": "" if union else EngineInstance.KVTransfer.PULL,
+                "model_dir": opts["model_dir"],
+            }
         # The demo fleet is exactly what this run started; stale rows from another run would
-        # send traffic to ports nobody listens on.
-        removed, _ = EngineInstance.objects.exclude(name__in=names).delete()
-        if opts["admin_password"]:
+        # send traffic to ports nobody listens on (and are gone before the P/D rules look at
+        # the fleet this run declares).
+        stale = list(EngineInstance.objects.exclude(name__in=list(wanted)).values_list("id", flat=True))
+        for instance_id in stale:
+            instance_delete(instance_id=instance_id, actor=ACTOR)
+        # Through the services and model methods, as an operator's edits: each change of an
+        # existing row (its configuration, a state other than active left by an earlier run)
+        # writes its history row, and the probes' columns are left alone.
+        for name, fields in wanted.items():
+            instance = EngineInstance.objects.filter(name=name).first()
+            if instance is None:
+                instance_create(actor=ACTOR, name=name, **fields)
+                continue
+            instance_update(instance_id=instance.id, actor=ACTOR, **fields)
+            if instance.state != EngineInstance.State.ACTIVE:
+                instance.activate(actor=ACTOR)
+        removed = len(stale)
+        admin_password = os.environ.get("MOTOR_DEMO_ADMIN_PASSWORD", "")
+        if admin_password:
             User = get_user_model()
             user, _ = User.objects.get_or_create(username=opts["admin_user"])
             user.is_staff = user.is_superuser = True
-            user.set_password(opts["admin_password"])
+            user.set_password(admin_password)
             user.save()
         client_keys = opts["client_key"]
         if client_keys is None:
@@ -107,4 +118,4 @@ class Command(BaseCommand):
         # Demo keys printed by an earlier run stop working, as the old demo engines do.
         ApiKey.objects.filter(name__startswith="demo ").exclude(id__in=[k.id for k in current]).update(revoked=True)
         bump_control_version()
-        self.stdout.write(f"demo fleet: model {model.name}, {len(names)} engine(s), removed {removed} stale row(s)")
+        self.stdout.write(f"demo fleet: model {model.name}, {len(wanted)} engine(s), removed {removed} stale row(s)")

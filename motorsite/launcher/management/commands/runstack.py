@@ -69,7 +69,7 @@ class Command(BaseCommand):
         # which stores only their hashes as ApiKey records.
         api_key = os.environ.get("MOTOR_DEMO_API_KEY") or "sk-motor-" + secrets.token_urlsafe(18)
         admin_key = os.environ.get("MOTOR_DEMO_ADMIN_KEY") or "mk-admin-" + secrets.token_urlsafe(18)
-        admin_password = os.environ.get("MOTOR_DEMO_ADMIN_PASSWORD") or secrets.token_urlsafe(9)
+        admin_password = os.environ.get("MOTOR_DEMO_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
         cfg = stack.StackConfig(
             model_dir=_required_env("MOTOR_MODEL_DIR"),
             render_python=_required_env("MOTOR_RENDER_PYTHON"),
@@ -83,6 +83,8 @@ class Command(BaseCommand):
             prefill_ports=_ports(opts["prefill_ports"]),
             decode_ports=_ports(opts["decode_ports"]),
             log_dir=Path(opts["var_dir"]) / "log",
+            log_max_bytes=settings.MOTOR_LOG_MAX_BYTES,
+            log_backups=settings.MOTOR_LOG_BACKUPS,
             celery_dir=Path(opts["var_dir"]) / "celery",
             database_url=os.environ.get("DATABASE_URL", ""),
             redis_url=settings.REDIS_URL,
