@@ -8,11 +8,13 @@ host (``render``, ``e1``, ``e2``); each request becomes an ``httpx.Request`` for
 ``FakeUpstreams.handler`` and its answer is streamed back as it is produced. The engines'
 streaming generate yields ``--tokens`` single-token events per request, built lazily as a real
 engine would, and counts each event it hands to the socket. ``GET /stats`` on any port answers
-``{"events_sent": n, "derender_calls": n}``.
+``{"events_sent": n, "derender_calls": n, "derendered_tokens": n, "open_streams": n, "aborted": [ids]}``:
+the tokens of every streaming derender call (what the coordinator has taken from the engines),
+the engine streams not yet ended or hung up on, and the engine request ids aborted.
 
 Prints one JSON line ``{"render": port, "e1": port, "e2": port}`` once listening; runs until killed.
 
-    python3 -m toolchain exec bench/fake_upstream_server.py --tokens 1000
+    python3 -m toolchain exec bench/fake_upstream_server.py --tokens 1000 [--pad-bytes 0]
 """
 
 from __future__ import annotations
@@ -39,11 +41,15 @@ HOSTS = ("render", "e1", "e2")
 class App:
     """ASGI adapter from real HTTP requests to ``FakeUpstreams.handler``."""
 
-    def __init__(self, tokens: int, ports: dict[int, str]) -> None:
+    def __init__(self, tokens: int, ports: dict[int, str], pad_bytes: int = 0) -> None:
         self.upstreams = FakeUpstreams()
+        self.pad_bytes = pad_bytes
         self.ports = ports
         self.events_sent = 0
         self.derender_calls = 0
+        self.derendered_tokens = 0
+        self.open_streams = 0
+        self.aborted: list[str] = []
         for host in ("e1", "e2"):
             self.upstreams.override(host, "generate", self._generate(tokens))
 
@@ -55,14 +61,18 @@ class App:
             ids = output_ids(body["token_ids"], 0, tokens)
 
             async def agen() -> AsyncIterator[bytes]:
-                for pos, token in enumerate(ids):
-                    event = {"request_id": "generate-tokens-" + rid, "usage": None, "output_mode": "tokens",
-                             "choices": [{"index": 0, "finish_reason": "stop" if pos == len(ids) - 1 else None,
-                                          "stop_reason": None, "token_ids": [token], "routed_experts": None,
-                                          "sampling_mask": None, "weight_versions": None, "logprobs": None}]}
-                    yield ("data: " + json.dumps(event, separators=(",", ":")) + "\n\n").encode()
-                    self.events_sent += 1
-                yield b"data: [DONE]\n\n"
+                self.open_streams += 1
+                try:
+                    for pos, token in enumerate(ids):
+                        event = {"request_id": "generate-tokens-" + rid, "usage": None, "output_mode": "tokens",
+                                 "choices": [{"index": 0, "finish_reason": "stop" if pos == len(ids) - 1 else None,
+                                              "stop_reason": None, "token_ids": [token], "routed_experts": None,
+                                              "sampling_mask": None, "weight_versions": None, "logprobs": None}]}
+                        yield ("data: " + json.dumps(event, separators=(",", ":")) + "\n\n").encode()
+                        self.events_sent += 1
+                    yield b"data: [DONE]\n\n"
+                finally:
+                    self.open_streams -= 1
 
             return httpx.Response(200, headers={"content-type": "text/event-stream"},
                                   stream=SSEBody(agen(), lambda: None))
@@ -73,7 +83,9 @@ class App:
         if scope["type"] != "http":
             return
         if scope["path"] == "/stats":
-            payload = {"events_sent": self.events_sent, "derender_calls": self.derender_calls}
+            payload = {"events_sent": self.events_sent, "derender_calls": self.derender_calls,
+                       "derendered_tokens": self.derendered_tokens, "open_streams": self.open_streams,
+                       "aborted": self.aborted}
             await _send_whole(send, 200, [(b"content-type", b"application/json")], json.dumps(payload).encode())
             return
         body = b""
@@ -88,6 +100,12 @@ class App:
         response = await self.upstreams.handler(request)
         if path.endswith("/derender"):
             self.derender_calls += 1
+            chunk = json.loads(body).get("generate_chunk") or {}
+            self.derendered_tokens += sum(len(c.get("token_ids") or []) for c in chunk.get("choices") or [])
+            if chunk and self.pad_bytes and response.status_code == 200:
+                response = httpx.Response(200, json=_padded(response.json(), self.pad_bytes))
+        elif path == "/inference/v1/abort_requests":
+            self.aborted += json.loads(body)["request_ids"]
         # The test double's call records would grow without end over a long run.
         self.upstreams.calls.clear()
         self.upstreams.stream_derenders.clear()
@@ -104,6 +122,18 @@ class App:
         await _send_whole(send, response.status_code, headers, response.content)
 
 
+def _padded(answer: dict[str, Any], pad_bytes: int) -> dict[str, Any]:
+    """A derendered chunk whose text grew by ``pad_bytes`` per choice: big frames fill a client's buffers fast."""
+    for choice in (answer.get("chunk") or {}).get("choices") or []:
+        # Every frame at least pad_bytes long, the role-only and finishing ones too.
+        delta = choice.get("delta")
+        if delta is not None:
+            delta["content"] = (delta.get("content") or "") + "x" * pad_bytes
+        else:
+            choice["text"] = (choice.get("text") or "") + "x" * pad_bytes
+    return answer
+
+
 async def _send_whole(send: Any, status: int, headers: list[tuple[bytes, bytes]], content: bytes) -> None:
     headers = [*headers, (b"content-length", str(len(content)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -113,6 +143,7 @@ async def _send_whole(send: Any, status: int, headers: list[tuple[bytes, bytes]]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("--pad-bytes", type=int, default=0, help="text added to each streaming derender's choices")
     args = parser.parse_args()
     socks = {}
     for host in HOSTS:
@@ -125,7 +156,7 @@ def main() -> int:
         sock.bind(("127.0.0.1", 0))
         socks[host] = sock
     ports = {host: sock.getsockname()[1] for host, sock in socks.items()}
-    app = App(args.tokens, {port: host for host, port in ports.items()})
+    app = App(args.tokens, {port: host for host, port in ports.items()}, args.pad_bytes)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
     server = uvicorn.Server(config)
 

@@ -1,43 +1,52 @@
-"""Memory per stream under slow readers: what a stream holds while its client reads nothing.
+"""Memory per stream under slow readers: what a stream holds in the coordinator while its client reads nothing.
 
-The fake render sidecar, engines and derender of the component tests (``tests/serving/fakes.py``)
-run in a process of their own (``bench/fake_upstream_server.py``, uvicorn on 127.0.0.1), and the
-coordinator's pipeline reaches them over real sockets with the production upstream client
-(``serving.pipeline.http11.Http11Client``), so what is measured is what the coordinator holds
-in production: its connections' read buffers (bounded by ``HIGH_WATER`` + ``READ_SIZE``), the
-merge queue, the coalescing buffer and the derender sessions; the engines' unsent output waits
-in their own process and the kernel, as it would behind a real engine. (Until 2026-12 this
-bench ran the fakes in-process behind ``httpx.MockTransport``, whose unbounded buffering it
-measured instead of the client's.)
+Measured through the server: the coordinator runs as ``make run`` starts it (Daphne, or uvicorn on
+uvloop and httptools as ``MOTOR_SERVER=uvicorn``), under ``bench/traced_server.py`` (tracemalloc
+on, the heap it holds written out on a signal), in front of the fake render sidecar, engines and
+derender of the component tests served over 127.0.0.1 by a process of their own
+(``bench/fake_upstream_server.py``, through ``tests/serving/served.py``). ``--streams`` clients
+each send a streaming completion (``--prompts`` prompts of ``--tokens`` tokens) over a socket with
+a 4 KiB receive buffer, and read nothing. Linux autotunes a loopback connection's send buffer to
+megabytes, which a stream of real-sized frames would take thousands of tokens to fill before the
+coordinator's own bound is what holds it back: the server's accepted sockets get a fixed
+``--sndbuf`` instead (``bench/traced_server.py``; the kernel doubles it). ``--pad-bytes`` pads
+every derendered chunk (0: frames of their real size).
 
-``--streams`` concurrent streaming completions (``--prompts`` prompts each, ``--tokens`` tokens
-per prompt) are opened; each client reads one frame and then stops reading. Once every producer is
-blocked (neither the engines' sent events nor the derender calls move over a whole second), the
-Python heap held (``tracemalloc``, current minus the baseline before the streams opened) is divided
-by the streams, with derender coalescing off and on. For scale, the row also gives what one
-stream's whole SSE output weighs once read. The streams then read to the end, so the run also
-checks that everything completes. ``--top N`` prints the N largest allocation sites held (by
-traceback) at the first row's blocked point.
+Once every stream is blocked (no derender call over a whole second), the row gives, per stream:
 
-    python3 -m toolchain exec bench/slow_reader.py [--streams 1,16,64] [--prompts 2] [--tokens 1000]
-                                                   [--top 0] [--loop asyncio]
-                                                   [--write]
+- held: the coordinator's Python heap (tracemalloc current, after a garbage collection) minus the
+  heap before the streams opened: the server's write buffer, the request's state, the engine and
+  derender connections' buffers, queued chunks;
+- RSS: the same difference in resident memory (coarse: the allocator keeps freed pages);
+- in the kernel: what the kernel holds on the clients' connections (the server sockets' send
+  queues, the clients' receive queues);
+- frames derendered, engine events sent of those asked, engine streams aborted at hang-up.
 
-Reports numbers only; nothing here asserts on memory.
+Then the clients hang up, and the row checks that no engine stream is left open and the
+coordinator holds no admitted tokens. ``--server`` names the servers to measure (both by default);
+coalescing is measured off and on.
+
+    python3 -m toolchain exec bench/slow_reader.py [--server daphne,uvicorn] [--streams 1,16]
+                                                   [--prompts 2] [--tokens 1000] [--sndbuf 16384]
+                                                   [--pad-bytes 0] [--top 0] [--write]
+
+Reports numbers only; nothing here asserts on memory (tests/serving/test_silent_client.py does,
+through the kernel's queues).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import dataclasses
 import datetime
-import gc
 import json
-import subprocess
+import os
+import signal
+import socket
 import sys
-import tracemalloc
+import tempfile
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -47,165 +56,182 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import command_line, loadavg, machine, write_section  # noqa: E402
-from serving.pipeline.derender.coalesce import MAX_PENDING  # noqa: E402
-from serving.pipeline.engine.client import EngineClient  # noqa: E402
-from serving.pipeline.http11 import HIGH_WATER, READ_SIZE, Http11Client  # noqa: E402
-from serving.pipeline.placement.scheduler import LoadTracker, Scheduler  # noqa: E402
-from serving.pipeline.render.client import RenderClient  # noqa: E402
-from serving.pipeline.service import EventStream, ServingPipeline  # noqa: E402
-from serving.pipeline.streaming.fanout import MERGE_QUEUE_SIZE  # noqa: E402
-from tests.serving.fakes import MODEL, fleet_snapshot, instance  # noqa: E402
+from motorsite import stack  # noqa: E402
+from motorsite.supervisor import Supervisor, free_port  # noqa: E402
+from tests.serving.fakes import MODEL  # noqa: E402
+from tests.serving.served import API_KEY, Fleet, coordinator_log, fake_fleet  # noqa: E402
+from tests.serving.test_silent_client import kernel_queued  # noqa: E402
 
 SECTION = "## bench/slow_reader.py"
-# Blocked: nothing moved over this many polls of POLL_S each.
+# Blocked: nothing derendered over this many polls of POLL_S each.
 POLL_S = 0.25
 STILL_POLLS = 4
+WAIT_S = 120.0
 
 
 @contextlib.contextmanager
-def fake_upstreams(tokens: int) -> Iterator[dict[str, str]]:
-    """Start ``bench/fake_upstream_server.py``; yields the base URL of each fake host."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "fake_upstream_server.py"), "--tokens", str(tokens)],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        ports = json.loads(proc.stdout.readline())
-        yield {host: f"http://127.0.0.1:{port}" for host, port in ports.items()}
-    finally:
-        proc.terminate()
-        proc.wait(10)
+def traced_coordinator(
+    fleet: Fleet, server: str, trace_file: Path, sndbuf: int, top: int,
+) -> Iterator[tuple[stack.StackConfig, int]]:
+    """``fleet``'s coordinator under ``server``, run by ``bench/traced_server.py``."""
+    cfg = replace(fleet.cfg, server=server, coordinator_port=free_port(), extra_env={
+        **fleet.cfg.extra_env,
+        "MOTOR_BENCH_TRACE_FILE": str(trace_file),
+        "MOTOR_BENCH_SNDBUF": str(sndbuf),
+        "MOTOR_BENCH_TRACE_TOP": str(top),
+        "MOTOR_CLIENT_STALL_S": "3600",  # the bench measures the held state, not the cut
+    })
+    spec = stack.coordinator_spec(cfg)
+    python, dash_m, module, *rest = spec.argv
+    assert dash_m == "-m"
+    spec = replace(spec, argv=[python, str(ROOT / "bench" / "traced_server.py"), module, *rest],
+                   log_path=coordinator_log(cfg))
+    with Supervisor([spec]) as sup:
+        yield cfg, sup.pids["coordinator"]
 
 
-async def stats(client: Http11Client, urls: dict[str, str]) -> tuple[int, int]:
-    got = (await client.get(urls["render"] + "/stats")).json()
-    return got["events_sent"], got["derender_calls"]
+def heap(pid: int, trace_file: Path) -> dict[str, Any]:
+    """The coordinator's traced heap and RSS, in bytes (``bench/traced_server.py``)."""
+    trace_file.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + WAIT_S
+    while not trace_file.exists():
+        assert time.monotonic() < deadline, "the coordinator never wrote its heap"
+        time.sleep(0.05)
+    got: dict[str, Any] = json.loads(trace_file.read_text())
+    return got
 
 
-async def measure(streams: int, args: argparse.Namespace, coalesce: bool, urls: dict[str, str],
-                  top: int = 0) -> dict[str, float]:
-    # Token capacity for every stream at once: admission is not what this measures.
-    big = [dataclasses.replace(instance(n), url=urls[n], token_capacity=10**9) for n in ("e1", "e2")]
-    snap: Any = fleet_snapshot(*big)
-    snap = dataclasses.replace(snap, render=dataclasses.replace(snap.render, base_url=urls["render"],
-                                                                derender_coalesce=coalesce))
-    client = Http11Client(httpx.Timeout(60.0, connect=2.0))
-    pipeline = ServingPipeline(snap, RenderClient(client, urls["render"], 60.0), EngineClient(client),
-                               Scheduler(LoadTracker()))
-    body = {"model": MODEL, "prompt": [f"p{i}" for i in range(args.prompts)], "stream": True,
-            "max_tokens": args.tokens}
-    sent0, _ = await stats(client, urls)  # its connection is kept: opened before the baseline
-    gc.collect()
-    before = tracemalloc.take_snapshot() if top else None
-    base = tracemalloc.get_traced_memory()[0]
-    opened: list[EventStream] = []
-    for s in range(streams):
-        st = await pipeline.completions(dict(body), f"slow{s}")
-        assert isinstance(st, EventStream)
-        opened.append(st)
-    readers = [st.frames() for st in opened]
-    for r in readers:
-        await r.__anext__()
-    # Let every producer run until it blocks: nothing sent by the engines nor derendered for a while.
-    last, still = (-1, -1), 0
+def silent_client(port: int, body: bytes) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer " + API_KEY.encode() + b"\r\ncontent-length: " + str(len(body)).encode()
+        + b"\r\n\r\n" + body
+    )
+    return sock
+
+
+def wait_still(fleet: Fleet) -> dict[str, Any]:
+    deadline = time.monotonic() + WAIT_S
+    last: dict[str, Any] = {}
+    still = 0
     while still < STILL_POLLS:
-        await asyncio.sleep(POLL_S)
-        now = await stats(client, urls)
-        still = still + 1 if now == last else 0
+        assert time.monotonic() < deadline, "the streams never stopped"
+        time.sleep(POLL_S)
+        now = fleet.stats()
+        still = still + 1 if now["derender_calls"] == last.get("derender_calls") else 0
         last = now
-    gc.collect()
-    held = tracemalloc.get_traced_memory()[0] - base
-    if before is not None:
-        print_top(before, tracemalloc.take_snapshot(), top, streams)
-    sent_blocked = last[0] - sent0
-    sizes = []
-    for r in readers:
-        size = 0
-        async for frame in r:
-            size += len(frame)
-        sizes.append(size)
-    sent_all = (await stats(client, urls))[0] - sent0
-    await client.aclose()
-    total_events = streams * args.prompts * args.tokens  # no usage event: include_usage is not asked
-    return {"held_per_stream": held / streams, "events_sent_per_stream": sent_blocked / streams,
-            "events_per_stream": total_events / streams, "output_bytes_per_stream": sum(sizes) / len(sizes),
-            "complete": float(sent_all == total_events)}
+    return last
 
 
-def print_top(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int, streams: int) -> None:
-    """The ``top`` largest sites of memory held, by traceback (innermost frames first)."""
-    keep = [tracemalloc.Filter(False, tracemalloc.__file__)]
-    diff = after.filter_traces(keep).compare_to(before.filter_traces(keep), "traceback")
-    print(f"-- top {top} allocation sites held ({streams} streams), KiB per stream:")
-    for stat in diff[:top]:
-        print(f"{stat.size_diff / 1024 / streams:8.1f} KiB {stat.count_diff / streams:7.1f} blocks")
-        for line in stat.traceback.format(limit=6, most_recent_first=True):
-            print("    " + line)
+def wait_released(fleet: Fleet, cfg: stack.StackConfig) -> bool:
+    """No engine stream open, no admitted token left in the coordinator. (An engine stream whose end
+    the coordinator had already read is not aborted: it finished.)"""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        metrics = httpx.get(cfg.coordinator_url + "/metrics").text
+        inflight = [line for line in metrics.splitlines()
+                    if line.startswith("motor_engine_in_flight_tokens{") and float(line.split()[-1]) != 0]
+        if fleet.stats()["open_streams"] == 0 and not inflight:
+            return True
+        time.sleep(0.1)
+    return False
 
 
-def run(main: Any, loop: str) -> Any:
-    if loop == "uvloop":
-        import uvloop
-
-        return uvloop.run(main)
-    return asyncio.run(main)
+def measure(fleet: Fleet, server: str, streams: int, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+    trace_file = tmp / f"heap-{server}.json"
+    body = json.dumps({"model": MODEL, "prompt": [f"p{i}" for i in range(args.prompts)], "stream": True,
+                       "max_tokens": args.tokens}).encode()
+    with traced_coordinator(fleet, server, trace_file, args.sndbuf, args.top) as (cfg, pid):
+        # Warm-up, not measured: imports, the snapshot, connections to the sidecar.
+        warm = {"model": MODEL, "prompt": "warm", "stream": True, "max_tokens": 4}
+        with httpx.Client(headers={"authorization": f"Bearer {API_KEY}"}, timeout=WAIT_S) as client:
+            for _ in range(2):
+                r = client.post(cfg.coordinator_url + "/v1/completions", json=warm)
+                assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text[-200:]
+        before = fleet.stats()
+        base = heap(pid, trace_file)
+        clients = [silent_client(cfg.coordinator_port, body) for _ in range(streams)]
+        try:
+            stats = wait_still(fleet)
+            held = heap(pid, trace_file)
+            queued = sum(kernel_queued(cfg.coordinator_port, c) for c in clients)
+        finally:
+            for c in clients:
+                c.close()
+        for site, size, count in held.get("top", []):
+            print(f"{size / 1024 / streams:8.1f} KiB {count / streams:7.1f} blocks per stream  {site}")
+        frames = stats["derender_calls"] - before["derender_calls"]
+        released = wait_released(fleet, cfg)
+        aborted = len(fleet.stats()["aborted"]) - len(before["aborted"])
+    return {
+        "held": (held["traced"] - base["traced"]) / streams,
+        "rss": (held["rss"] - base["rss"]) / streams,
+        "kernel": queued / streams,
+        "events_sent": (stats["events_sent"] - before["events_sent"]) / streams,
+        "events": args.prompts * args.tokens,
+        "frames": frames / streams,
+        "aborted": aborted / streams,
+        "released": float(released),
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--streams", default="1,16,64")
+    parser.add_argument("--server", default=",".join(stack.SERVERS))
+    parser.add_argument("--streams", default="1,16")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=1000)
-    parser.add_argument("--top", type=int, default=0, help="print the N largest allocation sites held")
-    parser.add_argument(
-        "--loop", choices=("asyncio", "uvloop"), default="asyncio",
-        help="the coordinator's event loop: asyncio's under Daphne (the default), uvloop under MOTOR_SERVER=uvicorn",
-    )
+    parser.add_argument("--sndbuf", type=int, default=16384, help="the server sockets' SO_SNDBUF")
+    parser.add_argument("--pad-bytes", type=int, default=0)
+    parser.add_argument("--top", type=int, default=0, help="print the N largest allocation sites held (by line)")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
-    import logging
-
-    logging.disable(logging.INFO)  # one log line per request outcome would be measured too
-    tracemalloc.start(12 if args.top else 1)
+    servers = args.server.split(",")
+    for server in servers:
+        if server not in stack.SERVERS:
+            parser.error(f"--server: {server!r} is not one of {', '.join(stack.SERVERS)}")
     rows = []
-    with fake_upstreams(args.tokens) as urls:
-        for streams in [int(x) for x in args.streams.split(",")]:
-            for coalesce in (False, True):
-                r = run(measure(streams, args, coalesce, urls, args.top), args.loop)
-                print(streams, coalesce, r, flush=True)
-                rows.append((streams, coalesce, r))
+    load = loadavg()
+    for coalesce in (False, True):
+        with tempfile.TemporaryDirectory(prefix="motorsite-slow-reader-") as tmp_dir:
+            tmp = Path(tmp_dir)
+            with fake_fleet(tmp, tokens=args.tokens, pad_bytes=args.pad_bytes, coalesce=coalesce) as fleet:
+                for server in servers:
+                    for streams in [int(x) for x in args.streams.split(",")]:
+                        r = measure(fleet, server, streams, args, tmp)
+                        print(server, streams, coalesce, r, flush=True)
+                        rows.append((server, streams, coalesce, r))
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         SECTION, "",
         f"- date: {now}",
-        f"- machine: {machine()}; load average {loadavg()}",
+        f"- machine: {machine()}; load average {load} before, {loadavg()} after",
         f"- command: `{command_line()}` (from the repository root)",
-        f"- event loop: {args.loop}",
-        f"- workload: streaming completions with {args.prompts} prompts x {args.tokens} tokens each (one engine "
-        f"stream per prompt), against the fake upstreams served over 127.0.0.1 by a process of their own "
-        f"(`bench/fake_upstream_server.py`), reached with the production client (`Http11Client`); each client "
-        f"reads one frame, then nothing until nothing moves; bounds: per connection HIGH_WATER {HIGH_WATER} + "
-        f"READ_SIZE {READ_SIZE} bytes: MERGE_QUEUE_SIZE {MERGE_QUEUE_SIZE}, coalesce MAX_PENDING "
-        f"{MAX_PENDING} raw events per engine stream",
-        "- held / stream: tracemalloc current heap with every producer blocked, minus the heap before the streams "
-        "opened, per stream (request state, engine and derender clients' buffers, queued chunks)",
+        f"- workload: streaming completions with {args.prompts} prompts x {args.tokens} tokens each"
+        f"{f', every derendered chunk padded by {args.pad_bytes} bytes' if args.pad_bytes else ''}, through the "
+        "coordinator's server over 127.0.0.1 (`make run`'s command line under `bench/traced_server.py`, accepted "
+        f"sockets' SO_SNDBUF {args.sndbuf}), in front of the fake upstreams (`bench/fake_upstream_server.py`); "
+        "each client has a 4 KiB receive buffer and reads nothing",
+        "- held / stream: the coordinator's tracemalloc heap with every stream blocked minus before the streams "
+        "opened (the server's write buffer, request state, engine and derender connections' buffers, queued "
+        "chunks); RSS / stream the same in resident memory (coarse); in the kernel: the clients' connections' "
+        "send and receive queues",
         "",
-        "| streams | coalescing | held / stream (KiB) | engine events sent while blocked / stream | events / stream "
-        "| whole SSE output / stream (KiB) | completed after reading |",
-        "|---:|---|---:|---:|---:|---:|---|",
+        "| server | streams | coalescing | held / stream (KiB) | RSS / stream (KiB) | in the kernel / stream (KiB) "
+        "| frames / stream | engine events sent / asked per stream | engine streams aborted / stream "
+        "| released after hang-up |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for streams, coalesce, r in rows:
+    for server, streams, coalesce, r in rows:
         lines.append(
-            f"| {streams} | {'on' if coalesce else 'off'} | {r['held_per_stream'] / 1024:.1f} | "
-            f"{r['events_sent_per_stream']:.0f} | {r['events_per_stream']:.0f} | "
-            f"{r['output_bytes_per_stream'] / 1024:.1f} | {'yes' if r['complete'] else 'NO'} |"
+            f"| {server} | {streams} | {'on' if coalesce else 'off'} | {r['held'] / 1024:.1f} | {r['rss'] / 1024:.0f} | "
+            f"{r['kernel'] / 1024:.1f} | {r['frames']:.0f} | {r['events_sent']:.0f} / {r['events']:.0f} | "
+            f"{r['aborted']:.1f} | {'yes' if r['released'] else 'NO'} |"
         )
-    lines += [
-        "",
-        "- each prompt's producer stops with one chunk in its derender or blocked on the merge queue; the engines' "
-        "sent events wait in the connection (up to HIGH_WATER + READ_SIZE bytes) and the kernel's socket buffers. "
-        "Coalescing off reads one network chunk at a time, on reads all that arrived and merges it (a derender call "
-        "covers at most MAX_PENDING raw events)",
-    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:

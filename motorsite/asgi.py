@@ -22,12 +22,15 @@ if settings.MOTOR_SERVE_STATIC:
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
 # Imported once Django is set up: the edge reads settings and the snapshot builder uses the ORM.
-from motorsite import daphne_requests  # noqa: E402
+from motorsite import daphne_requests, send_flow  # noqa: E402
 from motorsite.front_door import FrontDoor  # noqa: E402
 from serving.edge import openai_api  # noqa: E402
 from serving.edge.asgi import PrefixMount  # noqa: E402
 
 # Under Daphne: the front door and the header deadline on Twisted's connections, bodies unparsed.
 daphne_requests.install()
+# Under both servers: send() waits while the client reads nothing (Daphne's never did), and a send
+# abandoned at MOTOR_CLIENT_STALL_S drops its connection.
+send_flow.install()
 # The front door first: no key, no body (under uvicorn; Daphne's requests are judged in Twisted).
 application = ProtocolTypeRouter({"http": FrontDoor(PrefixMount("/v1", openai_api.application, django_asgi_app))})

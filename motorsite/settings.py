@@ -334,6 +334,12 @@ MOTOR_ENGINE_REPLY_S_PER_TOKEN = env_int("MOTOR_ENGINE_REPLY_MS_PER_TOKEN", 100)
 # request after a mid-stream engine failure; retries of one derender chunk on connection errors / 5xx.
 MOTOR_STREAM_CHUNK_TIMEOUT_S = env_int("MOTOR_STREAM_CHUNK_TIMEOUT_MS", 30000) / 1000
 MOTOR_STREAM_MAX_RELAYS = env_int("MOTOR_STREAM_MAX_RELAYS", 2)
+# A streaming client that reads nothing for this long is cut (engines aborted, its admission
+# lease released): until then its stream holds its lease and one server write buffer. 60 s is
+# longer than any pause a live client on a slow or briefly interrupted network takes.
+MOTOR_CLIENT_STALL_S = env_int("MOTOR_CLIENT_STALL_S", 60)
+if MOTOR_CLIENT_STALL_S < 1:
+    raise ImproperlyConfigured("MOTOR_CLIENT_STALL_S must be at least 1 (seconds)")
 # Per request: choices (n x prompts; each is an engine sequence and a derender stream) and
 # completion prompts (vLLM's VLLM_MAX_COMPLETION_PROMPTS default). Past either: 400.
 MOTOR_MAX_CHOICES = env_int("MOTOR_MAX_CHOICES", 128)

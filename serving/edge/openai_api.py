@@ -21,6 +21,7 @@ from django.conf import settings
 from serving.edge.asgi import (
     BodyTooLarge,
     ClientGone,
+    ClientStalled,
     DisconnectWatch,
     Receive,
     Scope,
@@ -161,7 +162,15 @@ async def _serve(
                 # Native streams are the engine's bytes relayed: its engine-internal fields are
                 # nulled here, as ``scrub_response`` does for JSON answers.
                 scrub = FieldScrub(RESPONSE_CONTROLS)
-                await send_stream(send, result.frames(), ((b"x-request-id", rid),), watch, scrub)
+                await send_stream(send, result.frames(), ((b"x-request-id", rid),), watch, scrub,
+                                  stall_s=settings.MOTOR_CLIENT_STALL_S)
+            except ClientStalled:
+                # The stream is closed (engines aborted, lease released) and the connection dropped.
+                logger.info(
+                    "response request_id=%s kind=%s status=200 outcome=client_stalled stall_s=%d latency_ms=%.1f",
+                    request_id, kind, settings.MOTOR_CLIENT_STALL_S, (time.perf_counter() - start) * 1000,
+                )
+                return
             finally:
                 # The task ended (the client left, a send failed) before frames() ran: its
                 # finally never will, so the engine streams are closed and the load released here.

@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 
-from serving.edge.asgi import BodyTooLarge, ClientGone, DisconnectWatch, PrefixMount, read_body
+from serving.edge.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    ClientStalled,
+    DisconnectWatch,
+    PrefixMount,
+    read_body,
+    send_stream,
+)
 from serving.edge.bodies import nests_deeper, parse_object
 from serving.pipeline.errors import RequestError
 
@@ -83,6 +91,73 @@ async def test_the_watch_leaves_an_enclosing_timeout_working() -> None:
         async with asyncio.timeout(0.01):
             async with DisconnectWatch(inbox):
                 await asyncio.Event().wait()
+
+
+async def test_a_send_that_waits_past_the_stall_deadline_cuts_the_stream() -> None:
+    """The client reads the first frame, then nothing: the server's send waits until the deadline.
+
+    The stream's generator is closed in the request's task, and the disconnect the server then
+    reports (it drops the connection of the abandoned send) cancels nothing.
+    """
+    inbox = Inbox()
+    before = asyncio.all_tasks()
+    sent: list[dict[str, Any]] = []
+    closed = False
+
+    async def frames() -> Any:
+        nonlocal closed
+        try:
+            while True:
+                yield b"data: {}\n\n"
+        finally:
+            closed = True
+
+    async def send(message: dict[str, Any]) -> None:
+        if len(sent) == 2:  # the status and the first frame went out
+            try:
+                await asyncio.Event().wait()  # the client's buffers are full
+            except asyncio.CancelledError:
+                inbox.queue.put_nowait({"type": "http.disconnect"})
+                raise
+        sent.append(message)
+
+    async def handler() -> None:
+        async with DisconnectWatch(inbox) as watch:
+            with pytest.raises(ClientStalled):
+                await send_stream(send, frames(), (), watch, stall_s=0.01)
+            assert closed
+            for _ in range(3):
+                await asyncio.sleep(0)  # the watch reads the disconnect: no cancel lands here
+
+    async with asyncio.timeout(5):
+        await asyncio.create_task(handler())
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert asyncio.all_tasks() == before
+
+
+async def test_a_cancel_from_elsewhere_during_a_waiting_send_is_no_stall() -> None:
+    inbox = Inbox()
+    waiting = asyncio.Event()
+
+    async def frames() -> Any:
+        yield b"data: {}\n\n"
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            waiting.set()
+            await asyncio.Event().wait()
+
+    async def handler() -> None:
+        async with DisconnectWatch(inbox) as watch:
+            await send_stream(send, frames(), (), watch, stall_s=60)
+
+    task = asyncio.create_task(handler())
+    await waiting.wait()
+    task.cancel()  # the server shutting down
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    loop = asyncio.get_running_loop()
+    assert all(h.cancelled() for h in loop._scheduled)  # type: ignore[attr-defined]  # the deadline's timer went
 
 
 def scope(headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
