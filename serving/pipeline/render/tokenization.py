@@ -4,12 +4,16 @@ Render (the vLLM sidecar) is the source of truth. When render cannot be used (un
 timed out, missing the capability, answering without usable ids: ``RenderUnavailable.reason``)
 the request is tokenized with the served model's own files (``local_tokenizer``), built lazily
 on the first such fallback. Errors render raises about the request itself (400/422, a 404
-``NotFoundError``, context overflow) reach the client unchanged and never fall back.
+``NotFoundError``, context overflow), and its 413 and 429, reach the client unchanged and never
+fall back (docs/render-faults.md has the whole table).
 
 The local fallback builds exactly the GenerateRequest render would for the requests it accepts;
 ``local_unsupported`` names what it does not (tools, structured output, logprobs, multimodal or
 templated extras, streaming), and those requests raise ``NeedsNative`` so the router sends them
-to an engine's own OpenAI API rather than run a half-built token-only request.
+to an engine's own OpenAI API rather than run a half-built token-only request. Its sampling
+parameters include the model's generation_config.json defaults, as render's do. A chat for a
+sidecar that runs a reasoning or tool parser is refused (503, ``Retry-After``): the local
+derender has no vLLM parser and would answer differently.
 """
 
 from __future__ import annotations
