@@ -49,8 +49,16 @@ class ModelRevision(models.Model):
     config_hash = models.CharField(max_length=64, blank=True)
     generation_config_hash = models.CharField(max_length=64, blank=True)
     special_tokens = models.JSONField(default=dict, blank=True)
-    reasoning_parser = models.CharField(max_length=100, blank=True)
-    tool_parser = models.CharField(max_length=100, blank=True)
+    reasoning_parser = models.CharField(
+        max_length=100, blank=True,
+        help_text="The sidecar's --reasoning-parser. Set: while render is down, chats are refused (503) rather "
+        "than answered by the local fallback with the reasoning inside the content.",
+    )
+    tool_parser = models.CharField(
+        max_length=100, blank=True,
+        help_text="The sidecar's --tool-call-parser. Set: while render is down, chats are refused (503) too: "
+        "the sidecar's parser changes how every chat is decoded.",
+    )
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -78,7 +86,11 @@ class RenderConfig(models.Model):
     host = models.CharField(max_length=200, default="127.0.0.1")
     port = models.PositiveIntegerField(default=8100)
     timeout_ms = models.PositiveIntegerField(
-        default=5000, help_text="Per render/derender call, and per streaming chunk (not per stream)."
+        default=5000,
+        help_text=(
+            "Bounds each render call, each non-streaming derender call and each streaming chunk's derender, "
+            "its retries included (MOTOR_DERENDER_CHUNK_RETRIES, 0 by default); not the whole stream."
+        ),
     )
     renderer_num_workers = models.PositiveIntegerField(default=4)
     context_budget = models.BooleanField(default=False, help_text="Clamp max_tokens to the engine's room left.")

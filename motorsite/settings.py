@@ -364,13 +364,14 @@ MOTOR_REPLICA = env_str("MOTOR_REPLICA") or socket.gethostname()
 # OpenTelemetry traces of each request's phases, exported over OTLP/HTTP as the standard OTEL_*
 # variables say (serving/pipeline/tracing.py). Off: OpenTelemetry is not even imported.
 MOTOR_TRACING = env_bool("MOTOR_TRACING", False)
-MOTOR_DERENDER_CHUNK_RETRIES = env_int("MOTOR_DERENDER_CHUNK_RETRIES", 1)
-# How long a derender waits for an unreachable sidecar to come back: its supervisor restarts it
-# after 1 s, and a vLLM sidecar starts in about 7 s on an idle 2-core box but took 38-78 s while
-# engines restarted beside it under load. As long as the launcher's readiness timeout for the
-# sidecar (motorsite.stack.render_spec): past it the restart itself has failed. Render falls back
-# to the local tokenizer at once.
-MOTOR_DERENDER_PATIENCE_S = env_int("MOTOR_DERENDER_PATIENCE_MS", 120000) / 1000
+# Same-chunk retries of a streaming derender after a connection error or a 5xx, inside the
+# chunk's one bound (the render config's timeout_ms). 0: the RFC's "no automatic derender retry".
+MOTOR_DERENDER_CHUNK_RETRIES = env_int("MOTOR_DERENDER_CHUNK_RETRIES", 0)
+if "MOTOR_DERENDER_PATIENCE_MS" in os.environ:  # removed: a chunk has one bound now (docs/render-faults.md)
+    raise ImproperlyConfigured(
+        "MOTOR_DERENDER_PATIENCE_MS is gone: a derender chunk is bounded by the render config's timeout_ms, "
+        "retries included (MOTOR_DERENDER_CHUNK_RETRIES); unset it"
+    )
 # Each process reads fleet.ControlVersion at most this often and rebuilds its snapshot when it
 # changed: how long an admin/API edit takes to reach live traffic (one tiny query per interval).
 MOTOR_SNAPSHOT_POLL_S = env_int("MOTOR_SNAPSHOT_POLL_MS", 250) / 1000

@@ -54,6 +54,10 @@ class StackConfig:
     # "scale-out" (a tokenizer and their own OpenAI API too: the native path's P/D pairs).
     pd_mode: str = "tokens-only"
     render_workers: int = 4
+    # The sidecar runs the hermes tool and qwen3 reasoning parsers (tiers.render_sidecar_command),
+    # and the served model's revision records them, as the local fallback must know (it refuses
+    # chats it cannot parse as the sidecar would).
+    render_parsers: bool = False
     database_url: str = ""
     redis_url: str = ""
     api_keys: tuple[str, ...] = ()
@@ -95,6 +99,7 @@ def render_spec(cfg: StackConfig) -> ProcessSpec:
         served_model_name=cfg.served_model_name,
         port=cfg.render_port,
         workers=cfg.render_workers,
+        parsers=cfg.render_parsers,
         max_model_len=cfg.max_model_len,
     )
     return ProcessSpec(
@@ -307,6 +312,8 @@ def prepare_database(cfg: StackConfig) -> None:
         "--render-port", str(cfg.render_port),
         "--engine-kind", cfg.engines,
     ]
+    if cfg.render_parsers:
+        fleet += ["--reasoning-parser", tiers.REASONING_PARSER, "--tool-parser", tiers.TOOL_PARSER]
     for url in cfg.engine_urls:
         fleet += ["--engine", url]
     for url in cfg.prefill_urls:

@@ -45,10 +45,12 @@ _OFFLINE = {
 
 # Tool calls as <tool_call>{json}</tool_call> (hermes) and <think>...</think> reasoning (qwen3),
 # matching tinymodel's chat template. Without them render refuses tool_choice "auto".
+TOOL_PARSER = "hermes"
+REASONING_PARSER = "qwen3"
 _PARSER_FLAGS = [
     "--enable-auto-tool-choice",
-    "--tool-call-parser", "hermes",
-    "--reasoning-parser", "qwen3",
+    "--tool-call-parser", TOOL_PARSER,
+    "--reasoning-parser", REASONING_PARSER,
 ]
 
 

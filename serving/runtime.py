@@ -324,9 +324,7 @@ def render_health_for(base_url: str) -> RenderHealth:
 
 def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
     client = http.shared_client()
-    render = RenderClient(
-        client, snapshot.render.base_url, snapshot.render.timeout_s, derender_patience_s=settings.MOTOR_DERENDER_PATIENCE_S
-    )
+    render = RenderClient(client, snapshot.render.base_url, snapshot.render.timeout_s)
     boundary = EngineBoundary(obfuscation_mapping(snapshot))
     # Placement keeps instances whose declared key id does not fit the render config out of
     # traffic itself (placement/filters.py), so the pipeline gets the snapshot as it is.

@@ -51,8 +51,12 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
     if version is None:
         version = read_control_version()
     models = {
-        m.name: ModelView(m.name, m.model_path, m.max_model_len, m.vocab_size or config_vocab_size(m.model_path))
-        for m in ServedModel.objects.all()
+        m.name: ModelView(
+            m.name, m.model_path, m.max_model_len, m.vocab_size or config_vocab_size(m.model_path),
+            reasoning_parser=m.active_revision.reasoning_parser if m.active_revision else "",
+            tool_parser=m.active_revision.tool_parser if m.active_revision else "",
+        )
+        for m in ServedModel.objects.select_related("active_revision")
     }
     cfg = current_render_config() or RenderConfig()
     # The key stays out of the snapshot; its mapping is registered with the data plane by key id.

@@ -98,11 +98,13 @@ class RenderUnavailable(MotorError):
     public = "The tokenization service is unavailable; retry later."
 
     # Why render could not be used; also the ``fallback_reason`` of the local tokenizer.
-    REASONS = ("unreachable", "timeout", "capability", "no_token_ids", "status", "render_down")
+    REASONS = ("unreachable", "timeout", "capability", "no_token_ids", "malformed", "status", "render_down")
 
-    def __init__(self, message: str, *, reason: str = "status") -> None:
+    def __init__(self, message: str, *, reason: str = "status", retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s  # error_headers: Retry-After
 
 
 class EngineError(MotorError):

@@ -18,6 +18,11 @@ class ModelView:
     # Rows of the model's embedding (config.json ``vocab_size``), from the control plane; None
     # while unknown, and then the token-only path refuses traffic (request_checks.require_vocab).
     vocab_size: int | None = None
+    # The parsers the render sidecar runs for this model (its active revision's
+    # ``reasoning_parser`` and ``tool_parser``; empty: none). The local fallback has no vLLM
+    # parser, so with either set it refuses chats rather than answer them differently.
+    reasoning_parser: str = ""
+    tool_parser: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,9 @@ intervals, and nothing may be left in flight.
 While the sidecar is down, requests are tokenized and (without a stream) derendered by the local
 fallback, so this also holds the fallback's text to the sidecar's: a completion whose 12 tokens
 ended inside a multi-byte character once came back with a trailing U+FFFD that derender drops.
+A request the sidecar rendered just before the kill needs its derender, which is not retried (the
+RFC: no automatic derender retry; docs/render-faults.md): it ends with the derender error, and only
+such requests may, at most one per client thread (each has one request in flight at the kill).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from django.conf import settings
 from motorsite import stack
 from motorsite.launched import LaunchedStack, greedy_answer, metric_samples
 from motorsite.restarts import RestartPolicy
+from serving.pipeline.errors import DerenderError
 
 # Starts a whole stack, kills two of its processes and waits for their return: minutes, more on
 # a busy machine; the bound that matters is asserted inside, from the ready timeouts.
@@ -45,6 +49,7 @@ API_KEY = "sk-restart-" + uuid.uuid4().hex[:10]
 # computed from this and MOTOR_PROBE_RISE, never typed in.
 PROBE_INTERVAL_S = 1.0
 LOAD_THREADS = 4
+DERENDER_FAILED = str(DerenderError.public)  # what a client reads when derender failed
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +162,10 @@ def test_it_answers_every_request_while_the_sidecar_and_an_engine_are_killed(lau
         for w in workers:
             w.result()
 
-    assert load.errors == [], load.errors[:5]
+    # Requests whose derender met the dead sidecar end with the derender error, nothing else fails.
+    derender_failed = [e for e in load.errors if DERENDER_FAILED in e[1]]
+    assert [e for e in load.errors if DERENDER_FAILED not in e[1]] == [], load.errors[:5]
+    assert len(derender_failed) <= LOAD_THREADS, derender_failed
     assert load.mismatches == [], load.mismatches[:5]
     assert load.answered >= 2 * len(CALLS), load.answered
     assert recovered_in <= bound

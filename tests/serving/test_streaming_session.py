@@ -24,7 +24,7 @@ class FakeRender:
         self.fail: dict[int, BaseException] = {}  # call number (0-based) -> exception
         self.replay_buffer = False  # answer like the parser path: the state carries every output id
         self.hang = False
-        self.derender_patience_s = 0.0  # as RenderClient without patience: the chunk timeout alone
+        self.timeout_s = 1.0  # RenderClient.timeout_s: the render config's timeout_ms, one bound per chunk
 
     async def derender_chunk(self, kind: str, event: dict[str, Any], *, stream_state: Any, prompt_tokens: int,
                              prompt_token_ids: list[int] | None, request: dict[str, Any] | None,
@@ -116,25 +116,51 @@ async def test_a_failed_derender_commits_nothing(exc: BaseException) -> None:
     assert len(got) == 1 and s.committed_ids == [7] and s.choice(0).stream_state == {"chunks": 1}
 
 
-async def test_a_retryable_derender_failure_is_retried_once_with_the_same_state() -> None:
+async def test_by_default_a_derender_failure_is_not_retried() -> None:
+    """The RFC: no automatic derender retry in this stage; the stream ends with the error."""
     render = FakeRender()
     render.fail = {1: DerenderRetryable("unreachable")}
     s = session(render)
+    got = []
+    with pytest.raises(DerenderRetryable):
+        async for chunk in s.chunks(events(event(7), event(8))):
+            got.append(chunk)
+    assert len(got) == 1 and len(render.calls) == 2 and s.derender_calls == 2
+    assert s.committed_ids == [7] and s.choice(0).stream_state == {"chunks": 1}
+
+
+async def test_an_opted_in_retry_repeats_the_same_chunk_with_the_same_state() -> None:
+    render = FakeRender()
+    render.fail = {1: DerenderRetryable("unreachable")}
+    s = session(render, derender_retries=1)
     out = [c async for c in s.chunks(events(event(7), event(8)))]
     assert len(out) == 2 and s.committed_ids == [7, 8]
-    assert render.calls[1][1] == render.calls[2][1] == {"chunks": 1} and s.derender_calls == 3
+    assert render.calls[1] == render.calls[2] and render.calls[1][1] == {"chunks": 1} and s.derender_calls == 3
 
 
-async def test_the_retry_budget_and_the_chunk_timeout_bound_derender() -> None:
+async def test_the_retry_budget_and_the_render_timeout_bound_derender() -> None:
     render = FakeRender()
     render.fail = {0: DerenderRetryable("5xx"), 1: DerenderRetryable("5xx")}
     with pytest.raises(DerenderRetryable):
-        await s_first(session(render))
+        await s_first(session(render, derender_retries=1))
+    assert len(render.calls) == 2
+    # The chunk's one bound is the render config's timeout_ms, not the engine's chunk timeout.
     render = FakeRender()
     render.hang = True
+    render.timeout_s = 0.05
     with pytest.raises(DerenderError) as info:
-        await s_first(session(render, chunk_timeout_s=0.05))
+        await s_first(session(render, chunk_timeout_s=3600.0))
     assert info.value.status == 504
+
+
+async def test_retries_share_the_chunk_bound() -> None:
+    """A sidecar that keeps failing fast is not retried past the chunk's bound, whatever the count."""
+    render = FakeRender()
+    render.fail = {n: DerenderRetryable("unreachable") for n in range(10_000)}
+    render.timeout_s = 0.3
+    with pytest.raises(DerenderError) as info:
+        await s_first(session(render, derender_retries=10_000))
+    assert info.value.status == 504 and 2 <= len(render.calls) < 50  # paused between tries, then bounded
 
 
 async def s_first(s: StreamingRenderSession) -> dict[str, Any]:

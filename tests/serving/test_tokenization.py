@@ -235,15 +235,42 @@ async def test_a_render_found_down_is_skipped_for_a_cooldown(rig: Rig) -> None:
     now = [100.0]
     health = RenderHealth(cooldown_s=5.0, clock=lambda: now[0])
     pipeline = rig.pipeline(snapshot_with(model_path=model_dir()), render_health=health)
-    rig.upstreams.override("render", "render", read_timeout, times=1)
+    rig.upstreams.override("render", "render", connect_error, times=1)
 
-    await pipeline.chat(chat_body(max_tokens=3), "t10")  # timed out: marked down
+    await pipeline.chat(chat_body(max_tokens=3), "t10")  # refused: nothing listens, marked down
     await pipeline.chat(chat_body(max_tokens=3), "t11")  # skipped: straight to the local tokenizer
     assert len(rig.upstreams.calls_of("render")) == 1
     assert rig.counters.get("motor_render_outcomes_total", source="local", result="ok", fallback_reason="render_down") == 1
     now[0] += 5.0
     await pipeline.completions({"model": MODEL, "prompt": "x"}, "t12")  # tried again, answered
     assert len(rig.upstreams.calls_of("render")) == 2 and not health.skip()
+
+
+PLAIN = {"model": MODEL, "prompt": "x", "max_tokens": 3}
+
+
+async def test_one_render_timeout_does_not_send_the_process_to_the_local_tokenizer(rig: Rig) -> None:
+    """A timeout may be one slow request: the next request asks render again. Only
+    ``timeouts_to_down`` timeouts in a row (a hung sidecar) start the cooldown."""
+    from serving.pipeline.render.tokenization import RenderHealth
+
+    health = RenderHealth(cooldown_s=5.0, clock=lambda: 100.0)
+    pipeline = rig.pipeline(snapshot_with(model_path=model_dir()), render_health=health)
+    rig.upstreams.override("render", "render", read_timeout, times=1)
+
+    await pipeline.completions(PLAIN, "t13")  # timed out: this request falls back
+    out = await pipeline.completions(PLAIN, "t14")  # render asked again, and it answers
+    assert len(rig.upstreams.calls_of("render")) == 2 and not health.skip()
+    assert len(rig.upstreams.calls_of("derender")) == 1 and out["id"] == "cmpl-t14"
+    assert rig.counters.get("motor_render_outcomes_total", source="render", result="ok", fallback_reason="") == 1
+
+    rig.upstreams.override("render", "render", read_timeout, times=health.timeouts_to_down)
+    for n in range(health.timeouts_to_down):
+        await pipeline.completions(PLAIN, f"t15-{n}")
+    assert health.skip()  # a sidecar that keeps timing out is skipped for the cooldown
+    calls = len(rig.upstreams.calls_of("render"))
+    await pipeline.completions(PLAIN, "t16")
+    assert len(rig.upstreams.calls_of("render")) == calls
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",

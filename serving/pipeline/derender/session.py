@@ -28,7 +28,7 @@ from serving.pipeline.derender.payload import proves_plain_path, reads_request, 
 from serving.pipeline.errors import DerenderError
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import EventBatches, TokenKind
-from serving.pipeline.render.client import DerenderRetryable, RenderClient
+from serving.pipeline.render.client import RETRY_DELAY_MAX_S, RETRY_DELAY_MIN_S, DerenderRetryable, RenderClient
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,11 @@ class StreamSettings:
     chunk_timeout_s: float = 60.0
     # Relays per request after a mid-stream engine failure (single prompt, all its choices).
     max_relays: int = 2
-    # Derender retries of the same chunk with the same state, on connection errors and 5xx only;
-    # all tries of one chunk share one chunk timeout.
-    derender_retries: int = 1
+    # Derender retries of the same chunk with the same previous state, on connection errors and
+    # 5xx only (MOTOR_DERENDER_CHUNK_RETRIES). 0, the RFC's "no automatic retry in this stage":
+    # the first failure ends the stream. All tries of a chunk share the chunk's one bound, the
+    # render config's timeout_ms, and the state is committed only after one succeeded.
+    derender_retries: int = 0
 
 
 class ChoicePhase(enum.Enum):
@@ -253,11 +255,13 @@ class StreamingRenderSession:
             request = None
         prompt_ids = None if slim is not None else self.prompt_ids
         tries = 1 + max(0, self.settings.derender_retries)
-        # The chunk's own bound, plus the time derender may wait for a sidecar being restarted.
-        budget = self.settings.chunk_timeout_s + self.render.derender_patience_s
+        # One bound per chunk (the RFC's timeout_ms "per derender chunk"): every try and pause of
+        # this chunk's derender, whatever the retry setting.
+        budget = self.render.timeout_s
         first, start = self.derender_calls == 0, self.phases.now()
         try:
             async with asyncio.timeout(budget):
+                delay = RETRY_DELAY_MIN_S
                 for attempt in range(tries):
                     self.derender_calls += 1
                     try:
@@ -267,10 +271,13 @@ class StreamingRenderSession:
                         )
                         break
                     except DerenderRetryable as exc:
-                        # Same chunk, same previous state: derender is a pure function of both.
+                        # Same chunk, same previous state: derender is a pure function of both,
+                        # and nothing was committed, so a retry cannot duplicate or skip output.
                         if attempt + 1 >= tries:
                             raise
                         self._log_failure(index, exc, retrying=True)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, RETRY_DELAY_MAX_S)
         except TimeoutError as exc:
             err = DerenderError(f"derender of a chunk took over {budget:g}s", status=504)
             self._log_failure(index, err)

@@ -35,13 +35,14 @@ CHAT_DERENDER = "/v1/chat/completions/derender"
 COMPLETIONS_DERENDER = "/v1/completions/derender"
 
 
-# Retry cadence while the sidecar is unreachable: quick at first (a blip), then once a second.
-PATIENCE_DELAY_MIN_S = 0.05
-PATIENCE_DELAY_MAX_S = 1.0
+# Pause before a same-chunk derender retry (``StreamSettings.derender_retries``, opt-in): short,
+# doubling, all inside the chunk's one bound (the render config's ``timeout_ms``).
+RETRY_DELAY_MIN_S = 0.05
+RETRY_DELAY_MAX_S = 0.5
 
 
 class DerenderRetryable(DerenderError):
-    """A derender failure worth one more try of the same chunk: unreachable, or a 5xx."""
+    """A derender failure a same-chunk retry may cure (when retries are on): unreachable, or a 5xx."""
 
 
 def _json_or_none(response: Reply | httpx.Response) -> Any:
@@ -62,57 +63,70 @@ def _is_request_error(status: int, body: Any) -> bool:
     return status == 404 and isinstance(body, dict) and isinstance(body.get("error"), dict)
 
 
+# Render answers the client keeps besides request errors (the RFC's fault table: only an
+# unusable render falls back). 413: the body is too large for the sidecar, and the local
+# tokenizer accepting it would change what the deployment accepts. 429: the sidecar (or a proxy
+# in front of it) says "slow down"; a fallback would take the load it shed onto the coordinator.
+# A 5xx is render being unavailable, as the RFC counts derender's: that falls back.
+RENDER_KEPT = frozenset({413, 429})
+# The OpenAI error ``type`` given to a kept status whose answer carried no OpenAI error body.
+_ERROR_TYPES = {413: "RequestEntityTooLarge", 422: "Unprocessable", 429: "TooManyRequests"}
+
+
+def _request_error(status: int, body: Any, *, source: str) -> UpstreamRequestError:
+    """The sidecar's verdict as the client's error; a body that is no OpenAI error (a proxy's
+    page, nothing) gets the standard shape, with the status kept."""
+    if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+        kind = _ERROR_TYPES.get(status, "BadRequestError")
+        body = {"error": {"message": f"{source} rejected the request ({status})", "type": kind, "param": None,
+                          "code": status}}
+    return UpstreamRequestError(status, body, source=source)
+
+
 class RenderClient:
     """Calls one render sidecar over the shared HTTP client, each call bounded by ``timeout_s``.
 
-    ``derender_patience_s``: how long a derender keeps retrying while the sidecar cannot be
-    reached. Render falls back to the local tokenizer at once, but a request rendered by the
-    sidecar needs its derender, and a sidecar that died is back within seconds under its
-    supervisor; derender is a pure function of its body (the stream state travels with it), so
-    the same call against the restarted sidecar continues exactly where it stopped.
+    Every call is made once: the RFC adds no automatic derender retry in this stage. A streaming
+    chunk's opt-in retry lives in ``StreamingRenderSession.derender``, inside the same bound.
     """
 
-    def __init__(
-        self, client: Upstream, base_url: str, timeout_s: float, *, derender_patience_s: float = 0.0
-    ) -> None:
+    def __init__(self, client: Upstream, base_url: str, timeout_s: float) -> None:
         self._client = client
         self._base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s  # the render config's timeout_ms: a call, or a streaming chunk
         self._timeout = httpx.Timeout(timeout_s)
-        self._patience_s = derender_patience_s
-
-    @property
-    def derender_patience_s(self) -> float:
-        return self._patience_s
 
     async def _post_render(self, path: str, body: dict[str, Any], request_id: str) -> Any:
         try:
-            response = await self._client.post(
-                self._base_url + path, json=body, headers={"X-Request-Id": request_id}, timeout=self._timeout
-            )
-        except httpx.TimeoutException as exc:
+            # The whole call (httpx's timeouts are per phase: a sidecar trickling bytes would pass).
+            async with asyncio.timeout(self.timeout_s):
+                response = await self._client.post(
+                    self._base_url + path, json=body, headers={"X-Request-Id": request_id}, timeout=self._timeout
+                )
+        except (httpx.TimeoutException, TimeoutError) as exc:
             raise RenderUnavailable(f"render timed out: {exc!r}", reason="timeout") from exc
         except httpx.TransportError as exc:
             raise RenderUnavailable(f"render unreachable: {exc!r}", reason="unreachable") from exc
         payload = _json_or_none(response)
         if response.status_code == 200:
             return payload
-        if _is_request_error(response.status_code, payload):
-            raise UpstreamRequestError(response.status_code, payload, source="render")
-        reason = "capability" if response.status_code in (403, 404, 501) else "status"
+        if _is_request_error(response.status_code, payload) or response.status_code in RENDER_KEPT:
+            raise _request_error(response.status_code, payload, source="render")
+        reason = "capability" if response.status_code in (403, 404, 405, 501) else "status"
         raise RenderUnavailable(f"render answered {response.status_code}: {str(payload)[:200]}", reason=reason)
 
     async def render_chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """Return one GenerateRequest for a chat request."""
-        out = await self._post_render(CHAT_RENDER, body, request_id)
-        if not (isinstance(out, dict) and _has_token_ids(out)):
-            raise RenderUnavailable("render answered without usable token_ids", reason="no_token_ids")
+        out: dict[str, Any] = await self._post_render(CHAT_RENDER, body, request_id)
+        _check_generate_requests([out])
         return out
 
     async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
         """Return one GenerateRequest per prompt, in prompt order."""
         out = await self._post_render(COMPLETIONS_RENDER, body, request_id)
-        if not (isinstance(out, list) and out and all(isinstance(r, dict) and _has_token_ids(r) for r in out)):
-            raise RenderUnavailable("render answered without usable token_ids", reason="no_token_ids")
+        if not (isinstance(out, list) and out):
+            raise RenderUnavailable("render answered without a list of generate requests", reason="malformed")
+        _check_generate_requests(out)
         return out
 
     async def prompt_lengths(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> list[int]:
@@ -129,26 +143,18 @@ class RenderClient:
         return [len(r["token_ids"]) for r in rendered]
 
     async def _post_derender(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._patience_s
-        delay = PATIENCE_DELAY_MIN_S
-        while True:
-            try:
+        try:
+            async with asyncio.timeout(self.timeout_s):  # the whole call, as for render
                 response = await self._client.post(self._base_url + path, json=body, timeout=self._timeout)
-                break
-            except httpx.TimeoutException as exc:
-                raise DerenderError(f"derender timed out: {exc!r}", status=504) from exc
-            except httpx.TransportError as exc:
-                if loop.time() + delay > deadline:
-                    raise DerenderRetryable(f"derender unreachable: {exc!r}") from exc
-                logger.info("derender: sidecar unreachable (%r); retrying in %.2fs", exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, PATIENCE_DELAY_MAX_S)
+        except (httpx.TimeoutException, TimeoutError) as exc:
+            raise DerenderError(f"derender timed out: {exc!r}", status=504) from exc
+        except httpx.TransportError as exc:
+            raise DerenderRetryable(f"derender unreachable: {exc!r}") from exc
         payload = _json_or_none(response)
         if response.status_code == 200 and isinstance(payload, dict):
             return payload
         if _is_request_error(response.status_code, payload):
-            raise UpstreamRequestError(response.status_code, payload, source="derender")
+            raise _request_error(response.status_code, payload, source="derender")
         if response.status_code in (403, 404, 501):
             raise DerenderError(f"the response stage is unavailable: derender answered {response.status_code}")
         if response.status_code >= 500:
@@ -238,3 +244,19 @@ class RenderClient:
 def _has_token_ids(req: dict[str, Any]) -> bool:
     ids = req.get("token_ids")
     return isinstance(ids, list) and bool(ids) and all(isinstance(t, int) for t in ids)
+
+
+def _check_generate_requests(rendered: list[Any]) -> None:
+    """Raise ``RenderUnavailable`` unless each item is a GenerateRequest the pipeline can run.
+
+    The RFC's "invalid structure" falls back like an unreachable sidecar: the pipeline reads
+    ``request_id`` (engine request ids, logs) and ``sampling_params`` (budgets, admission) of
+    every prompt, and an answer without them would fail later as a 500 instead.
+    """
+    for req in rendered:
+        if not (isinstance(req, dict) and _has_token_ids(req)):
+            raise RenderUnavailable("render answered without usable token_ids", reason="no_token_ids")
+        if not (isinstance(req.get("request_id"), str) and req["request_id"]):
+            raise RenderUnavailable("render answered without a request_id", reason="malformed")
+        if not isinstance(req.get("sampling_params"), dict):
+            raise RenderUnavailable("render answered without sampling_params", reason="malformed")

@@ -1,8 +1,8 @@
 """The served model's own tokenizer and chat template, for when the render sidecar cannot be used.
 
 Built from the model directory (``tokenizer.json``, ``tokenizer_config.json`` or
-``chat_template.jinja``, ``config.json``) with transformers' tokenizer (as render builds it) and a
-sandboxed ``jinja2`` environment configured as Hugging Face's ``apply_chat_template`` configures
+``chat_template.jinja``, ``config.json``; ``generation_config.json``'s sampling defaults) with
+transformers' tokenizer (as render builds it) and a sandboxed ``jinja2`` environment configured as Hugging Face's ``apply_chat_template`` configures
 it, so the prompt ids equal render's (generation-config eos ids are not added: render leaves that to
 the engine's input processor too) for the requests the fallback accepts (plain text chats and
 completions; see ``serving.pipeline.render.tokenization.local_unsupported``).
@@ -66,6 +66,43 @@ def _hf_tokenizer(root: Path) -> Any:
     return hf
 
 
+# The generation-config keys vLLM turns into default sampling parameters
+# (``ModelConfig.get_diff_sampling_param``, vLLM 0.33.0); ``max_new_tokens`` becomes ``max_tokens``.
+GENERATION_DEFAULT_KEYS = (
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p",
+    "max_new_tokens", "skip_special_tokens",
+)
+
+
+def generation_defaults(root: Path) -> dict[str, Any]:
+    """The sampling defaults render applies for the model at ``root``, as vLLM's default
+    ``--generation-config auto`` reads them.
+
+    vLLM loads ``GenerationConfig.from_pretrained`` (else ``from_model_config`` of config.json)
+    and keeps ``to_diff_dict()``: only values that differ from transformers' own defaults, so a
+    file's ``top_k: 50`` (transformers' default) is no default at all. The same transformers
+    does the same here, so the fallback's sampling parameters are render's.
+    """
+    try:
+        from transformers import AutoConfig, GenerationConfig
+    except ImportError as exc:
+        raise LocalTokenizerUnavailable(f"transformers is not installed: {exc}") from exc
+    try:
+        config = GenerationConfig.from_pretrained(str(root), local_files_only=True)
+    except OSError:  # no generation_config.json: vLLM derives one from config.json
+        try:
+            config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(root), local_files_only=True))
+        except (OSError, ValueError):
+            return {}
+    except ValueError as exc:  # a file transformers rejects: render could not have loaded it either
+        raise LocalTokenizerUnavailable(f"unusable generation config in {root}: {exc}") from exc
+    diff = config.to_diff_dict()
+    out = {key: diff[key] for key in GENERATION_DEFAULT_KEYS if diff.get(key) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    return out
+
+
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: how many prompt tokens seed the detokenizer.
 _SEED_OFFSET = 5
 
@@ -100,6 +137,8 @@ class LocalTokenizer:
         self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._compiled: jinja2.Template | None = None
         self._lock = threading.Lock()
+        # What render fills in where the request is silent (temperature, top_p, max_tokens, ...).
+        self.generation_defaults = generation_defaults(root)
 
     @property
     def vocab_size(self) -> int:

@@ -4,12 +4,16 @@ Render (the vLLM sidecar) is the source of truth. When render cannot be used (un
 timed out, missing the capability, answering without usable ids: ``RenderUnavailable.reason``)
 the request is tokenized with the served model's own files (``local_tokenizer``), built lazily
 on the first such fallback. Errors render raises about the request itself (400/422, a 404
-``NotFoundError``, context overflow) reach the client unchanged and never fall back.
+``NotFoundError``, context overflow), and its 413 and 429, reach the client unchanged and never
+fall back (docs/render-faults.md has the whole table).
 
 The local fallback builds exactly the GenerateRequest render would for the requests it accepts;
 ``local_unsupported`` names what it does not (tools, structured output, logprobs, multimodal or
 templated extras, streaming), and those requests raise ``NeedsNative`` so the router sends them
-to an engine's own OpenAI API rather than run a half-built token-only request.
+to an engine's own OpenAI API rather than run a half-built token-only request. Its sampling
+parameters include the model's generation_config.json defaults, as render's do. A chat for a
+sidecar that runs a reasoning or tool parser is refused (503, ``Retry-After``): the local
+derender has no vLLM parser and would answer differently.
 """
 
 from __future__ import annotations
@@ -123,26 +127,44 @@ def local_unsupported(kind: TokenKind, body: Mapping[str, Any]) -> str | None:
 
 
 class RenderHealth:
-    """Process-wide memory that render is down, so a hung sidecar costs one timeout, not one per request.
+    """Process-wide memory that render is down, so a dead sidecar costs one failed connect, not one per request.
 
-    After render was unreachable or timed out, requests go straight to the local tokenizer for
-    ``cooldown_s`` (fallback reason ``render_down``); the first request after that tries render
-    again, and one success clears the mark.
+    After render refused a connection (nothing listens: it is down or restarting), or timed out
+    ``timeouts_to_down`` times in a row with no success between, requests go straight to the
+    local tokenizer for ``cooldown_s`` (fallback reason ``render_down``); the first request after
+    that tries render again, and one success clears the mark. One timeout alone marks nothing:
+    it may be one slow request (a long prompt), and the whole process should not give up render's
+    answers for it; a hung sidecar is still found after a few timeouts of concurrent requests.
     """
 
-    def __init__(self, cooldown_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, cooldown_s: float = 5.0, clock: Callable[[], float] = time.monotonic, *, timeouts_to_down: int = 3
+    ) -> None:
         self.cooldown_s = cooldown_s
+        self.timeouts_to_down = timeouts_to_down
         self._clock = clock
         self._down_until = 0.0
+        self._timeouts = 0  # consecutive, since the last success
 
     def skip(self) -> bool:
         return self._clock() < self._down_until
 
+    @property
+    def retry_after_s(self) -> int:
+        """Seconds a client refused while render is away should wait (``Retry-After``)."""
+        return max(1, round(self.cooldown_s))
+
     def mark(self, exc: RenderUnavailable | None) -> None:
         if exc is None:
             self._down_until = 0.0
-        elif exc.reason in ("unreachable", "timeout"):
+            self._timeouts = 0
+        elif exc.reason == "unreachable":
             self._down_until = self._clock() + self.cooldown_s
+        elif exc.reason == "timeout":
+            self._timeouts += 1
+            if self._timeouts >= self.timeouts_to_down:
+                self._timeouts = 0
+                self._down_until = self._clock() + self.cooldown_s
 
 
 class TokenizationService:
@@ -194,6 +216,20 @@ class TokenizationService:
             # The reason is the category (``local:param``, a metric label); which key it was, a
             # name the client chose, goes to the log only.
             raise NeedsNative(f"local:{unsupported.partition(':')[0]}", reason, detail=f"local:{unsupported}") from cause
+        parsers = [p for p in (self.model.reasoning_parser, self.model.tool_parser) if p]
+        if kind == "chat" and parsers:
+            # A sidecar with parsers answers every chat through them: the reasoning parser splits
+            # reasoning from content, and vLLM's parser engine turns skip_special_tokens off for
+            # every chat it parses. The local derender has no vLLM parser; its answer would carry
+            # the reasoning inside ``content``. Refused, with when to come back, rather than
+            # answered differently.
+            refused = RenderUnavailable(
+                f"{cause.message}; the local fallback cannot run the sidecar's parsers {parsers}",
+                reason=reason, retry_after_s=self.health.retry_after_s,
+            )
+            refused.public = ("The tokenization service is unavailable and this model's chat answers need its "
+                              "reasoning or tool parser; retry later.")
+            raise refused from cause
         try:
             tok = await self.local_tokenizer()
             rendered = local_render(tok, kind, body, request_id, self.model)
@@ -203,8 +239,25 @@ class TokenizationService:
         return TokenizedRequest(kind, self.model.name, prompts, "local", reason, (time.perf_counter() - start) * 1000)
 
 
-def _max_tokens(kind: TokenKind, body: Mapping[str, Any], prompt_len: int, max_model_len: int) -> int:
-    """vLLM's resolution: the client's value, else 16 (completions) or the room left (chat)."""
+# vLLM's sampling_params._SAMPLING_EPS and _MAX_TEMP: below the first is greedy, a positive
+# temperature below the second is raised to it.
+_SAMPLING_EPS = 1e-5
+_MIN_TEMPERATURE = 1e-2
+
+# vLLM's ``_DEFAULT_SAMPLING_PARAMS`` (chat and completions alike): the OpenAI defaults, used
+# where neither the request nor the model's generation config says otherwise.
+_OPENAI_DEFAULTS: dict[str, float | int] = {
+    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+}
+
+
+def _max_tokens(
+    kind: TokenKind, body: Mapping[str, Any], prompt_len: int, max_model_len: int, default: int | None = None
+) -> int:
+    """vLLM's resolution (``get_max_tokens``): the client's value, else 16 for a completion (its
+    schema's default, an explicit null included: ``normalize_null_max_tokens``), else the
+    generation config's ``max_new_tokens`` (``default``); never more than the room left."""
     room = max_model_len - prompt_len
     if room <= 0:
         raise RequestError(
@@ -215,8 +268,10 @@ def _max_tokens(kind: TokenKind, body: Mapping[str, Any], prompt_len: int, max_m
     requested = body.get("max_completion_tokens") if kind == "chat" else None
     if requested is None:
         requested = body.get("max_tokens")
-    if requested is None:
-        return room if kind == "chat" else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+    if requested is None and kind == "completions":
+        requested = COMPLETIONS_DEFAULT_MAX_TOKENS
+    elif requested is None:
+        return room if default is None else min(default, room)
     if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
         raise RequestError("max_tokens must be a positive integer.", param="max_tokens")
     if requested > max_model_len:
@@ -226,24 +281,51 @@ def _max_tokens(kind: TokenKind, body: Mapping[str, Any], prompt_len: int, max_m
     return min(requested, room)
 
 
-def _sampling_params(kind: TokenKind, body: Mapping[str, Any], prompt_len: int, max_model_len: int) -> dict[str, Any]:
+def _skip_special_tokens(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> bool:
+    """The request's ``skip_special_tokens``, else the generation config's, else True (vLLM's order)."""
+    value = body.get("skip_special_tokens")
+    if value is None:
+        value = defaults.get("skip_special_tokens", True)
+    return value is not False
+
+
+def _sampling_params(
+    kind: TokenKind, body: Mapping[str, Any], prompt_len: int, max_model_len: int,
+    defaults: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Render's sampling parameters for ``body``: the request's value, else the model's
+    generation default (``defaults``: ``LocalTokenizer.generation_defaults``), else OpenAI's
+    (``to_sampling_params``' "user -> server default -> OpenAI default")."""
+    defaults = defaults or {}
     stop = body.get("stop") or []
+    chosen = {
+        name: body[name] if body.get(name) is not None else defaults.get(name, fallback)
+        for name, fallback in _OPENAI_DEFAULTS.items()
+    }
+    temperature, top_p, top_k, min_p = (float(chosen["temperature"]), float(chosen["top_p"]), int(chosen["top_k"]),
+                                        float(chosen["min_p"]))
+    # SamplingParams.__post_init__'s normalizations, so the engine sees the same values either way.
+    if 0 < temperature < _MIN_TEMPERATURE:
+        temperature = _MIN_TEMPERATURE
+    if temperature < _SAMPLING_EPS:  # greedy: the other sampling knobs are off
+        top_p, top_k, min_p = 1.0, 0, 0.0
+    seed = body.get("seed")
     params: dict[str, Any] = {
         "n": int(body.get("n") or 1),
-        "presence_penalty": float(body.get("presence_penalty") or 0.0),
-        "frequency_penalty": float(body.get("frequency_penalty") or 0.0),
-        "repetition_penalty": float(body.get("repetition_penalty") or 1.0),
-        "temperature": float(1.0 if body.get("temperature") is None else body["temperature"]),
-        "top_p": float(1.0 if body.get("top_p") is None else body["top_p"]),
-        "top_k": int(body.get("top_k") or 0),
-        "min_p": float(body.get("min_p") or 0.0),
-        "seed": body.get("seed"),
+        "presence_penalty": float(chosen["presence_penalty"]),
+        "frequency_penalty": float(chosen["frequency_penalty"]),
+        "repetition_penalty": float(chosen["repetition_penalty"]),
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "seed": None if seed == -1 else seed,
         "stop": [stop] if isinstance(stop, str) else list(stop),
         "stop_token_ids": list(body.get("stop_token_ids") or []),
         "ignore_eos": bool(body.get("ignore_eos")),
-        "max_tokens": _max_tokens(kind, body, prompt_len, max_model_len),
+        "max_tokens": _max_tokens(kind, body, prompt_len, max_model_len, defaults.get("max_tokens")),
         "min_tokens": int(body.get("min_tokens") or 0),
-        "skip_special_tokens": body.get("skip_special_tokens", True) is not False,
+        "skip_special_tokens": _skip_special_tokens(body, defaults),
         "include_stop_str_in_output": bool(body.get("include_stop_str_in_output")),
         "output_kind": 1 if body.get("stream") else 2,
         "skip_clone": True,
@@ -277,7 +359,7 @@ def local_render(
         out.append({
             "request_id": rid,
             "token_ids": token_ids,
-            "sampling_params": _sampling_params(kind, body, len(token_ids), model.max_model_len),
+            "sampling_params": _sampling_params(kind, body, len(token_ids), model.max_model_len, tok.generation_defaults),
             "model": body.get("model") or model.name,
             "output_mode": "tokens",
             "stream": bool(body.get("stream")),
@@ -331,10 +413,10 @@ class LocalDerenderer:
 
     def _usage(self, prompt: int, completion: int) -> dict[str, Any]:
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-                "prompt_tokens_details": None}
+                "prompt_tokens_details": None, "completion_tokens_details": None}
 
     def chat(self, response: Mapping[str, Any], *, prompt_ids: list[int], body: Mapping[str, Any]) -> dict[str, Any]:
-        skip = body.get("skip_special_tokens", True) is not False
+        skip = _skip_special_tokens(body, self.tok.generation_defaults)
         with_ids = bool(body.get("return_token_ids"))
         choices = []
         for c in sorted(response.get("choices") or [], key=lambda c: c.get("index", 0)):
@@ -359,7 +441,7 @@ class LocalDerenderer:
     def completions(
         self, responses: Sequence[Mapping[str, Any]], *, prompt_ids: list[list[int]], body: Mapping[str, Any]
     ) -> dict[str, Any]:
-        skip = body.get("skip_special_tokens", True) is not False
+        skip = _skip_special_tokens(body, self.tok.generation_defaults)
         with_ids = bool(body.get("return_token_ids"))
         choices: list[dict[str, Any]] = []
         completion = 0

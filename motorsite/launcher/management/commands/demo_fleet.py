@@ -30,6 +30,10 @@ class Command(BaseCommand):
         parser.add_argument("--render-port", type=int, default=8100)
         parser.add_argument("--engine", action="append", default=[], help="engine base URL, repeatable")
         parser.add_argument("--engine-kind", choices=["vllm", "sim"], default="vllm")
+        # The parsers the render sidecar runs (its --reasoning-parser / --tool-call-parser): the
+        # model's revision records them, and the local fallback reads them from there.
+        parser.add_argument("--reasoning-parser", default="")
+        parser.add_argument("--tool-parser", default="")
         # P/D instances: NixlConnector over loopback (pull, Handoff); tokens-only, no native API.
         parser.add_argument("--prefill", action="append", default=[], help="prefill engine base URL, repeatable")
         parser.add_argument("--decode", action="append", default=[], help="decode engine base URL, repeatable")
@@ -56,7 +60,8 @@ class Command(BaseCommand):
                       "vocab_size": config_vocab_size(opts["model_dir"])},
         )
         # The version probe compares engines against this record; unchanged files add no row.
-        revision_record(served_model=model, model_dir=opts["model_dir"], actor=ACTOR)
+        revision_record(served_model=model, model_dir=opts["model_dir"], actor=ACTOR,
+                        reasoning_parser=opts["reasoning_parser"], tool_parser=opts["tool_parser"])
         RenderConfig.objects.update_or_create(
             name="default", defaults={"host": opts["render_host"], "port": opts["render_port"], "enable": True}
         )

@@ -1,0 +1,42 @@
+"""The render config's timeout_ms bounds each whole render and derender call, not each phase of it.
+
+httpx's timeouts apply per phase (connect, each read): a sidecar that answers slowly, or trickles
+its bytes, passes them all. The fake upstream here simply takes longer than the bound to answer
+(``httpx.MockTransport`` applies no httpx timeout at all), so only a bound on the whole call ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from serving.pipeline.errors import DerenderError, RenderUnavailable
+from serving.pipeline.render.client import RenderClient
+
+BOUND_S = 0.2
+
+
+def slow_sidecar() -> httpx.AsyncClient:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(3600)
+        return httpx.Response(500)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+async def test_a_render_call_is_bounded_as_a_whole() -> None:
+    async with slow_sidecar() as client, asyncio.timeout(30):  # the watchdog, far above the bound
+        render = RenderClient(client, "http://render.test", BOUND_S)
+        with pytest.raises(RenderUnavailable) as info:
+            await render.render_chat({"model": "tiny", "messages": []}, "r1")
+    assert info.value.reason == "timeout"
+
+
+async def test_a_derender_call_is_bounded_as_a_whole() -> None:
+    async with slow_sidecar() as client, asyncio.timeout(30):
+        render = RenderClient(client, "http://render.test", BOUND_S)
+        with pytest.raises(DerenderError) as info:
+            await render.derender_chat({"choices": []}, prompt_token_ids=[1], chat_request={"messages": []}, model="tiny")
+    assert info.value.status == 504
