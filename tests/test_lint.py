@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# The environment's shared mypy cache (v2: only ever written whole, by rename; see _mypy_cache).
+SHARED_MYPY_CACHE = Path(sys.prefix) / "mypy-cache-v2"
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -32,10 +34,9 @@ def _mypy_cache(tmp_path: Path) -> Path:
     writes to its own copy; mypy replaces a cache file (a new inode) rather than writing into
     it, so the links never change the shared files.
     """
-    shared = Path(sys.prefix) / "mypy-cache"
     own = tmp_path / "mypy-cache"
-    if shared.is_dir():
-        shutil.copytree(shared, own, copy_function=_link_or_copy)
+    if SHARED_MYPY_CACHE.is_dir():
+        shutil.copytree(SHARED_MYPY_CACHE, own, copy_function=_link_or_copy)
     return own
 
 
@@ -48,10 +49,9 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def _publish_mypy_cache(own: Path) -> None:
     """Keep the first complete cache as the environment's shared one (a rename: whole or nothing)."""
-    shared = Path(sys.prefix) / "mypy-cache"
-    if not shared.exists():
+    if not SHARED_MYPY_CACHE.exists():
         with contextlib.suppress(OSError):  # another run published first
-            os.rename(own, shared)
+            os.rename(own, SHARED_MYPY_CACHE)
 
 
 def test_the_data_plane_type_checks_strictly(tmp_path: Path) -> None:

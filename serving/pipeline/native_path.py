@@ -1,0 +1,256 @@
+"""The native path: a request served on an engine's own OpenAI API, retried elsewhere within the budget.
+
+Where it goes, best first: union instances' own API (least loaded), then P/D pairs' through
+the vllm-ascend guide's proxy flow (``topologies/native_pd.py``) when the request fits a pair.
+Never with obfuscation on (fail closed). Charged what the engine may really process
+(``engine/native.NativeEstimate``). ``ServingPipeline`` (``service.py``) inherits this; the
+attributes declared below are the pipeline's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection
+from contextlib import AsyncExitStack
+from typing import Any
+
+from serving.pipeline import metric_names, request_checks
+from serving.pipeline.engine.leg import BreakerOpen, EngineGuard, Reservation
+from serving.pipeline.engine.native import NATIVE_HINTS, NativeEstimate, NativeStream, prompt_bound
+from serving.pipeline.errors import (
+    EngineError,
+    ModelNotFound,
+    NoCapacity,
+    RenderUnavailable,
+    RequestError,
+    UpstreamRequestError,
+)
+from serving.pipeline.flow_control import rate_limit
+from serving.pipeline.metrics import RouterCounters
+from serving.pipeline.phases import Phases
+from serving.pipeline.placement.filters import has_native_pd, native_candidates
+from serving.pipeline.placement.scheduler import Scheduler
+from serving.pipeline.protocol import ApiKind
+from serving.pipeline.render.client import RenderClient
+from serving.pipeline.render.tokenization import RenderHealth, TokenizedRequest
+from serving.pipeline.resilience.attempts import AttemptPolicy
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
+from serving.pipeline.topologies.metaserver import process_metaserver
+from serving.pipeline.topologies.native_pd import (
+    NativeCall,
+    NativePair,
+    native_pairs,
+    native_pd_ineligible,
+    run_native_handoff,
+    run_native_trigger,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1000
+
+
+def _hint(reason: str) -> str:
+    hint = NATIVE_HINTS.get(reason)
+    return f": {hint}." if hint else ""
+
+
+def _no_native_engine(model: str, reason: str, note: str = "") -> NoCapacity:
+    return NoCapacity(f"no engine serves the native OpenAI API for model {model!r} ({reason}{note})" + _hint(reason))
+
+
+class NativePath:
+    """The native path's half of ``ServingPipeline``."""
+
+    snapshot: FleetSnapshot
+    render: RenderClient
+    scheduler: Scheduler
+    policy: AttemptPolicy
+    counters: RouterCounters
+    render_health: RenderHealth
+    guard: EngineGuard
+
+    def _model(self, body: dict[str, Any]) -> ModelView:
+        name = body.get("model") or ""
+        model = self.snapshot.models.get(name)
+        if model is None:
+            raise ModelNotFound(str(name))
+        return model
+
+    async def _native(
+        self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, phases: Phases,
+        *, tokenized: TokenizedRequest | None = None, render_tried: bool = False,
+    ) -> dict[str, Any] | NativeStream:
+        """Serve ``body`` on an engine's own OpenAI API, retrying elsewhere within the budget.
+
+        ``tokenized``: the request's prompts when render (or the local tokenizer) already made
+        them; ``render_tried``: render was just found unusable, so it is not asked to count.
+        """
+        model = self._model(body)
+        phases.placed("native")  # the end-to-end phase's topology
+        if self.snapshot.render.obfuscation:
+            self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
+            logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
+            raise RequestError(
+                f"This request needs the engine's own OpenAI API ({reason}), which is not available while "
+                "token obfuscation is on." + _hint(reason),
+            )
+        unservable = request_checks.unservable(self.snapshot, model.name, reason, body)
+        if unservable is not None:
+            if kind in ("chat", "completions"):
+                await self._render_verdict(kind, body, request_id)  # render's 400 for a malformed body
+            self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
+            logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
+            raise unservable
+        # A P/D pair's own API serves what it can serve exactly (topologies/native_pd.py).
+        pd_unfit = native_pd_ineligible(kind, body)
+        if not self._native_routes(model.name, pd_unfit):
+            # Decided native, but no engine can take it now: no render call to count its prompt.
+            self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
+            logger.info("route request_id=%s kind=%s path=native reason=%s result=no_engine", request_id, kind, reason)
+            raise _no_native_engine(model.name, reason, self._pd_unfit_note(model.name, pd_unfit))
+        # Charged what the engine may really process: prompt tokens plus n x the output bound it
+        # will resolve (engine/native.NativeEstimate), per instance context length.
+        estimate = await self._native_estimate(kind, body, request_id, tokenized, render_tried)
+        charge = estimate.tokens(model.max_model_len)
+        self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
+        logger.info("route request_id=%s kind=%s path=native reason=%s prompt_tokens=%d counted_by=%s tokens=%d",
+                    request_id, kind, reason, sum(estimate.prompts), estimate.source, charge)
+        # Charged here too (once per request: a request that moved from token-only is not charged twice).
+        await rate_limit.charge_request(charge)
+        excluded: set[str] = set()
+        last: EngineError | None = None
+        for attempt in range(self.policy.max_attempts):
+            routes = self._native_routes(model.name, pd_unfit, exclude=excluded)
+            if not routes:
+                if last is not None:
+                    raise last
+                raise _no_native_engine(model.name, reason, self._pd_unfit_note(model.name, pd_unfit))
+            route = routes[0]
+            # The instance that answers the client: the union one, or the pair's decode side.
+            instance = route.decode if isinstance(route, NativePair) else route
+            names = route.names if isinstance(route, NativePair) else (route.name,)
+            start = time.perf_counter()
+            stack = AsyncExitStack()
+            try:
+                if isinstance(route, NativePair) and route.transfer == "push":
+                    result = await run_native_trigger(
+                        self._native_call(kind), route, kind, body, f"{request_id}-{attempt}",
+                        metaserver=process_metaserver(), prompt_tokens=sum(estimate.prompts),
+                        tokens=estimate.tokens(instance.max_model_len),
+                        max_output=estimate.output(instance.max_model_len), stack=stack,
+                    )
+                elif isinstance(route, NativePair):
+                    result = await run_native_handoff(
+                        self._native_call(kind), self.guard.reserve, route, kind, body, f"{request_id}-{attempt}",
+                        prompt_tokens=sum(estimate.prompts), tokens=estimate.tokens(instance.max_model_len),
+                        max_output=estimate.output(instance.max_model_len), stack=stack,
+                    )
+                else:
+                    result = await self.guard.native(
+                        instance, kind, body, request_id, tokens=estimate.tokens(instance.max_model_len),
+                        max_output=estimate.output(instance.max_model_len), stack=stack,
+                    )
+            except BreakerOpen:
+                # Raced a half-open probe slot: not this request's failure, just not this instance.
+                await stack.aclose()
+                excluded.update(names)
+                continue
+            except EngineError as exc:
+                # Busy, lacking the capability or failed (the guard told the breaker which): elsewhere.
+                # A pair is left whole, as the token-only attempt policy leaves one: the fault may
+                # lie between P and D (the KV transfer).
+                await stack.aclose()
+                last = exc
+                excluded.update(names)
+                logger.warning("native request_id=%s instance=%s attempt=%d result=%s", request_id, ",".join(names),
+                               attempt, type(exc).__name__)
+                continue
+            except BaseException:
+                await stack.aclose()
+                raise
+            logger.info("native request_id=%s instance=%s attempt=%d result=ok latency_ms=%.1f",
+                        request_id, ",".join(names), attempt, _ms(start))
+            if isinstance(result, NativeStream):
+                return result
+            await stack.aclose()
+            return result
+        if last is not None:
+            raise last
+        raise _no_native_engine(model.name, reason)
+
+    def _native_routes(
+        self, model: str, pd_unfit: str, *, exclude: Collection[str] = ()
+    ) -> list[InstanceView | NativePair]:
+        """Where the native path may go now, best first: union instances' own API (least loaded),
+        then P/D pairs' (the guide's proxy flow) when the request fits a pair."""
+        routes: list[InstanceView | NativePair] = list(
+            native_candidates(self.snapshot, self.scheduler, model, exclude=exclude)
+        )
+        if not pd_unfit:
+            load = self.scheduler.load.inflight
+            routes += native_pairs(
+                self.snapshot, model, live=self.scheduler.eligible, exclude=exclude,
+                load=lambda i: load(i.name) / max(i.weight, 1),
+            )
+        return routes
+
+    def _pd_unfit_note(self, model: str, pd_unfit: str) -> str:
+        """What the 503 adds when only P/D pairs serve the native path and this request fits none."""
+        if pd_unfit and has_native_pd(self.snapshot, model):
+            return f"; prefill/decode pairs cannot serve it exactly ({pd_unfit})"
+        return ""
+
+    def _native_call(self, kind: ApiKind) -> NativeCall:
+        """One guarded leg of a native P/D run (breaker, admission, load, the reply's deadline)."""
+
+        async def call(
+            instance: InstanceView, body: dict[str, Any], leg_id: str, tokens: int, max_output: int | None,
+            stack: AsyncExitStack, reserved: Reservation | None,
+        ) -> dict[str, Any] | NativeStream:
+            return await self.guard.native(
+                instance, kind, body, leg_id, tokens=tokens, max_output=max_output, stack=stack, reserved=reserved,
+            )
+
+        return call
+
+    async def _native_estimate(
+        self, kind: ApiKind, body: dict[str, Any], request_id: str, tokenized: TokenizedRequest | None,
+        render_tried: bool,
+    ) -> NativeEstimate:
+        """The request's prompt tokens (render's count where it can give one, else a bound from the
+        body's size) and output bound. Render is asked for a count only: its verdict on the body
+        never replaces the engine's (a Responses request naming a response only the engine
+        stored is a 4xx to render), and a sidecar that cannot answer costs a fallback, no error."""
+        if tokenized is not None:
+            counts = [len(p.token_ids) for p in tokenized.prompts]
+            return NativeEstimate.of(kind, body, counts, tokenized.tokenizer_source)
+        # A sidecar below the token-in floor (0.23) has no render route to count with.
+        if (not render_tried and self.snapshot.render.enable and self.snapshot.render.token_in
+                and not self.render_health.skip()):
+            try:
+                counts = await self.render.prompt_lengths(kind, body, request_id)
+            except RenderUnavailable as exc:
+                self.render_health.mark(exc)
+            except UpstreamRequestError:
+                pass  # the engine's own API judges the body; the estimate falls back to its size
+            else:
+                self.render_health.mark(None)
+                return NativeEstimate.of(kind, body, counts, "render")
+        return NativeEstimate.of(kind, body, prompt_bound(kind, body), "bound")
+
+    async def _render_verdict(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> None:
+        """Let render judge ``body`` (vLLM's own schema and validators): its 4xx propagates; an
+        unusable sidecar has no verdict, and the caller's answer stands."""
+        if not self.snapshot.render.enable or not self.snapshot.render.token_in or self.render_health.skip():
+            return
+        try:
+            if kind == "chat":
+                await self.render.render_chat(body, request_id)
+            else:
+                await self.render.render_completions(body, request_id)
+        except RenderUnavailable as exc:
+            self.render_health.mark(exc)
