@@ -141,6 +141,9 @@ class StreamReply:
 
     async def aread(self) -> bytes:
         """The rest of the body, at most ``MAX_REPLY_BYTES`` of it (an error body, in practice)."""
+        declared = self.headers.get("content-length")  # plain digits: llhttp checked them
+        if declared is not None and int(declared) > self._max_bytes:
+            raise httpx.RemoteProtocolError(f"a body of {declared} bytes, over the reply limit of {self._max_bytes}")
         pieces, size = [], 0
         async for piece in self.aiter_raw():
             size += len(piece)

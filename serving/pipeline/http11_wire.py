@@ -69,6 +69,7 @@ MAX_HEAD_BYTES = 64 * 1024
 # Chunk-size lines, chunk extensions and trailers with no body byte between them: a chunk line is
 # a dozen bytes and uvicorn sends no trailers, so 8 KiB only ever trips on an upstream that feeds
 # framing instead of data (or an endless trailer line, which httptools would otherwise keep whole).
+# Both are checked after each read: what the parser holds stays under the limit plus one read.
 MAX_FRAMING_BYTES = 8 * 1024
 
 
