@@ -57,7 +57,7 @@ def pooled(client: Http11Client) -> int:
 
 MALFORMED = {
     # chunk sizes that are not plain hex (int(x, 16) took every one of them)
-    "chunk size -1": CHUNKED_HEAD + b"-1\r\n{}\r\n0\r\n\r\n",
+    "chunk size -1": CHUNKED_HEAD + b"-1\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
     "chunk size +5": CHUNKED_HEAD + b"+2\r\n{}\r\n0\r\n\r\n",
     "chunk size 0_5": CHUNKED_HEAD + b"0_2\r\n{}\r\n0\r\n\r\n",
     "chunk size 0x5": CHUNKED_HEAD + b"0x2\r\n{}\r\n0\r\n\r\n",
@@ -75,7 +75,7 @@ MALFORMED = {
     "Transfer-Encoding gzip, chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
     "Transfer-Encoding chunked, gzip": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, gzip\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
     # header lines
-    "a folded header": b"HTTP/1.1 200 OK\r\nx-a: 1\r\n folded\r\ncontent-length: 2\r\n\r\n{}",
+    "a folded header": b"HTTP/1.1 200 OK\r\nx-a: 1\r\n x-b: folded\r\ncontent-length: 2\r\n\r\n{}",
     "a space before the colon": b"HTTP/1.1 200 OK\r\ncontent-length : 2\r\n\r\n{}",
     "a control character in a value": b"HTTP/1.1 200 OK\r\nx-a: a\x01b\r\ncontent-length: 2\r\n\r\n{}",
     "bare LF line ends": b"HTTP/1.1 200 OK\ncontent-length: 2\n\n{}",
