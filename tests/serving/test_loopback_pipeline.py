@@ -12,7 +12,6 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.http11 import Http11Client
 from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
