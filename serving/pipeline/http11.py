@@ -104,6 +104,11 @@ class Reply:
 class StreamReply:
     """A response whose body is read as it arrives."""
 
+    __slots__ = (
+        "_conn", "_timeout", "_max_bytes", "status_code", "headers", "sse_done", "whole_reads", "_event_deadline",
+        "_ends_line",
+    )
+
     def __init__(self, conn: Connection, read_timeout_s: float | None, *, max_bytes: int = MAX_REPLY_BYTES) -> None:
         self._conn = conn
         self._timeout = read_timeout_s
