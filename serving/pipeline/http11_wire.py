@@ -132,7 +132,7 @@ class Connection(asyncio.BufferedProtocol):
         self._framing = 0  # bytes fed since the last body byte (or since the head ended)
         self._interim = False  # the answer being parsed is a 1xx, to be skipped
         self._until_close = False  # the body ends when the server closes (no length, not chunked)
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
 
     # -- asyncio.BufferedProtocol
 
@@ -148,9 +148,12 @@ class Connection(asyncio.BufferedProtocol):
         if self.complete:
             self.keep_alive = False  # nothing is expected between responses: never reuse this one
             return
+        parser = self._parser
+        if parser is None:
+            return  # closed: nothing is parsed after the close
         self._framing += nbytes
         try:
-            self._parser.feed_data(_read_buffer.view[:nbytes])
+            parser.feed_data(_read_buffer.view[:nbytes])
             if self._framing > (MAX_FRAMING_BYTES if self.head_done else MAX_HEAD_BYTES):
                 raise Malformed("response head too large" if not self.head_done else "chunk framing or trailers too large")
         except httptools.HttpParserUpgrade:
@@ -195,6 +198,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def on_headers_complete(self) -> None:
         parser = self._parser
+        assert parser is not None  # called by the parser itself
         status = parser.get_status_code()
         if parser.get_http_version() not in ("1.1", "1.0"):
             raise Malformed(f"HTTP/{parser.get_http_version()} answer to an HTTP/1.1 request")
