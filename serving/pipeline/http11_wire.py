@@ -116,6 +116,9 @@ class Connection(asyncio.BufferedProtocol):
         self._read_limit = READ_SIZE
         self.on_complete: Any = None  # called once the current response has been read whole
         self.body_limit: int | None = None  # the most body this response may have (None: a stream)
+        # One parser for the connection's life: llhttp parses one response after another on a
+        # kept-alive connection (a new one per request cost a few microseconds each).
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._reset()
 
     def _reset(self) -> None:
@@ -132,7 +135,6 @@ class Connection(asyncio.BufferedProtocol):
         self._framing = 0  # bytes fed since the last body byte (or since the head ended)
         self._interim = False  # the answer being parsed is a 1xx, to be skipped
         self._until_close = False  # the body ends when the server closes (no length, not chunked)
-        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
 
     # -- asyncio.BufferedProtocol
 
