@@ -379,6 +379,11 @@ MOTOR_SNAPSHOT_POLL_S = env_int("MOTOR_SNAPSHOT_POLL_MS", 250) / 1000
 MOTOR_SNAPSHOT_TTL_S = env_int("MOTOR_SNAPSHOT_TTL_MS", 60000) / 1000
 # Keep-alive connections a coordinator process keeps open to each render sidecar and engine.
 MOTOR_UPSTREAM_IDLE_CONNECTIONS = env_int("MOTOR_UPSTREAM_IDLE_CONNECTIONS", 64)
+# The largest reply the upstream client reads whole (render, derender, a non-streaming generate,
+# an error body); past it the upstream is treated as broken (serving/pipeline/http11.py says why 64 MiB).
+MOTOR_UPSTREAM_MAX_REPLY_BYTES = env_int("MOTOR_UPSTREAM_MAX_REPLY_BYTES", 64 * 1024 * 1024)
+if MOTOR_UPSTREAM_MAX_REPLY_BYTES < 64 * 1024:  # under a render reply of an ordinary prompt: a typo
+    raise ImproperlyConfigured(f"MOTOR_UPSTREAM_MAX_REPLY_BYTES must be at least 65536, got {MOTOR_UPSTREAM_MAX_REPLY_BYTES}")
 
 # Celery: Redis when REDIS_URL is set; otherwise kombu's filesystem transport in
 # MOTOR_CELERY_DIR, so worker and beat work across processes with nothing installed.

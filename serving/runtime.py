@@ -73,6 +73,7 @@ http.configure(
         connect_timeout_s=settings.MOTOR_CONNECT_TIMEOUT_S,
         read_timeout_s=settings.MOTOR_ENGINE_READ_TIMEOUT_S,
         idle_per_upstream=settings.MOTOR_UPSTREAM_IDLE_CONNECTIONS,
+        max_reply_bytes=settings.MOTOR_UPSTREAM_MAX_REPLY_BYTES,
     )
 )
 

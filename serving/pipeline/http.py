@@ -16,7 +16,7 @@ from typing import Union
 
 import httpx
 
-from serving.pipeline.http11 import Http11Client
+from serving.pipeline.http11 import MAX_REPLY_BYTES, Http11Client
 
 Upstream = Union[Http11Client, httpx.AsyncClient]
 
@@ -24,8 +24,9 @@ Upstream = Union[Http11Client, httpx.AsyncClient]
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
     connect_timeout_s: float = 2.0
-    read_timeout_s: float = 60.0  # per chunk for streams, whole reply otherwise
+    read_timeout_s: float = 60.0  # per SSE event for streams, whole reply otherwise
     idle_per_upstream: int = 64  # keep-alive connections kept open to each sidecar or engine
+    max_reply_bytes: int = MAX_REPLY_BYTES  # the largest reply read whole
 
 
 _clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Http11Client]" = weakref.WeakKeyDictionary()
@@ -42,6 +43,10 @@ def shared_client() -> Upstream:
     client = _clients.get(loop)
     if client is None or client.is_closed:
         s = _settings
-        client = Http11Client(httpx.Timeout(s.read_timeout_s, connect=s.connect_timeout_s), idle_per_origin=s.idle_per_upstream)
+        client = Http11Client(
+            httpx.Timeout(s.read_timeout_s, connect=s.connect_timeout_s),
+            idle_per_origin=s.idle_per_upstream,
+            max_reply_bytes=s.max_reply_bytes,
+        )
         _clients[loop] = client
     return client

@@ -13,13 +13,29 @@ hold (the tests hand them ``httpx.MockTransport`` clients).
 
 Flow control (``http11_wire.py``): a connection stops reading from its socket once ``HIGH_WATER`` bytes wait
 unread (and reads at most ``READ_SIZE`` at once), so a client that reads nothing holds the
-engine back by TCP instead of the coordinator buffering the whole generation.
+engine back by TCP instead of the coordinator buffering the whole generation. Responses are parsed
+by llhttp (``httptools``), strictly; see ``http11_wire.py`` for what is refused and bounded.
+
+A request is written once. A kept-alive connection is checked right before the write (the loop
+saw it close, or its socket has the server's FIN waiting: ``Connection.dropped``) and a new one
+opened in its place; once the request is written, any failure is the caller's, even before the
+first byte of the answer: a generate or a prefill may already be running on the engine (a
+non-streaming one sends nothing until it is done), so only the caller's attempt policy may decide
+to send it again, under a new attempt, with the engine counted.
+
+Deadlines (``timeout``, an ``httpx.Timeout`` or seconds): ``connect`` bounds opening a connection;
+``read`` bounds a whole reply from the write to its last byte (``post``, ``get``) and, for a
+stream, the response head and then each SSE event: the time from one event's end to the next one's
+(``StreamReply``), so a trickle of bytes that never completes an event does not keep it alive. A
+caller's deadline for a whole stream is an ``asyncio.timeout`` around it (cancellation closes the
+connection).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json as stdlib_json
+import re
 import ssl
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Mapping
@@ -38,6 +54,13 @@ MAX_IDLE_PER_ORIGIN = 64
 DONE_FRAME = b"data: [DONE]\n\n"
 # A stream whose SSE ended waits this long for the body's last chunk before its connection goes.
 DRAIN_S = 1.0
+# The largest reply read whole (render, derender, a non-streaming generate or native answer, an
+# error body): a 32k-token prompt renders to about 200 KiB and n=16 choices of 2k tokens with top-20
+# logprobs to about 20 MiB; past 64 MiB it is an upstream gone wrong, not an answer to hold.
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+# The longest line ``StreamReply.aiter_lines`` keeps while waiting for its end (the SSE parser
+# bounds its own lines the same way: ``sse.MAX_LINE_BYTES``).
+MAX_LINE_BYTES = 16 * 1024 * 1024
 
 Origin = tuple[str, str, int]  # scheme, host, port
 
@@ -81,32 +104,58 @@ class Reply:
 class StreamReply:
     """A response whose body is read as it arrives."""
 
-    def __init__(self, conn: Connection, read_timeout_s: float | None) -> None:
+    __slots__ = (
+        "_conn", "_timeout", "_max_bytes", "status_code", "headers", "sse_done", "whole_reads", "_event_deadline",
+        "_ends_line",
+    )
+
+    def __init__(self, conn: Connection, read_timeout_s: float | None, *, max_bytes: int = MAX_REPLY_BYTES) -> None:
         self._conn = conn
         self._timeout = read_timeout_s
+        self._max_bytes = max_bytes
         self.status_code = conn.status
         self.headers = conn.headers
         self.sse_done = False  # the body's last piece ended the SSE stream
         # Each piece all that arrived since the last (``Connection.read_piece``), not one chunk.
         self.whole_reads = False
+        # When the next SSE event must have ended: pushed on only when one does (``_Pieces``).
+        self._event_deadline = _deadline(conn.loop, read_timeout_s)
+        self._ends_line = False  # the last piece ended with a newline: the next may end an event
 
     def aiter_raw(self) -> AsyncIterator[bytes]:
         return _Pieces(self)
 
     async def aiter_lines(self) -> AsyncIterator[str]:
-        pending = b""
+        held: list[bytes] = []  # the line whose end has not arrived, as its pieces (sse.py's reason)
+        held_bytes = 0
         async for piece in self.aiter_raw():
-            pending += piece
             if b"\n" not in piece:
+                held.append(piece)
+                held_bytes += len(piece)
+                if held_bytes > MAX_LINE_BYTES:
+                    raise httpx.RemoteProtocolError(f"a line of the response over {MAX_LINE_BYTES} bytes")
                 continue
-            *lines, pending = pending.split(b"\n")
+            held.append(piece)
+            *lines, pending = b"".join(held).split(b"\n")
+            held = [pending] if pending else []
+            held_bytes = len(pending)
             for line in lines:
                 yield line.rstrip(b"\r").decode("utf-8", errors="replace")
-        if pending:
-            yield pending.rstrip(b"\r").decode("utf-8", errors="replace")
+        if held:
+            yield b"".join(held).rstrip(b"\r").decode("utf-8", errors="replace")
 
     async def aread(self) -> bytes:
-        return b"".join([piece async for piece in self.aiter_raw()])
+        """The rest of the body, at most ``MAX_REPLY_BYTES`` of it (an error body, in practice)."""
+        declared = self.headers.get("content-length")  # plain digits: llhttp checked them
+        if declared is not None and int(declared) > self._max_bytes:
+            raise httpx.RemoteProtocolError(f"a body of {declared} bytes, over the reply limit of {self._max_bytes}")
+        pieces, size = [], 0
+        async for piece in self.aiter_raw():
+            size += len(piece)
+            if size > self._max_bytes:
+                raise httpx.RemoteProtocolError(f"a body over the reply limit of {self._max_bytes} bytes")
+            pieces.append(piece)
+        return b"".join(pieces)
 
 
 class _Pieces:
@@ -122,19 +171,31 @@ class _Pieces:
 
     async def __anext__(self) -> bytes:
         reply = self._reply
-        piece = await reply._conn.read_piece(reply._timeout, whole=reply.whole_reads)
+        piece = await reply._conn.read_piece(reply._event_deadline, whole=reply.whole_reads)
         if piece is None:
             raise StopAsyncIteration
         reply.sse_done = piece.endswith(DONE_FRAME)
+        # An event ended (a blank line): the stall deadline starts again from now. Single bytes
+        # that never end one leave it where it was.
+        if b"\n\n" in piece or b"\n\r\n" in piece or (reply._ends_line and piece[:1] in (b"\n", b"\r")):
+            reply._event_deadline = _deadline(reply._conn.loop, reply._timeout)
+        reply._ends_line = piece[-1:] == b"\n"
         return piece
 
 
 class Http11Client:
     """Keep-alive connections per origin, bound to the event loop that first used them."""
 
-    def __init__(self, timeout: httpx.Timeout | None = None, *, idle_per_origin: int = MAX_IDLE_PER_ORIGIN) -> None:
+    def __init__(
+        self,
+        timeout: httpx.Timeout | None = None,
+        *,
+        idle_per_origin: int = MAX_IDLE_PER_ORIGIN,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
+    ) -> None:
         self.timeout = timeout or httpx.Timeout(60.0, connect=2.0)
         self._idle_cap = idle_per_origin
+        self._max_reply = max_reply_bytes
         self._idle: dict[Origin, list[Connection]] = {}
         self._heads: dict[Origin, bytes] = {}
         self._ssl: ssl.SSLContext | None = None
@@ -161,10 +222,11 @@ class Http11Client:
         self, method: str, url: str, body: bytes | None, headers: Mapping[str, str] | None, timeout: Any
     ) -> Reply:
         connect_s, read_s = self._timeouts(timeout)
-        origin, conn = await self._exchange(method, url, body, headers, connect_s, read_s)
+        origin, conn, deadline = await self._exchange(method, url, body, headers, connect_s, read_s, self._max_reply)
         try:
             pieces = []
-            while (piece := await conn.read_piece(read_s)) is not None:
+            # One deadline for the head and the whole body, from the write on.
+            while (piece := await conn.read_piece(deadline)) is not None:
                 pieces.append(piece)
         except BaseException:
             conn.close()
@@ -185,17 +247,17 @@ class Http11Client:
     ) -> AsyncIterator[StreamReply]:
         connect_s, read_s = self._timeouts(timeout)
         body = None if json is None else dumps(json)
-        origin, conn = await self._exchange(method, url, body, headers, connect_s, read_s)
+        origin, conn, _ = await self._exchange(method, url, body, headers, connect_s, read_s, None)
         del body  # sent: not held for the life of the stream
         try:
-            reply = StreamReply(conn, read_s)
+            reply = StreamReply(conn, read_s, max_bytes=self._max_reply)
             yield reply
         except BaseException:
             conn.close()
             raise
         if conn.complete:
-            self._release(origin, conn)
-        elif reply.sse_done and conn.lost is None:
+            self._release(origin, conn)  # closed instead when it is paused with pieces unread
+        elif reply.sse_done and conn.lost is None and not conn._paused:
             # The stream said [DONE]; only the body's last chunk is still on its way.
             conn.on_complete = lambda c: self._release(origin, c)
             conn.loop.call_later(DRAIN_S, _close_if_draining, conn)
@@ -225,12 +287,14 @@ class Http11Client:
         headers: Mapping[str, str] | None,
         connect_s: float | None,
         read_s: float | None,
-    ) -> tuple[Origin, Connection]:
-        """Send the request and read the response head, on a kept-alive connection when one is idle.
+        body_limit: int | None,
+    ) -> tuple[Origin, Connection, float | None]:
+        """Send the request once and read the response head; returns the connection and the
+        deadline (``read_s`` from the write) the head was read under.
 
-        A kept-alive connection the server closed before it sent one byte back (it went away
-        between two requests, or closed an idle one at the same moment) is tried once more on
-        a new connection, as urllib3 does; any other failure is the caller's.
+        A kept-alive connection is used only if nothing says the server closed it
+        (``_idle_connection``); a failure after the write is the caller's, never retried here
+        (the module docstring says why).
         """
         parts = urlsplit(url)
         scheme = parts.scheme
@@ -240,34 +304,31 @@ class Http11Client:
         path = (parts.path or "/") + ("?" + parts.query if parts.query else "")
         request = self._request_bytes(origin, parts.netloc, method, path, body, headers)
         conn = self._idle_connection(origin)
-        if conn is not None:
-            conn.start(request)
-            try:
-                await conn.read_head(read_s)
-                return origin, conn
-            except httpx.RemoteProtocolError:
-                conn.close()
-                if conn.received:
-                    raise
-            except BaseException:
-                conn.close()
-                raise
-        conn = await self._connect(origin, connect_s)
-        conn.start(request)
+        if conn is None:
+            conn = await self._connect(origin, connect_s)
+        conn.start(request, body_limit=body_limit)
+        deadline = _deadline(conn.loop, read_s)
         try:
-            await conn.read_head(read_s)
+            await conn.read_head(deadline)
         except BaseException:
             conn.close()
             raise
-        return origin, conn
+        return origin, conn, deadline
 
     def _request_bytes(
         self, origin: Origin, netloc: str, method: str, path: str, body: bytes | None, headers: Mapping[str, str] | None
     ) -> bytes:
         head = self._heads.get(origin)
         if head is None:
+            _check_field("Host", netloc)
             head = self._heads[origin] = f"Host: {netloc}\r\nAccept: */*\r\nUser-Agent: motorsite\r\n".encode("latin-1")
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
+        if not _TOKEN.fullmatch(method) or _UNSAFE_TARGET.search(path):
+            raise ValueError(f"refusing to send {method[:20]!r} {path[:80]!r}: not a method and a request target")
+        extra = ""
+        if headers:
+            for k, v in headers.items():
+                _check_field(k, v)
+            extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         if body is None:
             return f"{method} {path} HTTP/1.1\r\n".encode("latin-1") + head + extra.encode("latin-1") + b"\r\n"
         if not headers or not any(k.lower() == "content-type" for k in headers):
@@ -283,7 +344,9 @@ class Http11Client:
         now = loop.time()
         while conns:
             conn = conns.pop()
-            if conn.loop is loop and conn.reusable() and now - conn.idle_since < KEEPALIVE_S:
+            # dropped(): one poll(2) of the socket, the proof that the request about to be written
+            # goes to a connection the server had not closed when it was written.
+            if conn.loop is loop and conn.reusable() and now - conn.idle_since < KEEPALIVE_S and not conn.dropped():
                 return conn
             conn.close()
         return None
@@ -313,6 +376,26 @@ class Http11Client:
             return
         conn.idle_since = conn.loop.time()
         conns.append(conn)
+
+
+# A header name is an RFC 9110 token; a method too.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# A header value: visible ASCII, spaces and tabs, obs-text; never CR, LF or NUL (RFC 9110 5.5).
+_FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
+# What would end or split a request line.
+_UNSAFE_TARGET = re.compile(r"[\x00-\x20\x7f]")
+
+
+def _check_field(name: str, value: str) -> None:
+    """Refuse a header that would split the request (CR/LF) or is not a field at all: a value
+    such as a request id may come from a client, and an injected line would be a request of its
+    own on a kept-alive connection."""
+    if not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
+        raise ValueError(f"refusing to send header {name[:40]!r}: {value[:80]!r} is not a field value")
+
+
+def _deadline(loop: asyncio.AbstractEventLoop, seconds: float | None) -> float | None:
+    return None if seconds is None else loop.time() + seconds
 
 
 def _close_if_draining(conn: Connection) -> None:

@@ -1,5 +1,21 @@
-"""One HTTP/1.1 client connection as an ``asyncio.Protocol``: the response parser (bodies by
-``Content-Length``, by chunks or by the close) and read-side flow control (``http11.py``).
+"""One HTTP/1.1 client connection as an ``asyncio.Protocol``: the response parser (llhttp, through
+``httptools``) and read-side flow control (``http11.py``).
+
+Parsing is llhttp's, in its strict mode (no leniency flag is set): it refuses what RFC 9112 calls
+malformed, among others chunk sizes that are not plain hex (``-1``, ``+5``, ``0_5``, ``0x5``), a
+``Content-Length`` that repeats or is not plain digits, ``Transfer-Encoding`` together with
+``Content-Length``, folded (obs-fold) header lines, control characters in a header, bare-LF line
+ends, and bytes after a ``Connection: close`` response. On top of it this module refuses what
+llhttp would take but the coordinator never asks for: an HTTP version other than 1.0/1.1, a 101
+(no upgrade was asked for), and any transfer coding other than exactly ``chunked`` (llhttp reads a
+body of ``gzip, chunked``, or of an unknown coding, until the close; nothing here decodes them).
+Interim ``1xx`` answers are skipped, as RFC 9110 15.2 asks; the final answer follows them.
+
+Every buffer is bounded: the response head (interim answers included) by ``MAX_HEAD_BYTES``; the
+chunk framing and trailers between two body bytes by ``MAX_FRAMING_BYTES`` (llhttp hands over a
+header or trailer only once its line ends, so ``httptools`` keeps the partial line: these are what
+it can grow to); a body read whole by its caller by ``body_limit`` (``Connection.start``), checked
+against a declared ``Content-Length`` before any of it is read.
 
 A connection stops reading from its socket once ``HIGH_WATER`` bytes wait unread and reads at
 most ``READ_SIZE`` at once, so what a stream whose client reads nothing holds in this process is
@@ -14,7 +30,8 @@ closes the connection a few seconds later; the kernel then keeps that orphaned s
 tail of the output unsent, only while its zero-window probes back off, and kills it (the next
 read here gets a reset, the tail is lost) once they reach two minutes. Letting one more read in
 every ``PAUSE_MAX_S`` keeps the window moving, so the orphan lives until it is read, at the cost
-of at most ``READ_SIZE`` more held per ``PAUSE_MAX_S`` of a client's silence.
+of at most ``READ_SIZE`` more held per ``PAUSE_MAX_S`` of a client's silence. A paused connection
+is never reused (``reusable``): its next request would wait up to ``PAUSE_MAX_S`` for its head.
 
 It is an ``asyncio.BufferedProtocol`` so that the read size is its own on every loop: asyncio's
 selector loop and uvloop (uvicorn's loop when it is installed) both fill the buffer it hands out,
@@ -24,9 +41,11 @@ where uvloop's plain ``data_received`` reads up to 256 KiB at once and has no kn
 from __future__ import annotations
 
 import asyncio
+import select
 import threading
 from typing import Any, cast
 
+import httptools
 import httpx
 
 # An engine's SSE event is a few hundred bytes, so a reader that keeps up at a real engine's pace
@@ -44,13 +63,22 @@ READ_SIZE = 2 * 1024
 BODY_READ_SIZE = 64 * 1024
 # The longest a connection keeps its socket shut before it lets one more read in (see above).
 PAUSE_MAX_S = 10.0
+# A response head: uvicorn's and vLLM's are under 300 bytes; h11, uvicorn's own parser, refuses
+# a head past 16 KiB. The room left is for a proxy's headers in between, never for a body.
+MAX_HEAD_BYTES = 64 * 1024
+# Chunk-size lines, chunk extensions and trailers with no body byte between them: a chunk line is
+# a dozen bytes and uvicorn sends no trailers, so 8 KiB only ever trips on an upstream that feeds
+# framing instead of data (or an endless trailer line, which httptools would otherwise keep whole).
+# Both are checked after each read: what the parser holds stays under the limit plus one read.
+MAX_FRAMING_BYTES = 8 * 1024
 
 
 class _ReadBuffer(threading.local):
     """The buffer every connection of a thread's loop reads into. One is enough: both loops fill
     it and hand it to ``buffer_updated`` in one callback, before any other connection reads, and
-    ``buffer_updated`` copies out what it got. One per connection would hold 2 KiB more per open
-    stream (issue 11's memory budget), 64 KiB while a body of known length is read."""
+    ``buffer_updated`` hands it to the parser, which copies out what it keeps. One per connection
+    would hold 2 KiB more per open stream (issue 11's memory budget), 64 KiB while a body of known
+    length is read."""
 
     def __init__(self) -> None:
         self.view = memoryview(bytearray(max(READ_SIZE, BODY_READ_SIZE)))
@@ -59,20 +87,39 @@ class _ReadBuffer(threading.local):
 _read_buffer = _ReadBuffer()
 
 
+class Malformed(ValueError):
+    """What a parser callback raises on a response this client refuses; ``httptools`` wraps it."""
+
+
 class Connection(asyncio.BufferedProtocol):
-    """One keep-alive connection; parses one response at a time into body pieces."""
+    """One keep-alive connection; parses one response at a time into body pieces.
+
+    The parser's callbacks (``on_*``) are called by ``httptools`` from ``buffer_updated``.
+    Slotted: a connection per open stream, and an instance dict of this many attributes would
+    weigh a kilobyte of the 64 KiB a silent stream may hold (issue 11).
+    """
+
+    __slots__ = (
+        "loop", "transport", "lost", "idle_since", "_waiter", "_paused", "_pause_timer", "_read_limit",
+        "on_complete", "body_limit", "status", "headers", "head_done", "complete", "keep_alive", "pieces",
+        "buffered", "_body_bytes", "_framing", "_interim", "_until_close", "_parser",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None
         self.idle_since = 0.0
-        self._buf = bytearray()
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._pause_timer: asyncio.TimerHandle | None = None
         self._read_limit = READ_SIZE
         self.on_complete: Any = None  # called once the current response has been read whole
+        self.body_limit: int | None = None  # the most body this response may have (None: a stream)
+        # A parser only while a response is on its way (``start`` to ``_finish``): one weighs
+        # 0.85 KiB with its bound callbacks, and an idle kept-alive connection needs none (issue
+        # 11's 64 KiB a silent stream counts the pool's connections too). Making one takes 0.3 us.
+        self._parser: httptools.HttpResponseParser | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -80,16 +127,15 @@ class Connection(asyncio.BufferedProtocol):
         self.headers: dict[str, str] = {}
         self.head_done = False
         self.complete = False
-        self.received = False  # any byte of this response arrived
         self.keep_alive = True
         # A list, not a deque: it holds a few pieces at most, and an empty deque weighs 0.7 KiB
         # (per connection, per open stream: issue 11's memory budget).
         self.pieces: list[bytes] = []
         self.buffered = 0
-        self._remaining = -1  # Content-Length left; -1 chunked or until close
-        self._chunked = False
-        self._chunk_left = 0  # data bytes left in the current chunk; -1 reading its CRLF
-        self._trailers = False
+        self._body_bytes = 0
+        self._framing = 0  # bytes fed since the last body byte (or since the head ended)
+        self._interim = False  # the answer being parsed is a 1xx, to be skipped
+        self._until_close = False  # the body ends when the server closes (no length, not chunked)
 
     # -- asyncio.BufferedProtocol
 
@@ -105,12 +151,21 @@ class Connection(asyncio.BufferedProtocol):
         if self.complete:
             self.keep_alive = False  # nothing is expected between responses: never reuse this one
             return
-        self.received = True
-        self._buf += _read_buffer.view[:nbytes]
+        parser = self._parser
+        if parser is None:
+            self.keep_alive = False  # bytes no request asked for (or after the close): never reuse
+            return
+        self._framing += nbytes
         try:
-            self._parse()
-        except ValueError as exc:
-            self._fail(httpx.RemoteProtocolError(f"malformed response: {exc}"))
+            parser.feed_data(_read_buffer.view[:nbytes])
+            if self._framing > (MAX_FRAMING_BYTES if self.head_done else MAX_HEAD_BYTES):
+                raise Malformed("response head too large" if not self.head_done else "chunk framing or trailers too large")
+        except httptools.HttpParserUpgrade:
+            self._fail(httpx.RemoteProtocolError("malformed response: an upgrade no request asked for"))
+            return
+        except (httptools.HttpParserError, Malformed) as exc:
+            cause = exc.__context__ if isinstance(exc.__context__, Malformed) else exc
+            self._fail(httpx.RemoteProtocolError(f"malformed response: {cause}"))
             return
         self._wake()
 
@@ -118,103 +173,78 @@ class Connection(asyncio.BufferedProtocol):
         return None  # close the transport; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.head_done and not self._chunked and self._remaining < 0 and not self.complete:
+        if self._until_close and not self.complete and self.lost is None:
             self._finish()  # a body delimited by the close itself
-        self.lost = exc or ConnectionResetError("connection closed")
+        if self.lost is None:
+            self.lost = exc or ConnectionResetError("connection closed")
         self._stop_pause_timer()
         self._wake()
+        # The parser holds this connection's bound callbacks: a cycle only the collector would
+        # free. Nothing is parsed after the close.
+        self._parser = None
 
-    # -- parsing
+    # -- httptools callbacks
 
-    def _parse(self) -> None:
-        if not self.head_done:
-            end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buf) > 65536:
-                    raise ValueError("response head too large")
-                return
-            self._parse_head(bytes(self._buf[:end]))
-            del self._buf[: end + 4]
-        if self._chunked:
-            self._parse_chunks()
-        elif self._remaining >= 0:
-            take = min(len(self._buf), self._remaining)
-            if take:
-                self._push(bytes(self._buf[:take]))
-                del self._buf[:take]
-                self._remaining -= take
-            if self._remaining == 0:
-                self._finish()
-        elif self._buf:
-            self._push(bytes(self._buf))
-            self._buf.clear()
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # Bytes after the response in the same read: out of step. The response stands (the
+            # reader checks ``complete`` before ``lost``); the connection goes.
+            raise Malformed("bytes after the end of the response")
 
-    def _parse_head(self, head: bytes) -> None:
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
-            raise ValueError(f"bad status line {lines[0][:80]!r}")
-        self.status = int(parts[1])
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_done:
+            return  # a trailer: bounded by MAX_FRAMING_BYTES, of no use to any caller
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        known = self.headers.get(key)
+        # A repeated field is one list (RFC 9110 5.3); llhttp refuses a repeated Content-Length.
+        self.headers[key] = text if known is None else f"{known}, {text}"
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        assert parser is not None  # called by the parser itself
+        status = parser.get_status_code()
+        if parser.get_http_version() not in ("1.1", "1.0"):
+            raise Malformed(f"HTTP/{parser.get_http_version()} answer to an HTTP/1.1 request")
+        if status < 200:
+            if status == 101:
+                raise Malformed("101 Switching Protocols: no upgrade was asked for")
+            self._interim = True  # 100, 102, 103: informational, the final answer follows
+            self.headers = {}
+            return
         headers = self.headers
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise ValueError(f"bad header line {line[:80]!r}")
-            headers[name.strip().lower()] = value.strip()
-        self.head_done = True
-        if headers.get("connection", "").lower() == "close" or parts[0] == "HTTP/1.0":
-            self.keep_alive = False
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            self._chunked = True
+        coding = headers.get("transfer-encoding")
+        if coding is not None:
+            # Whole-value match, not a substring: "xchunked" or "gzip, chunked" would be a body
+            # this client cannot decode (llhttp reads those until the close).
+            if coding.strip().lower() != "chunked":
+                raise Malformed(f"unsupported transfer coding {coding[:80]!r}")
         elif "content-length" in headers:
-            self._remaining = int(headers["content-length"])
+            length = int(headers["content-length"])  # llhttp took only plain digits, once
+            if self.body_limit is not None and length > self.body_limit:
+                raise Malformed(f"a body of {length} bytes, over this reply's limit of {self.body_limit}")
             self._read_size(BODY_READ_SIZE)
-        elif self.status in (204, 304) or 100 <= self.status < 200:
-            self._remaining = 0
-        else:
-            self.keep_alive = False  # the body ends when the server closes
+        elif status not in (204, 304):
+            self._until_close = True
+        self.status = status
+        self.keep_alive = parser.should_keep_alive() and not self._until_close
+        self.head_done = True
+        self._framing = 0
 
-    def _parse_chunks(self) -> None:
-        buf = self._buf
-        while True:
-            if self._trailers:
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    return
-                line = bytes(buf[:end])
-                del buf[: end + 2]
-                if not line:
-                    self._finish()
-                    return
-                continue
-            if self._chunk_left > 0:
-                take = min(len(buf), self._chunk_left)
-                if not take:
-                    return
-                self._push(bytes(buf[:take]))
-                del buf[:take]
-                self._chunk_left -= take
-                if self._chunk_left:
-                    return
-                self._chunk_left = -1
-            if self._chunk_left == -1:
-                if len(buf) < 2:
-                    return
-                if buf[:2] != b"\r\n":
-                    raise ValueError("chunk not followed by CRLF")
-                del buf[:2]
-                self._chunk_left = 0
-            end = buf.find(b"\r\n")
-            if end < 0:
-                if len(buf) > 1024:
-                    raise ValueError("chunk size line too long")
-                return
-            size = int(bytes(buf[:end]).split(b";", 1)[0], 16)
-            del buf[: end + 2]
-            if size == 0:
-                self._trailers = True
-            else:
-                self._chunk_left = size
+    def on_body(self, body: bytes) -> None:
+        self._framing = 0
+        self._body_bytes += len(body)
+        if self.body_limit is not None and self._body_bytes > self.body_limit:
+            raise Malformed(f"a body over this reply's limit of {self.body_limit} bytes")
+        self._push(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self._finish()
+
+    # -- flow control
 
     def _read_size(self, size: int) -> None:
         self._read_limit = size
@@ -245,8 +275,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def _finish(self) -> None:
         self.complete = True
-        if self._buf:
-            self.keep_alive = False  # bytes past the response: out of step, never reuse
+        # Dropped here, still running: it lives until ``feed_data`` returns, so bytes after the
+        # response in the same read still reach ``on_message_begin``.
+        self._parser = None
         if self.on_complete is not None:
             callback, self.on_complete = self.on_complete, None
             callback(self)
@@ -254,6 +285,7 @@ class Connection(asyncio.BufferedProtocol):
     def _fail(self, exc: BaseException) -> None:
         self.lost = exc
         self.keep_alive = False
+        self._stop_pause_timer()
         if self.transport is not None:
             self.transport.abort()
 
@@ -264,11 +296,11 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- the caller's side
 
-    async def _wait(self, timeout_s: float | None, what: str) -> None:
+    async def _wait(self, deadline: float | None, what: str) -> None:
         waiter = self._waiter = self.loop.create_future()
         timer = None
-        if timeout_s is not None:
-            timer = self.loop.call_later(timeout_s, _expire, waiter, what)
+        if deadline is not None:
+            timer = self.loop.call_at(deadline, _expire, waiter, what)
         try:
             await waiter
         finally:
@@ -276,14 +308,17 @@ class Connection(asyncio.BufferedProtocol):
             if timer is not None:
                 timer.cancel()
 
-    async def read_head(self, timeout_s: float | None) -> None:
+    async def read_head(self, deadline: float | None) -> None:
+        """Wait for the final response head until ``deadline`` (the loop's clock), not restarted
+        by bytes that arrive in the meantime."""
         while not self.head_done:
             if self.lost is not None:
                 raise _lost(self.lost, "before the response head")
-            await self._wait(timeout_s, "waiting for the response head")
+            await self._wait(deadline, "waiting for the response head")
 
-    async def read_piece(self, timeout_s: float | None, *, whole: bool = False) -> bytes | None:
-        """The next chunk of the body (waits for one), or None once it has been read whole.
+    async def read_piece(self, deadline: float | None, *, whole: bool = False) -> bytes | None:
+        """The next chunk of the body (waits for one until ``deadline``), or None once it has
+        been read whole.
 
         ``whole``: all of the body that arrived and was not read yet, in one piece. A coalescing
         stream reader reads so (derender/coalesce.py): it sees at once every event that queued
@@ -306,19 +341,39 @@ class Connection(asyncio.BufferedProtocol):
                 return None
             if self.lost is not None:
                 raise _lost(self.lost, "in the middle of the response body")
-            await self._wait(timeout_s, "waiting for the response body")
+            await self._wait(deadline, "waiting for the response body")
 
-    def start(self, request: bytes) -> None:
+    def start(self, request: bytes, *, body_limit: int | None = None) -> None:
         self._reset()
+        self._parser = httptools.HttpResponseParser(self)
+        self.body_limit = body_limit
         assert self.transport is not None
         self._read_size(READ_SIZE)  # the last response may have been a body of known length
         self.transport.write(request)
 
     def reusable(self) -> bool:
+        """The last response was read whole, the server keeps the connection, and this side's
+        socket reads (a paused one would hold the next response back for up to PAUSE_MAX_S)."""
         return (
-            self.complete and self.keep_alive and self.lost is None and self.transport is not None
-            and not self.transport.is_closing() and not self._buf
+            self.complete and self.keep_alive and self.lost is None and not self._paused
+            and self.transport is not None and not self.transport.is_closing()
         )
+
+    def dropped(self) -> bool:
+        """True when an idle connection's socket has something to read: the server's FIN or
+        reset (it closed the connection), or bytes no request asked for. Asked right before a
+        request is written on a kept-alive connection: the event loop may not have seen the close
+        yet, and a request written after it would fail with no way to tell whether the server
+        got it. (urllib3 asks the same before it reuses a connection.)"""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return True
+        try:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return True
 
     def close(self) -> None:
         self._stop_pause_timer()

@@ -8,6 +8,10 @@ from typing import Any, AsyncIterator
 from serving.pipeline.http11 import dumps, loads
 
 DONE = b"data: [DONE]\n\n"
+# The longest SSE line kept while its end has not arrived: one event is one JSON document, as large
+# as a whole reply can be in practice (a first chunk with prompt logprobs of a long prompt runs to
+# megabytes); an upstream that sends more without a newline is broken, and is not buffered further.
+MAX_LINE_BYTES = 16 * 1024 * 1024
 
 
 def frame(payload: dict[str, Any]) -> bytes:
@@ -32,19 +36,35 @@ async def iter_event_batches(pieces: AsyncIterator[bytes]) -> AsyncIterator[list
     it were yielded. Nothing here holds a piece, or an event once its list was handed on: the
     stream's reader empties each list it takes (``EventBatches``).
     """
-    tail = b""
+    # The incomplete last line, kept as its pieces: joined once its end arrives, not copied
+    # again with every piece (a long line in small pieces would cost quadratic time).
+    held: list[bytes] = []
+    held_bytes = 0
     async for piece in pieces:
         if b"\n" not in piece:
-            tail += piece
+            held.append(piece)
+            held_bytes += len(piece)
+            if held_bytes > MAX_LINE_BYTES:
+                raise SSEProtocolError(f"an SSE line over {MAX_LINE_BYTES} bytes without its end")
             continue
-        batch, tail, end = _split(tail + piece)
+        if held:
+            held.append(piece)
+            piece = b"".join(held)
+            held.clear()
+        batch, tail, end = _split(piece)
         del piece
+        held_bytes = len(tail)
+        if tail:
+            held.append(tail)
+        if held_bytes > MAX_LINE_BYTES:
+            raise SSEProtocolError(f"an SSE line over {MAX_LINE_BYTES} bytes without its end")
         if batch:
             yield batch
         if end is not None:
             if end is _DONE:
                 return
             raise end
+    tail = b"".join(held)
     batch, _, end = _split(tail + b"\n")
     if batch:
         yield batch

@@ -1,0 +1,154 @@
+"""The fake upstreams (``fakes.py``, or any ``httpx.MockTransport``-style handler) served over real
+sockets on 127.0.0.1, so that the pipeline reaches them with the production client
+(``Http11Client``): its parser, pool, deadlines and flow control are what a test exercises, not
+httpx's ``MockTransport``.
+
+One listening socket per fake host (``render``, ``e1``, ...): each request becomes an
+``httpx.Request`` for the fake URL (``http://e1.test:8201/...``, what the handler keys on) and its
+answer goes back as it is produced: a JSON answer with a ``Content-Length`` on a kept-alive
+connection, a streamed one chunked, then the connection closes. An override that raises an httpx
+transport error (``httpx.ReadError``, ``httpx.ConnectError``...) before its answer, or a stream
+that raises one, resets the connection: the engine took the request and went away. A client that
+closes its end in the middle of a stream closes the fake's stream (``SSEBody.aclose``), as vLLM
+aborts a request whose connection went. A response with ``extensions={"loopback_raw": bytes}``
+is answered with exactly those bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+from urllib.parse import urlsplit
+
+import httpx
+
+from tests.serving.fakes import SSEBody
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+@dataclass
+class Loopback:
+    handler: Handler
+    urls: dict[str, str] = field(default_factory=dict)  # fake base URL -> http://127.0.0.1:port
+    connections: dict[str, int] = field(default_factory=dict)  # by fake base URL
+    _servers: list[asyncio.AbstractServer] = field(default_factory=list)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _streaming: int = 0  # streams being sent
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set)
+
+    async def serve(self, *fake_urls: str) -> dict[str, str]:
+        for fake in fake_urls:
+            fake = fake.rstrip("/")
+            server = await asyncio.start_server(
+                lambda r, w, fake=fake: self._accept(fake, r, w), "127.0.0.1", 0
+            )
+            self._servers.append(server)
+            self.urls[fake] = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            self.connections[fake] = 0
+        return self.urls
+
+    async def settle(self, timeout_s: float = 10.0) -> None:
+        """Wait until every connection a client closed has been seen closed here (its fake stream
+        closed with it); a connection the client keeps open is still served. Raises TimeoutError
+        when a stream is still being sent after ``timeout_s``: a client that never closed it."""
+        async with asyncio.timeout(timeout_s):
+            while self._streaming:
+                await asyncio.sleep(0.01)
+
+    async def aclose(self) -> None:
+        for server in self._servers:
+            server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()  # each connection's task ends on its own (a cancelled one logs)
+        if self._tasks:
+            async with asyncio.timeout(10):
+                await asyncio.wait(list(self._tasks))
+
+    async def _accept(self, fake: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self._writers.add(writer)
+        self.connections[fake] += 1
+        try:
+            while await self._one(fake, reader, writer):
+                pass
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self._tasks.discard(task)
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _one(self, fake: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Serve one request; False when the connection is done."""
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        method, target, _ = lines[0].split(" ")
+        headers = [(k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)]
+        length = next((int(v) for k, v in headers if k.lower() == "content-length"), 0)
+        body = await reader.readexactly(length)
+        parts = urlsplit(fake)
+        request = httpx.Request(method, f"{parts.scheme}://{parts.netloc}{target}", headers=headers, content=body)
+        try:
+            response = await self.handler(request)
+        except httpx.TransportError:
+            writer.transport.abort()  # took the request, went away without a byte of an answer
+            return False
+        raw = response.extensions.get("loopback_raw")
+        if raw is not None:  # a test's own bytes, however malformed, as the whole answer
+            writer.write(raw)
+            await writer.drain()
+            return True
+        status = b"HTTP/1.1 %d %s\r\n" % (response.status_code, response.reason_phrase.encode())
+        fields = b"".join(
+            b"%s: %s\r\n" % (k.encode(), v.encode())
+            for k, v in response.headers.items() if k.lower() not in ("content-length", "transfer-encoding", "connection")
+        )
+        if not isinstance(response.stream, SSEBody):
+            content = response.content
+            writer.write(status + fields + b"content-length: %d\r\n\r\n" % len(content) + content)
+            await writer.drain()
+            return True
+        writer.write(status + fields + b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+        await self._stream(response.stream, reader, writer)
+        return False
+
+    async def _stream(self, stream: SSEBody, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def pump() -> None:
+            async for piece in stream:
+                if piece:
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+        self._streaming += 1
+        sending = asyncio.ensure_future(pump())
+        # The client sends nothing more on a stream's connection: a read that returns is its close.
+        hangup = asyncio.ensure_future(reader.read())
+        try:
+            await asyncio.wait([sending, hangup], return_when=asyncio.FIRST_COMPLETED)
+            if sending.done():
+                with contextlib.suppress(httpx.TransportError, ConnectionError):
+                    sending.result()
+                    return
+                writer.transport.abort()  # the stream raised: the engine died mid-stream
+        finally:
+            for task in (sending, hangup):
+                task.cancel()
+            await asyncio.gather(sending, hangup, return_exceptions=True)
+            await stream.aclose()
+            self._streaming -= 1
+
+
+def at_loopback(snapshot: Any, urls: dict[str, str]) -> Any:
+    """``snapshot`` with every fake URL (render and instances) replaced by its loopback address."""
+    from dataclasses import replace
+
+    instances = tuple(replace(i, url=urls.get(i.url.rstrip("/"), i.url)) for i in snapshot.instances)
+    render = replace(snapshot.render, base_url=urls.get(snapshot.render.base_url.rstrip("/"), snapshot.render.base_url))
+    return replace(snapshot, instances=instances, render=render)
