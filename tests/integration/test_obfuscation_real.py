@@ -484,7 +484,7 @@ def test_a_stream_cut_mid_way_is_relayed_to_the_other_obfuscated_engine_unchange
     assert _relays(obf_fleet.cfg) == relays + 1  # relayed, not restarted nor failed
     # After output reached the client, to the other engine.
     log = (obf_fleet.cfg.log_dir / "coordinator.log").read_text()
-    relay = re.search(rf"relay request_id={got['id']} prompt=0 committed_tokens=(\d+) .*"
+    relay = re.search(rf"relay request_id={got['id']} prompt=0 choice=- committed_tokens=(\d+) .*"
                       r"old_instance=(\S+) new_instance=(\S+)", log)
     assert relay is not None, got["id"]
     assert int(relay[1]) > 0 and relay[2] != relay[3]

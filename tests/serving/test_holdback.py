@@ -171,3 +171,34 @@ def test_discard_forgets_what_an_attempt_left_held() -> None:
     comp.discard()  # the attempt failed: "abcd" was never the client's, a relay regenerates it
     again = _pending({"choices": [{"index": 0, "text": "xyz", "finish_reason": "length"}]})
     assert comp.release(again) == [again] and again.chunk["choices"][0]["text"] == "xyz"
+
+
+@settings(max_examples=300, deadline=None)
+@given(PIECES, STOPS, st.booleans(), st.integers(1, 4))
+def test_whole_chunks_concatenate_to_native_vllms_text(
+    pieces: list[str], stop: list[str], include: bool, group: int
+) -> None:
+    """``ChunkHoldback``, what the stream uses, against native vLLM: chunks of several tokens, a
+    stop string that starts in a chunk already handed on (include_stop_str_in_output holds
+    nothing back, so it always may), the cut inside the finishing chunk."""
+    expected, generated, matched = native(pieces, stop, include)
+    kept = pieces[:generated]
+    texts = ["".join(kept[i:i + group]) for i in range(0, len(kept), group)] or [""]
+    hold = ChunkHoldback("completions", {"stop": stop, "include_stop_str_in_output": include})
+    sent: list[PendingChunk] = []
+    for i, text in enumerate(texts):
+        last = i == len(texts) - 1
+        finish = ("stop" if matched is not None else "length") if last else None
+        sent += hold.release(_pending({"choices": [{"index": 0, "text": text, "finish_reason": finish,
+                                                    "stop_reason": matched if last else None}]}))
+    assert "".join(p.chunk["choices"][0]["text"] for p in sent) == "".join(expected)
+
+
+def test_an_included_stop_string_begun_in_a_chunk_already_sent_is_cut_after_it() -> None:
+    # Seen against real vLLM (stop "rut", include_stop_str_in_output, coalesced chunks): the last
+    # chunk "utc" finished on the stop string begun in "r", and went out whole.
+    comp = ChunkHoldback("completions", {"stop": ["rut"], "include_stop_str_in_output": True})
+    first = _pending({"choices": [{"index": 0, "text": "ORDHeader", "finish_reason": None}]})
+    assert comp.release(first) == [first]
+    last = _pending({"choices": [{"index": 0, "text": "utc", "finish_reason": "stop", "stop_reason": "rut"}]})
+    assert comp.release(last) == [last] and last.chunk["choices"][0]["text"] == "ut"

@@ -118,6 +118,11 @@ class _ChoiceHold:
         self.buffer_length = 0 if include_in_output or not stop else longest - 1
         self.held: list[tuple[PendingChunk, str]] = []  # (chunk, its original text), in order
         self.held_text = ""  # the text of the held chunks: what the client has not been handed
+        # The end of the text already handed on, as long as a stop string but one: a stop string
+        # that ends in a held chunk may start there (always so with include_stop_str_in_output,
+        # which holds nothing back: the cut then falls after the stop string, in the new text).
+        self._keep = max(0, longest - 1)
+        self.sent_tail = ""
         self.finished = False
 
     def push(self, pending: PendingChunk, text: str, *, finished: bool, stop_reason: Any, kind: TokenKind) -> list[PendingChunk]:
@@ -128,11 +133,14 @@ class _ChoiceHold:
             self.finished = True
             cut = len(self.held_text)
             if isinstance(stop_reason, str) and stop_reason:
-                # The stop string completed within this chunk's text, and never starts in text
-                # already sent (that text ends buffer_length before the end), so it lies in held_text.
-                at = self.held_text.find(stop_reason, max(0, before - len(stop_reason) + 1))
+                # The stop string completed within this chunk's text; it may have started in text
+                # already handed on. Excluded from the output, it never did (that text ends
+                # buffer_length before the end), so the cut is >= 0; included, the cut falls
+                # after it, in the held text.
+                window = self.sent_tail + self.held_text
+                at = window.find(stop_reason, max(0, len(self.sent_tail) + before - len(stop_reason) + 1))
                 if at != -1:
-                    cut = at + (len(stop_reason) if self.include_in_output else 0)
+                    cut = max(0, at - len(self.sent_tail) + (len(stop_reason) if self.include_in_output else 0))
             released, start = [], 0
             for chunk, original in self.held:
                 _set_text(chunk.chunk, kind, original[: max(0, cut - start)])
@@ -146,11 +154,15 @@ class _ChoiceHold:
             chunk, original = self.held.pop(0)
             end += len(original)
             released.append(chunk)
+        if end and self._keep:
+            self.sent_tail = (self.sent_tail + self.held_text[:end])[-self._keep:]
         self.held_text = self.held_text[end:]
         return released
 
     def discard(self) -> None:
-        """Forget the held chunks (their attempt failed): they were never the client's."""
+        """Forget the held chunks (their attempt failed): they were never the client's.
+
+        ``sent_tail`` stays: it is the client's text, which the relay continues."""
         self.held, self.held_text = [], ""
 
 
