@@ -11,8 +11,10 @@ four response schemas carry it), and D, given them verbatim, pulls the KV and de
 
 Text goes through a toy byte tokenizer (one id per UTF-8 byte, ``encode``; generated ids print
 as `` t<id>``, ``decode``) with a toy chat template, so the same body always makes the same
-prompt ids on every instance, and a P/D answer can be compared with a union one. One prompt per
-request (a list of several completion prompts is refused).
+prompt ids on every instance, and a P/D answer can be compared with a union one. A completion
+of several prompts runs them one after another and answers as vLLM's server does (``_several``):
+choice ``index`` prompt-major (``prompt * n + choice``), one usage summed over the prompts, one
+``[DONE]``.
 """
 
 from __future__ import annotations
@@ -154,6 +156,10 @@ class OpenAIHandlers:
             raise bad_request("the body must be a JSON object")
         rid = request.headers.get("x-request-id") or body.get("request_id") or f"{time.time_ns():x}"
 
+        prompt = body.get("prompt") if kind == "completions" else None
+        if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
+            return await self._several(request, body, rid, prompt)
+
         async def read() -> GenerateRequest:
             return generate_request(kind, body, rid)
 
@@ -163,6 +169,73 @@ class OpenAIHandlers:
         if answer.status_code != 200 or not isinstance(answer, JSONResponse):
             return answer
         return JSONResponse(self._whole(kind, body, rid, json.loads(bytes(answer.body))))
+
+    async def _several(self, request: Request, body: dict[str, Any], rid: str, prompts: list[Any]) -> Response:
+        """A completion of several prompts, each its own generate, merged as vLLM's server merges
+        them. The prompts run in turn (a reference answer, not a benchmark): one engine request id
+        at a time under the client's ``X-Request-Id``."""
+        n = int(body.get("n") or 1)
+        subs = [{**body, "prompt": p} for p in prompts]
+        if body.get("stream") is True:
+            wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            for sub in subs:
+                sub["stream_options"] = {"include_usage": True}  # summed below, shown once if asked
+            return SSEResponse(self._several_stream(request, subs, rid, n, wants_usage))
+        merged: dict[str, Any] | None = None
+        for i, sub in enumerate(subs):
+            answer = await self._one(request, sub, rid)
+            if answer.status_code != 200 or not isinstance(answer, JSONResponse):
+                return answer
+            whole = self._whole("completions", sub, rid, json.loads(bytes(answer.body)))
+            for choice in whole["choices"]:
+                choice["index"] += i * n
+            if merged is None:
+                merged = whole
+            else:
+                merged["choices"] += whole["choices"]
+                merged["usage"] = {k: merged["usage"][k] + whole["usage"][k] for k in merged["usage"]}
+        assert merged is not None
+        return JSONResponse(merged)
+
+    async def _one(self, request: Request, sub: dict[str, Any], rid: str) -> Response:
+        async def read() -> GenerateRequest:
+            return generate_request("completions", sub, rid)
+
+        return await self.g.serve(request, read)
+
+    async def _several_stream(
+        self, request: Request, subs: list[dict[str, Any]], rid: str, n: int, wants_usage: bool
+    ) -> AsyncIterator[str]:
+        usage: dict[str, int] = {}
+        first: dict[str, Any] = {}
+        for i, sub in enumerate(subs):
+            answer = await self._one(request, sub, rid)
+            if not isinstance(answer, SSEResponse):
+                yield sse_event(json.dumps({"error": {"message": f"prompt {i} failed ({answer.status_code})",
+                                                      "type": "InternalServerError", "code": answer.status_code}}))
+                yield DONE_EVENT
+                return
+            async with aclosing(self._stream("completions", sub, rid, answer.body_iterator)) as events:
+                async for raw in events:
+                    if raw == DONE_EVENT:
+                        break
+                    event = json.loads(raw[len("data: "):])
+                    if "error" in event:
+                        yield raw
+                        yield DONE_EVENT
+                        return
+                    first = first or event
+                    if not event["choices"]:
+                        usage = {k: usage.get(k, 0) + v for k, v in event["usage"].items()}
+                        continue
+                    for choice in event["choices"]:
+                        choice["index"] += i * n
+                    yield sse_event(json.dumps(event))
+        if wants_usage:
+            yield sse_event(json.dumps({"id": first.get("id"), "object": "text_completion",
+                                        "created": first.get("created"), "model": first.get("model"),
+                                        "choices": [], "usage": usage}))
+        yield DONE_EVENT
 
     def _whole(self, kind: str, body: dict[str, Any], rid: str, gen: dict[str, Any]) -> dict[str, Any]:
         model, created, kv = gen["model"], gen["created"], gen.get("kv_transfer_params")

@@ -48,6 +48,7 @@ from serving.pipeline.request_checks import RESPONSE_CONTROLS
 from serving.pipeline.service import EventStream
 from serving.pipeline.snapshot import FleetSnapshot
 from serving.pipeline.sse import FieldScrub
+from serving.pipeline.topologies.native_prompts import NativePromptsStream
 from serving.runtime import phase_histograms, pipeline_for, tracer
 from serving.snapshots import current_snapshot
 
@@ -157,7 +158,7 @@ async def _serve(
             await send_error(send, exc, request_id)
             phases.close(exc)
             return
-        if isinstance(result, (EventStream, NativeStream)):
+        if isinstance(result, (EventStream, NativeStream, NativePromptsStream)):
             try:
                 # Native streams are the engine's bytes relayed: its engine-internal fields are
                 # nulled here, as ``scrub_response`` does for JSON answers.

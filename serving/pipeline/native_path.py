@@ -9,10 +9,12 @@ attributes declared below are the pipeline's.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Collection
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from typing import Any
 
 from serving.pipeline import metric_names, request_checks
@@ -36,6 +38,7 @@ from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.tokenization import RenderHealth, TokenizedRequest
 from serving.pipeline.resilience.attempts import AttemptPolicy
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
+from serving.pipeline.streaming.fanout import first_error
 from serving.pipeline.topologies.metaserver import process_metaserver
 from serving.pipeline.topologies.native_pd import (
     NativeCall,
@@ -45,6 +48,7 @@ from serving.pipeline.topologies.native_pd import (
     run_native_handoff,
     run_native_trigger,
 )
+from serving.pipeline.topologies.native_prompts import NativePromptsStream, merge_whole, split_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +87,7 @@ class NativePath:
     async def _native(
         self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, phases: Phases,
         *, tokenized: TokenizedRequest | None = None, render_tried: bool = False,
-    ) -> dict[str, Any] | NativeStream:
+    ) -> dict[str, Any] | NativeStream | NativePromptsStream:
         """Serve ``body`` on an engine's own OpenAI API, retrying elsewhere within the budget.
 
         ``tokenized``: the request's prompts when render (or the local tokenizer) already made
@@ -107,7 +111,9 @@ class NativePath:
             raise unservable
         # A P/D pair's own API serves what it can serve exactly (topologies/native_pd.py).
         pd_unfit = native_pd_ineligible(kind, body)
-        if not self._native_routes(model.name, pd_unfit):
+        # Several completion prompts where only pairs serve the native path: one pair run per prompt.
+        split = pd_unfit == "several_prompts" and self._splits(model.name)
+        if not split and not self._native_routes(model.name, pd_unfit):
             # Decided native, but no engine can take it now: no render call to count its prompt.
             self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
             logger.info("route request_id=%s kind=%s path=native reason=%s result=no_engine", request_id, kind, reason)
@@ -121,14 +127,23 @@ class NativePath:
                     request_id, kind, reason, sum(estimate.prompts), estimate.source, charge)
         # Charged here too (once per request: a request that moved from token-only is not charged twice).
         await rate_limit.charge_request(charge)
+        if split:
+            return await self._native_prompts(kind, body, request_id, reason, model.name, estimate)
+        return await self._native_attempts(kind, body, request_id, reason, model.name, pd_unfit, estimate)
+
+    async def _native_attempts(
+        self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, model: str, pd_unfit: str,
+        estimate: NativeEstimate,
+    ) -> dict[str, Any] | NativeStream:
+        """The attempt loop: the best native route now, elsewhere after a failure, within the budget."""
         excluded: set[str] = set()
         last: EngineError | None = None
         for attempt in range(self.policy.max_attempts):
-            routes = self._native_routes(model.name, pd_unfit, exclude=excluded)
+            routes = self._native_routes(model, pd_unfit, exclude=excluded)
             if not routes:
                 if last is not None:
                     raise last
-                raise _no_native_engine(model.name, reason, self._pd_unfit_note(model.name, pd_unfit))
+                raise _no_native_engine(model, reason, self._pd_unfit_note(model, pd_unfit))
             route = routes[0]
             # The instance that answers the client: the union one, or the pair's decode side.
             instance = route.decode if isinstance(route, NativePair) else route
@@ -180,7 +195,44 @@ class NativePath:
             return result
         if last is not None:
             raise last
-        raise _no_native_engine(model.name, reason)
+        raise _no_native_engine(model, reason)
+
+    async def _native_prompts(
+        self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, model: str,
+        estimate: NativeEstimate,
+    ) -> dict[str, Any] | NativePromptsStream:
+        """Several completion prompts on P/D pairs: one pair run per prompt, concurrently, merged
+        as vLLM answers the multi-prompt completion (``topologies/native_prompts.py``). A failing
+        prompt cancels the others; every leg that opened is closed before the error propagates."""
+        bodies = split_prompts(body)
+        per_prompt = (
+            [replace(estimate, prompts=(p,)) for p in estimate.prompts] if len(estimate.prompts) == len(bodies)
+            else [NativeEstimate.of(kind, b, prompt_bound(kind, b), "bound") for b in bodies]
+        )
+        tasks: list[asyncio.Task[dict[str, Any] | NativeStream]] = []
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for i, (leg_body, leg_estimate) in enumerate(zip(bodies, per_prompt, strict=True)):
+                    tasks.append(tg.create_task(self._native_attempts(
+                        kind, leg_body, f"{request_id}-{i}", reason, model, "", leg_estimate,
+                    )))
+        except BaseException as exc:
+            # Cancelled by the client or failed: the legs already open hold admission and a connection.
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    opened = task.result()
+                    if isinstance(opened, NativeStream):
+                        await opened.aclose()
+            if isinstance(exc, BaseExceptionGroup):
+                raise first_error(exc) from exc
+            raise
+        results = [t.result() for t in tasks]
+        n = int(body.get("n") or 1)
+        logger.info("native request_id=%s prompts=%d result=ok split=per_prompt", request_id, len(bodies))
+        streams = [r for r in results if isinstance(r, NativeStream)]
+        if streams:
+            return NativePromptsStream(request_id, streams, n)
+        return merge_whole([r for r in results if isinstance(r, dict)], n)
 
     def _native_routes(
         self, model: str, pd_unfit: str, *, exclude: Collection[str] = ()
@@ -197,6 +249,11 @@ class NativePath:
                 load=lambda i: load(i.name) / max(i.weight, 1),
             )
         return routes
+
+    def _splits(self, model: str) -> bool:
+        """Whether a body of several prompts goes per prompt through P/D pairs: no union instance
+        takes it whole now, and some pair takes a single prompt."""
+        return not native_candidates(self.snapshot, self.scheduler, model) and bool(self._native_routes(model, ""))
 
     def _pd_unfit_note(self, model: str, pd_unfit: str) -> str:
         """What the 503 adds when only P/D pairs serve the native path and this request fits none."""

@@ -80,6 +80,7 @@ from serving.pipeline.streaming.fanout import first_error
 from serving.pipeline.topologies.native_pd import (
     native_pd_ineligible,
 )
+from serving.pipeline.topologies.native_prompts import NativePromptsStream
 from serving.pipeline.topologies.registry import TopologyRegistry
 
 logger = logging.getLogger(__name__)
@@ -141,21 +142,21 @@ class ServingPipeline(NativePath):
 
     async def chat(
         self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
-    ) -> dict[str, Any] | EventStream | NativeStream:
+    ) -> dict[str, Any] | EventStream | NativeStream | NativePromptsStream:
         self._check_body("chat", body)
         with self._engine_errors_scrubbed():
             return _scrubbed(await self._serve("chat", body, request_id, phases))
 
     async def completions(
         self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
-    ) -> dict[str, Any] | EventStream | NativeStream:
+    ) -> dict[str, Any] | EventStream | NativeStream | NativePromptsStream:
         self._check_body("completions", body)
         with self._engine_errors_scrubbed():
             return _scrubbed(await self._serve("completions", body, request_id, phases))
 
     async def responses(
         self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
-    ) -> dict[str, Any] | NativeStream:
+    ) -> dict[str, Any] | NativeStream | NativePromptsStream:
         """The Responses API: no derender exists for it, so it always passes through natively."""
         self._check_body("responses", body)
         with self._engine_errors_scrubbed():
@@ -163,7 +164,7 @@ class ServingPipeline(NativePath):
 
     async def messages(
         self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
-    ) -> dict[str, Any] | NativeStream:
+    ) -> dict[str, Any] | NativeStream | NativePromptsStream:
         """The Anthropic Messages API: passed through natively like Responses."""
         self._check_body("messages", body)
         with self._engine_errors_scrubbed():
@@ -192,7 +193,7 @@ class ServingPipeline(NativePath):
 
     async def _serve(
         self, kind: TokenKind, body: dict[str, Any], request_id: str, phases: Phases
-    ) -> dict[str, Any] | EventStream | NativeStream:
+    ) -> dict[str, Any] | EventStream | NativeStream | NativePromptsStream:
         model = self._model(body)
         reason = native_reason(kind, body, self.snapshot, model.name)
         if reason is not None:
@@ -214,7 +215,7 @@ class ServingPipeline(NativePath):
 
     async def _serve_token_only(
         self, kind: TokenKind, body: dict[str, Any], request_id: str, model: ModelView, phases: Phases
-    ) -> dict[str, Any] | EventStream | NativeStream:
+    ) -> dict[str, Any] | EventStream | NativeStream | NativePromptsStream:
         request_checks.require_vocab(model)  # 503 before render while the vocabulary is unknown
         tokenizer = TokenizationService(self.render, model, health=self.render_health)
         start = phases.now()
@@ -296,7 +297,7 @@ class ServingPipeline(NativePath):
     async def _open(
         self, body: dict[str, Any], kind: TokenKind, request_id: str, tokenized: TokenizedRequest,
         requires_tokenizer: bool, phases: Phases, *, trigger_fanout: bool = False,
-    ) -> EventStream | NativeStream | dict[str, Any]:
+    ) -> EventStream | NativeStream | NativePromptsStream | dict[str, Any]:
         """Establish every engine stream of the request before the client sees a byte.
 
         The prompts open concurrently (their prefills overlap, as the non-streaming path runs

@@ -251,6 +251,91 @@ def test_what_a_pair_cannot_serve_exactly(kind: Any, body: dict[str, Any], why: 
     assert native_pd_ineligible(kind, body) == why
 
 
+# -- several completion prompts: one pair run per prompt, merged as vLLM merges them ---------------
+
+PROMPTS = {"model": MODEL, "prompt": ["Once upon a time", [104, 105, 106, 107], "KV moves from P to D"],
+           "max_tokens": 7, "temperature": 0}
+
+
+def streamed_choices(raw: bytes) -> tuple[dict[int, str], dict[int, str | None], list[dict[str, Any]]]:
+    """A completion stream's text and finish reason per choice index, and its usage-only chunks."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    usage: list[dict[str, Any]] = []
+    for block in raw.decode().split("\n\n"):
+        if not block.startswith("data: {"):
+            continue
+        event = json.loads(block[6:])
+        if not event["choices"]:
+            usage.append(event["usage"])
+        for c in event["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            finish[c["index"]] = c["finish_reason"] or finish.get(c["index"])
+    return texts, finish, usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_completion_of_several_prompts_runs_one_pair_run_per_prompt_merged_as_vllm(
+    served: str, pd_only: tuple[LiveServer, LiveServer], union: LiveServer, stream: bool
+) -> None:
+    # Render off on a P/D-only fleet: the native path is the pairs', which take one prompt per
+    # body. Each prompt runs its own P/D flow; the answer is the union engine's to the same body.
+    p, d = pd_only
+    body = {**PROMPTS, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    ours = await post(served, "/v1/completions", body)
+    theirs = await post(union.url, "/v1/completions", body)
+    assert ours.status_code == 200, ours.text
+    assert theirs.status_code == 200, theirs.text
+    if stream:
+        assert ours.content.endswith(b"data: [DONE]\n\n") and ours.content.count(b"[DONE]") == 1
+        texts, finish, usage = streamed_choices(ours.content)
+        assert (texts, finish, usage) == streamed_choices(theirs.content)
+        assert sorted(texts) == [0, 1, 2] and all(texts.values()) and len(usage) == 1
+        ids = {json.loads(b[6:])["id"] for b in ours.content.decode().split("\n\n") if b.startswith("data: {")}
+        assert len(ids) == 1  # one response, whatever leg each chunk came from
+    else:
+        answer, reference = ours.json(), theirs.json()
+        assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == [
+            (c["index"], c["text"], c["finish_reason"]) for c in reference["choices"]]
+        assert [c["index"] for c in answer["choices"]] == [0, 1, 2] and all(c["text"] for c in answer["choices"])
+        assert answer["usage"] == reference["usage"]
+        assert answer.get("kv_transfer_params") is None
+    # One P/D run per prompt, D computing no prompt token.
+    assert (p.engine.stats.requests_received, d.engine.stats.requests_received) == (3, 3)
+    by_source = d.engine.stats.prompt_tokens_by_source
+    assert by_source["external_kv_transfer"] > 0 and by_source["local_compute"] == 0
+    await assert_nothing_held(p, d, union)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_failing_prompt_fails_the_completion_and_frees_every_leg(
+    served: str, pd_only: tuple[LiveServer, LiveServer], stream: bool
+) -> None:
+    # One prompt's prefill fails (its pair is then excluded: no route left for it); whatever its
+    # siblings hold (P's call, D's reservation, D's stall) is cancelled and given back.
+    p, d = pd_only
+    p.engine.faults.arm(_fault(), 1)
+    d.engine.faults.arm(Fault(mode=FaultMode.STALL_AFTER_TOKENS, tokens=0), 3)
+    error = error_of(await post(served, "/v1/completions", {**PROMPTS, "stream": stream}), 502)
+    assert error["type"] == "BadGatewayError"
+    await assert_nothing_held(p, d)
+
+
+async def test_a_prompt_failing_mid_stream_ends_the_merged_stream_once(
+    served: str, pd_only: tuple[LiveServer, LiveServer]
+) -> None:
+    p, d = pd_only
+    d.engine.faults.arm(Fault(mode=FaultMode.ERROR_EVENT_AFTER_TOKENS, tokens=2), 1)
+    response = await post(served, "/v1/completions", {**PROMPTS, "stream": True, "max_tokens": 50})
+    assert response.status_code == 200
+    frames = [b for b in response.content.decode().split("\n\n") if b.startswith("data: ")]
+    assert frames[-1] == "data: [DONE]" and response.content.count(b"[DONE]") == 1
+    assert "error" in json.loads(frames[-2][6:])
+    await assert_nothing_held(p, d)
+
+
 # -- push pairs (Trigger): D's own API first, P's on D's callback -----------------------------------
 
 
