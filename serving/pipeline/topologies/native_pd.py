@@ -16,8 +16,9 @@ metaserver URL, P's one-token prefill when D calls back, with the callback body 
 the simulator shows that order here (no layer-wise engine runs on this machine). Requests a
 pair cannot serve exactly stay off it (``native_pd_ineligible``): several samples or prompts per
 body (P returns one set of params for the batch; several prompts are then run one pair flow
-each, ``native_prompts.py``), prompt logprobs (D computes no prompt), a Responses ``background`` run (P would answer before prefilling). With obfuscation on nothing
-here runs: the native path is closed (the pipeline refuses before it gets here).
+each, ``native_prompts.py``), prompt logprobs (D computes no prompt), a Responses ``background``
+run (P would answer before prefilling). With obfuscation on nothing here runs: the native path is
+closed (the pipeline refuses before it gets here).
 """
 
 from __future__ import annotations
