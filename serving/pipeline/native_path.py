@@ -31,7 +31,7 @@ from serving.pipeline.errors import (
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.phases import Phases
-from serving.pipeline.placement.filters import has_native_pd, native_candidates
+from serving.pipeline.placement.filters import has_native_pd, native_candidates, unpaired_native_pd
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.render.client import RenderClient
@@ -62,7 +62,12 @@ def _hint(reason: str) -> str:
     return f": {hint}." if hint else ""
 
 
-def _no_native_engine(model: str, reason: str, note: str = "") -> NoCapacity:
+def _no_native_engine(model: str, reason: str, note: str = "", *, unpaired: str = "") -> NoCapacity:
+    if unpaired:
+        # Its P and D engines serve their own OpenAI API: they only form no pair.
+        return NoCapacity(f"no engine can serve the native OpenAI API for model {model!r} ({reason}{note}): there is "
+                          f"no union engine with its own OpenAI API, and {unpaired}, so no prefill/decode pair forms"
+                          + _hint(reason))
     return NoCapacity(f"no engine serves the native OpenAI API for model {model!r} ({reason}{note})" + _hint(reason))
 
 
@@ -117,7 +122,7 @@ class NativePath:
             # Decided native, but no engine can take it now: no render call to count its prompt.
             self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
             logger.info("route request_id=%s kind=%s path=native reason=%s result=no_engine", request_id, kind, reason)
-            raise _no_native_engine(model.name, reason, self._pd_unfit_note(model.name, pd_unfit))
+            raise self._no_route(model.name, reason, pd_unfit)
         # Charged what the engine may really process: prompt tokens plus n x the output bound it
         # will resolve (engine/native.NativeEstimate), per instance context length.
         estimate = await self._native_estimate(kind, body, request_id, tokenized, render_tried)
@@ -143,7 +148,7 @@ class NativePath:
             if not routes:
                 if last is not None:
                     raise last
-                raise _no_native_engine(model, reason, self._pd_unfit_note(model, pd_unfit))
+                raise self._no_route(model, reason, pd_unfit)
             route = routes[0]
             # The instance that answers the client: the union one, or the pair's decode side.
             instance = route.decode if isinstance(route, NativePair) else route
@@ -195,7 +200,7 @@ class NativePath:
             return result
         if last is not None:
             raise last
-        raise _no_native_engine(model, reason)
+        raise self._no_route(model, reason, pd_unfit)
 
     async def _native_prompts(
         self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, model: str,
@@ -254,6 +259,12 @@ class NativePath:
         """Whether a body of several prompts goes per prompt through P/D pairs: no union instance
         takes it whole now, and some pair takes a single prompt."""
         return not native_candidates(self.snapshot, self.scheduler, model) and bool(self._native_routes(model, ""))
+
+    def _no_route(self, model: str, reason: str, pd_unfit: str) -> NoCapacity:
+        """The 503 when no native route is left: why pairs are out, when that is the reason."""
+        unpaired = "" if any(i.model == model and i.role == "union" and i.native_openai
+                             for i in self.snapshot.instances) else unpaired_native_pd(self.snapshot, model)
+        return _no_native_engine(model, reason, self._pd_unfit_note(model, pd_unfit), unpaired=unpaired)
 
     def _pd_unfit_note(self, model: str, pd_unfit: str) -> str:
         """What the 503 adds when only P/D pairs serve the native path and this request fits none."""

@@ -41,7 +41,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from serving.pipeline.errors import MotorError, RequestError
-from serving.pipeline.placement.filters import has_native_pd
+from serving.pipeline.placement.filters import has_native_pd, unpaired_native_pd
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.snapshot import FleetSnapshot, ModelView
 
@@ -102,6 +102,17 @@ def unservable(
            for i in snapshot.instances) or has_native_pd(snapshot, model):
         # (A prefill/decode pair serving its own OpenAI API runs the native path too.)
         return None
+    unpaired = unpaired_native_pd(snapshot, model)
+    if unpaired:
+        # Its P and D engines do serve their own OpenAI API; they just cannot serve it as a pair.
+        union = "a union engine that loads a tokenizer or serves its own OpenAI API" if tokenizer_serves else (
+            "a union engine that serves its own OpenAI API")
+        return FeatureUnavailable(
+            f"This server cannot serve {what} for model `{model}`: it needs {union}, or a prefill and a decode "
+            f"engine that serve their own OpenAI API and pair; this model has no such union engine, and "
+            f"{unpaired}, so no prefill/decode pair forms.",
+            param=None if reason.startswith("api:") else param or _structured_param(body),
+        )
     if reason.startswith("api:"):
         return FeatureUnavailable(
             f"This server cannot serve {what} for model `{model}`: it needs an engine that serves its own "
@@ -110,13 +121,16 @@ def unservable(
         )
     needs = "an engine that loads a tokenizer or serves its own OpenAI API" if tokenizer_serves else (
         "an engine that serves its own OpenAI API")
-    if param is None:
-        param = "response_format" if body.get("response_format") is not None else "structured_outputs"
     return FeatureUnavailable(
         f"This server cannot serve {what} for model `{model}`: it needs {needs}, and every engine of "
         "this model is tokens-only (vLLM's `--tokens-only` engines refuse it too).",
-        param=param,
+        param=param or _structured_param(body),
     )
+
+
+def _structured_param(body: Mapping[str, Any]) -> str:
+    """The field that asked for structured output."""
+    return "response_format" if body.get("response_format") is not None else "structured_outputs"
 
 
 @dataclass(frozen=True, slots=True)

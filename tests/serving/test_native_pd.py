@@ -336,6 +336,48 @@ async def test_a_prompt_failing_mid_stream_ends_the_merged_stream_once(
     await assert_nothing_held(p, d)
 
 
+# -- a P and a D that form no pair ----------------------------------------------------------------
+
+
+@pytest.fixture
+def unpaired(
+    transactional_db: None, prefill: LiveServer, push_decode: LiveServer, settings: Any
+) -> Iterator[tuple[LiveServer, LiveServer]]:
+    """A pull prefill and a push decode, both serving their own OpenAI API, render off: no pair."""
+    settings.MOTOR_API_KEYS = []
+    settings.MOTOR_OPEN_ACCESS = True
+    model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=4096, vocab_size=152_000)
+    RenderConfig.objects.create(host="127.0.0.1", port=9, enable=False)
+    for role, server, connector, transfer in (("prefill", prefill, "NixlConnector", "pull"),
+                                              ("decode", push_decode, "MooncakeLayerwiseConnector", "push")):
+        EngineInstance.objects.create(
+            name=f"{role}-1", url=server.url, served_model=model, role=role, kind="sim", cap_native_openai=True,
+            cap_tokenizer=True, kv_connector=connector, kv_transfer=transfer,
+        )
+    for server in (prefill, push_decode):
+        server.reset()
+    snapshots.invalidate()
+    yield prefill, push_decode
+    snapshots.invalidate()
+
+
+@pytest.mark.parametrize(("path", "body", "status"), [
+    ("/v1/responses", BODIES[2][1], 400),  # never servable on this fleet: request_checks.unservable
+    ("/v1/chat/completions", chat(), 503),  # render off: the native path finds no route
+], ids=["responses", "chat"])
+async def test_a_p_and_d_of_different_transfer_modes_are_refused_saying_so(
+    served: str, unpaired: tuple[LiveServer, LiveServer], path: str, body: dict[str, Any], status: int
+) -> None:
+    # Both engines serve their own OpenAI API: the refusal says they form no pair, and why, not
+    # that no engine serves its own API.
+    error = error_of(await post(served, path, body), status)
+    message = error["message"]
+    assert "transfer KV by pull" in message and "by push" in message and "no prefill/decode pair forms" in message
+    assert "no engine serves" not in message and "no engine of this model does" not in message
+    assert all(s.engine.stats.requests_received == 0 for s in unpaired)
+    await assert_nothing_held(*unpaired)
+
+
 # -- push pairs (Trigger): D's own API first, P's on D's callback -----------------------------------
 
 

@@ -74,12 +74,40 @@ def native_pd_role(pool: Iterable[InstanceView], role: str) -> list[InstanceView
     return [i for i in pool if i.role == role and i.native_openai and i.kv_transfer in KV_TRANSFER_MODES]
 
 
+def pairs_with(prefill: InstanceView, decode: InstanceView) -> bool:
+    """Whether a prefill and a decode instance can move KV to each other: one transfer mode, and
+    one connector (a blank one on either side is taken as the other's)."""
+    return prefill.kv_transfer == decode.kv_transfer and (
+        not prefill.kv_connector or not decode.kv_connector or prefill.kv_connector == decode.kv_connector
+    )
+
+
 def has_native_pd(snapshot: FleetSnapshot, model: str) -> bool:
-    """Whether ``model`` has a prefill and a decode instance of one transfer mode, whatever their
-    state, that could serve the native path as a pair."""
+    """Whether ``model`` has a prefill and a decode instance that pair, whatever their state, and
+    could serve the native path together."""
     pool = [i for i in snapshot.instances if i.model == model]
     prefills, decodes = native_pd_role(pool, "prefill"), native_pd_role(pool, "decode")
-    return any(p.kv_transfer == d.kv_transfer for p in prefills for d in decodes)
+    return any(pairs_with(p, d) for p in prefills for d in decodes)
+
+
+def unpaired_native_pd(snapshot: FleetSnapshot, model: str) -> str:
+    """Why ``model``'s prefill and decode instances that serve their own OpenAI API form no pair
+    (their transfer modes or connectors differ), or "" when some pair, or there are not both.
+
+    What a refusal says instead of "no engine serves its own OpenAI API", which they do."""
+    pool = [i for i in snapshot.instances if i.model == model]
+    prefills, decodes = native_pd_role(pool, "prefill"), native_pd_role(pool, "decode")
+    if not prefills or not decodes or any(pairs_with(p, d) for p in prefills for d in decodes):
+        return ""
+
+    def kinds(instances: list[InstanceView], field: str) -> str:
+        return "/".join(sorted({getattr(i, field) or "-" for i in instances}))
+
+    if not {p.kv_transfer for p in prefills} & {d.kv_transfer for d in decodes}:
+        return (f"its prefill engines transfer KV by {kinds(prefills, 'kv_transfer')} and its decode engines "
+                f"by {kinds(decodes, 'kv_transfer')}")
+    return (f"its prefill engines use the KV connector {kinds(prefills, 'kv_connector')} and its decode engines "
+            f"{kinds(decodes, 'kv_connector')}")
 
 
 def native_candidates(

@@ -34,7 +34,7 @@ from typing import Any
 from serving.pipeline.engine.leg import Reservation
 from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import EngineError
-from serving.pipeline.placement.filters import eligible_instances, native_pd_role
+from serving.pipeline.placement.filters import eligible_instances, native_pd_role, pairs_with
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 from serving.pipeline.topologies.handoff import router_pull_params, router_supplies_params
@@ -95,8 +95,7 @@ def native_pairs(
     pairs = [
         NativePair(p, d)
         for p in native_pd_role(pool, "prefill") for d in native_pd_role(pool, "decode")
-        if p.kv_transfer == d.kv_transfer
-        and (not p.kv_connector or not d.kv_connector or p.kv_connector == d.kv_connector)
+        if pairs_with(p, d)
     ]
     # Pull pairs first (the guide's main flow, and no callback to wait for), then the least loaded.
     return sorted(pairs, key=lambda x: (x.transfer != "pull", max(load(x.prefill), load(x.decode)), x.names))
