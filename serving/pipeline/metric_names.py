@@ -89,9 +89,15 @@ NATIVE_REASONS = frozenset({
 RENDER_RESULTS = frozenset({"ok", "native", "RenderUnavailable", "UpstreamRequestError", "RequestError"})
 TOPOLOGIES = frozenset(get_args(TopologyName))
 
+# The route the RFC names native that stays token-only: a Trigger multi-prompt stream where the
+# fleet has no native path for it, each prompt run on its own Trigger (``service._open``).
+TOKEN_ONLY_REASONS = frozenset({"trigger_per_prompt"})
 ROUTE_DECISIONS = Family("motor_route_decisions_total", "counter",
-                         "Requests sent to an engine's native OpenAI API, or refused it, by reason.", ("path", "reason"),
-                         {"path": frozenset({"native", "refused"}), "reason": NATIVE_REASONS})
+                         "Requests sent to an engine's native OpenAI API, refused it, or kept token-only where the "
+                         "RFC's route is native (token_only: a Trigger multi-prompt stream without a native path, "
+                         "each prompt on its own Trigger), by reason.", ("path", "reason"),
+                         {"path": frozenset({"native", "refused", "token_only"}),
+                          "reason": NATIVE_REASONS | TOKEN_ONLY_REASONS})
 RENDER_OUTCOMES = Family("motor_render_outcomes_total", "counter",
                          "Tokenizations by source (render or local), result and fallback reason.",
                          ("source", "result", "fallback_reason"),

@@ -314,16 +314,20 @@ class ServingPipeline(NativePath):
         except TriggerMultiPromptStream:
             # RFC: Trigger 多 prompt 流式仍沿用原生链路. Nothing reached the client yet, and
             # open_together closed whatever had opened.
-            fleet_native = self._native_routes(tokenized.model, native_pd_ineligible(kind, body))
+            pd_unfit = native_pd_ineligible(kind, body)
+            # Pairs' own APIs serve it too, one prompt each (native_path._native_prompts).
+            fleet_native = bool(self._native_routes(tokenized.model, pd_unfit)) or (
+                pd_unfit == "several_prompts" and self._splits(tokenized.model))
             if fleet_native and not self.snapshot.render.obfuscation:
                 return await self._native(
                     kind, body, request_id, "trigger_multi_prompt_stream", phases, tokenized=tokenized
                 )
-            # No native path for it here (a P/D pair takes no body of several prompts, so on a
-            # Trigger-only fleet there is none; nor with obfuscation on): rather than fail the
+            # No native path for it here (a Trigger-only fleet whose engines serve no OpenAI API of
+            # their own; nor with obfuscation on): rather than fail the
             # request, each prompt runs its own Trigger, merged as on Handoff. The fan-out is the
             # one every topology shares; nothing in it is Trigger-specific.
-            logger.info("route request_id=%s kind=%s path=token_only reason=trigger_multi_prompt_stream "
+            self.counters.inc(metric_names.ROUTE_DECISIONS, path="token_only", reason="trigger_per_prompt")
+            logger.info("route request_id=%s kind=%s path=token_only reason=trigger_per_prompt "
                         "result=fanout (no native path)", request_id, kind)
             return await self._open(
                 body, kind, request_id, tokenized, requires_tokenizer, phases, trigger_fanout=True
