@@ -336,6 +336,43 @@ async def test_a_prompt_failing_mid_stream_ends_the_merged_stream_once(
     await assert_nothing_held(p, d)
 
 
+@pytest.mark.parametrize("when", ["opening", "streaming"])
+async def test_a_client_leaving_a_completion_of_several_prompts_frees_every_leg(
+    served: str, pd_only: tuple[LiveServer, LiveServer], when: str
+) -> None:
+    # opening: one prompt's P never answers while its siblings' streams are open (held for the
+    # response that never starts); streaming: one prompt's D stalls after a few tokens while the
+    # client reads the merged stream. Either way every leg is closed when the client leaves.
+    p, d = pd_only
+    stalled = p if when == "opening" else d
+    stalled.engine.faults.arm(Fault(mode=FaultMode.STALL_AFTER_TOKENS, tokens=0 if when == "opening" else 2), 1)
+    body = {**PROMPTS, "stream": True, "max_tokens": 30}
+
+    async def read() -> None:
+        async with httpx.AsyncClient(base_url=served, trust_env=False, timeout=30) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for _ in response.aiter_raw():
+                    pass
+
+    request = asyncio.create_task(read())
+
+    async def stuck() -> bool:
+        if when == "opening":
+            return p.engine.stats.requests_received == 3 and d.engine.stats.requests_received == 2
+        return d.engine.stats.requests_received == 3 and d.engine.stats.active_streams == 1
+
+    await eventually(stuck)
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+
+    async def let_go() -> bool:
+        return stalled.engine.stats.disconnects >= 1
+
+    await eventually(let_go)
+    await assert_nothing_held(p, d)
+
+
 # -- a P and a D that form no pair ----------------------------------------------------------------
 
 
