@@ -29,6 +29,7 @@ from serving.pipeline.errors import QueueFull, RequestError
 from serving.pipeline.topologies import metaserver as metaserver_module
 from serving.pipeline.topologies.metaserver import MetaServer
 from serving.pipeline.topologies.native_pd import decode_body, native_pd_ineligible, prefill_body
+from serving.pipeline.topologies.native_prompts import merge_whole, split_prompts, sum_usage
 from tests.pd_sims import pd_sim_fixtures
 from tests.serving.fakes import MODEL
 from tests.serving.live_edge import error_of
@@ -371,6 +372,26 @@ async def test_a_client_leaving_a_completion_of_several_prompts_frees_every_leg(
 
     await eventually(let_go)
     await assert_nothing_held(p, d)
+
+
+def test_prompt_answers_merge_prompt_major_with_one_usage() -> None:
+    def answer(prompt: int, tokens: int, cached: int | None) -> dict[str, Any]:
+        details = None if cached is None else {"cached_tokens": cached}
+        return {"id": f"cmpl-{prompt}", "object": "text_completion", "kv_transfer_params": {"x": 1},
+                "choices": [{"index": 0, "text": f"t{prompt}", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": tokens, "completion_tokens": 2, "total_tokens": tokens + 2,
+                          "prompt_tokens_details": details}}
+
+    merged = merge_whole([answer(0, 5, None), answer(1, 7, 3), answer(2, 1, 1)], n=1)
+    assert merged["id"] == "cmpl-0" and merged["kv_transfer_params"] is None
+    assert [(c["index"], c["text"]) for c in merged["choices"]] == [(0, "t0"), (1, "t1"), (2, "t2")]
+    assert merged["usage"] == {"prompt_tokens": 13, "completion_tokens": 6, "total_tokens": 19,
+                               "prompt_tokens_details": {"cached_tokens": 4}}
+    # vLLM numbers a prompt's choices prompt * n + choice.
+    two = {"choices": [{"index": 0}, {"index": 1}]}
+    assert [c["index"] for c in merge_whole([two, two], n=2)["choices"]] == [0, 1, 2, 3]
+    assert sum_usage([]) == {} and split_prompts({"prompt": ["a", [5]], "n": 1}) == [
+        {"prompt": "a", "n": 1}, {"prompt": [5], "n": 1}]
 
 
 # -- a P and a D that form no pair ----------------------------------------------------------------
