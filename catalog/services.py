@@ -20,7 +20,14 @@ from django.utils import timezone
 
 from catalog.fingerprints import fingerprint_model_dir
 from catalog.key_refs import InvalidKeyRef, check_key_ref
-from catalog.models import STREAM_INTERVAL_MAX, STREAM_INTERVAL_MS_MAX, ModelRevision, RenderConfig, RenderStreamReport, ServedModel
+from catalog.models import (
+    STREAM_INTERVAL_MAX,
+    STREAM_INTERVAL_MS_MAX,
+    ModelRevision,
+    RenderConfig,
+    RenderStreamReport,
+    ServedModel,
+)
 from motorsite.core import ConflictError, InvalidError, NotFoundError, bump_control_version
 
 logger = logging.getLogger(__name__)

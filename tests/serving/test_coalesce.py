@@ -475,7 +475,7 @@ def test_after_the_first_token_a_choice_s_runs_are_at_least_the_interval_apart_a
     assert [t for _, ids in taken for t in ids] == list(range(len(gaps)))
     assert taken[0][1] == [0]  # the first token alone, at once
     # Every run but the finishing one waited its interval after the one before it.
-    for (before, _), (when, ids) in zip(taken, taken[1:-1]):
+    for (before, _), (when, ids) in zip(taken, taken[1:-1], strict=False):
         assert when - before >= interval_ms / 1000 - 1e-9, taken
         assert len(ids) >= count, taken
 
