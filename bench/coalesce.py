@@ -6,17 +6,22 @@ streaming derender replays the whole output on every call), one ``enginesim`` en
 small TPOT (``--tpot-ms``, default 2 ms: chunks arrive faster than derender answers under load)
 and two coordinators in front of both, one with ``derender_coalesce`` on and one with it off (with
 ``--stream-interval N`` another: coalescing on and ``RenderConfig.stream_interval`` N; with
-``--uvicorn`` another: coalescing on, under uvicorn as ``MOTOR_SERVER=uvicorn`` serves it).
+``--uvicorn`` another: coalescing on, under uvicorn as ``MOTOR_SERVER=uvicorn`` serves it; with
+``--stream-interval-ms 10,25`` one per value: coalescing on and ``RenderConfig.stream_interval_ms``
+that many ms; ``--skip-off`` leaves out the coordinator with coalescing off).
 Then, per concurrency level (1, 16, 64 streams by default), the same streaming chat workload runs
 against each coordinator in turn and reports per request: derender calls (one per SSE chunk the
-coordinator writes, each one derender call), the render sidecar's CPU time, TTFT, TPOT and E2E.
+coordinator writes, each one derender call), the render sidecar's CPU time, TTFT, TPOT and E2E;
+and per engine token: derender calls and the coordinator's plus the sidecar's CPU, with the gap
+between a request's consecutive content chunks as the client receives them (p50 / p99).
 The engine alone runs beside them at each level: the same chats, rendered before any timing,
 streamed from enginesim's ``/inference/v1/generate`` by the same client at the same concurrency,
 the baseline of issue 11's "TPOT p99 within 1.5x of the engine alone" (its own column).
 
     python3 -m toolchain exec bench/coalesce.py [--levels 1,16,64] [--requests-per-stream 2]
                                                 [--max-tokens 64] [--tpot-ms 2] [--parsers]
-                                                [--stream-interval N] [--uvicorn] [--write]
+                                                [--stream-interval N] [--stream-interval-ms 10,25]
+                                                [--skip-off] [--uvicorn] [--write]
 
 Reports numbers only; nothing here asserts on timings.
 """
@@ -71,6 +76,8 @@ class Run:
     render_cpu: float = 0.0
     coordinator_cpu: float | None = None  # None: no coordinator on this path
     requests: int = 0
+    tokens: list[int] = field(default_factory=list)  # completion tokens per request
+    gaps: list[float] = field(default_factory=list)  # between a request's content chunks, as received
 
 
 ENGINE_ALONE = "engine alone"
@@ -127,6 +134,8 @@ async def one(client: httpx.AsyncClient, url: str, i: int, args: argparse.Namesp
     ttft = None
     chunks = 0
     tokens = 0
+    last: float | None = None
+    gaps: list[float] = []
     async with client.stream("POST", url, json=body, headers={"Authorization": f"Bearer {API_KEY}"}) as response:
         if response.status_code != 200:
             run.errors += 1
@@ -146,10 +155,17 @@ async def one(client: httpx.AsyncClient, url: str, i: int, args: argparse.Namesp
             chunks += 1  # every chunk the coordinator writes is one derender call's answer
             if chunk.get("choices") and ttft is None:
                 ttft = time.perf_counter() - t0
+            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
             if chunk.get("usage") and not chunk.get("choices"):
                 tokens = chunk["usage"]["completion_tokens"]
     e2e = time.perf_counter() - t0
     run.chunks.append(chunks)
+    run.tokens.append(tokens)
+    run.gaps.extend(gaps)
     run.e2e.append(e2e)
     if ttft is not None:
         run.ttft.append(ttft)
@@ -220,16 +236,37 @@ def table(rows: list[tuple[int, str, Run]]) -> str:
     return "\n".join(out)
 
 
+def cadence_table(rows: list[tuple[int, str, Run]]) -> str:
+    """Per engine token: derender calls, coordinator + sidecar CPU; the chunk gap a client sees."""
+    out = ["| streams | coordinator | derender calls / engine token | coordinator + sidecar CPU µs / output token | "
+           "chunk gap p50 ms | chunk gap p99 ms | TTFT p50 ms | E2E p50 ms |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for streams, mode, run in rows:
+        if mode == ENGINE_ALONE or not run.tokens:
+            continue
+        tokens = max(sum(run.tokens), 1)
+        cpu = run.render_cpu + (run.coordinator_cpu or 0.0)
+        out.append(
+            f"| {streams} | {mode} | {sum(run.chunks) / tokens:.3f} | {cpu / tokens * 1e6:.0f} | "
+            f"{_ms(pct(run.gaps, 0.5))} | {_ms(pct(run.gaps, 0.99))} | {_ms(pct(run.ttft, 0.5))} | "
+            f"{_ms(pct(run.e2e, 0.5))} |"
+        )
+    return "\n".join(out)
+
+
 def write_results(text: str) -> None:
     write_section(SECTION, text)
 
 
-def coordinator(cfg: stack.StackConfig, db: Path, coalesce: bool, interval: int = 1) -> stack.StackConfig:
+def coordinator(
+    cfg: stack.StackConfig, db: Path, coalesce: bool, interval: int = 1, interval_ms: int = 0
+) -> stack.StackConfig:
     cfg = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{db}", log_dir=cfg.log_dir / db.stem)
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     stack.prepare_database(cfg)
     with sqlite3.connect(db) as conn:
-        conn.execute("UPDATE serving_renderconfig SET derender_coalesce = ?, stream_interval = ?", (coalesce, interval))
+        conn.execute("UPDATE serving_renderconfig SET derender_coalesce = ?, stream_interval = ?, stream_interval_ms = ?",
+                     (coalesce, interval, interval_ms))
     return cfg
 
 
@@ -242,6 +279,9 @@ def main() -> int:
     parser.add_argument("--parsers", action="store_true", help="render sidecar with tool and reasoning parsers")
     parser.add_argument("--stream-interval", type=int, default=0,
                         help="also measure a coordinator with coalescing on and this stream_interval")
+    parser.add_argument("--stream-interval-ms", default="",
+                        help="also a coordinator with coalescing on and this stream_interval_ms, per comma-separated value")
+    parser.add_argument("--skip-off", action="store_true", help="no coordinator with coalescing off")
     parser.add_argument("--uvicorn", action="store_true",
                         help="also a coordinator with coalescing on under uvicorn (MOTOR_SERVER=uvicorn)")
     parser.add_argument("--write", action="store_true")
@@ -267,13 +307,16 @@ def main() -> int:
     (engine,) = stack.engine_specs(cfg)
     engine = replace(engine, argv=[*engine.argv, "--tpot-ms", str(args.tpot_ms)])
     on = coordinator(cfg, tmp / "on.sqlite3", True)
-    off = coordinator(cfg, tmp / "off.sqlite3", False)
-    modes = [("on", on), ("off", off)]
+    modes = [("on", on)]
+    if not args.skip_off:
+        modes.append(("off", coordinator(cfg, tmp / "off.sqlite3", False)))
     if args.uvicorn:
         modes.append(("on, uvicorn", replace(coordinator(cfg, tmp / "uvicorn.sqlite3", True), server="uvicorn")))
     if args.stream_interval > 1:
         modes.append((f"on, interval {args.stream_interval}",
                       coordinator(cfg, tmp / "interval.sqlite3", True, args.stream_interval)))
+    for ms in (int(v) for v in args.stream_interval_ms.split(",") if v):
+        modes.append((f"on, interval {ms} ms", coordinator(cfg, tmp / f"interval-{ms}ms.sqlite3", True, 1, ms)))
     rows: list[tuple[int, str, Run]] = []
     load_before = loadavg()
     with contextlib.ExitStack() as exits:
@@ -292,7 +335,8 @@ def main() -> int:
                 print(f"{streams} streams, {mode} ...", flush=True)
                 run = asyncio.run(workload(url, streams, args, render_pgid, rendered, coordinator_pids.get(mode)))
                 rows.append((streams, mode, run))
-    rows.sort(key=lambda r: (r[0], r[1] != ENGINE_ALONE, r[1] != "off", r[1]))
+    order = [ENGINE_ALONE, "off", *(m for m, _ in modes if m != "off")]
+    rows.sort(key=lambda r: (r[0], order.index(r[1])))
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = "\n".join([
         SECTION, "",
@@ -309,6 +353,8 @@ def main() -> int:
         "coordinator CPU: the same of the coordinator's process tree",
         "",
         table(rows),
+        "",
+        cadence_table(rows),
         "",
         "- with coalescing, TPOT is the average per token; the client gets the tokens in fewer, larger chunks "
         "(that is the trade: chunk granularity for sidecar load). Without it, derender is one call per token and "

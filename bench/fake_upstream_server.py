@@ -7,14 +7,18 @@ flow control: a response body waits for the socket to drain) listens on three po
 host (``render``, ``e1``, ``e2``); each request becomes an ``httpx.Request`` for
 ``FakeUpstreams.handler`` and its answer is streamed back as it is produced. The engines'
 streaming generate yields ``--tokens`` single-token events per request, built lazily as a real
-engine would, and counts each event it hands to the socket. ``GET /stats`` on any port answers
+engine would (then the usage-only event when ``stream_options.include_usage`` asks for it), and
+counts each token event it hands to the socket. ``GET /stats`` on any port answers
 ``{"events_sent": n, "derender_calls": n, "derendered_tokens": n, "open_streams": n, "aborted": [ids]}``:
 the tokens of every streaming derender call (what the coordinator has taken from the engines),
 the engine streams not yet ended or hung up on, and the engine request ids aborted.
 
 Prints one JSON line ``{"render": port, "e1": port, "e2": port}`` once listening; runs until killed.
 
-    python3 -m toolchain exec bench/fake_upstream_server.py --tokens 1000 [--pad-bytes 0]
+``--token-ms`` paces the engines: each event after the first waits that long (a decoding engine), so
+a streaming cadence (``RenderConfig.stream_interval_ms``) has time to act.
+
+    python3 -m toolchain exec bench/fake_upstream_server.py --tokens 1000 [--pad-bytes 0] [--token-ms 0]
 """
 
 from __future__ import annotations
@@ -41,9 +45,10 @@ HOSTS = ("render", "e1", "e2")
 class App:
     """ASGI adapter from real HTTP requests to ``FakeUpstreams.handler``."""
 
-    def __init__(self, tokens: int, ports: dict[int, str], pad_bytes: int = 0) -> None:
+    def __init__(self, tokens: int, ports: dict[int, str], pad_bytes: int = 0, token_ms: float = 0.0) -> None:
         self.upstreams = FakeUpstreams()
         self.pad_bytes = pad_bytes
+        self.token_s = token_ms / 1000
         self.ports = ports
         self.events_sent = 0
         self.derender_calls = 0
@@ -64,12 +69,20 @@ class App:
                 self.open_streams += 1
                 try:
                     for pos, token in enumerate(ids):
+                        if pos and self.token_s:
+                            await asyncio.sleep(self.token_s)
                         event = {"request_id": "generate-tokens-" + rid, "usage": None, "output_mode": "tokens",
                                  "choices": [{"index": 0, "finish_reason": "stop" if pos == len(ids) - 1 else None,
                                               "stop_reason": None, "token_ids": [token], "routed_experts": None,
                                               "sampling_mask": None, "weight_versions": None, "logprobs": None}]}
                         yield ("data: " + json.dumps(event, separators=(",", ":")) + "\n\n").encode()
                         self.events_sent += 1
+                    if (body.get("stream_options") or {}).get("include_usage"):
+                        usage = {"prompt_tokens": len(body["token_ids"]), "completion_tokens": len(ids),
+                                 "total_tokens": len(body["token_ids"]) + len(ids)}
+                        event = {"request_id": "generate-tokens-" + rid, "usage": usage, "output_mode": "tokens",
+                                 "choices": []}
+                        yield ("data: " + json.dumps(event, separators=(",", ":")) + "\n\n").encode()
                     yield b"data: [DONE]\n\n"
                 finally:
                     self.open_streams -= 1
@@ -144,6 +157,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--pad-bytes", type=int, default=0, help="text added to each streaming derender's choices")
+    parser.add_argument("--token-ms", type=float, default=0.0, help="the engines' pause between a stream's events")
     args = parser.parse_args()
     socks = {}
     for host in HOSTS:
@@ -156,7 +170,7 @@ def main() -> int:
         sock.bind(("127.0.0.1", 0))
         socks[host] = sock
     ports = {host: sock.getsockname()[1] for host, sock in socks.items()}
-    app = App(args.tokens, {port: host for host, port in ports.items()}, args.pad_bytes)
+    app = App(args.tokens, {port: host for host, port in ports.items()}, args.pad_bytes, args.token_ms)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
     server = uvicorn.Server(config)
 

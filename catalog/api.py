@@ -10,7 +10,7 @@ from ninja import Field, Router, Schema
 
 from catalog import services
 from catalog.key_refs import key_ref_pattern
-from catalog.models import STREAM_INTERVAL_MAX, RenderConfig
+from catalog.models import STREAM_INTERVAL_MAX, STREAM_INTERVAL_MS_MAX, RenderConfig
 from motorsite.core import (
     MAX_ID,
     BodySchema,
@@ -37,6 +37,9 @@ class RenderConfigOut(Schema):
     context_budget: bool
     derender_coalesce: bool
     stream_interval: int
+    stream_interval_ms: int = Field(
+        description="Milliseconds between a choice's derender calls after its first token; 0: off."
+    )
     obfuscation: bool
     obfuscation_key_ref: str
     obfuscation_key_id: str
@@ -63,6 +66,7 @@ class RenderConfigPatch(BodySchema):
     context_budget: bool | None = None
     derender_coalesce: bool | None = None
     stream_interval: int | None = Field(None, ge=1, le=STREAM_INTERVAL_MAX)
+    stream_interval_ms: int | None = Field(None, ge=0, le=STREAM_INTERVAL_MS_MAX)
     obfuscation: bool | None = None
     obfuscation_key_ref: str | None = Field(None, max_length=300, pattern=key_ref_pattern())
     obfuscation_key_id: str | None = Field(None, max_length=100)
@@ -95,6 +99,7 @@ class RenderConfigImport(BodySchema):
     context_budget: bool = optional()
     derender_coalesce: bool = optional()
     stream_interval: int = optional(ge=1, le=STREAM_INTERVAL_MAX)
+    stream_interval_ms: int = optional(ge=0, le=STREAM_INTERVAL_MS_MAX)
     obfuscation: bool = optional(
         description="true needs obfuscation_key_ref and obfuscation_key_id (422 otherwise)."
     )

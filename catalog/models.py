@@ -8,6 +8,9 @@ from django.db import models
 # The largest RenderConfig.stream_interval: coalescing buffers at most 64 events a stream
 # (serving/pipeline/derender/coalesce.py, MAX_PENDING), so a larger interval could never fill.
 STREAM_INTERVAL_MAX = 64
+# The largest RenderConfig.stream_interval_ms: a chunk may wait that long for the next derender,
+# and past a second a stream no longer reads as one (64 held events flush earlier anyway).
+STREAM_INTERVAL_MS_MAX = 1000
 
 
 class Health(models.TextChoices):
@@ -107,6 +110,15 @@ class RenderConfig(models.Model):
             "The first token is never held back."
         ),
     )
+    stream_interval_ms = models.PositiveIntegerField(
+        default=0,
+        validators=[MaxValueValidator(STREAM_INTERVAL_MS_MAX)],
+        help_text=(
+            "Milliseconds between a choice's derender calls after its first token (never held back): at most one "
+            "call per interval per choice however fast the engine decodes; flushed at once on finish, error and "
+            "the end. Applies together with stream_interval (a call waits for both). 0: off."
+        ),
+    )
     obfuscation = models.BooleanField(default=False, help_text="Token obfuscation (fails closed).")
     obfuscation_key_ref = models.CharField(
         max_length=300, blank=True, help_text="Where the key is: `setting:NAME` or `file:/path`; never the key."
@@ -131,7 +143,7 @@ class RenderConfig(models.Model):
     # Keys an imported render config may carry (the RFC's names); anything else is an error.
     IMPORT_KEYS = (
         "enable", "image_name", "host", "port", "timeout_ms", "renderer_num_workers",
-        "context_budget", "derender_coalesce", "stream_interval", "obfuscation", "obfuscation_key_ref",
+        "context_budget", "derender_coalesce", "stream_interval", "stream_interval_ms", "obfuscation", "obfuscation_key_ref",
         "obfuscation_key_id",
     )
     # Changing any of these means the running sidecar no longer matches its config.

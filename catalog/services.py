@@ -20,7 +20,14 @@ from django.utils import timezone
 
 from catalog.fingerprints import fingerprint_model_dir
 from catalog.key_refs import InvalidKeyRef, check_key_ref
-from catalog.models import STREAM_INTERVAL_MAX, ModelRevision, RenderConfig, RenderStreamReport, ServedModel
+from catalog.models import (
+    STREAM_INTERVAL_MAX,
+    STREAM_INTERVAL_MS_MAX,
+    ModelRevision,
+    RenderConfig,
+    RenderStreamReport,
+    ServedModel,
+)
 from motorsite.core import ConflictError, InvalidError, NotFoundError, bump_control_version
 
 logger = logging.getLogger(__name__)
@@ -35,6 +42,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "context_budget": bool,
     "derender_coalesce": bool,
     "stream_interval": int,
+    "stream_interval_ms": int,
     "obfuscation": bool,
     "obfuscation_key_ref": str,
     "obfuscation_key_id": str,
@@ -43,7 +51,8 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
 }
 _ENDPOINT_KEYS = {"host", "port"}
 _POSITIVE = {"timeout_ms", "renderer_num_workers", "port", "stream_interval"}
-_MAXIMUM = {"stream_interval": STREAM_INTERVAL_MAX}
+_NON_NEGATIVE = {"stream_interval_ms"}  # 0: off
+_MAXIMUM = {"stream_interval": STREAM_INTERVAL_MAX, "stream_interval_ms": STREAM_INTERVAL_MS_MAX}
 
 
 def parse_render_config(data: Any) -> dict[str, Any]:
@@ -73,6 +82,8 @@ def parse_render_config(data: Any) -> dict[str, Any]:
             raise InvalidError(f"render_config.{name} must be {getattr(expected, '__name__', expected)}, got {value!r}.")
         if key in _POSITIVE and value <= 0:
             raise InvalidError(f"render_config.{key} must be positive, got {value}.")
+        if key in _NON_NEGATIVE and value < 0:
+            raise InvalidError(f"render_config.{key} must be 0 or more, got {value}.")
         if key in _MAXIMUM and value > _MAXIMUM[key]:
             raise InvalidError(f"render_config.{key} must be at most {_MAXIMUM[key]}, got {value}.")
     if flat.get("obfuscation") and not (flat.get("obfuscation_key_ref") and flat.get("obfuscation_key_id")):

@@ -75,6 +75,7 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
         streaming_derender=cfg.streaming_derender and caps.streaming_derender,
         derender_coalesce=cfg.derender_coalesce,
         stream_interval=cfg.stream_interval,
+        stream_interval_ms=cfg.stream_interval_ms,
     )
     instances = tuple(_instance_view(i) for i in EngineInstance.objects.select_related("served_model", "breaker"))
     keys = list(ApiKey.objects.filter(scope=ApiKey.Scope.CLIENT).values_list(

@@ -44,6 +44,8 @@ class RenderView:
     derender_coalesce: bool = False
     # Tokens a streamed chunk waits for after a choice's first (vLLM's --stream-interval); 1: none.
     stream_interval: int = 1
+    # Milliseconds a choice's derender calls are at least apart after its first (coalesce.py); 0: none.
+    stream_interval_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)

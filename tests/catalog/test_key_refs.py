@@ -83,7 +83,7 @@ def staff_client(client: Client, db: None) -> Client:
 def _form(ref: str) -> dict[str, Any]:
     return {
         "name": "default", "enable": "on", "host": "127.0.0.1", "port": "8100", "timeout_ms": "5000",
-        "renderer_num_workers": "4", "stream_interval": "1", "obfuscation": "on", "obfuscation_key_ref": ref,
+        "renderer_num_workers": "4", "stream_interval": "1", "stream_interval_ms": "0", "obfuscation": "on", "obfuscation_key_ref": ref,
         "obfuscation_key_id": "0123456789abcdef", "image_name": "",
     }
 

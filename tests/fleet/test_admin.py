@@ -153,11 +153,24 @@ def test_a_key_form_opened_before_a_revocation_does_not_bring_the_key_back(staff
 def test_a_render_config_change_needing_a_restart_is_flagged(staff_client: Client, db: None) -> None:
     config = RenderConfig.objects.create()
     form = {"name": "default", "enable": "on", "host": "127.0.0.1", "port": 8101, "timeout_ms": 5000, "renderer_num_workers": 4,
-            "stream_interval": 1}
+            "stream_interval": 1, "stream_interval_ms": 0}
     response = staff_client.post(f"/admin/serving/renderconfig/{config.id}/change/", form, follow=True)
     assert any("restarts" in m for m in messages_of(response))
     config.refresh_from_db()
     assert config.port == 8101 and config.restart_required
+
+
+def test_the_render_config_admin_shows_and_saves_the_time_interval(staff_client: Client, db: None) -> None:
+    config = RenderConfig.objects.create()
+    page = staff_client.get(f"/admin/serving/renderconfig/{config.id}/change/").content.decode()
+    assert 'name="stream_interval_ms"' in page and "derender calls after its first token" in page
+    form = {"name": "default", "enable": "on", "host": "127.0.0.1", "port": 8100, "timeout_ms": 5000,
+            "renderer_num_workers": 4, "stream_interval": 1, "stream_interval_ms": 40}
+    assert staff_client.post(f"/admin/serving/renderconfig/{config.id}/change/", form).status_code == 302
+    config.refresh_from_db()
+    assert config.stream_interval_ms == 40 and not config.restart_required  # the coordinator applies it
+    refused = staff_client.post(f"/admin/serving/renderconfig/{config.id}/change/", {**form, "stream_interval_ms": 1001})
+    assert refused.status_code == 200 and RenderConfig.objects.get().stream_interval_ms == 40
 
 
 def test_the_site_is_titled_for_the_project(staff_client: Client) -> None:

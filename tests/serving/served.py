@@ -30,10 +30,10 @@ API_KEY = "sk-served-" + uuid.uuid4().hex  # the settings refuse a short or repe
 
 
 @contextlib.contextmanager
-def fake_upstreams(tokens: int, pad_bytes: int = 0) -> Iterator[dict[str, str]]:
+def fake_upstreams(tokens: int, pad_bytes: int = 0, token_ms: float = 0.0) -> Iterator[dict[str, str]]:
     """Start ``bench/fake_upstream_server.py``; yields the base URL of each fake host (render, e1, e2)."""
     argv = [sys.executable, str(ROOT / "bench" / "fake_upstream_server.py"), "--tokens", str(tokens),
-            "--pad-bytes", str(pad_bytes)]
+            "--pad-bytes", str(pad_bytes), "--token-ms", str(token_ms)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -75,14 +75,16 @@ def coordinator_log(cfg: stack.StackConfig) -> Path:
 @contextlib.contextmanager
 def fake_fleet(
     tmp: Path, tokens: int, pad_bytes: int = 0, coalesce: bool = True, max_model_len: int = 1 << 20,
+    token_ms: float = 0.0,
 ) -> Iterator[Fleet]:
-    """The fakes (each engine stream ``tokens`` tokens long, each derendered chunk ``pad_bytes`` longer)
-    and a database of them, in ``tmp``; ``coalesce`` is the render config's derender coalescing."""
+    """The fakes (each engine stream ``tokens`` tokens long, ``token_ms`` apart, each derendered chunk
+    ``pad_bytes`` longer) and a database of them, in ``tmp``; ``coalesce`` is the render config's
+    derender coalescing."""
     model_dir = tmp / "model"
     model_dir.mkdir()
     # What demo_fleet reads: the fakes render Qwen2 ids, so their vocabulary is the bound.
     (model_dir / "config.json").write_text(json.dumps({"vocab_size": VOCAB_SIZE}))
-    with fake_upstreams(tokens, pad_bytes) as urls:
+    with fake_upstreams(tokens, pad_bytes, token_ms) as urls:
         cfg = stack.StackConfig(
             model_dir=str(model_dir), render_python="", engine_python="", engines="sim",
             served_model_name=MODEL, max_model_len=max_model_len,

@@ -74,3 +74,25 @@ def test_coalescing_and_the_stream_interval_are_published_and_reach_the_snapshot
     assert RenderConfig.objects.get().stream_interval == 4
     imported = post(api, "/api/render-configs/import", {"render_config": {"stream_interval": 8}})
     assert imported.status_code == 200 and RenderConfig.objects.get().stream_interval == 8
+
+
+def test_the_time_interval_is_published_imported_and_reaches_the_snapshot(api: Client, config: RenderConfig) -> None:
+    from serving.snapshots import build_snapshot
+
+    assert api.get(f"/api/render-configs/{config.id}").json()["stream_interval_ms"] == 0  # off by default
+    assert build_snapshot().render.stream_interval_ms == 0
+    response = post(api, f"/api/render-configs/{config.id}/publish", {"stream_interval_ms": 40})
+    assert response.status_code == 200, response.json()
+    assert response.json()["changed"] == ["stream_interval_ms"] and response.json()["restart_required"] is False
+    assert response.json()["config"]["stream_interval_ms"] == 40
+    assert build_snapshot().render.stream_interval_ms == 40
+    for bad in (-1, 1001, "40", True):
+        refused = post(api, f"/api/render-configs/{config.id}/publish", {"stream_interval_ms": bad})
+        assert refused.status_code == 422, bad
+        refused = post(api, "/api/render-configs/import", {"render_config": {"stream_interval_ms": bad}})
+        assert refused.status_code == 422, bad
+    assert RenderConfig.objects.get().stream_interval_ms == 40
+    imported = post(api, "/api/render-configs/import", {"render_config": {"stream_interval_ms": 0}})
+    assert imported.status_code == 200 and RenderConfig.objects.get().stream_interval_ms == 0
+    schema = api.get("/api/openapi.json").json()["components"]["schemas"]
+    assert "stream_interval_ms" in schema["RenderConfigOut"]["properties"]

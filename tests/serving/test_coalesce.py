@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving.pipeline.derender.coalesce import coalesced, event_choice_index, merge_events
+from serving.pipeline.derender.coalesce import Clock, coalesced, event_choice_index, merge_events
 
 
 def token_event(index: int, ids: list[int], *, finish: str | None = None, logprobs: bool = True,
@@ -245,3 +245,247 @@ def test_the_largest_stream_interval_an_operator_may_set_is_what_coalescing_can_
     from serving.pipeline.derender import coalesce
 
     assert STREAM_INTERVAL_MAX == coalesce.MAX_PENDING
+
+
+# -- stream_interval_ms: the cadence by time, on a fake clock (nothing here waits on real time) --
+
+
+class FakeClock(Clock):
+    """A clock the test moves: ``wait`` ends when the read is done or the test advanced past the delay."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.timers: list[tuple[float, asyncio.Future[None]]] = []
+        self.waits = 0
+
+    def now(self) -> float:
+        return self.t
+
+    async def wait(self, read: asyncio.Future[Any], delay: float) -> None:
+        self.waits += 1
+        timer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.timers.append((self.t + max(0.0, delay), timer))
+        self._fire()
+        await asyncio.wait((read, timer), return_when=asyncio.FIRST_COMPLETED)
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+        self._fire()
+
+    def _fire(self) -> None:
+        for due, timer in self.timers:
+            if due <= self.t + 1e-12 and not timer.done():
+                timer.set_result(None)
+        self.timers = [(d, f) for d, f in self.timers if not f.done()]
+
+
+async def settle() -> None:
+    """Let every ready task run until nothing moves (no I/O here, so a bounded number of turns)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+class Engine:
+    """An engine stream the test feeds read by read; ``closed`` once its generator was finalized."""
+
+    def __init__(self) -> None:
+        self.reads: asyncio.Queue[list[dict[str, Any]] | BaseException | None] = asyncio.Queue()
+        self.closed = False
+
+    async def stream(self) -> AsyncIterator[list[dict[str, Any]]]:
+        try:
+            while (item := await self.reads.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.closed = True
+
+
+class Consumer:
+    """Takes each coalesced event as soon as it may, recording the fake time it was taken."""
+
+    def __init__(self, engine: Engine, clock: FakeClock, **kw: Any) -> None:
+        self.clock = clock
+        self.got: list[tuple[float, Any]] = []
+        self.error: BaseException | None = None
+        self.stats: dict[str, int] = {}
+        self.gen = coalesced(engine.stream(), clock=clock, stats=self.stats, **kw)
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            async for e in self.gen:
+                if "error" in e:
+                    self.got.append((self.clock.now(), "error"))
+                elif not e.get("choices"):
+                    self.got.append((self.clock.now(), "usage"))
+                else:
+                    c = e["choices"][0]
+                    self.got.append((self.clock.now(), (c["index"], c["token_ids"])))
+        except Exception as exc:
+            self.error = exc
+
+    def runs(self) -> list[Any]:
+        return [what for _, what in self.got]
+
+
+async def test_a_time_interval_holds_a_choice_s_tokens_after_its_first_and_sends_them_when_it_ends() -> None:
+    clock, engine = FakeClock(), Engine()
+    consumer = Consumer(engine, clock, stream_interval_ms=50)
+    engine.reads.put_nowait([token_event(0, [1])])
+    await settle()
+    assert consumer.runs() == [(0, [1])]  # the first token at once: never held back
+    clock.advance(0.010)
+    engine.reads.put_nowait([token_event(0, [2])])
+    engine.reads.put_nowait([token_event(0, [3])])
+    await settle()
+    assert consumer.runs() == [(0, [1])]  # within the interval: held, not derendered
+    clock.advance(0.040)
+    await settle()
+    # The interval ended with no new event: the held run went without waiting for one.
+    assert consumer.runs() == [(0, [1]), (0, [2, 3])]
+    clock.advance(0.010)
+    engine.reads.put_nowait([token_event(0, [4])])
+    await settle()
+    assert len(consumer.runs()) == 2
+    engine.reads.put_nowait([token_event(0, [5], finish="stop")])
+    await settle()
+    # The choice finished: flushed at once, 30 ms before its interval would have ended.
+    assert consumer.runs() == [(0, [1]), (0, [2, 3]), (0, [4, 5])]
+    engine.reads.put_nowait([USAGE_ONLY])
+    engine.reads.put_nowait(None)
+    await settle()
+    assert consumer.task.done() and consumer.error is None
+    assert consumer.runs()[-1] == "usage"
+    assert consumer.stats["events_in"] == 6 and consumer.stats["events_out"] == 4
+
+
+async def test_a_time_interval_and_a_token_count_both_hold_a_run() -> None:
+    clock, engine = FakeClock(), Engine()
+    consumer = Consumer(engine, clock, stream_interval=3, stream_interval_ms=50)
+    engine.reads.put_nowait([token_event(0, [1])])
+    await settle()
+    engine.reads.put_nowait([token_event(0, [2]), token_event(0, [3])])
+    clock.advance(0.100)
+    await settle()
+    assert consumer.runs() == [(0, [1])]  # the interval passed, but only 2 of 3 tokens came
+    engine.reads.put_nowait([token_event(0, [4])])
+    await settle()
+    assert consumer.runs() == [(0, [1]), (0, [2, 3, 4])]  # both said so
+    engine.reads.put_nowait([token_event(0, [5]), token_event(0, [6]), token_event(0, [7])])
+    await settle()
+    assert len(consumer.runs()) == 2  # 3 tokens, but within the interval
+    clock.advance(0.050)
+    await settle()
+    assert consumer.runs()[-1] == (0, [5, 6, 7])
+    engine.reads.put_nowait(None)
+    await settle()
+    assert consumer.task.done() and consumer.error is None
+
+
+async def test_each_choice_has_its_own_interval_and_a_first_token_never_waits_behind_another_choice() -> None:
+    clock, engine = FakeClock(), Engine()
+    consumer = Consumer(engine, clock, stream_interval=2, stream_interval_ms=50)
+    engine.reads.put_nowait([token_event(0, [1])])
+    await settle()
+    clock.advance(0.020)
+    # Choice 0's run is held (one token of two, inside its interval); choice 1's first token is
+    # behind it in the buffer and goes at once all the same.
+    engine.reads.put_nowait([token_event(0, [2]), token_event(1, [100])])
+    await settle()
+    assert consumer.runs() == [(0, [1]), (1, [100])]
+    engine.reads.put_nowait([token_event(0, [3]), token_event(1, [101]), token_event(1, [102])])
+    clock.advance(0.030)  # t=50 ms: choice 0's interval ended, choice 1's (taken at 20 ms) has not
+    await settle()
+    assert consumer.runs()[2:] == [(0, [2, 3])]
+    clock.advance(0.020)
+    await settle()
+    assert consumer.runs()[2:] == [(0, [2, 3]), (1, [101, 102])]
+    engine.reads.put_nowait(None)
+    await settle()
+    assert consumer.task.done() and consumer.error is None
+
+
+async def test_a_time_interval_lets_held_tokens_through_before_an_error_event_or_a_failed_read() -> None:
+    for end in (ERROR, RuntimeError("gone")):
+        clock, engine = FakeClock(), Engine()
+        consumer = Consumer(engine, clock, stream_interval_ms=1000)
+        engine.reads.put_nowait([token_event(0, [1])])
+        engine.reads.put_nowait([token_event(0, [2])])
+        engine.reads.put_nowait([token_event(0, [3])])
+        await settle()
+        assert consumer.runs() == [(0, [1])]
+        engine.reads.put_nowait(end if isinstance(end, BaseException) else [end])
+        if not isinstance(end, BaseException):
+            engine.reads.put_nowait(None)
+        await settle()
+        assert consumer.task.done()
+        # Nothing held past the stream's end: the tokens that came before it, then the error.
+        assert consumer.runs()[:2] == [(0, [1]), (0, [2, 3])]
+        if isinstance(end, BaseException):
+            assert consumer.error is end
+        else:
+            assert consumer.runs()[2:] == ["error"] and consumer.error is None
+
+
+async def test_a_consumer_that_leaves_while_a_run_is_held_stops_the_read_that_was_racing_the_clock() -> None:
+    clock, engine = FakeClock(), Engine()
+    gen = coalesced(engine.stream(), clock=clock, stream_interval_ms=50)
+    engine.reads.put_nowait([token_event(0, [1])])
+    assert (await anext(gen))["choices"][0]["token_ids"] == [1]
+    engine.reads.put_nowait([token_event(0, [2])])
+    pull = asyncio.create_task(anext(gen))
+    await settle()
+    assert not pull.done() and clock.waits == 1  # held by time, a read running beside the clock
+    pull.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pull
+    await gen.aclose()  # type: ignore[attr-defined]
+    await settle()
+    assert engine.closed  # the read was cancelled and the engine generator finalized with it
+    assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()], \
+        "a read task outlived the coalescer"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    gaps=st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=40),
+    interval_ms=st.sampled_from([10, 25, 50]),
+    count=st.sampled_from([1, 3]),
+)
+def test_after_the_first_token_a_choice_s_runs_are_at_least_the_interval_apart_and_nothing_is_lost(
+    gaps: list[int], interval_ms: int, count: int
+) -> None:
+    async def go() -> Consumer:
+        clock, engine = FakeClock(), Engine()
+        consumer = Consumer(engine, clock, stream_interval=count, stream_interval_ms=interval_ms)
+        for t, gap in enumerate(gaps):
+            clock.advance(gap / 1000)
+            last = t == len(gaps) - 1
+            engine.reads.put_nowait([token_event(0, [t], finish="length" if last else None)])
+            await settle()
+        engine.reads.put_nowait(None)
+        await settle()
+        assert consumer.task.done() and consumer.error is None
+        return consumer
+
+    consumer = asyncio.run(go())
+    taken = [(when, ids) for when, (_, ids) in consumer.got]
+    assert [t for _, ids in taken for t in ids] == list(range(len(gaps)))
+    assert taken[0][1] == [0]  # the first token alone, at once
+    # Every run but the finishing one waited its interval after the one before it.
+    for (before, _), (when, ids) in zip(taken, taken[1:-1], strict=False):
+        assert when - before >= interval_ms / 1000 - 1e-9, taken
+        assert len(ids) >= count, taken
+
+
+def test_a_render_config_with_a_time_interval_reads_with_the_coalescing_reader() -> None:
+    from serving.pipeline.derender.coalesce import coalesces, event_reader
+    from serving.pipeline.snapshot import RenderView
+
+    off = RenderView(enable=True, base_url="http://r", timeout_s=5.0)
+    on = RenderView(enable=True, base_url="http://r", timeout_s=5.0, stream_interval_ms=40)
+    assert not coalesces(off) and coalesces(on)
+    reader = event_reader(on)
+    assert getattr(reader, "keywords", {}) == {"stream_interval": 1, "stream_interval_ms": 40}

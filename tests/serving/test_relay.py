@@ -249,6 +249,34 @@ async def test_a_relayed_stream_equals_the_fault_free_stream(
     assert scheduler.breakers._get(pipeline.snapshot.instances[0]).failures == 1  # the breaker heard it
 
 
+@pytest.mark.parametrize("fault", [Fault("raise", 1), Fault("raise", 5), Fault("error500", 6), Fault("hang", 4)],
+                         ids=["drop@1", "drop@5", "error-event@6", "stall@4"])
+async def test_a_relay_under_a_time_interval_resumes_from_what_was_committed(
+    mock_client: httpx.AsyncClient, scheduler: Scheduler, engines: ContextEngines, upstreams: FakeUpstreams,
+    fault: Fault,
+) -> None:
+    # An interval far longer than the test: after the first token every event is held until the
+    # failure flushes it (it came before the failure) or the relayed stream finishes.
+    pipeline = ServingPipeline(
+        fleet_snapshot(derender_coalesce=True, stream_interval_ms=1000), RenderClient(mock_client, RENDER_URL, 5.0),
+        EngineClient(mock_client), scheduler,
+        stream_settings=StreamSettings(chunk_timeout_s=0.2 if fault.mode == "hang" else 2.0, max_relays=2),
+    )
+    engines.faults["e1"] = [fault]
+    frames = await drain(await pipeline.chat(chat(stream_options={"include_usage": True}), "r1"))
+    assert content(frames) == text(EXPECTED)  # no duplicate, no gap
+    assert roles(frames) == 1
+    usage = [c["usage"] for c in frames if isinstance(c, dict) and c.get("usage")]
+    assert len(usage) == 1 and {k: usage[0][k] for k in USAGE} == USAGE
+    first, relay = upstreams.calls_of("generate")
+    # What arrived before the failure was derendered and handed on before the relay: it continues
+    # from exactly those ids, as without an interval.
+    assert relay.body["token_ids"] == CHAT_PROMPT + EXPECTED[:fault.after]
+    assert relay.body["sampling_params"]["max_tokens"] == 8 - fault.after
+    # Fewer calls than engine events: the first token alone, then runs (and the usage chunk).
+    assert len(upstreams.calls_of("derender")) < 8 + 1
+
+
 async def test_a_chunk_held_back_for_a_stop_string_is_not_committed_and_a_relay_regenerates_it(
     mock_client: httpx.AsyncClient, scheduler: Scheduler, engines: ContextEngines, upstreams: FakeUpstreams,
 ) -> None:

@@ -25,10 +25,24 @@ choice's events back until that many have queued, so each derender call covers t
 when the sidecar keeps up: fewer calls and less sidecar CPU per stream at low load, for coarser
 chunks. A choice's first event is never held (time to first token does not move), nor anything
 once its choice finished, the stream ended, an error or usage event waits, or the buffer is full.
+
+``stream_interval_ms`` (``RenderConfig.stream_interval_ms``) bounds the cadence by time as well:
+after a choice's first event, its next run is taken no sooner than that many milliseconds after
+the previous one was, so a choice costs at most one derender call per interval however fast its
+engine decodes (a token count alone lets calls per second grow with the engine's speed). Both
+bounds hold together: a held run goes once it has ``stream_interval`` events *and* its interval
+has passed, so each bounds the calls per second on its own. The same flushes apply (finish, end,
+error or usage, a full buffer). A run held only by time is taken when the interval ends even if
+the engine sends nothing more meanwhile: the next read then runs in a task of its own, raced
+against the clock (``Clock.wait``), and the read goes on across the yield. Held events are not
+derendered, so not committed: a relay resumes from what the client has, as without an interval.
+Runs of different choices may pass each other (each choice has its own clock); runs of one
+choice never do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from typing import Any, AsyncIterator, Callable
 
@@ -41,6 +55,24 @@ MAX_PENDING = 64
 # run held for ``stream_interval`` is a token list, not that many parsed events (about 1 KiB
 # each). Merging is associative, so folding early changes nothing.
 FOLD_EVERY = 4
+
+
+class Clock:
+    """Time for ``stream_interval_ms``: the event loop's clock, and a wait that a read ends early.
+
+    Tests pass a fake one (its own ``now`` and a ``wait`` that ends when they advance it).
+    """
+
+    def now(self) -> float:
+        """Seconds on a monotonic clock."""
+        return asyncio.get_running_loop().time()
+
+    async def wait(self, read: asyncio.Future[Any], delay: float) -> None:
+        """Return once ``read`` is done or ``delay`` seconds have passed; never cancels ``read``."""
+        await asyncio.wait((read,), timeout=max(0.0, delay))
+
+
+CLOCK = Clock()
 
 
 def event_choice_index(event: dict[str, Any]) -> int | None:
@@ -101,10 +133,13 @@ class _Pending:
     """What was read and not yet taken: groups of events, each one choice's run or a lone
     pass-through event."""
 
-    def __init__(self, max_pending: int, interval: int = 1) -> None:
+    def __init__(self, max_pending: int, interval: int = 1, interval_s: float = 0.0) -> None:
         self.max_pending = max_pending
         self.interval = max(1, min(interval, max_pending))
-        self.started: set[int] = set()  # choices whose first event was taken
+        self.interval_s = max(0.0, interval_s)
+        # choice -> when its last run was taken (clock seconds); a choice is absent until its
+        # first event was taken, which is never held back
+        self.last_taken: dict[int, float] = {}
         # [choice index or None, events (folded), raw events in them]; a list, not a deque: a
         # few groups at most, and an empty deque weighs 0.7 KiB per open stream
         self.groups: list[list[Any]] = []
@@ -145,25 +180,47 @@ class _Pending:
         self.count += 1
         self.high_water = max(self.high_water, self.count)
 
-    def ready(self) -> bool:
-        """Whether the consumer may take the first group now (``stream_interval``)."""
-        if not self.groups:
-            return False
-        index, events, raw = self.groups[0]
-        return (
-            raw >= self.interval
-            or index not in self.started  # a choice's first event, or a pass-through one (None)
-            or events[-1]["choices"][0].get("finish_reason") is not None
-            or self.done
-            or self.count >= self.max_pending
-            or any(g[0] is None for g in self.groups)
-        )
+    def _flushing(self) -> bool:
+        """Whether everything held goes now, in order: the end, an error or usage event waits
+        (nothing may pass it, and it ends the stream), or the buffer is full."""
+        return self.done or self.count >= self.max_pending or any(g[0] is None for g in self.groups)
 
-    def take(self) -> list[dict[str, Any]]:
-        index, events, raw = self.groups.pop(0)
+    def _due(self, group: list[Any]) -> float | None:
+        """When ``group`` may be taken: 0.0 at once, a clock time, or None (it waits for events)."""
+        index, events, raw = group
+        last = self.last_taken.get(index)
+        if last is None or events[-1]["choices"][0].get("finish_reason") is not None:
+            return 0.0  # a choice's first event, or its last: never held back
+        if raw < self.interval:
+            return None
+        return last + self.interval_s if self.interval_s else 0.0
+
+    def next_ready(self, now: float) -> int | None:
+        """The position of the group the consumer may take now, or None (``stream_interval``,
+        ``stream_interval_ms``): the first one due whose choice has no earlier group."""
+        if not self.groups:
+            return None
+        if self._flushing():
+            return 0
+        seen: set[int] = set()
+        for gi, group in enumerate(self.groups):
+            if group[0] not in seen:
+                due = self._due(group)
+                if due is not None and due <= now:
+                    return gi
+            seen.add(group[0])
+        return None
+
+    def deadline(self) -> float | None:
+        """The earliest clock time a held group becomes due by time alone (None: none does)."""
+        dues = [d for g in self.groups if (d := self._due(g))]
+        return min(dues) if dues else None
+
+    def take(self, gi: int, now: float) -> list[dict[str, Any]]:
+        index, events, raw = self.groups.pop(gi)
         self.count -= raw
         if index is not None:
-            self.started.add(index)
+            self.last_taken[index] = now
         taken: list[dict[str, Any]] = events
         return taken
 
@@ -174,23 +231,45 @@ async def coalesced(
     max_pending: int | None = None,
     stats: dict[str, int] | None = None,
     stream_interval: int = 1,
+    stream_interval_ms: int = 0,
+    clock: Clock = CLOCK,
 ) -> AsyncIterator[dict[str, Any]]:
     """Yield the events of ``batches`` with each read's token events merged per choice.
 
     With ``stream_interval`` 1 a consumer that keeps up (one event a read) sees the events
-    unchanged, one by one; with N it sees each choice's first event alone, then runs of N (the
-    module docstring says what is never held back). An exception of ``batches`` is raised after
-    the events read before it were yielded; ``batches`` stays the caller's to close. ``stats``,
-    when given, receives ``events_in``, ``events_out`` and ``high_water`` (most events held).
+    unchanged, one by one; with N it sees each choice's first event alone, then runs of N; with
+    ``stream_interval_ms`` M, each choice's runs at least M ms apart (the module docstring says
+    what is never held back). An exception of ``batches`` is raised after the events read before
+    it were yielded; ``batches`` stays the caller's to close (a read still running in a task when
+    this generator is closed is cancelled and awaited first). ``stats``, when given, receives
+    ``events_in``, ``events_out`` and ``high_water`` (most events held).
     """
-    pending = _Pending(max(1, MAX_PENDING if max_pending is None else max_pending), stream_interval)
+    pending = _Pending(max(1, MAX_PENDING if max_pending is None else max_pending), stream_interval,
+                       stream_interval_ms / 1000)
     events_in = events_out = 0
     error: Exception | None = None
+    # A read that goes on while a run is held by time (see the module docstring); None otherwise.
+    read: asyncio.Future[list[dict[str, Any]]] | None = None
     try:
         while True:
-            while not pending.ready() and not pending.done:
+            gi = pending.next_ready(clock.now())
+            while gi is None and not pending.done:
+                deadline = pending.deadline() if pending.interval_s else None
                 try:
-                    batch = await anext(batches)
+                    if read is None and deadline is None:
+                        batch = await anext(batches)  # the common case: no task, as without an interval
+                    else:
+                        if read is None:
+                            read = asyncio.ensure_future(_next(batches))
+                        if deadline is None:
+                            await asyncio.wait((read,))
+                        else:
+                            await clock.wait(read, deadline - clock.now())
+                        if not read.done():
+                            gi = pending.next_ready(clock.now())  # the interval ended: a run is due
+                            continue
+                        done, read = read, None
+                        batch = done.result()
                 except StopAsyncIteration:
                     pending.done = True
                 except Exception as exc:
@@ -198,15 +277,27 @@ async def coalesced(
                 else:
                     events_in += len(batch)
                     pending.extend(batch)
-            if not pending.groups:
+                gi = pending.next_ready(clock.now())
+            if gi is None:
                 break
             events_out += 1
-            yield merge_events(pending.take())
+            yield merge_events(pending.take(gi, clock.now()))
         if error is not None:
             raise error
     finally:
+        if read is not None:
+            # The consumer left (or failed) while a read ran: stop it before the caller closes
+            # ``batches`` under it. asyncio.wait raises only our own cancellation, which goes on.
+            read.cancel()
+            await asyncio.wait((read,))
+            if not read.cancelled():
+                read.exception()  # retrieved: it died with the stream the consumer left
         if stats is not None:
             stats.update(events_in=events_in, events_out=events_out, high_water=pending.high_water)
+
+
+async def _next(batches: EventBatches) -> list[dict[str, Any]]:
+    return await anext(batches)
 
 
 async def each_event(batches: EventBatches) -> AsyncIterator[dict[str, Any]]:
@@ -218,15 +309,16 @@ async def each_event(batches: EventBatches) -> AsyncIterator[dict[str, Any]]:
 
 def coalesces(render: RenderView) -> bool:
     """Whether the render config's streams are read by ``coalesced``: ``derender_coalesce``, or a
-    ``stream_interval`` above 1, which needs the same reader. Its engine streams are then read
-    whole (``Connection.read_piece``): one read brings all that is there to merge."""
-    return render.derender_coalesce or render.stream_interval > 1
+    ``stream_interval`` above 1 or a ``stream_interval_ms``, which need the same reader. Its engine
+    streams are then read whole (``Connection.read_piece``): one read brings all that is there to merge."""
+    return render.derender_coalesce or render.stream_interval > 1 or render.stream_interval_ms > 0
 
 
 def event_reader(render: RenderView) -> Callable[[EventBatches], AsyncIterator[dict[str, Any]]]:
     """The streaming session's engine-event reader for the render config."""
     if not coalesces(render):
         return each_event
-    if render.stream_interval > 1:
-        return functools.partial(coalesced, stream_interval=render.stream_interval)
+    if render.stream_interval > 1 or render.stream_interval_ms > 0:
+        return functools.partial(coalesced, stream_interval=render.stream_interval,
+                                 stream_interval_ms=render.stream_interval_ms)
     return coalesced
