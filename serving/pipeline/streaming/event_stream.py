@@ -214,9 +214,9 @@ class EventStream:
                 async with aclosing(self._prompt_events(streams, failed)) as events, \
                         aclosing(session.chunks(events)) as chunks:
                     async for chunk in chunks:
-                        # Framed here, the parsed chunk no longer referenced while the client is slow to take it.
-                        chunk = self._fanned(chunk, index) if fanned else frame(chunk)
-                        yield chunk
+                        framed = self._fanned(chunk, index) if fanned else frame(chunk)
+                        del chunk  # not referenced while the client is slow to take its frame
+                        yield framed
             except EngineError as exc:
                 if not session.visible:
                     session.restore(snapshot)
@@ -246,8 +246,9 @@ class EventStream:
                     )
                     async with aclosing(session.chunks(tail_events)) as tail:
                         async for chunk in tail:
-                            chunk = self._fanned(chunk, index) if fanned else frame(chunk)
-                            yield chunk
+                            framed = self._fanned(chunk, index) if fanned else frame(chunk)
+                            del chunk
+                            yield framed
                 if not replacements:
                     return
                 continue
