@@ -28,7 +28,8 @@ coalescing is measured off and on.
 
     python3 -m toolchain exec bench/slow_reader.py [--server daphne,uvicorn] [--streams 1,16]
                                                    [--prompts 2] [--tokens 1000] [--sndbuf 16384]
-                                                   [--pad-bytes 0] [--top 0] [--write]
+                                                   [--pad-bytes 0] [--top 0] [--depth 1]
+                                                   [--coalesce off,on] [--write]
 
 Reports numbers only; nothing here asserts on memory (tests/serving/test_silent_client.py does,
 through the kernel's queues).
@@ -71,7 +72,7 @@ WAIT_S = 120.0
 
 @contextlib.contextmanager
 def traced_coordinator(
-    fleet: Fleet, server: str, trace_file: Path, sndbuf: int, top: int,
+    fleet: Fleet, server: str, trace_file: Path, sndbuf: int, top: int, depth: int = 1,
 ) -> Iterator[tuple[stack.StackConfig, int]]:
     """``fleet``'s coordinator under ``server``, run by ``bench/traced_server.py``."""
     cfg = replace(fleet.cfg, server=server, coordinator_port=free_port(), extra_env={
@@ -79,6 +80,7 @@ def traced_coordinator(
         "MOTOR_BENCH_TRACE_FILE": str(trace_file),
         "MOTOR_BENCH_SNDBUF": str(sndbuf),
         "MOTOR_BENCH_TRACE_TOP": str(top),
+        "MOTOR_BENCH_TRACE_DEPTH": str(depth),
         "MOTOR_CLIENT_STALL_S": "3600",  # the bench measures the held state, not the cut
     })
     spec = stack.coordinator_spec(cfg)
@@ -145,7 +147,7 @@ def measure(fleet: Fleet, server: str, streams: int, args: argparse.Namespace, t
     trace_file = tmp / f"heap-{server}.json"
     body = json.dumps({"model": MODEL, "prompt": [f"p{i}" for i in range(args.prompts)], "stream": True,
                        "max_tokens": args.tokens}).encode()
-    with traced_coordinator(fleet, server, trace_file, args.sndbuf, args.top) as (cfg, pid):
+    with traced_coordinator(fleet, server, trace_file, args.sndbuf, args.top, args.depth) as (cfg, pid):
         # Warm-up, not measured: imports, the snapshot, connections to the sidecar.
         warm = {"model": MODEL, "prompt": "warm", "stream": True, "max_tokens": 4}
         with httpx.Client(headers={"authorization": f"Bearer {API_KEY}"}, timeout=WAIT_S) as client:
@@ -188,6 +190,8 @@ def main() -> int:
     parser.add_argument("--sndbuf", type=int, default=16384, help="the server sockets' SO_SNDBUF")
     parser.add_argument("--pad-bytes", type=int, default=0)
     parser.add_argument("--top", type=int, default=0, help="print the N largest allocation sites held (by line)")
+    parser.add_argument("--coalesce", default="off,on", help="derender coalescing: off, on or both")
+    parser.add_argument("--depth", type=int, default=1, help="with --top: group by stacks of this many frames")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     servers = args.server.split(",")
@@ -196,7 +200,7 @@ def main() -> int:
             parser.error(f"--server: {server!r} is not one of {', '.join(stack.SERVERS)}")
     rows = []
     load = loadavg()
-    for coalesce in (False, True):
+    for coalesce in [{"off": False, "on": True}[x] for x in args.coalesce.split(",")]:
         with tempfile.TemporaryDirectory(prefix="motorsite-slow-reader-") as tmp_dir:
             tmp = Path(tmp_dir)
             with fake_fleet(tmp, tokens=args.tokens, pad_bytes=args.pad_bytes, coalesce=coalesce) as fleet:

@@ -5,7 +5,8 @@ first signal and still held (``tracemalloc`` current, bytes; 0 at the first). Tr
 would slow Django's imports tenfold; what a measurement needs is what was allocated after its baseline.
 
 With ``MOTOR_BENCH_SNDBUF`` set, every connection the server accepts gets that kernel send buffer;
-with ``MOTOR_BENCH_TRACE_TOP`` (N), the file also lists the N largest allocation sites held (by line).
+with ``MOTOR_BENCH_TRACE_TOP`` (N), the file also lists the N largest allocation sites held (by line,
+or by stack of ``MOTOR_BENCH_TRACE_DEPTH`` frames).
 
     python bench/traced_server.py daphne -b 127.0.0.1 -p 8000 motorsite.asgi:application
 """
@@ -39,11 +40,13 @@ def _dump(signum: int, frame: FrameType | None) -> None:
     tmp = out.with_suffix(".tmp")
     top = []
     if tracemalloc.is_tracing() and os.environ.get("MOTOR_BENCH_TRACE_TOP"):
-        stats = tracemalloc.take_snapshot().statistics("lineno")[: int(os.environ["MOTOR_BENCH_TRACE_TOP"])]
-        top = [[str(s.traceback[0]), s.size, s.count] for s in stats]
+        depth = int(os.environ.get("MOTOR_BENCH_TRACE_DEPTH", "1"))
+        stats = tracemalloc.take_snapshot().statistics("lineno" if depth == 1 else "traceback")
+        top = [[" > ".join(str(f) for f in s.traceback), s.size, s.count]  # caller > callee
+               for s in stats[: int(os.environ["MOTOR_BENCH_TRACE_TOP"])]]
     tmp.write_text(json.dumps({"traced": traced, "rss": _rss_bytes(), "top": top}))
     if not tracemalloc.is_tracing():
-        tracemalloc.start(1)
+        tracemalloc.start(int(os.environ.get("MOTOR_BENCH_TRACE_DEPTH", "1")))
     tmp.replace(out)  # the bench reads a whole file or none
 
 

@@ -33,8 +33,10 @@ from typing import Any
 _FLOW = "_motor_send_flow"
 # The server's write buffer per connection past which send() waits (both servers' default is
 # 64 KiB). The kernel's socket buffer is in front of it (autotuned to megabytes for a client that
-# reads), so a small one costs a reading client nothing, and a silent one holds this much here.
-WRITE_BUFFER_BYTES = 8 * 1024
+# reads), so a small one costs a reading client nothing, and a silent one holds this much here:
+# 4 KiB rather than 8 took 3 KiB off a silent stream under Daphne and 11 under uvicorn (whose
+# chunked framing copies every body), bench/slow_reader.py at 8 streams.
+WRITE_BUFFER_BYTES = 4 * 1024
 
 
 class SendFlow:

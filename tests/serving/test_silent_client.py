@@ -26,15 +26,16 @@ import httpx
 import pytest
 
 from motorsite import stack
+from motorsite.send_flow import WRITE_BUFFER_BYTES
 from tests.serving.served import API_KEY, ROOT, Fleet, coordinator_log, fake_fleet
 
 TOKENS = 1000  # each engine stream's length: far more than the kernel's buffers take, padded
 PAD = 16 * 1024  # bytes of text added to every derendered chunk (bench/fake_upstream_server.py)
 PROMPT_TOKENS = 10  # what the fake render makes of the chat below
 STALL_S = 5  # long enough to measure the blocked stream before it is cut
-# The server's write buffer (8 KiB under both servers: motorsite.send_flow), plus the frame that
+# The server's write buffer (4 KiB under both servers: motorsite.send_flow), plus the frame that
 # crossed it and the one being derendered when the producer stopped.
-HELD_BOUND = 8 * 1024 + 2 * (PAD + 1024)
+HELD_BOUND = WRITE_BUFFER_BYTES + 2 * (PAD + 1024)
 POLL_S = 0.25
 STILL_POLLS = 4  # the stream is blocked: no derender call over this many polls
 WAIT_S = 30.0  # an upper bound for a state to be reached, never a timing assertion

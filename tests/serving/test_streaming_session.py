@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any, AsyncIterator
 
 import pytest
 
 from serving.pipeline.derender.payload import slim_request
-from serving.pipeline.derender.session import ChoicePhase, StreamingRenderSession, StreamSettings
+from serving.pipeline.derender.session import ChoicePhase, PendingChunk, StreamingRenderSession, StreamSettings
 from serving.pipeline.errors import DerenderError, UpstreamRequestError
 from serving.pipeline.render.client import DerenderRetryable
 
@@ -92,6 +93,20 @@ async def test_a_chunk_is_committed_only_once_the_consumer_resumes() -> None:
     # original prompt, and a state without a replay buffer (the plain path) needs no prompt after.
     assert [c[1] for c in render.calls] == [None, {"chunks": 1}]
     assert [c[2] for c in render.calls] == [PROMPT, None]
+
+
+async def test_a_chunk_handed_on_is_not_kept_by_the_session_while_the_consumer_holds_it() -> None:
+    """A slow client's stream holds the chunk's frame, not the parsed chunk as well (issue 31): once
+    yielded, nothing the suspended session refers to reaches the chunk."""
+    s = session(FakeRender())
+    chunks = s.chunks(events(event(7), event(8)))
+    first = await anext(chunks)
+    frame = chunks.ag_frame  # type: ignore[attr-defined]
+    kept = [r for r in gc.get_referrers(first) if isinstance(r, (PendingChunk, list)) or r is frame]
+    assert not kept, kept
+    await anext(chunks)  # the commit still has what it needs
+    assert list(s.choice(0).output_ids) == [7]
+    await chunks.aclose()
 
 
 async def test_a_consumer_that_leaves_after_a_chunk_commits_nothing_of_it() -> None:

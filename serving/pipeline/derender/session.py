@@ -339,8 +339,16 @@ class StreamingRenderSession:
                     record.held_tokens += len(pending.token_ids)
                     record.tip_state = pending.next_state
                 # The hold-back sees every chunk here, before the client does, and says which may go.
-                for ready in self.holdback.release(pending):
-                    yield ready.chunk
+                released = self.holdback.release(pending)
+                del pending
+                while released:
+                    # Yielded with no reference left here (the list gives it up, ``ready`` keeps
+                    # what the commit reads): a slow client's stream holds the chunk's frame, not
+                    # its parsed JSON as well (issue 31: 1.2 KiB a prompt, bench/slow_reader.py).
+                    ready = released.pop(0)
+                    handed = [ready.chunk]
+                    ready = PendingChunk({}, ready.index, ready.next_state, ready.token_ids, ready.finish_reason)
+                    yield handed.pop()
                     # Resumed: the consumer handed the chunk on. Only now is it the client's.
                     self.commit(ready)
         finally:

@@ -198,11 +198,12 @@ class EventStream:
     async def _prompt_chunks(
         self, index: int, *, fanned: bool = False
     ) -> AsyncGenerator[dict[str, Any] | bytes, None]:
-        """Derendered chunks of prompt ``index`` across its attempts (relaying where allowed).
+        """Derendered chunks of prompt ``index`` across its attempts (relaying where allowed), framed:
+        what waits for a slow client (here, in the merge queue) is a frame, which weighs a fraction
+        of the parsed chunk.
 
-        ``fanned``: a source of the fan-in (``_merged``): choice indices made global, and every
-        chunk but the usage-only one framed already, because the merge queue holds what it is
-        given while a slow client waits, and a frame weighs a fraction of the parsed chunk.
+        ``fanned``: a source of the fan-in (``_merged``): choice indices made global, and the
+        usage-only chunk left parsed (``_merged`` sums those).
         """
         session = self.sessions[index]
         while True:
@@ -213,7 +214,9 @@ class EventStream:
                 async with aclosing(self._prompt_events(streams, failed)) as events, \
                         aclosing(session.chunks(events)) as chunks:
                     async for chunk in chunks:
-                        yield self._fanned(chunk, index) if fanned else chunk
+                        framed = self._fanned(chunk, index) if fanned else frame(chunk)
+                        del chunk  # not referenced while the client is slow to take its frame
+                        yield framed
             except EngineError as exc:
                 if not session.visible:
                     session.restore(snapshot)
@@ -243,7 +246,9 @@ class EventStream:
                     )
                     async with aclosing(session.chunks(tail_events)) as tail:
                         async for chunk in tail:
-                            yield self._fanned(chunk, index) if fanned else chunk
+                            framed = self._fanned(chunk, index) if fanned else frame(chunk)
+                            del chunk
+                            yield framed
                 if not replacements:
                     return
                 continue
