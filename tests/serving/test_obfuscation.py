@@ -39,6 +39,7 @@ from serving.pipeline.obfuscation.mapping import (
 )
 from serving.pipeline.placement import filters
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, RenderView
+from tests.serving.loopback import LoopbackClient
 
 KEY = b"unit-test-obfuscation-key-0001"
 VOCAB = 512
@@ -521,7 +522,7 @@ VIEW_KEY = "view-test-obfuscation-key-0001"
 
 
 @pytest.fixture
-def obf_fleet(transactional_db: None, settings: Any, upstreams: Any, mock_client: httpx.AsyncClient,
+def obf_fleet(transactional_db: None, settings: Any, upstreams: Any, mock_client: LoopbackClient,
               monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     from catalog.models import RenderConfig, ServedModel
     from fleet.models import EngineInstance

@@ -38,6 +38,7 @@ from serving.pipeline.topologies.metaserver import MetaServer
 from tests.pd_sims import MOONCAKE_PREFILL_ENGINE_ID, mooncake_sim_fixtures, pd_sim_fixtures, sim_server
 from tests.serving.fakes import CHAT_PROMPT, MODEL, RENDER_URL, parse_frames
 from tests.serving.leaks import assert_nothing_held
+from tests.serving.loopback import LoopbackClient
 
 WATCHDOG_S = 20.0
 CONFIG = SimConfig(
@@ -142,7 +143,7 @@ class Rig:
 
 @pytest.fixture
 async def rig_factory(
-    http: httpx.AsyncClient, mock_client: httpx.AsyncClient, union: LiveServer, prefill: LiveServer,
+    http: httpx.AsyncClient, mock_client: LoopbackClient, union: LiveServer, prefill: LiveServer,
     decode: LiveServer, push_prefill: LiveServer, push_decode: LiveServer,
 ) -> AsyncIterator[Any]:
     rigs: list[Rig] = []
@@ -182,6 +183,7 @@ async def rig_factory(
 
     await eventually(streams_closed)
     await callbacks_answered()
+    await mock_client.aclose()  # its kept-alive connections to the loopback render, and their tasks
     for _ in range(20):
         stray = asyncio.all_tasks() - before - {asyncio.current_task()}
         stray = {t for t in stray if "serve" not in repr(t.get_coro())}  # the metaserver's uvicorn
