@@ -9,7 +9,7 @@ import httpx
 import pytest
 import uvloop
 
-from tests.pd_sims import http, load  # noqa: F401  (fixtures of the P/D topology tests)
+from tests.pd_sims import engine_http, http, load  # noqa: F401  (fixtures of the P/D topology tests)
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
 from tests.serving.live_edge import _daphne, served  # noqa: F401  (the app behind Daphne and uvicorn on a socket)
 from tests.serving.loopback import LoopbackClient

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Collection
 from urllib.parse import urlsplit
 
 import httpx
@@ -34,7 +35,7 @@ from serving.pipeline.http11 import Http11Client, Origin
 from serving.pipeline.http11_wire import Connection
 from tests.serving.fakes import SSEBody
 
-Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response] | httpx.Response]
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Loopback:
         # The client sends nothing more before the answer (no pipelining): a read that returns is
         # its close, which cancels the handler, as a server's request task is when its client goes.
         self._streaming += 1
-        handling = asyncio.ensure_future(self.handler(request))
+        handling = asyncio.ensure_future(self._answer(request))
         hangup = asyncio.ensure_future(reader.read())
         try:
             await asyncio.wait([handling, hangup], return_when=asyncio.FIRST_COMPLETED)
@@ -148,6 +149,10 @@ class Loopback:
         await self._stream(response.stream, reader, writer)
         return False
 
+    async def _answer(self, request: httpx.Request) -> httpx.Response:
+        out = self.handler(request)  # a handler may answer at once, as MockTransport's may
+        return await out if inspect.isawaitable(out) else out
+
     async def _stream(self, stream: SSEBody, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         async def pump() -> None:
             async for piece in stream:
@@ -180,9 +185,17 @@ class LoopbackClient(Http11Client):
     """``Http11Client`` whose connections to a fake origin go to that fake's loopback listener
     (``Loopback``, started on first use); everything past the connect is the production client."""
 
-    def __init__(self, handler: Handler, timeout: httpx.Timeout | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, handler: Handler, timeout: httpx.Timeout | None = None, *, fakes: Collection[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(timeout, **kwargs)
         self.loopback = Loopback(handler, by_host=True)
+        # The hosts the fake serves (``render.test``); None: every host. Others are real servers.
+        self._fakes = None if fakes is None else frozenset(fakes)
+        # The loop the listeners and connections live on: a test's, or Daphne's thread's when the
+        # app behind Daphne uses this client (``live_edge.py``); closed on that loop.
+        self._home: asyncio.AbstractEventLoop | None = None
         self._refused: dict[str, socket.socket] = {}  # fake host -> a bound socket that never listens
 
     def refuse(self, host: str) -> str:
@@ -197,19 +210,35 @@ class LoopbackClient(Http11Client):
 
     async def _connect(self, origin: Origin, connect_s: float | None) -> Connection:
         scheme, host, port = origin
+        if self._fakes is not None and host not in self._fakes:
+            return await super()._connect(origin, connect_s)  # a real server (a simulator)
         refused = self._refused.get(host.split(".")[0])
         if refused is not None:
             address, refused_port = refused.getsockname()
             return await super()._connect(("http", address, refused_port), connect_s)
         fake = f"{scheme}://{host}:{port}"
+        self._home = self._home or asyncio.get_running_loop()
         if fake not in self.loopback.urls:
             await self.loopback.serve(fake)
         listener = urlsplit(self.loopback.urls[fake])
         return await super()._connect(("http", listener.hostname or "", listener.port or 80), connect_s)
 
+    async def __aenter__(self) -> LoopbackClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     async def aclose(self) -> None:
         """Wait until every stream this client closed is closed at the fake too, then close the
         client's connections and the listeners (their connection tasks end with them)."""
+        home = self._home
+        if home is not None and home is not asyncio.get_running_loop() and home.is_running():
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._aclose_here(), home))
+        else:
+            await self._aclose_here()
+
+    async def _aclose_here(self) -> None:
         try:
             await self.loopback.settle()
         finally:
