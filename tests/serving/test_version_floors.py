@@ -23,8 +23,8 @@ from fleet.models import EngineInstance
 from serving import runtime, snapshots
 from serving.snapshots import build_snapshot
 from tests.fleet.test_probes import tiers_answering
-from tests.serving.loopback import LoopbackClient
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
+from tests.serving.loopback import LoopbackClient
 from tests.serving.router_fakes import NATIVE_PATHS, NativeEngines, model_dir
 
 pytestmark = pytest.mark.django_db(transaction=True)
