@@ -14,6 +14,7 @@ and, for upstream vLLM's MooncakeConnector (the router supplies both legs' param
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, Iterator
@@ -24,6 +25,7 @@ import pytest
 from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer
 from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.http11 import Http11Client
 from serving.pipeline.placement.scheduler import LoadTracker
 from serving.pipeline.snapshot import InstanceView
 
@@ -103,7 +105,7 @@ class RecordingEngines(EngineClient):
     ``canned`` answers a prefill leg instead of the engine (a body recorded from a connector's
     source, where no engine of it can run here)."""
 
-    def __init__(self, client: httpx.AsyncClient, canned: dict[str, Any] | None = None) -> None:
+    def __init__(self, client: Http11Client, canned: dict[str, Any] | None = None) -> None:
         super().__init__(client)
         self.canned = canned
         self.sent: list[tuple[str, dict[str, Any]]] = []
@@ -127,6 +129,14 @@ class RecordingEngines(EngineClient):
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+        yield client
+
+
+@pytest.fixture
+async def engine_http() -> AsyncIterator[Http11Client]:
+    """The production upstream client, for the pipeline's calls to the simulators (``http`` is the
+    tests' own, for their /sim controls and reference calls)."""
+    async with contextlib.aclosing(Http11Client(httpx.Timeout(10.0, connect=2.0))) as client:
         yield client
 
 

@@ -3,8 +3,9 @@
 The client is ``http11.Http11Client`` (the sidecar and the engines are our own uvicorn servers;
 see that module for why not httpx). Its connections are bound to the loop they were opened on;
 Daphne runs one loop per process, tests run one per test, so the client is kept per loop and
-closed with it. Callers accept an ``httpx.AsyncClient`` as well (``Upstream``): the tests hand
-them ``httpx.MockTransport`` clients.
+closed with it. The callers take an ``Http11Client`` only: the component tests drive this same
+client over 127.0.0.1 (``tests/serving/loopback.py``). httpx stays for ``httpx.Timeout`` and the
+exception classes the client raises (``http11.py`` says why).
 """
 
 from __future__ import annotations
@@ -12,13 +13,10 @@ from __future__ import annotations
 import asyncio
 import weakref
 from dataclasses import dataclass
-from typing import Union
 
 import httpx
 
 from serving.pipeline.http11 import MAX_REPLY_BYTES, Http11Client
-
-Upstream = Union[Http11Client, httpx.AsyncClient]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +36,7 @@ def configure(settings: HttpSettings) -> None:
     _settings = settings
 
 
-def shared_client() -> Upstream:
+def shared_client() -> Http11Client:
     loop = asyncio.get_running_loop()
     client = _clients.get(loop)
     if client is None or client.is_closed:

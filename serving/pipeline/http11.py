@@ -9,7 +9,7 @@ bodies, keep-alive) on an ``asyncio.Protocol``, with connections kept per origin
 It keeps httpx's surface where the callers touch it (``post``, ``get``, ``stream``, a
 ``timeout`` of ``httpx.Timeout``, ``status_code``/``json()``/``aiter_lines()``) and raises
 httpx's exception classes, so the callers classify failures one way whichever client they
-hold (the tests hand them ``httpx.MockTransport`` clients).
+hold.
 
 Flow control (``http11_wire.py``): a connection stops reading from its socket once ``HIGH_WATER`` bytes wait
 unread (and reads at most ``READ_SIZE`` at once), so a client that reads nothing holds the

@@ -9,9 +9,10 @@ import httpx
 import pytest
 import uvloop
 
-from tests.pd_sims import http, load  # noqa: F401  (fixtures of the P/D topology tests)
+from tests.pd_sims import engine_http, http, load  # noqa: F401  (fixtures of the P/D topology tests)
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
 from tests.serving.live_edge import _daphne, served  # noqa: F401  (the app behind Daphne and uvicorn on a socket)
+from tests.serving.loopback import LoopbackClient
 from tests.serving.router_fakes import Rig, assert_no_leaks, make_rig
 from tests.serving.shared_redis import prefix, redis_client  # noqa: F401  (fixtures of the Redis-backed tests)
 
@@ -32,8 +33,9 @@ def upstreams() -> FakeUpstreams:
 
 
 @pytest.fixture
-async def mock_client(upstreams: FakeUpstreams) -> AsyncIterator[httpx.AsyncClient]:
-    client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams.handler))
+async def mock_client(upstreams: FakeUpstreams) -> AsyncIterator[LoopbackClient]:
+    """The production upstream client, its connections to the fakes on 127.0.0.1 (``loopback.py``)."""
+    client = LoopbackClient(upstreams.handler)
     yield client
     await client.aclose()
 
@@ -44,8 +46,7 @@ async def rig(upstreams: FakeUpstreams) -> AsyncIterator[Rig]:
     before = asyncio.all_tasks()
     r = make_rig(upstreams)
     yield r
-    await assert_no_leaks(r, before)
-    await r.client.aclose()
+    await assert_no_leaks(r, before)  # closes the client first
 
 
 @pytest.fixture
@@ -74,7 +75,7 @@ def create_db_fleet() -> None:
 
 @pytest.fixture
 def db_upstreams(
-    transactional_db: None, upstreams: FakeUpstreams, mock_client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch,
+    transactional_db: None, upstreams: FakeUpstreams, mock_client: LoopbackClient, monkeypatch: pytest.MonkeyPatch,
 ) -> FakeUpstreams:
     """The fake upstreams behind a database fleet (``create_db_fleet``): what ``/v1`` serves end to end."""
     create_db_fleet()

@@ -12,21 +12,30 @@ that raises one, resets the connection: the engine took the request and went awa
 closes its end in the middle of a stream closes the fake's stream (``SSEBody.aclose``), as vLLM
 aborts a request whose connection went. A response with ``extensions={"loopback_raw": bytes}``
 is answered with exactly those bytes.
+
+``LoopbackClient`` is the production client with one test hook, where it connects: a request for a
+fake URL (``http://e1.test:8201``) goes out unchanged (its ``Host`` is the fake's) on a socket to
+that fake's loopback listener, opened on first use. A rig hands it to the pipeline where it used
+to hand an ``httpx.MockTransport`` client, and its snapshot and assertions keep the fake URLs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import socket
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Collection
 from urllib.parse import urlsplit
 
 import httpx
 
+from serving.pipeline.http11 import Http11Client, Origin
+from serving.pipeline.http11_wire import Connection
 from tests.serving.fakes import SSEBody
 
-Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response] | httpx.Response]
 
 
 @dataclass
@@ -36,8 +45,9 @@ class Loopback:
     connections: dict[str, int] = field(default_factory=dict)  # by fake base URL
     _servers: list[asyncio.AbstractServer] = field(default_factory=list)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    _streaming: int = 0  # streams being sent
+    _streaming: int = 0  # requests being answered and streams being sent
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
+    by_host: bool = False  # the request URL from its Host header (LoopbackClient), not the listener's fake
 
     async def serve(self, *fake_urls: str) -> dict[str, str]:
         for fake in fake_urls:
@@ -57,6 +67,10 @@ class Loopback:
         async with asyncio.timeout(timeout_s):
             while self._streaming:
                 await asyncio.sleep(0.01)
+
+    def tasks(self) -> set[asyncio.Task[None]]:
+        """The tasks serving this loopback's connections (the fakes' side, not the client's)."""
+        return set(self._tasks)
 
     async def aclose(self) -> None:
         for server in self._servers:
@@ -92,9 +106,27 @@ class Loopback:
         length = next((int(v) for k, v in headers if k.lower() == "content-length"), 0)
         body = await reader.readexactly(length)
         parts = urlsplit(fake)
-        request = httpx.Request(method, f"{parts.scheme}://{parts.netloc}{target}", headers=headers, content=body)
+        netloc = parts.netloc
+        if self.by_host:
+            netloc = next((v for k, v in headers if k.lower() == "host"), netloc)
+        request = httpx.Request(method, f"{parts.scheme}://{netloc}{target}", headers=headers, content=body)
+        # The client sends nothing more before the answer (no pipelining): a read that returns is
+        # its close, which cancels the handler, as a server's request task is when its client goes.
+        self._streaming += 1
+        handling = asyncio.ensure_future(self._answer(request))
+        hangup = asyncio.ensure_future(reader.read())
         try:
-            response = await self.handler(request)
+            await asyncio.wait([handling, hangup], return_when=asyncio.FIRST_COMPLETED)
+            answered = handling.done()
+        finally:
+            for task in (handling, hangup):
+                task.cancel()
+            await asyncio.gather(handling, hangup, return_exceptions=True)
+            self._streaming -= 1
+        if not answered:
+            return False  # the client went first
+        try:
+            response = handling.result()
         except httpx.TransportError:
             writer.transport.abort()  # took the request, went away without a byte of an answer
             return False
@@ -109,13 +141,17 @@ class Loopback:
             for k, v in response.headers.items() if k.lower() not in ("content-length", "transfer-encoding", "connection")
         )
         if not isinstance(response.stream, SSEBody):
-            content = response.content
+            content = await response.aread()
             writer.write(status + fields + b"content-length: %d\r\n\r\n" % len(content) + content)
             await writer.drain()
             return True
         writer.write(status + fields + b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
         await self._stream(response.stream, reader, writer)
         return False
+
+    async def _answer(self, request: httpx.Request) -> httpx.Response:
+        out = self.handler(request)  # a handler may answer at once, as MockTransport's may
+        return await out if inspect.isawaitable(out) else out
 
     async def _stream(self, stream: SSEBody, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         async def pump() -> None:
@@ -143,6 +179,86 @@ class Loopback:
             await asyncio.gather(sending, hangup, return_exceptions=True)
             await stream.aclose()
             self._streaming -= 1
+
+
+class LoopbackClient(Http11Client):
+    """``Http11Client`` whose connections to a fake origin go to that fake's loopback listener
+    (``Loopback``, started on first use); everything past the connect is the production client."""
+
+    def __init__(
+        self, handler: Handler, timeout: httpx.Timeout | None = None, *, fakes: Collection[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(timeout, **kwargs)
+        self.loopback = Loopback(handler, by_host=True)
+        # The hosts the fake serves (``render.test``); None: every host. Others are real servers.
+        self._fakes = None if fakes is None else frozenset(fakes)
+        # The loop the listeners and connections live on: a test's, or Daphne's thread's when the
+        # app behind Daphne uses this client (``live_edge.py``); closed on that loop.
+        self._home: asyncio.AbstractEventLoop | None = None
+        self._refused: dict[str, socket.socket] = {}  # fake host -> a bound socket that never listens
+
+    def refuse(self, host: str) -> str:
+        """Connections to fake ``host`` (``e1``) are refused from now on, as by a machine where
+        nothing listens; returns the address the client's ``ConnectError`` names."""
+        sock = self._refused.get(host)
+        if sock is None:
+            sock = self._refused[host] = socket.socket()
+            sock.bind(("127.0.0.1", 0))  # bound, never listening: a connect is refused, the port stays ours
+        address, port = sock.getsockname()
+        return f"{address}:{port}"
+
+    async def _connect(self, origin: Origin, connect_s: float | None) -> Connection:
+        scheme, host, port = origin
+        if self._fakes is not None and host not in self._fakes:
+            return await super()._connect(origin, connect_s)  # a real server (a simulator)
+        refused = self._refused.get(host.split(".")[0])
+        if refused is not None:
+            address, refused_port = refused.getsockname()
+            return await super()._connect(("http", address, refused_port), connect_s)
+        fake = f"{scheme}://{host}:{port}"
+        self._home = self._home or asyncio.get_running_loop()
+        if fake not in self.loopback.urls:
+            await self.loopback.serve(fake)
+        listener = urlsplit(self.loopback.urls[fake])
+        return await super()._connect(("http", listener.hostname or "", listener.port or 80), connect_s)
+
+    async def __aenter__(self) -> LoopbackClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Wait until every stream this client closed is closed at the fake too, then close the
+        client's connections and the listeners (their connection tasks end with them)."""
+        home = self._home
+        if home is not None and home is not asyncio.get_running_loop() and home.is_running():
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._aclose_here(), home))
+        else:
+            await self._aclose_here()
+
+    async def _aclose_here(self) -> None:
+        try:
+            await self.loopback.settle()
+        finally:
+            await super().aclose()
+            await self.loopback.aclose()
+            for sock in self._refused.values():
+                sock.close()
+
+
+# A deadline short enough for a test to wait out (a fake that never answers), long enough for
+# an answering fake on 127.0.0.1 on a loaded machine.
+HANG_DEADLINE_S = 0.5
+
+
+async def hang(request: httpx.Request, _body: Any) -> httpx.Response:
+    """An upstream that took the request and never answers: what a timeout test needs over
+    loopback, where a handler's ``httpx.ReadTimeout`` would be a reset (``ConnectError``-like).
+    The client's deadline ends it; its close cancels this (``Loopback._one``)."""
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
 
 
 def at_loopback(snapshot: Any, urls: dict[str, str]) -> Any:

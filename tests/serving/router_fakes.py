@@ -25,6 +25,7 @@ from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
 from tests.serving.fakes import MODEL, RENDER_URL, VOCAB_SIZE, FakeUpstreams, SSEBody, fleet_snapshot, instance
 from tests.serving.leaks import assert_nothing_held
+from tests.serving.loopback import LoopbackClient
 
 NATIVE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
@@ -74,13 +75,15 @@ class NativeEngines:
 class Rig:
     upstreams: FakeUpstreams
     native: NativeEngines
-    client: httpx.AsyncClient
+    client: LoopbackClient
     scheduler: Scheduler
     counters: RouterCounters
 
-    def pipeline(self, snapshot: FleetSnapshot | None = None, **kwargs: Any) -> ServingPipeline:
+    def pipeline(
+        self, snapshot: FleetSnapshot | None = None, *, render_timeout_s: float = 5.0, **kwargs: Any
+    ) -> ServingPipeline:
         return ServingPipeline(
-            snapshot or fleet_snapshot(), RenderClient(self.client, RENDER_URL, 5.0), EngineClient(self.client),
+            snapshot or fleet_snapshot(), RenderClient(self.client, RENDER_URL, render_timeout_s), EngineClient(self.client),
             self.scheduler, counters=self.counters, **kwargs,
         )
 
@@ -93,7 +96,7 @@ def make_rig(upstreams: FakeUpstreams, *, admission: TokenAdmission | None = Non
             return native.answer(request.url.host.split(".")[0], request.url.path, json.loads(request.content))
         return await upstreams.handler(request)
 
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    client = LoopbackClient(handler)
     scheduler = Scheduler(
         LoadTracker(), breakers=breakers or BreakerBoard(), admission=admission or TokenAdmission(AdmissionSettings())
     )
@@ -101,7 +104,11 @@ def make_rig(upstreams: FakeUpstreams, *, admission: TokenAdmission | None = Non
 
 
 async def assert_no_leaks(rig: Rig, before: set[asyncio.Task[Any]]) -> None:
-    """Nothing held: load, admission tokens and waiters, open upstream and native streams, stray tasks."""
+    """Nothing held: load, admission tokens and waiters, open upstream and native streams, stray tasks.
+
+    Closes the rig's client first (``LoopbackClient.aclose`` settles: a stream the pipeline closed
+    is closed at the fake once the loopback has seen its connection go), so it ends a test."""
+    await rig.client.aclose()
     await assert_nothing_held(rig.scheduler, before, rig.upstreams.open_streams, rig.native.open_streams)
 
 

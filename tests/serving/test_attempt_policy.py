@@ -15,7 +15,6 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-import httpx
 import pytest
 
 from serving.pipeline.engine.client import EngineClient
@@ -36,6 +35,7 @@ from serving.pipeline.streaming.event_stream import EventStream
 from serving.pipeline.topologies.hybrid import PDPolicy, pd_topology_policy
 from serving.pipeline.topologies.registry import TopologyRegistry
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams, error_json, parse_frames
+from tests.serving.loopback import LoopbackClient
 
 WATCHDOG_S = 10.0
 
@@ -126,12 +126,12 @@ class Scripted:
 
 
 @pytest.fixture
-async def client(upstreams: FakeUpstreams) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.MockTransport(upstreams.handler)) as c:
+async def client(upstreams: FakeUpstreams) -> AsyncIterator[LoopbackClient]:
+    async with LoopbackClient(upstreams.handler) as c:  # the production client, the fakes on 127.0.0.1
         yield c
 
 
-async def serve(client: httpx.AsyncClient, faults: list[Fault], attempts: int, *, stream: bool) -> tuple[
+async def serve(client: LoopbackClient, faults: list[Fault], attempts: int, *, stream: bool) -> tuple[
     list[str], dict[str, int], str, Scheduler
 ]:
     scheduler = Scheduler(LoadTracker(), breakers=BreakerBoard(threshold=5))
@@ -168,7 +168,7 @@ async def serve(client: httpx.AsyncClient, faults: list[Fault], attempts: int, *
 
 @pytest.mark.parametrize(("name", "faults", "attempts", "placed", "failures", "outcome"), TABLE, ids=[r[0] for r in TABLE])
 async def test_it_takes_the_same_retry_decisions_streaming_or_not(
-    client: httpx.AsyncClient, name: str, faults: list[Fault], attempts: int, placed: list[str],
+    client: LoopbackClient, name: str, faults: list[Fault], attempts: int, placed: list[str],
     failures: dict[str, int], outcome: str,
 ) -> None:
     decisions = {}

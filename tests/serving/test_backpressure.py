@@ -35,6 +35,7 @@ from tests.serving.fakes import (
     parse_frames,
     text_of,
 )
+from tests.serving.in_process import InProcessClient
 
 PROMPTS = 4
 TOKENS = 120
@@ -75,12 +76,21 @@ def pulled(upstreams: FakeUpstreams) -> Counter[str]:
     return counts
 
 
+@pytest.fixture
+async def in_process(upstreams: FakeUpstreams) -> AsyncIterator[InProcessClient]:
+    """The fakes in process, not over loopback: the bound asserted here is in engine events, which
+    a socket's buffers would hide (``in_process.py`` says why)."""
+    client = InProcessClient(upstreams.handler)
+    yield client
+    await client.aclose()
+
+
 @pytest.fixture(params=[False, True], ids=["coalesce-off", "coalesce-on"])
-def pipeline(request: pytest.FixtureRequest, mock_client: httpx.AsyncClient, scheduler: Scheduler,
+def pipeline(request: pytest.FixtureRequest, in_process: InProcessClient, scheduler: Scheduler,
              monkeypatch: pytest.MonkeyPatch) -> ServingPipeline:
     monkeypatch.setattr(fanout, "MERGE_QUEUE_SIZE", QUEUE)
     snap = fleet_snapshot(derender_coalesce=request.param)
-    return ServingPipeline(snap, RenderClient(mock_client, RENDER_URL, 5.0), EngineClient(mock_client), scheduler)
+    return ServingPipeline(snap, RenderClient(in_process, RENDER_URL, 5.0), EngineClient(in_process), scheduler)
 
 
 async def pause() -> None:

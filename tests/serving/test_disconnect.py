@@ -19,6 +19,7 @@ from channels.testing import ApplicationCommunicator
 from motorsite.asgi import application
 from serving import runtime, snapshots
 from tests.serving.fakes import MODEL, FakeUpstreams, StreamPlan
+from tests.serving.loopback import Loopback, LoopbackClient
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -51,12 +52,17 @@ def http_scope(path: str) -> dict[str, Any]:
     }
 
 
-def assert_nothing_left(upstream: FakeUpstreams, tasks_before: set[asyncio.Task[Any]]) -> None:
-    """No engine stream open, no load held, no task of the request still running."""
+async def assert_nothing_left(upstream: FakeUpstreams, tasks_before: set[asyncio.Task[Any]], loopback: Loopback) -> None:
+    """No engine stream open, no load held, no task of the request still running.
+
+    The engines are served over 127.0.0.1 (``loopback.py``): a stream the coordinator closed is
+    closed at the fake once the loopback has seen its connection go (``settle``), and the
+    loopback's own connection tasks are the fake engines', not the request's."""
+    await loopback.settle()
     assert upstream.open_streams == set()
     assert runtime.load.snapshot() == {}
     assert runtime.inflight_tokens() == {}
-    assert asyncio.all_tasks() - tasks_before == set()
+    assert asyncio.all_tasks() - tasks_before - loopback.tasks() == set()
 
 
 def chat(**extra: Any) -> dict[str, Any]:
@@ -94,7 +100,7 @@ def assert_aborted(upstream: FakeUpstreams, engine_ids: set[str]) -> None:
     assert all(len(c.body["request_ids"]) == 1 for c in upstream.calls_of("abort"))
 
 
-async def test_it_closes_and_aborts_the_engine_stream_when_a_chat_client_hangs_up(upstream: FakeUpstreams) -> None:
+async def test_it_closes_and_aborts_the_engine_stream_when_a_chat_client_hangs_up(upstream: FakeUpstreams, mock_client: LoopbackClient) -> None:
     tasks_before = asyncio.all_tasks()
     async with asyncio.timeout(WATCHDOG_S):
         communicator, request_id = await start("/v1/chat/completions", chat())
@@ -107,11 +113,11 @@ async def test_it_closes_and_aborts_the_engine_stream_when_a_chat_client_hangs_u
     # All done inside the handler's own task: nothing to wait for once it returned.
     assert_aborted(upstream, {engine_id})
     assert [c.body for c in upstream.calls_of("abort")] == [{"request_ids": [f"generate-tokens-{engine_id}"]}]
-    assert_nothing_left(upstream, tasks_before)
+    await assert_nothing_left(upstream, tasks_before, mock_client.loopback)
 
 
 async def test_it_closes_and_aborts_every_prompt_stream_when_a_completions_client_hangs_up(
-    upstream: FakeUpstreams,
+    upstream: FakeUpstreams, mock_client: LoopbackClient,
 ) -> None:
     tasks_before = asyncio.all_tasks()
     async with asyncio.timeout(WATCHDOG_S):
@@ -124,10 +130,10 @@ async def test_it_closes_and_aborts_every_prompt_stream_when_a_completions_clien
         await hang_up(communicator)
 
     assert_aborted(upstream, engine_ids)
-    assert_nothing_left(upstream, tasks_before)  # the merge's producer tasks included
+    await assert_nothing_left(upstream, tasks_before, mock_client.loopback)  # the merge's producer tasks included
 
 
-async def test_it_cleans_up_a_client_that_hangs_up_after_the_status_before_any_chunk(upstream: FakeUpstreams) -> None:
+async def test_it_cleans_up_a_client_that_hangs_up_after_the_status_before_any_chunk(upstream: FakeUpstreams, mock_client: LoopbackClient) -> None:
     upstream.default_plan = StreamPlan(end="hang", after=0)  # the engine accepted, then says nothing
     tasks_before = asyncio.all_tasks()
     async with asyncio.timeout(WATCHDOG_S):
@@ -138,10 +144,10 @@ async def test_it_cleans_up_a_client_that_hangs_up_after_the_status_before_any_c
 
     assert communicator.output_queue.empty()
     assert_aborted(upstream, {f"chatcmpl-{request_id}"})
-    assert_nothing_left(upstream, tasks_before)
+    await assert_nothing_left(upstream, tasks_before, mock_client.loopback)
 
 
-async def test_it_cleans_up_a_client_that_hangs_up_before_the_response_is_sent(upstream: FakeUpstreams) -> None:
+async def test_it_cleans_up_a_client_that_hangs_up_before_the_response_is_sent(upstream: FakeUpstreams, mock_client: LoopbackClient) -> None:
     """The engines accepted, the pipeline returned its stream, the client left as the status was sent.
 
     The server's ``send`` yields to the loop while the disconnect is queued, so the cancellation
@@ -166,10 +172,10 @@ async def test_it_cleans_up_a_client_that_hangs_up_before_the_response_is_sent(u
     assert sent == []  # not even the status went out
     (generate,) = upstream.calls_of("generate")
     assert_aborted(upstream, {generate.body["request_id"]})
-    assert_nothing_left(upstream, tasks_before)
+    await assert_nothing_left(upstream, tasks_before, mock_client.loopback)
 
 
-async def test_it_cancels_render_when_the_client_hangs_up_before_the_status(upstream: FakeUpstreams) -> None:
+async def test_it_cancels_render_when_the_client_hangs_up_before_the_status(upstream: FakeUpstreams, mock_client: LoopbackClient) -> None:
     """A disconnect while the pipeline still works (here: render has not answered) cancels it at once.
 
     Channels' ``AsyncHttpConsumer`` would notice only after the handler returned (django/channels#1249);
@@ -196,14 +202,15 @@ async def test_it_cancels_render_when_the_client_hangs_up_before_the_status(upst
 
         await hang_up(communicator)
 
+    await mock_client.loopback.settle()  # the coordinator's close reaches the fake render over its socket
     assert render_cancelled.is_set()
     assert communicator.output_queue.empty()  # nobody to answer
     assert upstream.calls_of("generate") == []
-    assert_nothing_left(upstream, tasks_before)
+    await assert_nothing_left(upstream, tasks_before, mock_client.loopback)
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-async def test_a_client_that_hangs_up_while_sending_its_body_is_not_served(upstream: FakeUpstreams, path: str) -> None:
+async def test_a_client_that_hangs_up_while_sending_its_body_is_not_served(upstream: FakeUpstreams, mock_client: LoopbackClient, path: str) -> None:
     tasks_before = asyncio.all_tasks()
     async with asyncio.timeout(WATCHDOG_S):
         communicator = ApplicationCommunicator(application, http_scope(path))
@@ -212,4 +219,4 @@ async def test_a_client_that_hangs_up_while_sending_its_body_is_not_served(upstr
 
     assert communicator.output_queue.empty()
     assert upstream.calls == []
-    assert_nothing_left(upstream, tasks_before)
+    await assert_nothing_left(upstream, tasks_before, mock_client.loopback)

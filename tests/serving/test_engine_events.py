@@ -11,6 +11,7 @@ import pytest
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.errors import EngineError, UpstreamRequestError
 from tests.serving.fakes import instance
+from tests.serving.in_process import InProcessClient
 
 
 def _frame(payload: dict[str, Any]) -> bytes:
@@ -29,7 +30,9 @@ def _engine(*pieces: bytes) -> EngineClient:
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
 
-    return EngineClient(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    # In process: what is asserted is what one read of the stream brings, and a socket would
+    # merge the pieces (in_process.py).
+    return EngineClient(InProcessClient(handler))
 
 
 async def _reads(engine: EngineClient) -> tuple[list[list[dict[str, Any]]], BaseException | None]:

@@ -23,6 +23,7 @@ from serving.pipeline.topologies.metaserver import (
     CallbackState,
     MetaServer,
 )
+from tests.serving.loopback import LoopbackClient
 
 BASE = "http://127.0.0.1:8000"
 OTHER = "http://127.0.0.1:8001"
@@ -184,8 +185,8 @@ class Recorder:
         self.seen.append(request)
         return self.answer(request)  # type: ignore[no-any-return]
 
-    def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.MockTransport(self))
+    def client(self) -> LoopbackClient:
+        return LoopbackClient(self)  # the production client; the owner on 127.0.0.1
 
 
 async def test_it_names_the_owner_of_another_replicas_token() -> None:
@@ -371,7 +372,7 @@ async def test_it_answers_502_when_the_owner_is_unreachable() -> None:
     with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:
         with pytest.raises(CallbackElsewhere) as info:
             b.check(reg.token)
-        async with httpx.AsyncClient(transport=httpx.MockTransport(down)) as client:
+        async with LoopbackClient(down) as client:  # the owner resets the connection
             with pytest.raises(CallbackRefused) as refused:
                 await b.forward(info.value, reg.token, b"{}", client)
         assert refused.value.status == 502 and b.forwarded == 0 and b.refused == 1
@@ -456,7 +457,7 @@ async def test_the_view_forwards_another_replicas_callback_to_its_owner(
             return httpx.Response(exc.status, json={"error": {"message": exc.message, "code": exc.status}})
         return httpx.Response(200, json={"status": "accepted"})
 
-    mock = httpx.AsyncClient(transport=httpx.MockTransport(owner))
+    mock = LoopbackClient(owner)  # the production client; the owner on 127.0.0.1
     monkeypatch.setattr("serving.views_internal.http.shared_client", lambda: mock)
     client = AsyncClient()
     with a.register("r1", engine_request_id="generate-tokens-r1-decode") as reg:

@@ -21,6 +21,7 @@ from serving.pipeline import metric_names
 from serving.pipeline.metric_names import FAMILIES, OPERATOR_LABELS, OTHER, Family
 from serving.pipeline.metrics import RouterCounters
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
+from tests.serving.loopback import LoopbackClient
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -50,7 +51,9 @@ def fleet(transactional_db: None, settings: Any) -> None:
 
 
 @pytest.fixture
-async def served(fleet: None, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeUpstreams]:
+async def served(
+    fleet: None, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch, mock_client: LoopbackClient
+) -> AsyncIterator[FakeUpstreams]:
     """The fleet behind fake upstreams, render down; ends by asserting nothing leaked."""
 
     async def handler(request: httpx.Request) -> httpx.Response:
@@ -60,13 +63,13 @@ async def served(fleet: None, upstreams: FakeUpstreams, monkeypatch: pytest.Monk
             return native_chat(request)
         return await upstreams.handler(request)
 
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: client)
+    mock_client.loopback.handler = handler  # the production client; these engines on 127.0.0.1
+    monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: mock_client)
     snapshots.invalidate()
     before = asyncio.all_tasks()
     yield upstreams
     snapshots.invalidate()
-    await client.aclose()
+    await mock_client.aclose()  # settles, then closes the loopback's connections and their tasks
     assert runtime.load.snapshot() == {} and runtime.inflight_tokens() == {}
     assert asyncio.all_tasks() - {asyncio.current_task()} <= before
 

@@ -14,6 +14,7 @@ from fleet.models import EngineInstance
 from serving import runtime, snapshots
 from serving.pipeline.errors import QueueFull
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
+from tests.serving.loopback import LoopbackClient
 from tests.serving.router_fakes import NATIVE_PATHS, NativeEngines
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -30,7 +31,7 @@ def fresh_snapshot(settings: Any) -> Iterator[None]:
 
 
 @pytest.fixture
-def native(transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch) -> NativeEngines:
+def native(transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch, mock_client: LoopbackClient) -> NativeEngines:
     model = ServedModel.objects.create(name=MODEL, model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
     RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
     for name, url in ENGINE_URLS.items():
@@ -42,8 +43,8 @@ def native(transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest
             return engines.answer(request.url.host.split(".")[0], request.url.path, json.loads(request.content))
         return await upstreams.handler(request)
 
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: client)
+    mock_client.loopback.handler = handler  # the production client; these engines on 127.0.0.1
+    monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: mock_client)
     return engines
 
 
@@ -58,17 +59,20 @@ async def test_it_passes_responses_and_messages_to_an_engines_own_api(
     assert [(p, b) for _, p, b in native.calls] == [(path, body)]
 
 
-async def test_a_streamed_native_answer_is_relayed(v1: httpx.AsyncClient, native: NativeEngines) -> None:
+async def test_a_streamed_native_answer_is_relayed(
+    v1: httpx.AsyncClient, native: NativeEngines, mock_client: LoopbackClient
+) -> None:
     body = {"model": MODEL, "input": "hi", "stream": True}
     response = await v1.post("/v1/responses", json=body)
     assert response.status_code == 200 and response.headers["Content-Type"] == "text/event-stream"
     raw = response.content
     assert raw.endswith(b"data: [DONE]\n\n")
+    await mock_client.loopback.settle()  # the relay's close reaches the fake engine over its socket
     assert native.open_streams == set()
 
 
 async def test_engine_controls_in_a_relayed_native_stream_are_nulled(
-    v1: httpx.AsyncClient, native: NativeEngines
+    v1: httpx.AsyncClient, native: NativeEngines, mock_client: LoopbackClient
 ) -> None:
     # The engine's bytes, cut mid-frame and mid-key, as a real connection may deliver them.
     leaky = (
@@ -85,6 +89,7 @@ async def test_engine_controls_in_a_relayed_native_stream_are_nulled(
     assert events[0]["choices"][0]["delta"]["content"] == "hi"
     assert events[1] == {"id": "n", "choices": [], "kv_transfer_params": None}
     assert response.content.endswith(b"data: [DONE]\n\n")
+    await mock_client.loopback.settle()  # the relay's close reaches the fake engine over its socket
     assert native.open_streams == set()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -18,6 +19,7 @@ from enginesim.testing import LiveServer
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.errors import RequestError
+from serving.pipeline.http11 import Http11Client
 from serving.pipeline.obfuscation.keyring import (
     clear_mappings,
     eligible,
@@ -39,6 +41,7 @@ from serving.pipeline.obfuscation.mapping import (
 )
 from serving.pipeline.placement import filters
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, RenderView
+from tests.serving.loopback import LoopbackClient
 
 KEY = b"unit-test-obfuscation-key-0001"
 VOCAB = 512
@@ -347,7 +350,7 @@ async def test_it_sends_a_simulator_only_physical_ids(keyed_sim: LiveServer) -> 
     semantic_prompt = [1, 30, 31, 32, 33, 2, 1, 40]
     rendered = {"request_id": "cmpl-1-0", "token_ids": semantic_prompt, "model": "tiny", "return_token_ids": True,
                 "sampling_params": {"temperature": 0.0, "max_tokens": 12, "logprobs": 2, "stop_token_ids": [9]}}
-    async with httpx.AsyncClient(timeout=10.0) as http:
+    async with contextlib.aclosing(Http11Client()) as http:  # the production client
         engines = EngineClient(http)
         assert eligible(instance, ON)[0]
         mapping = require_mapping(ON, MAPPING)
@@ -377,7 +380,7 @@ def big_sim() -> Iterator[LiveServer]:
     server.stop()
 
 
-def _pipeline(http: httpx.AsyncClient, sim: LiveServer, render: RenderView, key: str) -> Any:
+def _pipeline(http: Http11Client, sim: LiveServer, render: RenderView, key: str) -> Any:
     from serving.pipeline.obfuscation.boundary import EngineBoundary
     from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
     from serving.pipeline.render.client import RenderClient
@@ -408,9 +411,9 @@ async def test_it_serves_chat_and_multi_prompt_completions_through_the_boundary(
     from tests.serving.fakes import CHAT_PROMPT, FakeUpstreams, completion_prompt_ids
 
     upstreams = FakeUpstreams()
-    render_transport = httpx.MockTransport(upstreams.handler)
     on = dataclasses.replace(ON, obfuscation_key_id=BIG.key_id)
-    async with httpx.AsyncClient(mounts={"http://render.test:8100": render_transport}, timeout=10.0) as http:
+    # The production client: render is the fake on 127.0.0.1, the engine the real simulator.
+    async with LoopbackClient(upstreams.handler, fakes={"render.test"}) as http:
         big_sim.reset()
         pipeline = _pipeline(http, big_sim, on, BIG.key_id)
         # e2 (plain weights) is not even a candidate: nothing can reach its dead address.
@@ -438,7 +441,7 @@ async def test_it_serves_chat_and_multi_prompt_completions_through_the_boundary(
 
 async def test_it_refuses_all_traffic_without_the_configured_key(big_sim: LiveServer) -> None:
     clear_mappings()
-    async with httpx.AsyncClient() as http:
+    async with contextlib.aclosing(Http11Client()) as http:
         with pytest.raises(ObfuscationKeyError, match="not available"):
             _pipeline(http, big_sim, dataclasses.replace(ON, obfuscation_key_id=BIG.key_id), BIG.key_id)
         # Rotation half done: the loaded key is not the named one.
@@ -521,7 +524,7 @@ VIEW_KEY = "view-test-obfuscation-key-0001"
 
 
 @pytest.fixture
-def obf_fleet(transactional_db: None, settings: Any, upstreams: Any, mock_client: httpx.AsyncClient,
+def obf_fleet(transactional_db: None, settings: Any, upstreams: Any, mock_client: LoopbackClient,
               monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     from catalog.models import RenderConfig, ServedModel
     from fleet.models import EngineInstance

@@ -22,6 +22,7 @@ import pytest
 from enginesim import SimConfig
 from enginesim.testing import LiveServer
 from serving.pipeline.errors import EngineError
+from serving.pipeline.http11 import Http11Client
 from serving.pipeline.placement.scheduler import LoadTracker
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.topologies.handoff import (
@@ -138,10 +139,10 @@ def mooncake_pair(p: LiveServer, d: LiveServer) -> Placed:
 
 
 async def test_handoff_over_upstream_mooncake_supplies_the_transfer_and_accepts_a_null_answer(
-    http: httpx.AsyncClient, load: LoadTracker, union: LiveServer,
+    http: httpx.AsyncClient, engine_http: Http11Client, load: LoadTracker, union: LiveServer,
     mooncake_prefill: LiveServer, mooncake_decode: LiveServer,
 ) -> None:
-    engines = RecordingEngines(http)
+    engines = RecordingEngines(engine_http)
     placed = mooncake_pair(mooncake_prefill, mooncake_decode)
     before = (await kv_stats(http, mooncake_decode))["prompt_tokens_by_source"].get("external_kv_transfer", 0)
     held = (await kv_stats(http, mooncake_prefill))["kv"]["held"]
@@ -165,11 +166,11 @@ async def test_handoff_over_upstream_mooncake_supplies_the_transfer_and_accepts_
 
 
 async def test_each_upstream_mooncake_handoff_gets_its_own_transfer_id(
-    http: httpx.AsyncClient, load: LoadTracker, mooncake_prefill: LiveServer, mooncake_decode: LiveServer,
+    http: httpx.AsyncClient, engine_http: Http11Client, load: LoadTracker, mooncake_prefill: LiveServer, mooncake_decode: LiveServer,
 ) -> None:
     # P keeps blocks under the transfer id until a D pulls them: two requests under one client
     # request id must never share one (a D would read another request's KV).
-    engines = RecordingEngines(http)
+    engines = RecordingEngines(engine_http)
     placed = mooncake_pair(mooncake_prefill, mooncake_decode)
     for _ in range(2):
         await run(PDContext(engines, "r2", hold=load.hold), placed, request("r2", max_tokens=2))
@@ -178,13 +179,13 @@ async def test_each_upstream_mooncake_handoff_gets_its_own_transfer_id(
 
 
 async def test_an_upstream_mooncake_pair_failing_its_pull_blames_decode(
-    http: httpx.AsyncClient, load: LoadTracker, mooncake_prefill: LiveServer, mooncake_decode: LiveServer,
+    http: httpx.AsyncClient, engine_http: Http11Client, load: LoadTracker, mooncake_prefill: LiveServer, mooncake_decode: LiveServer,
 ) -> None:
     # P's record names another engine id than P was launched with: D's pull is refused (vLLM:
     # "remote engine_id ... not found from bootstrap server") and the attempt fails on D.
     placed = mooncake_pair(mooncake_prefill, mooncake_decode)
     placed = Placed(dataclasses.replace(placed.prefill, name="renamed-prefill"), placed.decode)
-    engines = RecordingEngines(http)
+    engines = RecordingEngines(engine_http)
     with pytest.raises(EngineError) as info:
         await run(PDContext(engines, "r3", hold=load.hold), placed, request("r3"))
     assert info.value.instance == placed.decode.name
@@ -213,10 +214,10 @@ def ascend_prefill_answer() -> dict[str, Any]:
 
 
 async def test_handoff_over_ascend_mooncake_hands_p_answer_to_d_verbatim(
-    http: httpx.AsyncClient, load: LoadTracker, decode: LiveServer,
+    http: httpx.AsyncClient, engine_http: Http11Client, load: LoadTracker, decode: LiveServer,
 ) -> None:
     canned = ascend_prefill_answer()
-    engines = RecordingEngines(http, canned=canned)
+    engines = RecordingEngines(engine_http, canned=canned)
     p = inst("ascend-p", "prefill", "MooncakeConnectorV1")
     d = inst("ascend-d", "decode", "MooncakeConnectorV1", url=decode.url)
 
@@ -233,12 +234,12 @@ async def test_handoff_over_ascend_mooncake_hands_p_answer_to_d_verbatim(
 
 
 async def test_an_ascend_mooncake_prefill_answering_null_is_prefill_fault(
-    http: httpx.AsyncClient, load: LoadTracker, decode: LiveServer,
+    http: httpx.AsyncClient, engine_http: Http11Client, load: LoadTracker, decode: LiveServer,
 ) -> None:
     # vllm-ascend's P returns no params when the request did not end length-capped (aborted,
     # stopped): there is no KV to hand off, and D is never called with invented params.
     canned = ascend_prefill_answer() | {"kv_transfer_params": None}
-    engines = RecordingEngines(http, canned=canned)
+    engines = RecordingEngines(engine_http, canned=canned)
     p, d = inst("ascend-p", "prefill", "MooncakeConnectorV1"), inst("ascend-d", "decode", "MooncakeConnectorV1", url=decode.url)
     with pytest.raises(EngineError) as info:
         await run(PDContext(engines, "r5", hold=load.hold), Placed(p, d), request("r5"))

@@ -27,6 +27,7 @@ from enginesim.testing import LiveServer, eventually
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.errors import UpstreamRequestError
+from serving.pipeline.http11 import Http11Client
 from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard
@@ -38,6 +39,7 @@ from serving.pipeline.topologies.metaserver import MetaServer
 from tests.pd_sims import MOONCAKE_PREFILL_ENGINE_ID, mooncake_sim_fixtures, pd_sim_fixtures, sim_server
 from tests.serving.fakes import CHAT_PROMPT, MODEL, RENDER_URL, parse_frames
 from tests.serving.leaks import assert_nothing_held
+from tests.serving.loopback import LoopbackClient
 
 WATCHDOG_S = 20.0
 CONFIG = SimConfig(
@@ -66,7 +68,7 @@ def view(server: LiveServer, role: str = "union", transfer: str = "") -> Instanc
 class RecordingEngines(EngineClient):
     """The real client, recording every request it sends (non-streaming and streaming)."""
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: Http11Client) -> None:
         super().__init__(client)
         self.sent: list[tuple[str, bool, dict[str, Any]]] = []
         self.answers: list[dict[str, Any]] = []
@@ -142,7 +144,7 @@ class Rig:
 
 @pytest.fixture
 async def rig_factory(
-    http: httpx.AsyncClient, mock_client: httpx.AsyncClient, union: LiveServer, prefill: LiveServer,
+    http: httpx.AsyncClient, engine_http: Http11Client, mock_client: LoopbackClient, union: LiveServer, prefill: LiveServer,
     decode: LiveServer, push_prefill: LiveServer, push_decode: LiveServer,
 ) -> AsyncIterator[Any]:
     rigs: list[Rig] = []
@@ -159,7 +161,7 @@ async def rig_factory(
         scheduler.topology_policy = pd_topology_policy(
             lambda i: scheduler.load.inflight(i.name) / max(i.weight, 1), policy=PDPolicy(min_prompt_tokens=1),
         )
-        engines = RecordingEngines(http)
+        engines = RecordingEngines(engine_http)
         pipeline = ServingPipeline(
             snapshot, RenderClient(mock_client, RENDER_URL, 5.0), engines, scheduler,
             stream_settings=StreamSettings(chunk_timeout_s=5.0, max_relays=2),
@@ -182,6 +184,7 @@ async def rig_factory(
 
     await eventually(streams_closed)
     await callbacks_answered()
+    await mock_client.aclose()  # its kept-alive connections to the loopback render, and their tasks
     for _ in range(20):
         stray = asyncio.all_tasks() - before - {asyncio.current_task()}
         stray = {t for t in stray if "serve" not in repr(t.get_coro())}  # the metaserver's uvicorn

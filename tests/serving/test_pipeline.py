@@ -44,6 +44,7 @@ from tests.serving.fakes import (
     text_of,
 )
 from tests.serving.leaks import assert_nothing_held
+from tests.serving.loopback import HANG_DEADLINE_S, LoopbackClient, hang
 
 WATCHDOG_S = 5.0  # a hung pipeline fails the test instead of stalling the suite
 
@@ -61,10 +62,11 @@ async def no_leaks(scheduler: Scheduler, upstreams: FakeUpstreams):
 
 
 @pytest.fixture
-def make_pipeline(mock_client: httpx.AsyncClient, scheduler: Scheduler) -> Callable[..., ServingPipeline]:
-    def make(*instances: Any, **render: Any) -> ServingPipeline:
+def make_pipeline(mock_client: LoopbackClient, scheduler: Scheduler) -> Callable[..., ServingPipeline]:
+    def make(*instances: Any, render_timeout_s: float = 5.0, **render: Any) -> ServingPipeline:
         return ServingPipeline(
-            fleet_snapshot(*instances, **render), RenderClient(mock_client, RENDER_URL, 5.0), EngineClient(mock_client), scheduler
+            fleet_snapshot(*instances, **render), RenderClient(mock_client, RENDER_URL, render_timeout_s),
+            EngineClient(mock_client), scheduler,
         )
 
     return make
@@ -97,8 +99,7 @@ def connect_error(request: httpx.Request, _body: Any) -> httpx.Response:
     raise httpx.ConnectError("connection refused", request=request)
 
 
-def read_timeout(request: httpx.Request, _body: Any) -> httpx.Response:
-    raise httpx.ReadTimeout("timed out", request=request)
+read_timeout = hang  # a sidecar that never answers: the render deadline (HANG_DEADLINE_S) ends it
 
 
 def with_max_tokens(rendered: dict[str, Any], value: int) -> dict[str, Any]:
@@ -184,7 +185,9 @@ async def test_multi_prompt_completions_keep_prompt_order(pipeline: ServingPipel
     assert der.body["completion_request"] == body
 
 
-async def test_a_failing_prompt_cancels_its_siblings(pipeline: ServingPipeline, upstreams: FakeUpstreams) -> None:
+async def test_a_failing_prompt_cancels_its_siblings(
+    pipeline: ServingPipeline, upstreams: FakeUpstreams, mock_client: LoopbackClient
+) -> None:
     never = asyncio.Event()
     cancelled = []
 
@@ -206,6 +209,7 @@ async def test_a_failing_prompt_cancels_its_siblings(pipeline: ServingPipeline, 
             await pipeline.completions(completion_body(["a", "b"]), "r4")
 
     assert error_body(info.value) == (400, error_json(400, "bad prompt 1"))
+    await mock_client.loopback.settle()  # the sibling's close reaches its fake engine over the socket
     assert cancelled == ["cmpl-r4-0"]  # no orphaned generate keeps running (no_leaks checks the task)
     assert upstreams.calls_of("derender") == []
 
@@ -353,9 +357,10 @@ async def test_unusable_render_is_render_unavailable(
     ids=["400", "500", "501", "timeout", "connect"],
 )
 async def test_derender_failures_never_rerun_inference(
-    pipeline: ServingPipeline, upstreams: FakeUpstreams, fault: Callable[..., httpx.Response],
+    make_pipeline: Callable[..., ServingPipeline], upstreams: FakeUpstreams, fault: Callable[..., httpx.Response],
     exc_type: type, status: int,
 ) -> None:
+    pipeline = make_pipeline(render_timeout_s=HANG_DEADLINE_S)
     upstreams.override("render", "derender", fault)
 
     with pytest.raises(exc_type) as info:
@@ -492,8 +497,9 @@ async def test_an_in_band_400_is_passed_to_the_client_unchanged(
 
 
 async def test_streaming_derender_failure_ends_the_stream_and_aborts(
-    pipeline: ServingPipeline, upstreams: FakeUpstreams
+    make_pipeline: Callable[..., ServingPipeline], upstreams: FakeUpstreams
 ) -> None:
+    pipeline = make_pipeline(render_timeout_s=HANG_DEADLINE_S)
     upstreams.override("render", "derender", read_timeout)
 
     frames = await drain(await pipeline.chat(chat_body(stream=True), "r24"))

@@ -35,6 +35,7 @@ from tests.serving.fakes import (
     parse_frames,
 )
 from tests.serving.leaks import assert_nothing_held
+from tests.serving.loopback import HANG_DEADLINE_S, LoopbackClient, hang
 
 WATCHDOG_S = 5.0
 
@@ -168,7 +169,7 @@ def engines(upstreams: FakeUpstreams) -> ContextEngines:
 
 
 @pytest.fixture
-def pipeline(mock_client: httpx.AsyncClient, scheduler: Scheduler) -> ServingPipeline:
+def pipeline(mock_client: LoopbackClient, scheduler: Scheduler) -> ServingPipeline:
     return ServingPipeline(
         fleet_snapshot(), RenderClient(mock_client, RENDER_URL, 5.0), EngineClient(mock_client), scheduler,
         stream_settings=StreamSettings(chunk_timeout_s=2.0, max_relays=2, derender_retries=1),
@@ -278,7 +279,7 @@ async def test_a_relay_under_a_time_interval_resumes_from_what_was_committed(
 
 
 async def test_a_chunk_held_back_for_a_stop_string_is_not_committed_and_a_relay_regenerates_it(
-    mock_client: httpx.AsyncClient, scheduler: Scheduler, engines: ContextEngines, upstreams: FakeUpstreams,
+    mock_client: LoopbackClient, scheduler: Scheduler, engines: ContextEngines, upstreams: FakeUpstreams,
 ) -> None:
     from dataclasses import replace
 
@@ -558,11 +559,13 @@ async def test_derender_faults_end_the_stream_without_reinference(
     assert upstreams.aborted_ids() == [("e1", "generate-tokens-chatcmpl-r9")]
 
 
-async def test_derender_timeout_is_504(pipeline: ServingPipeline, engines: ContextEngines, upstreams: FakeUpstreams) -> None:
-    def timeout(request: httpx.Request, _: Any) -> httpx.Response:
-        raise httpx.ReadTimeout("slow", request=request)
-
-    upstreams.override("render", "derender", timeout)
+async def test_derender_timeout_is_504(
+    pipeline: ServingPipeline, engines: ContextEngines, upstreams: FakeUpstreams, mock_client: LoopbackClient
+) -> None:
+    # A sidecar that never answers, against a short render deadline (over loopback a handler's
+    # ReadTimeout would be a reset, not a timeout).
+    pipeline.render = RenderClient(mock_client, RENDER_URL, HANG_DEADLINE_S)
+    upstreams.override("render", "derender", hang)
 
     frames = await drain(await pipeline.chat(chat(), "r10"))
 
@@ -589,7 +592,7 @@ async def test_one_derender_retry_succeeds_with_the_same_state(
 
 
 async def test_relay_with_obfuscation_replays_semantic_ids_re_obfuscated(
-    mock_client: httpx.AsyncClient, scheduler: Scheduler, engines: ContextEngines, upstreams: FakeUpstreams,
+    mock_client: LoopbackClient, scheduler: Scheduler, engines: ContextEngines, upstreams: FakeUpstreams,
 ) -> None:
     from serving.pipeline.obfuscation.boundary import EngineBoundary
     from serving.pipeline.obfuscation.mapping import TokenMapping

@@ -14,16 +14,17 @@ import pytest
 
 from serving.pipeline.errors import DerenderError, RenderUnavailable
 from serving.pipeline.render.client import RenderClient
+from tests.serving.loopback import LoopbackClient
 
 BOUND_S = 0.2
 
 
-def slow_sidecar() -> httpx.AsyncClient:
+def slow_sidecar() -> LoopbackClient:
     async def handler(request: httpx.Request) -> httpx.Response:
         await asyncio.sleep(3600)
         return httpx.Response(500)
 
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return LoopbackClient(handler)  # the production client, the sidecar on 127.0.0.1
 
 
 async def test_a_render_call_is_bounded_as_a_whole() -> None:

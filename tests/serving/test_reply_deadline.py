@@ -9,6 +9,7 @@ counted as a breaker failure and not run again on the second one. With the flat 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from enginesim import SimConfig
 from enginesim.testing import LiveServer, eventually
 from serving.pipeline.engine.client import EngineClient, ReplyDeadline
 from serving.pipeline.errors import EngineError
+from serving.pipeline.http11 import Http11Client
 from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.tokenization import TokenizedPrompt, TokenizedRequest
 from serving.pipeline.resilience.breaker import BreakerBoard
@@ -48,13 +50,14 @@ def inst(n: int, server: LiveServer) -> InstanceView:
 
 
 @pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=2.0), trust_env=False) as client:
+async def http() -> AsyncIterator[Http11Client]:
+    # The production client, its read timeout the shared one's role here.
+    async with contextlib.aclosing(Http11Client(httpx.Timeout(READ_TIMEOUT_S, connect=2.0))) as client:
         yield client
 
 
 async def generate(
-    http: httpx.AsyncClient, servers: tuple[LiveServer, LiveServer], deadline: ReplyDeadline | None
+    http: Http11Client, servers: tuple[LiveServer, LiveServer], deadline: ReplyDeadline | None
 ) -> tuple[dict[str, Any] | EngineError, Scheduler, list[str]]:
     instances = (inst(1, servers[0]), inst(2, servers[1]))
     snapshot = FleetSnapshot(
@@ -82,7 +85,7 @@ async def generate(
     return result, scheduler, sent
 
 
-async def assert_released(http: httpx.AsyncClient, scheduler: Scheduler, servers: tuple[LiveServer, ...]) -> None:
+async def assert_released(http: Http11Client, scheduler: Scheduler, servers: tuple[LiveServer, ...]) -> None:
     assert scheduler.load.snapshot() == {}
     assert not any(scheduler.admission.inflight_tokens().values())
 
@@ -94,7 +97,7 @@ async def assert_released(http: httpx.AsyncClient, scheduler: Scheduler, servers
 
 
 async def test_it_waits_for_a_long_generation_on_a_slow_but_alive_engine(
-    http: httpx.AsyncClient, slow_engines: tuple[LiveServer, LiveServer]
+    http: Http11Client, slow_engines: tuple[LiveServer, LiveServer]
 ) -> None:
     tasks = asyncio.all_tasks()
     deadline = ReplyDeadline(base_s=READ_TIMEOUT_S, per_token_s=0.2)  # 0.25 + 24 x 0.2 = 5.05 s
@@ -109,7 +112,7 @@ async def test_it_waits_for_a_long_generation_on_a_slow_but_alive_engine(
 
 
 async def test_a_flat_read_timeout_fails_the_same_generation_on_both_engines(
-    http: httpx.AsyncClient, slow_engines: tuple[LiveServer, LiveServer]
+    http: Http11Client, slow_engines: tuple[LiveServer, LiveServer]
 ) -> None:
     tasks = asyncio.all_tasks()
     result, scheduler, sent = await generate(http, slow_engines, None)

@@ -17,6 +17,7 @@ from fleet import services
 from fleet.models import EngineInstance
 from serving import runtime, snapshots
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
+from tests.serving.loopback import LoopbackClient
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -70,7 +71,7 @@ def fleet(transactional_db: None) -> dict[str, EngineInstance]:
 
 @pytest.fixture
 def upstream(
-    fleet: dict[str, EngineInstance], upstreams: FakeUpstreams, mock_client: httpx.AsyncClient,
+    fleet: dict[str, EngineInstance], upstreams: FakeUpstreams, mock_client: LoopbackClient,
     monkeypatch: pytest.MonkeyPatch,
 ) -> FakeUpstreams:
     monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: mock_client)

@@ -19,6 +19,7 @@ from serving.pipeline.errors import RenderUnavailable, RequestError, UpstreamReq
 from serving.pipeline.render import local_tokenizer as lt
 from serving.pipeline.render.tokenization import local_render, local_unsupported
 from tests.serving.fakes import CHAT_PROMPT, MODEL, error_json
+from tests.serving.loopback import HANG_DEADLINE_S, hang
 from tests.serving.router_fakes import (
     Rig,
     chat_body,
@@ -33,8 +34,7 @@ def connect_error(request: httpx.Request, _body: Any) -> httpx.Response:
     raise httpx.ConnectError("connection refused", request=request)
 
 
-def read_timeout(request: httpx.Request, _body: Any) -> httpx.Response:
-    raise httpx.ReadTimeout("timed out", request=request)
+read_timeout = hang  # a sidecar that never answers, against the render deadline below
 
 
 FALLBACKS = [
@@ -77,7 +77,7 @@ async def test_it_falls_back_to_the_local_tokenizer(
     rig: Rig, fault: Callable[..., httpx.Response], reason: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     rig.upstreams.override("render", "render", fault)
-    pipeline = rig.pipeline(snapshot_with(model_path=model_dir()))
+    pipeline = rig.pipeline(snapshot_with(model_path=model_dir()), render_timeout_s=HANG_DEADLINE_S)
 
     with caplog.at_level(logging.INFO, logger="serving.pipeline.service"):
         out = await pipeline.chat(chat_body(max_tokens=5, return_token_ids=True), "t1")
@@ -255,7 +255,7 @@ async def test_one_render_timeout_does_not_send_the_process_to_the_local_tokeniz
     from serving.pipeline.render.tokenization import RenderHealth
 
     health = RenderHealth(cooldown_s=5.0, clock=lambda: 100.0)
-    pipeline = rig.pipeline(snapshot_with(model_path=model_dir()), render_health=health)
+    pipeline = rig.pipeline(snapshot_with(model_path=model_dir()), render_health=health, render_timeout_s=HANG_DEADLINE_S)
     rig.upstreams.override("render", "render", read_timeout, times=1)
 
     await pipeline.completions(PLAIN, "t13")  # timed out: this request falls back

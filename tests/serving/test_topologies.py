@@ -26,6 +26,7 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import BreakerOpen, GenerateContext, Opened
 from serving.pipeline.errors import AdmissionTimeout, EngineError, NoCapacity
 from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
+from serving.pipeline.http11 import Http11Client
 from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
 from serving.pipeline.render.tokenization import TokenizedPrompt
 from serving.pipeline.resilience.breaker import BreakerBoard
@@ -281,8 +282,8 @@ def closed_url() -> str:
 
 
 @pytest.fixture
-def engines(http: httpx.AsyncClient) -> RecordingEngines:
-    return RecordingEngines(http)
+def engines(http: httpx.AsyncClient, engine_http: Http11Client) -> RecordingEngines:
+    return RecordingEngines(engine_http)
 
 
 def request(rid: str = "r1", max_tokens: int = 12) -> dict[str, Any]:
@@ -559,7 +560,7 @@ async def test_a_cancelled_trigger_releases_everything(
 
 @pytest.mark.parametrize("transfer", ["pull", "push"])
 async def test_the_router_places_and_runs_pd_through_its_own_legs(
-    http: httpx.AsyncClient, metaserver: MetaServer, union: LiveServer,
+    http: httpx.AsyncClient, engine_http: Http11Client, metaserver: MetaServer, union: LiveServer,
     prefill: LiveServer, decode: LiveServer, push_prefill: LiveServer, push_decode: LiveServer, transfer: str,
 ) -> None:
     p_server, d_server = (prefill, decode) if transfer == "pull" else (push_prefill, push_decode)
@@ -578,7 +579,7 @@ async def test_the_router_places_and_runs_pd_through_its_own_legs(
     # A short prompt stays on the union instance.
     assert scheduler.place(snapshot, MODEL, PROMPT[:10]).topology == "union"
 
-    pipeline = ServingPipeline(snapshot, None, EngineClient(http), scheduler)  # type: ignore[arg-type]  # no render needed
+    pipeline = ServingPipeline(snapshot, None, EngineClient(engine_http), scheduler)  # type: ignore[arg-type]  # no render needed
     ctx = GenerateContext(pipeline.guard, snapshot, "r9", TokenizedPrompt(PROMPT, request("r9")), 0, 0, len(PROMPT) + 12)
     async with AsyncExitStack() as stack:
         opened = await TopologyRegistry().openers[placement.topology](ctx, placement, request("r9"), stack)
@@ -592,7 +593,7 @@ async def test_the_router_places_and_runs_pd_through_its_own_legs(
 
 @pytest.mark.parametrize("refusal", ["admission", "breaker"])
 async def test_a_decode_side_that_refuses_refuses_the_handoff_before_any_prefill(
-    http: httpx.AsyncClient, prefill: LiveServer, decode: LiveServer, refusal: str,
+    http: httpx.AsyncClient, engine_http: Http11Client, prefill: LiveServer, decode: LiveServer, refusal: str,
 ) -> None:
     p, d = view(prefill, "prefill", "pull"), view(decode, "decode", "pull")
     snapshot = FleetSnapshot(
@@ -601,7 +602,7 @@ async def test_a_decode_side_that_refuses_refuses_the_handoff_before_any_prefill
     )
     admission = TokenAdmission(AdmissionSettings(wait_s=0.2))
     scheduler = Scheduler(LoadTracker(), breakers=BreakerBoard(threshold=1), admission=admission)
-    engines = RecordingEngines(http)
+    engines = RecordingEngines(engine_http)
     full = await admission.acquire(d, d.token_capacity) if refusal == "admission" else None
     if refusal == "breaker":
         scheduler.breakers.failure(d, "tripped by the test")  # threshold 1: open

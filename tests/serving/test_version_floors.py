@@ -24,13 +24,17 @@ from serving import runtime, snapshots
 from serving.snapshots import build_snapshot
 from tests.fleet.test_probes import tiers_answering
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
+from tests.serving.loopback import LoopbackClient
 from tests.serving.router_fakes import NATIVE_PATHS, NativeEngines, model_dir
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def fleet(transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch, settings: Any) -> Iterator[NativeEngines]:
+def fleet(
+    transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch, settings: Any,
+    mock_client: LoopbackClient,
+) -> Iterator[NativeEngines]:
     """Two union engines serving token-only generate and their own OpenAI API, the fake sidecar."""
     settings.MOTOR_API_KEYS = []
     settings.MOTOR_OPEN_ACCESS = True
@@ -45,8 +49,8 @@ def fleet(transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest.
             return engines.answer(request.url.host.split(".")[0], request.url.path, json.loads(request.content))
         return await upstreams.handler(request)
 
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: client)
+    mock_client.loopback.handler = handler  # the production client; these engines on 127.0.0.1
+    monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: mock_client)
     snapshots.invalidate()
     yield engines
     snapshots.invalidate()

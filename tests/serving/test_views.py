@@ -20,6 +20,7 @@ from tests.serving.fakes import (
     parse_frames,
     text_of,
 )
+from tests.serving.loopback import LoopbackClient
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -42,7 +43,7 @@ def fleet(transactional_db: None) -> None:
 
 @pytest.fixture
 def upstream(
-    fleet: None, upstreams: FakeUpstreams, mock_client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch,
+    fleet: None, upstreams: FakeUpstreams, mock_client: LoopbackClient, monkeypatch: pytest.MonkeyPatch,
 ) -> FakeUpstreams:
     monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: mock_client)
     return upstreams

@@ -18,8 +18,7 @@ from typing import Any, AsyncIterator, Mapping
 import httpx
 
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError
-from serving.pipeline.http import Upstream
-from serving.pipeline.http11 import StreamReply, loads
+from serving.pipeline.http11 import Http11Client, StreamReply, loads
 from serving.pipeline.protocol import EventBatches
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.sse import SSEProtocolError, iter_event_batches
@@ -111,7 +110,7 @@ class ReplyDeadline:
 
 
 class EngineClient:
-    def __init__(self, client: Upstream, *, deadline: ReplyDeadline | None = None) -> None:
+    def __init__(self, client: Http11Client, *, deadline: ReplyDeadline | None = None) -> None:
         self._client = client
         # None: a non-streaming reply gets the shared client's read timeout, whatever its budget.
         self.deadline = deadline
@@ -174,14 +173,13 @@ class EngineClient:
                     except ValueError:
                         body = raw.decode(errors="replace")
                     _raise_for_status(instance, response.status_code, body)
-                if isinstance(response, StreamReply):
-                    response.whole_reads = whole_reads
+                response.whole_reads = whole_reads
                 yield self._events(instance, response)
         except httpx.HTTPError as exc:
             raise EngineError(f"{instance.name} stream failed: {exc!r}", instance=instance.name) from exc
 
-    async def _events(self, instance: InstanceView, response: StreamReply | httpx.Response) -> EventBatches:
-        pieces = response.aiter_raw() if isinstance(response, StreamReply) else response.aiter_bytes()
+    async def _events(self, instance: InstanceView, response: StreamReply) -> EventBatches:
+        pieces = response.aiter_raw()
         try:
             async for batch in iter_event_batches(pieces):
                 cut = _first_error(batch)

@@ -37,8 +37,7 @@ import httpx
 
 from serving.pipeline.engine.client import ReplyDeadline
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError, error_body
-from serving.pipeline.http import Upstream
-from serving.pipeline.http11 import StreamReply, loads
+from serving.pipeline.http11 import Http11Client, StreamReply, loads
 from serving.pipeline.placement.filters import eligible_instances, union_role
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
@@ -216,7 +215,7 @@ class NativeStream:
     kind: ApiKind
     instance: InstanceView
     request_id: str
-    response: StreamReply | httpx.Response
+    response: StreamReply
     stack: AsyncExitStack
     _started: bool = field(default=False, init=False)
     _closed: bool = field(default=False, init=False)
@@ -257,7 +256,7 @@ class NativeStream:
 class NativeClient:
     """Calls one engine's own OpenAI API over the shared HTTP client."""
 
-    def __init__(self, client: Upstream, *, deadline: ReplyDeadline | None = None) -> None:
+    def __init__(self, client: Http11Client, *, deadline: ReplyDeadline | None = None) -> None:
         self._client = client
         # The token-only path's deadline for a whole reply (None: the shared client's read timeout).
         self.deadline = deadline
@@ -277,7 +276,7 @@ class NativeClient:
         headers = {"X-Request-Id": request_id}
         try:
             if body.get("stream"):
-                opened: AbstractAsyncContextManager[StreamReply | httpx.Response] = self._client.stream(
+                opened: AbstractAsyncContextManager[StreamReply] = self._client.stream(
                     "POST", url, json=body, headers=headers
                 )
                 streamed = await stack.enter_async_context(opened)

@@ -15,8 +15,7 @@ from typing import Any
 import httpx
 
 from serving.pipeline.errors import DerenderError, RenderUnavailable, UpstreamRequestError
-from serving.pipeline.http import Upstream
-from serving.pipeline.http11 import Reply
+from serving.pipeline.http11 import Http11Client, Reply
 from serving.pipeline.protocol import ApiKind, TokenKind
 
 logger = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ class DerenderRetryable(DerenderError):
     """A derender failure a same-chunk retry may cure (when retries are on): unreachable, or a 5xx."""
 
 
-def _json_or_none(response: Reply | httpx.Response) -> Any:
+def _json_or_none(response: Reply) -> Any:
     try:
         return response.json()
     except ValueError:
@@ -90,7 +89,7 @@ class RenderClient:
     chunk's opt-in retry lives in ``StreamingRenderSession.derender``, inside the same bound.
     """
 
-    def __init__(self, client: Upstream, base_url: str, timeout_s: float) -> None:
+    def __init__(self, client: Http11Client, base_url: str, timeout_s: float) -> None:
         self._client = client
         self._base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s  # the render config's timeout_ms: a call, or a streaming chunk

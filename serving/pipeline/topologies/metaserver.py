@@ -50,8 +50,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from serving.pipeline.http import Upstream
-from serving.pipeline.http11 import Reply
+from serving.pipeline.http11 import Http11Client, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -281,8 +280,8 @@ class MetaServer:
             raise
 
     async def forward(
-        self, elsewhere: CallbackElsewhere, token: str, body: bytes, client: Upstream
-    ) -> Reply | httpx.Response:
+        self, elsewhere: CallbackElsewhere, token: str, body: bytes, client: Http11Client
+    ) -> Reply:
         """Post a callback ``check`` found to be another replica's to the address its owner
         advertised in the directory; return the answer.
 
