@@ -19,12 +19,13 @@ import subprocess
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import pytest
 
 from motorsite import stack
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
+from serving.pipeline.http11 import Http11Client
 from tests import prerequisites
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -137,3 +138,10 @@ def pg_redis_coordinator(tiers: stack.StackConfig) -> Iterator[stack.StackConfig
         yield from _coordinator(cfg)
     finally:
         subprocess.run([*admin, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"], check=False)
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Http11Client]:
+    """The coordinator's own upstream client, the one RenderClient and EngineClient take in production."""
+    async with contextlib.aclosing(Http11Client()) as client:
+        yield client

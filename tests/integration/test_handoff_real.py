@@ -24,6 +24,7 @@ from motorsite import stack
 from motorsite.supervisor import Supervisor, free_port, together
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request
+from serving.pipeline.http11 import Http11Client
 from serving.pipeline.placement.scheduler import LoadTracker
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.snapshot import InstanceView
@@ -104,11 +105,11 @@ def allowed_cpus(pgid: int) -> set[str]:
 
 
 async def test_handoff_answers_like_a_union_engine_and_decode_computes_no_prompt_token(
-    pd_tiers: tuple[stack.StackConfig, dict[str, int]], http: httpx.AsyncClient
+    pd_tiers: tuple[stack.StackConfig, dict[str, int]], http: httpx.AsyncClient, upstream: Http11Client
 ) -> None:
     cfg, _ = pd_tiers
-    render = RenderClient(http, f"http://127.0.0.1:{cfg.render_port}", 60.0)
-    engines = EngineClient(http)
+    render = RenderClient(upstream, f"http://127.0.0.1:{cfg.render_port}", 60.0)
+    engines = EngineClient(upstream)
     load = LoadTracker()
     body = {"model": "tiny", "messages": messages("word"), "max_tokens": 24, "temperature": 0}
     rid = uuid.uuid4().hex

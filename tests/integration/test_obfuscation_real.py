@@ -33,6 +33,7 @@ from motorsite import tiers as tier_commands
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request, sorted_choices
+from serving.pipeline.http11 import Http11Client
 from serving.pipeline.obfuscation.mapping import TokenMapping, deobfuscate_response, obfuscate_request
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.snapshot import InstanceView
@@ -158,10 +159,10 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
 
 @pytest.fixture
 def paths(
-    http: httpx.AsyncClient, tiers: stack.StackConfig, engines: Engines, obf_model: tuple[Path, TokenMapping]
+    upstream: Http11Client, tiers: stack.StackConfig, engines: Engines, obf_model: tuple[Path, TokenMapping]
 ) -> tuple[Path_, Path_]:
-    render = RenderClient(http, f"http://127.0.0.1:{tiers.render_port}", 60.0)
-    client = EngineClient(http)
+    render = RenderClient(upstream, f"http://127.0.0.1:{tiers.render_port}", 60.0)
+    client = EngineClient(upstream)
     mapping = obf_model[1]
     plain = Path_(render, client, _instance("plain", engines.plain), None)
     obf = Path_(render, client, _instance("obf", engines.obf, mapping.key_id), mapping)
@@ -720,10 +721,12 @@ def _as_streamed(answer: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture
-def parser_path(http: httpx.AsyncClient, engines: Engines, obf_model: tuple[Path, TokenMapping], parser_render: str) -> Path_:
+def parser_path(
+    upstream: Http11Client, engines: Engines, obf_model: tuple[Path, TokenMapping], parser_render: str
+) -> Path_:
     """The in-test boundary on the parser sidecar and the first obfuscated engine: the reference answer."""
     mapping = obf_model[1]
-    return Path_(RenderClient(http, parser_render, 60.0), EngineClient(http),
+    return Path_(RenderClient(upstream, parser_render, 60.0), EngineClient(upstream),
                  _instance("obf", engines.obf, mapping.key_id), mapping)
 
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Any, Iterator
 
@@ -16,6 +17,7 @@ import pytest
 
 from motorsite import stack
 from motorsite.supervisor import free_port
+from serving.pipeline.http11 import Http11Client
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.render.client import RenderClient
 
@@ -106,8 +108,8 @@ async def test_the_native_path_counts_the_prompt_the_engine_reads(
     """The real sidecar's count-only render (what admission and the key's window hold on the
     native path) equals the prompt tokens the real engine reports for the same body, served
     through the coordinator by that engine's own API."""
-    async with httpx.AsyncClient(trust_env=False) as http:
-        render = RenderClient(http, f"http://127.0.0.1:{coordinator.render_port}", 60.0)
+    async with contextlib.aclosing(Http11Client()) as upstream:  # the production client
+        render = RenderClient(upstream, f"http://127.0.0.1:{coordinator.render_port}", 60.0)
         (count,) = await render.prompt_lengths(kind, dict(body), "count")
     answer = post(coordinator.coordinator_url, path, body)
     assert answer["usage"]["input_tokens"] == count
