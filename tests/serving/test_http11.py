@@ -344,12 +344,13 @@ async def test_a_request_is_never_sent_twice_when_a_reused_connection_drops_unde
     # Issue 31, finding 4: a generate or prefill may be running on the engine once it was written
     # (a non-streaming one sends nothing until it is done), so the failure goes to the caller (the
     # attempt policy), never to a second copy of the request on a new connection.
-    served: dict[int, int] = {}
+    # Keyed by the writer itself, held here: the id() of a writer already freed may come back for
+    # the next connection's, which then looked like the old one (a CI run failed so).
+    served: dict[asyncio.StreamWriter, int] = {}
 
     async def once_per_connection(request: Request, writer: asyncio.StreamWriter) -> None:
-        key = id(writer)
-        served[key] = served.get(key, 0) + 1
-        if served[key] > 1:
+        served[writer] = served.get(writer, 0) + 1
+        if served[writer] > 1:
             writer.transport.abort()  # the server went away just as the next request came in
             return
         await json_reply(request, writer)
