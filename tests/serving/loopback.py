@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import inspect
 import socket
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Collection
 from urllib.parse import urlsplit
@@ -37,8 +38,17 @@ from tests.serving.fakes import SSEBody
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response] | httpx.Response]
 
+# Every loopback alive, for the leak checks: the tasks serving their connections are the fakes'
+# side (a connection the client keeps in its pool is served until it closes), never the pipeline's.
+_LIVE: "weakref.WeakSet[Loopback]" = weakref.WeakSet()
 
-@dataclass
+
+def fake_side_tasks() -> set[asyncio.Task[None]]:
+    """The tasks of every live loopback's connections (see ``Loopback.tasks``)."""
+    return set().union(*(loopback.tasks() for loopback in list(_LIVE)))
+
+
+@dataclass(eq=False)  # hashable by identity: kept in _LIVE
 class Loopback:
     handler: Handler
     urls: dict[str, str] = field(default_factory=dict)  # fake base URL -> http://127.0.0.1:port
@@ -50,6 +60,7 @@ class Loopback:
     by_host: bool = False  # the request URL from its Host header (LoopbackClient), not the listener's fake
 
     async def serve(self, *fake_urls: str) -> dict[str, str]:
+        _LIVE.add(self)
         for fake in fake_urls:
             fake = fake.rstrip("/")
             server = await asyncio.start_server(
