@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import select
+import sys
 import threading
 from typing import Any, cast
 
@@ -194,8 +195,10 @@ class Connection(asyncio.BufferedProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.head_done:
             return  # a trailer: bounded by MAX_FRAMING_BYTES, of no use to any caller
-        key = name.decode("latin-1").lower()
-        text = value.decode("latin-1")
+        # Interned: an engine stream keeps its response's headers while it lasts, and the names and
+        # most values (content-type, transfer-encoding, server) are the same on every connection.
+        key = sys.intern(name.decode("latin-1").lower())
+        text = sys.intern(value.decode("latin-1"))
         known = self.headers.get(key)
         # A repeated field is one list (RFC 9110 5.3); llhttp refuses a repeated Content-Length.
         self.headers[key] = text if known is None else f"{known}, {text}"
