@@ -1,4 +1,4 @@
-"""The README's list of metrics is the registry's, and is what ``/metrics`` serves."""
+"""docs/metrics.md's list of metrics is the registry's, and is what ``/metrics`` serves."""
 
 from __future__ import annotations
 
@@ -15,14 +15,13 @@ from fleet.models import ManagedProcess
 from serving.pipeline import metrics
 from serving.pipeline.metric_names import FAMILIES
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 ROW = re.compile(r"^\| `(motor_[a-z0-9_]+)` \| (counter|gauge|summary|histogram) \| ([^|]*) \|")
 
 
-def readme_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """The Metrics section's table: name -> (type, label names)."""
-    text = README.read_text()
-    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+def documented_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The page's table: name -> (type, label names)."""
+    section = METRICS_DOC.read_text()
     found: dict[str, tuple[str, tuple[str, ...]]] = {}
     for line in section.splitlines():
         m = ROW.match(line)
@@ -33,19 +32,19 @@ def readme_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
     return found
 
 
-def test_the_readme_lists_every_metric_of_the_registry_with_its_type_and_labels() -> None:
-    listed = readme_metrics()
+def test_the_metrics_page_lists_every_metric_of_the_registry_with_its_type_and_labels() -> None:
+    listed = documented_metrics()
     assert len(listed) >= 10  # the table was found and parsed
     registered = {name: (f.type, f.labels) for name, f in FAMILIES.items()}
     missing = sorted(registered.keys() - listed.keys())
-    assert not missing, f"add a README line under ## Metrics for {missing}"
-    assert not sorted(listed.keys() - registered.keys()), "the README lists metrics the registry does not have"
+    assert not missing, f"add a line to docs/metrics.md for {missing}"
+    assert not sorted(listed.keys() - registered.keys()), "docs/metrics.md lists metrics the registry does not have"
     for name, (kind, labels) in registered.items():
         assert listed[name] == (kind, labels), name
 
 
 @pytest.mark.django_db
-def test_every_family_metrics_serves_is_in_the_readme(client: Client) -> None:
+def test_every_family_metrics_serves_is_on_the_metrics_page(client: Client) -> None:
     metrics.REGISTRY.clear()
     metrics.record_request("e1", 0.01, 0.002, ok=True)
     ManagedProcess.objects.create(name="engine-1", restarts=1)
@@ -55,7 +54,7 @@ def test_every_family_metrics_serves_is_in_the_readme(client: Client) -> None:
         metrics.REGISTRY.clear()
     served = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     assert {"motor_engine_requests_total", "motor_process_restarts_total", "motor_admission_waiting"} <= served.keys()
-    listed = readme_metrics()
+    listed = documented_metrics()
     for name, kind in served.items():
         assert name in listed and listed[name][0] == kind, name
 
