@@ -382,7 +382,8 @@ def big_sim() -> Iterator[LiveServer]:
 
 def _pipeline(http: Http11Client, sim: LiveServer, render: RenderView, key: str) -> Any:
     from serving.pipeline.obfuscation.boundary import EngineBoundary
-    from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+    from serving.pipeline.placement.load import LoadTracker
+    from serving.pipeline.placement.scheduler import Scheduler
     from serving.pipeline.render.client import RenderClient
     from serving.pipeline.service import ServingPipeline
     from tests.serving.fakes import RENDER_URL, fleet_snapshot
