@@ -20,6 +20,7 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.errors import RequestError
 from serving.pipeline.http11 import Http11Client
+from serving.pipeline.obfuscation.fields import deobfuscate_event, deobfuscate_response, obfuscate_request
 from serving.pipeline.obfuscation.keyring import (
     clear_mappings,
     eligible,
@@ -33,10 +34,7 @@ from serving.pipeline.obfuscation.mapping import (
     ObfuscationKeyError,
     ObfuscationRefused,
     TokenMapping,
-    deobfuscate_event,
-    deobfuscate_response,
     key_id,
-    obfuscate_request,
     permutation,
 )
 from serving.pipeline.placement import filters
