@@ -4,8 +4,8 @@ The request path calls ``record_request`` once per engine request outcome. It co
 request (and its error) and observes its TTFT and TPOT in ``prometheus_client`` counters and
 histograms (``prometheus``, what ``/metrics`` serves), and adds it to ring buffers of
 ``BUCKETS`` buckets of ``BUCKET_S`` seconds (ten minutes) that the fleet dashboard reads
-(``snapshot``, ``export``). The cost per request is two locks and a few additions, and memory
-is bounded by the number of instances. Each coordinator process keeps its own; with several
+(``snapshot``, ``export``). The cost per request is a few additions, each under its lock, and
+memory is bounded by the number of instances. Each coordinator process keeps its own; with several
 processes a Prometheus server sums what each ``/metrics`` reports.
 
 Django-free like the rest of ``serving.pipeline``.

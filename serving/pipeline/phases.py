@@ -1,6 +1,6 @@
 """Where a /v1 request's time goes: one latency histogram per phase, and the recorder it carries.
 
-The phases (``metric_names``, README "Metrics"): render or local tokenization, the admission
+The phases (``metric_names``, docs/metrics.md): render or local tokenization, the admission
 queue wait, placement, the first generate chunk (from sending generate to its first event, or to
 its JSON answer), the first derender call, and the whole request at the edge. Each is observed
 where it happens, in one hook, through the request's ``Phases``: the process's ``Histograms``

@@ -1,8 +1,9 @@
 """/metrics through the real server: latency histograms whose buckets add up, and a quantile from them.
 
-Daphne, as ``make run`` starts it, over the fake upstreams on 127.0.0.1 (``served.py``); the
+Daphne, as ``make run`` starts it (and uvicorn, its other server: one process either way, so one
+registry answers every scrape), over the fake upstreams on 127.0.0.1 (``served.py``); the
 official ``openai`` client sends streamed and JSON chat completions, then ``/metrics`` is read
-over the same socket and parsed with ``prometheus_client``'s own parser.
+over a socket and parsed with ``prometheus_client``'s own parser.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def quantile(q: float, series: Series) -> float:
     raise AssertionError("the +Inf bucket holds every observation")
 
 
-def test_metrics_serves_ttft_tpot_duration_and_each_phase_as_histograms_that_add_up(fleet: Fleet) -> None:
-    with fleet.coordinator("daphne") as (cfg, _pid):
+@pytest.mark.parametrize("server", ["daphne", "uvicorn"])
+def test_metrics_serves_ttft_tpot_duration_and_each_phase_as_histograms_that_add_up(fleet: Fleet, server: str) -> None:
+    with fleet.coordinator(server) as (cfg, _pid):
         client = openai.OpenAI(base_url=cfg.coordinator_url + "/v1", api_key=API_KEY, max_retries=0)
         messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
         for _ in range(STREAMS):
