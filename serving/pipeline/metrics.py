@@ -62,7 +62,8 @@ class Point:
 
 @dataclass(frozen=True, slots=True)
 class InstanceSeries:
-    """The last ``BUCKETS`` buckets of one instance, oldest first (empty ones included), and totals."""
+    """The last ``BUCKETS`` buckets of one instance, oldest first (empty ones included), and the
+    window's totals (a whole-life total is the process's ``/metrics``)."""
 
     points: tuple[Point, ...]
     requests_total: int
@@ -73,23 +74,13 @@ class InstanceSeries:
     tpot_count: int
 
 
-@dataclass(slots=True)
-class _Totals:
-    requests: int = 0
-    errors: int = 0
-    ttft_sum: float = 0.0
-    ttft_count: int = 0
-    tpot_sum: float = 0.0
-    tpot_count: int = 0
-
-
 # The families ``record_request`` records, per engine instance.
 ENGINE_FAMILIES = (names.ENGINE_REQUESTS, names.ENGINE_ERRORS, names.ENGINE_TTFT, names.ENGINE_TPOT)
 
 
 class MetricsRegistry:
-    """Ring buffers of recent buckets per instance name and running totals (the dashboard), and
-    the same outcomes as ``prometheus_client`` counters and histograms (``prometheus``)."""
+    """Ring buffers of recent buckets per instance name (the dashboard), and the same outcomes
+    as ``prometheus_client`` counters and histograms since the process started (``prometheus``)."""
 
     def __init__(self, *, bucket_s: int = BUCKET_S, buckets: int = BUCKETS, clock: Callable[[], float] = time.time) -> None:
         self.bucket_s = bucket_s
@@ -99,7 +90,6 @@ class MetricsRegistry:
         # worker thread; the lock is held for a few additions, never across an await.
         self._lock = threading.Lock()
         self._rings: dict[str, list[_Bucket | None]] = {}
-        self._totals: dict[str, _Totals] = {}
         # What /metrics serves: requests, errors, TTFT and TPOT per instance (``ENGINE_FAMILIES``).
         self.prometheus = CollectorRegistry(auto_describe=True)
         self._recorders = tuple(Recorder(f, self.prometheus) for f in ENGINE_FAMILIES)
@@ -119,27 +109,19 @@ class MetricsRegistry:
             ring = self._rings.get(instance)
             if ring is None:
                 ring = self._rings[instance] = [None] * self.buckets
-                self._totals[instance] = _Totals()
             bucket = ring[index]
             if bucket is None or bucket.start != start:
                 # The slot still holds a bucket one lap (buckets * bucket_s) old: reuse it.
                 bucket = ring[index] = _Bucket(start)
-            totals = self._totals[instance]
             bucket.requests += 1
-            totals.requests += 1
             if not ok:
                 bucket.errors += 1
-                totals.errors += 1
             if ttft_s is not None:
                 bucket.ttft_sum += ttft_s
                 bucket.ttft_count += 1
-                totals.ttft_sum += ttft_s
-                totals.ttft_count += 1
             if tpot_s is not None:
                 bucket.tpot_sum += tpot_s
                 bucket.tpot_count += 1
-                totals.tpot_sum += tpot_s
-                totals.tpot_count += 1
         series = self._series.get(instance)
         if series is None:
             # The instance names are the operator's (the fleet's records): bounded by the fleet.
@@ -174,36 +156,12 @@ class MetricsRegistry:
             }
 
     def snapshot(self) -> dict[str, InstanceSeries]:
-        """Return every instance's last ``buckets`` buckets ending with the current one."""
-        current, _ = self._slot(self._clock())
-        starts = [current - (self.buckets - 1 - k) * self.bucket_s for k in range(self.buckets)]
-        out: dict[str, InstanceSeries] = {}
-        with self._lock:
-            for name, ring in self._rings.items():
-                by_start = {b.start: b for b in ring if b is not None}
-                points = []
-                for s in starts:
-                    b = by_start.get(s)
-                    if b is None:
-                        points.append(Point(s, 0, 0, None, None))
-                    else:
-                        points.append(
-                            Point(
-                                s, b.requests, b.errors,
-                                b.ttft_sum / b.ttft_count if b.ttft_count else None,
-                                b.tpot_sum / b.tpot_count if b.tpot_count else None,
-                            )
-                        )
-                t = self._totals[name]
-                out[name] = InstanceSeries(
-                    tuple(points), t.requests, t.errors, t.ttft_sum, t.ttft_count, t.tpot_sum, t.tpot_count
-                )
-        return out
+        """Every instance's last ``buckets`` buckets ending with the current one, and their totals."""
+        return merge([self.export()], now=self._clock(), bucket_s=self.bucket_s, buckets=self.buckets)
 
     def clear(self) -> None:
         with self._lock:
             self._rings.clear()
-            self._totals.clear()
             self._series.clear()
             for recorder in self._recorders:
                 recorder.clear()

@@ -47,7 +47,12 @@ def test_it_buckets_requests_by_time_and_keeps_totals() -> None:
     assert (series.requests_total, series.errors_total, series.ttft_count) == (4, 1, 3)
 
 
-def test_it_forgets_buckets_older_than_the_window_but_not_totals() -> None:
+def total(reg: MetricsRegistry, name: str, instance: str) -> float:
+    """A whole-life series of ``reg``'s ``/metrics`` (``prometheus_client``'s own reading)."""
+    return reg.prometheus.get_sample_value(name, {"instance": instance}) or 0.0
+
+
+def test_it_forgets_buckets_older_than_the_window_but_metrics_keeps_the_totals() -> None:
     clock = Clock()
     reg = MetricsRegistry(bucket_s=10, buckets=3, clock=clock)
     reg.record_request("e1", 0.1, None, ok=False)
@@ -57,7 +62,10 @@ def test_it_forgets_buckets_older_than_the_window_but_not_totals() -> None:
     assert [p.requests for p in series.points] == [0, 0, 1]
     assert [p.errors for p in series.points] == [0, 0, 0]
     assert series.points[-1].ttft_s == pytest.approx(0.5)
-    assert (series.requests_total, series.errors_total) == (2, 1)
+    assert (series.requests_total, series.errors_total) == (1, 0)  # the window's
+    assert total(reg, "motor_engine_requests_total", "e1") == 2 and total(reg, "motor_engine_errors_total", "e1") == 1
+    assert total(reg, "motor_engine_ttft_seconds_count", "e1") == 2
+    assert total(reg, "motor_engine_ttft_seconds_sum", "e1") == pytest.approx(0.6)
 
 
 def test_it_keeps_instances_apart() -> None:
@@ -104,6 +112,8 @@ async def test_it_times_a_stream_once_when_it_ends() -> None:
     # TTFT: 200 -> first token. TPOT: (last token - first token) / (5 tokens - 1).
     assert series.ttft_sum_s == pytest.approx(0.25)
     assert series.tpot_sum_s == pytest.approx((51.5 - 50.25) / 4)
+    assert total(reg, "motor_engine_ttft_seconds_sum", "e1") == pytest.approx(0.25)
+    assert total(reg, "motor_engine_tpot_seconds_sum", "e1") == pytest.approx((51.5 - 50.25) / 4)
 
 
 async def test_it_counts_a_stream_that_fails_as_an_error() -> None:
