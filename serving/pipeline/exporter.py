@@ -55,7 +55,8 @@ class Recorder:
     def __init__(self, family: Family, registry: CollectorRegistry) -> None:
         self.family = family
         self.metric = metric(family, registry)
-        # Keyed by the values as given; only series of declared values are kept, so it stays bounded.
+        # Keyed by the values as given, kept only when none was folded into ``other``: bounded by
+        # the label sets (and the fleet's names, for the operator's labels).
         self._children: dict[tuple[str, ...], Any] = {}
 
     def child(self, labels: Mapping[str, str]) -> Any:
