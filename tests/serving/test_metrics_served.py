@@ -80,6 +80,7 @@ def test_metrics_serves_ttft_tpot_duration_and_each_phase_as_histograms_that_add
             assert answer.choices[0].message.content
         response = httpx.get(cfg.coordinator_url + "/metrics", timeout=30)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    assert "_created" not in response.text and "python_gc_" not in response.text  # docs/metrics.md: neither
     found = histograms(response.text)
 
     timed = (names.ENGINE_TTFT, names.ENGINE_TPOT, *names.PHASES)
