@@ -51,3 +51,13 @@ def test_every_timing_family_uses_its_bucket_set() -> None:
     assert names.ENGINE_TPOT.buckets == names.TPOT_BUCKETS
     assert names.PHASE_END_TO_END.buckets == names.END_TO_END_BUCKETS
     assert all(f.buckets == names.PHASE_BUCKETS for f in names.PHASES if f is not names.PHASE_END_TO_END)
+
+
+def test_a_histogram_without_increasing_buckets_fails_at_import() -> None:
+    with pytest.raises(ValueError, match="increasing buckets"):
+        names.Family("motor_example_seconds", "histogram", "An example.")
+    with pytest.raises(ValueError, match="increasing buckets"):
+        names.Family("motor_example_seconds", "histogram", "An example.", buckets=(0.1, 0.05))
+    with pytest.raises(ValueError, match="increasing buckets"):
+        names.Family("motor_example_total", "counter", "An example.", buckets=(0.1,))
+    names.Family("motor_example_seconds", "histogram", "An example.", buckets=(0.05, 0.1))
