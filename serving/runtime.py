@@ -53,7 +53,8 @@ from serving.pipeline.obfuscation.mapping import TokenMapping
 from serving.pipeline.phases import Histograms
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex
 from serving.pipeline.placement.kv_events import KVEventHub
-from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, LoadTracker, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.tokenization import RenderHealth
