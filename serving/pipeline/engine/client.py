@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Mapping
 
 import httpx
 
+from serving.pipeline import tracing
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError
 from serving.pipeline.http11 import Http11Client, StreamReply, loads
 from serving.pipeline.protocol import EventBatches
@@ -37,9 +38,10 @@ def engine_request_id(request_id: str) -> str:
 def request_headers(request: Mapping[str, Any]) -> dict[str, str]:
     """``X-Request-Id`` for one generate leg: the leg's own ``request_id`` (what the logs name as
     ``engine_request_id``). vLLM builds its engine id from this header when it is present, in place
-    of the body's, so it must be the body's id: an abort names ``generate-tokens-<that id>``."""
+    of the body's, so it must be the body's id: an abort names ``generate-tokens-<that id>``. And
+    the request's trace headers, when it has any (``tracing.with_trace``)."""
     rid = request.get("request_id")
-    return {"X-Request-Id": rid} if isinstance(rid, str) and rid else {}
+    return tracing.with_trace({"X-Request-Id": rid} if isinstance(rid, str) and rid else {})
 
 
 def _raise_for_status(instance: InstanceView, response_status: int, body: Any) -> None:

@@ -35,6 +35,7 @@ from typing import Any, AsyncIterator, Mapping
 
 import httpx
 
+from serving.pipeline import tracing
 from serving.pipeline.engine.client import ReplyDeadline
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError, error_body
 from serving.pipeline.http11 import Http11Client, StreamReply, loads
@@ -273,7 +274,7 @@ class NativeClient:
         chunks each get the shared client's read timeout instead).
         """
         url = instance.url + NATIVE_PATHS[kind]
-        headers = {"X-Request-Id": request_id}
+        headers = tracing.with_trace({"X-Request-Id": request_id})
         try:
             if body.get("stream"):
                 opened: AbstractAsyncContextManager[StreamReply] = self._client.stream(
