@@ -25,7 +25,7 @@ from typing import Any
 from serving.pipeline import metric_names
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import EngineGuard, GenerateContext
-from serving.pipeline.engine.requests import attempt_request_id, resolved_max_tokens, with_max_tokens
+from serving.pipeline.engine.requests import attempt_request_id, engine_request, resolved_max_tokens
 from serving.pipeline.errors import EngineError, EngineLacksCapability, NoCapacity, TriggerMultiPromptStream
 from serving.pipeline.flow_control.admission import reserve_together
 from serving.pipeline.metrics import RouterCounters
@@ -148,28 +148,27 @@ def context_room(
     return min(contexts) - prompt_tokens if contexts else None
 
 
-def clamped_request(
+def clamped_max_tokens(
     snapshot: FleetSnapshot, scheduler: Scheduler, model: str, request: Mapping[str, Any], prompt_tokens: int, *,
     exclude: Collection[str] = (),
-) -> dict[str, Any]:
-    """``request`` with ``max_tokens`` resolved (render's omitted 16) and, with the context budget
-    on, clamped to ``context_room``; the one value placement, admission, the rate-limit charge and
-    the engine all see."""
-    req = dict(request)
-    max_tokens = resolved_max_tokens(req)
+) -> int:
+    """``request``'s ``max_tokens`` resolved (render's omitted 16) and, with the context budget on,
+    clamped to ``context_room``; the one value placement, admission, the rate-limit charge and the
+    engine all see."""
+    max_tokens = resolved_max_tokens(request)
     if snapshot.render.context_budget:
         room = context_room(snapshot, scheduler, model, prompt_tokens, exclude=exclude)
         if room is not None:
             max_tokens = max(1, min(max_tokens, room))
-    return with_max_tokens(req, max_tokens)
+    return max_tokens
 
 
 def requested_tokens(prompt: TokenizedPrompt, snapshot: FleetSnapshot, scheduler: Scheduler, model: str) -> int:
-    """Prompt + max output per choice, as the context budget leaves it (``clamped_request``):
+    """Prompt + max output per choice, as the context budget leaves it (``clamped_max_tokens``):
     what the request is charged, the number its placement and lease will use."""
-    request = clamped_request(snapshot, scheduler, model, prompt.generate_request, len(prompt.token_ids))
+    max_tokens = clamped_max_tokens(snapshot, scheduler, model, prompt.generate_request, len(prompt.token_ids))
     n = int(prompt.sampling_params.get("n") or 1)
-    return len(prompt.token_ids) + resolved_max_tokens(request) * n
+    return len(prompt.token_ids) + max_tokens * n
 
 
 class Attempts:
@@ -191,17 +190,21 @@ class Attempts:
         self.trigger_fanout = False
 
     def budget(
-        self, request: dict[str, Any], prompt_tokens: int, model: str, *, exclude: Collection[str] = ()
-    ) -> tuple[dict[str, Any], int]:
-        """The engine request and its tokens (prompt + max output per choice), before placement.
+        self, request: Mapping[str, Any], prompt_tokens: int, model: str, *, exclude: Collection[str] = ()
+    ) -> tuple[int, int]:
+        """The engine request's ``max_tokens`` and its tokens (prompt + max output per choice),
+        before placement.
 
         ``max_tokens`` is resolved (render's omitted 16) and, with the context budget on, clamped
-        to the room the candidates have (``context_room``) and written into ``sampling_params``:
-        placement scores, admission holds and the engine generates the same number.
+        to the room the candidates have (``context_room``); the engine request gets it in
+        ``sampling_params`` (``engine_request``): placement scores, admission holds and the engine
+        generates the same number.
         """
-        req = clamped_request(self.snapshot, self.guard.scheduler, model, request, prompt_tokens, exclude=exclude)
-        n = int(req["sampling_params"].get("n") or 1)
-        return req, prompt_tokens + resolved_max_tokens(req) * n
+        max_tokens = clamped_max_tokens(
+            self.snapshot, self.guard.scheduler, model, request, prompt_tokens, exclude=exclude
+        )
+        n = int((request.get("sampling_params") or {}).get("n") or 1)
+        return max_tokens, prompt_tokens + max_tokens * n
 
     def too_small(self, prompt: TokenizedPrompt) -> set[str]:
         """Instances whose own context cannot hold the prompt plus one output token."""
@@ -237,9 +240,9 @@ class Attempts:
         first = plan.attempt if plan is not None else first_attempt
         for attempt in range(first, first + self.policy.max_attempts):
             attempt_plan = replace(plan, attempt=attempt) if plan is not None else None
-            base = attempt_plan.request() if attempt_plan is not None else dict(prompt.generate_request)
+            base = attempt_plan.request() if attempt_plan is not None else prompt.generate_request
             # Clamped before placement: the scores, the lease and the engine see one budget.
-            engine_req, tokens = self.budget(base, len(token_ids), tokenized.model, exclude=excluded)
+            max_tokens, tokens = self.budget(base, len(token_ids), tokenized.model, exclude=excluded)
             ineligible = self.topologies.pd_ineligible(base)
             start = self.phases.now()
             try:
@@ -259,9 +262,8 @@ class Attempts:
                 logger.info("route request_id=%s prompt=%d path=native reason=trigger_multi_prompt_stream instances=%s",
                             prompt.request_id, index, placement.names)
                 raise TriggerMultiPromptStream("multi-prompt streaming on Trigger takes the native path")
-            rid = engine_req["request_id"] = (
-                attempt_plan.request_id if attempt_plan is not None else attempt_request_id(prompt.request_id, attempt)
-            )
+            rid = attempt_plan.request_id if attempt_plan is not None else attempt_request_id(prompt.request_id, attempt)
+            engine_req = engine_request(base, request_id=rid, max_tokens=max_tokens)
             logger.info(
                 "placement request_id=%s prompt=%d attempt=%d topology=%s instances=%s prefix_hit_blocks=%d tokens=%d "
                 "stream=%s pd_ineligible=%s", rid, index, attempt, placement.topology, placement.names,

@@ -23,6 +23,7 @@ from typing import (
 from urllib.parse import urlsplit
 
 from serving.pipeline.engine.leg import GenerateContext, Opened
+from serving.pipeline.engine.requests import decode_request, leg_ids, prefill_request
 from serving.pipeline.errors import EngineError
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import InstanceView
@@ -35,10 +36,7 @@ from serving.pipeline.topologies.pd import (
     _prefill_tokens,
     _reserve,
     _sides,
-    decode_request,
-    leg_ids,
     pd_context,
-    prefill_request,
 )
 
 logger = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ from typing import (
 
 from serving.pipeline.engine.client import engine_request_id
 from serving.pipeline.engine.leg import GenerateContext, Opened
+from serving.pipeline.engine.requests import decode_request, leg_ids, prefill_request
 from serving.pipeline.errors import EngineError, NoCapacity
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import InstanceView
@@ -31,10 +32,7 @@ from serving.pipeline.topologies.pd import (
     _prefill_tokens,
     _settle,
     _sides,
-    decode_request,
-    leg_ids,
     pd_context,
-    prefill_request,
 )
 
 logger = logging.getLogger(__name__)
