@@ -530,14 +530,6 @@ async def test_trigger_blames_a_decode_instance_that_answers_without_calling_bac
     assert info.value.instance == d.name and "without calling back" in info.value.message
 
 
-async def test_trigger_needs_a_metaserver(engines: RecordingEngines, push_decode: LiveServer) -> None:
-    placed = Placed(view(push_decode, "prefill", "push"), view(push_decode, "decode", "push"))
-    ctx = dataclasses.replace(router_pd_context(engines, "r6", placed), metaserver=None)
-    with pytest.raises(NoCapacity):
-        await whole(open_trigger, ctx, placed, request("r6"))
-    assert engines.sent == []
-
-
 async def test_a_cancelled_trigger_releases_everything(
     http: httpx.AsyncClient, engines: RecordingEngines, load: LoadTracker, metaserver: MetaServer,
     push_prefill: LiveServer, slow_union: LiveServer,

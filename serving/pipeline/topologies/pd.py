@@ -70,21 +70,21 @@ class PDContext:
 
     engines: EngineClient  # for aborts
     request_id: str  # the public request id, for logs
-    leg_fn: LegFn  # every leg's generate, through the router's guarded leg
+    # The router's work around each leg (``pd_context`` binds them to one attempt): every leg's
+    # generate, the decode leg's stream, D's holds taken ahead of P's prefill (Handoff).
+    leg_fn: LegFn
+    stream_fn: StreamLegFn
+    reserve_fn: ReserveFn
+    metaserver: MetaServer  # Trigger: where D calls back
+    # Trigger: picks P when the callback arrives (the placement's P unless its breaker opened).
+    pick_prefill: Callable[[], InstanceView]
     prompt_index: int = 0
     # Admission tokens of the decode leg (prompt + resolved output); the prefill leg holds prompt + 1.
     tokens: int = 0
-    metaserver: MetaServer | None = None
     # Trigger: how long D's callback may take to arrive once D accepted the request.
     callback_timeout_s: float = 30.0
-    # Trigger: picks P when the callback arrives (default: the placement's P).
-    pick_prefill: Callable[[], InstanceView] | None = None
     # The run's mode: whether D's leg streams (through ``stream_fn``) or answers whole.
     stream: bool = False
-    # Streaming: opens the decode leg's stream.
-    stream_fn: StreamLegFn | None = None
-    # Handoff: reserves D before P's prefill (without it, D's leg takes its holds when it runs).
-    reserve_fn: ReserveFn | None = None
 
 
 def _ms(start: float) -> float:
@@ -164,14 +164,7 @@ async def _final_leg(
     rid = request["request_id"]
     if not ctx.stream:
         return Opened(instance, rid, response=await _leg(ctx, "decode", instance, request, ctx.tokens, reserved))
-    if ctx.stream_fn is None:
-        raise NoCapacity("a streaming prefill/decode run needs the router's streaming leg")
     return Opened(instance, rid, events=await ctx.stream_fn(instance, request, "decode", ctx.tokens, stack, reserved))
-
-
-async def _reserve(ctx: PDContext, instance: InstanceView) -> Reservation | None:
-    """D's holds taken ahead of P's prefill, when the run has the router's guard to take them."""
-    return await ctx.reserve_fn(instance, ctx.tokens) if ctx.reserve_fn is not None else None
 
 
 # -- the router's seam ----------------------------------------------------------------------
@@ -209,7 +202,6 @@ def pd_context(ctx: GenerateContext, placement: PDPlacement, *, callback_timeout
         return min(others, key=lambda i: (scheduler.load.inflight(i.name) / max(i.weight, 1), i.name))
 
     return PDContext(
-        ctx.engines, ctx.request_id, leg, ctx.prompt_index, tokens=ctx.tokens,
-        metaserver=process_metaserver(), callback_timeout_s=callback_timeout_s, pick_prefill=pick_prefill,
-        stream=ctx.stream, stream_fn=stream_leg, reserve_fn=reserve,
+        ctx.engines, ctx.request_id, leg, stream_leg, reserve, process_metaserver(), pick_prefill,
+        ctx.prompt_index, tokens=ctx.tokens, callback_timeout_s=callback_timeout_s, stream=ctx.stream,
     )
