@@ -36,7 +36,7 @@ from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.tokenization import RenderHealth, TokenizedRequest
-from serving.pipeline.resilience.attempts import AttemptPolicy
+from serving.pipeline.resilience.attempts import AttemptPolicy, attempt_loop
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
 from serving.pipeline.streaming.fanout import first_error
 from serving.pipeline.topologies.metaserver import process_metaserver
@@ -55,6 +55,10 @@ logger = logging.getLogger(__name__)
 
 def _ms(start: float) -> float:
     return (time.perf_counter() - start) * 1000
+
+
+def _names(route: InstanceView | NativePair) -> tuple[str, ...]:
+    return route.names if isinstance(route, NativePair) else (route.name,)
 
 
 def _hint(reason: str) -> str:
@@ -140,19 +144,20 @@ class NativePath:
         self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, model: str, pd_unfit: str,
         estimate: NativeEstimate,
     ) -> dict[str, Any] | NativeStream:
-        """The attempt loop: the best native route now, elsewhere after a failure, within the budget."""
+        """The attempts (``attempt_loop``): the best native route now, elsewhere after a failure,
+        within the budget. A pair is left whole, as the token-only attempt policy leaves one: the
+        fault may lie between P and D (the KV transfer)."""
         excluded: set[str] = set()
-        last: EngineError | None = None
-        for attempt in range(self.policy.max_attempts):
+
+        def place(attempt: int) -> InstanceView | NativePair:
             routes = self._native_routes(model, pd_unfit, exclude=excluded)
             if not routes:
-                if last is not None:
-                    raise last
                 raise self._no_route(model, reason, pd_unfit)
-            route = routes[0]
+            return routes[0]
+
+        async def run(route: InstanceView | NativePair, attempt: int) -> dict[str, Any] | NativeStream:
             # The instance that answers the client: the union one, or the pair's decode side.
             instance = route.decode if isinstance(route, NativePair) else route
-            names = route.names if isinstance(route, NativePair) else (route.name,)
             start = time.perf_counter()
             stack = AsyncExitStack()
             try:
@@ -174,33 +179,27 @@ class NativePath:
                         instance, kind, body, request_id, tokens=estimate.tokens(instance.max_model_len),
                         max_output=estimate.output(instance.max_model_len), stack=stack,
                     )
-            except BreakerOpen:
-                # Raced a half-open probe slot: not this request's failure, just not this instance.
-                await stack.aclose()
-                excluded.update(names)
-                continue
-            except EngineError as exc:
-                # Busy, lacking the capability or failed (the guard told the breaker which): elsewhere.
-                # A pair is left whole, as the token-only attempt policy leaves one: the fault may
-                # lie between P and D (the KV transfer).
-                await stack.aclose()
-                last = exc
-                excluded.update(names)
-                logger.warning("native request_id=%s instance=%s attempt=%d result=%s", request_id, ",".join(names),
-                               attempt, type(exc).__name__)
-                continue
             except BaseException:
                 await stack.aclose()
                 raise
             logger.info("native request_id=%s instance=%s attempt=%d result=ok latency_ms=%.1f",
-                        request_id, ",".join(names), attempt, _ms(start))
-            if isinstance(result, NativeStream):
-                return result
-            await stack.aclose()
+                        request_id, ",".join(_names(route)), attempt, _ms(start))
+            if not isinstance(result, NativeStream):
+                await stack.aclose()
             return result
-        if last is not None:
-            raise last
-        raise self._no_route(model, reason, pd_unfit)
+
+        def failed(exc: EngineError, route: InstanceView | NativePair, attempt: int) -> tuple[str, ...]:
+            # Busy, lacking the capability or failed (the guard told the breaker which): elsewhere.
+            # A breaker holding it off (a raced half-open probe slot) is not this request's failure.
+            if not isinstance(exc, BreakerOpen):
+                logger.warning("native request_id=%s instance=%s attempt=%d result=%s", request_id,
+                               ",".join(_names(route)), attempt, type(exc).__name__)
+            return _names(route)
+
+        return await attempt_loop(
+            range(self.policy.max_attempts), excluded, place, run, failed,
+            lambda: self._no_route(model, reason, pd_unfit), unblamed=(BreakerOpen,),
+        )
 
     async def _native_prompts(
         self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, model: str,

@@ -85,13 +85,14 @@ class Phases:
     @classmethod
     def begin(
         cls, histograms: Histograms | None, api: str, body: Mapping[str, Any], start: float, *,
-        tracer: PhaseTracer | None = None, request_id: str = "",
+        tracer: PhaseTracer | None = None, request_id: str = "", parent: Mapping[str, str] | None = None,
     ) -> Phases:
-        """The recorder of a request of route ``api`` that arrived at ``start``, traced by ``tracer``."""
+        """The recorder of a request of route ``api`` that arrived at ``start``, traced by ``tracer``
+        (a child of the client's trace when ``parent``, its W3C trace headers, names one)."""
         labels = {"api": api, "mode": "stream" if body.get("stream") else "json"}
         trace = None
         if tracer is not None and histograms is not None:
-            trace = tracer.begin(request_id, labels, start, histograms.clock)
+            trace = tracer.begin(request_id, labels, start, histograms.clock, parent)
         return cls(histograms, labels, start, trace=trace)
 
     def now(self) -> float:
