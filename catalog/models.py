@@ -138,8 +138,8 @@ class RenderConfig(models.Model):
     last_probe_error = models.TextField(blank=True)
     pool_size = models.PositiveIntegerField(
         default=1, validators=[MinValueValidator(1), MaxValueValidator(16)],
-        help_text="Sidecars `make run` starts for this config (ports from `port` up); sidecars added by address "
-        "are members too. Each call goes to the member with the fewest outstanding calls.",
+        help_text="Sidecars `make run` started for this config (MOTOR_RENDER_POOL_SIZE: on `port` and the ports "
+        "after it); sidecars added by address are members too.",
     )
     # Set by render_config_publish when a change needs the managed sidecar restarted; cleared by
     # whatever restarts it (the launcher), so an operator can see a restart is still owed.
@@ -180,6 +180,8 @@ class RenderSidecar(models.Model):
         "streaming_derender (the version floors), tokenizer_loaded.",
     )
     health = models.CharField(max_length=10, choices=Health.choices, default=Health.UNKNOWN)
+    consecutive_successes = models.PositiveIntegerField(default=0)
+    consecutive_failures = models.PositiveIntegerField(default=0)
     last_probe_at = models.DateTimeField(null=True, blank=True)
     last_probe_error = models.TextField(blank=True)
     created = models.DateTimeField(auto_now_add=True)

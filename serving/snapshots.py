@@ -102,8 +102,14 @@ def render_members(cfg: RenderConfig) -> tuple[RenderMember, ...]:
     members = []
     for row in rows:
         caps = probed_capabilities(row.sidecar_version)
-        members.append(RenderMember(row.base_url, row.sidecar_version, caps.token_in, caps.derender,
-                                    caps.streaming_derender, healthy=row.health != Health.FAILING))
+        # The probe's record of the routes it serves can only take away what the version gives.
+        found = row.capabilities or {}
+        members.append(RenderMember(
+            row.base_url, row.sidecar_version, caps.token_in and found.get("token_in", True) is not False,
+            caps.derender and found.get("derender", True) is not False,
+            caps.streaming_derender and found.get("streaming_derender", True) is not False,
+            healthy=row.health != Health.FAILING,
+        ))
     return tuple(members)
 
 

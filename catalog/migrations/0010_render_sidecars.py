@@ -26,7 +26,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='renderconfig',
             name='pool_size',
-            field=models.PositiveIntegerField(default=1, help_text='Sidecars `make run` starts for this config (ports from `port` up); sidecars added by address are members too. Each call goes to the member with the fewest outstanding calls.', validators=[django.core.validators.MinValueValidator(1), django.core.validators.MaxValueValidator(16)]),
+            field=models.PositiveIntegerField(default=1, help_text='Sidecars `make run` started for this config (MOTOR_RENDER_POOL_SIZE: on `port` and the ports after it); sidecars added by address are members too.', validators=[django.core.validators.MinValueValidator(1), django.core.validators.MaxValueValidator(16)]),
         ),
         migrations.CreateModel(
             name='RenderSidecar',
@@ -37,6 +37,8 @@ class Migration(migrations.Migration):
                 ('sidecar_version', models.CharField(blank=True, max_length=50)),
                 ('capabilities', models.JSONField(blank=True, default=dict, help_text='What the probe found: vLLM version, the render/derender routes served, token_in, derender, streaming_derender (the version floors), tokenizer_loaded.')),
                 ('health', models.CharField(choices=[('unknown', 'unknown'), ('healthy', 'healthy'), ('failing', 'failing')], default='unknown', max_length=10)),
+                ('consecutive_successes', models.PositiveIntegerField(default=0)),
+                ('consecutive_failures', models.PositiveIntegerField(default=0)),
                 ('last_probe_at', models.DateTimeField(blank=True, null=True)),
                 ('last_probe_error', models.TextField(blank=True)),
                 ('created', models.DateTimeField(auto_now_add=True)),
