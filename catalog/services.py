@@ -251,6 +251,21 @@ def render_member_remove(*, config_id: int, member_id: int, actor: str) -> None:
     logger.info("render sidecar removed config_id=%s url=%s actor=%s", config_id, member.base_url, actor)
 
 
+def render_member_moved(
+    *, config_id: int, expected: dict[str, Any], host: str, old_port: int, port: int, actor: str
+) -> bool:
+    """Point the pool member at ``host``:``old_port`` at its replacement on ``port``, if the config
+    is still as ``expected`` (the launcher's rolling restart of a pool, one member at a time)."""
+    with transaction.atomic():
+        if not RenderConfig.objects.filter(id=config_id, **expected).exists():
+            return False
+        moved = RenderSidecar.objects.filter(render_config_id=config_id, host=host, port=old_port).update(port=port)
+        if moved:
+            bump_control_version()
+    logger.info("render pool member moved config_id=%s %s:%s -> %s actor=%s", config_id, host, old_port, port, actor)
+    return True
+
+
 def render_sidecar_restarted(*, config_id: int, expected: dict[str, Any], actor: str) -> bool:
     """Clear ``restart_required`` once a sidecar started for ``expected`` serves (compare-and-set).
 
