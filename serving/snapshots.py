@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -109,8 +109,17 @@ def render_members(cfg: RenderConfig) -> tuple[RenderMember, ...]:
             caps.derender and found.get("derender", True) is not False,
             caps.streaming_derender and found.get("streaming_derender", True) is not False,
             healthy=row.health != Health.FAILING,
+            render_routes=_routes(found, "render"), derender_routes=_routes(found, "derender"),
         ))
     return tuple(members)
+
+
+def _routes(capabilities: dict[str, Any], which: str) -> frozenset[str] | None:
+    """The API kinds a member's probe found ``which`` routes for; None when it found no route list."""
+    routes = capabilities.get("routes")
+    if not isinstance(routes, dict) or not isinstance(routes.get(which), list):
+        return None
+    return frozenset(str(k) for k in routes[which])
 
 
 def wire_connector(kv_connector: str, hardware: str) -> str:

@@ -40,6 +40,10 @@ class RenderMember:
     derender: bool = True
     streaming_derender: bool = True
     healthy: bool = True
+    # The API kinds its probe found render and derender routes for (its OpenAPI document): a call
+    # of another kind goes to another member. None: not probed, every route taken as served.
+    render_routes: frozenset[str] | None = None
+    derender_routes: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,3 +163,14 @@ def test_demo_fleet_makes_the_pool_make_run_started(tmp_path: Any) -> None:
     assert run(8100) == [8100]  # one sidecar by default, as before
     assert run(8100, 8101) == [8100, 8101]
     assert run(8100) == [8100]  # a run with fewer leaves no member nobody listens on
+
+
+@pytest.mark.django_db
+def test_the_routes_a_probe_found_reach_the_snapshot() -> None:
+    config = RenderConfig.objects.create()
+    RenderSidecar.objects.create(render_config=config, port=8100, sidecar_version="0.33.0", capabilities={
+        "routes": {"render": ["chat", "completions"], "derender": ["chat", "completions"]}})
+    RenderSidecar.objects.create(render_config=config, port=8101)
+    probed, unprobed = build_snapshot().render.members
+    assert probed.render_routes == frozenset({"chat", "completions"}) and probed.derender_routes == probed.render_routes
+    assert unprobed.render_routes is None and unprobed.derender_routes is None

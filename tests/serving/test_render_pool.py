@@ -168,3 +168,21 @@ def test_a_view_without_members_is_one_member_at_its_base_url(members: tuple[Ren
     view = pool_snapshot(*POOL).render
     pool = RenderPool(httpx.AsyncClient(), replace(view, members=members), PoolState())  # type: ignore[arg-type]
     assert pool.base_urls == ((A,) if not members else (A, B))
+
+
+async def test_a_call_goes_to_a_member_whose_probe_found_its_route(rig: Rig) -> None:
+    """An older member without the Messages render route: the native path's prompt count for a
+    Messages request goes to the member that serves it; chat renders go to either."""
+    no_messages = replace(POOL[0], render_routes=frozenset({"chat", "completions"}))
+    pool = RenderPool(rig.client, pool_snapshot(no_messages, POOL[1]).render, PoolState())
+    assert pool.pick("token_in", "messages") == POOL[1]
+    assert pool.pick("token_in", "chat") == no_messages
+    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    rig.upstreams.override("render2", "render", lambda request, _b: httpx.Response(200, json={"token_ids": [1, 2, 3]}))
+    assert await pool.prompt_lengths("messages", body, "r1") == [3]
+    assert [(c.host, c.path) for c in rig.upstreams.calls] == [("render2", "/v1/messages/render")]
+    # Nothing serves it: render is unavailable for it (the caller's fallback), no member is called.
+    only_old = RenderPool(rig.client, pool_snapshot(no_messages).render, PoolState())
+    with pytest.raises(RenderUnavailable):
+        await only_old.prompt_lengths("messages", body, "r2")
+    assert len(rig.upstreams.calls) == 1

@@ -85,6 +85,11 @@ def pool_members(view: RenderView) -> tuple[RenderMember, ...]:
                          streaming_derender=view.streaming_derender),)
 
 
+def _serves(member: RenderMember, need: str, kind: str | None) -> bool:
+    routes = member.render_routes if need == TOKEN_IN else member.derender_routes
+    return kind is None or routes is None or kind in routes
+
+
 class RenderPool(RenderClient):
     """A ``RenderClient`` whose every call goes to one member of the view's pool (see the module doc).
 
@@ -103,11 +108,11 @@ class RenderPool(RenderClient):
     def base_urls(self) -> tuple[str, ...]:
         return tuple(m.base_url for m in self.members)
 
-    def candidates(self, need: str) -> list[RenderMember]:
-        """Members that can serve a call needing ``need``, best first: those up before those down
-        (marked in this process, or failing their probes), each group by fewest outstanding calls
-        (ties: pool order)."""
-        able = [m for m in self.members if getattr(m, need)]
+    def candidates(self, need: str, kind: str | None = None) -> list[RenderMember]:
+        """Members that can serve a call needing ``need`` (for API ``kind``, when its route is
+        known), best first: those up before those down (marked in this process, or failing their
+        probes), each group by fewest outstanding calls (ties: pool order)."""
+        able = [m for m in self.members if getattr(m, need) and _serves(m, need, kind)]
 
         def rank(item: tuple[int, RenderMember]) -> tuple[bool, int, int]:
             i, m = item
@@ -116,8 +121,8 @@ class RenderPool(RenderClient):
 
         return [m for _, m in sorted(enumerate(able), key=rank)]
 
-    def pick(self, need: str) -> RenderMember | None:
-        found = self.candidates(need)
+    def pick(self, need: str, kind: str | None = None) -> RenderMember | None:
+        found = self.candidates(need, kind)
         return found[0] if found else None
 
     async def _on(self, member: RenderMember, call: Callable[[RenderClient], Awaitable[T]]) -> T:
@@ -129,19 +134,19 @@ class RenderPool(RenderClient):
             if self.state.outstanding[member.base_url] <= 0:
                 del self.state.outstanding[member.base_url]
 
-    def _tries(self, need: str) -> Iterator[RenderMember]:
+    def _tries(self, need: str, kind: str | None) -> Iterator[RenderMember]:
         """Each able member once, re-ranked before each try (the load moved while one failed)."""
         tried: set[str] = set()
         while True:
-            left = [m for m in self.candidates(need) if m.base_url not in tried]
+            left = [m for m in self.candidates(need, kind) if m.base_url not in tried]
             if not left:
                 return
             tried.add(left[0].base_url)
             yield left[0]
 
-    async def _render(self, call: Callable[[RenderClient], Awaitable[T]]) -> T:
+    async def _render(self, kind: str, call: Callable[[RenderClient], Awaitable[T]]) -> T:
         last: RenderUnavailable | None = None
-        for member in self._tries(TOKEN_IN):
+        for member in self._tries(TOKEN_IN, kind):
             health = self.state.health_of(member.base_url)
             if health.skip() and last is not None:
                 break  # the rest are down too (ranked last): the local tokenizer is next
@@ -155,11 +160,11 @@ class RenderPool(RenderClient):
             return out
         raise last or RenderUnavailable("no render sidecar of the pool can render token ids", reason="capability")
 
-    async def _derender(self, need: str, call: Callable[[RenderClient], Awaitable[T]]) -> T:
+    async def _derender(self, need: str, kind: str, call: Callable[[RenderClient], Awaitable[T]]) -> T:
         last: DerenderError | None = None
         try:
             async with asyncio.timeout(self.timeout_s):  # one bound for the call, failovers included
-                for member in self._tries(need):
+                for member in self._tries(need, kind):
                     try:
                         return await self._on(member, call)
                     except DerenderRetryable as exc:
@@ -176,33 +181,33 @@ class RenderPool(RenderClient):
     # -- the RenderClient calls, each on one member -------------------------------------------------
 
     async def render_chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        return await self._render(lambda c: c.render_chat(body, request_id))
+        return await self._render("chat", lambda c: c.render_chat(body, request_id))
 
     async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
-        return await self._render(lambda c: c.render_completions(body, request_id))
+        return await self._render("completions", lambda c: c.render_completions(body, request_id))
 
     async def prompt_lengths(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> list[int]:
-        return await self._render(lambda c: c.prompt_lengths(kind, body, request_id))
+        return await self._render(kind, lambda c: c.prompt_lengths(kind, body, request_id))
 
     async def derender_chat(
         self, generate_response: dict[str, Any], *, prompt_token_ids: list[int], chat_request: dict[str, Any],
         model: str | None,
     ) -> dict[str, Any]:
-        return await self._derender(DERENDER, lambda c: c.derender_chat(
+        return await self._derender(DERENDER, "chat", lambda c: c.derender_chat(
             generate_response, prompt_token_ids=prompt_token_ids, chat_request=chat_request, model=model))
 
     async def derender_completions(
         self, generate_responses: list[dict[str, Any]], *, prompt_token_ids: list[list[int]],
         completion_request: dict[str, Any], model: str | None,
     ) -> dict[str, Any]:
-        return await self._derender(DERENDER, lambda c: c.derender_completions(
+        return await self._derender(DERENDER, "completions", lambda c: c.derender_completions(
             generate_responses, prompt_token_ids=prompt_token_ids, completion_request=completion_request, model=model))
 
     async def derender_chunk(
         self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: dict[str, Any] | None,
         prompt_tokens: int, prompt_token_ids: list[int] | None, request: dict[str, Any] | None, model: str | None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        return await self._derender(STREAMING_DERENDER, lambda c: c.derender_chunk(
+        return await self._derender(STREAMING_DERENDER, kind, lambda c: c.derender_chunk(
             kind, generate_chunk, stream_state=stream_state, prompt_tokens=prompt_tokens,
             prompt_token_ids=prompt_token_ids, request=request, model=model))
 
