@@ -26,7 +26,7 @@ from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.http11 import Http11Client
-from serving.pipeline.placement.scheduler import LoadTracker
+from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.snapshot import InstanceView
 
 

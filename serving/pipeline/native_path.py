@@ -31,7 +31,7 @@ from serving.pipeline.errors import (
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.phases import Phases
-from serving.pipeline.placement.filters import has_native_pd, native_candidates, unpaired_native_pd
+from serving.pipeline.placement.filters import has_native_pd, unpaired_native_pd
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.render.client import RenderClient
@@ -245,7 +245,7 @@ class NativePath:
         """Where the native path may go now, best first: union instances' own API (least loaded),
         then P/D pairs' (the guide's proxy flow) when the request fits a pair."""
         routes: list[InstanceView | NativePair] = list(
-            native_candidates(self.snapshot, self.scheduler, model, exclude=exclude)
+            self.scheduler.native_candidates(self.snapshot, model, exclude=exclude)
         )
         if not pd_unfit:
             load = self.scheduler.load.inflight
@@ -258,7 +258,7 @@ class NativePath:
     def _splits(self, model: str) -> bool:
         """Whether a body of several prompts goes per prompt through P/D pairs: no union instance
         takes it whole now, and some pair takes a single prompt."""
-        return not native_candidates(self.snapshot, self.scheduler, model) and bool(self._native_routes(model, ""))
+        return not self.scheduler.native_candidates(self.snapshot, model) and bool(self._native_routes(model, ""))
 
     def _no_route(self, model: str, reason: str, pd_unfit: str) -> NoCapacity:
         """The 503 when no native route is left: why pairs are out, when that is the reason."""

@@ -25,7 +25,7 @@ from motorsite.supervisor import Supervisor, free_port, together
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.http11 import Http11Client
-from serving.pipeline.placement.scheduler import LoadTracker
+from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.topologies.handoff import open_handoff

@@ -23,7 +23,7 @@ from enginesim import SimConfig
 from enginesim.testing import LiveServer
 from serving.pipeline.errors import EngineError
 from serving.pipeline.http11 import Http11Client
-from serving.pipeline.placement.scheduler import LoadTracker
+from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.topologies.handoff import (
     MOONCAKE_BOOTSTRAP_PORT,

@@ -19,7 +19,8 @@ import pytest
 
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import EventStream, ServingPipeline

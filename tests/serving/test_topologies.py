@@ -27,7 +27,8 @@ from serving.pipeline.engine.leg import BreakerOpen, GenerateContext, Opened
 from serving.pipeline.errors import AdmissionTimeout, EngineError, NoCapacity
 from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
 from serving.pipeline.http11 import Http11Client
-from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.tokenization import TokenizedPrompt
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import ServingPipeline
