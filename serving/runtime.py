@@ -62,7 +62,7 @@ from serving.pipeline.request_checks import RequestLimits
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.resilience.shared_breaker import SharedBreakerBoard
 from serving.pipeline.service import ServingPipeline
-from serving.pipeline.snapshot import FleetSnapshot
+from serving.pipeline.snapshot import FleetSnapshot, RenderView
 from serving.pipeline.topologies import hybrid
 from serving.pipeline.topologies.metaserver import process_metaserver
 from serving.pipeline.topologies.registry import TopologyRegistry
@@ -308,10 +308,30 @@ def render_health_for(base_url: str) -> RenderHealth:
     return RUNTIME.render_pool.health_of(key)
 
 
+# The render pools made for recent views (a view and the client it was made with, by the view's
+# id): a pool holds no per-request state, so requests of one snapshot share one. Bounded: old
+# snapshots' pools are dropped, and a pipeline still using one keeps it alive itself.
+_render_pools: dict[int, tuple[RenderView, Any, RenderPool]] = {}
+_RENDER_POOLS_KEPT = 16
+
+
+def render_pool_for(view: RenderView) -> RenderPool:
+    """The pool of ``view`` (a snapshot's render view) on this loop's shared client."""
+    client = http.shared_client()
+    found = _render_pools.get(id(view))
+    if found is not None and found[0] is view and found[1] is client:
+        return found[2]
+    if len(_render_pools) >= _RENDER_POOLS_KEPT:
+        _render_pools.clear()
+    pool = RenderPool(client, view, RUNTIME.render_pool)
+    _render_pools[id(view)] = (view, client, pool)
+    return pool
+
+
 def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
     client = http.shared_client()
     # The render pool of the snapshot's view: each call picks its member (render/pool.py).
-    render = RenderPool(client, snapshot.render, RUNTIME.render_pool)
+    render = render_pool_for(snapshot.render)
     boundary = EngineBoundary(obfuscation_mapping(snapshot))
     # Placement keeps instances whose declared key id does not fit the render config out of
     # traffic itself (placement/filters.py), so the pipeline gets the snapshot as it is.
