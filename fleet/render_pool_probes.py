@@ -22,7 +22,7 @@ from catalog.render_versions import render_capabilities
 from fleet.probes import _client, _post_ready, thresholds
 from fleet.verdicts import next_health
 from motorsite import tiers
-from motorsite.core import bump_control_version, current_render_config
+from motorsite.core import bump_control_version
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +62,12 @@ def member_capabilities(client: httpx.Client, base_url: str) -> dict[str, Any]:
 
 
 def probe_render_pool(*, client: httpx.Client | None = None) -> dict[str, bool]:
-    """Probe every member of the render config in force; return base URL -> health probe ok."""
-    cfg = current_render_config()
-    if cfg is None or not cfg.enable:
-        return {}
+    """Probe every member of every enabled render config's pool; return base URL -> health probe ok."""
     model = ServedModel.objects.order_by("id").first()
     ready = tiers.render_ready_request(model.name if model else "default")
     outcomes: dict[str, bool] = {}
     with _client(client) as c:
-        for member in RenderSidecar.objects.filter(render_config=cfg):
+        for member in RenderSidecar.objects.filter(render_config__enable=True).order_by("render_config_id", "id"):
             outcome = _post_ready(c, member.base_url, ready)
             # The chat render proved the tokenizer and the template load.
             try:
