@@ -223,6 +223,7 @@ def test_an_error_is_in_anthropics_shape_as_vllm_gives_it(
     # The type in vLLM 0.33's vocabulary (Anthropic's, by status: ``translate_error_type``); the
     # 0.32 engines here still send their exception's class name.
     assert ours.json()["error"]["type"] == TYPES[ours.status_code]
-    with pytest.raises(anthropic.APIStatusError) as raised:
-        client(cfg.coordinator_url).messages.create(**request_body)
-    assert raised.value.status_code == ours.status_code
+    if "max_tokens" in request_body:  # (the SDK refuses a body without it before sending)
+        with pytest.raises(anthropic.APIStatusError) as raised:
+            client(cfg.coordinator_url).messages.create(**request_body)
+        assert raised.value.status_code == ours.status_code
