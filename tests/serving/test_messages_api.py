@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import pytest
 
 from serving.pipeline.apis.messages_stream import MessagesStream
 from serving.pipeline.errors import RenderUnavailable
+from serving.pipeline.placement.scheduler import Placement
 from tests.serving.fakes import CHAT_PROMPT, MODEL, StreamPlan, output_ids, text_of
 from tests.serving.router_fakes import Rig, engine, respond, snapshot_with
 
@@ -98,3 +100,24 @@ async def test_with_obfuscation_on_it_is_refused_rather_than_sent_native(rig: Ri
     with pytest.raises(RenderUnavailable):
         await rig.pipeline(snapshot_with(*FLEET, obfuscation=True)).messages(message(), "m6")
     assert rig.native.calls == [] and rig.upstreams.calls_of("generate") == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prefill_decode_pair_serves_it_as_a_chat(rig: Rig, stream: bool) -> None:
+    """The topology is the chat token path's: a handoff (prefill, then decode) serves it too."""
+    pair = (engine("e1", role="prefill", kv_transfer="pull"), engine("e2", role="decode", kv_transfer="pull"))
+    rig.scheduler.topology_policy = lambda *_: Placement("handoff", pair)
+
+    def prefill(_request: httpx.Request, body: Any) -> httpx.Response:  # a KV producer's answer
+        return httpx.Response(200, json={**rig.upstreams.generate_response(body), "kv_transfer_params": {"remote": "p"}})
+
+    rig.upstreams.override("e1", "generate", prefill)
+    out = await rig.pipeline(snapshot_with(*pair)).messages(message(stream=stream), "m7")
+    if isinstance(out, MessagesStream):
+        names = [n for n, _ in events(b"".join([f async for f in out.frames()]))]
+        assert names[0] == "message_start" and names[-1] == "message_stop"
+    else:
+        assert out["type"] == "message" and out["stop_reason"] == "end_turn"
+    assert [(g.host, g.body["sampling_params"]["max_tokens"]) for g in rig.upstreams.calls_of("generate")] == [
+        ("e1", 1), ("e2", 8)]
+    assert rig.native.calls == []
