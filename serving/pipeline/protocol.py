@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Literal, TypedDict
 
+import msgspec
+
 # OpenAI APIs the coordinator serves token-only (render + derender exist for them).
 TokenKind = Literal["chat", "completions"]
 # Every client API; Responses and Anthropic Messages always pass through natively.
@@ -86,3 +88,52 @@ class GenerateEvent(TypedDict, total=False):
     output_mode: Literal["tokens"]
     error: dict[str, Any]
 
+
+
+# vLLM's KV cache events (``vllm/distributed/kv_events.py``, 0.32 and 0.33), decoded by msgspec
+# as vLLM encodes them: the batch array-like, each event a map tagged by ``"type"`` with
+# ``omit_defaults``. Unknown fields are skipped, so a newer engine's additions decode.
+ExternalBlockHash = bytes | int
+
+
+class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
