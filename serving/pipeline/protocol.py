@@ -8,7 +8,7 @@ generate answers and stream events (vllm-protocol.md 3.4 and 3.5) and the KV cac
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -27,10 +27,20 @@ TokenizerSource = Literal["render", "local"]
 EventBatches = AsyncIterator[list[dict[str, Any]]]
 
 
-# vLLM's token-mode generate answers (vllm-protocol.md 3.4, 3.5), as msgspec Structs that
-# validate what the coordinator relies on: every choice has its token ids. The data plane keeps
+# vLLM's token-mode generate request as render returns it and the generate answers
+# (vllm-protocol.md 3.1, 3.4, 3.5), as msgspec Structs that validate what the coordinator relies
+# on: ids, request ids, sampling params, every choice's token ids. The data plane keeps
 # the answers as dicts (it rewrites them in place on the way to derender); these Structs are
 # checked with ``msgspec.convert`` and unknown fields are ignored, so vLLM may add fields.
+class GenerateRequest(msgspec.Struct, gc=False):
+    """``POST /inference/v1/generate`` (3.1) as render returns it: what the pipeline reads of it
+    (engine request ids and logs, budgets and admission) before it sends it on as a dict."""
+
+    token_ids: Annotated[list[int], msgspec.Meta(min_length=1)]
+    request_id: Annotated[str, msgspec.Meta(min_length=1)]
+    sampling_params: dict[str, Any]
+
+
 class GenerateChoice(msgspec.Struct, gc=False):
     token_ids: list[int]
     index: int = 0
