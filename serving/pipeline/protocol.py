@@ -1,8 +1,9 @@
 """The data plane's wire vocabulary: request kinds, topology names and vLLM's token-only shapes.
 
 Kinds are ``Literal`` types so a misspelt kind is a type error, not a branch never taken. The
-msgspec Structs are vLLM's wire types where the coordinator decodes or validates them: the
-generate answers and stream events (vllm-protocol.md 3.4 and 3.5) and the KV cache events.
+msgspec Structs are vLLM's wire types where the coordinator decodes or validates them: render's
+generate requests, the generate answers and stream events (vllm-protocol.md 3.1, 3.4 and 3.5)
+and the KV cache events.
 """
 
 from __future__ import annotations
