@@ -142,7 +142,7 @@ def pipeline(transactional_db: None, monkeypatch: pytest.MonkeyPatch, clock: Clo
     ServedModel.objects.create(name="tiny", model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
     RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
     fake = ChargingPipeline(tokens=40)
-    monkeypatch.setattr("serving.edge.openai_api.pipeline_for", lambda snapshot: fake)
+    monkeypatch.setattr("serving.edge.openai_api.pipeline_for", lambda snapshot, model=None: fake)
     monkeypatch.setattr(rate_limit, "LIMITER", TokenRateLimiter(clock=clock))
     snapshots.invalidate()
     yield fake
