@@ -195,12 +195,23 @@ def test_drain_retire_and_activate_through_the_rest_api_reach_traffic_without_a_
         return 200
 
     try:
+        # A stream admitted before the drain runs to its end after it.
+        stream = client.chat.completions.create(
+            model=B, messages=MESSAGES, max_tokens=48, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = iter(stream)
+        first = next(chunks)
         assert api.post(f"/models/{B}/drain").json()["state"] == "draining"
 
         def drained() -> None:
             assert status(B) == 503
 
         _until(drained)
+        rest = list(chunks)
+        assert rest[-1].usage is not None and rest[-1].usage.completion_tokens >= 1
+        finish = [c.choices[0].finish_reason for c in (first, *rest) if c.choices and c.choices[0].finish_reason]
+        assert finish in (["stop"], ["length"])
         assert status(A) == 200  # the other model is not touched
         assert api.post(f"/models/{B}/retire").json()["state"] == "retired"
 
