@@ -40,7 +40,7 @@ from django.conf import settings
 
 from fleet.replicas import ReplicaDirectory
 from serving import stream_reports
-from serving.pipeline import http, metric_names, metrics, tracing
+from serving.pipeline import http, metrics, tracing
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient, ReplyDeadline
 from serving.pipeline.flow_control import rate_limit
@@ -53,7 +53,8 @@ from serving.pipeline.obfuscation.mapping import TokenMapping
 from serving.pipeline.phases import Histograms
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex
 from serving.pipeline.placement.kv_events import KVEventHub
-from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, LoadTracker, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.tokenization import RenderHealth
@@ -284,23 +285,6 @@ async def aclose_kv_events() -> None:
 def inflight_tokens() -> dict[str, int]:
     """Tokens held by admitted requests of this process, per instance name (metrics, dashboard)."""
     return admission.inflight_tokens()
-
-
-def router_metrics() -> dict[str, Any]:
-    """The router's counters and gauges for ``/metrics``: ``{"counters": {(name, labels): n}, ...}``."""
-    kv_counters: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {
-        (metric_names.AFFINITY_INDEX_BLOCKS.name, ()): len(affinity),
-    }
-    hub = kv_event_hub()
-    for name, subscriber in (hub.subscribers if hub is not None else {}).items():
-        kv_counters[(metric_names.KV_EVENT_BATCHES.name, (("instance", name),))] = subscriber.batches
-        kv_counters[(metric_names.KV_EVENT_ERRORS.name, (("instance", name),))] = subscriber.errors
-    return {
-        "counters": {**counters.snapshot(), **kv_counters},
-        "inflight_tokens": inflight_tokens(),
-        "admission_waiting": admission.waiting(),
-        "breakers": breakers.snapshot(),  # instance id -> state
-    }
 
 
 def obfuscation_mapping(snapshot: FleetSnapshot) -> TokenMapping | None:

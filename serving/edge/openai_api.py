@@ -33,7 +33,7 @@ from serving.edge.asgi import (
 )
 from serving.edge.bodies import parse_object
 from serving.edge.keys import authenticate
-from serving.pipeline import metric_names
+from serving.pipeline import metric_names, tracing
 from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import (
     ModelDraining,
@@ -147,12 +147,21 @@ def serve(kind: str) -> Endpoint:
             _log_error(request_id, kind, exc, start)
             await send_error(send, exc, request_id)
             return
-        phases = Phases.begin(phase_histograms, kind, body, arrived, tracer=tracer, request_id=request_id)
+        parent = tracing.incoming(scope["headers"])
+        phases = Phases.begin(phase_histograms, kind, body, arrived, tracer=tracer, request_id=request_id,
+                              parent=parent)
+        # What the sidecar and the engines get: the root span's context when tracing, else the
+        # client's own trace headers unchanged, so the engines' traces still join the client's.
+        carried = phases.trace.headers if phases.trace is not None else parent
+        token = tracing.carry(carried) if carried else None
         try:
             await _serve(kind, body, request_id, rid, phases, snapshot, model, start, receive, send)
         except BaseException as exc:
             phases.close(exc)
             raise
+        finally:
+            if token is not None:
+                tracing.reset(token)
         phases.close()  # a no-op once the end-to-end phase ended the trace; else it ends it here
 
     return endpoint

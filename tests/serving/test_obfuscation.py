@@ -20,6 +20,7 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.errors import RequestError
 from serving.pipeline.http11 import Http11Client
+from serving.pipeline.obfuscation.fields import deobfuscate_event, deobfuscate_response, obfuscate_request
 from serving.pipeline.obfuscation.keyring import (
     clear_mappings,
     eligible,
@@ -33,10 +34,7 @@ from serving.pipeline.obfuscation.mapping import (
     ObfuscationKeyError,
     ObfuscationRefused,
     TokenMapping,
-    deobfuscate_event,
-    deobfuscate_response,
     key_id,
-    obfuscate_request,
     permutation,
 )
 from serving.pipeline.placement import filters
@@ -382,7 +380,8 @@ def big_sim() -> Iterator[LiveServer]:
 
 def _pipeline(http: Http11Client, sim: LiveServer, render: RenderView, key: str) -> Any:
     from serving.pipeline.obfuscation.boundary import EngineBoundary
-    from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+    from serving.pipeline.placement.load import LoadTracker
+    from serving.pipeline.placement.scheduler import Scheduler
     from serving.pipeline.render.client import RenderClient
     from serving.pipeline.service import ServingPipeline
     from tests.serving.fakes import RENDER_URL, fleet_snapshot

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from serving.pipeline import tracing
 from serving.pipeline.errors import DerenderError, RenderUnavailable, UpstreamRequestError
 from serving.pipeline.http11 import Http11Client, Reply
 from serving.pipeline.protocol import ApiKind, TokenKind
@@ -100,7 +101,8 @@ class RenderClient:
             # The whole call (httpx's timeouts are per phase: a sidecar trickling bytes would pass).
             async with asyncio.timeout(self.timeout_s):
                 response = await self._client.post(
-                    self._base_url + path, json=body, headers={"X-Request-Id": request_id}, timeout=self._timeout
+                    self._base_url + path, json=body, headers=tracing.with_trace({"X-Request-Id": request_id}),
+                    timeout=self._timeout,
                 )
         except (httpx.TimeoutException, TimeoutError) as exc:
             raise RenderUnavailable(f"render timed out: {exc!r}", reason="timeout") from exc
@@ -144,7 +146,9 @@ class RenderClient:
     async def _post_derender(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
             async with asyncio.timeout(self.timeout_s):  # the whole call, as for render
-                response = await self._client.post(self._base_url + path, json=body, timeout=self._timeout)
+                response = await self._client.post(
+                    self._base_url + path, json=body, headers=tracing.with_trace({}), timeout=self._timeout
+                )
         except (httpx.TimeoutException, TimeoutError) as exc:
             raise DerenderError(f"derender timed out: {exc!r}", status=504) from exc
         except httpx.TransportError as exc:
