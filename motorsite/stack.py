@@ -53,6 +53,9 @@ class StackConfig:
     coordinator_port: int = 8000
     server: str = "daphne"  # one of SERVERS
     render_port: int = 8100
+    # More sidecars of the render pool beside the one on ``render_port`` (``MOTOR_RENDER_POOL_SIZE``
+    # for `make run`): each its own process, a member of the render config's pool.
+    render_member_ports: tuple[int, ...] = ()
     engine_ports: tuple[int, ...] = (8201, 8202)
     # Prefill and decode engines beside the union ones (real vLLM: NixlConnector over loopback,
     # pull, the Handoff topology); empty tuples start none. ``nixl_ports`` are their NIXL side
@@ -128,6 +131,16 @@ def render_spec(cfg: StackConfig) -> ProcessSpec:
         ready_timeout=120.0,
         restart=cfg.restart,
     )
+
+
+def render_specs(cfg: StackConfig) -> list[ProcessSpec]:
+    """The render pool's sidecars: ``render`` on ``render_port``, then ``render-member-2``, ... on the member ports."""
+    members = [
+        replace(render_spec(replace(cfg, render_port=port)), name=f"render-member-{i}",
+                log_path=cfg.log_dir / f"render-member-{i}.log")
+        for i, port in enumerate(cfg.render_member_ports, start=2)
+    ]
+    return [render_spec(cfg), *members]
 
 
 def engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
@@ -311,6 +324,7 @@ def model_config(cfg: StackConfig, model: ExtraModel) -> StackConfig:
     return replace(
         cfg, model_dir=model.model_dir, served_model_name=model.name, render_port=model.render_port,
         engine_ports=model.engine_ports, prefill_ports=(), decode_ports=(), render_parsers=False,
+        render_member_ports=(),  # one sidecar each (a pool per extra model is not wired yet)
     )
 
 
@@ -327,7 +341,9 @@ def extra_model_specs(cfg: StackConfig) -> list[ProcessSpec]:
 
 def build_specs(cfg: StackConfig) -> list[ProcessSpec]:
     celery = celery_specs(cfg) if cfg.celery else []
-    tiers_group = together([render_spec(cfg), *engine_specs(cfg), *pd_engine_specs(cfg), *extra_model_specs(cfg)])
+    tiers_group = together([
+        *render_specs(cfg), *engine_specs(cfg), *pd_engine_specs(cfg), *extra_model_specs(cfg),
+    ])
     return [*tiers_group, *together(celery), coordinator_spec(cfg)]
 
 
@@ -344,6 +360,8 @@ def prepare_database(cfg: StackConfig) -> None:
         "--render-port", str(cfg.render_port),
         "--engine-kind", cfg.engines,
     ]
+    for port in cfg.render_member_ports:
+        fleet += ["--render-member-port", str(port)]
     if cfg.render_parsers:
         fleet += ["--reasoning-parser", tiers.REASONING_PARSER, "--tool-parser", tiers.TOOL_PARSER]
     for url in cfg.engine_urls:

@@ -6,6 +6,7 @@ The OpenAI API under /v1 is served by the edge (``serving/edge``), in front of D
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -29,7 +30,7 @@ async def healthz(request: HttpRequest) -> HttpResponse:
     """
     from serving.pipeline import http
     from serving.pipeline.errors import ControlDataUnavailable
-    from serving.pipeline.render.client import RenderClient
+    from serving.pipeline.render.pool import RenderPool
 
     try:
         snapshot = await current_snapshot()
@@ -37,8 +38,9 @@ async def healthz(request: HttpRequest) -> HttpResponse:
         # The exception's message names the database error: for the log, not the probe.
         logger.warning("/healthz: %s", exc.message)
         return JsonResponse({"status": "unavailable", "reason": exc.public}, status=503)
-    render = RenderClient(http.shared_client(), snapshot.render.base_url, min(snapshot.render.timeout_s, 1.0))
-    render_ok = await render.health()
+    # "up" while any member of the render pool answers (each call picks a member that does).
+    view = replace(snapshot.render, timeout_s=min(snapshot.render.timeout_s, 1.0))
+    render_ok = await RenderPool(http.shared_client(), view).health()
     return JsonResponse({"status": "ok", "render": "up" if render_ok else "down", "fleet_version": snapshot.version})
 
 

@@ -60,6 +60,7 @@ from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind, TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.live import LiveStreams
+from serving.pipeline.render.pool import pool_members
 from serving.pipeline.render.tokenization import (
     NeedsNative,
     RenderHealth,
@@ -201,7 +202,8 @@ class ServingPipeline(NativePath):
         # From render to the last derender this request calls the sidecar of its snapshot, even
         # if the snapshot moves to a replacement meanwhile (a graceful restart): counted from
         # here, not from the first chunk, so a request still waiting for admission counts too.
-        release = self.live_streams.hold(self.snapshot.render.base_url.rstrip("/"))
+        # With a pool, any member may serve any of its calls: it holds every member of its pool.
+        release = self.live_streams.hold_all(m.base_url for m in pool_members(self.snapshot.render))
         try:
             result = await self._serve_token_only(kind, body, request_id, model, phases)
         except BaseException:

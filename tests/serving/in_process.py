@@ -25,6 +25,7 @@ from tests.serving.loopback import Handler
 class InProcessClient(Http11Client):
     def __init__(self, handler: Handler) -> None:
         super().__init__()
+        # In-process on purpose: a socket's buffers would hide the pipeline's own bound (docstring).
         self._mock = httpx.AsyncClient(transport=httpx.MockTransport(handler))
 
     async def post(  # type: ignore[override]

@@ -1,5 +1,6 @@
-"""The native path: what goes to an engine's own OpenAI API, why, and how it is relayed; an
-``httpx.MockTransport`` stands in for the engines' native API (tests/serving/router_fakes.py)."""
+"""The native path: what goes to an engine's own OpenAI API, why, and how it is relayed; the
+engines' native API is a fake (``router_fakes.NativeEngines``) served on 127.0.0.1 and reached
+with the production client (``loopback.LoopbackClient``, the ``rig`` fixture)."""
 
 from __future__ import annotations
 

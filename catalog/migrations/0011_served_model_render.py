@@ -18,7 +18,7 @@ def link_existing(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('serving', '0009_renderconfig_stream_interval_ms'),
+        ('serving', '0010_render_sidecars'),
     ]
 
     operations = [
