@@ -89,3 +89,31 @@ def test_a_render_config_of_a_new_model_breaking_a_rule_is_422(api: Client) -> N
     response = post(api, "/api/models", {"name": "x", "model_path": "/m/x", "render_config": {"obfuscation": True}})
     assert response.status_code == 422
     assert not ServedModel.objects.filter(name="x").exists()
+
+
+def test_the_pool_probe_renders_each_models_sidecar_with_its_own_model_name(db: None) -> None:
+    import json
+
+    import httpx
+
+    from catalog.models import RenderSidecar
+    from fleet.render_pool_probes import probe_render_pool
+
+    a = ServedModel.objects.create(name="tiny", model_path="/m/a")
+    b = ServedModel.objects.create(name="tiny-b", model_path="/m/b")
+    for model, port in ((a, 8100), (b, 8101)):
+        config = RenderConfig.objects.create(name=model.name, port=port, served_model=model)
+        RenderSidecar.objects.create(render_config=config, host="127.0.0.1", port=port)
+    knows = {8100: "tiny", 8101: "tiny-b"}  # each sidecar serves only its own model's name
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.33.0"})
+        if request.url.path == "/openapi.json":
+            return httpx.Response(200, json={"paths": {}})
+        if json.loads(request.content)["model"] != knows[request.url.port]:
+            return httpx.Response(404, json={"error": {"message": "model not found"}})
+        return httpx.Response(200, json={"token_ids": [1]})
+
+    outcomes = probe_render_pool(client=httpx.Client(transport=httpx.MockTransport(handler)))
+    assert outcomes == {"http://127.0.0.1:8100": True, "http://127.0.0.1:8101": True}
