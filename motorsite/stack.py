@@ -156,6 +156,9 @@ def engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
                 # Each engine gets its own core; two engines on one core halve each other's speed.
                 core=n % max(os.cpu_count() or 1, 1),
                 max_model_len=cfg.max_model_len,
+                # The engines' own APIs parse as the sidecar does (the native path's answers, and
+                # vLLM's own answers that parity tests compare the token path with).
+                parsers=cfg.render_parsers,
             )
             timeout = 180.0
         else:

@@ -34,6 +34,8 @@ from serving.edge.asgi import (
 from serving.edge.bodies import parse_object
 from serving.edge.keys import authenticate
 from serving.pipeline import metric_names, tracing
+from serving.pipeline.apis.messages import anthropic_error
+from serving.pipeline.apis.messages_stream import MessagesStream
 from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import (
     ModelDraining,
@@ -59,8 +61,10 @@ logger = logging.getLogger(__name__)
 Endpoint = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-async def send_error(send: Send, exc: BaseException, request_id: str | None = None) -> None:
+async def send_error(send: Send, exc: BaseException, request_id: str | None = None, kind: str = "") -> None:
     status, body = error_body(exc)
+    if kind == "messages":  # the Anthropic API answers in Anthropic's error shape, as vLLM's does
+        body = anthropic_error(status, body)
     extra = [(name.lower().encode(), value.encode()) for name, value in error_headers(exc).items()]
     if request_id is not None:
         extra.append((b"x-request-id", request_id.encode()))
@@ -119,7 +123,8 @@ def _log_error(request_id: str, kind: str, exc: BaseException, start: float) -> 
 def serve(kind: str) -> Endpoint:
     """The endpoint that hands a request to ``ServingPipeline.<kind>``.
 
-    chat | completions | responses | messages: the last two always take the native path.
+    chat | completions | responses | messages: Responses always takes the native path; Messages
+    the chat token path when render can render it (``apis/messages.py``).
     """
 
     async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
@@ -145,7 +150,7 @@ def serve(kind: str) -> Endpoint:
             return
         except Exception as exc:
             _log_error(request_id, kind, exc, start)
-            await send_error(send, exc, request_id)
+            await send_error(send, exc, request_id, kind)
             return
         parent = tracing.incoming(scope["headers"])
         phases = Phases.begin(phase_histograms, kind, body, arrived, tracer=tracer, request_id=request_id,
@@ -180,10 +185,10 @@ async def _serve(
         except Exception as exc:
             watch.complete = True
             _log_error(request_id, kind, exc, start)
-            await send_error(send, exc, request_id)
+            await send_error(send, exc, request_id, kind)
             phases.close(exc)
             return
-        if isinstance(result, (EventStream, NativeStream, NativePromptsStream)):
+        if isinstance(result, (EventStream, MessagesStream, NativeStream, NativePromptsStream)):
             try:
                 # Native streams are the engine's bytes relayed: its engine-internal fields are
                 # nulled here, as ``scrub_response`` does for JSON answers.

@@ -200,6 +200,8 @@ class FakeUpstreams:
             return httpx.Response(200, json=self._generate_request(f"chatcmpl-{base}", CHAT_PROMPT, body, True))
         if request.url.path in ("/v1/responses/render", "/v1/messages/render"):
             # vLLM 0.33's sidecar renders these APIs too, one GenerateRequest (the native path counts it).
+            if request.url.path == "/v1/messages/render" and body.get("stream"):
+                body = {**body, "stream_options": {"include_usage": True}}  # as vLLM's Messages conversion asks
             return httpx.Response(200, json=self._generate_request(f"resp-{base}", CHAT_PROMPT, body, True))
         prompt = body["prompt"]
         prompts = prompt if isinstance(prompt, list) else [prompt]

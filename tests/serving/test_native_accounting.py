@@ -145,7 +145,10 @@ async def test_n_of_the_wrong_type_is_vllms_schema_400_on_every_api(
     served: str, fleet: Observed, path: str, body: dict[str, Any]
 ) -> None:
     error = error_of(await post(served, path, body), 400)
-    assert error["type"] == "Bad Request" and error["param"] == "body.n"
+    if path == "/v1/messages":  # Anthropic's shape: the type by status, no param
+        assert error["type"] == "invalid_request_error" and "body.n" in error["message"]
+    else:
+        assert error["type"] == "Bad Request" and error["param"] == "body.n"
     assert error["message"].startswith("1 validation error:") and "int_parsing" in error["message"]
     assert fleet.calls == []
     assert_nothing_held()
@@ -160,7 +163,11 @@ async def test_mistyped_fields_on_the_native_apis_are_vllms_schema_400(
     served: str, fleet: Observed, path: str, body: dict[str, Any], field: str, kind: str
 ) -> None:
     error = error_of(await post(served, path, body), 400)
-    assert error["type"] == "Bad Request" and error["param"] == f"body.{field}" and kind in error["message"]
+    assert kind in error["message"]
+    if path == "/v1/messages":  # Anthropic's shape: the type by status, no param
+        assert error["type"] == "invalid_request_error"
+    else:
+        assert error["type"] == "Bad Request" and error["param"] == f"body.{field}"
     assert fleet.calls == []
     assert_nothing_held()
 
@@ -170,7 +177,7 @@ async def test_a_huge_n_cannot_reserve_an_instance(served: str, fleet: Observed,
     key, window = await limited_key(10**9)
     body = (response_body if path == "/v1/responses" else message)(n=16384, max_completion_tokens=2048)
     error = error_of(await post(served, path, body, key), 400)
-    assert error["param"] == "n" and f"limit of {settings.MOTOR_MAX_CHOICES} choices" in error["message"]
+    assert error["param"] == ("n" if path == "/v1/responses" else None) and f"limit of {settings.MOTOR_MAX_CHOICES} choices" in error["message"]
     assert fleet.calls == [] and fleet.held == []
     assert rate_limit.LIMITER.used(window) == 0
     assert_nothing_held()
@@ -237,7 +244,8 @@ ESTIMATES = [
     # Nor an n: one sequence, whatever n says.
     pytest.param("/v1/responses", response_body(n=100, max_completion_tokens=2048), CONTEXT, CONTEXT - PROMPT,
                  id="responses-n"),
-    pytest.param("/v1/messages", message(max_tokens=50), PROMPT + 50, 50, id="messages"),
+    # (A stop sequence keeps it native here: the engines are tokens-only.)
+    pytest.param("/v1/messages", message(max_tokens=50, stop_sequences=["\n"]), PROMPT + 50, 50, id="messages"),
     pytest.param("/v1/chat/completions", chat(stop=["\n"], max_tokens=7, n=3), PROMPT + 21, 7, id="chat"),
     pytest.param("/v1/chat/completions", chat(stop=["\n"], n=2), PROMPT + 2 * (CONTEXT - PROMPT), CONTEXT - PROMPT,
                  id="chat-to-the-context"),

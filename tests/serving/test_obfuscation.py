@@ -438,6 +438,23 @@ async def test_it_serves_chat_and_multi_prompt_completions_through_the_boundary(
         assert all(i < BIG.vocab_size for g in gens for c in g["choices"] for i in c["token_ids"])
 
 
+async def test_it_serves_anthropic_messages_through_the_boundary(big_sim: LiveServer, registered: TokenMapping) -> None:
+    """Messages take the chat token path, so the engine sees only physical ids there too."""
+    from tests.serving.fakes import CHAT_PROMPT, FakeUpstreams
+
+    upstreams = FakeUpstreams()
+    on = dataclasses.replace(ON, obfuscation_key_id=BIG.key_id)
+    async with LoopbackClient(upstreams.handler, fakes={"render.test"}) as http:
+        big_sim.reset()
+        pipeline = _pipeline(http, big_sim, on, BIG.key_id)
+        out = await pipeline.messages(
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}, "a1")
+        assert out["type"] == "message" and out["usage"]["input_tokens"] == len(CHAT_PROMPT)
+        stats = (await http.get(f"{big_sim.url}/sim/stats")).json()
+        assert stats["last_token_ids"] == BIG.to_physical(CHAT_PROMPT)
+        assert [c.path for c in upstreams.calls if c.kind == "render"] == ["/v1/messages/render"]
+
+
 async def test_it_refuses_all_traffic_without_the_configured_key(big_sim: LiveServer) -> None:
     clear_mappings()
     async with contextlib.aclosing(Http11Client()) as http:

@@ -186,3 +186,14 @@ async def test_a_call_goes_to_a_member_whose_probe_found_its_route(rig: Rig) -> 
     with pytest.raises(RenderUnavailable):
         await only_old.prompt_lengths("messages", body, "r2")
     assert len(rig.upstreams.calls) == 1
+
+
+async def test_a_messages_render_for_the_token_path_goes_to_a_member_that_serves_it(rig: Rig) -> None:
+    """The chat token path's Messages render (apis/messages.py) is a pool call like the others."""
+    no_messages = replace(POOL[0], render_routes=frozenset({"chat", "completions"}))
+    pool = RenderPool(rig.client, pool_snapshot(no_messages, POOL[1]).render, PoolState())
+    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    out = await pool.render_messages(body, "r3")
+    assert out["token_ids"] and [(c.host, c.path) for c in rig.upstreams.calls] == [("render2", "/v1/messages/render")]
+    with pytest.raises(RenderUnavailable):
+        await RenderPool(rig.client, pool_snapshot(no_messages).render, PoolState()).render_messages(body, "r4")

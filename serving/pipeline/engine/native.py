@@ -61,6 +61,8 @@ def engine_tokenizer_feature(kind: ApiKind, body: Mapping[str, Any]) -> str | No
     vocabulary and a forced tool choice is a grammar too: a ``--tokens-only`` engine refuses all
     three (vllm-protocol.md section 7, item 8).
     """
+    if kind == "messages":
+        return _messages_tokenizer_feature(body)
     stop = body.get("stop")
     if stop and (isinstance(stop, str) or any(isinstance(s, str) and s for s in stop)):
         return "stop_strings"
@@ -77,8 +79,8 @@ def engine_tokenizer_feature(kind: ApiKind, body: Mapping[str, Any]) -> str | No
 
 def native_reason(kind: ApiKind, body: Mapping[str, Any], snapshot: FleetSnapshot, model: str) -> str | None:
     """Why ``body`` must take the native path before render, or None for token-only."""
-    if kind in ("responses", "messages"):
-        return f"api:{kind}"
+    if kind == "responses":
+        return "api:responses"
     if not snapshot.render.enable:
         return "render_disabled"
     if not snapshot.render.token_in:
@@ -97,6 +99,19 @@ def native_reason(kind: ApiKind, body: Mapping[str, Any], snapshot: FleetSnapsho
     feature = engine_tokenizer_feature(kind, body)
     if feature is not None and not any(i.tokenizer for i in union_role(eligible_instances(snapshot, model))):
         return feature
+    return None
+
+
+def _messages_tokenizer_feature(body: Mapping[str, Any]) -> str | None:
+    """``engine_tokenizer_feature`` for a Messages body, in the fields vLLM converts to chat's."""
+    if any(isinstance(s, str) and s for s in body.get("stop_sequences") or ()):
+        return "stop_strings"
+    output = body.get("output_config")
+    if isinstance(output, dict) and isinstance(output.get("format"), dict):
+        return "structured_output"
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") in ("any", "tool") and body.get("tools"):
+        return "forced_tool_choice"
     return None
 
 

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 CHAT_RENDER = "/v1/chat/completions/render"
 COMPLETIONS_RENDER = "/v1/completions/render"
 # vLLM 0.33's sidecar renders the Responses and Messages APIs too (no derender exists for them):
-# the native path asks it only for their prompt token counts.
+# Messages runs the chat token path from its render (``apis/messages.py``); the native path asks
+# render for their prompt token counts.
 RENDER_PATHS: dict[ApiKind, str] = {
     "chat": CHAT_RENDER,
     "completions": COMPLETIONS_RENDER,
@@ -119,6 +120,13 @@ class RenderClient:
     async def render_chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """Return one GenerateRequest for a chat request."""
         out: dict[str, Any] = await self._post_render(CHAT_RENDER, body, request_id)
+        _check_generate_requests([out])
+        return out
+
+    async def render_messages(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """Return one GenerateRequest for an Anthropic Messages request (a sidecar without the
+        route answers 404: ``RenderUnavailable`` with reason ``capability``)."""
+        out: dict[str, Any] = await self._post_render(RENDER_PATHS["messages"], body, request_id)
         _check_generate_requests([out])
         return out
 

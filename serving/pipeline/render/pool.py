@@ -183,6 +183,9 @@ class RenderPool(RenderClient):
     async def render_chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         return await self._render("chat", lambda c: c.render_chat(body, request_id))
 
+    async def render_messages(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        return await self._render("messages", lambda c: c.render_messages(body, request_id))
+
     async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
         return await self._render("completions", lambda c: c.render_completions(body, request_id))
 
