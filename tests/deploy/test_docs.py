@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+# A module path written in backticks: `serving/edge/asgi.py`.
+MODULE_PATH = re.compile(r"`([\w.-]+(?:/[\w.-]+)+\.py)`")
 SETTINGS_ROW = re.compile(r"^\| ((?:`MOTOR_[A-Z0-9_]+`(?: / )?)+) \| ([^|]*) \|", re.M)
 # A newcomer reads the README in five minutes; the reference lives in docs/.
 README_MAX_LINES = 120
@@ -50,6 +52,13 @@ def test_every_docs_page_is_reachable_from_the_readme() -> None:
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in _relative_links(ROOT / "README.md")}
     orphans = sorted(p.name for p in DOCS.glob("*.md") if p.resolve() not in linked)
     assert not orphans, f"link these from the README: {orphans}"
+
+
+def test_every_module_the_lifecycle_page_names_exists() -> None:
+    named = set(MODULE_PATH.findall((DOCS / "request-lifecycle.md").read_text()))
+    assert len(named) >= 20  # the pattern found the page's paths
+    missing = sorted(p for p in named if not (ROOT / p).is_file())
+    assert not missing, f"docs/request-lifecycle.md names modules that do not exist: {missing}"
 
 
 def test_the_readme_is_a_landing_page() -> None:
