@@ -10,6 +10,7 @@ text of errors that name engines or addresses is logged, not returned (``MotorEr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -182,9 +183,13 @@ async def _serve(
             # Over the model's own view of the fleet: its render config and its engines only.
             pipeline = pipeline_for(snapshot, model)
             result = await getattr(pipeline, kind)(body, request_id, phases)
+        except asyncio.CancelledError:
+            await rate_limit.refund_request()  # the client left before its answer began
+            raise
         except Exception as exc:
             watch.complete = True
             _log_error(request_id, kind, exc, start)
+            await rate_limit.refund_request()  # answered nothing: the key pays for answers only
             await send_error(send, exc, request_id, kind)
             phases.close(exc)
             return
@@ -207,6 +212,7 @@ async def _serve(
                 # finally never will, so the engine streams are closed and the load released here.
                 if not result.started:
                     await result.aclose()
+                    await rate_limit.refund_request()
             phases.observe(metric_names.PHASE_END_TO_END, phases.start)  # the last frame was sent
             return
         watch.complete = True

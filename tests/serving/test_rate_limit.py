@@ -3,6 +3,7 @@ binding of the caller's key, charged the way the pipeline charges it after rende
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from typing import Any, Iterator
 
@@ -12,7 +13,7 @@ import pytest
 from catalog.models import RenderConfig, ServedModel
 from fleet.services import api_key_create
 from serving import snapshots
-from serving.pipeline.errors import RequestError
+from serving.pipeline.errors import EngineError, RequestError
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.rate_limit import KeyLimit, TokenRateLimited, TokenRateLimiter
 
@@ -238,3 +239,89 @@ async def test_the_pipeline_charges_after_render_and_refuses_before_any_engine(
         assert rate_limit.LIMITER.used(hashlib.sha256(tiny.encode()).hexdigest()) == 0
     finally:
         snapshots.invalidate()
+
+
+# --------------------------------------------------------------------------- refunds
+
+
+def test_a_refund_takes_exactly_its_charge_out_of_the_window(limiter: TokenRateLimiter) -> None:
+    limiter.charge(KEY, 30, "a")
+    limiter.charge(KEY, 50, "b")
+    limiter.refund(KEY, "a")
+    assert limiter.used(KEY.key_id) == 50
+    limiter.refund(KEY, "a")  # twice, or a charge that expired: nothing to do
+    limiter.refund(KEY, "unknown")
+    assert limiter.used(KEY.key_id) == 50
+    limiter.charge(KEY, 50, "c")  # the room the refund freed: 100 of 100
+    with pytest.raises(TokenRateLimited):
+        limiter.charge(KEY, 1, "d")
+
+
+class FailingPipeline(ChargingPipeline):
+    """Charges as ``_serve`` does after render, then fails (an engine fault), waits forever (for a
+    client that leaves) or answers."""
+
+    def __init__(self, tokens: int, mode: str) -> None:
+        super().__init__(tokens)
+        self.mode = mode
+        self.charged = asyncio.Event()
+
+    async def chat(self, body: dict[str, Any], request_id: str, phases: Any = None) -> dict[str, Any]:
+        if self.mode == "answer":
+            return await super().chat(body, request_id, phases)
+        await rate_limit.charge_request(self.tokens)
+        self.charged.set()
+        if self.mode == "fail":
+            raise EngineError("engine e1 answered 500", instance="e1")
+        await asyncio.Event().wait()  # the client leaves first
+        raise AssertionError("unreachable")
+
+
+@pytest.fixture
+def failing(pipeline: ChargingPipeline, monkeypatch: pytest.MonkeyPatch) -> FailingPipeline:
+    fake = FailingPipeline(tokens=90, mode="fail")
+    monkeypatch.setattr("serving.edge.openai_api.pipeline_for", lambda snapshot, model=None: fake)
+    return fake
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_request_that_fails_after_its_charge_is_refunded(v1: httpx.AsyncClient, failing: FailingPipeline) -> None:
+    from asgiref.sync import sync_to_async
+
+    _, limited = await sync_to_async(api_key_create)(name="limited", scope="client", tokens_per_minute=100)
+    snapshots.invalidate()
+    for _ in range(3):  # 90 of 100 a request: without the refund the second is 429
+        response = await post_chat(v1, limited)
+        assert response.status_code == 502, response.text
+    assert rate_limit.LIMITER.used(f"{hashlib.sha256(limited.encode()).hexdigest()}:tiny") == 0
+    failing.mode = "answer"  # a request answered keeps its charge ...
+    assert (await post_chat(v1, limited)).status_code == 200
+    assert rate_limit.LIMITER.used(f"{hashlib.sha256(limited.encode()).hexdigest()}:tiny") == 90
+    assert (await post_chat(v1, limited)).status_code == 429  # ... and the window is full again
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_client_that_leaves_before_its_answer_is_refunded(failing: FailingPipeline) -> None:
+    from asgiref.sync import sync_to_async
+    from channels.testing import ApplicationCommunicator
+
+    from motorsite.asgi import application
+
+    failing.mode = "hang"
+    _, limited = await sync_to_async(api_key_create)(name="limited", scope="client", tokens_per_minute=100)
+    snapshots.invalidate()
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
+    communicator = ApplicationCommunicator(application, {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
+        "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                    (b"authorization", f"Bearer {limited}".encode()), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
+    })
+    await communicator.send_input({"type": "http.request", "body": body, "more_body": False})
+    await asyncio.wait_for(failing.charged.wait(), 10)
+    window = f"{hashlib.sha256(limited.encode()).hexdigest()}:tiny"
+    assert rate_limit.LIMITER.used(window) == 90
+    await communicator.send_input({"type": "http.disconnect"})
+    await communicator.wait(timeout=10)
+    assert rate_limit.LIMITER.used(window) == 0

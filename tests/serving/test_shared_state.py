@@ -53,6 +53,28 @@ async def test_the_tokens_per_minute_window_is_shared_between_clients(redis_clie
         assert 0 < await redis_client.pttl(k) <= 61_000
 
 
+async def test_a_refund_in_the_shared_window_frees_exactly_its_charge_for_every_client(
+    redis_client: Any, prefix: str
+) -> None:
+    other = shared_redis.client()
+    try:
+        a = RedisTokenRateLimiter(redis_client, prefix=f"{prefix}:tpm")
+        b = RedisTokenRateLimiter(other, prefix=f"{prefix}:tpm")
+        await a.acharge(KEY, 60, "first")
+        await a.acharge(KEY, 30, "second")
+        await b.arefund(KEY, "first")  # another process refunds what this one charged
+        await b.arefund(KEY, "first")  # twice: nothing more
+        await b.arefund(KEY, "never-charged")
+        assert await a.aused(KEY.key_id) == 30
+        await b.acharge(KEY, 70)  # the room the refund freed
+        with pytest.raises(TokenRateLimited):
+            await a.acharge(KEY, 1)
+        await a.arefund(KEY, "second")
+        assert await b.aused(KEY.key_id) == 70
+    finally:
+        await other.aclose()
+
+
 async def test_the_shared_window_refuses_a_non_positive_amount_and_uses_redis_clock(
     redis_client: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,7 +7,9 @@ count: after render or local tokenization on the token-only path, before the fir
 on the native path (the admission estimate there). A request is charged once, even when it moves
 from one path to the other. Charging the reserved output rather than what was generated errs on
 the safe side: a limit is a promise about engine capacity, which is reserved up front. A
-non-positive amount is refused (``RequestError``), never charged.
+non-positive amount is refused (``RequestError``), never charged. A request that is answered
+nothing (an error status, or a client that left before its answer began) is refunded
+(``refund_request``): the key pays for answers, not for the fleet's failures.
 
 ``TokenRateLimiter`` is a sliding log of the last 60 s per key, in-process: with several
 coordinator processes each would enforce the limit on its own share of the traffic.
@@ -57,7 +59,7 @@ class TokenRateLimiter:
     def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
         self.clock = clock
-        self._log: dict[str, deque[tuple[float, int]]] = {}
+        self._log: dict[str, deque[tuple[float, int, str]]] = {}
         self._used: dict[str, int] = {}
         # Charges happen on event loops, but a process may run more than one (one per thread).
         self._lock = threading.Lock()
@@ -67,10 +69,10 @@ class TokenRateLimiter:
             self._expire(key_id, self.clock())
             return self._used.get(key_id, 0)
 
-    def charge(self, limit: KeyLimit, tokens: int) -> None:
+    def charge(self, limit: KeyLimit, tokens: int, charge_id: str = "") -> None:
         """Record ``tokens`` against ``limit``'s key, or raise ``TokenRateLimited`` and record nothing.
 
-        Raises ``RequestError`` for a non-positive amount.
+        Raises ``RequestError`` for a non-positive amount. ``charge_id`` names the charge for ``refund``.
         """
         tokens = check_tokens(tokens)
         with self._lock:
@@ -83,12 +85,29 @@ class TokenRateLimiter:
             if used + tokens > cap:
                 raise over_limit(limit, tokens, used, self._retry_after(limit.key_id, now, used + tokens - cap))
             log = self._log.setdefault(limit.key_id, deque())
-            log.append((now, tokens))
+            log.append((now, tokens, charge_id))
             self._used[limit.key_id] = used + tokens
 
-    async def acharge(self, limit: KeyLimit, tokens: int) -> None:
+    async def acharge(self, limit: KeyLimit, tokens: int, charge_id: str = "") -> None:
         """``charge``, awaitable (the shared limiter's interface)."""
-        self.charge(limit, tokens)
+        self.charge(limit, tokens, charge_id)
+
+    def refund(self, limit: KeyLimit, charge_id: str) -> None:
+        """Take the charge ``charge_id`` out of the key's window (gone already: nothing to do)."""
+        with self._lock:
+            log = self._log.get(limit.key_id)
+            if not log:
+                return
+            for entry in log:
+                if entry[2] == charge_id:
+                    log.remove(entry)
+                    self._used[limit.key_id] -= entry[1]
+                    if not log:
+                        del self._log[limit.key_id], self._used[limit.key_id]
+                    return
+
+    async def arefund(self, limit: KeyLimit, charge_id: str) -> None:
+        self.refund(limit, charge_id)
 
     async def aused(self, key_id: str) -> int:
         return self.used(key_id)
@@ -108,7 +127,7 @@ class TokenRateLimiter:
     def _retry_after(self, key_id: str, now: float, excess: int) -> int:
         """Seconds until at least ``excess`` charged tokens have left the window."""
         freed = 0
-        for at, tokens in self._log.get(key_id, ()):
+        for at, tokens, _ in self._log.get(key_id, ()):
             freed += tokens
             if freed >= excess:
                 return max(1, math.ceil(at + self.window_s - now))
@@ -180,6 +199,17 @@ return {0, used + tokens}
 
 _USED = _TRIM + "\nreturn used\n"
 
+# KEYS as _TRIM's (without the clock), ARGV: 1 charge id. Takes a charge out of the window.
+_REFUND = """
+local tokens = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+if tokens == 0 then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
+local used = tonumber(redis.call('GET', KEYS[3]) or '0') - tokens
+if used > 0 then redis.call('SET', KEYS[3], used, 'KEEPTTL') else redis.call('DEL', KEYS[3]) end
+return tokens
+"""
+
 
 class RedisTokenRateLimiter(TokenRateLimiter):
     """One sliding window per key shared by every coordinator process, on the windows' clock in Redis."""
@@ -191,22 +221,24 @@ class RedisTokenRateLimiter(TokenRateLimiter):
         self.retry_after_s = retry_after_s  # the hint when Redis is unreachable
         self._charge = redis.register_script(_CHARGE)
         self._used_script = redis.register_script(_USED)
+        self._refund = redis.register_script(_REFUND)
 
     def _keys(self, key_id: str) -> list[str]:
         p = self.prefix
         return [f"{p}:{key_id}:log", f"{p}:{key_id}:tokens", f"{p}:{key_id}:used", f"{p}:clock"]
 
-    def charge(self, limit: KeyLimit, tokens: int) -> None:
+    def charge(self, limit: KeyLimit, tokens: int, charge_id: str = "") -> None:
         raise TypeError("the shared limiter is asynchronous: use acharge")
 
-    async def acharge(self, limit: KeyLimit, tokens: int) -> None:
+    async def acharge(self, limit: KeyLimit, tokens: int, charge_id: str = "") -> None:
         """Charge ``tokens`` in the shared window; raises ``TokenRateLimited``, ``RequestError``,
         or ``AdmissionUnavailable`` when Redis cannot be reached."""
         tokens = check_tokens(tokens)
         window_ms = int(self.window_s * 1000)
         try:
             result = await self._charge(
-                keys=self._keys(limit.key_id), args=[window_ms, uuid.uuid4().hex, tokens, limit.tokens_per_minute]
+                keys=self._keys(limit.key_id),
+                args=[window_ms, charge_id or uuid.uuid4().hex, tokens, limit.tokens_per_minute],
             )
         except (RedisError, OSError) as exc:
             logger.warning("tokens-per-minute redis unavailable key=%s: %r", limit.name, exc)
@@ -220,6 +252,12 @@ class RedisTokenRateLimiter(TokenRateLimiter):
         if verdict == 2:
             raise over_limit(limit, tokens, used, max(1, math.ceil(int(result[2]) / 1000)))
 
+    def refund(self, limit: KeyLimit, charge_id: str) -> None:
+        raise TypeError("the shared limiter is asynchronous: use arefund")
+
+    async def arefund(self, limit: KeyLimit, charge_id: str) -> None:
+        await self._refund(keys=self._keys(limit.key_id)[:3], args=[charge_id])
+
     def used(self, key_id: str) -> int:
         raise TypeError("the shared limiter is asynchronous: use aused")
 
@@ -231,6 +269,8 @@ class RedisTokenRateLimiter(TokenRateLimiter):
 class _Binding:
     limit: KeyLimit
     charged: bool = False  # once per request, whichever path charges first
+    charge_id: str = ""  # the charge, for ``refund_request``
+    limiter: TokenRateLimiter | None = None  # the limiter that holds it
 
 
 # The process's limiter (``serving.runtime.build`` installs the shared one with ``REDIS_URL``),
@@ -271,5 +311,21 @@ async def charge_request(tokens: int, limiter: TokenRateLimiter | None = None) -
     binding = _current.get()
     if binding is None or binding.charged:
         return
-    await (limiter or LIMITER).acharge(binding.limit, tokens)
-    binding.charged = True
+    charge_id = uuid.uuid4().hex
+    limiter = limiter or LIMITER
+    await limiter.acharge(binding.limit, tokens, charge_id)
+    binding.charged, binding.charge_id, binding.limiter = True, charge_id, limiter
+
+
+async def refund_request() -> None:
+    """Take back this request's charge: it was answered nothing (an error, or a client that left
+    before its answer began). Once; a refund that cannot reach the shared window is logged, never
+    raised over the request's own outcome."""
+    binding = _current.get()
+    if binding is None or not binding.charge_id or binding.limiter is None:
+        return
+    charge_id, binding.charge_id = binding.charge_id, ""
+    try:
+        await binding.limiter.arefund(binding.limit, charge_id)
+    except (RedisError, OSError) as exc:
+        logger.warning("tokens-per-minute refund failed key=%s: %r", binding.limit.name, exc)
