@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import select
 import signal
 import sqlite3
@@ -52,10 +53,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import toolchain  # noqa: E402
+from bench import phase_split  # noqa: E402
 from bench.common import bench_stack, loadavg, percentile, publish, section_head, tidy, tree_cpu_seconds  # noqa: E402
 from bench.peer_procs import PEER_LABELS, router_specs, versions  # noqa: E402
 from motorsite import stack  # noqa: E402
@@ -155,11 +159,41 @@ class Run:
     result: dict[str, Any]
     cpu: dict[str, float]  # "proxy", "sidecar", "engines", "client"
     load: str
+    split: tuple[int, ...] = ()  # requests each engine finished during the run (its /metrics), warm-ups included
+
+
+@dataclass
+class Fleet:
+    """The processes every path shares: the render sidecar's pid, the engines' pids and URLs, the model."""
+
+    sidecar: int
+    engines: tuple[int, ...]
+    engine_urls: list[str]
+    model_dir: str
+
+
+def finished(metrics: str) -> int:
+    """Requests an engine has finished, from its /metrics text (``vllm:request_success_total``, every reason)."""
+    return int(sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", metrics, re.M)))
+
+
+def phase_totals(base_url: str) -> phase_split.Totals:
+    """A coordinator's phase histograms now (``GET /metrics``)."""
+    with httpx.Client(timeout=10, trust_env=False) as http:
+        response = http.get(f"{base_url}/metrics")
+        response.raise_for_status()
+        return phase_split.totals(response.text)
+
+
+def engine_counts(fleet: Fleet) -> tuple[int, ...]:
+    with httpx.Client(timeout=10, trust_env=False) as http:
+        return tuple(finished(http.get(f"{url}/metrics").text) for url in fleet.engine_urls)
 
 
 @dataclass
 class Cell:
     runs: list[Run] = field(default_factory=list)
+    phases: phase_split.PhaseSplit = field(default_factory=phase_split.PhaseSplit)  # motorsite's /metrics, over the runs
 
     def completed(self) -> int:
         return sum(int(r.result.get("completed") or 0) for r in self.runs)
@@ -190,6 +224,11 @@ class Cell:
 
     def stat(self, metric: str, q: float) -> float | None:
         return percentile(self.per_request()[metric], q)
+
+    def split(self) -> str:
+        """Requests per engine over the rounds (``52 / 44``): how evenly the path spread the load."""
+        runs = [r.split for r in self.runs if r.split]
+        return " / ".join(str(sum(c)) for c in zip(*runs, strict=True)) if runs else "–"
 
     def cpu_ms(self, part: str) -> float | None:
         """CPU ms per completed request of ``part`` over the rounds (None: the path has no such process)."""
@@ -240,8 +279,9 @@ def _f(v: float | None, digits: int = 1) -> str:
 def table(results: dict[tuple[str, str, int], dict[str, Cell]]) -> str:
     out = [
         "| workload | API | c | path | req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | E2E p50 | E2E p99 | "
-        "proxy CPU ms/req | sidecar CPU ms/req | engines CPU ms/req | client CPU ms/req | ok / failed | load (1 min) |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "proxy CPU ms/req | sidecar CPU ms/req | engines CPU ms/req | client CPU ms/req | ok / failed | per engine | "
+        "load (1 min) |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for (workload, api, conc), cells in results.items():
         for key, cell in cells.items():
@@ -253,7 +293,7 @@ def table(results: dict[tuple[str, str, int], dict[str, Cell]]) -> str:
                 f"| {workload} | {api} | {conc} | {label(key)} | {_f(cell.rps())} | "
                 + " | ".join(_f(cell.stat(m, q), 2) for m in ("ttft", "tpot", "e2e") for q in (0.5, 0.99))
                 + " | " + " | ".join(_f(cell.cpu_ms(p), 2) for p in ("proxy", "sidecar", "engines", "client"))
-                + f" | {cell.completed()} / {cell.failed()} | {load} |"
+                + f" | {cell.completed()} / {cell.failed()} | {cell.split()} | {load} |"
             )
     return "\n".join(out)
 
@@ -322,22 +362,22 @@ class Client:
 
 
 def measure(args: argparse.Namespace, urls: dict[str, str], roots: dict[str, tuple[int, ...]],
-            sidecar: int, engines: tuple[int, ...], model_dir: str, tmp: Path) -> dict[tuple[str, str, int], dict[str, Cell]]:
+            fleet: Fleet, tmp: Path) -> dict[tuple[str, str, int], dict[str, Cell]]:
     keys = list(urls)
     results = {(w, a, c): {k: Cell() for k in keys} for w in args.workloads for a in args.apis for c in args.concurrency}
     seed = 1000
     print("starting the client (vLLM's benchmark, imported once) ...", flush=True)
     client = Client(tmp / "logs" / "client.log")
     try:
-        _rounds(args, results, urls, roots, sidecar, engines, model_dir, tmp, client, seed)
+        _rounds(args, results, urls, roots, fleet, tmp, client, seed)
     finally:
         client.close()
     return results
 
 
 def _rounds(args: argparse.Namespace, results: dict[tuple[str, str, int], dict[str, Cell]], urls: dict[str, str],
-            roots: dict[str, tuple[int, ...]], sidecar: int, engines: tuple[int, ...], model_dir: str, tmp: Path,
-            client: Client, seed: int) -> None:
+            roots: dict[str, tuple[int, ...]], fleet: Fleet, tmp: Path, client: Client, seed: int) -> None:
+    sidecar, engines = fleet.sidecar, fleet.engines
     keys = list(urls)
     for rnd in range(args.rounds):
         for (workload, api, conc), cells in results.items():
@@ -346,7 +386,9 @@ def _rounds(args: argparse.Namespace, results: dict[tuple[str, str, int], dict[s
                 seed += 1
                 result = tmp / "results" / f"{workload}-{api}-c{conc}-{key}-r{rnd}.json"
                 result.parent.mkdir(exist_ok=True)
-                argv = client_argv(args, urls[key], workload, api, conc, seed, result, model_dir)
+                argv = client_argv(args, urls[key], workload, api, conc, seed, result, fleet.model_dir)
+                counts = engine_counts(fleet)
+                phases0 = phase_totals(urls[key]) if key.startswith("motorsite") else {}
                 before = {"proxy": tree_cpu_seconds(*roots[key]), "sidecar": tree_cpu_seconds(sidecar),
                           "engines": tree_cpu_seconds(*engines)}
                 load = loadavg()
@@ -368,7 +410,10 @@ def _rounds(args: argparse.Namespace, results: dict[tuple[str, str, int], dict[s
                 if status != 0 or not result.exists():
                     print(f"!! {key}: vllm bench serve failed; see {tmp / 'logs' / 'client.log'}", file=sys.stderr)
                     continue
-                cells[key].runs.append(Run(json.loads(result.read_text()), spent, load))
+                split = tuple(b - a for a, b in zip(counts, engine_counts(fleet), strict=True))
+                cells[key].runs.append(Run(json.loads(result.read_text()), spent, load, split))
+                if key.startswith("motorsite"):
+                    cells[key].phases.add(phases0, phase_totals(urls[key]))
                 r = cells[key].runs[-1].result
                 print(f"   {r.get('request_throughput', 0):.1f} req/s, TTFT p50 {r.get('median_ttft_ms', 0):.1f} ms, "
                       f"TPOT p50 {r.get('median_tpot_ms', 0):.2f} ms, failed {r.get('failed')}", flush=True)
@@ -414,7 +459,7 @@ def main() -> int:
                 sup = exits.enter_context(Supervisor([spec]))
                 urls[key], roots[key] = f"http://{stack.HOST}:{spec.ports[0][1]}", (sup.pids[key],)
             urls = {k: urls[k] for k in keys}
-            results = measure(args, urls, roots, sidecar, engines, cfg.model_dir, tmp)
+            results = measure(args, urls, roots, Fleet(sidecar, engines, cfg.engine_urls, cfg.model_dir), tmp)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -444,9 +489,15 @@ def section(args: argparse.Namespace, results: dict[tuple[str, str, int], dict[s
         "vLLM direct is the first engine alone",
         "- req/s: the mean over rounds of vLLM's request_throughput; latencies (ms) over every request of the rounds; "
         "CPU: utime+stime of each process tree over a whole client run (the client: its own process, vLLM imported "
-        "once before the first run; its warm-ups counted), per completed request; load: the 1-minute load average at each run's start",
+        "once before the first run; its warm-ups counted), per completed request; per engine: requests each engine finished over the rounds (warm-ups included); "
+        "load: the 1-minute load average at each run's start",
         "",
         table(results),
+        "",
+        phase_split.table("workload | API | c | path", [
+            (f"{w} | {a} | {c} | {label(k)}", cell.phases, [t / 1000 for t in cell.per_request()["ttft"]])
+            for (w, a, c), cells in results.items() for k, cell in cells.items() if k.startswith("motorsite") and cell.runs
+        ]),
         "",
         *[f"- {line}" for line in ratio_lines(results)],
     ]

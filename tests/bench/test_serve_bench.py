@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.serve_bench import Cell, Run, all_paths, best_router, client_argv, goals, parser, round_ratios
+from bench.serve_bench import Cell, Run, all_paths, best_router, client_argv, finished, goals, parser, round_ratios
 
 
 def run(rps: float, ttfts: list[float], latencies: list[float], lens: list[int], errors: list[str] | None = None,
@@ -84,3 +84,16 @@ def test_goals_say_not_held_where_motorsite_is_behind() -> None:
     }
     text = goals(cells, "motorsite")
     assert "req/s 0.60x (not held)" in text and "TTFT p50 1.50x (not held)" in text and "TPOT p50 3.00x (not held)" in text
+
+
+def test_requests_per_engine_come_from_vllm_s_success_counter_summed_over_reasons() -> None:
+    metrics = (
+        "# TYPE vllm:request_success_total counter\n"
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 40.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 2.0\n'
+        'vllm:request_prompt_tokens_count{engine="0",model_name="tiny"} 99.0\n'
+    )
+    assert finished(metrics) == 42
+    cell = Cell([run(1.0, [], [], []), run(1.0, [], [], [])])
+    cell.runs[0].split, cell.runs[1].split = (10, 6), (7, 9)
+    assert cell.split() == "17 / 15"
