@@ -184,10 +184,15 @@ async def workload(
     warm = min(streams, 4)
 
     async def request(i: int, into: Run) -> None:
-        if bodies is None:
-            await one(client, url, i, args, into)
-        else:
-            await one_generate(client, url, bodies[i], into)
+        try:
+            if bodies is None:
+                await one(client, url, i, args, into)
+            else:
+                await one_generate(client, url, bodies[i], into)
+        except httpx.HTTPError as exc:  # counted, not fatal: the other streams' numbers still stand
+            into.errors += 1
+            if into.errors == 1:
+                print(f"!! {type(exc).__name__}: {exc}", file=sys.stderr)
 
     async with httpx.AsyncClient(timeout=TIMEOUT, trust_env=False,
                                  limits=httpx.Limits(max_connections=streams + 4)) as client:
