@@ -181,7 +181,8 @@ def decision_costs(count: int, rng: random.Random, prompt: list[int]) -> tuple[f
 
     from serving.pipeline.flow_control.admission import TokenAdmission
     from serving.pipeline.placement.kv_affinity import chain_hashes
-    from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+    from serving.pipeline.placement.load import LoadTracker
+    from serving.pipeline.placement.scheduler import Scheduler
     from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
 
     template = InstanceView(

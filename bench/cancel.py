@@ -43,7 +43,8 @@ from enginesim import SimConfig  # noqa: E402
 from enginesim.testing import LiveServer  # noqa: E402
 from serving.pipeline.derender.session import StreamSettings  # noqa: E402
 from serving.pipeline.engine.client import EngineClient  # noqa: E402
-from serving.pipeline.placement.scheduler import LoadTracker, Scheduler  # noqa: E402
+from serving.pipeline.placement.load import LoadTracker  # noqa: E402
+from serving.pipeline.placement.scheduler import Scheduler  # noqa: E402
 from serving.pipeline.render.client import RenderClient  # noqa: E402
 from serving.pipeline.service import EventStream, ServingPipeline  # noqa: E402
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams, fleet_snapshot, instance  # noqa: E402

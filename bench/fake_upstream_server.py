@@ -9,9 +9,11 @@ host (``render``, ``e1``, ``e2``); each request becomes an ``httpx.Request`` for
 streaming generate yields ``--tokens`` single-token events per request, built lazily as a real
 engine would (then the usage-only event when ``stream_options.include_usage`` asks for it), and
 counts each token event it hands to the socket. ``GET /stats`` on any port answers
-``{"events_sent": n, "derender_calls": n, "derendered_tokens": n, "open_streams": n, "aborted": [ids]}``:
-the tokens of every streaming derender call (what the coordinator has taken from the engines),
-the engine streams not yet ended or hung up on, and the engine request ids aborted.
+``{"events_sent": n, "derender_calls": n, "derendered_tokens": n, "open_streams": n, "aborted": [ids],
+"traced": [...]}``: the tokens of every streaming derender call (what the coordinator has taken from
+the engines), the engine streams not yet ended or hung up on, the engine request ids aborted, and
+the W3C trace headers of the latest requests (``{"seq", "host", "path", "traceparent", "tracestate"}``,
+numbered from 0, None where a header was absent), as vLLM would read them.
 
 Prints one JSON line ``{"render": port, "e1": port, "e2": port}`` once listening; runs until killed.
 
@@ -28,6 +30,7 @@ import asyncio
 import json
 import socket
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -55,6 +58,8 @@ class App:
         self.derendered_tokens = 0
         self.open_streams = 0
         self.aborted: list[str] = []
+        self.requests = 0
+        self.traced: deque[dict[str, Any]] = deque(maxlen=1000)  # bounded over a long run
         for host in ("e1", "e2"):
             self.upstreams.override(host, "generate", self._generate(tokens))
 
@@ -98,7 +103,7 @@ class App:
         if scope["path"] == "/stats":
             payload = {"events_sent": self.events_sent, "derender_calls": self.derender_calls,
                        "derendered_tokens": self.derendered_tokens, "open_streams": self.open_streams,
-                       "aborted": self.aborted}
+                       "aborted": self.aborted, "traced": list(self.traced)}
             await _send_whole(send, 200, [(b"content-type", b"application/json")], json.dumps(payload).encode())
             return
         body = b""
@@ -110,6 +115,10 @@ class App:
         host = self.ports[scope["server"][1]]
         path = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"] else "")
         request = httpx.Request(scope["method"], f"http://{host}.test{path}", headers=scope["headers"], content=body)
+        self.traced.append({"seq": self.requests, "host": host, "path": scope["path"],
+                            "traceparent": request.headers.get("traceparent"),
+                            "tracestate": request.headers.get("tracestate")})
+        self.requests += 1
         response = await self.upstreams.handler(request)
         if path.endswith("/derender"):
             self.derender_calls += 1

@@ -34,12 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import loadavg, write_section  # noqa: E402
-from serving.pipeline.obfuscation.mapping import (  # noqa: E402
-    TokenMapping,
+from serving.pipeline.obfuscation.fields import (  # noqa: E402
     deobfuscate_event,
     deobfuscate_response,
     obfuscate_request,
 )
+from serving.pipeline.obfuscation.mapping import TokenMapping  # noqa: E402
 
 SECTION = "## bench/obfuscation.py"
 KEY = b"bench-obfuscation-key-not-a-secret"

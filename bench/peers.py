@@ -63,7 +63,8 @@ from bench.peer_procs import LITELLM_KEY, PEER_LABELS, pd_probe, peer_specs, sca
 from bench.phase_split import PhaseSplit, scrape  # noqa: E402
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, SupervisorError, free_port, log_tail  # noqa: E402
-from serving.pipeline.topologies.pd import PREFILL_KV_PARAMS, decode_request, prefill_request  # noqa: E402
+from serving.pipeline.engine.requests import decode_request, prefill_request  # noqa: E402
+from serving.pipeline.topologies.pd import PREFILL_KV_PARAMS  # noqa: E402
 
 SECTION = "## bench/peers.py"
 MODES = ("stream", "json")

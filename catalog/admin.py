@@ -11,8 +11,8 @@ from django.db.models import Count, Model, QuerySet
 from django.http import HttpRequest
 
 from catalog.key_refs import InvalidKeyRef, check_key_ref
-from catalog.models import ModelRevision, RenderConfig, ServedModel
-from catalog.render_versions import render_traffic
+from catalog.models import ModelRevision, RenderConfig, RenderSidecar, ServedModel
+from catalog.render_versions import member_traffic, pool_traffic, render_traffic
 from catalog.services import render_config_save
 from motorsite.admin_forms import OperatorEditForm
 from motorsite.core import InvalidError, bump_control_version
@@ -99,6 +99,37 @@ class RenderConfigForm(OperatorEditForm):
         return data
 
 
+@admin.register(RenderSidecar)
+class RenderSidecarAdmin(admin.ModelAdmin):
+    """The render pools' members: an operator adds and removes them by address; the probes fill in the rest."""
+
+    list_display = ("base_url", "render_config", "health", "sidecar_version", "traffic", "last_probe_at")
+    list_filter = ("render_config", "health")
+    fields = ("render_config", "host", "port", "health", "sidecar_version", "traffic", "capabilities",
+              "last_probe_at", "last_probe_error")
+    readonly_fields = ("health", "sidecar_version", "traffic", "capabilities", "last_probe_at", "last_probe_error")
+
+    @admin.display(description="traffic")
+    def traffic(self, obj: RenderSidecar) -> str:
+        """What this member serves by its version and routes; a request class no member serves goes native."""
+        return "-" if obj.pk is None else member_traffic(obj.sidecar_version, obj.capabilities)
+
+    def save_model(self, request: HttpRequest, obj: RenderSidecar, form: Any, change: bool) -> None:
+        with transaction.atomic():
+            _save_changed(obj, form, change)
+            bump_control_version()  # the pool is in the snapshot
+
+    def delete_model(self, request: HttpRequest, obj: RenderSidecar) -> None:
+        with transaction.atomic():
+            super().delete_model(request, obj)
+            bump_control_version()
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[RenderSidecar]) -> None:
+        with transaction.atomic():
+            super().delete_queryset(request, queryset)
+            bump_control_version()
+
+
 @admin.register(RenderConfig)
 class RenderConfigAdmin(admin.ModelAdmin):
     form = RenderConfigForm
@@ -107,12 +138,12 @@ class RenderConfigAdmin(admin.ModelAdmin):
         "traffic", "model_record", "restart_required",
     )
     readonly_fields = (
-        "sidecar_version", "traffic", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",
+        "pool_size", "pool", "sidecar_version", "traffic", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",
         "restart_required",
     )
     fieldsets = (
         (None, {"fields": ("name", "enable")}),
-        ("Sidecar", {"fields": ("image_name", "host", "port", "renderer_num_workers")}),
+        ("Sidecar", {"fields": ("image_name", "host", "port", "renderer_num_workers", "pool_size", "pool")}),
         ("Limits", {"fields": ("timeout_ms", "context_budget", "derender_coalesce", "stream_interval", "stream_interval_ms")}),
         ("Token obfuscation", {"fields": ("obfuscation", "obfuscation_key_ref", "obfuscation_key_id")}),
         ("Probed", {"fields": (
@@ -123,8 +154,18 @@ class RenderConfigAdmin(admin.ModelAdmin):
 
     @admin.display(description="traffic")
     def traffic(self, obj: RenderConfig) -> str:
-        """Where the RFC's version floors send requests with this sidecar, and why."""
-        return render_traffic(obj.sidecar_version)
+        """Where the RFC's version floors send requests with this pool, and why."""
+        versions = [m.sidecar_version for m in obj.sidecars.all()] if obj.pk else []
+        return pool_traffic(versions) if versions else render_traffic(obj.sidecar_version)
+
+    @admin.display(description="render pool")
+    def pool(self, obj: RenderConfig) -> str:
+        """Each member with its health and what it serves (the members are edited under Render sidecars)."""
+        members = list(obj.sidecars.all()) if obj.pk else []
+        return "; ".join(
+            f"{m.base_url} [{m.health}, vLLM {m.sidecar_version or '?'}]: {member_traffic(m.sidecar_version, m.capabilities)}"
+            for m in members
+        ) or f"{obj.base_url} (no member rows: the config's own address)"
 
     @admin.display(description="model record", ordering="model_mismatch")
     def model_record(self, obj: RenderConfig) -> str:

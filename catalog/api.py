@@ -7,10 +7,12 @@ from typing import Any
 
 from django.http import HttpRequest
 from ninja import Field, Router, Schema
+from ninja.responses import Status
 
 from catalog import services
 from catalog.key_refs import key_ref_pattern
-from catalog.models import STREAM_INTERVAL_MAX, STREAM_INTERVAL_MS_MAX, RenderConfig
+from catalog.models import STREAM_INTERVAL_MAX, STREAM_INTERVAL_MS_MAX, RenderConfig, RenderSidecar
+from catalog.render_versions import member_traffic
 from motorsite.core import (
     MAX_ID,
     BodySchema,
@@ -23,6 +25,25 @@ from motorsite.core import (
 )
 
 router = Router(tags=["render"])
+
+
+class RenderSidecarOut(Schema):
+    id: int
+    host: str
+    port: int
+    base_url: str
+    sidecar_version: str
+    capabilities: dict[str, Any] = Field(
+        description="What the probe found: version, routes served, token_in, derender, streaming_derender."
+    )
+    traffic: str = Field(description="What the version floors and its routes leave this sidecar to serve.")
+    health: str
+    last_probe_at: datetime | None
+    last_probe_error: str
+
+    @staticmethod
+    def resolve_traffic(obj: RenderSidecar) -> str:
+        return member_traffic(obj.sidecar_version, obj.capabilities)
 
 
 class RenderConfigOut(Schema):
@@ -52,6 +73,17 @@ class RenderConfigOut(Schema):
     last_probe_at: datetime | None
     last_probe_error: str
     restart_required: bool
+    pool_size: int = Field(description="Sidecars `make run` starts for this config.")
+    sidecars: list[RenderSidecarOut] = Field(description="The pool: each call goes to the member with the fewest outstanding calls.")
+
+    @staticmethod
+    def resolve_sidecars(obj: RenderConfig) -> list[RenderSidecar]:
+        return list(obj.sidecars.all())
+
+
+class RenderSidecarIn(BodySchema):
+    host: str = Field(min_length=1, max_length=200)
+    port: int = Field(ge=1, le=65535)
 
 
 class RenderConfigPatch(BodySchema):
@@ -168,3 +200,26 @@ def _publish(changes: dict[str, Any], request: HttpRequest, name: str | None) ->
     except InvalidError as exc:
         raise ConflictError(str(exc)) from None
     return _publish_out(result)
+
+
+@router.get("/render-configs/{config_id}/sidecars", response={200: list[RenderSidecarOut], 404: Detail})
+def list_render_sidecars(request: HttpRequest, config_id: int) -> Any:
+    return list(_get(config_id).sidecars.all())
+
+
+@router.post("/render-configs/{config_id}/sidecars", response={201: RenderSidecarOut, 404: Detail, 409: Detail},
+             summary="Add a sidecar to the render pool")
+def add_render_sidecar(request: HttpRequest, config_id: int, body: RenderSidecarIn) -> Any:
+    _get(config_id)
+    return Status(201, services.render_member_add(config_id=config_id, host=body.host, port=body.port,
+                                                  actor=request_actor(request)))
+
+
+@router.delete("/render-configs/{config_id}/sidecars/{member_id}", response={204: None, 404: Detail, 409: Detail},
+               summary="Remove a sidecar from the render pool")
+def remove_render_sidecar(request: HttpRequest, config_id: int, member_id: int) -> Any:
+    _get(config_id)
+    if not 0 < member_id < MAX_ID:
+        raise NotFoundError(f"No sidecar {member_id} in render config {config_id}.")
+    services.render_member_remove(config_id=config_id, member_id=member_id, actor=request_actor(request))
+    return Status(204, None)

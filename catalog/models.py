@@ -136,6 +136,11 @@ class RenderConfig(models.Model):
     health = models.CharField(max_length=10, choices=Health.choices, default=Health.UNKNOWN)
     last_probe_at = models.DateTimeField(null=True, blank=True)
     last_probe_error = models.TextField(blank=True)
+    pool_size = models.PositiveIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(16)],
+        help_text="Sidecars `make run` started for this config (MOTOR_RENDER_POOL_SIZE: on `port` and the ports "
+        "after it); sidecars added by address are members too.",
+    )
     # Set by render_config_publish when a change needs the managed sidecar restarted; cleared by
     # whatever restarts it (the launcher), so an operator can see a restart is still owed.
     restart_required = models.BooleanField(default=False)
@@ -151,6 +156,42 @@ class RenderConfig(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class RenderSidecar(models.Model):
+    """One member of a render config's pool: a sidecar's address and what its probes found.
+
+    The snapshot gives the data plane every member (``RenderView.members``); the pool picks one
+    per call (``serving/pipeline/render/pool.py``). The probe fields are machine-owned.
+    """
+
+    render_config = models.ForeignKey(RenderConfig, models.CASCADE, related_name="sidecars")
+    host = models.CharField(max_length=200, default="127.0.0.1")
+    port = models.PositiveIntegerField()
+    # Machine-owned: written by the version and health probes only.
+    sidecar_version = models.CharField(max_length=50, blank=True)
+    capabilities = models.JSONField(
+        default=dict, blank=True,
+        help_text="What the probe found: vLLM version, the render/derender routes served, token_in, derender, "
+        "streaming_derender (the version floors), tokenizer_loaded.",
+    )
+    health = models.CharField(max_length=10, choices=Health.choices, default=Health.UNKNOWN)
+    consecutive_successes = models.PositiveIntegerField(default=0)
+    consecutive_failures = models.PositiveIntegerField(default=0)
+    last_probe_at = models.DateTimeField(null=True, blank=True)
+    last_probe_error = models.TextField(blank=True)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [models.UniqueConstraint(fields=["render_config", "host", "port"], name="render_sidecar_address")]
+
+    def __str__(self) -> str:
+        return self.base_url
 
     @property
     def base_url(self) -> str:

@@ -62,3 +62,33 @@ def render_traffic(version: str) -> str:
     if not caps.streaming_derender:
         return f"token-only; streams native: sidecar vLLM {version} is older than 0.27 (no streaming derender)"
     return "token-only" if version else "token-only (version not probed yet)"
+
+
+def member_traffic(version: str, capabilities: dict[str, object] | None) -> str:
+    """``render_traffic`` for one pool member, with what its probe found it serves: a route its
+    OpenAPI document lacks is a request class it does not take, whatever its version."""
+    base = render_traffic(version)
+    routes = (capabilities or {}).get("routes")
+    if not isinstance(routes, dict):
+        return base
+    missing = [f"render {k}" for k in ("chat", "completions", "messages", "responses") if k not in (routes.get("render") or [])]
+    missing += [f"derender {k}" for k in ("chat", "completions") if k not in (routes.get("derender") or [])]
+    return f"{base}; does not serve {', '.join(missing)}" if missing else base
+
+
+def pool_traffic(versions: list[str]) -> str:
+    """``render_traffic`` for a pool whose members' probes recorded ``versions``: the path choice
+    reads what some member can do, and a mixed pool serves each call on a member that can."""
+    if len(versions) <= 1:
+        return render_traffic(versions[0] if versions else "")
+    caps = [probed_capabilities(v) for v in versions]
+    if not any(c.token_in for c in caps):
+        return "native: no sidecar of the pool is 0.23 or newer (no token-in render)"
+    if not any(c.derender for c in caps):
+        return "native: no sidecar of the pool is 0.24 or newer (no derender)"
+    streams = sum(c.streaming_derender for c in caps)
+    if not streams:
+        return "token-only; streams native: no sidecar of the pool is 0.27 or newer (no streaming derender)"
+    if streams < len(caps):
+        return f"token-only; streams derendered by {streams} of {len(caps)} sidecars (the others are older than 0.27)"
+    return "token-only"

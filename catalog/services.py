@@ -25,6 +25,7 @@ from catalog.models import (
     STREAM_INTERVAL_MS_MAX,
     ModelRevision,
     RenderConfig,
+    RenderSidecar,
     RenderStreamReport,
     ServedModel,
 )
@@ -133,7 +134,7 @@ RENDER_CONFIG_FIELDS = ("name", *RenderConfig.IMPORT_KEYS)
 # The columns only the probes and the launcher write (compare-and-set updates, never a save).
 _MACHINE_FIELDS = (
     "sidecar_version", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",
-    "restart_required",
+    "restart_required", "pool_size",
 )
 
 
@@ -210,11 +211,59 @@ def render_sidecar_moved(*, config_id: int, expected: dict[str, Any], port: int,
     meanwhile: the launcher then starts over from the newer config.
     """
     with transaction.atomic():
+        before = RenderConfig.objects.filter(id=config_id, **expected).values("host", "port").first()
         moved = RenderConfig.objects.filter(id=config_id, **expected).update(port=port)
+        if moved and before is not None:
+            # The pool member the launcher manages moves with it (the others are not restarted here).
+            RenderSidecar.objects.filter(render_config_id=config_id, **before).update(port=port)
         if moved:
             bump_control_version()
     logger.info("render sidecar moved config_id=%s port=%s moved=%s actor=%s", config_id, port, bool(moved), actor)
     return bool(moved)
+
+
+def render_member_add(*, config_id: int, host: str, port: int, actor: str) -> RenderSidecar:
+    """Add the sidecar at ``host``:``port`` to the config's pool; coordinators use it within a poll
+    interval (its version floors apply once a probe records its version). ``ConflictError`` when
+    the pool has it already."""
+    config = render_config_get(config_id=config_id)
+    with transaction.atomic():
+        member, created = RenderSidecar.objects.get_or_create(render_config=config, host=host, port=port)
+        if not created:
+            raise ConflictError(f"The pool of render config {config.name!r} has {member.base_url} already.")
+        bump_control_version()
+    logger.info("render sidecar added config=%s url=%s actor=%s", config.name, member.base_url, actor)
+    return member
+
+
+def render_member_remove(*, config_id: int, member_id: int, actor: str) -> None:
+    """Take a sidecar out of the config's pool. Requests already running keep the pool they began
+    with; new ones stop using it within a poll interval. The last member cannot go (``ConflictError``):
+    a pool of none would silently fall back to the config's own address."""
+    with transaction.atomic():
+        member = RenderSidecar.objects.select_for_update().filter(id=member_id, render_config_id=config_id).first()
+        if member is None:
+            raise NotFoundError(f"No sidecar {member_id} in render config {config_id}.")
+        if RenderSidecar.objects.filter(render_config_id=config_id).count() <= 1:
+            raise ConflictError("A render pool keeps at least one sidecar; add another before removing this one.")
+        member.delete()
+        bump_control_version()
+    logger.info("render sidecar removed config_id=%s url=%s actor=%s", config_id, member.base_url, actor)
+
+
+def render_member_moved(
+    *, config_id: int, expected: dict[str, Any], host: str, old_port: int, port: int, actor: str
+) -> bool:
+    """Point the pool member at ``host``:``old_port`` at its replacement on ``port``, if the config
+    is still as ``expected`` (the launcher's rolling restart of a pool, one member at a time)."""
+    with transaction.atomic():
+        if not RenderConfig.objects.filter(id=config_id, **expected).exists():
+            return False
+        moved = RenderSidecar.objects.filter(render_config_id=config_id, host=host, port=old_port).update(port=port)
+        if moved:
+            bump_control_version()
+    logger.info("render pool member moved config_id=%s %s:%s -> %s actor=%s", config_id, host, old_port, port, actor)
+    return True
 
 
 def render_sidecar_restarted(*, config_id: int, expected: dict[str, Any], actor: str) -> bool:

@@ -75,6 +75,8 @@ class SimStats:
     # The X-Request-Id header of the latest generate requests, oldest first (None: none sent), so a
     # test can see which id each leg was sent under; bounded, a benchmark sends thousands.
     x_request_ids: deque[str | None] = field(default_factory=lambda: deque(maxlen=256))
+    # The W3C ``traceparent`` of the same requests (None: none sent), the trace header vLLM reads.
+    traceparents: deque[str | None] = field(default_factory=lambda: deque(maxlen=256))
 
     def as_json(self, running: int) -> dict[str, object]:
         return {
@@ -86,6 +88,7 @@ class SimStats:
             "running": running,
             "finished": dict(self.finished),
             "x_request_ids": list(self.x_request_ids),
+            "traceparents": list(self.traceparents),
         }
 
 

@@ -95,6 +95,7 @@ class GenerateHandlers:
         engine = self.engine
         engine.stats.requests_received += 1
         engine.stats.x_request_ids.append(request.headers.get("x-request-id"))
+        engine.stats.traceparents.append(request.headers.get("traceparent"))
         # Taken before validation: "the next n requests fail" whatever they contain.
         fault = engine.faults.take()
         if fault is not None and fault.mode is FaultMode.FAIL_BEFORE_FIRST_TOKEN:

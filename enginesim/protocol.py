@@ -281,10 +281,6 @@ class ModelList(BaseModel):
 # -- control API --------------------------------------------------------------------------
 
 
-class AbortRequest(BaseModel):
-    request_ids: list[str]
-
-
 class ScriptIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

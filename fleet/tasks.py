@@ -59,9 +59,10 @@ def probe_instance(instance_id: int) -> bool | None:
 @shared_task(ignore_result=True)
 def probe_render() -> bool | None:
     """One health check of the render sidecar; its outcome, or None when render is off or unconfigured."""
-    from fleet import probes
+    from fleet import probes, render_pool_probes
 
     result = probes.probe_render_health()
+    render_pool_probes.probe_render_pool()  # each member's version, routes and health
     return None if result is None else result.ok
 
 

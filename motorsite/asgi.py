@@ -22,7 +22,7 @@ if settings.MOTOR_SERVE_STATIC:
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
 # Imported once Django is set up: the edge reads settings and the snapshot builder uses the ORM.
-from motorsite import daphne_requests, send_flow  # noqa: E402
+from motorsite import daphne_inbox, daphne_requests, send_flow  # noqa: E402
 from motorsite.front_door import FrontDoor  # noqa: E402
 from serving.edge import openai_api  # noqa: E402
 from serving.edge.asgi import PrefixMount  # noqa: E402
@@ -32,5 +32,7 @@ daphne_requests.install()
 # Under both servers: send() waits while the client reads nothing (Daphne's never did), and a send
 # abandoned at MOTOR_CLIENT_STALL_S drops its connection.
 send_flow.install()
+# Under Daphne: each request's input queue without an asyncio.Queue (a held-back stream keeps it).
+daphne_inbox.install()
 # The front door first: no key, no body (under uvicorn; Daphne's requests are judged in Twisted).
 application = ProtocolTypeRouter({"http": FrontDoor(PrefixMount("/v1", openai_api.application, django_asgi_app))})

@@ -35,8 +35,9 @@ _FLOW = "_motor_send_flow"
 # 64 KiB). The kernel's socket buffer is in front of it (autotuned to megabytes for a client that
 # reads), so a small one costs a reading client nothing, and a silent one holds this much here:
 # 4 KiB rather than 8 took 3 KiB off a silent stream under Daphne and 11 under uvicorn (whose
-# chunked framing copies every body), bench/slow_reader.py at 8 streams.
-WRITE_BUFFER_BYTES = 4 * 1024
+# chunked framing copies every body), 1 KiB rather than 4 another 5 and 8 (bench/slow_reader.py
+# at 8 streams). A frame larger than the mark still goes whole: send() waits after it.
+WRITE_BUFFER_BYTES = 1024
 
 
 class SendFlow:

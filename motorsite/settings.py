@@ -294,7 +294,7 @@ MOTOR_CONTROL_MAX_BODY_BYTES = env_int("MOTOR_CONTROL_MAX_BODY_BYTES", 1024 * 10
 # or holds an idle connection is cut then, under Daphne and uvicorn alike. Far above what a
 # client on a slow link needs for a few KiB of headers. A load balancer that keeps idle
 # connections to this process open longer would see them closed: set it above the balancer's
-# idle timeout there (README, "In front of the coordinator").
+# idle timeout there (docs/deploying.md, "In front of the coordinator").
 MOTOR_HEADER_TIMEOUT_S = env_int("MOTOR_HEADER_TIMEOUT_MS", 20000) / 1000
 if MOTOR_HEADER_TIMEOUT_S <= 0 or MOTOR_CONTROL_MAX_BODY_BYTES < 0 or DATA_UPLOAD_MAX_MEMORY_SIZE < 0:
     raise ImproperlyConfigured(

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from motorsite import tiers
@@ -43,6 +43,9 @@ class StackConfig:
     coordinator_port: int = 8000
     server: str = "daphne"  # one of SERVERS
     render_port: int = 8100
+    # More sidecars of the render pool beside the one on ``render_port`` (``MOTOR_RENDER_POOL_SIZE``
+    # for `make run`): each its own process, a member of the render config's pool.
+    render_member_ports: tuple[int, ...] = ()
     engine_ports: tuple[int, ...] = (8201, 8202)
     # Prefill and decode engines beside the union ones (real vLLM: NixlConnector over loopback,
     # pull, the Handoff topology); empty tuples start none. ``nixl_ports`` are their NIXL side
@@ -117,6 +120,16 @@ def render_spec(cfg: StackConfig) -> ProcessSpec:
     )
 
 
+def render_specs(cfg: StackConfig) -> list[ProcessSpec]:
+    """The render pool's sidecars: ``render`` on ``render_port``, then ``render-member-2``, ... on the member ports."""
+    members = [
+        replace(render_spec(replace(cfg, render_port=port)), name=f"render-member-{i}",
+                log_path=cfg.log_dir / f"render-member-{i}.log")
+        for i, port in enumerate(cfg.render_member_ports, start=2)
+    ]
+    return [render_spec(cfg), *members]
+
+
 def engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
     specs = []
     for n, port in enumerate(cfg.engine_ports):
@@ -130,6 +143,9 @@ def engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
                 # Each engine gets its own core; two engines on one core halve each other's speed.
                 core=n % max(os.cpu_count() or 1, 1),
                 max_model_len=cfg.max_model_len,
+                # The engines' own APIs parse as the sidecar does (the native path's answers, and
+                # vLLM's own answers that parity tests compare the token path with).
+                parsers=cfg.render_parsers,
             )
             timeout = 180.0
         else:
@@ -295,7 +311,7 @@ def celery_specs(cfg: StackConfig) -> list[ProcessSpec]:
 
 def build_specs(cfg: StackConfig) -> list[ProcessSpec]:
     celery = celery_specs(cfg) if cfg.celery else []
-    tiers_group = together([render_spec(cfg), *engine_specs(cfg), *pd_engine_specs(cfg)])
+    tiers_group = together([*render_specs(cfg), *engine_specs(cfg), *pd_engine_specs(cfg)])
     return [*tiers_group, *together(celery), coordinator_spec(cfg)]
 
 
@@ -312,6 +328,8 @@ def prepare_database(cfg: StackConfig) -> None:
         "--render-port", str(cfg.render_port),
         "--engine-kind", cfg.engines,
     ]
+    for port in cfg.render_member_ports:
+        fleet += ["--render-member-port", str(port)]
     if cfg.render_parsers:
         fleet += ["--reasoning-parser", tiers.REASONING_PARSER, "--tool-parser", tiers.TOOL_PARSER]
     for url in cfg.engine_urls:

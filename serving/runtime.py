@@ -40,7 +40,7 @@ from django.conf import settings
 
 from fleet.replicas import ReplicaDirectory
 from serving import stream_reports
-from serving.pipeline import http, metric_names, metrics, tracing
+from serving.pipeline import http, metrics, tracing
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient, ReplyDeadline
 from serving.pipeline.flow_control import rate_limit
@@ -53,15 +53,16 @@ from serving.pipeline.obfuscation.mapping import TokenMapping
 from serving.pipeline.phases import Histograms
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex
 from serving.pipeline.placement.kv_events import KVEventHub
-from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, LoadTracker, Scheduler
-from serving.pipeline.render.client import RenderClient
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, Scheduler
 from serving.pipeline.render.live import LiveStreams
+from serving.pipeline.render.pool import PoolState, RenderPool
 from serving.pipeline.render.tokenization import RenderHealth
 from serving.pipeline.request_checks import RequestLimits
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.resilience.shared_breaker import SharedBreakerBoard
 from serving.pipeline.service import ServingPipeline
-from serving.pipeline.snapshot import FleetSnapshot
+from serving.pipeline.snapshot import FleetSnapshot, RenderView
 from serving.pipeline.topologies import hybrid
 from serving.pipeline.topologies.metaserver import process_metaserver
 from serving.pipeline.topologies.registry import TopologyRegistry
@@ -165,6 +166,9 @@ class Runtime:
     # few seconds by every request of the process, but its replacement (a graceful restart moves
     # the snapshot to a new URL) is tried at once.
     render_health: dict[str, RenderHealth]
+    # Each render pool member's outstanding calls in this process (the pool's pick), and the
+    # same render-down memory as ``render_health`` (one dict): members outlive snapshots.
+    render_pool: PoolState
     # Requests per render sidecar, reported to the database for the launcher's graceful restart.
     live_streams: LiveStreams
     stream_reporter: stream_reports.StreamReporter
@@ -195,6 +199,7 @@ def build() -> Runtime:
     # Trigger callbacks that land on another replica are routed by the control plane's record of
     # each process's address, never by an address in the callback's URL.
     process_metaserver().directory = ReplicaDirectory()
+    render_health: dict[str, RenderHealth] = {}
     live_streams = LiveStreams()
     stream_reporter = stream_reports.StreamReporter(live_streams.counts)
     live_streams.on_change = stream_reporter.notify
@@ -206,7 +211,7 @@ def build() -> Runtime:
     return Runtime(
         load=load, breakers=breakers, admission=admission, rate_limiter=rate_limiter, affinity=affinity,
         scheduler=scheduler, topologies=TopologyRegistry(), counters=RouterCounters(), phases=Histograms(),
-        render_health={},
+        render_health=render_health, render_pool=PoolState(health=render_health),
         live_streams=live_streams, stream_reporter=stream_reporter, dashboard_reporter=dashboard_reporter,
         tracer=tracing.configure(replica=settings.MOTOR_REPLICA) if settings.MOTOR_TRACING else None,
     )
@@ -286,23 +291,6 @@ def inflight_tokens() -> dict[str, int]:
     return admission.inflight_tokens()
 
 
-def router_metrics() -> dict[str, Any]:
-    """The router's counters and gauges for ``/metrics``: ``{"counters": {(name, labels): n}, ...}``."""
-    kv_counters: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {
-        (metric_names.AFFINITY_INDEX_BLOCKS.name, ()): len(affinity),
-    }
-    hub = kv_event_hub()
-    for name, subscriber in (hub.subscribers if hub is not None else {}).items():
-        kv_counters[(metric_names.KV_EVENT_BATCHES.name, (("instance", name),))] = subscriber.batches
-        kv_counters[(metric_names.KV_EVENT_ERRORS.name, (("instance", name),))] = subscriber.errors
-    return {
-        "counters": {**counters.snapshot(), **kv_counters},
-        "inflight_tokens": inflight_tokens(),
-        "admission_waiting": admission.waiting(),
-        "breakers": breakers.snapshot(),  # instance id -> state
-    }
-
-
 def obfuscation_mapping(snapshot: FleetSnapshot) -> TokenMapping | None:
     """The token mapping for the snapshot's obfuscation key (None when obfuscation is off).
 
@@ -317,15 +305,33 @@ def obfuscation_mapping(snapshot: FleetSnapshot) -> TokenMapping | None:
 def render_health_for(base_url: str) -> RenderHealth:
     """The process's render-down memory for the sidecar at ``base_url`` (made on first use)."""
     key = base_url.rstrip("/")
-    health = RUNTIME.render_health.get(key)
-    if health is None:
-        health = RUNTIME.render_health[key] = RenderHealth()
-    return health
+    return RUNTIME.render_pool.health_of(key)
+
+
+# The render pools made for recent views (a view and the client it was made with, by the view's
+# id): a pool holds no per-request state, so requests of one snapshot share one. Bounded: old
+# snapshots' pools are dropped, and a pipeline still using one keeps it alive itself.
+_render_pools: dict[int, tuple[RenderView, Any, RenderPool]] = {}
+_RENDER_POOLS_KEPT = 16
+
+
+def render_pool_for(view: RenderView) -> RenderPool:
+    """The pool of ``view`` (a snapshot's render view) on this loop's shared client."""
+    client = http.shared_client()
+    found = _render_pools.get(id(view))
+    if found is not None and found[0] is view and found[1] is client:
+        return found[2]
+    if len(_render_pools) >= _RENDER_POOLS_KEPT:
+        _render_pools.clear()
+    pool = RenderPool(client, view, RUNTIME.render_pool)
+    _render_pools[id(view)] = (view, client, pool)
+    return pool
 
 
 def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
     client = http.shared_client()
-    render = RenderClient(client, snapshot.render.base_url, snapshot.render.timeout_s)
+    # The render pool of the snapshot's view: each call picks its member (render/pool.py).
+    render = render_pool_for(snapshot.render)
     boundary = EngineBoundary(obfuscation_mapping(snapshot))
     # Placement keeps instances whose declared key id does not fit the render config out of
     # traffic itself (placement/filters.py), so the pipeline gets the snapshot as it is.
@@ -338,6 +344,6 @@ def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
             derender_retries=settings.MOTOR_DERENDER_CHUNK_RETRIES,
         ),
         live_streams=live_streams, topologies=RUNTIME.topologies,
-        render_health=render_health_for(snapshot.render.base_url),
+        render_health=render.health_view,
         limits=RequestLimits(max_choices=settings.MOTOR_MAX_CHOICES, max_prompts=settings.MOTOR_MAX_PROMPTS),
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -32,7 +32,7 @@ from fleet.models import ApiKey, BreakerState, EngineInstance
 from motorsite.core import current_render_config, read_control_version
 from serving import obfuscation_keys
 from serving.pipeline.errors import ControlDataUnavailable
-from serving.pipeline.snapshot import ClientKeyView, FleetSnapshot, InstanceView, ModelView, RenderView
+from serving.pipeline.snapshot import ClientKeyView, FleetSnapshot, InstanceView, ModelView, RenderMember, RenderView
 
 # The clock the freshness checks use; tests replace it to drive time without sleeping.
 clock: Callable[[], float] = time.monotonic
@@ -61,21 +61,22 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
     cfg = current_render_config() or RenderConfig()
     # The key stays out of the snapshot; its mapping is registered with the data plane by key id.
     obfuscation_keys.load_for(cfg, models.values())
-    # The version floors act on what the probe recorded (the same rule the admin shows).
-    caps = probed_capabilities(cfg.sidecar_version)
+    members = render_members(cfg)
     render = RenderView(
         enable=cfg.enable,
-        base_url=cfg.base_url,
+        base_url=members[0].base_url,
         timeout_s=cfg.timeout_ms / 1000,
         context_budget=cfg.context_budget,
         obfuscation=cfg.obfuscation,
         obfuscation_key_id=cfg.obfuscation_key_id,
-        token_in=caps.token_in,
-        derender=caps.derender,
-        streaming_derender=cfg.streaming_derender and caps.streaming_derender,
+        # The path choice reads what some member can do; the pool picks a member that can.
+        token_in=any(m.token_in for m in members),
+        derender=any(m.derender for m in members),
+        streaming_derender=cfg.streaming_derender and any(m.streaming_derender for m in members),
         derender_coalesce=cfg.derender_coalesce,
         stream_interval=cfg.stream_interval,
         stream_interval_ms=cfg.stream_interval_ms,
+        members=members,
     )
     instances = tuple(_instance_view(i) for i in EngineInstance.objects.select_related("served_model", "breaker"))
     keys = list(ApiKey.objects.filter(scope=ApiKey.Scope.CLIENT).values_list(
@@ -87,6 +88,38 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
         version=version, models=models, render=render, instances=instances,
         client_keys=client_keys, client_keys_managed=bool(keys), admin_keys=admin_keys,
     )
+
+
+def render_members(cfg: RenderConfig) -> tuple[RenderMember, ...]:
+    """The config's pool as the data plane sees it: each member's version floors (what its probe
+    recorded; nothing recorded yet: the deployment's word) and health. A config without member
+    rows (not saved yet, or every member removed) is one sidecar at its own host and port."""
+    rows = list(cfg.sidecars.all()) if cfg.pk else []
+    if not rows:
+        caps = probed_capabilities(cfg.sidecar_version)
+        return (RenderMember(cfg.base_url, cfg.sidecar_version, caps.token_in, caps.derender, caps.streaming_derender,
+                             healthy=cfg.health != Health.FAILING),)
+    members = []
+    for row in rows:
+        caps = probed_capabilities(row.sidecar_version)
+        # The probe's record of the routes it serves can only take away what the version gives.
+        found = row.capabilities or {}
+        members.append(RenderMember(
+            row.base_url, row.sidecar_version, caps.token_in and found.get("token_in", True) is not False,
+            caps.derender and found.get("derender", True) is not False,
+            caps.streaming_derender and found.get("streaming_derender", True) is not False,
+            healthy=row.health != Health.FAILING,
+            render_routes=_routes(found, "render"), derender_routes=_routes(found, "derender"),
+        ))
+    return tuple(members)
+
+
+def _routes(capabilities: dict[str, Any], which: str) -> frozenset[str] | None:
+    """The API kinds a member's probe found ``which`` routes for; None when it found no route list."""
+    routes = capabilities.get("routes")
+    if not isinstance(routes, dict) or not isinstance(routes.get(which), list):
+        return None
+    return frozenset(str(k) for k in routes[which])
 
 
 def wire_connector(kv_connector: str, hardware: str) -> str:

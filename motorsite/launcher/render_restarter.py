@@ -67,6 +67,11 @@ class RenderRestarter:
     ``settle_s`` after the switch) or at ``drain_s``, the cap. Requests that find no sidecar in
     between (the operator's new port before the replacement is up) fall back to the local
     tokenizer as on any render outage.
+
+    A pool (``MOTOR_RENDER_POOL_SIZE``: the other members this launcher started) is replaced one
+    sidecar at a time: after the first one's drain, each other member gets a replacement on a
+    free port, its member row moves to it (``render_member_moved``), and it drains in turn, the
+    rest of the pool serving meanwhile; ``restart_required`` is cleared after the last one.
     """
 
     def __init__(
@@ -89,6 +94,10 @@ class RenderRestarter:
         self.live_requests = live_requests
         self.current = "render"  # the supervisor's name for the sidecar coordinators use
         self.port = cfg.render_port
+        # The other sidecars of the pool this launcher started (supervisor name -> port), replaced
+        # one at a time after the first, each once the previous one's drain is over.
+        self.members = {f"render-member-{i}": p for i, p in enumerate(cfg.render_member_ports, start=2)}
+        self.pending: list[str] = []  # members still owed the restart in progress
         self.generation = 1
         self.retiring: Retiring | None = None
         self.retry_at = 0.0
@@ -108,6 +117,9 @@ class RenderRestarter:
             self._drain(self.retiring)
             return
         if self.clock() < self.retry_at:
+            return
+        if self.pending:
+            self._replace_member(self.pending[0])
             return
         # The same row the coordinators' snapshot uses (serving.snapshots.build_snapshot).
         config = current_render_config()
@@ -132,10 +144,35 @@ class RenderRestarter:
                 self.supervisor.retire(name)  # changed again while starting: begin anew next tick
                 return
             expected["port"] = port
-        # Either host spelling reaches the sidecar this launcher started on 127.0.0.1.
-        old_urls = tuple(f"http://{host}:{self.port}" for host in (stack.HOST, "localhost"))
-        self.retiring = Retiring(self.current, old_urls, self.clock(), config.pk, expected)
+        self.retiring = Retiring(self.current, _urls(self.port), self.clock(), config.pk, expected)
         self.current, self.port = name, port
+        self.pending = list(self.members)
+
+    def _replace_member(self, old_name: str) -> None:
+        """Replace one more sidecar of the pool for the restart in progress (the first is done)."""
+        config = current_render_config()
+        if config is None or not config.restart_required:
+            self.pending = []
+            return
+        expected = {k: getattr(config, k) for k in RenderConfig.RESTART_KEYS}
+        old_port, port = self.members[old_name], free_port()
+        self.generation += 1
+        name = f"render-{self.generation}"
+        spec = dataclasses.replace(
+            self.spec_for(dataclasses.replace(self.cfg, render_port=port, render_workers=config.renderer_num_workers)),
+            name=name,
+        )
+        logger.info("render pool: replacing %s (port %d) with %s on port %d", old_name, old_port, name, port)
+        self.supervisor.add(spec)
+        if not services.render_member_moved(config_id=config.pk, expected=expected, host=stack.HOST,
+                                            old_port=old_port, port=port, actor="launcher"):
+            self.supervisor.retire(name)  # changed again while starting: the first sidecar starts anew
+            self.pending = []
+            return
+        self.pending.pop(0)
+        del self.members[old_name]
+        self.members[name] = port
+        self.retiring = Retiring(old_name, _urls(old_port), self.clock(), config.pk, expected)
 
     def _drain(self, r: Retiring) -> None:
         """Stop the old sidecar once nothing uses it or the cap is reached; else wait."""
@@ -161,7 +198,13 @@ class RenderRestarter:
         logger.info("render sidecar %s retired after %.1fs: %s", r.name, elapsed, why)
         self.supervisor.retire(r.name)
         self.retiring = None
-        services.render_sidecar_restarted(config_id=r.config_id, expected=r.expected, actor="launcher")
+        if not self.pending:  # the whole pool serves the change: the restart is no longer owed
+            services.render_sidecar_restarted(config_id=r.config_id, expected=r.expected, actor="launcher")
+
+
+def _urls(port: int) -> tuple[str, ...]:
+    """How coordinators may address the sidecar this launcher started on ``port``: either host spelling."""
+    return tuple(f"http://{host}:{port}" for host in (stack.HOST, "localhost"))
 
 
 def with_render_config(cfg: stack.StackConfig) -> stack.StackConfig:

@@ -33,7 +33,9 @@ from serving.edge.asgi import (
 )
 from serving.edge.bodies import parse_object
 from serving.edge.keys import authenticate
-from serving.pipeline import metric_names
+from serving.pipeline import metric_names, tracing
+from serving.pipeline.apis.messages import anthropic_error
+from serving.pipeline.apis.messages_stream import MessagesStream
 from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import (
     ModelNotFound,
@@ -57,8 +59,10 @@ logger = logging.getLogger(__name__)
 Endpoint = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-async def send_error(send: Send, exc: BaseException, request_id: str | None = None) -> None:
+async def send_error(send: Send, exc: BaseException, request_id: str | None = None, kind: str = "") -> None:
     status, body = error_body(exc)
+    if kind == "messages":  # the Anthropic API answers in Anthropic's error shape, as vLLM's does
+        body = anthropic_error(status, body)
     extra = [(name.lower().encode(), value.encode()) for name, value in error_headers(exc).items()]
     if request_id is not None:
         extra.append((b"x-request-id", request_id.encode()))
@@ -105,7 +109,8 @@ def _log_error(request_id: str, kind: str, exc: BaseException, start: float) -> 
 def serve(kind: str) -> Endpoint:
     """The endpoint that hands a request to ``ServingPipeline.<kind>``.
 
-    chat | completions | responses | messages: the last two always take the native path.
+    chat | completions | responses | messages: Responses always takes the native path; Messages
+    the chat token path when render can render it (``apis/messages.py``).
     """
 
     async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
@@ -130,14 +135,23 @@ def serve(kind: str) -> Endpoint:
             return
         except Exception as exc:
             _log_error(request_id, kind, exc, start)
-            await send_error(send, exc, request_id)
+            await send_error(send, exc, request_id, kind)
             return
-        phases = Phases.begin(phase_histograms, kind, body, arrived, tracer=tracer, request_id=request_id)
+        parent = tracing.incoming(scope["headers"])
+        phases = Phases.begin(phase_histograms, kind, body, arrived, tracer=tracer, request_id=request_id,
+                              parent=parent)
+        # What the sidecar and the engines get: the root span's context when tracing, else the
+        # client's own trace headers unchanged, so the engines' traces still join the client's.
+        carried = phases.trace.headers if phases.trace is not None else parent
+        token = tracing.carry(carried) if carried else None
         try:
             await _serve(kind, body, request_id, rid, phases, snapshot, start, receive, send)
         except BaseException as exc:
             phases.close(exc)
             raise
+        finally:
+            if token is not None:
+                tracing.reset(token)
         phases.close()  # a no-op once the end-to-end phase ended the trace; else it ends it here
 
     return endpoint
@@ -155,10 +169,10 @@ async def _serve(
         except Exception as exc:
             watch.complete = True
             _log_error(request_id, kind, exc, start)
-            await send_error(send, exc, request_id)
+            await send_error(send, exc, request_id, kind)
             phases.close(exc)
             return
-        if isinstance(result, (EventStream, NativeStream, NativePromptsStream)):
+        if isinstance(result, (EventStream, MessagesStream, NativeStream, NativePromptsStream)):
             try:
                 # Native streams are the engine's bytes relayed: its engine-internal fields are
                 # nulled here, as ``scrub_response`` does for JSON answers.

@@ -1,6 +1,6 @@
 """The data plane's one error tree, and its mapping to OpenAI error bodies.
 
-MotorError                      carries status, OpenAI ``type``, ``param`` and ``retryable``
+MotorError                      carries status, OpenAI ``type`` and ``param``
  +-- RequestError               the client's fault (400/401/404/413/422); never retried
  |    +-- NotFound              404: unknown path
  |         +-- ModelNotFound    404 before any render call
@@ -38,7 +38,6 @@ from typing import Any
 class MotorError(Exception):
     status: int = 500
     type: str = "InternalServerError"
-    retryable: bool = False
     # What the client reads when ``message`` names internals; None: the message is fit for the client.
     public: str | None = None
 
@@ -94,7 +93,6 @@ class UpstreamRequestError(MotorError):
 class RenderUnavailable(MotorError):
     status = 503
     type = "ServiceUnavailableError"
-    retryable = True
     public = "The tokenization service is unavailable; retry later."
 
     # Why render could not be used; also the ``fallback_reason`` of the local tokenizer.
@@ -110,7 +108,6 @@ class RenderUnavailable(MotorError):
 class EngineError(MotorError):
     status = 502
     type = "BadGatewayError"
-    retryable = True
     public = "An engine failed while serving this request."
 
     def __init__(self, message: str, *, instance: str, status: int | None = None) -> None:
@@ -149,7 +146,6 @@ class ControlDataUnavailable(MotorError):
 
     status = 503
     type = "ServiceUnavailableError"
-    retryable = True
     public = "The coordinator cannot read its configuration right now; try again shortly."
 
 
@@ -158,7 +154,6 @@ class RateLimited(MotorError):
 
     status = 429
     type = "RateLimitError"
-    retryable = True
 
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message)
@@ -172,7 +167,6 @@ class QueueFull(RateLimited):
 class AdmissionTimeout(MotorError):
     status = 503
     type = "ServiceUnavailableError"
-    retryable = True
 
 
 class AdmissionUnavailable(AdmissionTimeout):

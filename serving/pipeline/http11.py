@@ -7,7 +7,7 @@ This module speaks exactly what those servers need (uvicorn: ``Content-Length`` 
 bodies, keep-alive) on an ``asyncio.Protocol``, with connections kept per origin.
 
 It keeps httpx's surface where the callers touch it (``post``, ``get``, ``stream``, a
-``timeout`` of ``httpx.Timeout``, ``status_code``/``json()``/``aiter_lines()``) and raises
+``timeout`` of ``httpx.Timeout``, ``status_code``/``json()``/``aiter_raw()``) and raises
 httpx's exception classes, so the callers classify failures one way whichever client they
 hold.
 
@@ -58,9 +58,6 @@ DRAIN_S = 1.0
 # error body): a 32k-token prompt renders to about 200 KiB and n=16 choices of 2k tokens with top-20
 # logprobs to about 20 MiB; past 64 MiB it is an upstream gone wrong, not an answer to hold.
 MAX_REPLY_BYTES = 64 * 1024 * 1024
-# The longest line ``StreamReply.aiter_lines`` keeps while waiting for its end (the SSE parser
-# bounds its own lines the same way: ``sse.MAX_LINE_BYTES``).
-MAX_LINE_BYTES = 16 * 1024 * 1024
 
 Origin = tuple[str, str, int]  # scheme, host, port
 
@@ -124,25 +121,6 @@ class StreamReply:
 
     def aiter_raw(self) -> AsyncIterator[bytes]:
         return _Pieces(self)
-
-    async def aiter_lines(self) -> AsyncIterator[str]:
-        held: list[bytes] = []  # the line whose end has not arrived, as its pieces (sse.py's reason)
-        held_bytes = 0
-        async for piece in self.aiter_raw():
-            if b"\n" not in piece:
-                held.append(piece)
-                held_bytes += len(piece)
-                if held_bytes > MAX_LINE_BYTES:
-                    raise httpx.RemoteProtocolError(f"a line of the response over {MAX_LINE_BYTES} bytes")
-                continue
-            held.append(piece)
-            *lines, pending = b"".join(held).split(b"\n")
-            held = [pending] if pending else []
-            held_bytes = len(pending)
-            for line in lines:
-                yield line.rstrip(b"\r").decode("utf-8", errors="replace")
-        if held:
-            yield b"".join(held).rstrip(b"\r").decode("utf-8", errors="replace")
 
     async def aread(self) -> bytes:
         """The rest of the body, at most ``MAX_REPLY_BYTES`` of it (an error body, in practice)."""

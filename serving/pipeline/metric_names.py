@@ -1,16 +1,16 @@
-"""Every metric this process exports: its name, type, help and label names, in one registry.
+"""Every metric this process exports: its name, type, help, label names and buckets, in one registry.
 
 Names follow Prometheus' conventions: a ``motor_`` prefix, base units in the name (``_seconds``,
-``_tokens``), ``_total`` on counters, a summary's ``_sum`` and ``_count`` (a histogram's also its
-``_bucket`` series, by ``le``) under one family.
-New metrics are added here first; ``RouterCounters.inc`` and the ``/metrics`` text take a
-``Family`` and refuse labels it does not declare, so a typo cannot start a new series.
+``_tokens``), ``_total`` on counters, a histogram's ``_bucket`` (by ``le``), ``_sum`` and
+``_count`` series under one family. New metrics are added here first: ``exporter`` builds each
+family's ``prometheus_client`` object from its declaration, and every recorder takes a ``Family``
+and refuses labels it does not declare, so a typo cannot start a new series (docs/metrics.md).
 
 Every label's values come from a fixed set, so no request can add a series (a client's JSON key
 in a label would be unbounded cardinality): a family declares, per label, the frozenset of its
 values (``values``), or the label is one the operator names (``OPERATOR_LABELS``: instance and
 process names, bounded by the fleet). ``Family.series`` maps any other value to ``"other"``;
-the counters record through it and the exposition passes every series through it again.
+every recorder (``exporter.Recorder``) and every series read at scrape time passes through it.
 """
 
 from __future__ import annotations
@@ -36,17 +36,21 @@ class Family:
     """One metric family: what ``# HELP`` and ``# TYPE`` say, and the labels its series carry."""
 
     name: str
-    type: Literal["counter", "gauge", "summary", "histogram"]
+    type: Literal["counter", "gauge", "histogram"]
     help: str
     labels: tuple[str, ...] = ()
     # Each label's allowed values; every label not in OPERATOR_LABELS must have a set here.
     values: Mapping[str, frozenset[str]] = field(default_factory=dict, compare=False)
+    # A histogram's upper bounds in seconds, increasing (``+Inf`` is added by the exporter).
+    buckets: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         # At import: a family with an open label would let requests mint series.
         open_labels = [k for k in self.labels if k not in self.values and k not in OPERATOR_LABELS]
         if open_labels or not set(self.values) <= set(self.labels):
             raise ValueError(f"{self.name}: declare the values of {open_labels or sorted(set(self.values) - set(self.labels))}")
+        if (self.type == "histogram") != bool(self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
+            raise ValueError(f"{self.name}: a histogram, and only a histogram, takes increasing buckets")
 
     def check(self, labels: Mapping[str, str]) -> None:
         """Raise ``ValueError`` unless ``labels`` are exactly this family's label names."""
@@ -63,8 +67,24 @@ class Family:
             (k, OTHER if k in self.values and v not in self.values[k] else v) for k, v in labels.items()
         ))
 
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.type}"]
+
+
+# Bucket bounds (seconds), chosen from what bench/RESULTS.md measures (docs/metrics.md lists the
+# readings each set must resolve), after vLLM's own (``vllm/v1/metrics/buckets.py``).
+# The coordinator's phases: 35-180 us placements and 20 us admission grants, render and derender
+# calls of a few to tens of ms, a queued lease or a slow engine's first chunk of seconds.
+PHASE_BUCKETS = (0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,
+                 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Time to first token: vLLM's TIME_TO_FIRST_TOKEN_BUCKETS to 640 s (12 ms enginesim, 0.6 s at 64 streams).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+# Time per output token: from enginesim's 0.13 ms through 2-12 ms decode steps to an 85 ms crowd;
+# vLLM's INTER_TOKEN_LATENCY_BUCKETS start at 10 ms, too coarse for the sub-10 ms readings.
+TPOT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075,
+                0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
+# A whole request: 10 ms JSON answers on the simulated fleet to minutes of a long real-engine stream.
+END_TO_END_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0,
+                      15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
 # -- per engine instance (``metrics.MetricsRegistry``) ---------------------------------------
@@ -72,8 +92,10 @@ ENGINE_REQUESTS = Family("motor_engine_requests_total", "counter", "Engine reque
                          ("instance",))
 ENGINE_ERRORS = Family("motor_engine_errors_total", "counter", "Engine requests that failed on the engine's side.",
                        ("instance",))
-ENGINE_TTFT = Family("motor_engine_ttft_seconds", "summary", "Time to first token.", ("instance",))
-ENGINE_TPOT = Family("motor_engine_tpot_seconds", "summary", "Time per output token.", ("instance",))
+ENGINE_TTFT = Family("motor_engine_ttft_seconds", "histogram", "Time to first token.", ("instance",),
+                     buckets=TTFT_BUCKETS)
+ENGINE_TPOT = Family("motor_engine_tpot_seconds", "histogram", "Time per output token.", ("instance",),
+                     buckets=TPOT_BUCKETS)
 ENGINE_IN_FLIGHT_TOKENS = Family("motor_engine_in_flight_tokens", "gauge",
                                  "Prompt + output tokens this process has in flight.", ("instance",))
 
@@ -126,8 +148,8 @@ PHASE_VALUES: dict[str, frozenset[str]] = {
 }
 
 
-def _phase(name: str, help: str, labels: tuple[str, ...]) -> Family:
-    return Family(name, "histogram", help, labels, {k: PHASE_VALUES[k] for k in labels})
+def _phase(name: str, help: str, labels: tuple[str, ...], buckets: tuple[float, ...] = PHASE_BUCKETS) -> Family:
+    return Family(name, "histogram", help, labels, {k: PHASE_VALUES[k] for k in labels}, buckets)
 
 
 PHASE_RENDER = _phase("motor_request_render_seconds",
@@ -144,7 +166,8 @@ PHASE_FIRST_DERENDER = _phase("motor_request_first_derender_seconds",
                               "The derender call of a prompt's first chunk (its whole answer when not streaming).",
                               ("api", "mode", "topology"))
 PHASE_END_TO_END = _phase("motor_request_duration_seconds",
-                          "A /v1 request answered 200, from its arrival to its last byte.", ("api", "mode", "topology"))
+                          "A /v1 request answered 200, from its arrival to its last byte.", ("api", "mode", "topology"),
+                          END_TO_END_BUCKETS)
 PHASES = (PHASE_RENDER, PHASE_QUEUE_WAIT, PHASE_PLACEMENT, PHASE_FIRST_CHUNK, PHASE_FIRST_DERENDER, PHASE_END_TO_END)
 
 # -- KV affinity (``placement/``) -------------------------------------------------------------
@@ -171,55 +194,3 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     KV_EVENT_ERRORS, PROCESS_RESTARTS, PROCESS_UP, COORDINATOR_INFO, *PHASES,
 )}
 
-
-def label_value(value: str) -> str:
-    """Escape a Prometheus label value."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def sample(name: str, labels: Labels, value: float) -> str:
-    """One exposition line: ``name{label="value",...} value``."""
-    if not labels:
-        return f"{name} {value!r}"
-    text = ",".join(f'{k}="{label_value(v)}"' for k, v in labels)
-    return f"{name}{{{text}}} {value!r}"
-
-
-def _order(item: tuple[tuple[str, Labels], float]) -> tuple[str, Labels, float]:
-    """Series by name and labels; a histogram's buckets by their bound as a number (``+Inf`` last)."""
-    (name, labels), _ = item
-    le = next((v for k, v in labels if k == "le"), None)
-    if le is None:
-        return name, labels, 0.0
-    return name, tuple(kv for kv in labels if kv[0] != "le"), float(le)
-
-
-def exposition(samples: Mapping[tuple[str, Labels], float], *, declare: tuple[Family, ...] = ()) -> list[str]:
-    """Lines for ``samples`` keyed ``(series name, labels)``: each family's header once, then its series.
-
-    A summary's ``_sum`` and ``_count`` series (a histogram's ``_bucket`` too, in increasing ``le``
-    as the text format requires) belong to their family's header. Families in
-    ``declare`` get their header even without a series (an idle gauge is still exported, so a
-    scraper can tell idle from missing). Every series goes through its family's ``series`` (a
-    value outside its set is summed into ``other``). Raises ``KeyError`` for a series of no
-    registered family, ``ValueError`` for labels its family does not declare.
-    """
-    folded: dict[tuple[str, Labels], float] = {}
-    families: dict[str, Family] = {}
-    for (name, labels), value in samples.items():
-        family = FAMILIES.get(name) or FAMILIES[
-            name.removesuffix("_sum").removesuffix("_count").removesuffix("_bucket")
-        ]
-        # A bucket's bound is the histogram's own label, not the family's: fold the rest, keep it.
-        bound = tuple(kv for kv in labels if kv[0] == "le") if name.endswith("_bucket") else ()
-        rest = dict(kv for kv in labels if kv[0] != "le") if bound else dict(labels)
-        key = (name, family.series(rest) + bound)  # ``le`` last, as Prometheus' own clients write it
-        folded[key] = folded.get(key, 0.0) + value
-        families[name] = family
-    by_family: dict[str, list[str]] = {f.name: [] for f in declare}
-    for (name, labels), value in sorted(folded.items(), key=_order):
-        by_family.setdefault(families[name].name, []).append(sample(name, labels, value))
-    lines: list[str] = []
-    for name, series in by_family.items():
-        lines += FAMILIES[name].header() + series
-    return lines

@@ -1,10 +1,12 @@
-"""Recent per-instance request metrics of this coordinator process, in fixed time buckets.
+"""Per-instance engine request metrics of this coordinator process: for ``/metrics``, and recent ones for the dashboard.
 
-The request path calls ``record_request`` once per engine request outcome; the fleet dashboard
-and ``/metrics`` read ``snapshot()``. Everything stays in memory in ring buffers of
-``BUCKETS`` buckets of ``BUCKET_S`` seconds (ten minutes), so the cost per request is one lock
-and a few additions, and memory is bounded by the number of instances. Each coordinator process
-keeps its own; with several processes a Prometheus server sums what each ``/metrics`` reports.
+The request path calls ``record_request`` once per engine request outcome. It counts the
+request (and its error) and observes its TTFT and TPOT in ``prometheus_client`` counters and
+histograms (``prometheus``, what ``/metrics`` serves), and adds it to ring buffers of
+``BUCKETS`` buckets of ``BUCKET_S`` seconds (ten minutes) that the fleet dashboard reads
+(``snapshot``, ``export``). The cost per request is a few additions, each under its lock, and
+memory is bounded by the number of instances. Each coordinator process keeps its own; with several
+processes a Prometheus server sums what each ``/metrics`` reports.
 
 Django-free like the rest of ``serving.pipeline``.
 
@@ -21,13 +23,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from serving.pipeline import metric_names as names
 from serving.pipeline.errors import EngineError
+from serving.pipeline.exporter import Recorder
 from serving.pipeline.metric_names import Family
 
 BUCKET_S = 10
@@ -58,7 +62,8 @@ class Point:
 
 @dataclass(frozen=True, slots=True)
 class InstanceSeries:
-    """The last ``BUCKETS`` buckets of one instance, oldest first (empty ones included), and totals."""
+    """The last ``BUCKETS`` buckets of one instance, oldest first (empty ones included), and the
+    window's totals (a whole-life total is the process's ``/metrics``)."""
 
     points: tuple[Point, ...]
     requests_total: int
@@ -69,18 +74,13 @@ class InstanceSeries:
     tpot_count: int
 
 
-@dataclass(slots=True)
-class _Totals:
-    requests: int = 0
-    errors: int = 0
-    ttft_sum: float = 0.0
-    ttft_count: int = 0
-    tpot_sum: float = 0.0
-    tpot_count: int = 0
+# The families ``record_request`` records, per engine instance.
+ENGINE_FAMILIES = (names.ENGINE_REQUESTS, names.ENGINE_ERRORS, names.ENGINE_TTFT, names.ENGINE_TPOT)
 
 
 class MetricsRegistry:
-    """Ring buffers of recent buckets per instance name, plus running totals for Prometheus."""
+    """Ring buffers of recent buckets per instance name (the dashboard), and the same outcomes
+    as ``prometheus_client`` counters and histograms since the process started (``prometheus``)."""
 
     def __init__(self, *, bucket_s: int = BUCKET_S, buckets: int = BUCKETS, clock: Callable[[], float] = time.time) -> None:
         self.bucket_s = bucket_s
@@ -90,7 +90,10 @@ class MetricsRegistry:
         # worker thread; the lock is held for a few additions, never across an await.
         self._lock = threading.Lock()
         self._rings: dict[str, list[_Bucket | None]] = {}
-        self._totals: dict[str, _Totals] = {}
+        # What /metrics serves: requests, errors, TTFT and TPOT per instance (``ENGINE_FAMILIES``).
+        self.prometheus = CollectorRegistry(auto_describe=True)
+        self._recorders = tuple(Recorder(f, self.prometheus) for f in ENGINE_FAMILIES)
+        self._series: dict[str, tuple[Any, ...]] = {}  # instance -> its four series, in that order
         # Called after each record, outside the lock (the host's report of this process's
         # buckets for the fleet dashboard, ``serving.stream_reports``); must not block.
         self.on_record: Callable[[], None] | None = None
@@ -106,27 +109,32 @@ class MetricsRegistry:
             ring = self._rings.get(instance)
             if ring is None:
                 ring = self._rings[instance] = [None] * self.buckets
-                self._totals[instance] = _Totals()
             bucket = ring[index]
             if bucket is None or bucket.start != start:
                 # The slot still holds a bucket one lap (buckets * bucket_s) old: reuse it.
                 bucket = ring[index] = _Bucket(start)
-            totals = self._totals[instance]
             bucket.requests += 1
-            totals.requests += 1
             if not ok:
                 bucket.errors += 1
-                totals.errors += 1
             if ttft_s is not None:
                 bucket.ttft_sum += ttft_s
                 bucket.ttft_count += 1
-                totals.ttft_sum += ttft_s
-                totals.ttft_count += 1
             if tpot_s is not None:
                 bucket.tpot_sum += tpot_s
                 bucket.tpot_count += 1
-                totals.tpot_sum += tpot_s
-                totals.tpot_count += 1
+        series = self._series.get(instance)
+        if series is None:
+            # The instance names are the operator's (the fleet's records): bounded by the fleet.
+            labels = {"instance": instance}
+            series = self._series[instance] = tuple(r.child(labels) for r in self._recorders)
+        requests, errors, ttft, tpot = series
+        requests.inc()
+        if not ok:
+            errors.inc()
+        if ttft_s is not None:
+            ttft.observe(ttft_s)
+        if tpot_s is not None:
+            tpot.observe(tpot_s)
         if self.on_record is not None:
             self.on_record()
 
@@ -148,36 +156,15 @@ class MetricsRegistry:
             }
 
     def snapshot(self) -> dict[str, InstanceSeries]:
-        """Return every instance's last ``buckets`` buckets ending with the current one."""
-        current, _ = self._slot(self._clock())
-        starts = [current - (self.buckets - 1 - k) * self.bucket_s for k in range(self.buckets)]
-        out: dict[str, InstanceSeries] = {}
-        with self._lock:
-            for name, ring in self._rings.items():
-                by_start = {b.start: b for b in ring if b is not None}
-                points = []
-                for s in starts:
-                    b = by_start.get(s)
-                    if b is None:
-                        points.append(Point(s, 0, 0, None, None))
-                    else:
-                        points.append(
-                            Point(
-                                s, b.requests, b.errors,
-                                b.ttft_sum / b.ttft_count if b.ttft_count else None,
-                                b.tpot_sum / b.tpot_count if b.tpot_count else None,
-                            )
-                        )
-                t = self._totals[name]
-                out[name] = InstanceSeries(
-                    tuple(points), t.requests, t.errors, t.ttft_sum, t.ttft_count, t.tpot_sum, t.tpot_count
-                )
-        return out
+        """Every instance's last ``buckets`` buckets ending with the current one, and their totals."""
+        return merge([self.export()], now=self._clock(), bucket_s=self.bucket_s, buckets=self.buckets)
 
     def clear(self) -> None:
         with self._lock:
             self._rings.clear()
-            self._totals.clear()
+            self._series.clear()
+            for recorder in self._recorders:
+                recorder.clear()
 
 
 # instance name -> its buckets as [start, requests, errors, ttft_sum, ttft_count, tpot_sum, tpot_count]
@@ -286,48 +273,40 @@ def snapshot() -> dict[str, InstanceSeries]:
     return REGISTRY.snapshot()
 
 
-def prometheus_text(series: dict[str, InstanceSeries], in_flight_tokens: dict[str, int] | None = None) -> str:
-    """Render totals in Prometheus' text exposition format (counters and summaries, one series per instance)."""
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for name, s in series.items():
-        labels = (("instance", name),)
-        samples[(names.ENGINE_REQUESTS.name, labels)] = float(s.requests_total)
-        samples[(names.ENGINE_ERRORS.name, labels)] = float(s.errors_total)
-        samples[(names.ENGINE_TTFT.name + "_sum", labels)] = s.ttft_sum_s
-        samples[(names.ENGINE_TTFT.name + "_count", labels)] = float(s.ttft_count)
-        samples[(names.ENGINE_TPOT.name + "_sum", labels)] = s.tpot_sum_s
-        samples[(names.ENGINE_TPOT.name + "_count", labels)] = float(s.tpot_count)
-    declare = [names.ENGINE_REQUESTS, names.ENGINE_ERRORS, names.ENGINE_TTFT, names.ENGINE_TPOT]
-    if in_flight_tokens is not None:
-        declare.append(names.ENGINE_IN_FLIGHT_TOKENS)
-        for name, value in in_flight_tokens.items():
-            samples[(names.ENGINE_IN_FLIGHT_TOKENS.name, (("instance", name),))] = float(value)
-    return "\n".join(names.exposition(samples, declare=tuple(declare))) + "\n"
-
-
 class RouterCounters:
-    """Counters of routing decisions and phase outcomes, rendered by ``/metrics``.
+    """Counters of routing decisions and phase outcomes (``prometheus_client``), served by ``/metrics``.
 
-    Keys are ``(name, labels)`` with labels a sorted tuple of ``(label, value)`` pairs, e.g.
-    ``("motor_route_decisions_total", (("path", "native"), ("reason", "echo")))``. Families come
-    from ``metric_names``; ``inc`` raises ``ValueError`` for labels the family does not declare
-    and records a value outside its label's set as ``other`` (``Family.series``), so memory and
-    ``/metrics`` stay bounded whatever a request carries.
+    Families come from ``metric_names`` (``ROUTER_FAMILIES``, declared from the start so a reason
+    never counted is exported as no series rather than missing); ``inc`` raises ``ValueError``
+    for labels the family does not declare and records a value outside its label's set as
+    ``other`` (``Family.series``), so memory and ``/metrics`` stay bounded whatever a request carries.
     """
 
-    def __init__(self) -> None:
-        self._counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+    def __init__(self, families: tuple[Family, ...] = ()) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._recorders = {f.name: Recorder(f, self.registry) for f in families or ROUTER_FAMILIES}
 
     def inc(self, family: Family, **labels: str) -> None:
-        self._counts[(family.name, family.series(labels))] += 1
+        self._recorders[family.name].child(labels).inc()
 
     def get(self, family: Family | str, **labels: str) -> int:
+        """The count of one series (tests and benchmarks; ``/metrics`` is what operators read)."""
         if isinstance(family, str):
             family = names.FAMILIES[family]
-        return self._counts[(family.name, family.series(labels))]
+        value = self.registry.get_sample_value(family.name, dict(family.series(labels)))
+        return int(value or 0)
 
     def snapshot(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], int]:
-        return dict(self._counts)
+        """Every counted series as ``(family name, sorted (label, value) pairs) -> count``."""
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): int(s.value)
+            for metric in self.registry.collect() for s in metric.samples if s.name.endswith("_total")
+        }
 
     def clear(self) -> None:
-        self._counts.clear()
+        for recorder in self._recorders.values():
+            recorder.clear()
+
+
+# What the router counts (``RouterCounters``): route decisions, tokenizations, stream relays.
+ROUTER_FAMILIES = (names.ROUTE_DECISIONS, names.RENDER_OUTCOMES, names.STREAM_RELAYS)

@@ -31,12 +31,12 @@ from serving.pipeline.errors import (
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.phases import Phases
-from serving.pipeline.placement.filters import has_native_pd, native_candidates, unpaired_native_pd
+from serving.pipeline.placement.filters import has_native_pd, unpaired_native_pd
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.tokenization import RenderHealth, TokenizedRequest
-from serving.pipeline.resilience.attempts import AttemptPolicy
+from serving.pipeline.resilience.attempts import AttemptPolicy, attempt_loop
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
 from serving.pipeline.streaming.fanout import first_error
 from serving.pipeline.topologies.metaserver import process_metaserver
@@ -55,6 +55,10 @@ logger = logging.getLogger(__name__)
 
 def _ms(start: float) -> float:
     return (time.perf_counter() - start) * 1000
+
+
+def _names(route: InstanceView | NativePair) -> tuple[str, ...]:
+    return route.names if isinstance(route, NativePair) else (route.name,)
 
 
 def _hint(reason: str) -> str:
@@ -140,19 +144,20 @@ class NativePath:
         self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, model: str, pd_unfit: str,
         estimate: NativeEstimate,
     ) -> dict[str, Any] | NativeStream:
-        """The attempt loop: the best native route now, elsewhere after a failure, within the budget."""
+        """The attempts (``attempt_loop``): the best native route now, elsewhere after a failure,
+        within the budget. A pair is left whole, as the token-only attempt policy leaves one: the
+        fault may lie between P and D (the KV transfer)."""
         excluded: set[str] = set()
-        last: EngineError | None = None
-        for attempt in range(self.policy.max_attempts):
+
+        def place(attempt: int) -> InstanceView | NativePair:
             routes = self._native_routes(model, pd_unfit, exclude=excluded)
             if not routes:
-                if last is not None:
-                    raise last
                 raise self._no_route(model, reason, pd_unfit)
-            route = routes[0]
+            return routes[0]
+
+        async def run(route: InstanceView | NativePair, attempt: int) -> dict[str, Any] | NativeStream:
             # The instance that answers the client: the union one, or the pair's decode side.
             instance = route.decode if isinstance(route, NativePair) else route
-            names = route.names if isinstance(route, NativePair) else (route.name,)
             start = time.perf_counter()
             stack = AsyncExitStack()
             try:
@@ -174,33 +179,27 @@ class NativePath:
                         instance, kind, body, request_id, tokens=estimate.tokens(instance.max_model_len),
                         max_output=estimate.output(instance.max_model_len), stack=stack,
                     )
-            except BreakerOpen:
-                # Raced a half-open probe slot: not this request's failure, just not this instance.
-                await stack.aclose()
-                excluded.update(names)
-                continue
-            except EngineError as exc:
-                # Busy, lacking the capability or failed (the guard told the breaker which): elsewhere.
-                # A pair is left whole, as the token-only attempt policy leaves one: the fault may
-                # lie between P and D (the KV transfer).
-                await stack.aclose()
-                last = exc
-                excluded.update(names)
-                logger.warning("native request_id=%s instance=%s attempt=%d result=%s", request_id, ",".join(names),
-                               attempt, type(exc).__name__)
-                continue
             except BaseException:
                 await stack.aclose()
                 raise
             logger.info("native request_id=%s instance=%s attempt=%d result=ok latency_ms=%.1f",
-                        request_id, ",".join(names), attempt, _ms(start))
-            if isinstance(result, NativeStream):
-                return result
-            await stack.aclose()
+                        request_id, ",".join(_names(route)), attempt, _ms(start))
+            if not isinstance(result, NativeStream):
+                await stack.aclose()
             return result
-        if last is not None:
-            raise last
-        raise self._no_route(model, reason, pd_unfit)
+
+        def failed(exc: EngineError, route: InstanceView | NativePair, attempt: int) -> tuple[str, ...]:
+            # Busy, lacking the capability or failed (the guard told the breaker which): elsewhere.
+            # A breaker holding it off (a raced half-open probe slot) is not this request's failure.
+            if not isinstance(exc, BreakerOpen):
+                logger.warning("native request_id=%s instance=%s attempt=%d result=%s", request_id,
+                               ",".join(_names(route)), attempt, type(exc).__name__)
+            return _names(route)
+
+        return await attempt_loop(
+            range(self.policy.max_attempts), excluded, place, run, failed,
+            lambda: self._no_route(model, reason, pd_unfit), unblamed=(BreakerOpen,),
+        )
 
     async def _native_prompts(
         self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, model: str,
@@ -245,7 +244,7 @@ class NativePath:
         """Where the native path may go now, best first: union instances' own API (least loaded),
         then P/D pairs' (the guide's proxy flow) when the request fits a pair."""
         routes: list[InstanceView | NativePair] = list(
-            native_candidates(self.snapshot, self.scheduler, model, exclude=exclude)
+            self.scheduler.native_candidates(self.snapshot, model, exclude=exclude)
         )
         if not pd_unfit:
             load = self.scheduler.load.inflight
@@ -258,7 +257,7 @@ class NativePath:
     def _splits(self, model: str) -> bool:
         """Whether a body of several prompts goes per prompt through P/D pairs: no union instance
         takes it whole now, and some pair takes a single prompt."""
-        return not native_candidates(self.snapshot, self.scheduler, model) and bool(self._native_routes(model, ""))
+        return not self.scheduler.native_candidates(self.snapshot, model) and bool(self._native_routes(model, ""))
 
     def _no_route(self, model: str, reason: str, pd_unfit: str) -> NoCapacity:
         """The 503 when no native route is left: why pairs are out, when that is the reason."""

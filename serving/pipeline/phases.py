@@ -1,10 +1,11 @@
 """Where a /v1 request's time goes: one latency histogram per phase, and the recorder it carries.
 
-The phases (``metric_names``, README "Metrics"): render or local tokenization, the admission
+The phases (``metric_names``, docs/metrics.md): render or local tokenization, the admission
 queue wait, placement, the first generate chunk (from sending generate to its first event, or to
 its JSON answer), the first derender call, and the whole request at the edge. Each is observed
 where it happens, in one hook, through the request's ``Phases``: the process's ``Histograms``
-(whose clock every duration is read from, so tests inject one), and the request's labels.
+(``prometheus_client`` histograms whose clock every duration is read from, so tests inject
+one), and the request's labels. Each phase's buckets are its family's (``metric_names``).
 
 Labels come from fixed sets only, never from what a client wrote: ``api`` (the route: chat,
 completions, responses, messages), ``mode`` (stream or json), ``topology`` (union, handoff,
@@ -15,67 +16,50 @@ request's own recorder the last placement's (what the end-to-end and derender ho
 
 from __future__ import annotations
 
-import bisect
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from serving.pipeline.metric_names import Family
-from serving.pipeline.tracing import PhaseTracer, RequestTrace
+from prometheus_client import CollectorRegistry
 
-# 1 ms .. 30 s: a render or a derender call takes milliseconds, a queue wait or a long answer seconds.
-BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+from serving.pipeline.exporter import Recorder
+from serving.pipeline.metric_names import PHASES, Family
+from serving.pipeline.tracing import PhaseTracer, RequestTrace
 
 Labels = tuple[tuple[str, str], ...]
 
 
-@dataclass(slots=True)
-class _Series:
-    counts: list[int]  # per bucket, not cumulative; the last one is +Inf
-    total: float = 0.0
-
-
 class Histograms:
-    """This process's phase histograms: bucket counts, sums and counts per (family, labels)."""
+    """This process's phase histograms (``prometheus_client``), in a registry of their own.
 
-    def __init__(self, *, buckets: tuple[float, ...] = BUCKETS, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.buckets = buckets
+    Every family of ``families`` is declared from the start, so an idle phase is exported with
+    no series rather than missing; each takes its buckets from its ``Family``.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.perf_counter, families: tuple[Family, ...] = PHASES) -> None:
         self.clock = clock  # monotonic seconds: every phase is a difference of two readings
-        # Observed on the event loop, read by /metrics (and tests) from anywhere; held for a few additions.
-        self._lock = threading.Lock()
-        self._series: dict[tuple[str, Labels], _Series] = {}
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._recorders = {f.name: Recorder(f, self.registry) for f in families}
 
-    def observe(self, family: Family, seconds: float, labels: dict[str, str]) -> None:
+    def observe(self, family: Family, seconds: float, labels: Mapping[str, str]) -> None:
         """Count one duration of ``family``; raises ``ValueError`` for labels it does not declare."""
-        family.check(labels)
-        key = (family.name, tuple(sorted(labels.items())))
-        index = bisect.bisect_left(self.buckets, seconds)  # le is inclusive: a value on a bound is in it
-        with self._lock:
-            series = self._series.get(key)
-            if series is None:
-                series = self._series[key] = _Series([0] * (len(self.buckets) + 1))
-            series.counts[index] += 1
-            series.total += seconds
+        self._recorders[family.name].child(labels).observe(seconds)
 
     def samples(self) -> dict[tuple[str, Labels], float]:
-        """Every series as exposition samples: cumulative ``_bucket`` (``le``), ``_sum``, ``_count``."""
+        """Every series as ``(sample name, labels) -> value``: labels sorted, a bucket's ``le`` last."""
         out: dict[tuple[str, Labels], float] = {}
-        bounds = [repr(b) for b in self.buckets] + ["+Inf"]
-        with self._lock:
-            for (name, labels), series in self._series.items():
-                cumulative = 0
-                for le, n in zip(bounds, series.counts, strict=True):
-                    cumulative += n
-                    out[(name + "_bucket", (*labels, ("le", le)))] = float(cumulative)
-                out[(name + "_sum", labels)] = series.total
-                out[(name + "_count", labels)] = float(cumulative)
+        for metric in self.registry.collect():
+            for s in metric.samples:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+                if "le" in s.labels:
+                    labels += (("le", s.labels["le"]),)
+                out[(s.name, labels)] = s.value
         return out
 
     def clear(self) -> None:
-        with self._lock:
-            self._series.clear()
+        for recorder in self._recorders.values():
+            recorder.clear()
 
 
 class _Placed:
@@ -101,13 +85,14 @@ class Phases:
     @classmethod
     def begin(
         cls, histograms: Histograms | None, api: str, body: Mapping[str, Any], start: float, *,
-        tracer: PhaseTracer | None = None, request_id: str = "",
+        tracer: PhaseTracer | None = None, request_id: str = "", parent: Mapping[str, str] | None = None,
     ) -> Phases:
-        """The recorder of a request of route ``api`` that arrived at ``start``, traced by ``tracer``."""
+        """The recorder of a request of route ``api`` that arrived at ``start``, traced by ``tracer``
+        (a child of the client's trace when ``parent``, its W3C trace headers, names one)."""
         labels = {"api": api, "mode": "stream" if body.get("stream") else "json"}
         trace = None
         if tracer is not None and histograms is not None:
-            trace = tracer.begin(request_id, labels, start, histograms.clock)
+            trace = tracer.begin(request_id, labels, start, histograms.clock, parent)
         return cls(histograms, labels, start, trace=trace)
 
     def now(self) -> float:

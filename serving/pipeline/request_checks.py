@@ -451,7 +451,11 @@ def scrub_response(response: dict[str, Any]) -> dict[str, Any]:
 
     ``kv_transfer_params`` names the prefill engine's host, port and KV blocks; derender and the
     native API pass it through. It stays in the body as ``null`` (vLLM's shape when unset).
-    Streams get the same through ``sse.FieldScrub`` at the edge.
+    Streams get the same through ``sse.FieldScrub`` at the edge. Two, not one: a JSON answer has
+    these fields at its top level only (vLLM's response schemas), so two look-ups do, where a
+    stream's events nest them (a Responses ``response.completed`` event carries the whole
+    response) and arrive as bytes cut anywhere. One deep walk for both would walk every JSON
+    answer whole (logprobs included): vLLM writes the keys, as null, in every answer.
     """
     for name in RESPONSE_CONTROLS:
         if response.get(name) is not None:

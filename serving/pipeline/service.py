@@ -31,9 +31,11 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from serving.pipeline import metric_names, request_checks
+from serving.pipeline.apis.messages import chat_view, to_message
+from serving.pipeline.apis.messages_stream import MessagesEvents, MessagesStream
 from serving.pipeline.derender.full import derender_full
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
@@ -60,6 +62,7 @@ from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind, TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.live import LiveStreams
+from serving.pipeline.render.pool import pool_members
 from serving.pipeline.render.tokenization import (
     NeedsNative,
     RenderHealth,
@@ -86,6 +89,8 @@ from serving.pipeline.topologies.registry import TopologyRegistry
 logger = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
+# What the token path serves: its own kinds, and Messages through the chat one.
+ServedKind = TokenKind | Literal["messages"]
 
 
 def _scrubbed(result: _R) -> _R:
@@ -164,11 +169,16 @@ class ServingPipeline(NativePath):
 
     async def messages(
         self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
-    ) -> dict[str, Any] | NativeStream | NativePromptsStream:
-        """The Anthropic Messages API: passed through natively like Responses."""
+    ) -> dict[str, Any] | MessagesStream | NativeStream | NativePromptsStream:
+        """The Anthropic Messages API: the chat token path from render's ``/v1/messages/render``,
+        its answer converted at the end (``apis/messages.py``); native where render cannot."""
         self._check_body("messages", body)
         with self._engine_errors_scrubbed():
-            return _scrubbed(await self._native("messages", body, request_id, "api:messages", phases))
+            result = await self._serve("messages", body, request_id, phases)
+        if isinstance(result, EventStream):  # the chat stream, sent as Anthropic events
+            return MessagesStream(result, MessagesEvents(
+                f"msg_{request_id}", str(body.get("model")), result.tokenized.prompt_tokens))
+        return _scrubbed(result)
 
     @contextmanager
     def _engine_errors_scrubbed(self) -> Iterator[None]:
@@ -192,7 +202,7 @@ class ServingPipeline(NativePath):
     # -- the token-only path -------------------------------------------------------------------------
 
     async def _serve(
-        self, kind: TokenKind, body: dict[str, Any], request_id: str, phases: Phases
+        self, kind: ServedKind, body: dict[str, Any], request_id: str, phases: Phases
     ) -> dict[str, Any] | EventStream | NativeStream | NativePromptsStream:
         model = self._model(body)
         reason = native_reason(kind, body, self.snapshot, model.name)
@@ -201,7 +211,8 @@ class ServingPipeline(NativePath):
         # From render to the last derender this request calls the sidecar of its snapshot, even
         # if the snapshot moves to a replacement meanwhile (a graceful restart): counted from
         # here, not from the first chunk, so a request still waiting for admission counts too.
-        release = self.live_streams.hold(self.snapshot.render.base_url.rstrip("/"))
+        # With a pool, any member may serve any of its calls: it holds every member of its pool.
+        release = self.live_streams.hold_all(m.base_url for m in pool_members(self.snapshot.render))
         try:
             result = await self._serve_token_only(kind, body, request_id, model, phases)
         except BaseException:
@@ -214,7 +225,7 @@ class ServingPipeline(NativePath):
         return result
 
     async def _serve_token_only(
-        self, kind: TokenKind, body: dict[str, Any], request_id: str, model: ModelView, phases: Phases
+        self, kind: ServedKind, body: dict[str, Any], request_id: str, model: ModelView, phases: Phases
     ) -> dict[str, Any] | EventStream | NativeStream | NativePromptsStream:
         request_checks.require_vocab(model)  # 503 before render while the vocabulary is unknown
         tokenizer = TokenizationService(self.render, model, health=self.render_health)
@@ -234,7 +245,7 @@ class ServingPipeline(NativePath):
             raise
         phases.on(source=tokenized.tokenizer_source).observe(metric_names.PHASE_RENDER, start)
         self._log_render(request_id, model.name, tokenized, tokenized.tokenizer_source, tokenized.fallback_reason)
-        request_checks.check_tokenized(tokenized.prompts, kind=kind, model=model)
+        request_checks.check_tokenized(tokenized.prompts, kind=tokenized.kind, model=model)
         for prompt in tokenized.prompts:
             self.boundary.admit(prompt.generate_request)  # with obfuscation on: a 400 before any quota
         # The client key's tokens-per-minute window is charged once the real count is known, with
@@ -243,16 +254,20 @@ class ServingPipeline(NativePath):
             sum(requested_tokens(p, self.snapshot, self.scheduler, model.name) for p in tokenized.prompts)
         )
         requires_tokenizer = engine_tokenizer_feature(kind, body) is not None
+        # A Messages request runs as the chat request its render stands for (apis/messages.py).
+        token_kind: TokenKind = tokenized.kind
+        token_body = chat_view(body, tokenized.prompts[0].generate_request) if kind == "messages" else body
         try:
             if body.get("stream"):
-                return await self._open(body, kind, request_id, tokenized, requires_tokenizer, phases)
+                return await self._open(token_body, token_kind, request_id, tokenized, requires_tokenizer, phases)
             responses = await self._generate_all(tokenized, request_id, requires_tokenizer, phases)
         except EngineLacksCapability:
             # Nothing reached the client yet: the whole request may move to the native path.
             if self.snapshot.render.obfuscation:
                 raise
             return await self._native(kind, body, request_id, "engine_capability", phases, tokenized=tokenized)
-        return await self._derender(kind, body, request_id, tokenized, responses, phases)
+        out = await self._derender(token_kind, token_body, request_id, tokenized, responses, phases)
+        return to_message(out, f"msg_{request_id}") if kind == "messages" else out
 
     def _log_render(
         self, request_id: str, model: str, tokenized: TokenizedRequest | None, source: str,

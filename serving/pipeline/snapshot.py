@@ -26,8 +26,30 @@ class ModelView:
 
 
 @dataclass(frozen=True, slots=True)
+class RenderMember:
+    """One sidecar of a model's render pool, with what its probe found it can do.
+
+    The flags are the RFC's version floors applied to the version the probe recorded
+    (``catalog.render_versions``); a member not probed yet is taken at the deployment's word.
+    ``healthy`` False (its probes fail) ranks it after every healthy member.
+    """
+
+    base_url: str
+    version: str = ""
+    token_in: bool = True
+    derender: bool = True
+    streaming_derender: bool = True
+    healthy: bool = True
+    # The API kinds its probe found render and derender routes for (its OpenAPI document): a call
+    # of another kind goes to another member. None: not probed, every route taken as served.
+    render_routes: frozenset[str] | None = None
+    derender_routes: frozenset[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RenderView:
     enable: bool
+    # The first member's address (what code written for one sidecar reads); ``members`` is the pool.
     base_url: str
     timeout_s: float  # per render/derender call and per streaming derender chunk
     context_budget: bool = False  # clamp max_tokens to the chosen engine's room left
@@ -46,6 +68,10 @@ class RenderView:
     stream_interval: int = 1
     # Milliseconds a choice's derender calls are at least apart after its first (coalesce.py); 0: none.
     stream_interval_ms: int = 0
+    # The render pool (render/pool.py picks a member per call). Empty: one sidecar at ``base_url``
+    # with the flags above. Built from the database, the flags above say what *some* member can
+    # do (what the path choice reads); each member says what it can.
+    members: tuple[RenderMember, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

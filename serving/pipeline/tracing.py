@@ -14,13 +14,23 @@ Spans go to an OTLP/HTTP exporter configured by the standard ``OTEL_*`` environm
 through a batching processor, off the request path. OpenTelemetry is imported only by
 ``configure``: with tracing off nothing of it is loaded, and a request pays one ``None`` check
 per phase.
+
+Propagation (W3C Trace Context, the ``traceparent`` and ``tracestate`` headers vLLM reads,
+``vllm.tracing.TRACE_HEADERS``): the edge reads them from the client's request (``incoming``);
+with tracing on, the root span is their child and every render, derender and generate call
+carries the root span's context; with tracing off, the client's own headers go to the sidecar
+and the engines unchanged, so their traces still join the client's. The edge sets them for the
+request's task (``carry``) and each upstream call adds them (``with_trace``): a request that
+brought none, with tracing off, pays one context-variable read per call.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar, Token
 from typing import Any
 
 from serving.pipeline import metric_names
@@ -37,6 +47,59 @@ ROOT_SPAN = "request"
 REQUEST_ID = "motor.request_id"
 SERVICE_NAME = "motorsite-coordinator"
 
+# The W3C Trace Context headers, named as vLLM reads them (``vllm/tracing/utils.py``).
+TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+# version-traceid-parentid-flags, lower-case hex (W3C Trace Context, section 3.2); a later version
+# may append fields. An all-zero trace or parent id is invalid.
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}(-[\x21-\x7e]*)?")
+_TRACESTATE = re.compile(r"[\x20-\x7e]{0,512}")  # printable, within the spec's 512 bytes
+
+# The trace headers of the request this task serves (set by the edge: ``carry``), for every
+# upstream call it makes; None when it has none (tracing off and the client sent none).
+_carried: ContextVar[Mapping[str, str] | None] = ContextVar("motor_trace_headers", default=None)
+
+
+def incoming(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str] | None:
+    """The client's W3C trace headers (an ASGI scope's ``headers``), or None without a valid
+    ``traceparent`` (a ``tracestate`` alone means nothing: the spec drops it)."""
+    parent = state = None
+    for name, value in headers:
+        if name == b"traceparent" and parent is None:
+            parent = value
+        elif name == b"tracestate" and state is None:
+            state = value
+    if parent is None:
+        return None
+    text = parent.decode("latin-1").strip()
+    # Version ff is invalid; version 00 has exactly the four fields.
+    if text[:2] == "ff" or (text[:2] == "00" and len(text) != 55) or not _TRACEPARENT.fullmatch(text):
+        return None
+    carrier = {TRACEPARENT: text}
+    if state is not None:
+        kept = state.decode("latin-1").strip()
+        if kept and _TRACESTATE.fullmatch(kept):
+            carrier[TRACESTATE] = kept
+    return carrier
+
+
+def carry(headers: Mapping[str, str] | None) -> Token[Mapping[str, str] | None]:
+    """Make ``headers`` the trace headers of every upstream call this task (and the tasks it
+    starts) makes from now on; ``reset`` with the token returned when the request is done."""
+    return _carried.set(headers)
+
+
+def reset(token: Token[Mapping[str, str] | None]) -> None:
+    _carried.reset(token)
+
+
+def with_trace(headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` of an upstream call, with the request's trace headers added when it has any."""
+    carried = _carried.get()
+    if carried:
+        headers.update(carried)
+    return headers
+
 
 class PhaseTracer:
     """Starts one ``RequestTrace`` per request on an OpenTelemetry tracer (built by ``configure``)."""
@@ -45,9 +108,13 @@ class PhaseTracer:
         self._tracer = tracer
         self.provider = provider  # the SDK's TracerProvider, for flush and shutdown
 
-    def begin(self, request_id: str, labels: Mapping[str, str], start: float, clock: Callable[[], float]) -> RequestTrace:
-        """The trace of a request that arrived at ``start`` on ``clock`` (the histograms' clock)."""
-        return RequestTrace(self._tracer, request_id, labels, start, clock)
+    def begin(
+        self, request_id: str, labels: Mapping[str, str], start: float, clock: Callable[[], float],
+        parent: Mapping[str, str] | None = None,
+    ) -> RequestTrace:
+        """The trace of a request that arrived at ``start`` on ``clock`` (the histograms' clock),
+        continuing the client's trace when ``parent`` (its W3C headers, ``incoming``) names one."""
+        return RequestTrace(self._tracer, request_id, labels, start, clock, parent)
 
     def force_flush(self, timeout_ms: int = 30000) -> bool:
         return bool(self.provider.force_flush(timeout_ms)) if self.provider is not None else True
@@ -61,19 +128,28 @@ class RequestTrace:
     """One request's root span and its phase spans, timed on the histograms' monotonic clock."""
 
     def __init__(
-        self, tracer: Any, request_id: str, labels: Mapping[str, str], start: float, clock: Callable[[], float]
+        self, tracer: Any, request_id: str, labels: Mapping[str, str], start: float, clock: Callable[[], float],
+        parent: Mapping[str, str] | None = None,
     ) -> None:
-        from opentelemetry import trace  # loaded already: configure imported it
+        # Loaded already (configure imported them). W3C Trace Context itself, not the process's
+        # configured propagator: it is what vLLM reads.
+        from opentelemetry import trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._tracer = tracer
         self.request_id = request_id
         # Monotonic readings become wall-clock nanoseconds through one offset taken now, so every
         # span of the request keeps the exact durations the histograms count.
         self._offset_ns = time.time_ns() - int(clock() * 1e9)
+        w3c = TraceContextTextMapPropagator()
         self._root = tracer.start_span(
-            ROOT_SPAN, start_time=self._ns(start), attributes={REQUEST_ID: request_id, **_attributes(labels)}
+            ROOT_SPAN, context=w3c.extract(parent) if parent else None, start_time=self._ns(start),
+            attributes={REQUEST_ID: request_id, **_attributes(labels)},
         )
         self._context = trace.set_span_in_context(self._root)
+        # What every upstream call of the request carries: the root span as their parent.
+        self.headers: dict[str, str] = {}
+        w3c.inject(self.headers, context=self._context)
         self._open = True
 
     def _ns(self, t: float) -> int:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from bench.phase_split import END_TO_END, PhaseSplit, table, totals
 from serving.pipeline import metric_names as names
+from serving.pipeline.exporter import exposition
 from serving.pipeline.phases import Histograms
 
 
 def metrics_text(h: Histograms) -> str:
-    return "\n".join(names.exposition(h.samples(), declare=names.PHASES)) + "\n"
+    return exposition(h.registry).decode()
 
 
 def observe(h: Histograms, family: names.Family, seconds: float, **extra: str) -> None:

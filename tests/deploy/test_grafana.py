@@ -23,13 +23,10 @@ JOIN = re.compile(r"\bgroup_left\s*\(([^)]*)\)\s*(motor_[a-z0-9_]+)")
 
 
 def family_of(series: str) -> Family | None:
-    """The family a queried series belongs to (a summary's ``_sum``/``_count`` belong to it, a
-    histogram's ``_bucket`` too)."""
+    """The family a queried series belongs to (a histogram's ``_bucket``, ``_sum`` and ``_count`` belong to it)."""
     for name in (series, series.removesuffix("_sum"), series.removesuffix("_count"), series.removesuffix("_bucket")):
         family = FAMILIES.get(name)
-        if family is None:
-            continue
-        if name == series or family.type == "histogram" or (family.type == "summary" and not series.endswith("_bucket")):
+        if family is not None and (name == series or family.type == "histogram"):
             return family
     return None
 
@@ -97,6 +94,9 @@ def test_every_label_the_dashboard_uses_exists_on_its_metric(dashboard: dict[str
         ("sum by (engine) (motor_engine_in_flight_tokens)", "has no label 'engine'"),
         ('motor_process_up{proces="x"}', "has no label 'proces'"),
         ("sum by (exported_instance) (rate(motor_engine_ttft_seconds_sum[5m]))", None),
+        ("histogram_quantile(0.99, sum by (le, exported_instance) (rate(motor_engine_tpot_seconds_bucket[5m])))", None),
+        ("histogram_quantile(0.99, sum by (le, instance_name) (rate(motor_engine_tpot_seconds_bucket[5m])))",
+         "has no label 'instance_name'"),
         ("sum by (exported_process) (motor_process_up)", "has no label 'exported_process'"),
         ("sum by (le, topology) (rate(motor_request_placement_seconds_bucket[5m]))", None),
         ("sum by (le) (rate(motor_request_render_seconds_sum[5m]))", "has no label 'le'"),
@@ -115,7 +115,8 @@ def test_the_label_check_finds_what_is_wrong(expr: str, problem: str | None) -> 
     else:
         assert len(found) == 1 and problem in found[0]
     assert family_of("motor_engine_requests_totl") is None and family_of("motor_process_up_sum") is None
-    assert family_of("motor_engine_ttft_seconds_bucket") is None  # a summary has no buckets
+    assert family_of("motor_engine_requests_total_bucket") is None  # a counter has no buckets
+    assert family_of("motor_engine_ttft_seconds_bucket") is FAMILIES["motor_engine_ttft_seconds"]
 
 
 def test_the_dashboard_sums_relays_fallbacks_and_callbacks_by_replica(dashboard: dict[str, Any]) -> None:
@@ -130,3 +131,11 @@ def test_the_dashboard_is_importable_json(dashboard: dict[str, Any]) -> None:
     for panel in dashboard["panels"]:
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         assert {"h", "w", "x", "y"} <= panel["gridPos"].keys()
+
+
+def test_the_dashboard_shows_ttft_tpot_and_duration_quantiles_from_their_buckets(dashboard: dict[str, Any]) -> None:
+    quantiles = {
+        series for _, expr in targets(dashboard) if "histogram_quantile(" in expr for series in METRIC.findall(expr)
+    }
+    for family in ("motor_engine_ttft_seconds", "motor_engine_tpot_seconds", "motor_request_duration_seconds"):
+        assert f"{family}_bucket" in quantiles, family

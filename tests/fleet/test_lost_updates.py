@@ -114,6 +114,7 @@ def _race(a_kind: str, b_kind: str, served_model_id: int, key: str, user_id: int
             elif b_kind == "breaker_reset":
                 outcome["b"] = client.post(f"/api/instances/{instance.id}/breaker/reset", **api).status_code
             elif b_kind == "health_probe":
+                # Only the probe's database write is in question, not its HTTP: a canned failing engine.
                 failing = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(500)))
                 for _ in range(probes.thresholds().fall):
                     probes.probe_engine_health(instance.id, client=failing)
@@ -235,6 +236,7 @@ def _catalog_race(a_kind: str, b_kind: str, key: str, user_id: int) -> dict[str,
 
     def run_b() -> None:
         try:
+            # Only the probe's database write is in question, not its HTTP: a canned failing tier.
             failing = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(500)))
             if b_kind == "render_health_probe":
                 for _ in range(probes.thresholds().fall):

@@ -165,6 +165,7 @@ def tiers_answering(
             return httpx.Response(200, json={"choices": [{"index": 0, "token_ids": [5]}]})
         return httpx.Response(404, json={"detail": "Not Found"})
 
+    # The probes' own client is httpx (fleet/probes.py): only the tiers' answers are canned here.
     return httpx.Client(transport=httpx.MockTransport(handler))
 
 

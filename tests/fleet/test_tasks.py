@@ -31,6 +31,7 @@ def all_down(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused", request=request)
 
+    # The probes' own client is httpx (fleet/probes.py): every tier refuses, no HTTP in question.
     monkeypatch.setattr(probes, "http_client", lambda: httpx.Client(transport=httpx.MockTransport(refuse)))
 
 

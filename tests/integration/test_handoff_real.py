@@ -25,12 +25,12 @@ from motorsite.supervisor import Supervisor, free_port, together
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.http11 import Http11Client
-from serving.pipeline.placement.scheduler import LoadTracker
+from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.topologies.handoff import open_handoff
 from serving.pipeline.topologies.hybrid import PDPolicy
-from serving.pipeline.topologies.pd import PDContext
+from tests.pd_sims import router_pd_context
 
 from .conftest import API_KEY, _coordinator
 
@@ -122,7 +122,8 @@ async def test_handoff_answers_like_a_union_engine_and_decode_computes_no_prompt
 
     async with AsyncExitStack() as attempt:
         opened = await open_handoff(
-            PDContext(engines, rid, hold=load.hold), Placed(p, d), engine_request(rendered, request_id=rid), attempt
+            router_pd_context(engines, rid, Placed(p, d), load=load, tokens=len(prompt) + 24), Placed(p, d),
+            engine_request(rendered, request_id=rid), attempt,
         )
     response = opened.response
     assert response is not None

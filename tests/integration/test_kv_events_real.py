@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,21 @@ import pytest
 from enginesim.kvcache import block_stored
 from motorsite import tiers
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port
-from serving.pipeline.placement.kv_affinity import KVAffinityIndex, block_size_from_metrics
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex
 from serving.pipeline.placement.kv_events import KVEventSubscriber
 
 pytestmark = pytest.mark.integration
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+
+
+def block_size_from_metrics(text: str) -> int | None:
+    """The block size in vLLM's ``/metrics`` (``vllm:cache_config_info``), if any."""
+    for labels in re.findall(r"^vllm:cache_config_info\{([^}]*)\}", text, re.MULTILINE):
+        found = re.search(r'(?:^|,)\s*block_size="(\d+)"', labels)
+        if found and int(found.group(1)) > 0:
+            return int(found.group(1))
+    return None
 
 
 class RecordingIndex(KVAffinityIndex):

@@ -34,7 +34,8 @@ from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request, sorted_choices
 from serving.pipeline.http11 import Http11Client
-from serving.pipeline.obfuscation.mapping import TokenMapping, deobfuscate_response, obfuscate_request
+from serving.pipeline.obfuscation.fields import deobfuscate_response, obfuscate_request
+from serving.pipeline.obfuscation.mapping import TokenMapping
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.snapshot import InstanceView
 

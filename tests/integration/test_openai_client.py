@@ -5,10 +5,16 @@ OpenAI request -> coordinator -> real render sidecar -> real vLLM engine -> dere
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+import subprocess
+import time
 from dataclasses import replace
+from urllib.parse import urlsplit
 
 import openai
 import pytest
+from redis import Redis
 
 from motorsite import stack
 from motorsite.supervisor import Supervisor, free_port
@@ -121,10 +127,52 @@ def test_it_serves_through_simulated_engines(sim_stack: stack.StackConfig) -> No
     assert again.choices[0].message.content == out.choices[0].message.content
 
 
+def psql(database: str, sql: str) -> list[str]:
+    """The rows ``sql`` returns from PostgreSQL's ``database`` on 127.0.0.1, one line each."""
+    argv = ["psql", "-h", "127.0.0.1", "-U", "postgres", "-d", database, "-v", "ON_ERROR_STOP=1", "-qAtc", sql]
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout.splitlines()
+
+
 def test_it_serves_on_postgresql_and_redis(pg_redis_coordinator: stack.StackConfig) -> None:
-    client = openai.OpenAI(base_url=pg_redis_coordinator.coordinator_url + "/v1", api_key=API_KEY, max_retries=0)
-    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "pg"}], max_tokens=4)
+    cfg = pg_redis_coordinator
+    database = urlsplit(cfg.database_url).path.lstrip("/")
+    # The fleet the run wrote is in the PostgreSQL database it was given.
+    assert psql(database, "SELECT url FROM fleet_engineinstance ORDER BY url") == sorted(cfg.engine_urls)
+    # A client key written into that database alone, behind the coordinator's back (the snapshot
+    # poll sees the version bump): a coordinator on any other database answers it 401. Its
+    # tokens-per-minute limit puts its window in Redis when the coordinator uses Redis.
+    key = "sk-motor-" + secrets.token_urlsafe(24)
+    key_hash = hashlib.sha256(key.encode()).hexdigest()
+    psql(database, (
+        "INSERT INTO fleet_apikey (name, prefix, key_hash, scope, tokens_per_minute, allow_priority, revoked, created) "
+        f"VALUES ('pg-only', '{key[:8]}', '{key_hash}', 'client', 1000000, false, false, now()); "
+        "UPDATE fleet_controlversion SET value = value + 1"
+    ))
+    redis = Redis.from_url(cfg.redis_url)
+    seconds, micros = redis.time()
+    started_ms = seconds * 1000 + micros // 1000
+    client = openai.OpenAI(base_url=cfg.coordinator_url + "/v1", api_key=key, max_retries=0)
+
+    deadline = time.monotonic() + 30  # a watchdog for the snapshot poll, not a timing assertion
+    while True:
+        try:
+            out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "pg"}], max_tokens=4)
+            break
+        except openai.AuthenticationError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+
     assert out.usage.completion_tokens >= 1
+    # Shared admission: its scripts ran for this request (their clock saw Redis's time after it
+    # began); in-process admission writes nothing to Redis.
+    wall = redis.hget("motor:admission:clock", "wall")
+    assert wall is not None and int(wall) >= started_ms
+    # The key's tokens-per-minute window is in Redis, charged the request's estimate (its
+    # prompt plus max_tokens), not in the process.
+    used = redis.get(f"motor:tpm:{key_hash}:used")
+    assert used is not None and int(used) == out.usage.prompt_tokens + 4
+    redis.close()
 
 
 def test_it_is_a_plain_asgi_app_that_uvicorn_serves(sim_stack: stack.StackConfig) -> None:

@@ -54,6 +54,7 @@ def _write(instance_id: int, key: str) -> dict[str, Any]:
 
     from fleet import probes, writeback
 
+    # Only the probe's database writes are in question here, not its HTTP: a canned healthy engine.
     engine = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, json={"choices": []})))
     statuses: list[int] = []
     errors: list[str] = []

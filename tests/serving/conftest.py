@@ -41,6 +41,16 @@ async def mock_client(upstreams: FakeUpstreams) -> AsyncIterator[LoopbackClient]
 
 
 @pytest.fixture
+async def render_fake_client(upstreams: FakeUpstreams) -> AsyncIterator[LoopbackClient]:
+    """The production upstream client with only the render sidecar faked (on 127.0.0.1): the
+    engines are real servers (simulators). Its connections live on the loop of the server a
+    test drives (Daphne's thread, or the test's own under uvicorn)."""
+    client = LoopbackClient(upstreams.handler, fakes={"render.test"})
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
 async def rig(upstreams: FakeUpstreams) -> AsyncIterator[Rig]:
     """A pipeline over fake upstreams with the default breakers; ends by asserting nothing leaked."""
     before = asyncio.all_tasks()

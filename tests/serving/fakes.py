@@ -1,6 +1,8 @@
-"""Fake upstreams for the serving tests (fixtures in conftest.py): one ``httpx.MockTransport`` handler that emulates the
-vLLM render sidecar, two token-only engines and derender with the 0.33.0 wire shapes
-(vllm-protocol.md sections 3, 5 and 8).
+"""Fake upstreams for the serving tests (fixtures in conftest.py): one handler (``httpx.Request`` in,
+``httpx.Response`` out) that emulates the vLLM render sidecar, two token-only engines and
+derender with the 0.33.0 wire shapes (vllm-protocol.md sections 3, 5 and 8). ``loopback.py``
+serves it on 127.0.0.1 to the production client; ``in_process.py`` calls it in-process for the
+one bound that a socket's buffers would hide.
 
 Every request is recorded in ``FakeUpstreams.calls``. Tests change behaviour per host and
 endpoint with ``FakeUpstreams.override``; an override may return a response, raise an httpx
@@ -198,6 +200,8 @@ class FakeUpstreams:
             return httpx.Response(200, json=self._generate_request(f"chatcmpl-{base}", CHAT_PROMPT, body, True))
         if request.url.path in ("/v1/responses/render", "/v1/messages/render"):
             # vLLM 0.33's sidecar renders these APIs too, one GenerateRequest (the native path counts it).
+            if request.url.path == "/v1/messages/render" and body.get("stream"):
+                body = {**body, "stream_options": {"include_usage": True}}  # as vLLM's Messages conversion asks
             return httpx.Response(200, json=self._generate_request(f"resp-{base}", CHAT_PROMPT, body, True))
         prompt = body["prompt"]
         prompts = prompt if isinstance(prompt, list) else [prompt]

@@ -7,7 +7,7 @@ own bound could not be seen there. Every other component test drives ``Http11Cli
 
 ``InProcessClient`` answers ``post``/``get`` with the production ``Reply`` and ``stream`` with the
 handler's ``httpx.Response``, which has the ``StreamReply`` surface the callers use
-(``status_code``, ``headers``, ``aiter_raw``, ``aiter_lines``, ``aread``); a body is pulled from
+(``status_code``, ``headers``, ``aiter_raw``, ``aread``); a body is pulled from
 the fake only as the caller reads it.
 """
 
@@ -25,6 +25,7 @@ from tests.serving.loopback import Handler
 class InProcessClient(Http11Client):
     def __init__(self, handler: Handler) -> None:
         super().__init__()
+        # In-process on purpose: a socket's buffers would hide the pipeline's own bound (docstring).
         self._mock = httpx.AsyncClient(transport=httpx.MockTransport(handler))
 
     async def post(  # type: ignore[override]

@@ -98,10 +98,15 @@ async def served(request: pytest.FixtureRequest) -> AsyncIterator[str]:
 
 
 def error_of(response: Any, status: int) -> dict[str, Any]:
-    """The OpenAI error object of ``response``, checked for shape and ``status``."""
+    """The OpenAI error object of ``response``, checked for shape and ``status``; on
+    ``/v1/messages`` Anthropic's (``type`` by status, no ``param``: vLLM 0.33's shape there),
+    returned as an OpenAI one with ``param`` None."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/json"
     body = response.json()
+    if response.request.url.path == "/v1/messages":
+        assert body["type"] == "error" and set(body) == {"type", "error"} and set(body["error"]) == {"type", "message"}
+        return {**body["error"], "param": None, "code": status}
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["code"] == status
     return dict(body["error"])

@@ -15,8 +15,9 @@ is answered with exactly those bytes.
 
 ``LoopbackClient`` is the production client with one test hook, where it connects: a request for a
 fake URL (``http://e1.test:8201``) goes out unchanged (its ``Host`` is the fake's) on a socket to
-that fake's loopback listener, opened on first use. A rig hands it to the pipeline where it used
-to hand an ``httpx.MockTransport`` client, and its snapshot and assertions keep the fake URLs.
+that fake's loopback listener, opened on first use. A rig hands it to the pipeline as production
+hands ``Http11Client`` (``serving/pipeline/http.py``), and its snapshot and assertions keep the
+fake URLs.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from serving.pipeline.errors import (
     MotorError,
     UpstreamRequestError,
 )
-from serving.pipeline.placement.scheduler import LoadTracker, Placement, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Placement, Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import ServingPipeline

@@ -21,7 +21,8 @@ import pytest
 
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import GENERATE_PREFIX
-from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.service import EventStream, ServingPipeline
 from serving.pipeline.streaming import fanout

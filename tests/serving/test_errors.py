@@ -26,23 +26,23 @@ def _shape_ok(body: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("exc", "status", "type_", "param", "retryable"),
+    ("exc", "status", "type_", "param"),
     [
-        (RequestError("bad", param="messages"), 400, "BadRequestError", "messages", False),
-        (RequestError("Method not allowed", status=405), 405, "BadRequestError", None, False),
-        (Unauthorized("no key"), 401, "AuthenticationError", None, False),
-        (ModelNotFound("nope"), 404, "NotFoundError", "model", False),
-        (RenderUnavailable("render down"), 503, "ServiceUnavailableError", None, True),
-        (EngineError("e1 died", instance="e1"), 502, "BadGatewayError", None, True),
-        (EngineBusy("e1 busy", instance="e1"), 503, "ServiceUnavailableError", None, True),
-        (DerenderError("derender failed"), 502, "BadGatewayError", None, False),
-        (DerenderError("derender timed out", status=504), 504, "BadGatewayError", None, False),
-        (NoCapacity("no engine"), 503, "ServiceUnavailableError", None, False),
-        (MotorError("bug"), 500, "InternalServerError", None, False),
+        (RequestError("bad", param="messages"), 400, "BadRequestError", "messages"),
+        (RequestError("Method not allowed", status=405), 405, "BadRequestError", None),
+        (Unauthorized("no key"), 401, "AuthenticationError", None),
+        (ModelNotFound("nope"), 404, "NotFoundError", "model"),
+        (RenderUnavailable("render down"), 503, "ServiceUnavailableError", None),
+        (EngineError("e1 died", instance="e1"), 502, "BadGatewayError", None),
+        (EngineBusy("e1 busy", instance="e1"), 503, "ServiceUnavailableError", None),
+        (DerenderError("derender failed"), 502, "BadGatewayError", None),
+        (DerenderError("derender timed out", status=504), 504, "BadGatewayError", None),
+        (NoCapacity("no engine"), 503, "ServiceUnavailableError", None),
+        (MotorError("bug"), 500, "InternalServerError", None),
     ],
 )
 def test_error_body_for_every_class(
-    exc: MotorError, status: int, type_: str, param: str | None, retryable: bool
+    exc: MotorError, status: int, type_: str, param: str | None
 ) -> None:
     got_status, body = error_body(exc)
     _shape_ok(body)
@@ -50,7 +50,6 @@ def test_error_body_for_every_class(
     # Failures of engines, render and derender say their public text; the rest their message.
     message = exc.public if exc.public is not None else exc.message
     assert body["error"] == {"message": message, "type": type_, "param": param, "code": status}
-    assert exc.retryable is retryable
 
 
 def test_status_override_does_not_leak_into_the_class() -> None:

@@ -103,7 +103,8 @@ async def test_concurrent_requests_leave_zero_in_flight() -> None:
                 raise ValueError("request failed")
 
     results = await asyncio.gather(*(one(i) for i in range(30)), return_exceptions=True)
-    assert sum(isinstance(r, ValueError) for r in results) == 6
+    # Every request was admitted: the six the test fails itself fail, no other raised anything.
+    assert [type(r) for r in results] == [ValueError if i % 5 == 0 else type(None) for i in range(30)]
     assert adm.inflight_tokens() == {} and adm.waiting() == 0
 
 

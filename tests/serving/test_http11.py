@@ -109,14 +109,14 @@ async def test_a_json_post_round_trips_and_its_connection_is_reused(server: Any)
     await client.aclose()
 
 
-async def test_a_stream_is_read_line_by_line_and_its_connection_reused_after_done(server: Any) -> None:
+async def test_a_stream_is_read_whole_and_its_connection_reused_after_done(server: Any) -> None:
     srv = await server(sse_reply)
     client = Http11Client()
     for _ in range(2):
         async with client.stream("POST", srv.url + "/gen", json={"stream": True}) as reply:
             assert reply.status_code == 200
-            lines = [line async for line in reply.aiter_lines()]
-        assert lines == ['data: {"i": 0}', "", 'data: {"i": 1}', "", 'data: {"i": 2}', "", "data: [DONE]", ""]
+            body = b"".join([piece async for piece in reply.aiter_raw()])
+        assert body == b'data: {"i": 0}\n\ndata: {"i": 1}\n\ndata: {"i": 2}\n\ndata: [DONE]\n\n'
     # The second stream may start before the first one's terminator arrived; wait until it did.
     async with client.stream("POST", srv.url + "/gen", json={}) as reply:
         async for piece in reply.aiter_raw():
@@ -204,7 +204,7 @@ async def test_timeouts_and_failures_raise_httpx_classes_and_drop_the_connection
         await client.post((await server(silent)).url, json={}, timeout=0.05)
     with pytest.raises(httpx.RemoteProtocolError):
         async with client.stream("POST", (await server(cut)).url, json={}) as reply:
-            [line async for line in reply.aiter_lines()]
+            [piece async for piece in reply.aiter_raw()]
     srv = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
     srv.close()

@@ -14,7 +14,7 @@ from enginesim import SimConfig
 from enginesim.kvcache import block_hashes as sim_hashes
 from enginesim.testing import LiveServer, eventually, gen_body
 from motorsite.supervisor import free_port
-from serving.pipeline.placement.kv_affinity import KVAffinityIndex, block_size_from_metrics, chain_hashes
+from serving.pipeline.placement.kv_affinity import KVAffinityIndex, chain_hashes
 from serving.pipeline.placement.kv_events import KVEventSubscriber, decode_message, subscriber_address
 
 BS = 128
@@ -62,17 +62,6 @@ def test_it_uses_each_instances_block_size() -> None:
     assert index.match("big", prompt(2)) == 3
     index.set_block_size("big", 64)  # a change forgets what was indexed at the old size
     assert index.blocks("big") == 0
-
-
-def test_it_reads_the_block_size_from_vllm_metrics() -> None:
-    real = (
-        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
-        'vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",'
-        'engine="0",num_gpu_blocks="512"} 1.0\n'
-    )
-    assert block_size_from_metrics(real) == 128
-    assert block_size_from_metrics('vllm:cache_config_info{engine="0",block_size="16"} 1.0') == 16
-    assert block_size_from_metrics("vllm:num_requests_running 0.0\n") is None
 
 
 def test_it_bounds_memory_per_instance_and_globally() -> None:

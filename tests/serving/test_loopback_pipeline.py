@@ -14,7 +14,8 @@ import pytest
 
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.http11 import Http11Client
-from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.service import EventStream, ServingPipeline
 from tests.serving.fakes import (

@@ -18,8 +18,10 @@ from catalog.models import RenderConfig, ServedModel
 from fleet.models import EngineInstance
 from serving import runtime, snapshots
 from serving.pipeline import metric_names
+from serving.pipeline.exporter import Families, exposition, scraped
 from serving.pipeline.metric_names import FAMILIES, OPERATOR_LABELS, OTHER, Family
 from serving.pipeline.metrics import RouterCounters
+from serving.pipeline.phases import Histograms
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
 from tests.serving.loopback import LoopbackClient
 
@@ -119,12 +121,21 @@ def test_it_records_a_value_outside_its_labels_set_as_other() -> None:
     }
 
 
-def test_the_exposition_folds_series_recorded_around_the_counters_into_other() -> None:
-    lines = metric_names.exposition({
-        (metric_names.STREAM_RELAYS.name, (("reason", "stall"), ("topology", "zq"))): 1.0,
-        (metric_names.STREAM_RELAYS.name, (("reason", "stall"), ("topology", "zz"))): 2.0,
-    })
+def test_the_exposition_folds_series_read_at_scrape_time_into_other() -> None:
+    relays = scraped(metric_names.STREAM_RELAYS, [
+        ({"reason": "stall", "topology": "zq"}, 1.0), ({"reason": "stall", "topology": "zz"}, 2.0),
+    ])
+    lines = exposition(Families([relays])).decode().splitlines()
     assert lines[2:] == ['motor_stream_relays_total{reason="stall",topology="other"} 3.0']
+
+
+def test_a_histogram_records_a_value_outside_its_labels_set_as_other() -> None:
+    h = Histograms()
+    h.observe(metric_names.PHASE_RENDER, 0.01, {"api": "zq_invented", "mode": "json", "source": "render"})
+    h.observe(metric_names.PHASE_RENDER, 0.01, {"api": "chat", "mode": "json", "source": "render"})
+    text = exposition(h.registry).decode()
+    assert 'motor_request_render_seconds_count{api="other",mode="json",source="render"} 1.0' in text
+    assert "zq_invented" not in text and unknown_label_values(text) == []
 
 
 def test_a_family_with_an_undeclared_label_set_fails_at_import() -> None:

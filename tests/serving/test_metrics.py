@@ -1,4 +1,4 @@
-"""The per-instance metrics ring buffers, the stream timer and the Prometheus text."""
+"""The per-instance metrics (ring buffers, prometheus_client series), the stream timer and the Prometheus text."""
 
 from __future__ import annotations
 
@@ -6,9 +6,19 @@ from typing import Any, AsyncIterator
 
 import pytest
 
+from serving.pipeline import metric_names as names
 from serving.pipeline.errors import EngineError
-from serving.pipeline.metric_names import FAMILIES, ROUTE_DECISIONS, exposition
-from serving.pipeline.metrics import MetricsRegistry, RouterCounters, TimedEvents, prometheus_text
+from serving.pipeline.exporter import Families, exposition, scraped
+from serving.pipeline.metric_names import FAMILIES, ROUTE_DECISIONS
+from serving.pipeline.metrics import MetricsRegistry, RouterCounters, TimedEvents
+
+
+def prometheus_text(reg: MetricsRegistry, in_flight_tokens: dict[str, int] | None = None) -> str:
+    """What /metrics serves of ``reg`` (and of tokens in flight, read at scrape time)."""
+    families = [] if in_flight_tokens is None else [
+        scraped(names.ENGINE_IN_FLIGHT_TOKENS, [({"instance": k}, v) for k, v in in_flight_tokens.items()])
+    ]
+    return exposition(reg.prometheus, Families(families)).decode()
 
 
 class Clock:
@@ -37,7 +47,12 @@ def test_it_buckets_requests_by_time_and_keeps_totals() -> None:
     assert (series.requests_total, series.errors_total, series.ttft_count) == (4, 1, 3)
 
 
-def test_it_forgets_buckets_older_than_the_window_but_not_totals() -> None:
+def total(reg: MetricsRegistry, name: str, instance: str) -> float:
+    """A whole-life series of ``reg``'s ``/metrics`` (``prometheus_client``'s own reading)."""
+    return reg.prometheus.get_sample_value(name, {"instance": instance}) or 0.0
+
+
+def test_it_forgets_buckets_older_than_the_window_but_metrics_keeps_the_totals() -> None:
     clock = Clock()
     reg = MetricsRegistry(bucket_s=10, buckets=3, clock=clock)
     reg.record_request("e1", 0.1, None, ok=False)
@@ -47,7 +62,10 @@ def test_it_forgets_buckets_older_than_the_window_but_not_totals() -> None:
     assert [p.requests for p in series.points] == [0, 0, 1]
     assert [p.errors for p in series.points] == [0, 0, 0]
     assert series.points[-1].ttft_s == pytest.approx(0.5)
-    assert (series.requests_total, series.errors_total) == (2, 1)
+    assert (series.requests_total, series.errors_total) == (1, 0)  # the window's
+    assert total(reg, "motor_engine_requests_total", "e1") == 2 and total(reg, "motor_engine_errors_total", "e1") == 1
+    assert total(reg, "motor_engine_ttft_seconds_count", "e1") == 2
+    assert total(reg, "motor_engine_ttft_seconds_sum", "e1") == pytest.approx(0.6)
 
 
 def test_it_keeps_instances_apart() -> None:
@@ -94,6 +112,8 @@ async def test_it_times_a_stream_once_when_it_ends() -> None:
     # TTFT: 200 -> first token. TPOT: (last token - first token) / (5 tokens - 1).
     assert series.ttft_sum_s == pytest.approx(0.25)
     assert series.tpot_sum_s == pytest.approx((51.5 - 50.25) / 4)
+    assert total(reg, "motor_engine_ttft_seconds_sum", "e1") == pytest.approx(0.25)
+    assert total(reg, "motor_engine_tpot_seconds_sum", "e1") == pytest.approx((51.5 - 50.25) / 4)
 
 
 async def test_it_counts_a_stream_that_fails_as_an_error() -> None:
@@ -116,21 +136,25 @@ async def test_it_records_nothing_for_a_stream_abandoned_midway() -> None:
 def test_it_renders_prometheus_text() -> None:
     reg = MetricsRegistry(clock=Clock())
     reg.record_request('we"ird', 0.25, None, ok=False)
-    text = prometheus_text(reg.snapshot(), {"e1": 3})
+    text = prometheus_text(reg, {"e1": 3})
     assert "# TYPE motor_engine_requests_total counter" in text
     assert 'motor_engine_errors_total{instance="we\\"ird"} 1.0' in text
     assert 'motor_engine_ttft_seconds_sum{instance="we\\"ird"} 0.25' in text
+    assert 'motor_engine_ttft_seconds_bucket{instance="we\\"ird",le="0.1"} 0.0' in text
+    assert 'motor_engine_ttft_seconds_bucket{instance="we\\"ird",le="0.25"} 1.0' in text  # le is inclusive
+    assert 'motor_engine_ttft_seconds_count{instance="we\\"ird"} 1.0' in text
+    assert 'motor_engine_tpot_seconds_count{instance="we\\"ird"} 0.0' in text
     assert 'motor_engine_in_flight_tokens{instance="e1"} 3.0' in text
+    assert "_created" not in text
     assert text.endswith("\n")
 
 
 def test_it_names_every_family_the_prometheus_way() -> None:
     for family in FAMILIES.values():
         assert family.name.startswith("motor_"), family
-        # Counters and only counters end in _total; timings are summaries or histograms in base units.
+        # Counters and only counters end in _total; timings are histograms in base units.
         assert family.name.endswith("_total") == (family.type == "counter"), family
-        if family.type in ("summary", "histogram"):
-            assert family.name.endswith("_seconds"), family
+        assert family.name.endswith("_seconds") == (family.type == "histogram"), family
 
 
 def test_it_refuses_labels_a_family_does_not_declare() -> None:
@@ -146,20 +170,29 @@ def test_it_declares_each_family_once_before_its_series() -> None:
     reg = MetricsRegistry(clock=Clock())
     reg.record_request("e1", 0.5, 0.1, ok=True)
     reg.record_request("e2", 0.25, None, ok=True)
-    lines = prometheus_text(reg.snapshot()).splitlines()
-    assert lines.count("# TYPE motor_engine_ttft_seconds summary") == 1
-    header = lines.index("# TYPE motor_engine_ttft_seconds summary")
-    assert lines[header + 1:header + 5] == [
-        'motor_engine_ttft_seconds_count{instance="e1"} 1.0', 'motor_engine_ttft_seconds_count{instance="e2"} 1.0',
-        'motor_engine_ttft_seconds_sum{instance="e1"} 0.5', 'motor_engine_ttft_seconds_sum{instance="e2"} 0.25',
-    ]
-    with pytest.raises(KeyError):
-        exposition({("motor_not_registered_total", ()): 1.0})
+    lines = prometheus_text(reg).splitlines()
+    assert lines.count("# TYPE motor_engine_ttft_seconds histogram") == 1
+    header = lines.index("# TYPE motor_engine_ttft_seconds histogram")
+    block = lines[header + 1:lines.index("# HELP motor_engine_tpot_seconds Time per output token.")]
+    assert all(line.startswith("motor_engine_ttft_seconds_") for line in block)
+    assert 'motor_engine_ttft_seconds_count{instance="e1"} 1.0' in block
+    assert 'motor_engine_ttft_seconds_sum{instance="e2"} 0.25' in block
+    with pytest.raises(ValueError, match="takes labels"):
+        scraped(names.ENGINE_IN_FLIGHT_TOKENS, [({"engine": "e1"}, 1)])
 
 
 def test_it_exports_every_engine_family_even_when_idle() -> None:
-    text = prometheus_text({}, {})
-    for family in ("motor_engine_requests_total counter", "motor_engine_ttft_seconds summary",
-                   "motor_engine_in_flight_tokens gauge"):
+    text = prometheus_text(MetricsRegistry(), {})
+    for family in ("motor_engine_requests_total counter", "motor_engine_ttft_seconds histogram",
+                   "motor_engine_tpot_seconds histogram", "motor_engine_in_flight_tokens gauge"):
         assert f"# TYPE {family}" in text
-    assert "motor_engine_in_flight_tokens" not in prometheus_text({})  # no gauge asked for
+    assert "motor_engine_in_flight_tokens" not in prometheus_text(MetricsRegistry())  # no gauge asked for
+
+
+def test_clearing_the_registry_clears_its_series() -> None:
+    reg = MetricsRegistry(clock=Clock())
+    reg.record_request("e1", 0.5, 0.1, ok=True)
+    reg.clear()
+    reg.record_request("e2", 0.5, 0.1, ok=True)
+    text = prometheus_text(reg)
+    assert 'instance="e1"' not in text and 'motor_engine_requests_total{instance="e2"} 1.0' in text

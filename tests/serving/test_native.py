@@ -1,5 +1,6 @@
-"""The native path: what goes to an engine's own OpenAI API, why, and how it is relayed; an
-``httpx.MockTransport`` stands in for the engines' native API (tests/serving/router_fakes.py)."""
+"""The native path: what goes to an engine's own OpenAI API, why, and how it is relayed; the
+engines' native API is a fake (``router_fakes.NativeEngines``) served on 127.0.0.1 and reached
+with the production client (``loopback.LoopbackClient``, the ``rig`` fixture)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,10 @@ WITH_TOKENIZER = (engine("e1", native_openai=True), engine("e2", native_openai=T
         ("chat", chat_body(tool_choice={"type": "function", "function": {"name": "f"}}), "forced_tool_choice"),
         ("completions", {"model": MODEL, "prompt": "x", "echo": True}, "echo"),
         ("responses", {"model": MODEL, "input": "x"}, "api:responses"),
-        ("messages", {"model": MODEL, "messages": []}, "api:messages"),
+        ("messages", {"model": MODEL, "messages": []}, None),  # the chat token path, from render
+        ("messages", {"model": MODEL, "messages": [], "stop_sequences": ["x"]}, "stop_strings"),
+        ("messages", {"model": MODEL, "messages": [], "tools": [{"name": "f"}], "tool_choice": {"type": "any"}},
+         "forced_tool_choice"),
         ("chat", chat_body(stop=[], response_format={"type": "text"}, tool_choice="auto"), None),
         ("chat", chat_body(stop_token_ids=[5]), None),
     ],
@@ -75,6 +79,8 @@ async def test_a_stop_string_goes_token_only_to_the_tokenizer_engine(rig: Rig) -
 @pytest.mark.parametrize("kind", ["responses", "messages"])
 async def test_responses_and_messages_pass_through(rig: Rig, kind: str) -> None:
     body = {"model": MODEL, "input": "hi"} if kind == "responses" else {"model": MODEL, "max_tokens": 5, "messages": []}
+    if kind == "messages":  # a sidecar without the Messages render route (older than vLLM 0.33)
+        rig.upstreams.override("render", "render", respond(404, {"detail": "Not Found"}))
     out = await getattr(rig.pipeline(snapshot_with(*PLAIN)), kind)(body, "n3")
     assert out["path"] == f"/v1/{kind}"
     assert rig.counters.get("motor_route_decisions_total", path="native", reason=f"api:{kind}") == 1

@@ -495,7 +495,7 @@ async def test_a_trigger_prefill_that_fails_fails_the_attempt_and_frees_decode(
     p, d, metaserver = push_only
     p.engine.faults.arm(_fault(), 5)
     error = error_of(await post(served, "/v1/messages", BODIES[3][1]), 502)
-    assert error["type"] == "BadGatewayError"
+    assert error["type"] == "api_error"  # Anthropic's type for a 5xx
     assert p.engine.stats.requests_received == 1 and metaserver.delivered == 1
     await assert_nothing_held(p, d)
 

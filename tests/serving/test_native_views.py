@@ -53,6 +53,8 @@ async def test_it_passes_responses_and_messages_to_an_engines_own_api(
     v1: httpx.AsyncClient, native: NativeEngines, path: str
 ) -> None:
     body = {"model": MODEL, "input": "hi", "max_tokens": 5}
+    if path == "/v1/messages":  # a stop sequence: these tokens-only engines cannot take it token-only
+        body["stop_sequences"] = ["\n"]
     response = await v1.post(path, json=body)
     assert response.status_code == 200
     assert response.json()["path"] == path
@@ -98,10 +100,15 @@ async def test_on_a_tokens_only_fleet_responses_and_messages_are_a_400_saying_wh
     v1: httpx.AsyncClient, db_upstreams: FakeUpstreams, path: str
 ) -> None:
     # The database fleet of the fakes: every engine token-only, none with its own OpenAI API.
-    response = await v1.post(path, json={"model": MODEL, "input": "hi", "max_tokens": 5})
+    body = {"model": MODEL, "input": "hi", "max_tokens": 5}
+    if path == "/v1/messages":  # a stop sequence: these tokens-only engines cannot take it token-only
+        body["stop_sequences"] = ["\n"]
+    response = await v1.post(path, json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["type"] == "BadRequestError" and "its own OpenAI API" in error["message"]
+    # /v1/messages answers in Anthropic's shape (its type by status).
+    assert error["type"] == ("invalid_request_error" if path == "/v1/messages" else "BadRequestError")
+    assert "its own OpenAI API" in error["message"]
     assert db_upstreams.calls == []
 
 

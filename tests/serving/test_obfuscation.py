@@ -20,6 +20,7 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.errors import RequestError
 from serving.pipeline.http11 import Http11Client
+from serving.pipeline.obfuscation.fields import deobfuscate_event, deobfuscate_response, obfuscate_request
 from serving.pipeline.obfuscation.keyring import (
     clear_mappings,
     eligible,
@@ -33,10 +34,7 @@ from serving.pipeline.obfuscation.mapping import (
     ObfuscationKeyError,
     ObfuscationRefused,
     TokenMapping,
-    deobfuscate_event,
-    deobfuscate_response,
     key_id,
-    obfuscate_request,
     permutation,
 )
 from serving.pipeline.placement import filters
@@ -382,7 +380,8 @@ def big_sim() -> Iterator[LiveServer]:
 
 def _pipeline(http: Http11Client, sim: LiveServer, render: RenderView, key: str) -> Any:
     from serving.pipeline.obfuscation.boundary import EngineBoundary
-    from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+    from serving.pipeline.placement.load import LoadTracker
+    from serving.pipeline.placement.scheduler import Scheduler
     from serving.pipeline.render.client import RenderClient
     from serving.pipeline.service import ServingPipeline
     from tests.serving.fakes import RENDER_URL, fleet_snapshot
@@ -437,6 +436,23 @@ async def test_it_serves_chat_and_multi_prompt_completions_through_the_boundary(
         assert tuple(stats["last_token_ids"]) in physical_prompts
         gens = upstreams.calls_of("derender")[-1].body["generate_responses"]
         assert all(i < BIG.vocab_size for g in gens for c in g["choices"] for i in c["token_ids"])
+
+
+async def test_it_serves_anthropic_messages_through_the_boundary(big_sim: LiveServer, registered: TokenMapping) -> None:
+    """Messages take the chat token path, so the engine sees only physical ids there too."""
+    from tests.serving.fakes import CHAT_PROMPT, FakeUpstreams
+
+    upstreams = FakeUpstreams()
+    on = dataclasses.replace(ON, obfuscation_key_id=BIG.key_id)
+    async with LoopbackClient(upstreams.handler, fakes={"render.test"}) as http:
+        big_sim.reset()
+        pipeline = _pipeline(http, big_sim, on, BIG.key_id)
+        out = await pipeline.messages(
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}, "a1")
+        assert out["type"] == "message" and out["usage"]["input_tokens"] == len(CHAT_PROMPT)
+        stats = (await http.get(f"{big_sim.url}/sim/stats")).json()
+        assert stats["last_token_ids"] == BIG.to_physical(CHAT_PROMPT)
+        assert [c.path for c in upstreams.calls if c.kind == "render"] == ["/v1/messages/render"]
 
 
 async def test_it_refuses_all_traffic_without_the_configured_key(big_sim: LiveServer) -> None:

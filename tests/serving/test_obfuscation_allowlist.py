@@ -11,14 +11,8 @@ import pytest
 
 from serving.pipeline.errors import UpstreamRequestError
 from serving.pipeline.obfuscation.boundary import EngineBoundary
-from serving.pipeline.obfuscation.mapping import (
-    ObfuscatedOutputInvalid,
-    ObfuscationRefused,
-    TokenMapping,
-    deobfuscate_event,
-    deobfuscate_response,
-    obfuscate_request,
-)
+from serving.pipeline.obfuscation.fields import deobfuscate_event, deobfuscate_response, obfuscate_request
+from serving.pipeline.obfuscation.mapping import ObfuscatedOutputInvalid, ObfuscationRefused, TokenMapping
 from tests.serving.fakes import CHAT_PROMPT, VOCAB_SIZE, FakeUpstreams, StreamPlan, error_json, parse_frames
 from tests.serving.router_fakes import Rig, chat_body, engine, snapshot_with
 

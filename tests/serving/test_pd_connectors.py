@@ -23,7 +23,7 @@ from enginesim import SimConfig
 from enginesim.testing import LiveServer
 from serving.pipeline.errors import EngineError
 from serving.pipeline.http11 import Http11Client
-from serving.pipeline.placement.scheduler import LoadTracker
+from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.topologies.handoff import (
     MOONCAKE_BOOTSTRAP_PORT,
@@ -34,7 +34,14 @@ from serving.pipeline.topologies.handoff import (
 )
 from serving.pipeline.topologies.pd import PDContext
 from serving.snapshots import wire_connector
-from tests.pd_sims import MOONCAKE_PREFILL_ENGINE_ID, Placed, RecordingEngines, mooncake_sim_fixtures, pd_sim_fixtures
+from tests.pd_sims import (
+    MOONCAKE_PREFILL_ENGINE_ID,
+    Placed,
+    RecordingEngines,
+    mooncake_sim_fixtures,
+    pd_sim_fixtures,
+    router_pd_context,
+)
 
 MODEL = "tiny"
 CONFIG = SimConfig(
@@ -147,7 +154,7 @@ async def test_handoff_over_upstream_mooncake_supplies_the_transfer_and_accepts_
     before = (await kv_stats(http, mooncake_decode))["prompt_tokens_by_source"].get("external_kv_transfer", 0)
     held = (await kv_stats(http, mooncake_prefill))["kv"]["held"]
 
-    response = await run(PDContext(engines, "r1", hold=load.hold), placed, request())
+    response = await run(router_pd_context(engines, "r1", placed, load=load), placed, request())
 
     assert response["choices"][0]["token_ids"] == await reference(http, union)
     (_, p_req), (_, d_req) = engines.sent
@@ -173,7 +180,7 @@ async def test_each_upstream_mooncake_handoff_gets_its_own_transfer_id(
     engines = RecordingEngines(engine_http)
     placed = mooncake_pair(mooncake_prefill, mooncake_decode)
     for _ in range(2):
-        await run(PDContext(engines, "r2", hold=load.hold), placed, request("r2", max_tokens=2))
+        await run(router_pd_context(engines, "r2", placed, load=load), placed, request("r2", max_tokens=2))
     ids = [req["kv_transfer_params"]["transfer_id"] for name, req in engines.sent if name == placed.prefill.name]
     assert len(set(ids)) == 2
 
@@ -187,7 +194,7 @@ async def test_an_upstream_mooncake_pair_failing_its_pull_blames_decode(
     placed = Placed(dataclasses.replace(placed.prefill, name="renamed-prefill"), placed.decode)
     engines = RecordingEngines(engine_http)
     with pytest.raises(EngineError) as info:
-        await run(PDContext(engines, "r3", hold=load.hold), placed, request("r3"))
+        await run(router_pd_context(engines, "r3", placed, load=load), placed, request("r3"))
     assert info.value.instance == placed.decode.name
 
 
@@ -224,7 +231,7 @@ async def test_handoff_over_ascend_mooncake_hands_p_answer_to_d_verbatim(
     # The simulated D cannot pull from an Ascend P: it refuses the params (500), after they
     # reached it. What matters here is what was sent.
     with pytest.raises(EngineError):
-        await run(PDContext(engines, "r4", hold=load.hold), Placed(p, d), request("r4"))
+        await run(router_pd_context(engines, "r4", Placed(p, d), load=load), Placed(p, d), request("r4"))
 
     (_, p_req), (_, d_req) = engines.sent
     # The pull proxy's prefill params (build_prefill_request): only do_remote_decode is read.
@@ -242,6 +249,6 @@ async def test_an_ascend_mooncake_prefill_answering_null_is_prefill_fault(
     engines = RecordingEngines(engine_http, canned=canned)
     p, d = inst("ascend-p", "prefill", "MooncakeConnectorV1"), inst("ascend-d", "decode", "MooncakeConnectorV1", url=decode.url)
     with pytest.raises(EngineError) as info:
-        await run(PDContext(engines, "r5", hold=load.hold), Placed(p, d), request("r5"))
+        await run(router_pd_context(engines, "r5", Placed(p, d), load=load), Placed(p, d), request("r5"))
     assert info.value.instance == p.name
     assert [name for name, _ in engines.sent] == [p.name]

@@ -28,7 +28,8 @@ from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.errors import UpstreamRequestError
 from serving.pipeline.http11 import Http11Client
-from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import EventStream, ServingPipeline

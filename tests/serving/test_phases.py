@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from serving.pipeline import metric_names as names
+from serving.pipeline.exporter import exposition
 from serving.pipeline.flow_control.admission import AdmissionSettings, Lease, TokenAdmission
-from serving.pipeline.phases import BUCKETS, Histograms, Phases
+from serving.pipeline.phases import Histograms, Phases
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.service import EventStream
 from serving.pipeline.snapshot import InstanceView
@@ -56,9 +57,10 @@ def test_it_counts_cumulative_buckets_with_an_exact_sum_and_count() -> None:
     samples = h.samples()
     key = labels(api="chat", mode="json", topology="union")
     bucket = {le: samples[(names.PHASE_PLACEMENT.name + "_bucket", (*key, ("le", le)))]
-              for le in [repr(b) for b in BUCKETS] + ["+Inf"]}
-    assert bucket["0.001"] == 2.0  # le is inclusive: 1 ms is in the 1 ms bucket
-    assert bucket["0.1"] == 2.0 and bucket["0.25"] == 3.0 and bucket["30.0"] == 3.0 and bucket["+Inf"] == 4.0
+              for le in [repr(b) for b in names.PHASE_PLACEMENT.buckets] + ["+Inf"]}
+    assert bucket["0.0005"] == 1.0 and bucket["0.001"] == 2.0  # le is inclusive: 1 ms is in the 1 ms bucket
+    assert bucket["0.1"] == 2.0 and bucket["0.25"] == 3.0 and bucket["30.0"] == 3.0 and bucket["60.0"] == 4.0
+    assert bucket["+Inf"] == 4.0
     assert samples[(names.PHASE_PLACEMENT.name + "_sum", key)] == 0.0005 + 0.001 + 0.2 + 31.0
     assert samples[(names.PHASE_PLACEMENT.name + "_count", key)] == 4.0
 
@@ -72,12 +74,14 @@ def test_its_text_has_one_header_and_buckets_in_increasing_le() -> None:
     h = Histograms()
     h.observe(names.PHASE_RENDER, 0.003, {"api": "chat", "mode": "stream", "source": "render"})
     h.observe(names.PHASE_RENDER, 12.0, {"api": "completions", "mode": "json", "source": "local"})
-    lines = names.exposition(h.samples(), declare=names.PHASES)
+    lines = exposition(h.registry).decode().splitlines()
     assert lines.count("# TYPE motor_request_render_seconds histogram") == 1
     assert "# TYPE motor_request_duration_seconds histogram" in lines  # declared while idle
     chat = [line for line in lines if line.startswith("motor_request_render_seconds_bucket{api=\"chat\"")]
-    assert [line.split('le="')[1].split('"')[0] for line in chat] == [repr(b) for b in BUCKETS] + ["+Inf"]
-    assert chat[0].endswith(" 0.0") and chat[2].endswith(" 1.0")  # 3 ms: first in the 5 ms bucket
+    bounds = [repr(b) for b in names.PHASE_RENDER.buckets] + ["+Inf"]
+    assert [line.split('le="')[1].split('"')[0] for line in chat] == bounds
+    five_ms = bounds.index("0.005")  # 3 ms: first in the 5 ms bucket
+    assert chat[five_ms - 1].endswith(" 0.0") and chat[five_ms].endswith(" 1.0")
     assert 'motor_request_render_seconds_count{api="completions",mode="json",source="local"} 1.0' in lines
 
 

@@ -25,7 +25,8 @@ from serving.pipeline.errors import (
     UpstreamRequestError,
     error_body,
 )
-from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.service import EventStream, ServingPipeline
 from serving.pipeline.streaming import fanout

@@ -17,9 +17,11 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 import pytest
 
+from serving.pipeline import tracing
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import EventStream, ServingPipeline
@@ -248,6 +250,22 @@ async def test_a_relayed_stream_equals_the_fault_free_stream(
     assert carried and all(ids == CHAT_PROMPT for ids in carried)
     assert ("e1", "generate-tokens-chatcmpl-r1") in upstreams.aborted_ids()
     assert scheduler.breakers._get(pipeline.snapshot.instances[0]).failures == 1  # the breaker heard it
+
+
+async def test_a_relay_attempt_carries_the_requests_trace_headers(
+    pipeline: ServingPipeline, engines: ContextEngines, upstreams: FakeUpstreams,
+) -> None:
+    engines.faults["e1"] = [Fault("raise", 3)]
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    token = tracing.carry({"traceparent": traceparent})  # what the edge sets for the request's task
+    try:
+        frames = await drain(await pipeline.chat(chat(), "r-traced"))
+    finally:
+        tracing.reset(token)
+    assert content(frames) == text(EXPECTED)
+    gens = upstreams.calls_of("generate")
+    assert len(gens) == 2  # the first attempt and its relay
+    assert [c.headers.get("traceparent") for c in gens] == [traceparent, traceparent]
 
 
 @pytest.mark.parametrize("fault", [Fault("raise", 1), Fault("raise", 5), Fault("error500", 6), Fault("hang", 4)],

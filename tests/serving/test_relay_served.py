@@ -3,7 +3,8 @@
 
 Two enginesim union engines sit behind TCP proxies (``tests/integration/cutting_proxy.py``) that
 cut the first event stream after some bytes, as a crashed engine or a broken network would; the
-render sidecar is the in-process fake (its derender shows every id as ``<id>``). The simulator's
+render sidecar is the fake served on 127.0.0.1 (its derender shows every id as ``<id>``), and the
+coordinator reaches all of them with its production client. The simulator's
 next token is a function of the context (a choice's first token is salted by its index), so a
 choice continued alone from its committed ids must go on exactly as it would have: the relayed
 answer equals the fault-free one, choice by choice, with one role delta per choice and our usage.
@@ -11,7 +12,6 @@ answer equals the fault-free one, choice by choice, with one role delta per choi
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -28,6 +28,7 @@ from serving import runtime, snapshots
 from tests.integration.cutting_proxy import Cut, CuttingProxy
 from tests.pd_sims import sim_server
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams
+from tests.serving.loopback import LoopbackClient
 from tests.serving.router_fakes import model_dir
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -52,8 +53,8 @@ def sim2() -> Iterator[LiveServer]:
 
 @pytest.fixture
 def cut(
-    transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch, settings: Any,
-    sim1: LiveServer, sim2: LiveServer,
+    transactional_db: None, upstreams: FakeUpstreams, render_fake_client: LoopbackClient, monkeypatch: pytest.MonkeyPatch,
+    settings: Any, sim1: LiveServer, sim2: LiveServer,
 ) -> Iterator[Cut]:
     """The fleet (two sims behind cutting proxies), the fake render, and the shared cut."""
     settings.MOTOR_API_KEYS = []
@@ -66,20 +67,8 @@ def cut(
         for i, sim in enumerate((sim1, sim2), start=1):
             proxy = proxies.enter_context(CuttingProxy(sim.port, shared))
             EngineInstance.objects.create(name=f"sim{i}", url=proxy.url, served_model=model, kind="sim")
-        # Render goes to the fake; engines over real sockets, through the proxies. One client per
-        # loop: Daphne serves on a loop of its own thread, uvicorn on the test's.
-        clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
-
-        def shared_client() -> httpx.AsyncClient:
-            loop = asyncio.get_running_loop()
-            if loop not in clients:
-                clients[loop] = httpx.AsyncClient(
-                    mounts={"all://render.test": httpx.MockTransport(upstreams.handler)}, trust_env=False,
-                    timeout=httpx.Timeout(30.0),
-                )
-            return clients[loop]
-
-        monkeypatch.setattr("serving.pipeline.http.shared_client", shared_client)
+        # The production upstream client: render to the fake, the engines through the proxies.
+        monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: render_fake_client)
         snapshots.invalidate()
         yield shared
         snapshots.invalidate()

@@ -1,8 +1,8 @@
 """The render config's timeout_ms bounds each whole render and derender call, not each phase of it.
 
-httpx's timeouts apply per phase (connect, each read): a sidecar that answers slowly, or trickles
-its bytes, passes them all. The fake upstream here simply takes longer than the bound to answer
-(``httpx.MockTransport`` applies no httpx timeout at all), so only a bound on the whole call ends it.
+A per-phase timeout (connect, each read) lets a sidecar that answers slowly, or trickles its
+bytes, pass them all. The fake sidecar here (on 127.0.0.1, reached with the production client)
+takes far longer than the bound to answer: the call ends at the bound with render's own error.
 """
 
 from __future__ import annotations

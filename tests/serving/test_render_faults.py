@@ -10,8 +10,9 @@ the response without a retry unless the operator opted in to a same-chunk retry.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,8 +25,9 @@ from serving import runtime, snapshots
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.rate_limit import TokenRateLimiter
 from tests.model_variants import GENERATION_DEFAULTS, with_generation_config
-from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams, error_json
+from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams, SSEBody, error_json
 from tests.serving.live_edge import error_of
+from tests.serving.loopback import LoopbackClient
 from tests.serving.router_fakes import model_dir, respond
 from tests.serving.test_tokenization import connect_error
 
@@ -34,10 +36,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 CONTEXT = 2048
 
 
-def make_fleet(upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch, settings: Any, *,
+def make_fleet(upstreams: FakeUpstreams, client: LoopbackClient, monkeypatch: pytest.MonkeyPatch, settings: Any, *,
                model_path: str, reasoning_parser: str = "", tool_parser: str = "") -> None:
     """The fakes' two engines and render sidecar, and a served model whose files are ``model_path``
-    (the local fallback reads them) and whose revision records the sidecar's reasoning parser."""
+    (the local fallback reads them) and whose revision records the sidecar's reasoning parser;
+    ``client`` (``mock_client``) is the upstream client the server's pipeline uses."""
     settings.MOTOR_API_KEYS = []
     settings.MOTOR_OPEN_ACCESS = True
     model = ServedModel.objects.create(name=MODEL, model_path=model_path, max_model_len=CONTEXT, vocab_size=151936)
@@ -49,34 +52,36 @@ def make_fleet(upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch, settin
     RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
     for name, url in ENGINE_URLS.items():
         EngineInstance.objects.create(name=name, url=url, served_model=model)
-    client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams.handler))
+    # The production client (``Http11Client``), the fakes on 127.0.0.1 (``loopback.py``): a
+    # derender the client failed on is a request the fake sidecar really received.
     monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: client)
     monkeypatch.setattr(rate_limit, "LIMITER", TokenRateLimiter())
     snapshots.invalidate()
 
 
 @pytest.fixture
-def fleet(transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch, settings: Any) -> Iterator[FakeUpstreams]:
-    make_fleet(upstreams, monkeypatch, settings, model_path=model_dir())
+def fleet(transactional_db: None, upstreams: FakeUpstreams, mock_client: LoopbackClient, monkeypatch: pytest.MonkeyPatch,
+          settings: Any) -> Iterator[FakeUpstreams]:
+    make_fleet(upstreams, mock_client, monkeypatch, settings, model_path=model_dir())
     yield upstreams
     snapshots.invalidate()
 
 
 @pytest.fixture
-def variant_fleet(transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch, settings: Any,
-                  tmp_path: Path) -> Iterator[FakeUpstreams]:
+def variant_fleet(transactional_db: None, upstreams: FakeUpstreams, mock_client: LoopbackClient,
+                  monkeypatch: pytest.MonkeyPatch, settings: Any, tmp_path: Path) -> Iterator[FakeUpstreams]:
     """The fleet serving the tiny model with a generation_config.json that sets sampling defaults."""
-    make_fleet(upstreams, monkeypatch, settings, model_path=str(with_generation_config(model_dir(), tmp_path / "tiny-gen")))
+    make_fleet(upstreams, mock_client, monkeypatch, settings, model_path=str(with_generation_config(model_dir(), tmp_path / "tiny-gen")))
     yield upstreams
     snapshots.invalidate()
 
 
 @pytest.fixture(params=[("qwen3", ""), ("", "hermes")], ids=["reasoning-parser", "tool-parser"])
 def parser_fleet(request: pytest.FixtureRequest, transactional_db: None, upstreams: FakeUpstreams,
-                 monkeypatch: pytest.MonkeyPatch, settings: Any) -> Iterator[FakeUpstreams]:
+                 mock_client: LoopbackClient, monkeypatch: pytest.MonkeyPatch, settings: Any) -> Iterator[FakeUpstreams]:
     """The fleet with a sidecar that runs a parser (recorded in the model's revision)."""
     reasoning, tool = request.param
-    make_fleet(upstreams, monkeypatch, settings, model_path=model_dir(), reasoning_parser=reasoning, tool_parser=tool)
+    make_fleet(upstreams, mock_client, monkeypatch, settings, model_path=model_dir(), reasoning_parser=reasoning, tool_parser=tool)
     yield upstreams
     snapshots.invalidate()
 
@@ -203,16 +208,46 @@ async def test_a_chat_the_sidecar_would_parse_is_refused_not_answered_differentl
 
 
 def failing_call(upstreams: FakeUpstreams, number: int, fault: Callable[..., httpx.Response]) -> Callable[..., httpx.Response]:
-    """Derender as the fakes do, except call ``number`` (1-based), which meets ``fault``."""
+    """Derender as the fakes do, except call ``number`` (1-based), which meets ``fault``; the
+    engine's stream holds after its first event until the first derender call arrives
+    (``first_event_alone``), so call 2 is the rest of the answer however the reads fall."""
     seen = [0]
+    first = asyncio.Event()
+    for engine in ENGINE_URLS:
+        upstreams.override(engine, "generate", first_event_alone(upstreams, first))
 
     def answer(request: httpx.Request, body: Any) -> httpx.Response:
         seen[0] += 1
+        first.set()
         if seen[0] == number:
             return fault(request, body)
         return upstreams._derender(request, body)
 
     return answer
+
+
+def first_event_alone(upstreams: FakeUpstreams, resume: asyncio.Event) -> Callable[..., httpx.Response]:
+    """The fake engine's stream, paused after its first event until ``resume``: over a socket the
+    pipeline may find every event queued and derender them in one call."""
+    def generate(request: httpx.Request, body: Any) -> httpx.Response:
+        response = upstreams._generate(request, body)
+        inner = response.stream
+        assert isinstance(inner, SSEBody)
+
+        async def pieces() -> AsyncIterator[bytes]:
+            events = 0
+            try:
+                async for piece in inner:
+                    yield piece
+                    events += piece.count(b"\n\n")
+                    if events == 1:
+                        await resume.wait()
+            finally:
+                await inner.aclose()
+
+        return httpx.Response(200, headers=response.headers, stream=SSEBody(pieces(), lambda: None))
+
+    return generate
 
 
 async def read_stream(base: str, body: dict[str, Any]) -> tuple[int, str]:

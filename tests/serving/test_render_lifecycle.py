@@ -87,11 +87,12 @@ async def test_a_stream_holds_its_sidecar_until_its_last_chunk(rig: Rig) -> None
     stream = await rig.pipeline(live_streams=live).chat(chat_body(stream=True), "h1")
     assert isinstance(stream, EventStream)
     assert live.counts() == {RENDER_URL: 1}
-    seen: list[dict[str, int]] = []
+    seen: list[tuple[bytes, dict[str, int]]] = []
     async with asyncio.timeout(5):
-        async for _ in stream.frames():
-            seen.append(live.counts())
-    assert seen[0] == {RENDER_URL: 1}  # held while chunks are derendered
+        async for frame in stream.frames():
+            seen.append((frame, live.counts()))
+    chunks = [counts for frame, counts in seen if frame != b"data: [DONE]\n\n"]
+    assert chunks and all(counts == {RENDER_URL: 1} for counts in chunks), seen  # held to the last one
     assert live.counts() == {}
 
 

@@ -21,7 +21,8 @@ from enginesim.testing import LiveServer, eventually
 from serving.pipeline.engine.client import EngineClient, ReplyDeadline
 from serving.pipeline.errors import EngineError
 from serving.pipeline.http11 import Http11Client
-from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.tokenization import TokenizedPrompt, TokenizedRequest
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import ServingPipeline

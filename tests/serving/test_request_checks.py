@@ -298,9 +298,28 @@ async def test_a_local_fallback_prompt_outside_the_vocabulary_is_refused(rig: Ri
     assert rig.upstreams.calls_of("generate") == []
 
 
-def test_it_documents_one_error_shape_per_refusal() -> None:
+REFUSALS = [  # (what request_checks is asked, the status and param its refusal carries)
+    (lambda model: request_checks.check_body("chat", chat_body(max_tokens=0), model, RequestLimits()), 400,
+     "max_tokens"),
+    (lambda model: request_checks.check_body("chat", chat_body(n=129), model, RequestLimits()), 400, "n"),
+    (lambda model: request_checks.check_body("chat", chat_body(temperature="hot"), model, RequestLimits()), 400,
+     "body.temperature"),
+    (lambda model: request_checks.check_body("messages", {"model": MODEL, "messages": []}, model, RequestLimits()),
+     400, "max_tokens"),
+    (lambda model: request_checks.check_prompt_ids([1, VOCAB_SIZE], VOCAB_SIZE, param="prompt"), 400, "prompt"),
+    (lambda model: request_checks.require_vocab(replace(model, vocab_size=None)), 503, None),
+]
+
+
+@pytest.mark.parametrize(("refuse", "status", "param"), REFUSALS,
+                         ids=["max_tokens", "n", "schema", "messages", "vocabulary", "vocab-unknown"])
+def test_it_documents_one_error_shape_per_refusal(refuse: Any, status: int, param: str | None) -> None:
+    # Each refusal the checks raise themselves is a MotorError with the OpenAI error object.
     model = ModelView(MODEL, "/m", 2048, VOCAB_SIZE)
-    for exc in (RequestError("x", param="n"), VocabularyUnknown("y")):
-        assert isinstance(exc, MotorError)
-        assert set(exc.body()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(MotorError) as info:
+        refuse(model)
+    error = info.value.body()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["code"], error["param"]) == (status, param) and error["type"] and error["message"]
+    # And the largest request inside every bound is not refused.
     request_checks.check_body("chat", chat_body(max_tokens=2048, n=128), model, RequestLimits())

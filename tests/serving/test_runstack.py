@@ -13,12 +13,13 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from catalog.models import RenderConfig, RenderStreamReport
+from catalog.models import RenderConfig, RenderSidecar, RenderStreamReport
 from catalog.services import render_config_publish, render_streams_report
 from motorsite import stack
 from motorsite.core import read_control_version
@@ -289,3 +290,39 @@ def test_make_run_starts_the_sidecar_with_the_render_configs_workers(tmp_path: P
     RenderConfig.objects.create(renderer_num_workers=2)
     argv = stack.render_spec(with_render_config(cfg)).argv
     assert argv[argv.index("--renderer-num-workers") + 1] == "2"
+
+
+def test_a_pool_is_replaced_one_sidecar_at_a_time(tmp_path: Path) -> None:
+    cfg = stack.StackConfig(
+        model_dir="/nonexistent", render_python=sys.executable, engine_python=sys.executable,
+        render_port=free_port(), render_member_ports=(free_port(),), log_dir=tmp_path,
+    )
+    config = RenderConfig.objects.create(port=cfg.render_port, renderer_num_workers=4)
+    for port in (cfg.render_port, *cfg.render_member_ports):
+        RenderSidecar.objects.create(render_config=config, port=port)
+    member_spec = replace(fake_sidecar(replace(cfg, render_port=cfg.render_member_ports[0])), name="render-member-2")
+    clock = Clock()
+    with Supervisor([fake_sidecar(cfg), member_spec]) as sup:
+        restarter = RenderRestarter(sup, cfg, drain_s=30, settle_s=3, clock=clock, spec_for=fake_sidecar)
+        first_pid, member_pid = sup.pids["render"], sup.pids["render-member-2"]
+        render_config_publish(changes={"renderer_num_workers": 2}, actor="test")
+
+        restarter.tick()  # the first sidecar's replacement; the other member is untouched meanwhile
+        assert set(sup.pids) == {"render", "render-member-2", "render-2"}
+        clock.now += 3
+        restarter.tick()  # the first one retired
+        assert set(sup.pids) == {"render-member-2", "render-2"} and not alive(first_pid)
+        assert RenderConfig.objects.get().restart_required  # owed until the whole pool serves the change
+
+        restarter.tick()  # now the second member's replacement
+        assert set(sup.pids) == {"render-member-2", "render-2", "render-3"}
+        ports = sorted(RenderSidecar.objects.values_list("port", flat=True))
+        assert cfg.render_member_ports[0] not in ports and len(ports) == 2  # its row moved to the replacement
+        clock.now += 3
+        restarter.tick()
+        assert set(sup.pids) == {"render-2", "render-3"} and not alive(member_pid)
+        assert not RenderConfig.objects.get().restart_required
+        restarter.tick()  # nothing more owed
+        assert set(sup.pids) == {"render-2", "render-3"}
+        pids = list(sup.pids.values())
+    assert not any(alive(pid) for pid in pids)

@@ -9,7 +9,8 @@ import pytest
 
 from serving.pipeline.errors import NoCapacity
 from serving.pipeline.flow_control.admission import TokenAdmission
-from serving.pipeline.placement.scheduler import LoadTracker, Placement, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Placement, Scheduler
 from serving.pipeline.resilience.breaker import BreakerBoard
 from tests.serving.fakes import MODEL, fleet_snapshot, instance
 

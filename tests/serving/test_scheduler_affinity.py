@@ -19,7 +19,8 @@ from serving.pipeline.flow_control.admission import TokenAdmission
 from serving.pipeline.obfuscation import keyring as obfuscation
 from serving.pipeline.obfuscation.mapping import TokenMapping
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex
-from serving.pipeline.placement.scheduler import LoadTracker, Placement, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Placement, Scheduler
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.topologies.hybrid import PDPolicy, pd_topology_policy
 from tests.serving.fakes import MODEL, fleet_snapshot, instance

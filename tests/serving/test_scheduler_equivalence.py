@@ -23,7 +23,8 @@ from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmi
 from serving.pipeline.placement import scorers
 from serving.pipeline.placement.filters import union_role
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex
-from serving.pipeline.placement.scheduler import LoadTracker, Placement, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Placement, Scheduler
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.snapshot import InstanceView
 from tests.serving.fakes import MODEL, fleet_snapshot, instance

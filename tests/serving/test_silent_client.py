@@ -33,7 +33,7 @@ TOKENS = 1000  # each engine stream's length: far more than the kernel's buffers
 PAD = 16 * 1024  # bytes of text added to every derendered chunk (bench/fake_upstream_server.py)
 PROMPT_TOKENS = 10  # what the fake render makes of the chat below
 STALL_S = 5  # long enough to measure the blocked stream before it is cut
-# The server's write buffer (4 KiB under both servers: motorsite.send_flow), plus the frame that
+# The server's write buffer (1 KiB under both servers: motorsite.send_flow), plus the frame that
 # crossed it and the one being derendered when the producer stopped.
 HELD_BOUND = WRITE_BUFFER_BYTES + 2 * (PAD + 1024)
 POLL_S = 0.25

@@ -22,12 +22,15 @@ from django.core.asgi import get_asgi_application
 
 from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer, eventually
+from serving.pipeline import tracing
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import BreakerOpen, GenerateContext, Opened
+from serving.pipeline.engine.requests import decode_request, leg_ids, prefill_request
 from serving.pipeline.errors import AdmissionTimeout, EngineError, NoCapacity
 from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
 from serving.pipeline.http11 import Http11Client
-from serving.pipeline.placement.scheduler import LoadTracker, Scheduler
+from serving.pipeline.placement.load import LoadTracker
+from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.tokenization import TokenizedPrompt
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import ServingPipeline
@@ -44,10 +47,10 @@ from serving.pipeline.topologies.hybrid import (
     pd_topology_policy,
 )
 from serving.pipeline.topologies.metaserver import MetaServer
-from serving.pipeline.topologies.pd import PDContext, PDPlacement, _settle, decode_request, leg_ids, prefill_request
+from serving.pipeline.topologies.pd import PDContext, PDPlacement, _settle
 from serving.pipeline.topologies.registry import TopologyRegistry
 from serving.pipeline.topologies.trigger import open_trigger, push_prefill_params
-from tests.pd_sims import Placed, RecordingEngines, pd_sim_fixtures, sim_server
+from tests.pd_sims import Placed, RecordingEngines, pd_sim_fixtures, router_pd_context, sim_server
 
 MODEL = "tiny"
 
@@ -307,8 +310,8 @@ async def test_handoff_answers_like_a_union_instance(
     union: LiveServer, prefill: LiveServer, decode: LiveServer,
 ) -> None:
     before = (await stats(http, decode))["prompt_tokens_by_source"].get("external_kv_transfer", 0)
-    ctx = PDContext(engines, "r1", hold=load.hold)
     p, d = view(prefill, "prefill", "pull"), view(decode, "decode", "pull")
+    ctx = router_pd_context(engines, "r1", Placed(p, d), load=load)
 
     response = await whole(open_handoff, ctx, Placed(p, d), request())
 
@@ -337,7 +340,7 @@ async def test_handoff_never_calls_decode_when_prefill_returns_no_params(
     # A union instance answers the prefill leg but produces no kv_transfer_params.
     p, d = view(union, "prefill", "pull"), view(decode, "decode", "pull")
     with pytest.raises(EngineError) as info:
-        await whole(open_handoff, PDContext(engines, "r1", hold=load.hold), Placed(p, d), request())
+        await whole(open_handoff, router_pd_context(engines, "r1", Placed(p, d), load=load), Placed(p, d), request())
     assert info.value.instance == p.name
     assert [name for name, _ in engines.sent] == [p.name]
 
@@ -347,7 +350,7 @@ async def test_handoff_blames_an_unreachable_prefill_instance(
 ) -> None:
     p, d = view(closed_url(), "prefill", "pull"), view(decode, "decode", "pull")
     with pytest.raises(EngineError) as info:
-        await whole(open_handoff, PDContext(engines, "r1", hold=load.hold), Placed(p, d), request())
+        await whole(open_handoff, router_pd_context(engines, "r1", Placed(p, d), load=load), Placed(p, d), request())
     assert info.value.instance == p.name
     assert [name for name, _ in engines.sent] == [p.name]
 
@@ -357,7 +360,7 @@ async def test_handoff_blames_an_unreachable_decode_instance(
 ) -> None:
     p, d = view(prefill, "prefill", "pull"), view(closed_url(), "decode", "pull")
     with pytest.raises(EngineError) as info:
-        await whole(open_handoff, PDContext(engines, "r1", hold=load.hold), Placed(p, d), request())
+        await whole(open_handoff, router_pd_context(engines, "r1", Placed(p, d), load=load), Placed(p, d), request())
     assert info.value.instance == d.name
     assert [name for name, _ in engines.sent] == [p.name, d.name]
 
@@ -368,7 +371,8 @@ async def test_handoff_without_a_placed_decode_is_no_capacity(engines: Recording
         instances: tuple[InstanceView, ...]
 
     with pytest.raises(NoCapacity):
-        await whole(open_handoff, PDContext(engines, "r1"), Half((view(prefill, "prefill", "pull"),)), request())
+        half = Half((view(prefill, "prefill", "pull"),))
+        await whole(open_handoff, router_pd_context(engines, "r1", half), half, request())
     assert engines.sent == []
 
 
@@ -377,10 +381,12 @@ async def test_a_cancelled_handoff_aborts_the_running_leg_and_releases_its_hold(
     prefill: LiveServer, slow_decode: LiveServer,
 ) -> None:
     p, d = view(prefill, "prefill", "pull"), view(slow_decode, "decode", "pull")
-    task = asyncio.create_task(whole(open_handoff, PDContext(engines, "r1", hold=load.hold), Placed(p, d), request(max_tokens=400)))
+    ctx = router_pd_context(engines, "r1", Placed(p, d), load=load)
+    task = asyncio.create_task(whole(open_handoff, ctx, Placed(p, d), request(max_tokens=400)))
 
     async def decoding() -> bool:
-        return load.inflight(d.name) == 1
+        # D's holds are taken before P prefills: its leg is running once it was sent.
+        return any(name == d.name for name, _ in engines.sent) and load.inflight(d.name) == 1
 
     await eventually(decoding)
     task.cancel()
@@ -424,7 +430,7 @@ async def test_trigger_answers_like_a_union_instance(
 ) -> None:
     before = (await stats(http, push_decode))["prompt_tokens_by_source"].get("external_kv_transfer", 0)
     p, d = view(push_prefill, "prefill", "push"), view(push_decode, "decode", "push")
-    ctx = PDContext(engines, "r1", hold=load.hold, metaserver=metaserver, callback_timeout_s=5.0)
+    ctx = router_pd_context(engines, "r1", Placed(p, d), load=load, callback_timeout_s=5.0)
 
     response = await whole(open_trigger, ctx, Placed(p, d), request())
 
@@ -461,9 +467,10 @@ async def test_trigger_picks_the_prefill_instance_when_the_callback_arrives(
         picked.append(p.name)
         return p
 
-    ctx = PDContext(engines, "r2", hold=load.hold, metaserver=metaserver, pick_prefill=pick)
+    placed = Placed(view(closed_url(), "prefill", "push"), d)
+    ctx = dataclasses.replace(router_pd_context(engines, "r2", placed, load=load), pick_prefill=pick)
     # The placement named another P; the one picked when the callback arrives runs the prefill.
-    response = await whole(open_trigger, ctx, Placed(view(closed_url(), "prefill", "push"), d), request("r2"))
+    response = await whole(open_trigger, ctx, placed, request("r2"))
     assert response["choices"][0]["token_ids"] == await reference(http, union)
     assert picked == [p.name]
 
@@ -473,7 +480,7 @@ async def test_trigger_aborts_decode_when_the_prefill_fails(
     push_decode: LiveServer,
 ) -> None:
     p, d = view(closed_url(), "prefill", "push"), view(push_decode, "decode", "push")
-    ctx = PDContext(engines, "r3", hold=load.hold, metaserver=metaserver, callback_timeout_s=5.0)
+    ctx = router_pd_context(engines, "r3", Placed(p, d), load=load, callback_timeout_s=5.0)
     with pytest.raises(EngineError) as info:
         await whole(open_trigger, ctx, Placed(p, d), request("r3"))
     assert info.value.instance == p.name
@@ -490,7 +497,7 @@ async def test_trigger_blames_the_decode_instance_that_gave_up_while_prefill_ran
     slow_push_prefill: LiveServer, push_decode: LiveServer,
 ) -> None:
     p, d = view(slow_push_prefill, "prefill", "push"), view(push_decode, "decode", "push")
-    ctx = PDContext(engines, "r8", hold=load.hold, metaserver=metaserver, callback_timeout_s=5.0)
+    ctx = router_pd_context(engines, "r8", Placed(p, d), load=load, callback_timeout_s=5.0)
     with pytest.raises(EngineError) as info:
         await whole(open_trigger, ctx, Placed(p, d), request("r8"))
     assert info.value.instance == d.name
@@ -504,7 +511,7 @@ async def test_trigger_blames_a_decode_instance_that_never_calls_back(
 ) -> None:
     # A union instance ignores the transfer params: no callback ever comes.
     p, d = view(push_prefill, "prefill", "push"), view(slow_union, "decode", "push")
-    ctx = PDContext(engines, "r4", hold=load.hold, metaserver=metaserver, callback_timeout_s=0.2)
+    ctx = router_pd_context(engines, "r4", Placed(p, d), load=load, callback_timeout_s=0.2)
     with pytest.raises(EngineError) as info:
         await whole(open_trigger, ctx, Placed(p, d), request("r4", max_tokens=400))
     assert info.value.instance == d.name
@@ -518,19 +525,10 @@ async def test_trigger_blames_a_decode_instance_that_answers_without_calling_bac
     union: LiveServer, push_prefill: LiveServer,
 ) -> None:
     p, d = view(push_prefill, "prefill", "push"), view(union, "decode", "push")
-    ctx = PDContext(engines, "r5", hold=load.hold, metaserver=metaserver, callback_timeout_s=5.0)
+    ctx = router_pd_context(engines, "r5", Placed(p, d), load=load, callback_timeout_s=5.0)
     with pytest.raises(EngineError) as info:
         await whole(open_trigger, ctx, Placed(p, d), request("r5"))
     assert info.value.instance == d.name and "without calling back" in info.value.message
-
-
-async def test_trigger_needs_a_metaserver(engines: RecordingEngines, push_decode: LiveServer) -> None:
-    with pytest.raises(NoCapacity):
-        await whole(open_trigger,
-            PDContext(engines, "r6"), Placed(view(push_decode, "prefill", "push"), view(push_decode, "decode", "push")),
-            request("r6"),
-        )
-    assert engines.sent == []
 
 
 async def test_a_cancelled_trigger_releases_everything(
@@ -541,7 +539,7 @@ async def test_a_cancelled_trigger_releases_everything(
     # the decode leg is aborted and the token released.
     p = view(push_prefill, "prefill", "push")
     d = view(slow_union, "decode", "push")
-    ctx = PDContext(engines, "r7", hold=load.hold, metaserver=metaserver, callback_timeout_s=30.0)
+    ctx = router_pd_context(engines, "r7", Placed(p, d), load=load, callback_timeout_s=30.0)
     task = asyncio.create_task(whole(open_trigger, ctx, Placed(p, d), request("r7", max_tokens=400)))
 
     async def registered() -> bool:
@@ -589,6 +587,26 @@ async def test_the_router_places_and_runs_pd_through_its_own_legs(
     assert response["choices"][0]["token_ids"] == await reference(http, union)
     assert load.snapshot() == {}
     assert scheduler.admission.inflight_tokens() in ({}, {p.name: 0, d.name: 0})
+
+
+@pytest.mark.parametrize("transfer", ["pull", "push"])
+async def test_both_legs_carry_the_requests_trace_headers(
+    http: httpx.AsyncClient, engines: RecordingEngines, load: LoadTracker, metaserver: MetaServer,
+    prefill: LiveServer, decode: LiveServer, push_prefill: LiveServer, push_decode: LiveServer, transfer: str,
+) -> None:
+    p_server, d_server = (prefill, decode) if transfer == "pull" else (push_prefill, push_decode)
+    placed = Placed(view(p_server, "prefill", transfer), view(d_server, "decode", transfer))
+    opener = open_handoff if transfer == "pull" else open_trigger
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    token = tracing.carry({"traceparent": traceparent})  # what the edge sets for the request's task
+    try:
+        ctx = router_pd_context(engines, f"t-{transfer}", placed, load=load, callback_timeout_s=5.0)
+        await whole(opener, ctx, placed, request(f"t-{transfer}"))
+    finally:
+        tracing.reset(token)
+    # Each engine's latest generate: P's prefill leg and D's decode leg (P's started by D's callback).
+    assert (await stats(http, p_server))["traceparents"][-1] == traceparent
+    assert (await stats(http, d_server))["traceparents"][-1] == traceparent
 
 
 @pytest.mark.parametrize("refusal", ["admission", "breaker"])

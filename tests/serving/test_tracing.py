@@ -195,3 +195,37 @@ async def test_a_request_through_the_application_is_exported_over_otlp_http(
     # The request refused before it reached the engines: a root of its own, marked failed.
     others = [s for _, s in received if attrs(s).get("motor.request_id") != request_id]
     assert [s.name for s in others] == ["request"] and others[0].status.code == 2  # STATUS_CODE_ERROR
+
+
+# -- the client's trace headers (W3C Trace Context) ------------------------------------------------
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ([(b"traceparent", TRACEPARENT.encode())], {"traceparent": TRACEPARENT}),
+    ([(b"tracestate", b"a=1"), (b"traceparent", TRACEPARENT.encode())], {"traceparent": TRACEPARENT, "tracestate": "a=1"}),
+    ([(b"tracestate", b"a=1")], None),  # a state without a parent means nothing
+    ([], None),
+    ([(b"traceparent", b"00-" + b"0" * 32 + b"-b7ad6b7169203331-01")], None),  # all-zero trace id
+    ([(b"traceparent", b"00-0af7651916cd43dd8448eb211c80319c-" + b"0" * 16 + b"-01")], None),  # all-zero parent
+    ([(b"traceparent", b"ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")], None),  # version ff
+    ([(b"traceparent", TRACEPARENT.encode() + b"-extra")], None),  # version 00 has four fields
+    ([(b"traceparent", TRACEPARENT.upper().encode())], None),  # lower-case hex only
+    ([(b"traceparent", TRACEPARENT.encode()), (b"tracestate", b"a=1\x7f")], {"traceparent": TRACEPARENT}),
+])
+def test_incoming_keeps_only_a_valid_w3c_trace_context(headers: list[tuple[bytes, bytes]], expected: Any) -> None:
+    assert tracing.incoming(headers) == expected
+
+
+async def test_a_carried_trace_reaches_every_call_of_the_request_and_no_other(rig: Rig, upstreams: FakeUpstreams) -> None:
+    token = tracing.carry({"traceparent": TRACEPARENT})
+    try:
+        await rig.pipeline().completions({"model": MODEL, "prompt": ["a", "b"], "max_tokens": 3}, "req-t")
+    finally:
+        tracing.reset(token)
+    await rig.pipeline().completions({"model": MODEL, "prompt": "c", "max_tokens": 3}, "req-u")
+    traced = [c for c in upstreams.calls if c.headers.get("traceparent") == TRACEPARENT]
+    # Both prompts' generate calls (concurrent tasks of the request) and its render and derender.
+    assert sorted(c.kind for c in traced) == ["derender", "generate", "generate", "render"]
+    assert all("traceparent" not in c.headers for c in upstreams.calls if c not in traced)

@@ -5,13 +5,12 @@ for a multi-prompt stream does not exist: each prompt runs its own token-only Tr
 That decision is counted in ``motor_route_decisions_total`` under a reason of its own
 (``path="token_only"``, ``reason="trigger_per_prompt"``), shown by ``/metrics`` with only
 declared label values. Daphne and uvicorn on a 127.0.0.1 socket, push-pair simulators, the
-in-process fake render (its derender shows every id as ``<id>``), D's callback on the served
-metaserver view.
+fake render served on 127.0.0.1 (its derender shows every id as ``<id>``), all reached with the
+production upstream client, D's callback on the served metaserver view.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +27,7 @@ from serving.pipeline.topologies import metaserver as metaserver_module
 from serving.pipeline.topologies.metaserver import MetaServer
 from tests.pd_sims import sim_server
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams
+from tests.serving.loopback import LoopbackClient
 from tests.serving.router_fakes import model_dir
 from tests.serving.test_metric_labels import unknown_label_values
 
@@ -52,7 +52,8 @@ def push_decode() -> Iterator[LiveServer]:
 
 @pytest.fixture
 def trigger_only(
-    transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch, settings: Any, served: str,
+    transactional_db: None, upstreams: FakeUpstreams, render_fake_client: LoopbackClient, monkeypatch: pytest.MonkeyPatch,
+    settings: Any, served: str,
     push_prefill: LiveServer, push_decode: LiveServer, request: pytest.FixtureRequest,
 ) -> Iterator[MetaServer]:
     """One push pair, render on (the fake); serving its own OpenAI API when the test parametrizes
@@ -71,20 +72,8 @@ def trigger_only(
             kv_connector="MooncakeLayerwiseConnector", kv_transfer="push",
         )
         server.reset()
-    # Render goes to the fake, engines over real sockets. One client per loop: Daphne serves on
-    # a loop of its own thread, uvicorn on the test's.
-    clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
-
-    def shared_client() -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
-        if loop not in clients:
-            clients[loop] = httpx.AsyncClient(
-                mounts={"all://render.test": httpx.MockTransport(upstreams.handler)}, trust_env=False,
-                timeout=httpx.Timeout(30.0),
-            )
-        return clients[loop]
-
-    monkeypatch.setattr("serving.pipeline.http.shared_client", shared_client)
+    # The production upstream client: render to the fake, the engines over their sockets.
+    monkeypatch.setattr("serving.pipeline.http.shared_client", lambda: render_fake_client)
     snapshots.invalidate()
     yield metaserver
     snapshots.invalidate()

@@ -136,7 +136,8 @@ async def test_a_stop_string_or_list_of_strings_passes(rig: Rig) -> None:
     assert len(rig.upstreams.calls_of("generate")) == 2
 
 
-@pytest.mark.parametrize("kind", ["responses", "messages"])
+# (Messages takes the chat token path where render renders it: tests/serving/test_messages_api.py.)
+@pytest.mark.parametrize("kind", ["responses"])
 async def test_responses_and_messages_on_a_fleet_without_any_native_engine_are_a_400_saying_why(
     rig: Rig, kind: str
 ) -> None:
@@ -151,7 +152,7 @@ async def test_responses_and_messages_on_a_fleet_without_any_native_engine_are_a
     await assert_no_leaks(rig, before)
 
 
-@pytest.mark.parametrize("kind", ["responses", "messages"])
+@pytest.mark.parametrize("kind", ["responses"])
 async def test_responses_and_messages_with_native_engines_all_unavailable_stay_a_503(rig: Rig, kind: str) -> None:
     before = set(asyncio.all_tasks())
     fleet = snapshot_with(engine("e1", native_openai=True, state="draining"), engine("e2"))  # may come back

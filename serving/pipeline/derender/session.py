@@ -63,9 +63,10 @@ class ChoiceRecord:
     index: int
     phase: ChoicePhase = ChoicePhase.PENDING
     stream_state: dict[str, Any] | None = None
-    # Committed semantic output ids, kept for a relay's replay: 8 bytes an id instead of a list's
-    # pointer plus an int object (40 bytes), which was most of a long stream's own state.
-    output_ids: array[int] = field(default_factory=lambda: array("q"))
+    # Committed semantic output ids, kept for a relay's replay: 4 bytes an id instead of a list's
+    # pointer plus an int object (40 bytes), which was most of a long stream's own state. No
+    # vocabulary nears 2**31; an id past it widens the array (``commit``) rather than fail.
+    output_ids: array[int] = field(default_factory=lambda: array("i"))
     visible: bool = False  # a chunk of this choice was handed to the client
     finish_reason: str | None = None
     # Derendered but not handed on yet (held back for stop strings): the next derender goes on
@@ -227,7 +228,14 @@ class StreamingRenderSession:
             return
         record = self.choice(pending.index)
         record.stream_state = pending.next_state
-        record.output_ids.extend(pending.token_ids)
+        ids = record.output_ids
+        count = len(ids)
+        try:
+            ids.extend(pending.token_ids)
+        except OverflowError:  # an id past 32 bits (extend kept the ones before it)
+            del ids[count:]
+            record.output_ids = ids = array("q", ids)
+            ids.extend(pending.token_ids)
         if record.held:
             record.held -= 1
             record.held_tokens -= len(pending.token_ids)

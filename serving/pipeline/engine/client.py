@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Mapping
 
 import httpx
 
+from serving.pipeline import tracing
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError
 from serving.pipeline.http11 import Http11Client, StreamReply, loads
 from serving.pipeline.protocol import EventBatches
@@ -37,27 +38,30 @@ def engine_request_id(request_id: str) -> str:
 def request_headers(request: Mapping[str, Any]) -> dict[str, str]:
     """``X-Request-Id`` for one generate leg: the leg's own ``request_id`` (what the logs name as
     ``engine_request_id``). vLLM builds its engine id from this header when it is present, in place
-    of the body's, so it must be the body's id: an abort names ``generate-tokens-<that id>``."""
+    of the body's, so it must be the body's id: an abort names ``generate-tokens-<that id>``. And
+    the request's trace headers, when it has any (``tracing.with_trace``)."""
     rid = request.get("request_id")
-    return {"X-Request-Id": rid} if isinstance(rid, str) and rid else {}
+    return tracing.with_trace({"X-Request-Id": rid} if isinstance(rid, str) and rid else {})
 
 
-def _raise_for_status(instance: InstanceView, response_status: int, body: Any) -> None:
-    if response_status == 503:
+def raise_for_status(
+    instance: InstanceView, status: int, body: Any, *, source: str = "engine", lacks: str = "token-only generate"
+) -> None:
+    """Classify an engine's non-200 answer (its token-only generate, or its own OpenAI API when
+    ``source`` is ``native``); ``lacks`` names what a route-level refusal says it has not."""
+    if status == 503:
         raise EngineBusy(f"{instance.name} is busy", instance=instance.name)
     shaped = isinstance(body, dict) and isinstance(body.get("error"), dict)
     # 403 is what every scale-out route answers on a plain ``vllm serve``; a 404 without vLLM's
     # error shape is FastAPI's route-level {"detail": "Not Found"} (a NotFoundError about the
     # model is the request's fault and has the shape); 501 is an explicit "not implemented".
-    if response_status in (403, 501) or (response_status == 404 and not shaped):
+    if status in (403, 501) or (status == 404 and not shaped):
         raise EngineLacksCapability(
-            f"{instance.name} has no token-only generate ({response_status}): {str(body)[:200]}", instance=instance.name
+            f"{instance.name} has no {lacks} ({status}): {str(body)[:200]}", instance=instance.name
         )
-    if 400 <= response_status < 500:
-        if shaped:
-            raise UpstreamRequestError(response_status, body, source="engine")
-        raise EngineError(f"{instance.name} answered {response_status}: {str(body)[:200]}", instance=instance.name)
-    raise EngineError(f"{instance.name} answered {response_status}: {str(body)[:200]}", instance=instance.name)
+    if 400 <= status < 500 and shaped:
+        raise UpstreamRequestError(status, body, source=source)
+    raise EngineError(f"{instance.name} answered {status}: {str(body)[:200]}", instance=instance.name)
 
 
 def raise_for_error_event(instance: InstanceView, event: dict[str, Any]) -> None:
@@ -146,7 +150,7 @@ class EngineClient:
         except ValueError:
             body = response.text
         if response.status_code != 200:
-            _raise_for_status(instance, response.status_code, body)
+            raise_for_status(instance, response.status_code, body)
         if not (isinstance(body, dict) and isinstance(body.get("choices"), list)):
             raise EngineError(f"{instance.name} answered a malformed GenerateResponse", instance=instance.name)
         return body
@@ -172,7 +176,7 @@ class EngineClient:
                         body: Any = loads(raw)
                     except ValueError:
                         body = raw.decode(errors="replace")
-                    _raise_for_status(instance, response.status_code, body)
+                    raise_for_status(instance, response.status_code, body)
                 response.whole_reads = whole_reads
                 yield self._events(instance, response)
         except httpx.HTTPError as exc:

@@ -35,8 +35,9 @@ from typing import Any, AsyncIterator, Mapping
 
 import httpx
 
-from serving.pipeline.engine.client import ReplyDeadline
-from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError, error_body
+from serving.pipeline import tracing
+from serving.pipeline.engine.client import ReplyDeadline, raise_for_status
+from serving.pipeline.errors import EngineError, error_body
 from serving.pipeline.http11 import Http11Client, StreamReply, loads
 from serving.pipeline.placement.filters import eligible_instances, union_role
 from serving.pipeline.protocol import ApiKind
@@ -60,6 +61,8 @@ def engine_tokenizer_feature(kind: ApiKind, body: Mapping[str, Any]) -> str | No
     vocabulary and a forced tool choice is a grammar too: a ``--tokens-only`` engine refuses all
     three (vllm-protocol.md section 7, item 8).
     """
+    if kind == "messages":
+        return _messages_tokenizer_feature(body)
     stop = body.get("stop")
     if stop and (isinstance(stop, str) or any(isinstance(s, str) and s for s in stop)):
         return "stop_strings"
@@ -76,8 +79,8 @@ def engine_tokenizer_feature(kind: ApiKind, body: Mapping[str, Any]) -> str | No
 
 def native_reason(kind: ApiKind, body: Mapping[str, Any], snapshot: FleetSnapshot, model: str) -> str | None:
     """Why ``body`` must take the native path before render, or None for token-only."""
-    if kind in ("responses", "messages"):
-        return f"api:{kind}"
+    if kind == "responses":
+        return "api:responses"
     if not snapshot.render.enable:
         return "render_disabled"
     if not snapshot.render.token_in:
@@ -96,6 +99,19 @@ def native_reason(kind: ApiKind, body: Mapping[str, Any], snapshot: FleetSnapsho
     feature = engine_tokenizer_feature(kind, body)
     if feature is not None and not any(i.tokenizer for i in union_role(eligible_instances(snapshot, model))):
         return feature
+    return None
+
+
+def _messages_tokenizer_feature(body: Mapping[str, Any]) -> str | None:
+    """``engine_tokenizer_feature`` for a Messages body, in the fields vLLM converts to chat's."""
+    if any(isinstance(s, str) and s for s in body.get("stop_sequences") or ()):
+        return "stop_strings"
+    output = body.get("output_config")
+    if isinstance(output, dict) and isinstance(output.get("format"), dict):
+        return "structured_output"
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") in ("any", "tool") and body.get("tools"):
+        return "forced_tool_choice"
     return None
 
 
@@ -195,17 +211,8 @@ NATIVE_HINTS = {
 }
 
 
-def _raise_for_status(instance: InstanceView, status: int, body: Any) -> None:
-    if status == 503:
-        raise EngineBusy(f"{instance.name} is busy", instance=instance.name)
-    shaped = isinstance(body, dict) and isinstance(body.get("error"), dict)
-    if status in (403, 501) or (status == 404 and not shaped):
-        raise EngineLacksCapability(f"{instance.name} has no native OpenAI API ({status})", instance=instance.name)
-    if 400 <= status < 500:
-        if shaped:
-            raise UpstreamRequestError(status, body, source="native")
-        raise EngineError(f"{instance.name} answered {status}: {str(body)[:200]}", instance=instance.name)
-    raise EngineError(f"{instance.name} answered {status}: {str(body)[:200]}", instance=instance.name)
+# How ``raise_for_status`` names an engine's own API in what it raises.
+NATIVE_STATUS = {"source": "native", "lacks": "native OpenAI API"}
 
 
 @dataclass
@@ -273,7 +280,7 @@ class NativeClient:
         chunks each get the shared client's read timeout instead).
         """
         url = instance.url + NATIVE_PATHS[kind]
-        headers = {"X-Request-Id": request_id}
+        headers = tracing.with_trace({"X-Request-Id": request_id})
         try:
             if body.get("stream"):
                 opened: AbstractAsyncContextManager[StreamReply] = self._client.stream(
@@ -282,7 +289,7 @@ class NativeClient:
                 streamed = await stack.enter_async_context(opened)
                 if streamed.status_code != 200:
                     raw = await streamed.aread()
-                    _raise_for_status(instance, streamed.status_code, _json(raw))
+                    raise_for_status(instance, streamed.status_code, _json(raw), **NATIVE_STATUS)
                 return NativeStream(kind, instance, request_id, streamed, stack.pop_all())
             if self.deadline is None:
                 response = await self._client.post(url, json=body, headers=headers)
@@ -297,7 +304,7 @@ class NativeClient:
             raise EngineError(f"{instance.name} unreachable: {exc!r}", instance=instance.name) from exc
         payload = _json(response.content)
         if response.status_code != 200:
-            _raise_for_status(instance, response.status_code, payload)
+            raise_for_status(instance, response.status_code, payload, **NATIVE_STATUS)
         if not isinstance(payload, dict):
             raise EngineError(f"{instance.name} answered a malformed response", instance=instance.name)
         return payload

@@ -11,14 +11,14 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from serving.pipeline.errors import MotorError, UpstreamRequestError
-from serving.pipeline.obfuscation.mapping import (
-    TokenMapping,
+from serving.pipeline.obfuscation.fields import (
     deobfuscate_event,
     deobfuscate_response,
     obfuscate_request,
     refuse_unsendable,
     scrub_error,
 )
+from serving.pipeline.obfuscation.mapping import TokenMapping
 from serving.pipeline.snapshot import InstanceView
 
 

@@ -3,7 +3,7 @@
 An instance is eligible when it serves the model, takes new requests (active, not draining),
 fits the deployment's obfuscation (``obfuscation.eligible``: the key id its weights were
 permuted with), is not excluded by an earlier attempt, and passes the live verdict
-(``Scheduler.eligible``: its health probe and its circuit breaker). Without a live verdict the
+(the scheduler's: its health probe and its circuit breaker). Without a live verdict the
 set is the snapshot's static one (what routing asks before placement: does any engine load a
 tokenizer). Union, P/D and the native path (union instances' own API, or P/D pairs' in
 ``topologies/native_pd.py``) then only pick roles and capabilities out of that one set; scoring and picking follow in
@@ -13,13 +13,9 @@ tokenizer). Union, P/D and the native path (union instances' own API, or P/D pai
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
-from typing import TYPE_CHECKING
 
 from serving.pipeline.obfuscation.keyring import eligible as key_eligible
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
-
-if TYPE_CHECKING:
-    from serving.pipeline.placement.scheduler import Scheduler
 
 # The KV transfer modes a P/D pair can run (pull: Handoff, push: Trigger).
 KV_TRANSFER_MODES = ("pull", "push")
@@ -108,11 +104,3 @@ def unpaired_native_pd(snapshot: FleetSnapshot, model: str) -> str:
                 f"by {kinds(decodes, 'kv_transfer')}")
     return (f"its prefill engines use the KV connector {kinds(prefills, 'kv_connector')} and its decode engines "
             f"{kinds(decodes, 'kv_connector')}")
-
-
-def native_candidates(
-    snapshot: FleetSnapshot, scheduler: Scheduler, model: str, *, exclude: Collection[str] = ()
-) -> list[InstanceView]:
-    """Eligible native-API instances of ``model``, least loaded (requests per weight) first."""
-    pool = eligible_instances(snapshot, model, live=scheduler.eligible, exclude=exclude)
-    return sorted(native_role(pool), key=lambda i: (scheduler.load.inflight(i.name) / max(i.weight, 1), i.name))

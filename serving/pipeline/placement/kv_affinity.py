@@ -24,7 +24,6 @@ not thread-safe (one per event loop).
 from __future__ import annotations
 
 import logging
-import re
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,18 +32,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 128
-
-_CACHE_CONFIG = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
-_BLOCK_SIZE_LABEL = re.compile(r'(?:^|,)\s*block_size="(\d+)"')
-
-
-def block_size_from_metrics(text: str) -> int | None:
-    """The block size in a Prometheus ``/metrics`` page's ``vllm:cache_config_info``, if any."""
-    for labels in _CACHE_CONFIG.findall(text):
-        found = _BLOCK_SIZE_LABEL.search(labels)
-        if found and int(found.group(1)) > 0:
-            return int(found.group(1))
-    return None
 
 
 def _block_key(parent: int | None, tokens: Sequence[int]) -> int:

@@ -31,17 +31,16 @@ events (precise mode, ``serving.runtime`` keeps the subscriptions).
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Collection, KeysView
-from contextlib import contextmanager
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from serving.pipeline.errors import NoCapacity
 from serving.pipeline.flow_control.admission import TokenAdmission
 from serving.pipeline.placement import scorers
-from serving.pipeline.placement.filters import eligible_instances, is_union, union_role
+from serving.pipeline.placement.filters import eligible_instances, is_union, native_role, union_role
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex, PromptBlocks
+from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.pools import ModelPool, PoolCache
 from serving.pipeline.protocol import TopologyName
 from serving.pipeline.resilience.breaker import BreakerBoard
@@ -75,33 +74,6 @@ TopologyPolicy = Callable[[FleetSnapshot, str, Sequence[int], list[InstanceView]
 EngineIds = Callable[[FleetSnapshot, Sequence[int]], Sequence[int]]
 
 
-class LoadTracker:
-    """In-process count of requests in flight per instance."""
-
-    def __init__(self) -> None:
-        self._inflight: Counter[str] = Counter()
-
-    def inflight(self, name: str) -> int:
-        return self._inflight[name]
-
-    @contextmanager
-    def hold(self, instance: InstanceView) -> Iterator[None]:
-        self._inflight[instance.name] += 1
-        try:
-            yield
-        finally:
-            self._inflight[instance.name] -= 1
-            if not self._inflight[instance.name]:
-                del self._inflight[instance.name]
-
-    def snapshot(self) -> dict[str, int]:
-        return dict(self._inflight)
-
-    def busy(self) -> KeysView[str]:
-        """Names with a request in flight (a live view)."""
-        return self._inflight.keys()
-
-
 class Scheduler:
     def __init__(
         self,
@@ -131,6 +103,13 @@ class Scheduler:
         """The eligibility set of one placement (``filters.eligible_instances`` with this scheduler's
         live verdict): what union, P/D and the native path all pick from."""
         return eligible_instances(snapshot, model, live=self.eligible, exclude=exclude)
+
+    def native_candidates(
+        self, snapshot: FleetSnapshot, model: str, *, exclude: Collection[str] = ()
+    ) -> list[InstanceView]:
+        """Eligible native-API instances of ``model``, least loaded (requests per weight) first."""
+        return sorted(native_role(self.pool(snapshot, model, exclude=exclude)),
+                      key=lambda i: (self.load.inflight(i.name) / max(i.weight, 1), i.name))
 
     def candidates(
         self, snapshot: FleetSnapshot, model: str, *, exclude: Collection[str] = (), requires_tokenizer: bool = False,

@@ -7,13 +7,10 @@ order (a later one only breaks ties of the earlier), then the name, so the order
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 from serving.pipeline.flow_control.admission import TokenAdmission
+from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.snapshot import InstanceView
-
-if TYPE_CHECKING:
-    from serving.pipeline.placement.scheduler import LoadTracker
 
 Scorer = Callable[[InstanceView], float]
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from serving.pipeline import tracing
 from serving.pipeline.errors import DerenderError, RenderUnavailable, UpstreamRequestError
 from serving.pipeline.http11 import Http11Client, Reply
 from serving.pipeline.protocol import ApiKind, TokenKind
@@ -23,7 +24,8 @@ logger = logging.getLogger(__name__)
 CHAT_RENDER = "/v1/chat/completions/render"
 COMPLETIONS_RENDER = "/v1/completions/render"
 # vLLM 0.33's sidecar renders the Responses and Messages APIs too (no derender exists for them):
-# the native path asks it only for their prompt token counts.
+# Messages runs the chat token path from its render (``apis/messages.py``); the native path asks
+# render for their prompt token counts.
 RENDER_PATHS: dict[ApiKind, str] = {
     "chat": CHAT_RENDER,
     "completions": COMPLETIONS_RENDER,
@@ -100,7 +102,8 @@ class RenderClient:
             # The whole call (httpx's timeouts are per phase: a sidecar trickling bytes would pass).
             async with asyncio.timeout(self.timeout_s):
                 response = await self._client.post(
-                    self._base_url + path, json=body, headers={"X-Request-Id": request_id}, timeout=self._timeout
+                    self._base_url + path, json=body, headers=tracing.with_trace({"X-Request-Id": request_id}),
+                    timeout=self._timeout,
                 )
         except (httpx.TimeoutException, TimeoutError) as exc:
             raise RenderUnavailable(f"render timed out: {exc!r}", reason="timeout") from exc
@@ -117,6 +120,13 @@ class RenderClient:
     async def render_chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """Return one GenerateRequest for a chat request."""
         out: dict[str, Any] = await self._post_render(CHAT_RENDER, body, request_id)
+        _check_generate_requests([out])
+        return out
+
+    async def render_messages(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """Return one GenerateRequest for an Anthropic Messages request (a sidecar without the
+        route answers 404: ``RenderUnavailable`` with reason ``capability``)."""
+        out: dict[str, Any] = await self._post_render(RENDER_PATHS["messages"], body, request_id)
         _check_generate_requests([out])
         return out
 
@@ -144,7 +154,9 @@ class RenderClient:
     async def _post_derender(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
             async with asyncio.timeout(self.timeout_s):  # the whole call, as for render
-                response = await self._client.post(self._base_url + path, json=body, timeout=self._timeout)
+                response = await self._client.post(
+                    self._base_url + path, json=body, headers=tracing.with_trace({}), timeout=self._timeout
+                )
         except (httpx.TimeoutException, TimeoutError) as exc:
             raise DerenderError(f"derender timed out: {exc!r}", status=504) from exc
         except httpx.TransportError as exc:

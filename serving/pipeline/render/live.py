@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Callable
+from typing import Callable, Iterable
 
 
 class LiveStreams:
@@ -42,6 +42,16 @@ class LiveStreams:
                 if self._counts[base_url] <= 0:
                     del self._counts[base_url]
             self._changed()
+
+        return release
+
+    def hold_all(self, base_urls: Iterable[str]) -> Callable[[], None]:
+        """``hold`` each of ``base_urls`` (a request on a pool may call any member); one release for all."""
+        releases = [self.hold(url.rstrip("/")) for url in dict.fromkeys(base_urls)]
+
+        def release() -> None:
+            for r in releases:
+                r()
 
         return release
 

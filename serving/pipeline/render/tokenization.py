@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 from serving.pipeline.derender.holdback import StopHoldback, stop_strings
 from serving.pipeline.errors import RenderUnavailable, RequestError
@@ -183,8 +183,10 @@ class TokenizationService:
         self.health = health or RenderHealth()
         self._loader = loader
 
-    async def tokenize(self, kind: TokenKind, body: dict[str, Any], request_id: str) -> TokenizedRequest:
-        """Return the request's prompts; raise ``UpstreamRequestError`` for render's verdicts on the
+    async def tokenize(self, kind: TokenKind | Literal["messages"], body: dict[str, Any], request_id: str
+                       ) -> TokenizedRequest:
+        """Return the request's prompts (a Messages request's as a chat's: the chat token path
+        serves it, ``apis/messages.py``); raise ``UpstreamRequestError`` for render's verdicts on the
         request, ``NeedsNative`` when only the native path can serve it exactly, and
         ``RenderUnavailable`` when neither render nor the local tokenizer is usable."""
         start = time.perf_counter()
@@ -194,6 +196,8 @@ class TokenizationService:
         try:
             if kind == "chat":
                 rendered = [await self.render.render_chat(body, request_id)]
+            elif kind == "messages":
+                rendered = [await self.render.render_messages(body, request_id)]
             else:
                 rendered = await self.render.render_completions(body, request_id)
         except RenderUnavailable as exc:
@@ -201,16 +205,22 @@ class TokenizationService:
             return await self._fallback(kind, body, request_id, exc, start)
         self.health.mark(None)
         prompts = tuple(TokenizedPrompt(list(r["token_ids"]), r) for r in rendered)
-        return TokenizedRequest(kind, self.model.name, prompts, "render", None, (time.perf_counter() - start) * 1000)
+        token_kind: TokenKind = "completions" if kind == "completions" else "chat"
+        return TokenizedRequest(token_kind, self.model.name, prompts, "render", None,
+                                (time.perf_counter() - start) * 1000)
 
     async def local_tokenizer(self) -> LocalTokenizer:
         # Building reads and parses files: off the event loop, once per model directory.
         return await asyncio.to_thread(self._loader, self.model.model_path)
 
     async def _fallback(
-        self, kind: TokenKind, body: dict[str, Any], request_id: str, cause: RenderUnavailable, start: float
+        self, kind: TokenKind | Literal["messages"], body: dict[str, Any], request_id: str, cause: RenderUnavailable,
+        start: float,
     ) -> TokenizedRequest:
         reason = cause.reason
+        if kind == "messages":
+            # Only render converts Messages as vLLM does (a sidecar older than 0.33 lacks the route).
+            raise NeedsNative("api:messages", reason, detail=f"render:{reason}") from cause
         unsupported = local_unsupported(kind, body)
         if unsupported is not None:
             # The reason is the category (``local:param``, a metric label); which key it was, a

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from serving.pipeline import metric_names
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import EngineGuard, GenerateContext
-from serving.pipeline.engine.requests import attempt_request_id, resolved_max_tokens, with_max_tokens
+from serving.pipeline.engine.requests import attempt_request_id, engine_request, resolved_max_tokens
 from serving.pipeline.errors import EngineError, EngineLacksCapability, NoCapacity, TriggerMultiPromptStream
 from serving.pipeline.flow_control.admission import reserve_together
 from serving.pipeline.metrics import RouterCounters
@@ -39,6 +39,9 @@ from serving.pipeline.streaming.relay import RetryRequestPlan
 from serving.pipeline.topologies.registry import TopologyRegistry
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,28 +151,73 @@ def context_room(
     return min(contexts) - prompt_tokens if contexts else None
 
 
-def clamped_request(
+def clamped_max_tokens(
     snapshot: FleetSnapshot, scheduler: Scheduler, model: str, request: Mapping[str, Any], prompt_tokens: int, *,
     exclude: Collection[str] = (),
-) -> dict[str, Any]:
-    """``request`` with ``max_tokens`` resolved (render's omitted 16) and, with the context budget
-    on, clamped to ``context_room``; the one value placement, admission, the rate-limit charge and
-    the engine all see."""
-    req = dict(request)
-    max_tokens = resolved_max_tokens(req)
+) -> int:
+    """``request``'s ``max_tokens`` resolved (render's omitted 16) and, with the context budget on,
+    clamped to ``context_room``; the one value placement, admission, the rate-limit charge and the
+    engine all see."""
+    max_tokens = resolved_max_tokens(request)
     if snapshot.render.context_budget:
         room = context_room(snapshot, scheduler, model, prompt_tokens, exclude=exclude)
         if room is not None:
             max_tokens = max(1, min(max_tokens, room))
-    return with_max_tokens(req, max_tokens)
+    return max_tokens
 
 
 def requested_tokens(prompt: TokenizedPrompt, snapshot: FleetSnapshot, scheduler: Scheduler, model: str) -> int:
-    """Prompt + max output per choice, as the context budget leaves it (``clamped_request``):
+    """Prompt + max output per choice, as the context budget leaves it (``clamped_max_tokens``):
     what the request is charged, the number its placement and lease will use."""
-    request = clamped_request(snapshot, scheduler, model, prompt.generate_request, len(prompt.token_ids))
+    max_tokens = clamped_max_tokens(snapshot, scheduler, model, prompt.generate_request, len(prompt.token_ids))
     n = int(prompt.sampling_params.get("n") or 1)
-    return len(prompt.token_ids) + resolved_max_tokens(request) * n
+    return len(prompt.token_ids) + max_tokens * n
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """One token-only attempt, placed: where, its engine request and admission tokens, its recorder."""
+
+    placement: Placement
+    request: dict[str, Any]
+    tokens: int
+    phases: Phases
+    ineligible: str
+
+
+async def attempt_loop(
+    attempts: range, excluded: set[str], place: Callable[[int], _T],
+    run: Callable[[_T, int], Awaitable[_R]], failed: Callable[[EngineError, _T, int], Collection[str] | None],
+    no_target: Callable[[], NoCapacity], *, unblamed: tuple[type[EngineError], ...] = (),
+) -> _R:
+    """The one attempt loop, of the token-only path and the native one.
+
+    Each attempt: ``place`` it (avoiding ``excluded``; ``NoCapacity`` when nothing is left), then
+    ``run`` it. After an engine failure ``failed`` names what the next attempt avoids (added to
+    ``excluded``), or None when the failure is not retried and propagates. When the budget is
+    spent or nothing is left to place, the last engine failure is raised (``unblamed`` ones, a
+    breaker holding an instance off, only exclude), else ``no_target()``'s or placement's own.
+    """
+    last: EngineError | None = None
+    for attempt in attempts:
+        try:
+            target = place(attempt)
+        except NoCapacity:
+            if last is not None:
+                raise last from None
+            raise
+        try:
+            return await run(target, attempt)
+        except EngineError as exc:
+            names = failed(exc, target, attempt)
+            if names is None:
+                raise
+            excluded.update(names)
+            if not isinstance(exc, unblamed):
+                last = exc
+    if last is not None:
+        raise last
+    raise no_target()
 
 
 class Attempts:
@@ -191,17 +239,21 @@ class Attempts:
         self.trigger_fanout = False
 
     def budget(
-        self, request: dict[str, Any], prompt_tokens: int, model: str, *, exclude: Collection[str] = ()
-    ) -> tuple[dict[str, Any], int]:
-        """The engine request and its tokens (prompt + max output per choice), before placement.
+        self, request: Mapping[str, Any], prompt_tokens: int, model: str, *, exclude: Collection[str] = ()
+    ) -> tuple[int, int]:
+        """The engine request's ``max_tokens`` and its tokens (prompt + max output per choice),
+        before placement.
 
         ``max_tokens`` is resolved (render's omitted 16) and, with the context budget on, clamped
-        to the room the candidates have (``context_room``) and written into ``sampling_params``:
-        placement scores, admission holds and the engine generates the same number.
+        to the room the candidates have (``context_room``); the engine request gets it in
+        ``sampling_params`` (``engine_request``): placement scores, admission holds and the engine
+        generates the same number.
         """
-        req = clamped_request(self.snapshot, self.guard.scheduler, model, request, prompt_tokens, exclude=exclude)
-        n = int(req["sampling_params"].get("n") or 1)
-        return req, prompt_tokens + resolved_max_tokens(req) * n
+        max_tokens = clamped_max_tokens(
+            self.snapshot, self.guard.scheduler, model, request, prompt_tokens, exclude=exclude
+        )
+        n = int((request.get("sampling_params") or {}).get("n") or 1)
+        return max_tokens, prompt_tokens + max_tokens * n
 
     def too_small(self, prompt: TokenizedPrompt) -> set[str]:
         """Instances whose own context cannot hold the prompt plus one output token."""
@@ -228,62 +280,62 @@ class Attempts:
         self, tokenized: TokenizedRequest, index: int, requires_tokenizer: bool, *, stream: bool,
         plan: RetryRequestPlan | None = None, exclude: Collection[str] = (), first_attempt: int = 0,
     ) -> dict[str, Any] | OpenStream:
-        """The one attempt loop of both modes: place, budget, run or open, and on an engine
-        failure exclude what the policy says and try again while the budget lasts."""
+        """The attempts of both modes, through ``attempt_loop``: place, budget, run or open, and on
+        an engine failure exclude what the policy says and try again while the budget lasts."""
         prompt = tokenized.prompts[index]
         token_ids = plan.replay_ids if plan is not None else prompt.token_ids
         excluded = self.too_small(prompt) | set(exclude)
-        last: EngineError | None = None
         first = plan.attempt if plan is not None else first_attempt
-        for attempt in range(first, first + self.policy.max_attempts):
+
+        def place(attempt: int) -> _Placed:
             attempt_plan = replace(plan, attempt=attempt) if plan is not None else None
-            base = attempt_plan.request() if attempt_plan is not None else dict(prompt.generate_request)
+            base = attempt_plan.request() if attempt_plan is not None else prompt.generate_request
             # Clamped before placement: the scores, the lease and the engine see one budget.
-            engine_req, tokens = self.budget(base, len(token_ids), tokenized.model, exclude=excluded)
+            max_tokens, tokens = self.budget(base, len(token_ids), tokenized.model, exclude=excluded)
             ineligible = self.topologies.pd_ineligible(base)
             start = self.phases.now()
-            try:
-                # A relay is placed like any prompt (same scheduler, same topology rules): in P/D,
-                # P and D both get the replay ids.
-                placement = self.guard.scheduler.place(
-                    self.snapshot, tokenized.model, token_ids, tokens=tokens, exclude=excluded,
-                    requires_tokenizer=requires_tokenizer, pd_ineligible=ineligible,
-                )
-            except NoCapacity:
-                if last is not None:
-                    raise last from None
-                raise
+            # A relay is placed like any prompt (same scheduler, same topology rules): in P/D,
+            # P and D both get the replay ids.
+            placement = self.guard.scheduler.place(
+                self.snapshot, tokenized.model, token_ids, tokens=tokens, exclude=excluded,
+                requires_tokenizer=requires_tokenizer, pd_ineligible=ineligible,
+            )
             phases = self.phases.placed(placement.topology)
             phases.observe(metric_names.PHASE_PLACEMENT, start)
+            rid = attempt_plan.request_id if attempt_plan is not None else attempt_request_id(prompt.request_id, attempt)
+            return _Placed(placement, engine_request(base, request_id=rid, max_tokens=max_tokens), tokens, phases,
+                           ineligible)
+
+        async def run(placed: _Placed, attempt: int) -> dict[str, Any] | OpenStream:
+            placement = placed.placement
             if stream and placement.topology == "trigger" and len(tokenized.prompts) > 1 and not self.trigger_fanout:
                 logger.info("route request_id=%s prompt=%d path=native reason=trigger_multi_prompt_stream instances=%s",
                             prompt.request_id, index, placement.names)
                 raise TriggerMultiPromptStream("multi-prompt streaming on Trigger takes the native path")
-            rid = engine_req["request_id"] = (
-                attempt_plan.request_id if attempt_plan is not None else attempt_request_id(prompt.request_id, attempt)
-            )
             logger.info(
                 "placement request_id=%s prompt=%d attempt=%d topology=%s instances=%s prefix_hit_blocks=%d tokens=%d "
-                "stream=%s pd_ineligible=%s", rid, index, attempt, placement.topology, placement.names,
-                placement.prefix_hit_blocks, tokens, str(stream).lower(), ineligible or "-",
+                "stream=%s pd_ineligible=%s", placed.request["request_id"], index, attempt, placement.topology,
+                placement.names, placement.prefix_hit_blocks, placed.tokens, str(stream).lower(), placed.ineligible or "-",
             )
             ctx = GenerateContext(
-                self.guard, self.snapshot, self.request_id, prompt, index, attempt, tokens, stream, phases=phases
+                self.guard, self.snapshot, self.request_id, prompt, index, attempt, placed.tokens, stream,
+                phases=placed.phases,
             )
-            try:
-                return await self._open_attempt(ctx, placement, engine_req, index, attempt)
-            except EngineError as exc:
-                if not self.policy.retries(exc):
-                    raise
-                last = exc
-                failed = self.policy.excluded_after(exc, placement)
-                excluded.update(failed)
-                logger.warning("generate request_id=%s prompt=%d instances=%s topology=%s attempt=%d result=%s stream=%s",
-                               rid, index, ",".join(sorted(failed)), placement.topology, attempt,
-                               type(exc).__name__, str(stream).lower())
-        if last is not None:
-            raise last
-        raise NoCapacity(f"no engine instance can serve model {tokenized.model!r} right now")
+            return await self._open_attempt(ctx, placement, placed.request, index, attempt)
+
+        def failed(exc: EngineError, placed: _Placed, attempt: int) -> frozenset[str] | None:
+            if not self.policy.retries(exc):
+                return None
+            names = self.policy.excluded_after(exc, placed.placement)
+            logger.warning("generate request_id=%s prompt=%d instances=%s topology=%s attempt=%d result=%s stream=%s",
+                           placed.request["request_id"], index, ",".join(sorted(names)), placed.placement.topology,
+                           attempt, type(exc).__name__, str(stream).lower())
+            return names
+
+        return await attempt_loop(
+            range(first, first + self.policy.max_attempts), excluded, place, run, failed,
+            lambda: NoCapacity(f"no engine instance can serve model {tokenized.model!r} right now"),
+        )
 
     async def _open_attempt(
         self, ctx: GenerateContext, placement: Placement, engine_req: dict[str, Any], index: int, attempt: int

@@ -172,25 +172,33 @@ class EventStream:
         # streams (already closed) stay with the stream, so aclose has nothing left to release.
         self.streams = await open_together([opener(s) for s in old], self.attempts.guard.engines)
 
-    async def _events(self, stream: OpenStream) -> AsyncGenerator[list[dict[str, Any]], None]:
+    async def _events(
+        self, stream: OpenStream, failed: list[tuple[OpenStream, BaseException]] | None = None
+    ) -> AsyncGenerator[list[dict[str, Any]], None]:
         """The attempt's events (a list per read) through the engine boundary, each read within
-        the chunk timeout."""
+        the chunk timeout; an ``EngineError`` is recorded in ``failed`` (if given) with its stream."""
         timeout = self.settings.chunk_timeout_s
         events = stream.events
         inbound, instance = self.attempts.guard.inbound_event, stream.instance
-        while True:
-            try:
-                async with asyncio.timeout(timeout):
-                    raw = await anext(events)
-            except StopAsyncIteration:
-                return
-            except TimeoutError as exc:
-                raise EngineError(
-                    f"{stream.instance.name} sent nothing for {timeout:g}s mid-stream", instance=stream.instance.name
-                ) from exc
-            # In place: the reader empties the list it takes, and nothing here holds an event then.
-            raw[:] = [inbound(event, instance) for event in raw]
-            yield raw
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(timeout):
+                        raw = await anext(events)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError as exc:
+                    raise EngineError(
+                        f"{stream.instance.name} sent nothing for {timeout:g}s mid-stream",
+                        instance=stream.instance.name,
+                    ) from exc
+                # In place: the reader empties the list it takes, and nothing here holds an event then.
+                raw[:] = [inbound(event, instance) for event in raw]
+                yield raw
+        except EngineError as exc:
+            if failed is not None:
+                failed.append((stream, exc))
+            raise
 
     def _streams_of(self, index: int) -> list[OpenStream]:
         return [s for s in self.streams if s.prompt_index == index]
@@ -256,22 +264,24 @@ class EventStream:
                 s.finished = True
             return
 
-    async def _prompt_events(
+    def _prompt_events(
         self, streams: list[OpenStream], failed: list[tuple[OpenStream, BaseException]]
     ) -> AsyncGenerator[list[dict[str, Any]], None]:
         """The engine events of one prompt: its one stream's, or, once the choices of an n > 1
         request continue in streams of their own, all of theirs merged under the client's
         choice indexes, with one usage-only event of ours when every one ended (each engine
-        would send its own). A stream that fails is recorded in ``failed`` with its error."""
+        would send its own). A stream that fails is recorded in ``failed`` with its error.
+
+        One stream's events are its ``_events`` as they are, with no generator around them: a
+        stream whose client reads nothing keeps every layer suspended (``bench/slow_reader.py``)."""
         if len(streams) == 1 and streams[0].choice is None:
-            try:
-                async with aclosing(self._events(streams[0])) as events:
-                    async for batch in events:
-                        yield batch
-            except EngineError as exc:
-                failed.append((streams[0], exc))
-                raise
-            return
+            return self._events(streams[0], failed)
+        return self._choice_events(streams, failed)
+
+    async def _choice_events(
+        self, streams: list[OpenStream], failed: list[tuple[OpenStream, BaseException]]
+    ) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """The events of one prompt's choices, each continued in a stream of its own (``_prompt_events``)."""
 
         def lane(stream: OpenStream) -> Callable[[], AsyncGenerator[list[dict[str, Any]], None]]:
             async def events() -> AsyncGenerator[list[dict[str, Any]], None]:

@@ -11,12 +11,11 @@ rules, the obfuscation boundary re-obfuscates its ids on the way out).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from serving.pipeline.engine.requests import attempt_request_id, resolved_max_tokens
+from serving.pipeline.engine.requests import attempt_request_id, relay_request, resolved_max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +43,7 @@ class RetryRequestPlan:
     @property
     def remaining_tokens(self) -> int:
         """Output budget left: the client's ``max_tokens`` minus what it already received."""
-        return resolved_max_tokens(dict(self.base_request)) - len(self.committed_ids)
+        return resolved_max_tokens(self.base_request) - len(self.committed_ids)
 
     @property
     def request_id(self) -> str:
@@ -60,14 +59,7 @@ class RetryRequestPlan:
         remaining = self.remaining_tokens
         if remaining < 1:
             raise ValueError("no output budget left to relay")
-        req = copy.copy(dict(self.base_request))
-        params = dict(req.get("sampling_params") or {})
-        params["max_tokens"] = remaining
-        if params.get("min_tokens"):
-            params["min_tokens"] = max(0, int(params["min_tokens"]) - len(self.committed_ids))
-        if self.choice is not None:
-            params["n"] = 1  # one choice's continuation; the engine calls it choice 0
-        req["sampling_params"] = params
-        req["token_ids"] = self.replay_ids
-        req["request_id"] = self.request_id
-        return req
+        return relay_request(
+            self.base_request, token_ids=self.replay_ids, committed=len(self.committed_ids), max_tokens=remaining,
+            request_id=self.request_id, one_choice=self.choice is not None,
+        )

@@ -23,6 +23,7 @@ from typing import (
 from urllib.parse import urlsplit
 
 from serving.pipeline.engine.leg import GenerateContext, Opened
+from serving.pipeline.engine.requests import decode_request, leg_ids, prefill_request
 from serving.pipeline.errors import EngineError
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import InstanceView
@@ -33,12 +34,8 @@ from serving.pipeline.topologies.pd import (
     _final_leg,
     _leg,
     _prefill_tokens,
-    _reserve,
     _sides,
-    decode_request,
-    leg_ids,
     pd_context,
-    prefill_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -97,7 +94,7 @@ async def open_handoff(
     p_id, d_id = leg_ids(engine_request["request_id"])
     # D first: a decode side that is held off or full refuses the attempt before P prefills KV
     # that would stay pinned on P, waiting for a pull that never comes.
-    reserved = await _reserve(ctx, decode)
+    reserved = await ctx.reserve_fn(decode, ctx.tokens)
     try:
         if router_supplies_params(prefill, decode):
             # Unique per attempt and unguessable: P keeps the blocks under it until a D pulls them,
@@ -119,9 +116,8 @@ async def open_handoff(
         d_request = decode_request(engine_request, request_id=d_id, kv_transfer_params=kv)
         return await _final_leg(ctx, decode, d_request, stack, reserved)
     finally:
-        if reserved is not None:
-            # Unused when P failed (D's breaker stays as it was); a no-op once D's leg took it.
-            await reserved.aclose()
+        # Unused when P failed (D's breaker stays as it was); a no-op once D's leg took it.
+        await reserved.aclose()
 
 
 async def handoff(

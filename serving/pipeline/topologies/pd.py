@@ -1,4 +1,5 @@
-"""What the P/D topologies share: the legs' requests and ids, the run's context, one leg.
+"""What the P/D topologies share: the run's context, one leg (the legs' requests and ids are
+``engine/requests.py``'s).
 
 Each leg is its own engine request with its own id, run through the router's guarded leg
 (``GenerateContext.leg`` / ``stream_leg``: breaker, admission, load, boundary, validation), and
@@ -13,11 +14,10 @@ attempt policy (``resilience/attempts.py``) decides what the next attempt exclud
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
-from contextlib import AbstractContextManager, AsyncExitStack, nullcontext
-from dataclasses import dataclass, field
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from typing import (
     Any,
     Awaitable,
@@ -29,7 +29,6 @@ from typing import (
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import GenerateContext, Opened, Reservation
 from serving.pipeline.errors import NoCapacity
-from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.protocol import EventBatches
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.topologies.hybrid import pd_instances
@@ -39,45 +38,6 @@ logger = logging.getLogger(__name__)
 
 # What the prefill leg asks for: vLLM's NIXL pattern (vllm-protocol.md section 6.3).
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
-
-# -- the legs' requests -------------------------------------------------------------------
-
-
-def prefill_request(
-    engine_request: Mapping[str, Any], *, request_id: str, kv_transfer_params: dict[str, Any]
-) -> dict[str, Any]:
-    """The prefill leg of ``engine_request``: same prompt ids, one token, non-streaming.
-
-    Stream events carry no ``kv_transfer_params``, so no stream and no stream options; vLLM's
-    ``SamplingParams`` rejects ``min_tokens > max_tokens``, so both are 1.
-    """
-    req = copy.copy(dict(engine_request))
-    params = dict(req.get("sampling_params") or {})
-    params["max_tokens"] = 1
-    params["min_tokens"] = 1
-    req["sampling_params"] = params
-    req["stream"] = False
-    req.pop("stream_options", None)
-    req["request_id"] = request_id
-    req["kv_transfer_params"] = kv_transfer_params
-    return req
-
-
-def decode_request(
-    engine_request: Mapping[str, Any], *, request_id: str, kv_transfer_params: dict[str, Any]
-) -> dict[str, Any]:
-    """The decode leg: ``engine_request`` as the client's budget made it, with the given params
-    (in Handoff P's, the very object P returned: never rebuilt, trimmed or extended)."""
-    req = copy.copy(dict(engine_request))
-    req["request_id"] = request_id
-    req["kv_transfer_params"] = kv_transfer_params
-    return req
-
-
-def leg_ids(request_id: str) -> tuple[str, str]:
-    """Engine request ids of the prefill and decode legs: distinct, so aborting one never hits the other."""
-    return f"{request_id}-prefill", f"{request_id}-decode"
-
 
 # -- running ------------------------------------------------------------------------------
 
@@ -108,25 +68,23 @@ ReserveFn = Callable[[InstanceView, int], Awaitable[Reservation]]
 class PDContext:
     """What a P/D run needs from the router around it."""
 
-    engines: EngineClient  # for aborts (and for the generate itself when ``leg_fn`` is None)
+    engines: EngineClient  # for aborts
     request_id: str  # the public request id, for logs
+    # The router's work around each leg (``pd_context`` binds them to one attempt): every leg's
+    # generate, the decode leg's stream, D's holds taken ahead of P's prefill (Handoff).
+    leg_fn: LegFn
+    stream_fn: StreamLegFn
+    reserve_fn: ReserveFn
+    metaserver: MetaServer  # Trigger: where D calls back
+    # Trigger: picks P when the callback arrives (the placement's P unless its breaker opened).
+    pick_prefill: Callable[[], InstanceView]
     prompt_index: int = 0
-    # Without ``leg_fn``: the per-instance hold around each leg's plain generate.
-    hold: Callable[[InstanceView], AbstractContextManager[object]] = field(default=lambda _i: nullcontext())
-    leg_fn: LegFn | None = None
     # Admission tokens of the decode leg (prompt + resolved output); the prefill leg holds prompt + 1.
     tokens: int = 0
-    metaserver: MetaServer | None = None
     # Trigger: how long D's callback may take to arrive once D accepted the request.
     callback_timeout_s: float = 30.0
-    # Trigger: picks P when the callback arrives (default: the placement's P).
-    pick_prefill: Callable[[], InstanceView] | None = None
     # The run's mode: whether D's leg streams (through ``stream_fn``) or answers whole.
     stream: bool = False
-    # Streaming: opens the decode leg's stream.
-    stream_fn: StreamLegFn | None = None
-    # Handoff: reserves D before P's prefill (without it, D's leg takes its holds when it runs).
-    reserve_fn: ReserveFn | None = None
 
 
 def _ms(start: float) -> float:
@@ -142,11 +100,7 @@ async def _leg(
     start = time.perf_counter()
     done = False
     try:
-        if ctx.leg_fn is not None:
-            response = await ctx.leg_fn(instance, request, phase, tokens, reserved)
-        else:
-            with ctx.hold(instance):
-                response = await ctx.engines.generate(instance, request)
+        response = await ctx.leg_fn(instance, request, phase, tokens, reserved)
         done = True
     finally:
         if not done:
@@ -210,20 +164,13 @@ async def _final_leg(
     rid = request["request_id"]
     if not ctx.stream:
         return Opened(instance, rid, response=await _leg(ctx, "decode", instance, request, ctx.tokens, reserved))
-    if ctx.stream_fn is None:
-        raise NoCapacity("a streaming prefill/decode run needs the router's streaming leg")
     return Opened(instance, rid, events=await ctx.stream_fn(instance, request, "decode", ctx.tokens, stack, reserved))
-
-
-async def _reserve(ctx: PDContext, instance: InstanceView) -> Reservation | None:
-    """D's holds taken ahead of P's prefill, when the run has the router's guard to take them."""
-    return await ctx.reserve_fn(instance, ctx.tokens) if ctx.reserve_fn is not None else None
 
 
 # -- the router's seam ----------------------------------------------------------------------
 
 
-def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s: float = 30.0) -> PDContext:
+def pd_context(ctx: GenerateContext, placement: PDPlacement, *, callback_timeout_s: float = 30.0) -> PDContext:
     """A ``PDContext`` whose legs go through the router's guarded leg (``GenerateContext``)."""
     scheduler = ctx.scheduler
     placed = placement.instances[0]
@@ -255,7 +202,6 @@ def pd_context(ctx: GenerateContext, placement: Placement, *, callback_timeout_s
         return min(others, key=lambda i: (scheduler.load.inflight(i.name) / max(i.weight, 1), i.name))
 
     return PDContext(
-        ctx.engines, ctx.request_id, ctx.prompt_index, leg_fn=leg, tokens=ctx.tokens,
-        metaserver=process_metaserver(), callback_timeout_s=callback_timeout_s, pick_prefill=pick_prefill,
-        stream=ctx.stream, stream_fn=stream_leg, reserve_fn=reserve,
+        ctx.engines, ctx.request_id, leg, stream_leg, reserve, process_metaserver(), pick_prefill,
+        ctx.prompt_index, tokens=ctx.tokens, callback_timeout_s=callback_timeout_s, stream=ctx.stream,
     )

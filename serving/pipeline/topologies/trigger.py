@@ -19,10 +19,11 @@ from typing import (
 
 from serving.pipeline.engine.client import engine_request_id
 from serving.pipeline.engine.leg import GenerateContext, Opened
-from serving.pipeline.errors import EngineError, NoCapacity
+from serving.pipeline.engine.requests import decode_request, leg_ids, prefill_request
+from serving.pipeline.errors import EngineError
 from serving.pipeline.placement.scheduler import Placement
 from serving.pipeline.snapshot import InstanceView
-from serving.pipeline.topologies.metaserver import MetaServer, Registration
+from serving.pipeline.topologies.metaserver import Registration
 from serving.pipeline.topologies.pd import (
     PDContext,
     PDPlacement,
@@ -31,10 +32,7 @@ from serving.pipeline.topologies.pd import (
     _prefill_tokens,
     _settle,
     _sides,
-    decode_request,
-    leg_ids,
     pd_context,
-    prefill_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -52,14 +50,6 @@ def push_prefill_params(callback: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _trigger_sides(ctx: PDContext, placement: PDPlacement) -> tuple[MetaServer, InstanceView, InstanceView]:
-    """The metaserver and the placed (P, D) of a Trigger run (plain or streaming)."""
-    if ctx.metaserver is None:
-        raise NoCapacity("Trigger needs this process's metaserver, and none is configured")
-    placed_prefill, decode = _sides(placement)
-    return ctx.metaserver, placed_prefill, decode
-
-
 def _trigger_decode_request(engine_request: dict[str, Any], d_id: str, reg: Registration) -> dict[str, Any]:
     """D's leg in Trigger: remote prefill, with the registration's callback URL."""
     d_params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": reg.url}
@@ -67,12 +57,11 @@ def _trigger_decode_request(engine_request: dict[str, Any], d_id: str, reg: Regi
 
 
 def _start_push_prefill(
-    ctx: PDContext, engine_request: dict[str, Any], placed_prefill: InstanceView, p_id: str,
-    callback: Mapping[str, Any],
+    ctx: PDContext, engine_request: dict[str, Any], p_id: str, callback: Mapping[str, Any],
 ) -> asyncio.Task[dict[str, Any]]:
-    """D called back: pick P (the placed one unless ``ctx.pick_prefill`` says otherwise) and start
-    its prefill leg, pushing to where the callback says."""
-    prefill = ctx.pick_prefill() if ctx.pick_prefill is not None else placed_prefill
+    """D called back: pick P (``ctx.pick_prefill``: the placed one unless its breaker opened since)
+    and start its prefill leg, pushing to where the callback says."""
+    prefill = ctx.pick_prefill()
     p_request = prefill_request(engine_request, request_id=p_id, kv_transfer_params=push_prefill_params(callback))
     return asyncio.create_task(_leg(ctx, "prefill", prefill, p_request, _prefill_tokens(engine_request)))
 
@@ -124,9 +113,10 @@ async def open_trigger(
     returns (released or aborted exactly once on every exit path, cancellation included). Only
     D's stream and holds outlive it, on ``stack``. Raises ``EngineError`` naming D when D fails
     or never calls back within ``ctx.callback_timeout_s``, naming P when the prefill fails (D's
-    request is then aborted); ``NoCapacity`` without a metaserver or when no P is left.
+    request is then aborted); ``NoCapacity`` when no P is left.
     """
-    metaserver, placed_prefill, decode = _trigger_sides(ctx, placement)
+    metaserver = ctx.metaserver
+    _, decode = _sides(placement)
     _, d_id = leg_ids(engine_request["request_id"])
     # P's leg carries D's request id, as vllm-ascend's layer-wise proxy sends it: P tells D that
     # the last layer arrived by its own external request id, and D looks that id up among its
@@ -144,7 +134,7 @@ async def open_trigger(
         ok = False
         try:
             callback = await _await_callback(ctx, reg, d_task, decode)
-            p_task = _start_push_prefill(ctx, engine_request, placed_prefill, p_id, callback)
+            p_task = _start_push_prefill(ctx, engine_request, p_id, callback)
             pending: set[asyncio.Task[Any]] = {p_task, d_task}
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

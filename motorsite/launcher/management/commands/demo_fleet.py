@@ -10,7 +10,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
 
 from catalog.fingerprints import config_vocab_size
-from catalog.models import RenderConfig, ServedModel
+from catalog.models import RenderConfig, RenderSidecar, ServedModel
 from catalog.services import revision_record
 from fleet.models import ApiKey, EngineInstance
 from fleet.services import api_key_ensure, instance_create, instance_delete, instance_update
@@ -28,6 +28,10 @@ class Command(BaseCommand):
         parser.add_argument("--max-model-len", type=int, default=2048)
         parser.add_argument("--render-host", default="127.0.0.1")
         parser.add_argument("--render-port", type=int, default=8100)
+        parser.add_argument(
+            "--render-member-port", action="append", type=int, default=[],
+            help="another sidecar of the render pool on --render-host, repeatable",
+        )
         parser.add_argument("--engine", action="append", default=[], help="engine base URL, repeatable")
         parser.add_argument("--engine-kind", choices=["vllm", "sim"], default="vllm")
         # The parsers the render sidecar runs (its --reasoning-parser / --tool-call-parser): the
@@ -62,9 +66,16 @@ class Command(BaseCommand):
         # The version probe compares engines against this record; unchanged files add no row.
         revision_record(served_model=model, model_dir=opts["model_dir"], actor=ACTOR,
                         reasoning_parser=opts["reasoning_parser"], tool_parser=opts["tool_parser"])
-        RenderConfig.objects.update_or_create(
-            name="default", defaults={"host": opts["render_host"], "port": opts["render_port"], "enable": True}
+        ports = [opts["render_port"], *opts["render_member_port"]]
+        config, _ = RenderConfig.objects.update_or_create(
+            name="default",
+            defaults={"host": opts["render_host"], "port": opts["render_port"], "enable": True, "pool_size": len(ports)},
         )
+        # The pool is exactly the sidecars this run started (a member left from another run would
+        # be a port nobody listens on); members on other hosts are the operator's and stay.
+        config.sidecars.filter(host=opts["render_host"]).exclude(port__in=ports).delete()
+        for port in ports:
+            RenderSidecar.objects.get_or_create(render_config=config, host=opts["render_host"], port=port)
         Role = EngineInstance.Role
         fleet = [(Role.UNION, url) for url in opts["engine"]]
         fleet += [(Role.PREFILL, url) for url in opts["prefill"]] + [(Role.DECODE, url) for url in opts["decode"]]

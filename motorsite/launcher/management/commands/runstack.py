@@ -42,6 +42,10 @@ class Command(BaseCommand):
         )
         parser.add_argument("--render-port", type=int, default=int(os.environ.get("MOTOR_RENDER_PORT", "8100")))
         parser.add_argument(
+            "--render-pool-size", type=int, default=int(os.environ.get("MOTOR_RENDER_POOL_SIZE", "1")),
+            help="render sidecars to start, on --render-port and the ports after it (docs/render-pool.md)",
+        )
+        parser.add_argument(
             "--engine-ports",
             default=os.environ.get("MOTOR_ENGINE_PORTS", "8201,8202"),
             help="comma-separated, one engine per port",
@@ -79,6 +83,7 @@ class Command(BaseCommand):
             coordinator_port=opts["port"],
             server=opts["server"],
             render_port=opts["render_port"],
+            render_member_ports=tuple(opts["render_port"] + i for i in range(1, max(1, opts["render_pool_size"]))),
             engine_ports=_ports(opts["engine_ports"]),
             prefill_ports=_ports(opts["prefill_ports"]),
             decode_ports=_ports(opts["decode_ports"]),
@@ -128,7 +133,7 @@ class Command(BaseCommand):
                     f"  OpenAI API      {base}/v1   (Authorization: Bearer {api_key})",
                     f"  Django admin    {base}/admin/   (user admin, password {admin_password})",
                     f"  REST API        {base}/api/   (Authorization: Bearer {admin_key}; docs at {base}/api/docs)",
-                    f"  render sidecar  http://127.0.0.1:{cfg.render_port}",
+                    *[f"  render sidecar  http://127.0.0.1:{p}" for p in (cfg.render_port, *cfg.render_member_ports)],
                     *[f"  engine          {u}" for u in cfg.engine_urls],
                     "",
                     "try:",

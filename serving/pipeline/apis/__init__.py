@@ -1,0 +1,1 @@
+"""Client APIs served by the chat token path with a converter at its end (Messages, Responses)."""

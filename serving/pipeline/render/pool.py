@@ -1,0 +1,220 @@
+"""A model's render capacity as a pool of sidecars, picked per call by fewest outstanding calls.
+
+Render keeps no session and the coordinator carries ``stream_state``, so every call (a render,
+a whole derender, one streaming chunk) may go to any member that can serve it: the pool picks,
+for each call, the member with the fewest calls outstanding in this process among those whose
+version serves the call (the RFC's floors: 0.23 render of token ids, 0.24 derender, 0.27
+streaming derender) and that are neither marked down in this process (``RenderHealth``: a
+refused connection, or timeouts in a row) nor failing their probes.
+
+What a member's failure costs:
+- render: the next member is tried; only when none answered does the request fall back to the
+  local tokenizer (``TokenizationService``), with the last member's reason.
+- derender: a member that cannot be reached or answers 5xx is a fault of that member, and the
+  same call (same chunk, same previous state: derender is a pure function of both, and nothing
+  was committed) goes to the next one, all inside the call's one bound (``timeout_s``). A stream
+  therefore outlives the sidecar it started on without waiting for its restart. A timeout, a
+  request error or a missing capability ends the call as a single sidecar's would.
+
+``PoolState`` holds what the process knows of each member (outstanding calls and render-down
+memory, by base URL) and outlives snapshots: a member kept across a config change keeps its
+counts, and a new member starts fresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
+
+import httpx
+
+from serving.pipeline.errors import DerenderError, RenderUnavailable
+from serving.pipeline.http11 import Http11Client
+from serving.pipeline.protocol import ApiKind, TokenKind
+from serving.pipeline.render.client import DerenderRetryable, RenderClient
+from serving.pipeline.render.tokenization import RenderHealth
+from serving.pipeline.snapshot import RenderMember, RenderView
+
+T = TypeVar("T")
+
+# What a call needs of a member (RenderMember's capability flags by name).
+TOKEN_IN, DERENDER, STREAMING_DERENDER = "token_in", "derender", "streaming_derender"
+
+
+@dataclass
+class PoolState:
+    """Per-process, per-member memory: outstanding calls and the render-down cooldown."""
+
+    cooldown_s: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    outstanding: Counter[str] = field(default_factory=Counter)
+    health: dict[str, RenderHealth] = field(default_factory=dict)
+
+    def health_of(self, base_url: str) -> RenderHealth:
+        key = base_url.rstrip("/")
+        found = self.health.get(key)
+        if found is None:
+            found = self.health[key] = RenderHealth(self.cooldown_s, self.clock)
+        return found
+
+
+class PoolHealth(RenderHealth):
+    """The pool seen as one sidecar by the tokenizer and the native path: down only when every
+    member that could render is down. Members are marked by the pool itself, call by call."""
+
+    def __init__(self, pool: RenderPool) -> None:
+        super().__init__(pool.state.cooldown_s, pool.state.clock)
+        self._pool = pool
+
+    def skip(self) -> bool:
+        members = [m for m in self._pool.members if m.token_in]
+        return not members or all(self._pool.state.health_of(m.base_url).skip() for m in members)
+
+    def mark(self, exc: RenderUnavailable | None) -> None:
+        """Nothing to do: each member was marked when its call ended."""
+
+
+def pool_members(view: RenderView) -> tuple[RenderMember, ...]:
+    """The view's members; a view built without any (tests, older code) is one member at ``base_url``."""
+    if view.members:
+        return view.members
+    return (RenderMember(view.base_url.rstrip("/"), token_in=view.token_in, derender=view.derender,
+                         streaming_derender=view.streaming_derender),)
+
+
+def _serves(member: RenderMember, need: str, kind: str | None) -> bool:
+    routes = member.render_routes if need == TOKEN_IN else member.derender_routes
+    return kind is None or routes is None or kind in routes
+
+
+class RenderPool(RenderClient):
+    """A ``RenderClient`` whose every call goes to one member of the view's pool (see the module doc).
+
+    Calls one member through one ``RenderClient`` per member, so whatever a member call carries
+    (headers, bounds) is the single-sidecar client's.
+    """
+
+    def __init__(self, client: Http11Client, view: RenderView, state: PoolState | None = None) -> None:
+        self.members = pool_members(view)
+        super().__init__(client, self.members[0].base_url, view.timeout_s)
+        self.state = state or PoolState()
+        self._clients = {m.base_url: RenderClient(client, m.base_url, view.timeout_s) for m in self.members}
+        self.health_view = PoolHealth(self)
+
+    @property
+    def base_urls(self) -> tuple[str, ...]:
+        return tuple(m.base_url for m in self.members)
+
+    def candidates(self, need: str, kind: str | None = None) -> list[RenderMember]:
+        """Members that can serve a call needing ``need`` (for API ``kind``, when its route is
+        known), best first: those up before those down (marked in this process, or failing their
+        probes), each group by fewest outstanding calls (ties: pool order)."""
+        able = [m for m in self.members if getattr(m, need) and _serves(m, need, kind)]
+
+        def rank(item: tuple[int, RenderMember]) -> tuple[bool, int, int]:
+            i, m = item
+            down = not m.healthy or self.state.health_of(m.base_url).skip()
+            return down, self.state.outstanding[m.base_url], i
+
+        return [m for _, m in sorted(enumerate(able), key=rank)]
+
+    def pick(self, need: str, kind: str | None = None) -> RenderMember | None:
+        found = self.candidates(need, kind)
+        return found[0] if found else None
+
+    async def _on(self, member: RenderMember, call: Callable[[RenderClient], Awaitable[T]]) -> T:
+        self.state.outstanding[member.base_url] += 1
+        try:
+            return await call(self._clients[member.base_url])
+        finally:
+            self.state.outstanding[member.base_url] -= 1
+            if self.state.outstanding[member.base_url] <= 0:
+                del self.state.outstanding[member.base_url]
+
+    def _tries(self, need: str, kind: str | None) -> Iterator[RenderMember]:
+        """Each able member once, re-ranked before each try (the load moved while one failed)."""
+        tried: set[str] = set()
+        while True:
+            left = [m for m in self.candidates(need, kind) if m.base_url not in tried]
+            if not left:
+                return
+            tried.add(left[0].base_url)
+            yield left[0]
+
+    async def _render(self, kind: str, call: Callable[[RenderClient], Awaitable[T]]) -> T:
+        last: RenderUnavailable | None = None
+        for member in self._tries(TOKEN_IN, kind):
+            health = self.state.health_of(member.base_url)
+            if health.skip() and last is not None:
+                break  # the rest are down too (ranked last): the local tokenizer is next
+            try:
+                out = await self._on(member, call)
+            except RenderUnavailable as exc:
+                health.mark(exc)
+                last = exc
+                continue
+            health.mark(None)
+            return out
+        raise last or RenderUnavailable("no render sidecar of the pool can render token ids", reason="capability")
+
+    async def _derender(self, need: str, kind: str, call: Callable[[RenderClient], Awaitable[T]]) -> T:
+        last: DerenderError | None = None
+        try:
+            async with asyncio.timeout(self.timeout_s):  # one bound for the call, failovers included
+                for member in self._tries(need, kind):
+                    try:
+                        return await self._on(member, call)
+                    except DerenderRetryable as exc:
+                        if isinstance(exc.__cause__, httpx.TransportError):  # not a 5xx: nothing listens
+                            self.state.health_of(member.base_url).mark(
+                                RenderUnavailable(str(exc), reason="unreachable"))
+                        last = exc
+        except TimeoutError as exc:
+            raise DerenderError(f"derender took over {self.timeout_s:g}s", status=504) from exc
+        if last is not None:
+            raise last
+        raise DerenderError("the response stage is unavailable: no render sidecar of the pool can derender this")
+
+    # -- the RenderClient calls, each on one member -------------------------------------------------
+
+    async def render_chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        return await self._render("chat", lambda c: c.render_chat(body, request_id))
+
+    async def render_messages(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        return await self._render("messages", lambda c: c.render_messages(body, request_id))
+
+    async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+        return await self._render("completions", lambda c: c.render_completions(body, request_id))
+
+    async def prompt_lengths(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> list[int]:
+        return await self._render(kind, lambda c: c.prompt_lengths(kind, body, request_id))
+
+    async def derender_chat(
+        self, generate_response: dict[str, Any], *, prompt_token_ids: list[int], chat_request: dict[str, Any],
+        model: str | None,
+    ) -> dict[str, Any]:
+        return await self._derender(DERENDER, "chat", lambda c: c.derender_chat(
+            generate_response, prompt_token_ids=prompt_token_ids, chat_request=chat_request, model=model))
+
+    async def derender_completions(
+        self, generate_responses: list[dict[str, Any]], *, prompt_token_ids: list[list[int]],
+        completion_request: dict[str, Any], model: str | None,
+    ) -> dict[str, Any]:
+        return await self._derender(DERENDER, "completions", lambda c: c.derender_completions(
+            generate_responses, prompt_token_ids=prompt_token_ids, completion_request=completion_request, model=model))
+
+    async def derender_chunk(
+        self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: dict[str, Any] | None,
+        prompt_tokens: int, prompt_token_ids: list[int] | None, request: dict[str, Any] | None, model: str | None,
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        return await self._derender(STREAMING_DERENDER, kind, lambda c: c.derender_chunk(
+            kind, generate_chunk, stream_state=stream_state, prompt_tokens=prompt_tokens,
+            prompt_token_ids=prompt_token_ids, request=request, model=model))
+
+    async def health(self) -> bool:
+        """True when any member answers its health route."""
+        answers = await asyncio.gather(*(c.health() for c in self._clients.values()))
+        return any(answers)
