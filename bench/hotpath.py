@@ -105,8 +105,8 @@ async def via_coordinator(client: Http11Client, url: str, body: dict[str, Any], 
         if r.status_code != 200:
             s.errors.append(f"{r.status_code}: {(await r.aread())[:200]!r}")
             return
-        async for line in r.aiter_lines():
-            if first is None and line.startswith("data:") and '"content"' in line:
+        async for piece in r.aiter_raw():  # the client has no line reader (issue 34 removed it)
+            if first is None and b'"content"' in piece:
                 first = time.perf_counter() - t0
     if first is None:
         s.errors.append("stream without content")

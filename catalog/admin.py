@@ -13,6 +13,7 @@ from django.http import HttpRequest
 from catalog.key_refs import InvalidKeyRef, check_key_ref
 from catalog.models import ModelRevision, RenderConfig, RenderSidecar, ServedModel
 from catalog.render_versions import member_traffic, pool_traffic, render_traffic
+from catalog.served_models import served_model_set_state
 from catalog.services import render_config_save
 from motorsite.admin_forms import OperatorEditForm
 from motorsite.core import InvalidError, bump_control_version
@@ -31,9 +32,29 @@ def _save_changed(obj: Model, form: Any, change: bool) -> None:
 @admin.register(ServedModel)
 class ServedModelAdmin(admin.ModelAdmin):
     form = OperatorEditForm
-    list_display = ("name", "model_path", "max_model_len", "vocab_size", "active_revision", "instance_count")
+    list_display = ("name", "state", "model_path", "max_model_len", "vocab_size", "active_revision", "instance_count")
     list_select_related = ("active_revision",)
+    list_filter = ("state",)
     search_fields = ("name",)
+    actions = ("drain", "retire", "activate")
+
+    def _set_state(self, request: HttpRequest, queryset: QuerySet, state: str) -> None:
+        actor = f"admin:{request.user.get_username()}"
+        for name in queryset.values_list("name", flat=True):
+            served_model_set_state(name=name, state=state, actor=actor)
+        self.message_user(request, f"{queryset.count()} model(s) now {state}.", messages.SUCCESS)
+
+    @admin.action(description="Drain: take no new requests (503), let those in flight finish")
+    def drain(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._set_state(request, queryset, ServedModel.State.DRAINING)
+
+    @admin.action(description="Retire: unknown to clients (404), gone from /v1/models")
+    def retire(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._set_state(request, queryset, ServedModel.State.RETIRED)
+
+    @admin.action(description="Activate: serve again")
+    def activate(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._set_state(request, queryset, ServedModel.State.ACTIVE)
 
     @admin.display(description="instances", ordering="n_instances")
     def instance_count(self, obj: ServedModel) -> int:
@@ -134,7 +155,7 @@ class RenderSidecarAdmin(admin.ModelAdmin):
 class RenderConfigAdmin(admin.ModelAdmin):
     form = RenderConfigForm
     list_display = (
-        "name", "enable", "host", "port", "timeout_ms", "renderer_num_workers", "health", "sidecar_version",
+        "name", "served_model", "enable", "host", "port", "timeout_ms", "renderer_num_workers", "health", "sidecar_version",
         "traffic", "model_record", "restart_required",
     )
     readonly_fields = (
@@ -142,7 +163,7 @@ class RenderConfigAdmin(admin.ModelAdmin):
         "restart_required",
     )
     fieldsets = (
-        (None, {"fields": ("name", "enable")}),
+        (None, {"fields": ("name", "served_model", "enable")}),
         ("Sidecar", {"fields": ("image_name", "host", "port", "renderer_num_workers", "pool_size", "pool")}),
         ("Limits", {"fields": ("timeout_ms", "context_budget", "derender_coalesce", "stream_interval", "stream_interval_ms")}),
         ("Token obfuscation", {"fields": ("obfuscation", "obfuscation_key_ref", "obfuscation_key_id")}),

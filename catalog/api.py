@@ -49,6 +49,7 @@ class RenderSidecarOut(Schema):
 class RenderConfigOut(Schema):
     id: int
     name: str
+    served_model_id: int | None = Field(description="The served model this sidecar renders for; null: the default config.")
     enable: bool
     image_name: str
     host: str

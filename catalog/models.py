@@ -22,7 +22,17 @@ class Health(models.TextChoices):
 
 
 class ServedModel(models.Model):
-    """A model clients name in ``model``; engines and the render sidecar serve it under that name."""
+    """A model clients name in ``model``; engines and the render sidecar serve it under that name.
+
+    One fleet serves several: each model has its own render config (``RenderConfig.served_model``)
+    and its own engines, and a request is served only by its model's tiers.
+    """
+
+    class State(models.TextChoices):
+        ACTIVE = "active", "active"  # listed in /v1/models, takes requests
+        # Takes no new requests (503, retry elsewhere); requests already admitted finish.
+        DRAINING = "draining", "draining"
+        RETIRED = "retired", "retired"  # as if unknown: not listed, 404 model_not_found
 
     name = models.CharField(max_length=200, unique=True, help_text="The name clients send as `model`.")
     model_path = models.CharField(max_length=500, help_text="Model directory the tiers load.")
@@ -35,6 +45,10 @@ class ServedModel(models.Model):
     active_revision = models.ForeignKey(
         "serving.ModelRevision", models.SET_NULL, null=True, blank=True, related_name="+",
         help_text="The revision render and engines must agree on.",
+    )
+    state = models.CharField(
+        max_length=10, choices=State.choices, default=State.ACTIVE,
+        help_text="active: served; draining: no new requests (503), those in flight finish; retired: unknown to clients (404).",
     )
     created = models.DateTimeField(auto_now_add=True)
 
@@ -84,6 +98,11 @@ class RenderConfig(models.Model):
     """The RFC's ``render_config``: where the render sidecar is and how it is called."""
 
     name = models.CharField(max_length=100, unique=True, default="default")
+    served_model = models.OneToOneField(
+        ServedModel, models.SET_NULL, null=True, blank=True, related_name="render_config",
+        help_text="The model this sidecar renders for. Empty: the default config, used by every model that has "
+        "none of its own (the oldest such row).",
+    )
     enable = models.BooleanField(default=True, help_text="Off: requests take the engines' native path.")
     image_name = models.CharField(max_length=200, blank=True, help_text="Empty: reuse the coordinator image.")
     host = models.CharField(max_length=200, default="127.0.0.1")

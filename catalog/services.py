@@ -130,7 +130,7 @@ def render_config_publish(*, changes: dict[str, Any], actor: str, name: str | No
 
 
 # What an operator sets on a render config; every other column is the probes' or the launcher's.
-RENDER_CONFIG_FIELDS = ("name", *RenderConfig.IMPORT_KEYS)
+RENDER_CONFIG_FIELDS = ("name", "served_model", *RenderConfig.IMPORT_KEYS)
 # The columns only the probes and the launcher write (compare-and-set updates, never a save).
 _MACHINE_FIELDS = (
     "sidecar_version", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",

@@ -45,7 +45,7 @@ from fleet.verdicts import (  # noqa: F401  (the verdicts are part of what calle
     record_mismatch,
 )
 from motorsite import tiers
-from motorsite.core import bump_control_version, current_render_config
+from motorsite.core import bump_control_version, current_render_config, render_configs_by_model
 
 logger = logging.getLogger(__name__)
 
@@ -197,30 +197,45 @@ def probe_versions(*, client: httpx.Client | None = None) -> VersionProbeSummary
     """
     summary = VersionProbeSummary()
     cfg = current_render_config()
+    models = list(ServedModel.objects.select_related("active_revision").order_by("id"))
+    # Each model's engines are compared with its own sidecar (one render config per model).
+    configs = render_configs_by_model(models)
+    sidecars = [cfg] if cfg is not None else []
+    for config in configs.values():
+        if config is not None and config.pk is not None and all(config.pk != x.pk for x in sidecars):
+            sidecars.append(config)
     with _client(client) as c:
         references: dict[int, TierReport] = {}
-        render_models: Any = {}
-        if cfg is not None:
+        answers: dict[int, tuple[str, Any]] = {}  # render config id -> (version, its /v1/models)
+        for config in sidecars:
+            key = "render" if config is cfg else f"render:{config.name}"
             start = time.perf_counter()
             try:
-                version = _get_json(c, cfg.base_url + "/version")
-                render_models = _get_json(c, cfg.base_url + "/v1/models")
+                version = _get_json(c, config.base_url + "/version")
+                listed = _get_json(c, config.base_url + "/v1/models")
             except (httpx.HTTPError, ValueError) as exc:
-                summary.errors["render"] = f"{type(exc).__name__}: {exc}"
-                _version_result(None, False, start, {}, summary.errors["render"])
-            else:
-                summary.render_version = str(version.get("version") or "") if isinstance(version, dict) else ""
-                _apply_render_version(cfg, summary, start)
-        for model in ServedModel.objects.select_related("active_revision"):
+                summary.errors[key] = f"{type(exc).__name__}: {exc}"
+                _version_result(None, False, start, {}, summary.errors[key])
+                continue
+            own = summary if config is cfg else VersionProbeSummary()
+            own.render_version = str(version.get("version") or "") if isinstance(version, dict) else ""
+            _apply_render_version(config, own, start)
+            answers[config.pk] = (own.render_version, listed)
+        for model in models:
             _record_vocab_size(model)
             fingerprint = (
                 model.active_revision.fingerprint() if model.active_revision else fingerprint_model_dir(model.model_path)
             )
-            references[model.id] = TierReport.from_answers(
-                model.name, render_models, {"version": summary.render_version}, fingerprint
-            )
-        if cfg is not None and "render" not in summary.errors:
-            _record_render_mismatch(cfg, list(ServedModel.objects.order_by("name")), references)
+            config = configs.get(model.id)
+            version, listed = answers.get(config.pk, ("", {})) if config is not None and config.pk else ("", {})
+            references[model.id] = TierReport.from_answers(model.name, listed, {"version": version}, fingerprint)
+        for config in sidecars:
+            if config.pk in answers:
+                own_models = sorted(
+                    (m for m in models if (configs.get(m.id) is not None and configs[m.id].pk == config.pk)),
+                    key=lambda m: m.name,
+                )
+                _record_render_mismatch(config, own_models, references)
         for instance in EngineInstance.objects.select_related("served_model").exclude(state=EngineInstance.State.DISABLED):
             _probe_engine_version(c, instance, references.get(instance.served_model_id), summary)
     return summary

@@ -63,12 +63,14 @@ def member_capabilities(client: httpx.Client, base_url: str) -> dict[str, Any]:
 
 def probe_render_pool(*, client: httpx.Client | None = None) -> dict[str, bool]:
     """Probe every member of every enabled render config's pool; return base URL -> health probe ok."""
-    model = ServedModel.objects.order_by("id").first()
-    ready = tiers.render_ready_request(model.name if model else "default")
+    first = ServedModel.objects.order_by("id").first()
     outcomes: dict[str, bool] = {}
     with _client(client) as c:
-        for member in RenderSidecar.objects.filter(render_config__enable=True).order_by("render_config_id", "id"):
-            outcome = _post_ready(c, member.base_url, ready)
+        members = RenderSidecar.objects.filter(render_config__enable=True).select_related("render_config__served_model")
+        for member in members.order_by("render_config_id", "id"):
+            # A model's own sidecar knows only its model's name; the default config serves the first.
+            owner = member.render_config.served_model or first
+            outcome = _post_ready(c, member.base_url, tiers.render_ready_request(owner.name if owner else "default"))
             # The chat render proved the tokenizer and the template load.
             try:
                 caps = {**member_capabilities(c, member.base_url), "tokenizer_loaded": outcome.ok}

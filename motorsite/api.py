@@ -105,8 +105,9 @@ def declare_shared_errors(router: Router) -> None:
 
 
 from catalog.api import router as catalog_router  # noqa: E402
+from catalog.models_api import router as models_router  # noqa: E402
 from fleet.api import router as fleet_router  # noqa: E402  (after the handlers: they are the API's)
 
-for _router in (fleet_router, catalog_router):
+for _router in (fleet_router, catalog_router, models_router):
     declare_shared_errors(_router)
     api.add_router("", _router)

@@ -22,7 +22,7 @@ from django.http import HttpRequest
 from ninja import Field, Schema
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from catalog.models import RenderConfig
+from catalog.models import RenderConfig, ServedModel
 from fleet.models import ApiKey, ControlVersion
 
 
@@ -72,6 +72,22 @@ def current_render_config() -> RenderConfig | None:
     one row, so they can never disagree about which sidecar is meant.
     """
     return RenderConfig.objects.order_by("id").first()
+
+
+def render_configs_by_model(models: list[ServedModel]) -> dict[int, RenderConfig | None]:
+    """Each model's render config, by model id, in one query.
+
+    A model's own row (``RenderConfig.served_model``) if it has one, else the default (the oldest
+    row linked to no model). None when neither exists: with no row at all the caller uses
+    ``RenderConfig()``'s defaults, as a fresh single-model deployment always has; with rows that
+    all belong to other models, that model has no sidecar and must never be sent to another's.
+    """
+    rows = list(RenderConfig.objects.order_by("id"))
+    own = {cfg.served_model_id: cfg for cfg in rows if cfg.served_model_id is not None}
+    default = next((cfg for cfg in rows if cfg.served_model_id is None), None)
+    if not rows:
+        return {m.id: RenderConfig() for m in models}
+    return {m.id: own.get(m.id, default) for m in models}
 
 
 # -- what every API router shares ---------------------------------------------------------------

@@ -32,6 +32,16 @@ UVICORN_PROTOCOL = "motorsite.uvicorn_protocol:HeaderDeadlineProtocol"
 
 
 @dataclass(frozen=True)
+class ExtraModel:
+    """Another served model of the same fleet, with its own render sidecar and union engines."""
+
+    name: str
+    model_dir: str
+    render_port: int
+    engine_ports: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class StackConfig:
     model_dir: str
     render_python: str
@@ -77,6 +87,9 @@ class StackConfig:
     # Every process but the coordinator is restarted when it exits (only under Supervisor.wait:
     # `make run`); the coordinator's own death stops the stack. None: nothing is restarted.
     restart: RestartPolicy | None = RestartPolicy()
+    # More served models beside ``served_model_name``, each with its own sidecar and engines
+    # (``make run`` with MOTOR_SECOND_MODEL=1 adds one; docs/models.md). Empty: one model, as always.
+    extra_models: tuple[ExtraModel, ...] = ()
 
     @property
     def coordinator_url(self) -> str:
@@ -309,9 +322,31 @@ def celery_specs(cfg: StackConfig) -> list[ProcessSpec]:
     return specs
 
 
+def model_config(cfg: StackConfig, model: ExtraModel) -> StackConfig:
+    """``cfg`` as it would be if ``model`` were its one model: its sidecar and union engines only."""
+    return replace(
+        cfg, model_dir=model.model_dir, served_model_name=model.name, render_port=model.render_port,
+        engine_ports=model.engine_ports, prefill_ports=(), decode_ports=(), render_parsers=False,
+        render_member_ports=(),  # one sidecar each (a pool per extra model is not wired yet)
+    )
+
+
+def extra_model_specs(cfg: StackConfig) -> list[ProcessSpec]:
+    """The render sidecar and engines of each extra model, named after it (render-NAME, engine-NAME-1)."""
+    specs = []
+    for model in cfg.extra_models:
+        mcfg = model_config(cfg, model)
+        for spec in (render_spec(mcfg), *engine_specs(mcfg)):
+            name = spec.name.replace("render", f"render-{model.name}", 1).replace("engine", f"engine-{model.name}", 1)
+            specs.append(replace(spec, name=name, log_path=cfg.log_dir / f"{name}.log"))
+    return specs
+
+
 def build_specs(cfg: StackConfig) -> list[ProcessSpec]:
     celery = celery_specs(cfg) if cfg.celery else []
-    tiers_group = together([*render_specs(cfg), *engine_specs(cfg), *pd_engine_specs(cfg)])
+    tiers_group = together([
+        *render_specs(cfg), *engine_specs(cfg), *pd_engine_specs(cfg), *extra_model_specs(cfg),
+    ])
     return [*tiers_group, *together(celery), coordinator_spec(cfg)]
 
 
@@ -343,3 +378,16 @@ def prepare_database(cfg: StackConfig) -> None:
     # The password goes by the environment, never argv: any user of the machine reads argv (ps).
     fleet_env = {**env, "MOTOR_DEMO_ADMIN_PASSWORD": cfg.admin_password} if cfg.admin_password else env
     subprocess.run(fleet, check=True, env=fleet_env, cwd=ROOT)
+    for model in cfg.extra_models:
+        # Only this model's rows: its own render config and engines, the first model's untouched.
+        extra = [
+            *manage, "demo_fleet", "--only-this-model",
+            "--model-dir", model.model_dir,
+            "--served-model-name", model.name,
+            "--max-model-len", str(cfg.max_model_len),
+            "--render-port", str(model.render_port),
+            "--engine-kind", cfg.engines,
+        ]
+        for port in model.engine_ports:
+            extra += ["--engine", f"http://{HOST}:{port}"]
+        subprocess.run(extra, check=True, env=env, cwd=ROOT)

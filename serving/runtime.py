@@ -271,7 +271,7 @@ def sync_kv_events(snapshot: FleetSnapshot) -> None:
         # Only instances that may take this deployment's traffic (their obfuscation key fits).
         state.hub.sync({
             i.name: i.kv_events_endpoint for i in snapshot.instances
-            if i.kv_events_endpoint and obfuscation.eligible(i, snapshot.render)[0]
+            if i.kv_events_endpoint and obfuscation.eligible(i, snapshot.render_of(i.model))[0]
         })
         names = frozenset(i.name for i in snapshot.instances)
         for gone in state.names - names:
@@ -328,14 +328,35 @@ def render_pool_for(view: RenderView) -> RenderPool:
     return pool
 
 
-def pipeline_for(snapshot: FleetSnapshot) -> ServingPipeline:
+# The per-model views of the current snapshot (``FleetSnapshot.for_model``), made once per
+# snapshot and model, so a request's path builds nothing and filters nothing per request.
+_views_of: FleetSnapshot | None = None
+_views: dict[str, FleetSnapshot] = {}
+
+
+def model_snapshot(snapshot: FleetSnapshot, model: str) -> FleetSnapshot:
+    """``snapshot`` as a request for ``model`` sees it (cached until the snapshot changes)."""
+    global _views_of, _views
+    if _views_of is not snapshot:
+        _views_of, _views = snapshot, {}
+    view = _views.get(model)
+    if view is None:
+        view = _views[model] = snapshot.for_model(model)
+    return view
+
+
+def pipeline_for(snapshot: FleetSnapshot, model: str | None = None) -> ServingPipeline:
+    """The pipeline for a request; with ``model``, over that model's view of the fleet only."""
+    # KV events from the whole fleet, not one model's view (which would unsubscribe the others).
+    sync_kv_events(snapshot)
+    if model is not None:
+        snapshot = model_snapshot(snapshot, model)
     client = http.shared_client()
     # The render pool of the snapshot's view: each call picks its member (render/pool.py).
     render = render_pool_for(snapshot.render)
     boundary = EngineBoundary(obfuscation_mapping(snapshot))
     # Placement keeps instances whose declared key id does not fit the render config out of
     # traffic itself (placement/filters.py), so the pipeline gets the snapshot as it is.
-    sync_kv_events(snapshot)
     deadline = ReplyDeadline(settings.MOTOR_ENGINE_READ_TIMEOUT_S, settings.MOTOR_ENGINE_REPLY_S_PER_TOKEN)
     return ServingPipeline(
         snapshot, render, EngineClient(client, deadline=deadline), scheduler,

@@ -29,7 +29,7 @@ from catalog.models import Health, RenderConfig, ServedModel
 from catalog.render_versions import probed_capabilities
 from fleet.ascend import ASCEND_CONNECTORS, ASCEND_GENERATIONS
 from fleet.models import ApiKey, BreakerState, EngineInstance
-from motorsite.core import current_render_config, read_control_version
+from motorsite.core import current_render_config, read_control_version, render_configs_by_model
 from serving import obfuscation_keys
 from serving.pipeline.errors import ControlDataUnavailable
 from serving.pipeline.snapshot import ClientKeyView, FleetSnapshot, InstanceView, ModelView, RenderMember, RenderView
@@ -50,19 +50,48 @@ logger = logging.getLogger(__name__)
 def build_snapshot(version: int | None = None) -> FleetSnapshot:
     if version is None:
         version = read_control_version()
+    rows = list(ServedModel.objects.select_related("active_revision").order_by("id"))
     models = {
         m.name: ModelView(
             m.name, m.model_path, m.max_model_len, m.vocab_size or config_vocab_size(m.model_path),
             reasoning_parser=m.active_revision.reasoning_parser if m.active_revision else "",
             tool_parser=m.active_revision.tool_parser if m.active_revision else "",
+            state=m.state,
         )
-        for m in ServedModel.objects.select_related("active_revision")
+        for m in rows
     }
-    cfg = current_render_config() or RenderConfig()
-    # The key stays out of the snapshot; its mapping is registered with the data plane by key id.
-    obfuscation_keys.load_for(cfg, models.values())
+    configs = render_configs_by_model(rows)
+    renders: dict[str, RenderView] = {}
+    for m in rows:
+        cfg = configs[m.id]
+        if cfg is None:
+            renders[m.name] = NO_RENDER  # no sidecar of its own: never another model's
+            continue
+        # The key stays out of the snapshot; its mapping is registered with the data plane by key id.
+        obfuscation_keys.load_for(cfg, [models[m.name]])
+        renders[m.name] = render_view(cfg)
+    # The first model's (or the defaults without any): what code reading one render view sees.
+    render = next(iter(renders.values()), None) or render_view(current_render_config() or RenderConfig())
+    instances = tuple(_instance_view(i) for i in EngineInstance.objects.select_related("served_model", "breaker"))
+    keys = list(ApiKey.objects.filter(scope=ApiKey.Scope.CLIENT).values_list(
+        "key_hash", "name", "tokens_per_minute", "allow_priority", "revoked",
+    ))
+    client_keys = {h: ClientKeyView(name, tpm, prio) for h, name, tpm, prio, revoked in keys if not revoked}
+    admin_keys = frozenset(ApiKey.objects.filter(scope=ApiKey.Scope.ADMIN, revoked=False).values_list("key_hash", flat=True))
+    return FleetSnapshot(
+        version=version, models=models, render=render, renders=renders, instances=instances,
+        client_keys=client_keys, client_keys_managed=bool(keys), admin_keys=admin_keys,
+    )
+
+
+# A model whose render config rows all belong to other models: native path on its own engines.
+NO_RENDER = RenderView(enable=False, base_url="", timeout_s=5.0)
+
+
+def render_view(cfg: RenderConfig) -> RenderView:
+    """The data plane's view of one model's render config and its pool."""
     members = render_members(cfg)
-    render = RenderView(
+    return RenderView(
         enable=cfg.enable,
         base_url=members[0].base_url,
         timeout_s=cfg.timeout_ms / 1000,
@@ -77,16 +106,6 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
         stream_interval=cfg.stream_interval,
         stream_interval_ms=cfg.stream_interval_ms,
         members=members,
-    )
-    instances = tuple(_instance_view(i) for i in EngineInstance.objects.select_related("served_model", "breaker"))
-    keys = list(ApiKey.objects.filter(scope=ApiKey.Scope.CLIENT).values_list(
-        "key_hash", "name", "tokens_per_minute", "allow_priority", "revoked",
-    ))
-    client_keys = {h: ClientKeyView(name, tpm, prio) for h, name, tpm, prio, revoked in keys if not revoked}
-    admin_keys = frozenset(ApiKey.objects.filter(scope=ApiKey.Scope.ADMIN, revoked=False).values_list("key_hash", flat=True))
-    return FleetSnapshot(
-        version=version, models=models, render=render, instances=instances,
-        client_keys=client_keys, client_keys_managed=bool(keys), admin_keys=admin_keys,
     )
 
 

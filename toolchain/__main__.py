@@ -7,7 +7,7 @@ import sys
 
 from . import OBF_TEST_KEY, ROOT, ensure, ensure_chromium, ensure_docker_compose, location, python, rehash, relock
 
-KINDS = ("app", "render", "engine", "model", "model-obf")
+KINDS = ("app", "render", "engine", "model", "model-obf", "model-b")
 
 
 def main(argv: list[str]) -> int:
@@ -62,6 +62,8 @@ def toolchain_env() -> dict[str, str]:
         "MOTOR_RENDER_PYTHON": str(python("render")),
         "MOTOR_ENGINE_PYTHON": str(python("engine")),
         "MOTOR_MODEL_DIR": str(location("model")),
+        # The second small model (another vocabulary and chat template): two models, one fleet.
+        "MOTOR_MODEL_B_DIR": str(location("model-b")),
         # The tiny model obfuscated with the public test key, for the obfuscation tests.
         "MOTOR_OBF_MODEL_DIR": str(location("model-obf")),
         "MOTOR_OBF_TEST_KEY": OBF_TEST_KEY,

@@ -38,6 +38,7 @@ from serving.pipeline.apis.messages import anthropic_error
 from serving.pipeline.apis.messages_stream import MessagesStream
 from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import (
+    ModelDraining,
     ModelNotFound,
     MotorError,
     NotFound,
@@ -45,6 +46,7 @@ from serving.pipeline.errors import (
     error_body,
     error_headers,
 )
+from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.phases import Phases
 from serving.pipeline.request_checks import RESPONSE_CONTROLS
 from serving.pipeline.service import EventStream
@@ -83,14 +85,26 @@ def _check_media_type(scope: Scope) -> None:
         raise RequestError("Unsupported Media Type: Only 'application/json' is allowed.")
 
 
-def _resolve_model(body: dict[str, Any], snapshot: FleetSnapshot) -> None:
+def _resolve_model(body: dict[str, Any], snapshot: FleetSnapshot) -> str:
+    """The served model the request names (set into ``body`` when absent), else the client's error.
+
+    A retired model is unknown to clients; a draining one refuses new requests with 503 while
+    those already admitted finish. Both decided here, before any render call.
+    """
     model = body.get("model")
-    if model is None and snapshot.models:
+    if model is None:
         # vLLM serves the first served name when `model` is absent; so does the coordinator.
-        body["model"] = next(iter(snapshot.models))
-        return
-    if not isinstance(model, str) or model not in snapshot.models:
+        model = next((m.name for m in snapshot.models.values() if m.serves_requests), None)
+        if model is None:
+            raise ModelNotFound("None")
+        body["model"] = model
+        return model
+    view = snapshot.models.get(model) if isinstance(model, str) else None
+    if view is None or view.state == "retired":
         raise ModelNotFound(str(model))
+    if not view.serves_requests:
+        raise ModelDraining(model)
+    return model
 
 
 def _log_error(request_id: str, kind: str, exc: BaseException, start: float) -> None:
@@ -130,7 +144,8 @@ def serve(kind: str) -> Endpoint:
             except BodyTooLarge:
                 raise RequestError("The request body is too large.", status=413) from None
             body = parse_object(raw, max_depth=settings.MOTOR_MAX_JSON_DEPTH)
-            _resolve_model(body, snapshot)
+            model = _resolve_model(body, snapshot)
+            rate_limit.scope_to_model(model)
         except ClientGone:
             return
         except Exception as exc:
@@ -145,7 +160,7 @@ def serve(kind: str) -> Endpoint:
         carried = phases.trace.headers if phases.trace is not None else parent
         token = tracing.carry(carried) if carried else None
         try:
-            await _serve(kind, body, request_id, rid, phases, snapshot, start, receive, send)
+            await _serve(kind, body, request_id, rid, phases, snapshot, model, start, receive, send)
         except BaseException as exc:
             phases.close(exc)
             raise
@@ -158,13 +173,14 @@ def serve(kind: str) -> Endpoint:
 
 
 async def _serve(
-    kind: str, body: dict[str, Any], request_id: str, rid: bytes, phases: Phases, snapshot: FleetSnapshot, start: float,
-    receive: Receive, send: Send,
+    kind: str, body: dict[str, Any], request_id: str, rid: bytes, phases: Phases, snapshot: FleetSnapshot, model: str,
+    start: float, receive: Receive, send: Send,
 ) -> None:
     """Run the pipeline's ``kind`` on a parsed request and send its answer (a stream or JSON)."""
     async with DisconnectWatch(receive) as watch:
         try:
-            pipeline = pipeline_for(snapshot)
+            # Over the model's own view of the fleet: its render config and its engines only.
+            pipeline = pipeline_for(snapshot, model)
             result = await getattr(pipeline, kind)(body, request_id, phases)
         except Exception as exc:
             watch.complete = True
@@ -225,6 +241,7 @@ async def models(scope: Scope, receive: Receive, send: Send) -> None:
             "permission": [],
         }
         for m in snapshot.models.values()
+        if m.serves_requests
     ]
     await send_json(send, 200, {"object": "list", "data": data})
 

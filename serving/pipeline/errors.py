@@ -73,6 +73,16 @@ class ModelNotFound(NotFound):
         super().__init__(f"The model `{model}` does not exist.", param="model")
 
 
+class ModelDraining(MotorError):
+    """The operator is draining the model: it takes no new requests (those admitted finish)."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` is draining and takes no new requests.", param="model")
+
+
 class UpstreamRequestError(MotorError):
     """A 4xx from render, an engine or derender about the request: passed through verbatim."""
 

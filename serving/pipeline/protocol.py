@@ -1,15 +1,17 @@
 """The data plane's wire vocabulary: request kinds, topology names and vLLM's token-only shapes.
 
 Kinds are ``Literal`` types so a misspelt kind is a type error, not a branch never taken. The
-TypedDicts describe vLLM's ``/inference/v1/generate`` wire shapes (vllm-protocol.md sections 3
-and 4) as the coordinator uses them: every key optional where vLLM may omit it. They document
-and type the engine boundary; code that copies or rewrites bodies keeps plain dicts.
+msgspec Structs are vLLM's wire types where the coordinator decodes or validates them: render's
+generate requests, the generate answers and stream events (vllm-protocol.md 3.1, 3.4 and 3.5)
+and the KV cache events.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Literal, TypedDict
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 # OpenAI APIs the coordinator serves token-only (render + derender exist for them).
 TokenKind = Literal["chat", "completions"]
@@ -26,63 +28,99 @@ TokenizerSource = Literal["render", "local"]
 EventBatches = AsyncIterator[list[dict[str, Any]]]
 
 
-class SamplingParams(TypedDict, total=False):
-    max_tokens: int
-    min_tokens: int
-    n: int
-    temperature: float
-    top_p: float
-    seed: int
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: int | None
-    prompt_logprobs: int | None
+# vLLM's token-mode generate request as render returns it and the generate answers
+# (vllm-protocol.md 3.1, 3.4, 3.5), as msgspec Structs that validate what the coordinator relies
+# on: ids, request ids, sampling params, every choice's token ids. The data plane keeps
+# the answers as dicts (it rewrites them in place on the way to derender); these Structs are
+# checked with ``msgspec.convert`` and unknown fields are ignored, so vLLM may add fields.
+class GenerateRequest(msgspec.Struct, gc=False):
+    """``POST /inference/v1/generate`` (3.1) as render returns it: what the pipeline reads of it
+    (engine request ids and logs, budgets and admission) before it sends it on as a dict."""
+
+    token_ids: Annotated[list[int], msgspec.Meta(min_length=1)]
+    request_id: Annotated[str, msgspec.Meta(min_length=1)]
+    sampling_params: dict[str, Any]
 
 
-class GenerateRequest(TypedDict, total=False):
-    """``POST /inference/v1/generate`` (section 3.1); ``token_ids`` and ``request_id`` always set."""
-
-    request_id: str
+class GenerateChoice(msgspec.Struct, gc=False):
     token_ids: list[int]
-    sampling_params: SamplingParams
-    stream: bool
-    stream_options: dict[str, Any] | None
-    kv_transfer_params: dict[str, Any] | None
-    cache_salt: str | None
-    priority: int
+    index: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: dict[str, Any] | None = None
 
 
-class GenerateChoice(TypedDict, total=False):
-    index: int
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: int | str | None
-    logprobs: dict[str, Any] | None
+class Usage(msgspec.Struct, gc=False):
+    prompt_tokens: int = 0
+    completion_tokens: int | None = None
+    total_tokens: int = 0
 
 
-class Usage(TypedDict, total=False):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
+class GenerateResponse(msgspec.Struct, gc=False):
+    """The non-streaming answer (3.4): one choice per sample, P's ``kv_transfer_params``."""
 
-
-class GenerateResponse(TypedDict, total=False):
-    """The non-streaming answer (section 3.3): one choice per sample, P's ``kv_transfer_params``."""
-
-    request_id: str
     choices: list[GenerateChoice]
-    usage: Usage | None
-    kv_transfer_params: dict[str, Any] | None
-    prompt_logprobs: list[Any] | None
+    request_id: str | None = None
+    usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
-class GenerateEvent(TypedDict, total=False):
-    """One SSE event of a streaming generate (section 4): choices with new ids, or the usage event
+class GenerateEvent(msgspec.Struct, gc=False):
+    """One SSE event of a streaming generate (3.5): a choice's new ids, the usage event
     (``choices == []``), or an in-band ``error``."""
 
-    request_id: str
-    choices: list[GenerateChoice]
-    usage: Usage | None
-    output_mode: Literal["tokens"]
-    error: dict[str, Any]
+    choices: list[GenerateChoice] = []
+    request_id: str | None = None
+    usage: Usage | None = None
+    output_mode: str = "tokens"
+    error: Any = None  # any shape: raise_for_error_event classifies it
 
+
+# vLLM's KV cache events (``vllm/distributed/kv_events.py``, 0.32 and 0.33), decoded by msgspec
+# as vLLM encodes them: the batch array-like, each event a map tagged by ``"type"`` with
+# ``omit_defaults``. Unknown fields are skipped, so a newer engine's additions decode.
+ExternalBlockHash = bytes | int
+
+
+class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None

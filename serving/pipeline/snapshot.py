@@ -23,6 +23,11 @@ class ModelView:
     # parser, so with either set it refuses chats rather than answer them differently.
     reasoning_parser: str = ""
     tool_parser: str = ""
+    state: str = "active"  # active | draining | retired (ServedModel.State)
+
+    @property
+    def serves_requests(self) -> bool:
+        return self.state == "active"
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +127,33 @@ class InstanceView:
 class FleetSnapshot:
     version: int
     models: Mapping[str, ModelView]
+    # The render config of the first model (of every model in a hand-built snapshot without
+    # ``renders``); a request's pipeline reads its own model's, from ``for_model``.
     render: RenderView
     instances: tuple[InstanceView, ...] = field(default_factory=tuple)
+    # Each served model's render config by model name; a model missing here uses ``render``.
+    renders: Mapping[str, RenderView] = field(default_factory=dict)
     # Active client keys for /v1 by sha256 hex of the key. ``client_keys_managed`` is True once any
     # client key record exists (even revoked): from then on only these keys open /v1.
     client_keys: Mapping[str, ClientKeyView] = field(default_factory=dict)
     client_keys_managed: bool = False
     # Active admin keys (/api) by sha256 hex: the front door refuses a body without one unread.
     admin_keys: frozenset[str] = frozenset()
+
+    def render_of(self, model: str) -> RenderView:
+        return self.renders.get(model, self.render)
+
+    def for_model(self, model: str) -> FleetSnapshot:
+        """The fleet as one model's request sees it: that model, its render config and only its
+        instances, so nothing on its path (render, placement, generate, derender) can reach
+        another model's tiers. Same version: it is a view of this snapshot, not a new one."""
+        return FleetSnapshot(
+            version=self.version,
+            models={model: self.models[model]} if model in self.models else {},
+            render=self.render_of(model),
+            instances=tuple(i for i in self.instances if i.model == model),
+            renders={},
+            client_keys=self.client_keys,
+            client_keys_managed=self.client_keys_managed,
+            admin_keys=self.admin_keys,
+        )

@@ -53,4 +53,6 @@ def test_rows_written_before_the_move_are_found_after_migrating_forward() -> Non
 
     assert ServedModel.objects.get().name == "tiny"
     assert RenderConfig.objects.get().port == 8123
+    # One render config per model: the one in force became the existing model's (0010).
+    assert RenderConfig.objects.get().served_model.name == "tiny"
     assert EngineInstance.objects.select_related("served_model").get(name="e1").served_model.name == "tiny"

@@ -228,3 +228,24 @@ def test_the_operator_adopts_the_model_an_engine_reports(staff_client: Client, f
     assert not EngineInstance.objects.exclude(model_mismatch="").exists()
     history = staff_client.get(f"/admin/fleet/engineinstance/{fleet[1].id}/history/").content.decode()
     assert "model: true → false" in history and "adopted from e0" in history
+
+
+def test_the_served_model_actions_drain_retire_and_activate(staff_client: Client, served_model: ServedModel) -> None:
+    from motorsite.core import read_control_version
+
+    def act(name: str) -> list[str]:
+        data = {"action": name, "_selected_action": [str(served_model.id)]}
+        return messages_of(staff_client.post("/admin/serving/servedmodel/", data, follow=True))
+
+    for name, state in (("drain", "draining"), ("retire", "retired"), ("activate", "active")):
+        before = read_control_version()
+        assert act(name) == [f"1 model(s) now {state}."]
+        assert ServedModel.objects.get().state == state and read_control_version() > before
+
+
+def test_a_render_config_is_given_its_model_in_the_admin(staff_client: Client, served_model: ServedModel) -> None:
+    config = RenderConfig.objects.create(name="tiny")
+    form = {"name": "tiny", "served_model": served_model.id, "enable": "on", "host": "127.0.0.1", "port": 8100,
+            "timeout_ms": 5000, "renderer_num_workers": 4, "stream_interval": 1, "stream_interval_ms": 0}
+    assert staff_client.post(f"/admin/serving/renderconfig/{config.id}/change/", form).status_code == 302
+    assert RenderConfig.objects.get().served_model == served_model

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
 import pytest
 
 from enginesim.kvcache import block_stored
@@ -32,17 +33,16 @@ def block_size_from_metrics(text: str) -> int | None:
     return None
 
 
-class RecordingIndex(KVAffinityIndex):
-    """Keeps the raw events too, to compare their shape with the simulator's."""
+class RecordingSubscriber(KVEventSubscriber):
+    """Keeps the raw events (msgpack maps) too, to compare their shape with the simulator's."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.events: list[dict[str, Any]] = []
 
-    def apply_events(self, instance: str, events: Any) -> None:
-        events = list(events)
-        self.events.extend(events)
-        super().apply_events(instance, events)
+    def _handle(self, frames: Sequence[bytes]) -> None:
+        self.events.extend(msgpack.unpackb(frames[2])[1])
+        super()._handle(frames)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +75,8 @@ def _generate(ids: list[int]) -> dict[str, Any]:
 
 async def test_it_indexes_a_real_engines_blocks_by_their_token_ids(kv_engine: tuple[str, str]) -> None:
     url, endpoint = kv_engine
-    index = RecordingIndex()
-    subscriber = KVEventSubscriber("engine", endpoint, index, topic="kv")
+    index = KVAffinityIndex()
+    subscriber = RecordingSubscriber("engine", endpoint, index, topic="kv")
     subscriber.start()
     try:
         await subscriber.wait_ready()
@@ -100,7 +100,7 @@ async def test_it_indexes_a_real_engines_blocks_by_their_token_ids(kv_engine: tu
                     break
                 await _pause()
         assert index.match("engine", prompt) == 2
-        mine = [e for e in index.events if e.get("type") == "BlockStored" and e["token_ids"][:5] == prompt[:5]]
+        mine = [e for e in subscriber.events if e.get("type") == "BlockStored" and e["token_ids"][:5] == prompt[:5]]
         assert mine and mine[0]["token_ids"] == prompt[:256] and mine[0]["block_size"] == 128
         # The simulator sends the same keys in the same order with the same values, hashes aside.
         real = mine[0]

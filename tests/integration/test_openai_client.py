@@ -169,8 +169,8 @@ def test_it_serves_on_postgresql_and_redis(pg_redis_coordinator: stack.StackConf
     wall = redis.hget("motor:admission:clock", "wall")
     assert wall is not None and int(wall) >= started_ms
     # The key's tokens-per-minute window is in Redis, charged the request's estimate (its
-    # prompt plus max_tokens), not in the process.
-    used = redis.get(f"motor:tpm:{key_hash}:used")
+    # prompt plus max_tokens), not in the process; one window per key and served model.
+    used = redis.get(f"motor:tpm:{key_hash}:tiny:used")
     assert used is not None and int(used) == out.usage.prompt_tokens + 4
     redis.close()
 

@@ -74,3 +74,30 @@ async def test_a_stream_cut_inside_a_read_is_an_engine_error_after_what_was_whol
     reads, exc = await _reads(_engine(_frame(_token(1)) + b'data: {"request_id": "gen'))
     assert reads == [[_token(1)]]
     assert isinstance(exc, EngineError)
+
+
+@pytest.mark.parametrize(
+    ("bad", "where"),
+    [
+        ({"choices": [{"index": 0, "token_ids": ["7"], "finish_reason": None}]}, "$.choices[0].token_ids[0]"),
+        ({"choices": [{"index": 0, "finish_reason": "stop"}]}, "token_ids"),
+        ({"choices": {"index": 0, "token_ids": [7]}}, "$.choices"),
+        ({"choices": [{"index": "0", "token_ids": [7]}]}, "$.choices[0].index"),
+    ],
+)
+async def test_an_event_not_shaped_as_vllms_is_an_engine_error_after_the_events_before_it(
+    bad: dict[str, Any], where: str
+) -> None:
+    reads, exc = await _reads(_engine(_frame(_token(1)), _frame(_token(2)) + _frame(bad) + _frame(_token(3))))
+    assert reads == [[_token(1)], [_token(2)]]
+    assert isinstance(exc, EngineError) and exc.instance == "e1"
+    assert "e1 sent an unusable generate event" in str(exc) and where in str(exc)
+
+
+async def test_the_usage_event_and_texts_extra_fields_pass() -> None:
+    usage = {"request_id": "generate-tokens-x", "usage": {"prompt_tokens": 3, "completion_tokens": 1,
+             "total_tokens": 4, "prompt_tokens_details": None}, "output_mode": "tokens", "choices": []}  # fmt: skip
+    token = {**_token(1), "usage": None, "output_mode": "tokens", "prompt_token_ids": [5, 6]}
+    token["choices"][0] |= {"stop_reason": None, "routed_experts": None, "logprobs": None}
+    reads, error = await _reads(_engine(_frame(token) + _frame(usage), b"data: [DONE]\n\n"))
+    assert error is None and reads == [[token, usage]]

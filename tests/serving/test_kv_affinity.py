@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 import msgpack
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -16,6 +17,7 @@ from enginesim.testing import LiveServer, eventually, gen_body
 from motorsite.supervisor import free_port
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex, chain_hashes
 from serving.pipeline.placement.kv_events import KVEventSubscriber, decode_message, subscriber_address
+from serving.pipeline.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 BS = 128
 SYSTEM = list(range(1000, 1000 + 3 * BS))  # a shared three-block prefix
@@ -25,14 +27,8 @@ def prompt(tail: int, length: int = 40) -> list[int]:
     return SYSTEM + [tail] * length
 
 
-def stored(hashes: list[Any], parent: Any, tokens: list[int], size: int = BS) -> dict[str, Any]:
-    return {
-        "type": "BlockStored",
-        "block_hashes": hashes,
-        "parent_block_hash": parent,
-        "token_ids": tokens,
-        "block_size": size,
-    }
+def stored(hashes: list[Any], parent: Any, tokens: list[int], size: int = BS) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=size)
 
 
 def test_it_matches_leading_full_blocks_only() -> None:
@@ -86,13 +82,13 @@ def test_it_indexes_events_by_their_token_ids() -> None:
     approx.record("a", p)
     assert index.depths(p) == approx.depths(p) == {"a": 4}
 
-    index.apply_events("a", [{"type": "BlockRemoved", "block_hashes": [13], "medium": "GPU"}])
+    index.apply_events("a", [BlockRemoved(block_hashes=[13], medium="GPU")])
     assert index.match("a", p) == 2
     index.apply_events("a", [stored([99], 42, p[:BS])])  # parent never seen
     assert index.stats.orphans == 1 and index.blocks("a") == 3
     index.apply_events("a", [stored([21], 11, list(range(BS // 2)), BS // 2)])  # partial block
     assert index.blocks("a") == 3
-    index.apply_events("a", [{"type": "AllBlocksCleared"}])
+    index.apply_events("a", [AllBlocksCleared()])
     assert index.match("a", p) == 0 and len(index) == 0
 
 
@@ -107,19 +103,15 @@ def test_it_forgets_engine_hashes_with_evicted_blocks() -> None:
     p = [3] * (4 * BS)
     index.apply_events("a", [stored([1, 2, 3, 4], None, p)])
     assert index.blocks("a") == 2
-    index.apply_events("a", [{"type": "BlockRemoved", "block_hashes": [1, 2, 3, 4]}])
+    index.apply_events("a", [BlockRemoved(block_hashes=[1, 2, 3, 4])])
     assert len(index) == 0
 
 
 def test_it_decodes_vllm_messages() -> None:
-    payload = msgpack.packb([1.0, [stored([1], None, [1] * 4, 4)], 0])
+    payload = msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                    "token_ids": [1] * 4, "block_size": 4}], 0])  # fmt: skip
     batch = decode_message([b"kv", (7).to_bytes(8, "big"), payload])
-    assert (batch.seq, batch.data_parallel_rank, batch.events[0]["block_hashes"]) == (7, 0, [1])
-    # An array-like event (tag first, fields in declaration order) decodes to the same map.
-    array_like = msgpack.packb([1.0, [["BlockRemoved", [5], None]]])
-    assert decode_message([b"", bytes(8), array_like]).events == [
-        {"type": "BlockRemoved", "block_hashes": [5], "medium": None}
-    ]
+    assert (batch.seq, batch.data_parallel_rank, batch.events) == (7, 0, [stored([1], None, [1] * 4, 4)])
 
 
 def test_it_binds_where_the_engine_connects() -> None:
@@ -176,7 +168,7 @@ async def test_it_skips_garbage_and_keeps_listening() -> None:
     pub = zmq.asyncio.Context.instance().socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     pub.connect(address)
-    good = msgpack.packb([1.0, [stored([1], None, [1] * BS)], 0])
+    good = msgspec.msgpack.encode(KVEventBatch(1.0, [stored([1], None, [1] * BS)], 0))
     try:
 
         async def indexed() -> bool:
@@ -223,7 +215,7 @@ def test_it_scores_like_probing_each_instance_after_any_history() -> None:
             elif op == "clear":
                 index.clear(name)
             else:
-                index.apply_events(name, [{"type": "AllBlocksCleared"}])
+                index.apply_events(name, [AllBlocksCleared()])
         query = [family] * 4 + list(range(4 * blocks))
         assert index.depths(query) == {n: d for n in "abc" if (d := index.match(n, query))}
         assert len(index) == sum(index.blocks(n) for n in "abc") <= 12

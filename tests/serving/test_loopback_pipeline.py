@@ -144,3 +144,22 @@ async def test_a_malformed_engine_answer_is_an_engine_failure_and_goes_elsewhere
 
     assert out["choices"][0]["message"]["content"] == text_of(output_ids(CHAT_PROMPT, 0))
     assert [g.host for g in upstreams.calls_of("generate")] == ["e1", "e2"]
+
+
+async def test_a_generate_answer_not_shaped_as_vllms_is_an_engine_failure_and_goes_elsewhere(
+    wired: Any, upstreams: FakeUpstreams
+) -> None:
+    # A choice whose finish_reason is not a string (vLLM's GenerateResponse, protocol 3.4) is not
+    # derendered: the attempt policy sees the engine's failure and the next attempt runs on e2.
+    def bad_choice(request: httpx.Request, body: Any) -> httpx.Response:
+        reply = FakeUpstreams.generate_response(body)
+        reply["choices"][0]["finish_reason"] = 5
+        return httpx.Response(200, json=reply)
+
+    upstreams.override("e1", "generate", bad_choice, times=1)
+    pipeline = pipeline_of(wired)
+
+    out = await answer(await pipeline.chat(chat_body(), "r5"))
+
+    assert out["choices"][0]["message"]["content"] == text_of(output_ids(CHAT_PROMPT, 0))
+    assert [g.host for g in upstreams.calls_of("generate")] == ["e1", "e2"]

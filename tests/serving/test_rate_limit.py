@@ -121,6 +121,21 @@ async def test_a_request_is_charged_once_whichever_paths_it_takes(limiter: Token
     rate_limit.bind(None)
 
 
+async def test_a_keys_limit_holds_per_served_model(limiter: TokenRateLimiter) -> None:
+    rate_limit.bind(KEY)
+    rate_limit.scope_to_model("tiny")
+    await rate_limit.charge_request(90, limiter)
+    rate_limit.bind(KEY)
+    rate_limit.scope_to_model("tiny")
+    with pytest.raises(TokenRateLimited):
+        await rate_limit.charge_request(20, limiter)
+    rate_limit.bind(KEY)
+    rate_limit.scope_to_model("tiny-b")  # another model's window: its own 100 tokens
+    await rate_limit.charge_request(20, limiter)
+    assert limiter.used(f"{KEY.key_id}:tiny") == 90 and limiter.used(f"{KEY.key_id}:tiny-b") == 20
+    rate_limit.bind(None)
+
+
 # --------------------------------------------------------------------------- through the view
 
 
@@ -142,7 +157,7 @@ def pipeline(transactional_db: None, monkeypatch: pytest.MonkeyPatch, clock: Clo
     ServedModel.objects.create(name="tiny", model_path="/models/tiny", max_model_len=2048, vocab_size=151936)
     RenderConfig.objects.create(host="render.test", port=8100, timeout_ms=5000)
     fake = ChargingPipeline(tokens=40)
-    monkeypatch.setattr("serving.edge.openai_api.pipeline_for", lambda snapshot: fake)
+    monkeypatch.setattr("serving.edge.openai_api.pipeline_for", lambda snapshot, model=None: fake)
     monkeypatch.setattr(rate_limit, "LIMITER", TokenRateLimiter(clock=clock))
     snapshots.invalidate()
     yield fake

@@ -25,6 +25,7 @@ from serving.pipeline.placement.filters import union_role
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex
 from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.scheduler import Placement, Scheduler
+from serving.pipeline.protocol import BlockRemoved, BlockStored
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.snapshot import InstanceView
 from tests.serving.fakes import MODEL, fleet_snapshot, instance
@@ -88,11 +89,10 @@ def test_it_places_as_scoring_every_candidate_would(seed: int, size: int) -> Non
         if rng.random() < 0.3:  # a prefix from KV events, then one of its blocks evicted: a gap
             size = index.block_size(i.name)
             tokens = rng.choice(PREFIXES)
-            hashes = [f"{i.name}-{k}" for k in range(len(tokens) // size)]
+            hashes: list[bytes | int] = [f"{i.name}-{k}".encode() for k in range(len(tokens) // size)]
             index.apply_events(i.name, [
-                {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
-                 "token_ids": tokens, "block_size": size},
-                {"type": "BlockRemoved", "block_hashes": [rng.choice(hashes)]},
+                BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=size),
+                BlockRemoved(block_hashes=[rng.choice(hashes)]),
             ])
     with ExitStack() as held:
         leases = []

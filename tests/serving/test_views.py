@@ -134,7 +134,7 @@ async def test_get_on_a_post_endpoint_is_405(v1: httpx.AsyncClient, upstream: Fa
 async def test_an_internal_bug_is_a_json_500_not_an_html_page(
     v1: httpx.AsyncClient, upstream: FakeUpstreams, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(snapshot: Any) -> Any:
+    def broken(snapshot: Any, model: Any = None) -> Any:
         raise RuntimeError("secret internal state")
 
     monkeypatch.setattr("serving.edge.openai_api.pipeline_for", broken)

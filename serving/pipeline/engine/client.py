@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Mapping
 import httpx
 
 from serving.pipeline import tracing
+from serving.pipeline.engine.requests import validate_generate_event
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError
 from serving.pipeline.http11 import Http11Client, StreamReply, loads
 from serving.pipeline.protocol import EventBatches
@@ -75,12 +76,14 @@ def raise_for_error_event(instance: InstanceView, event: dict[str, Any]) -> None
     raise EngineError(f"{instance.name} failed mid-stream: {str(err)[:200]}", instance=instance.name)
 
 
-def _first_error(batch: list[dict[str, Any]]) -> int | None:
-    """Where the first in-band error event of ``batch`` is, if there is one."""
+def _first_stop(batch: list[dict[str, Any]]) -> tuple[int | None, str | None]:
+    """Where the first in-band error event or event not shaped as vLLM's (with what is wrong
+    with it) of ``batch`` is, if there is one."""
     for i, event in enumerate(batch):
-        if event.get("error") is not None:
-            return i
-    return None
+        problem = validate_generate_event(event)
+        if problem is not None or event.get("error") is not None:
+            return i, problem
+    return None, None
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +189,7 @@ class EngineClient:
         pieces = response.aiter_raw()
         try:
             async for batch in iter_event_batches(pieces):
-                cut = _first_error(batch)
+                cut, problem = _first_stop(batch)
                 if cut is None:
                     yield batch
                     continue
@@ -194,6 +197,9 @@ class EngineClient:
                 del batch[cut:]
                 if batch:
                     yield batch  # what came before the error is the client's
+                if problem is not None:
+                    raise EngineError(f"{instance.name} sent an unusable generate event: {problem}",
+                                      instance=instance.name)
                 raise_for_error_event(instance, error)
         except SSEProtocolError as exc:
             raise EngineError(f"{instance.name} stream broke: {exc}", instance=instance.name) from exc

@@ -11,6 +11,10 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
+from serving.pipeline.protocol import GenerateEvent, GenerateResponse
+
 # msgspec's omit_defaults drops a resolved max_tokens of 16 from render's JSON (identity with the
 # cached small int), and generate then re-defaults it to the remaining context. After render
 # max_tokens is always an int, so a missing key means 16 (vllm-protocol.md section 3.2).
@@ -112,14 +116,20 @@ def attempt_request_id(base: str, attempt: int) -> str:
 
 
 def validate_generate_response(response: Any, *, n: int) -> str | None:
-    """What is wrong with a GenerateResponse (None when usable): every choice has token ids."""
-    if not isinstance(response, dict) or not isinstance(response.get("choices"), list):
-        return "not a GenerateResponse"
-    choices = response["choices"]
+    """What is wrong with a GenerateResponse (None when usable): n choices, each with token ids."""
+    try:
+        choices = msgspec.convert(response, GenerateResponse).choices
+    except msgspec.ValidationError as exc:
+        return f"not a GenerateResponse ({exc})"
     if len(choices) != n:
         return f"{len(choices)} choices for n={n}"
-    for c in choices:
-        ids = c.get("token_ids") if isinstance(c, dict) else None
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            return "a choice without token ids"
+    return None
+
+
+def validate_generate_event(event: Any) -> str | None:
+    """What is wrong with one streaming generate event (None when usable)."""
+    try:
+        msgspec.convert(event, GenerateEvent)
+    except msgspec.ValidationError as exc:
+        return f"not a generate event ({exc})"
     return None

@@ -250,6 +250,16 @@ def bind(limit: KeyLimit | None) -> None:
     _current.set(_Binding(limit) if limit is not None else None)
 
 
+def scope_to_model(model: str) -> None:
+    """Make the bound key's window this model's: a key's tokens per minute hold per served model,
+    as OpenAI's limits do, so one model's traffic never uses up another's. The model name comes
+    from the control plane (the request was resolved against the snapshot), never raw input."""
+    binding = _current.get()
+    if binding is not None and not binding.charged:
+        limit = binding.limit
+        _current.set(_Binding(KeyLimit(f"{limit.key_id}:{model}", limit.name, limit.tokens_per_minute)))
+
+
 async def charge_request(tokens: int, limiter: TokenRateLimiter | None = None) -> None:
     """Charge the bound key once per request, if it has a limit.
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+from serving.pipeline.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -298,36 +299,31 @@ class KVAffinityIndex:
         self._total -= 1
         self.stats.evicted += 1
 
-    def apply_events(self, instance: str, events: Iterable[Mapping[str, Any]]) -> None:
-        """Precise mode: apply decoded KV cache events (maps tagged by ``"type"``)."""
+    def apply_events(self, instance: str, events: Iterable[KVEvent]) -> None:
+        """Precise mode: apply vLLM's KV cache events (decoded by ``kv_events``)."""
         state = self._get(instance)
         for event in events:
-            kind = event.get("type")
-            if kind == "BlockStored":
+            if isinstance(event, BlockStored):
                 self.stats.stored_events += 1
                 self._stored(instance, state, event)
-            elif kind == "BlockRemoved":
+            elif isinstance(event, BlockRemoved):
                 self.stats.removed_events += 1
-                for engine_hash in event.get("block_hashes") or ():
+                for engine_hash in event.block_hashes:
                     self._removed(instance, state, engine_hash)
-            elif kind == "AllBlocksCleared":
+            elif isinstance(event, AllBlocksCleared):
                 self.stats.cleared_events += 1
                 self.clear(instance)
 
-    def _removed(self, instance: str, state: _Instance, engine_hash: Any) -> None:
-        if not isinstance(engine_hash, Hashable):
-            return
+    def _removed(self, instance: str, state: _Instance, engine_hash: Hashable) -> None:
         key = state.by_engine_hash.pop(engine_hash, None)
         if key is not None and key in state.blocks:
             del state.blocks[key]
             self._unhold(key, instance)
             self._total -= 1
 
-    def _stored(self, instance: str, state: _Instance, event: Mapping[str, Any]) -> None:
-        hashes = event.get("block_hashes") or []
-        tokens = event.get("token_ids") or []
-        size = event.get("block_size")
-        if not isinstance(size, int) or size < 1:
+    def _stored(self, instance: str, state: _Instance, event: BlockStored) -> None:
+        hashes, tokens, size = event.block_hashes, event.token_ids, event.block_size
+        if size < 1:
             return
         if size != state.block_size:
             if state.known or len(tokens) != size * len(hashes):
@@ -336,17 +332,16 @@ class KVAffinityIndex:
                 return
             # No size known yet: the engine's own full-block event says it.
             self.set_block_size(instance, size)
-        parent_hash = event.get("parent_block_hash")
         parent: int | None = None
-        if parent_hash is not None:
-            parent = state.by_engine_hash.get(parent_hash) if isinstance(parent_hash, Hashable) else None
+        if event.parent_block_hash is not None:
+            parent = state.by_engine_hash.get(event.parent_block_hash)
             if parent is None:
                 self.stats.orphans += 1
                 return
         entries: list[tuple[int, Hashable | None]] = []
         for i, engine_hash in enumerate(hashes):
             block = tokens[i * size : (i + 1) * size]
-            if len(block) < size or not isinstance(engine_hash, Hashable):
+            if len(block) < size:
                 break
             parent = _block_key(parent, block)
             entries.append((parent, engine_hash))

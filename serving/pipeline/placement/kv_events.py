@@ -1,9 +1,10 @@
 """Subscriber of engines' KV cache events (vLLM's ZMQ publisher) feeding the affinity index.
 
-Wire format (vLLM 0.32 ``vllm/distributed/kv_events.py``): multipart
+Wire format (vLLM 0.32/0.33 ``vllm/distributed/kv_events.py``): multipart
 ``[topic, seq (8 bytes big-endian), payload]``; the payload is msgpack of an ``EventBatch``
 (array-like: ``[ts, [events...], data_parallel_rank]``) whose events are tagged maps
-(``{"type": "BlockStored", ...}``, ``BlockRemoved``, ``AllBlocksCleared``).
+(``{"type": "BlockStored", ...}``, ``BlockRemoved``, ``AllBlocksCleared``), decoded and
+validated by msgspec into the Structs of ``protocol.py``.
 
 Who binds follows vLLM's publisher: an engine given ``tcp://*:P`` or an ``ipc://`` path binds
 and the subscriber connects; an engine given ``tcp://host:P`` *connects*, so the subscriber
@@ -21,25 +22,20 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import msgpack
+import msgspec
 import zmq
 import zmq.asyncio
 
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex
+from serving.pipeline.protocol import KVEvent, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
 # Pause before re-creating a socket after an error, so a broken endpoint cannot spin.
 RECONNECT_DELAY_S = 0.5
 
-# Field order of vLLM's event structs, for a publisher that encodes them array-like.
-_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
-}
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 
 class KVEventDecodeError(ValueError):
@@ -50,17 +46,8 @@ class KVEventDecodeError(ValueError):
 class EventBatch:
     seq: int
     ts: float
-    events: list[dict[str, Any]]
+    events: list[KVEvent]
     data_parallel_rank: int | None
-
-
-def _event(raw: Any) -> dict[str, Any]:
-    if isinstance(raw, Mapping):
-        return dict(raw)
-    if isinstance(raw, Sequence) and raw and isinstance(raw[0], str):
-        names = _FIELDS.get(raw[0], ())
-        return {"type": raw[0], **dict(zip(names, raw[1:], strict=False))}
-    raise KVEventDecodeError(f"not an event: {raw!r:.80}")
 
 
 def decode_message(frames: Sequence[bytes]) -> EventBatch:
@@ -69,13 +56,10 @@ def decode_message(frames: Sequence[bytes]) -> EventBatch:
         raise KVEventDecodeError(f"expected [topic, 8-byte seq, payload], got {len(frames)} frames")
     seq = int.from_bytes(frames[1], "big", signed=True)
     try:
-        batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData) as exc:
-        raise KVEventDecodeError(f"payload is not msgpack: {exc}") from None
-    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
-        raise KVEventDecodeError("payload is not [ts, [events], dp_rank]")
-    dp_rank = batch[2] if len(batch) > 2 else None
-    return EventBatch(seq, float(batch[0]), [_event(e) for e in batch[1]], dp_rank)
+        batch = _decoder.decode(frames[2])
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise KVEventDecodeError(f"not a KV event batch: {exc}") from None
+    return EventBatch(seq, batch.ts, batch.events, batch.data_parallel_rank)
 
 
 def engine_binds(endpoint: str) -> bool:

@@ -13,11 +13,12 @@ import logging
 from typing import Any
 
 import httpx
+import msgspec
 
 from serving.pipeline import tracing
 from serving.pipeline.errors import DerenderError, RenderUnavailable, UpstreamRequestError
 from serving.pipeline.http11 import Http11Client, Reply
-from serving.pipeline.protocol import ApiKind, TokenKind
+from serving.pipeline.protocol import ApiKind, GenerateRequest, TokenKind
 
 logger = logging.getLogger(__name__)
 
@@ -265,9 +266,10 @@ def _check_generate_requests(rendered: list[Any]) -> None:
     every prompt, and an answer without them would fail later as a 500 instead.
     """
     for req in rendered:
-        if not (isinstance(req, dict) and _has_token_ids(req)):
-            raise RenderUnavailable("render answered without usable token_ids", reason="no_token_ids")
-        if not (isinstance(req.get("request_id"), str) and req["request_id"]):
-            raise RenderUnavailable("render answered without a request_id", reason="malformed")
-        if not isinstance(req.get("sampling_params"), dict):
-            raise RenderUnavailable("render answered without sampling_params", reason="malformed")
+        try:
+            msgspec.convert(req, GenerateRequest)
+        except msgspec.ValidationError as exc:
+            ids = not isinstance(req, dict) or not _has_token_ids(req)
+            raise RenderUnavailable(
+                f"render answered an unusable GenerateRequest: {exc}", reason="no_token_ids" if ids else "malformed"
+            ) from None

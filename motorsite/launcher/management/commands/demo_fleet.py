@@ -54,22 +54,33 @@ class Command(BaseCommand):
             help="client key for /v1 (repeatable; default: MOTOR_API_KEYS)",
         )
         parser.add_argument("--admin-key", default=None, help="admin key for /api (default: MOTOR_DEMO_ADMIN_KEY)")
+        parser.add_argument(
+            "--only-this-model", action="store_true",
+            help="add or update this model beside the others (its own render config, engines named after it); "
+            "without it the fleet is exactly this model's and every other model with no engine left is retired",
+        )
 
     @transaction.atomic
     def handle(self, *args: Any, **opts: Any) -> None:
+        only = opts["only_this_model"]
         model, _ = ServedModel.objects.update_or_create(
             name=opts["served_model_name"],
             defaults={"model_path": opts["model_dir"], "max_model_len": opts["max_model_len"],
                       # The data plane's out-of-vocabulary bound; the version probe keeps it current.
-                      "vocab_size": config_vocab_size(opts["model_dir"])},
+                      "vocab_size": config_vocab_size(opts["model_dir"]),
+                      "state": ServedModel.State.ACTIVE},
         )
         # The version probe compares engines against this record; unchanged files add no row.
         revision_record(served_model=model, model_dir=opts["model_dir"], actor=ACTOR,
                         reasoning_parser=opts["reasoning_parser"], tool_parser=opts["tool_parser"])
+        # One render config per model: the first model's is "default", another's is named after it.
+        config_name = model.name if only else "default"
+        RenderConfig.objects.filter(served_model=model).exclude(name=config_name).update(served_model=None)
         ports = [opts["render_port"], *opts["render_member_port"]]
         config, _ = RenderConfig.objects.update_or_create(
-            name="default",
-            defaults={"host": opts["render_host"], "port": opts["render_port"], "enable": True, "pool_size": len(ports)},
+            name=config_name,
+            defaults={"host": opts["render_host"], "port": opts["render_port"], "enable": True, "pool_size": len(ports),
+                      "served_model": model},
         )
         # The pool is exactly the sidecars this run started (a member left from another run would
         # be a port nobody listens on); members on other hosts are the operator's and stay.
@@ -84,7 +95,7 @@ class Command(BaseCommand):
         for role, url in fleet:
             counts[role] = counts.get(role, 0) + 1
             union = role == Role.UNION
-            wanted[f"{role}-{counts[role]}"] = {
+            wanted[f"{model.name}-{role}-{counts[role]}" if only else f"{role}-{counts[role]}"] = {
                 "url": url,
                 "role": role,
                 "served_model_id": model.id,
@@ -101,7 +112,8 @@ class Command(BaseCommand):
         # The demo fleet is exactly what this run started; stale rows from another run would
         # send traffic to ports nobody listens on (and are gone before the P/D rules look at
         # the fleet this run declares).
-        stale = list(EngineInstance.objects.exclude(name__in=list(wanted)).values_list("id", flat=True))
+        rows = EngineInstance.objects.filter(served_model=model) if only else EngineInstance.objects.all()
+        stale = list(rows.exclude(name__in=list(wanted)).values_list("id", flat=True))
         for instance_id in stale:
             instance_delete(instance_id=instance_id, actor=ACTOR)
         # Through the services and model methods, as an operator's edits: each change of an
@@ -116,6 +128,12 @@ class Command(BaseCommand):
             if instance.state != EngineInstance.State.ACTIVE:
                 instance.activate(actor=ACTOR)
         removed = len(stale)
+        if only:
+            bump_control_version()
+            self.stdout.write(f"demo fleet: model {model.name} added, {len(wanted)} engine(s), removed {removed} stale row(s)")
+            return
+        # A model an earlier run served beside this one has no engine left: unknown to clients.
+        ServedModel.objects.exclude(id=model.id).filter(instances=None).update(state=ServedModel.State.RETIRED)
         admin_password = os.environ.get("MOTOR_DEMO_ADMIN_PASSWORD", "")
         if admin_password:
             User = get_user_model()

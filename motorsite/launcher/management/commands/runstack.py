@@ -61,6 +61,18 @@ class Command(BaseCommand):
             help="comma-separated decode engines for the Handoff topology; empty for none",
         )
         parser.add_argument(
+            "--second-model",
+            action="store_true",
+            default=os.environ.get("MOTOR_SECOND_MODEL", "") not in ("", "0"),
+            help="also serve the second small model (tiny-b: another tokenizer and chat template) with its own "
+            "render sidecar and engine (docs/models.md)",
+        )
+        parser.add_argument(
+            "--second-model-ports",
+            default=os.environ.get("MOTOR_SECOND_MODEL_PORTS", "8101,8203"),
+            help="the second model's render sidecar port, then its engines' ports (comma-separated)",
+        )
+        parser.add_argument(
             "--var-dir",
             default=os.environ.get("MOTOR_VAR_DIR", str(stack.ROOT / "var")),
             help="logs (log/) and the Celery broker folders (celery/) of this run",
@@ -96,6 +108,7 @@ class Command(BaseCommand):
             api_keys=(api_key,),
             admin_password=admin_password,
             extra_env={"MOTOR_DEMO_ADMIN_KEY": admin_key},
+            extra_models=_second_model(opts["second_model_ports"]) if opts["second_model"] else (),
         )
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -135,6 +148,8 @@ class Command(BaseCommand):
                     f"  REST API        {base}/api/   (Authorization: Bearer {admin_key}; docs at {base}/api/docs)",
                     *[f"  render sidecar  http://127.0.0.1:{p}" for p in (cfg.render_port, *cfg.render_member_ports)],
                     *[f"  engine          {u}" for u in cfg.engine_urls],
+                    *[f"  model {m.name:<9} render http://127.0.0.1:{m.render_port}, engines "
+                      + ", ".join(f"http://127.0.0.1:{p}" for p in m.engine_ports) for m in cfg.extra_models],
                     "",
                     "try:",
                     f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
@@ -169,6 +184,16 @@ def record_event(event: ChildEvent) -> None:
     records.process_changed(
         name=event.name, state=_EVENT_STATES[event.kind], pid=event.pid, restarts=event.restarts, reason=event.reason
     )
+
+
+SECOND_MODEL_NAME = "tiny-b"
+
+
+def _second_model(ports_text: str) -> tuple[stack.ExtraModel, ...]:
+    ports = _ports(ports_text)
+    if len(ports) < 2:
+        raise CommandError(f"--second-model-ports needs the render port and at least one engine port, not {ports_text!r}")
+    return (stack.ExtraModel(SECOND_MODEL_NAME, _required_env("MOTOR_MODEL_B_DIR"), ports[0], ports[1:]),)
 
 
 def _ports(text: str) -> tuple[int, ...]:

@@ -1,0 +1,119 @@
+"""Several served models in the control plane: each with its own render config, added, drained,
+retired and activated through the REST API, and the snapshot the data plane reads from them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from catalog.models import RenderConfig, ServedModel
+from fleet import services
+from motorsite.core import read_control_version
+from serving.snapshots import build_snapshot
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def api(client: Client) -> Client:
+    client.defaults["HTTP_AUTHORIZATION"] = f"Bearer {services.api_key_create(name='ops', scope='admin')[1]}"
+    return client
+
+
+def post(api: Client, path: str, data: Any = None) -> Any:
+    return api.post(path, data=data, content_type="application/json")
+
+
+def test_a_model_added_with_its_own_render_config_gets_its_own_sidecar_in_the_snapshot(api: Client) -> None:
+    RenderConfig.objects.create(name="default", port=8100)  # the first model's (linked to none)
+    ServedModel.objects.create(name="tiny", model_path="/models/tiny")
+    before = read_control_version()
+    response = post(api, "/api/models", {
+        "name": "tiny-b", "model_path": "/models/tiny-b", "max_model_len": 1024,
+        "render_config": {"endpoint": {"host": "127.0.0.1", "port": 8105}, "timeout_ms": 700},
+    })
+    assert response.status_code == 201, response.content
+    assert response.json()["render_config"] == "tiny-b" and response.json()["state"] == "active"
+    assert read_control_version() > before
+    snapshot = build_snapshot()
+    assert snapshot.render_of("tiny").base_url == "http://127.0.0.1:8100"
+    assert snapshot.render_of("tiny-b").base_url == "http://127.0.0.1:8105"
+    assert snapshot.render_of("tiny-b").timeout_s == 0.7
+    # A request's view holds its model's render config and nothing of the other model.
+    view = snapshot.for_model("tiny-b")
+    assert view.render.base_url == "http://127.0.0.1:8105" and list(view.models) == ["tiny-b"]
+
+
+def test_a_model_whose_only_render_configs_belong_to_others_never_gets_theirs(db: None) -> None:
+    a = ServedModel.objects.create(name="a", model_path="/m/a")
+    ServedModel.objects.create(name="b", model_path="/m/b")
+    RenderConfig.objects.create(name="a", port=8100, served_model=a)
+    snapshot = build_snapshot()
+    assert snapshot.render_of("a").enable and snapshot.render_of("a").base_url == "http://127.0.0.1:8100"
+    assert not snapshot.render_of("b").enable  # native path on b's own engines, never a's sidecar
+    assert snapshot.render_of("b").base_url == ""
+
+
+def test_the_view_of_a_model_holds_only_its_instances(db: None) -> None:
+    a = ServedModel.objects.create(name="a", model_path="/m/a")
+    b = ServedModel.objects.create(name="b", model_path="/m/b")
+    services.instance_create(actor="t", name="a1", url="http://a1.test:1", served_model_id=a.id)
+    services.instance_create(actor="t", name="b1", url="http://b1.test:1", served_model_id=b.id)
+    snapshot = build_snapshot()
+    assert [i.name for i in snapshot.for_model("a").instances] == ["a1"]
+    assert [i.name for i in snapshot.for_model("b").instances] == ["b1"]
+
+
+def test_drain_retire_and_activate_move_the_state_and_bump_the_version(api: Client) -> None:
+    ServedModel.objects.create(name="tiny", model_path="/models/tiny")
+    for action, state in (("drain", "draining"), ("retire", "retired"), ("activate", "active")):
+        before = read_control_version()
+        response = post(api, f"/api/models/tiny/{action}")
+        assert response.status_code == 200 and response.json()["state"] == state
+        assert read_control_version() > before
+        assert build_snapshot().models["tiny"].state == state
+    assert api.get("/api/models").json()[0]["name"] == "tiny"
+
+
+def test_unknown_and_duplicate_models_are_404_and_409(api: Client) -> None:
+    assert post(api, "/api/models/nope/drain").status_code == 404
+    assert api.get("/api/models/nope").status_code == 404
+    body = {"name": "tiny", "model_path": "/m/tiny"}
+    assert post(api, "/api/models", body).status_code == 201
+    assert post(api, "/api/models", body).status_code == 409
+
+
+def test_a_render_config_of_a_new_model_breaking_a_rule_is_422(api: Client) -> None:
+    response = post(api, "/api/models", {"name": "x", "model_path": "/m/x", "render_config": {"obfuscation": True}})
+    assert response.status_code == 422
+    assert not ServedModel.objects.filter(name="x").exists()
+
+
+def test_the_pool_probe_renders_each_models_sidecar_with_its_own_model_name(db: None) -> None:
+    import json
+
+    import httpx
+
+    from catalog.models import RenderSidecar
+    from fleet.render_pool_probes import probe_render_pool
+
+    a = ServedModel.objects.create(name="tiny", model_path="/m/a")
+    b = ServedModel.objects.create(name="tiny-b", model_path="/m/b")
+    for model, port in ((a, 8100), (b, 8101)):
+        config = RenderConfig.objects.create(name=model.name, port=port, served_model=model)
+        RenderSidecar.objects.create(render_config=config, host="127.0.0.1", port=port)
+    knows = {8100: "tiny", 8101: "tiny-b"}  # each sidecar serves only its own model's name
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.33.0"})
+        if request.url.path == "/openapi.json":
+            return httpx.Response(200, json={"paths": {}})
+        if json.loads(request.content)["model"] != knows[request.url.port]:
+            return httpx.Response(404, json={"error": {"message": "model not found"}})
+        return httpx.Response(200, json={"token_ids": [1]})
+
+    outcomes = probe_render_pool(client=httpx.Client(transport=httpx.MockTransport(handler)))
+    assert outcomes == {"http://127.0.0.1:8100": True, "http://127.0.0.1:8101": True}

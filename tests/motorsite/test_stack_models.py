@@ -1,0 +1,55 @@
+"""``make run`` with a second model: its processes beside the first model's, and its rows beside
+the first model's in the database (``demo_fleet --only-this-model``)."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+
+import pytest
+from django.core.management import call_command
+
+from catalog.models import RenderConfig, ServedModel
+from fleet.models import EngineInstance
+from motorsite import stack
+
+
+def _config(**changes: object) -> stack.StackConfig:
+    base = stack.StackConfig(model_dir="/m", render_python="rp", engine_python="ep", app_python="ap", celery=False)
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_a_second_model_gets_its_own_sidecar_and_engines_and_the_default_none() -> None:
+    assert [s.name for s in stack.build_specs(_config())] == [
+        "render", "engine-1", "engine-2", "prefill-1", "decode-1", "coordinator",
+    ]
+    second = stack.ExtraModel("tiny-b", "/mb", 8101, (8203,))
+    specs = {s.name: s for s in stack.build_specs(_config(extra_models=(second,)))}
+    render, engine = specs["render-tiny-b"], specs["engine-tiny-b-1"]
+    assert render.ports == [("127.0.0.1", 8101)] and engine.ports == [("127.0.0.1", 8203)]
+    assert render.argv[render.argv.index("--model") + 1] == "/mb"
+    assert engine.argv[engine.argv.index("serve") + 1] == "/mb"
+    for spec in (render, engine):
+        assert spec.argv[spec.argv.index("--served-model-name") + 1] == "tiny-b"
+    assert "--reasoning-parser" not in render.argv  # the second model has no tool or think markers
+    assert render.log_path.name == "render-tiny-b.log"
+
+
+def _demo_fleet(*args: str) -> None:
+    call_command("demo_fleet", "--engine-kind", "sim", *args, stdout=io.StringIO())
+
+
+@pytest.mark.django_db
+def test_demo_fleet_adds_a_second_model_beside_the_first_and_a_plain_run_retires_it() -> None:
+    _demo_fleet("--model-dir", "/m", "--engine", "http://127.0.0.1:8201")
+    _demo_fleet("--only-this-model", "--model-dir", "/mb", "--served-model-name", "tiny-b",
+                "--render-port", "8101", "--engine", "http://127.0.0.1:8203")
+    assert dict(EngineInstance.objects.values_list("name", "served_model__name")) == {
+        "union-1": "tiny", "tiny-b-union-1": "tiny-b",
+    }
+    assert dict(RenderConfig.objects.values_list("name", "served_model__name")) == {"default": "tiny", "tiny-b": "tiny-b"}
+    assert RenderConfig.objects.get(name="tiny-b").port == 8101
+
+    _demo_fleet("--model-dir", "/m", "--engine", "http://127.0.0.1:8201")  # a run without the second model
+    assert list(EngineInstance.objects.values_list("name", flat=True)) == ["union-1"]
+    assert dict(ServedModel.objects.values_list("name", "state")) == {"tiny": "active", "tiny-b": "retired"}
