@@ -78,6 +78,7 @@ class Run:
     requests: int = 0
     tokens: list[int] = field(default_factory=list)  # completion tokens per request
     gaps: list[float] = field(default_factory=list)  # between a request's content chunks, as received
+    seconds: float = 0.0  # wall time of the measured requests
 
 
 ENGINE_ALONE = "engine alone"
@@ -183,10 +184,15 @@ async def workload(
     warm = min(streams, 4)
 
     async def request(i: int, into: Run) -> None:
-        if bodies is None:
-            await one(client, url, i, args, into)
-        else:
-            await one_generate(client, url, bodies[i], into)
+        try:
+            if bodies is None:
+                await one(client, url, i, args, into)
+            else:
+                await one_generate(client, url, bodies[i], into)
+        except httpx.HTTPError as exc:  # counted, not fatal: the other streams' numbers still stand
+            into.errors += 1
+            if into.errors == 1:
+                print(f"!! {type(exc).__name__}: {exc}", file=sys.stderr)
 
     async with httpx.AsyncClient(timeout=TIMEOUT, trust_env=False,
                                  limits=httpx.Limits(max_connections=streams + 4)) as client:
@@ -201,7 +207,9 @@ async def workload(
             while not queue.empty():
                 await request(queue.get_nowait(), run)
 
+        t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(streams)))
+        run.seconds = time.perf_counter() - t0
         run.render_cpu = group_cpu_seconds(render_pgid) - cpu0
         if coordinator_pid is not None:
             run.coordinator_cpu = tree_cpu_seconds(coordinator_pid) - coord0
@@ -239,17 +247,20 @@ def table(rows: list[tuple[int, str, Run]]) -> str:
 def cadence_table(rows: list[tuple[int, str, Run]]) -> str:
     """Per engine token: derender calls, coordinator + sidecar CPU; the chunk gap a client sees."""
     out = ["| streams | coordinator | derender calls / engine token | coordinator + sidecar CPU µs / output token | "
-           "chunk gap p50 ms | chunk gap p99 ms | TTFT p50 ms | E2E p50 ms |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "chunk gap p50 ms | chunk gap p99 ms | TTFT p50 ms | E2E p50 ms | output tokens / s | derender calls / s | "
+           "sidecar CPU s / s | coordinator CPU s / s |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for streams, mode, run in rows:
         if mode == ENGINE_ALONE or not run.tokens:
             continue
         tokens = max(sum(run.tokens), 1)
         cpu = run.render_cpu + (run.coordinator_cpu or 0.0)
+        wall = max(run.seconds, 1e-9)
         out.append(
             f"| {streams} | {mode} | {sum(run.chunks) / tokens:.3f} | {cpu / tokens * 1e6:.0f} | "
             f"{_ms(pct(run.gaps, 0.5))} | {_ms(pct(run.gaps, 0.99))} | {_ms(pct(run.ttft, 0.5))} | "
-            f"{_ms(pct(run.e2e, 0.5))} |"
+            f"{_ms(pct(run.e2e, 0.5))} | {sum(run.tokens) / wall:.0f} | {sum(run.chunks) / wall:.0f} | "
+            f"{run.render_cpu / wall:.2f} | {(run.coordinator_cpu or 0.0) / wall:.2f} |"
         )
     return "\n".join(out)
 

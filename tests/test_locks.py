@@ -42,7 +42,10 @@ def _entries(lock: Path) -> dict[str, list[str]]:
 @pytest.mark.parametrize("lock", LOCKS, ids=lambda p: p.name)
 def test_every_pin_carries_its_hashes(lock: Path) -> None:
     entries = _entries(lock)
-    assert len(entries) >= 20
+    # At least 20 pins (a parse that found a handful would pass every check below), or, for a peer's
+    # small lock (smg needs 7 packages), at least the peer its header names.
+    named = re.match(r"# ([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==", lock.read_text())
+    assert len(entries) >= 20 or (named is not None and _canonical(named.group(1)) in entries)
     unhashed = sorted(name for name, hashes in entries.items() if not hashes)
     assert not unhashed, f"{lock.name}: pins without hashes {unhashed} (python3 -m toolchain rehash)"
     bad = [h for hashes in entries.values() for h in hashes if not re.fullmatch(r"[0-9a-f]{64}", h)]

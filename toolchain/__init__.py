@@ -14,9 +14,10 @@ changed lock builds a new one beside the old:
 - ``model-obf``: its copy obfuscated with the public test key (``tinymodel.obfuscate``);
 - ``model-b``: a second small model (``tinymodel.llama.build``: another vocabulary and a Llama 3
   style chat template), for serving two models from one fleet;
-- ``litellm`` and ``sglang-router``: the gateways ``bench/peers.py`` measures beside the
-  coordinator (``requirements/litellm.lock``, ``requirements/sglang-router.lock``). Only that
-  benchmark builds them (``ensure litellm sglang-router``); ``make run`` and ``make test`` never do.
+- ``litellm``, ``sglang-router``, ``vllm-router`` and ``smg``: the gateways ``bench/peers.py`` and
+  ``bench/serve_bench.py`` measure beside the coordinator (``requirements/<peer>.lock``). Only those
+  benchmarks build them (``ensure litellm sglang-router vllm-router smg``); ``make run`` and
+  ``make test`` never do.
 
 The browser test of the fleet dashboard needs Chromium from the distribution's packages
 (``/usr/bin/chromium``), and the compose file's schema check Debian's ``docker-compose``;
@@ -61,10 +62,17 @@ LOCKS = {
     "engine": ROOT / "requirements" / "engine.lock",
     "litellm": ROOT / "requirements" / "litellm.lock",
     "sglang-router": ROOT / "requirements" / "sglang-router.lock",
+    "vllm-router": ROOT / "requirements" / "vllm-router.lock",
+    "smg": ROOT / "requirements" / "smg.lock",
 }
-# The peer gateways, each pinned to the release bench/peers.py was verified with against vLLM's
-# OpenAI API (relock resolves exactly this requirement; neither pulls in torch).
-PEERS = {"litellm": "litellm[proxy]==1.108.5", "sglang-router": "sglang-router==0.3.2"}
+# The peer gateways, each pinned to the release the benchmarks were verified with against vLLM's
+# OpenAI API (relock resolves exactly this requirement; none pulls in torch).
+PEERS = {
+    "litellm": "litellm[proxy]==1.108.5",
+    "sglang-router": "sglang-router==0.3.2",
+    "vllm-router": "vllm-router==0.1.17",
+    "smg": "smg==1.13.0",
+}
 # The model depends on the builder's code and the app environment that runs it (not on
 # obfuscate.py, which builds only the obfuscated copy).
 MODEL_SOURCES = [
