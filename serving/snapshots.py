@@ -76,6 +76,7 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
         derender_coalesce=cfg.derender_coalesce,
         stream_interval=cfg.stream_interval,
         stream_interval_ms=cfg.stream_interval_ms,
+        local_stream_detokenize=cfg.local_stream_detokenize,
         members=members,
     )
     instances = tuple(_instance_view(i) for i in EngineInstance.objects.select_related("served_model", "breaker"))

@@ -26,12 +26,18 @@ for byte, over generated id sequences; that test is what allows the option.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from serving.pipeline.protocol import TokenKind
+from serving.pipeline.render.local_tokenizer import LocalTokenizerUnavailable, local_tokenizer
+from serving.pipeline.snapshot import ModelView, RenderView
+
+logger = logging.getLogger(__name__)
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens of context before the read offset.
 SEED_OFFSET = 5
@@ -215,7 +221,29 @@ def _state(window: list[str], prefix: int, read: int) -> dict[str, Any]:
 
 def local_stream_derenderer(model_path: str, timeout_s: float) -> LocalStreamDerenderer:
     """Built from the model directory the local fallback reads (call it off the event loop)."""
-    from serving.pipeline.render.local_tokenizer import local_tokenizer
-
     tok = local_tokenizer(model_path)
     return LocalStreamDerenderer(tok.hf, tok.hf.eos_token_id, model_eos_ids(Path(model_path)), timeout_s=timeout_s)
+
+
+# One derenderer per model directory, built on the first qualifying stream; a directory without
+# usable tokenizer files is remembered, and its streams keep the sidecar.
+_built: dict[str, LocalStreamDerenderer | None] = {}
+
+
+async def stream_derenderer(render: RenderView, model: ModelView | None, kind: TokenKind,
+                            body: Mapping[str, Any]) -> LocalStreamDerenderer | None:
+    """The coordinator's derenderer for this stream, or None where the sidecar derenders it."""
+    if not render.local_stream_detokenize or model is None:
+        return None
+    parsers = bool(model.tool_parser or model.reasoning_parser)
+    if not qualifies(kind, body, parsers=parsers, obfuscation=render.obfuscation):
+        return None
+    path = model.model_path
+    if path not in _built:
+        try:
+            # Reading the files and building the tokenizer takes tens of ms to seconds: off the loop, once.
+            _built[path] = await asyncio.to_thread(local_stream_derenderer, path, render.timeout_s)
+        except (LocalTokenizerUnavailable, OSError, ValueError) as exc:
+            logger.warning("local_stream_detokenize model_path=%s unavailable=%s: streams keep the sidecar", path, exc)
+            _built[path] = None
+    return _built[path]
