@@ -55,3 +55,33 @@ async def test_a_model_without_tokenizer_files_keeps_the_sidecar(tmp_path: Path,
     assert await stream_derenderer(ON, model(path=empty), "chat", CHAT) is None
     assert "local_stream_detokenize" in caplog.text
     assert local_stream._built[empty] is None  # remembered: not tried again per request
+
+
+async def test_a_relayed_attempt_continues_from_the_committed_window() -> None:
+    """The session's committed-state rules hold with the coordinator's derender: an attempt that
+    ends after two handed-on chunks and a relayed one that derenders the rest give the client the
+    text one attempt gives (the window state is the session's to carry, as with the sidecar)."""
+    from serving.pipeline.derender.local_stream import local_stream_derenderer
+    from serving.pipeline.derender.session import StreamingRenderSession
+
+    derender = local_stream_derenderer(model_dir(), 5.0)
+    hf = derender._hf
+    ids = hf.encode(" héllo, 中文 wörld😀!", add_special_tokens=False)
+    events = [{"request_id": "g", "choices": [{"index": 0, "token_ids": [i], "finish_reason": None}]} for i in ids]
+    events[-1]["choices"][0]["finish_reason"] = "length"
+    prompt = hf.encode("Say:", add_special_tokens=False)
+
+    async def texts(session: StreamingRenderSession, part: list[dict[str, Any]]) -> str:
+        async def batches() -> Any:
+            for e in part:
+                yield [{**e, "choices": [dict(c) for c in e["choices"]]}]
+        return "".join([c["choices"][0]["delta"]["content"] or "" async for c in session.chunks(batches())])
+
+    whole = await texts(StreamingRenderSession(derender, "chat", dict(CHAT), prompt, request_id="r", public_id="p"),
+                        events)
+    relayed = StreamingRenderSession(derender, "chat", dict(CHAT), prompt, request_id="r", public_id="p")
+    relayed.begin_attempt(1, "e1")
+    first = await texts(relayed, events[:5])
+    relayed.begin_attempt(2, "e2")
+    assert first + await texts(relayed, events[5:]) == whole == " héllo, 中文 wörld😀!"
+    assert relayed.committed_ids == ids
