@@ -8,7 +8,10 @@ and two coordinators in front of both, one with ``derender_coalesce`` on and one
 ``--stream-interval N`` another: coalescing on and ``RenderConfig.stream_interval`` N; with
 ``--uvicorn`` another: coalescing on, under uvicorn as ``MOTOR_SERVER=uvicorn`` serves it; with
 ``--stream-interval-ms 10,25`` one per value: coalescing on and ``RenderConfig.stream_interval_ms``
-that many ms; ``--skip-off`` leaves out the coordinator with coalescing off).
+that many ms; with ``--local-detokenize`` another: coalescing on and
+``RenderConfig.local_stream_detokenize``, the coordinator derendering the plain chats itself, so
+its "derender calls" column counts chunks the coordinator derendered, none of them sidecar calls;
+``--skip-off`` leaves out the coordinator with coalescing off).
 Then, per concurrency level (1, 16, 64 streams by default), the same streaming chat workload runs
 against each coordinator in turn and reports per request: derender calls (one per SSE chunk the
 coordinator writes, each one derender call), the render sidecar's CPU time, TTFT, TPOT and E2E;
@@ -21,7 +24,7 @@ the baseline of issue 11's "TPOT p99 within 1.5x of the engine alone" (its own c
     python3 -m toolchain exec bench/coalesce.py [--levels 1,16,64] [--requests-per-stream 2]
                                                 [--max-tokens 64] [--tpot-ms 2] [--parsers]
                                                 [--stream-interval N] [--stream-interval-ms 10,25]
-                                                [--skip-off] [--uvicorn] [--write]
+                                                [--local-detokenize] [--skip-off] [--uvicorn] [--write]
 
 Reports numbers only; nothing here asserts on timings.
 """
@@ -270,14 +273,14 @@ def write_results(text: str) -> None:
 
 
 def coordinator(
-    cfg: stack.StackConfig, db: Path, coalesce: bool, interval: int = 1, interval_ms: int = 0
+    cfg: stack.StackConfig, db: Path, coalesce: bool, interval: int = 1, interval_ms: int = 0, local: bool = False
 ) -> stack.StackConfig:
     cfg = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{db}", log_dir=cfg.log_dir / db.stem)
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     stack.prepare_database(cfg)
     with sqlite3.connect(db) as conn:
-        conn.execute("UPDATE serving_renderconfig SET derender_coalesce = ?, stream_interval = ?, stream_interval_ms = ?",
-                     (coalesce, interval, interval_ms))
+        conn.execute("UPDATE serving_renderconfig SET derender_coalesce = ?, stream_interval = ?, stream_interval_ms = ?, "
+                     "local_stream_detokenize = ?", (coalesce, interval, interval_ms, local))
     return cfg
 
 
@@ -293,6 +296,8 @@ def main() -> int:
     parser.add_argument("--stream-interval-ms", default="",
                         help="also a coordinator with coalescing on and this stream_interval_ms, per comma-separated value")
     parser.add_argument("--skip-off", action="store_true", help="no coordinator with coalescing off")
+    parser.add_argument("--local-detokenize", action="store_true",
+                        help="also a coordinator with coalescing on and local_stream_detokenize on")
     parser.add_argument("--uvicorn", action="store_true",
                         help="also a coordinator with coalescing on under uvicorn (MOTOR_SERVER=uvicorn)")
     parser.add_argument("--write", action="store_true")
@@ -328,6 +333,8 @@ def main() -> int:
                       coordinator(cfg, tmp / "interval.sqlite3", True, args.stream_interval)))
     for ms in (int(v) for v in args.stream_interval_ms.split(",") if v):
         modes.append((f"on, interval {ms} ms", coordinator(cfg, tmp / f"interval-{ms}ms.sqlite3", True, 1, ms)))
+    if args.local_detokenize:
+        modes.append(("on, local detokenize", coordinator(cfg, tmp / "local.sqlite3", True, local=True)))
     rows: list[tuple[int, str, Run]] = []
     load_before = loadavg()
     with contextlib.ExitStack() as exits:

@@ -165,7 +165,8 @@ class RenderConfigAdmin(admin.ModelAdmin):
     fieldsets = (
         (None, {"fields": ("name", "served_model", "enable")}),
         ("Sidecar", {"fields": ("image_name", "host", "port", "renderer_num_workers", "pool_size", "pool")}),
-        ("Limits", {"fields": ("timeout_ms", "context_budget", "derender_coalesce", "stream_interval", "stream_interval_ms")}),
+        ("Limits", {"fields": ("timeout_ms", "context_budget", "derender_coalesce", "stream_interval", "stream_interval_ms",
+                               "local_stream_detokenize")}),
         ("Token obfuscation", {"fields": ("obfuscation", "obfuscation_key_ref", "obfuscation_key_id")}),
         ("Probed", {"fields": (
             "sidecar_version", "traffic", "streaming_derender", "model_mismatch", "health", "last_probe_at", "last_probe_error",

@@ -62,6 +62,9 @@ class RenderConfigOut(Schema):
     stream_interval_ms: int = Field(
         description="Milliseconds between a choice's derender calls after its first token; 0: off."
     )
+    local_stream_detokenize: bool = Field(
+        description="Plain streams derendered in the coordinator instead of the sidecar (docs/local-detokenize.md)."
+    )
     obfuscation: bool
     obfuscation_key_ref: str
     obfuscation_key_id: str
@@ -100,6 +103,7 @@ class RenderConfigPatch(BodySchema):
     derender_coalesce: bool | None = None
     stream_interval: int | None = Field(None, ge=1, le=STREAM_INTERVAL_MAX)
     stream_interval_ms: int | None = Field(None, ge=0, le=STREAM_INTERVAL_MS_MAX)
+    local_stream_detokenize: bool | None = None
     obfuscation: bool | None = None
     obfuscation_key_ref: str | None = Field(None, max_length=300, pattern=key_ref_pattern())
     obfuscation_key_id: str | None = Field(None, max_length=100)
@@ -133,6 +137,7 @@ class RenderConfigImport(BodySchema):
     derender_coalesce: bool = optional()
     stream_interval: int = optional(ge=1, le=STREAM_INTERVAL_MAX)
     stream_interval_ms: int = optional(ge=0, le=STREAM_INTERVAL_MS_MAX)
+    local_stream_detokenize: bool = optional()
     obfuscation: bool = optional(
         description="true needs obfuscation_key_ref and obfuscation_key_id (422 otherwise)."
     )

@@ -138,6 +138,13 @@ class RenderConfig(models.Model):
             "the end. Applies together with stream_interval (a call waits for both). 0: off."
         ),
     )
+    local_stream_detokenize = models.BooleanField(
+        default=False,
+        help_text=(
+            "Derender plain streams (chat or completions; no tool or reasoning parser, no logprobs, no echo, no "
+            "obfuscation) in the coordinator with the model's tokenizer files and vLLM's incremental detokenization, instead of one sidecar call per chunk. Off: the RFC puts derender in the sidecar."
+        ),
+    )
     obfuscation = models.BooleanField(default=False, help_text="Token obfuscation (fails closed).")
     obfuscation_key_ref = models.CharField(
         max_length=300, blank=True, help_text="Where the key is: `setting:NAME` or `file:/path`; never the key."
@@ -167,7 +174,8 @@ class RenderConfig(models.Model):
     # Keys an imported render config may carry (the RFC's names); anything else is an error.
     IMPORT_KEYS = (
         "enable", "image_name", "host", "port", "timeout_ms", "renderer_num_workers",
-        "context_budget", "derender_coalesce", "stream_interval", "stream_interval_ms", "obfuscation", "obfuscation_key_ref",
+        "context_budget", "derender_coalesce", "stream_interval", "stream_interval_ms", "local_stream_detokenize", "obfuscation",
+        "obfuscation_key_ref",
         "obfuscation_key_id",
     )
     # Changing any of these means the running sidecar no longer matches its config.

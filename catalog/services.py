@@ -44,6 +44,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "derender_coalesce": bool,
     "stream_interval": int,
     "stream_interval_ms": int,
+    "local_stream_detokenize": bool,
     "obfuscation": bool,
     "obfuscation_key_ref": str,
     "obfuscation_key_id": str,

@@ -105,6 +105,7 @@ def render_view(cfg: RenderConfig) -> RenderView:
         derender_coalesce=cfg.derender_coalesce,
         stream_interval=cfg.stream_interval,
         stream_interval_ms=cfg.stream_interval_ms,
+        local_stream_detokenize=cfg.local_stream_detokenize,
         members=members,
     )
 

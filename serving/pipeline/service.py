@@ -37,6 +37,7 @@ from serving.pipeline import metric_names, request_checks
 from serving.pipeline.apis.messages import chat_view, to_message
 from serving.pipeline.apis.messages_stream import MessagesEvents, MessagesStream
 from serving.pipeline.derender.full import derender_full
+from serving.pipeline.derender.local_stream import stream_derenderer
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import EngineGuard
@@ -349,8 +350,10 @@ class ServingPipeline(NativePath):
             )
         n = int(body.get("n") or 1)
         public_id = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
+        # RenderConfig.local_stream_detokenize: a plain stream's chunks derendered here, not by the sidecar.
+        local = await stream_derenderer(self.snapshot.render, self.snapshot.models.get(tokenized.model), kind, body)
         return EventStream(
-            attempts, self.render, self.stream_settings, kind, public_id, body, tokenized, streams,
+            attempts, local or self.render, self.stream_settings, kind, public_id, body, tokenized, streams,
             request_id=request_id,
             requires_tokenizer=requires_tokenizer, n=n, phases=phases,
         )

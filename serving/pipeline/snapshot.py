@@ -73,6 +73,8 @@ class RenderView:
     stream_interval: int = 1
     # Milliseconds a choice's derender calls are at least apart after its first (coalesce.py); 0: none.
     stream_interval_ms: int = 0
+    # Plain streams derendered in the coordinator (derender/local_stream.py); off: every chunk a sidecar call.
+    local_stream_detokenize: bool = False
     # The render pool (render/pool.py picks a member per call). Empty: one sidecar at ``base_url``
     # with the flags above. Built from the database, the flags above say what *some* member can
     # do (what the path choice reads); each member says what it can.

@@ -28,7 +28,7 @@ from serving.pipeline.derender.payload import proves_plain_path, reads_request, 
 from serving.pipeline.errors import DerenderError
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import EventBatches, TokenKind
-from serving.pipeline.render.client import RETRY_DELAY_MAX_S, RETRY_DELAY_MIN_S, DerenderRetryable, RenderClient
+from serving.pipeline.render.client import RETRY_DELAY_MAX_S, RETRY_DELAY_MIN_S, DerenderRetryable
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,18 @@ class Holdback(Protocol):
     def discard(self) -> None: ...
 
 
+class ChunkDerender(Protocol):
+    """Derenders one event with a choice's state: the sidecar's client (``RenderClient``), or the
+    coordinator's own plain-path derender (derender/local_stream.py, ``local_stream_detokenize``)."""
+
+    timeout_s: float
+
+    async def derender_chunk(
+        self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: dict[str, Any] | None,
+        prompt_tokens: int, prompt_token_ids: list[int] | None, request: dict[str, Any] | None, model: str | None,
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]: ...
+
+
 class _NoHoldback:
     """Every chunk goes at once (no stop strings, or a session built for a unit test)."""
 
@@ -126,7 +138,7 @@ class StreamingRenderSession:
 
     def __init__(
         self,
-        render: RenderClient,
+        render: ChunkDerender,
         kind: TokenKind,
         body: dict[str, Any],
         prompt_ids: list[int],

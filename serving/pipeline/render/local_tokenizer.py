@@ -141,6 +141,11 @@ class LocalTokenizer:
         self.generation_defaults = generation_defaults(root)
 
     @property
+    def hf(self) -> Any:
+        """The transformers tokenizer render builds (the coordinator's stream derender reads it)."""
+        return self._hf
+
+    @property
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 

@@ -24,12 +24,11 @@ from typing import Any
 from serving.pipeline import metric_names
 from serving.pipeline.derender.coalesce import event_reader
 from serving.pipeline.derender.holdback import ChunkHoldback, derender_request
-from serving.pipeline.derender.session import ChoicePhase, StreamingRenderSession, StreamSettings
+from serving.pipeline.derender.session import ChoicePhase, ChunkDerender, StreamingRenderSession, StreamSettings
 from serving.pipeline.engine.requests import GENERATE_PREFIX
 from serving.pipeline.errors import EngineError, MotorError, error_body
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import TokenKind
-from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.tokenization import TokenizedRequest
 from serving.pipeline.resilience.attempts import Attempts, OpenStream, open_together
 from serving.pipeline.sse import DONE, frame
@@ -55,7 +54,7 @@ class EventStream:
     """
 
     attempts: Attempts
-    render: RenderClient
+    render: ChunkDerender  # the sidecar's client, or the coordinator's own (local_stream_detokenize)
     settings: StreamSettings
     kind: TokenKind
     public_id: str
