@@ -91,23 +91,30 @@ def corpus_files() -> list[Path]:
     return files
 
 
-def train_tokenizer() -> Tokenizer:
-    """Return a byte-level BPE tokenizer of exactly VOCAB_SIZE tokens, specials first."""
+def train_bpe(vocab_size: int, special_tokens: list[str]) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on the corpus: ``special_tokens`` first (ids 0..), then
+    merges up to ``vocab_size``. The specials' flags are the caller's to set (the ids stay)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    # The trainer gives the specials ids 0..8 but marks all of them special; the flags are
-    # corrected after training (see CONTROL_TOKENS vs MARKUP_TOKENS).
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=2,
         show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     texts = [p.read_text(encoding="utf-8") for p in corpus_files()]
     tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def train_tokenizer() -> Tokenizer:
+    """Return a byte-level BPE tokenizer of exactly VOCAB_SIZE tokens, specials first."""
+    # The trainer gives the specials ids 0..8 but marks all of them special; the flags are
+    # corrected after training (see CONTROL_TOKENS vs MARKUP_TOKENS).
+    tok = train_bpe(VOCAB_SIZE, list(SPECIAL_TOKENS))
     # Re-declare the specials with the flags transformers and vLLM look at; the ids stay.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from safetensors.numpy import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer
 
 from tinymodel import build as base
 from tinymodel.llama import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, VOCAB_SIZE
@@ -21,18 +21,7 @@ HERE = Path(__file__).resolve().parent
 
 def train_tokenizer() -> Tokenizer:
     """A byte-level BPE tokenizer of exactly VOCAB_SIZE tokens, specials first (ids 0..4)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        min_frequency=2,
-        show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([p.read_text(encoding="utf-8") for p in base.corpus_files()], trainer=trainer)
+    tok = base.train_bpe(VOCAB_SIZE, list(SPECIAL_TOKENS))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
     return tok
