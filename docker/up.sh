@@ -62,12 +62,19 @@ ensure_base() {
 
 stage_context() {
     # What the Dockerfiles COPY from outside the repository: the machine's CA bundle (package
-    # registries are reached through it) and the CPU torch wheel (never the CUDA build).
+    # registries are reached through it) and, for the vLLM images only, the CPU torch wheel
+    # (never the CUDA build). The context is the repository for every image (the legacy builder
+    # has one .dockerignore), so the wheel is there only while the vLLM images build: the
+    # coordinator's `COPY . .` never carries it.
     [ -f "$TORCH_WHEEL" ] || die "no CPU torch wheel at $TORCH_WHEEL (set MOTOR_TORCH_WHEEL)"
+    rm -rf "$ROOT/docker/.build/wheels"
     mkdir -p "$ROOT/docker/.build/wheels"
     cp "$CA_BUNDLE" "$ROOT/docker/.build/ca-certificates.crt"
+}
+
+stage_wheel() {
     dest="$ROOT/docker/.build/wheels/$(basename "$TORCH_WHEEL")"
-    [ -f "$dest" ] || ln "$TORCH_WHEEL" "$dest" 2>/dev/null || cp "$TORCH_WHEEL" "$dest"
+    ln "$TORCH_WHEEL" "$dest" 2>/dev/null || cp "$TORCH_WHEEL" "$dest"
 }
 
 build() {  # build TAG DOCKERFILE [ARG=VALUE ...]: layers cached, so an unchanged image takes seconds
@@ -86,8 +93,10 @@ build_images() {
     build motorsite-postgres:15 Dockerfile.postgres
     build motorsite-redis:7 Dockerfile.redis
     build motorsite-coordinator:latest Dockerfile.coordinator
+    stage_wheel
     build motorsite-render:0.33.0 Dockerfile.vllm LOCK=render.lock
     build motorsite-engine:0.32.0 Dockerfile.vllm LOCK=engine.lock
+    rm -f "$ROOT/docker/.build/wheels/"*
     docker image prune -f >/dev/null  # the dangling layers a rebuild leaves
 }
 

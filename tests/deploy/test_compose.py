@@ -1,7 +1,7 @@
 """docker/compose.yaml runs what ``make run`` runs: held against motorsite.stack's process specs.
 
-No container engine runs on these machines (``docker`` is only the client; see docs/deploying.md), so
-these are static checks: docker-compose's own schema check of the file, and every process ``make run`` starts is a compose service with the same
+Bringing the file up takes image builds and minutes of vLLM start-ups (docker/up.sh and
+docker/smoke.py do it, outside make test; docs/deploying.md records the run), so these are static checks: docker-compose's own schema check of the file, and every process ``make run`` starts is a compose service with the same
 arguments, environment and readiness request, up to the differences a container implies (bind
 0.0.0.0, the model at /model, ``taskset`` as ``cpuset``, the repository at /app), each named here.
 """
