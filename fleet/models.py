@@ -13,6 +13,7 @@ import secrets
 from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models, transaction
 from django.db.models import F
@@ -22,6 +23,18 @@ from catalog.models import Health, ServedModel
 from fleet.ascend import ASCEND_GENERATIONS
 
 MAX_PORT = 65535
+
+
+def _with_domain(url: str) -> str:
+    """``url`` with a single-label host (a container's or service's name) given a domain."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:
+        return url
+    if not host or "." in host or ":" in host or host == "localhost":
+        return url
+    return parts._replace(netloc=parts.netloc.replace(host, host + ".internal", 1)).geturl()
 
 
 class EngineInstance(models.Model):
@@ -121,6 +134,24 @@ class EngineInstance(models.Model):
     @property
     def is_ascend(self) -> bool:
         return self.hardware_kind in ASCEND_GENERATIONS
+
+    def clean_fields(self, exclude: list[str] | None = None) -> None:
+        # Compose and Kubernetes reach an engine by its service's name (http://engine-1:8201), a
+        # host Django's URLValidator refuses for want of a top-level domain: check such a URL as
+        # if the name had one, and keep it as written.
+        skip = set(exclude or ())
+        errors: dict[str, list[ValidationError]] = {}
+        try:
+            super().clean_fields(exclude=[*skip, "url"])
+        except ValidationError as e:
+            errors = e.error_dict
+        if "url" not in skip:
+            try:
+                self._meta.get_field("url").clean(_with_domain(self.url), self)
+            except ValidationError as e:
+                errors["url"] = e.error_list
+        if errors:
+            raise ValidationError(errors)
 
     def endpoint(self) -> tuple[str, int]:
         """Host and HTTP port of ``url`` (the scheme's default port when it names none)."""

@@ -1,7 +1,7 @@
 """docker/compose.yaml runs what ``make run`` runs: held against motorsite.stack's process specs.
 
-No container engine runs on these machines (``docker`` is only the client; see docs/deploying.md), so
-these are static checks: docker-compose's own schema check of the file, and every process ``make run`` starts is a compose service with the same
+Bringing the file up takes image builds and minutes of vLLM start-ups (docker/up.sh and
+docker/smoke.py do it, outside make test; docs/deploying.md records the run), so these are static checks: docker-compose's own schema check of the file, and every process ``make run`` starts is a compose service with the same
 arguments, environment and readiness request, up to the differences a container implies (bind
 0.0.0.0, the model at /model, ``taskset`` as ``cpuset``, the repository at /app), each named here.
 """
@@ -141,7 +141,28 @@ def test_the_fleet_registered_is_the_fleet_started(specs: dict[str, ProcessSpec]
         ports = [specs[n].ports[0][1] for n in names]
         assert values[flag] == [f"http://{hosts[n]}:{p}" for n, p in zip(names, ports, strict=True)], flag
     assert values["--render-port"] == [str(specs["render"].ports[0][1])]
-    assert SERVICES["coordinator"]["ports"] == ["8000:8000"]
+    # The container side is make run's port; the host side is the operator's (docker/up.sh PORT).
+    assert SERVICES["coordinator"]["ports"] == ["${MOTOR_BIND:-127.0.0.1}:${MOTOR_PORT:-8000}:8000"]
+    assert specs["coordinator"].ready_url == "http://127.0.0.1:8000/healthz"
+
+
+def test_the_coordinator_is_published_on_the_operators_port_on_loopback(tmp_path: Path) -> None:
+    if DOCKER_COMPOSE is None:
+        pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
+    published = {}
+    for port in (None, "18123"):
+        env = {**os.environ, "MOTOR_MODEL_DIR": str(tmp_path), **USER_ENV}
+        env.pop("MOTOR_PORT", None)
+        env.pop("MOTOR_BIND", None)
+        if port:
+            env["MOTOR_PORT"] = port
+        done = subprocess.run(
+            [DOCKER_COMPOSE, "-f", str(ROOT / "docker" / "compose.yaml"), "config"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        published[port] = yaml.safe_load(done.stdout)["services"]["coordinator"]["ports"]
+    assert published == {None: ["127.0.0.1:8000:8000/tcp"], "18123": ["127.0.0.1:18123:8000/tcp"]}
 
 
 def test_the_ascend_services_run_what_fleet_ascend_makes() -> None:

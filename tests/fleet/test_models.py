@@ -139,3 +139,24 @@ def test_it_refuses_a_decode_instance_incompatible_with_the_registered_prefill(s
             kv_connector="NixlConnector", hardware_kind="A3",
         )
     assert not EngineInstance.objects.filter(name="d1").exists()
+
+
+@pytest.mark.parametrize(
+    ("url", "valid"),
+    [
+        ("http://engine-1:8201", True),  # a compose or Kubernetes service name
+        ("http://prefill-1:8211", True),
+        ("http://127.0.0.1:8201", True),
+        ("http://engine_1:8201", False),
+        ("http://engine 1:8201", False),
+        ("engine-1:8201", False),
+    ],
+)
+def test_an_engine_is_registered_by_its_service_name(served_model: ServedModel, url: str, valid: bool) -> None:
+    fields = dict(served_model=served_model, role=EngineInstance.Role.UNION)
+    if valid:
+        instance = services.instance_create(actor="test", name="e", url=url, **fields)
+        assert EngineInstance.objects.get(id=instance.id).url == url
+    else:
+        with pytest.raises(services.InvalidError, match="url"):
+            services.instance_create(actor="test", name="e", url=url, **fields)
