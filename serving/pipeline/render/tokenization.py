@@ -43,7 +43,10 @@ class TokenizedPrompt:
     a relay's replay ids, never stored on the request.
     """
 
-    token_ids: list[int]  # semantic ids: what the model's tokenizer produced
+    # Semantic ids (what the model's tokenizer produced): the very list in ``generate_request``,
+    # not a copy, since a stream holds its prompt for relays as long as it lives (8 bytes a
+    # token saved); nothing may change it in place.
+    token_ids: list[int]
     generate_request: Mapping[str, Any]  # render's GenerateRequest, carried opaquely to generate
 
     @property
@@ -204,7 +207,7 @@ class TokenizationService:
             self.health.mark(exc)
             return await self._fallback(kind, body, request_id, exc, start)
         self.health.mark(None)
-        prompts = tuple(TokenizedPrompt(list(r["token_ids"]), r) for r in rendered)
+        prompts = tuple(TokenizedPrompt(r["token_ids"], r) for r in rendered)
         token_kind: TokenKind = "completions" if kind == "completions" else "chat"
         return TokenizedRequest(token_kind, self.model.name, prompts, "render", None,
                                 (time.perf_counter() - start) * 1000)
@@ -245,7 +248,7 @@ class TokenizationService:
             rendered = local_render(tok, kind, body, request_id, self.model)
         except LocalTokenizerUnavailable as exc:
             raise RenderUnavailable(f"{cause.message}; no local fallback: {exc}", reason=reason) from exc
-        prompts = tuple(TokenizedPrompt(list(r["token_ids"]), r) for r in rendered)
+        prompts = tuple(TokenizedPrompt(r["token_ids"], r) for r in rendered)
         return TokenizedRequest(kind, self.model.name, prompts, "local", reason, (time.perf_counter() - start) * 1000)
 
 
