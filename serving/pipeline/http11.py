@@ -37,6 +37,7 @@ import asyncio
 import json as stdlib_json
 import re
 import ssl
+from array import array
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Mapping
 from urllib.parse import urlsplit
@@ -66,9 +67,16 @@ def dumps(payload: Any) -> bytes:
     """JSON bytes of a request body: orjson, or the standard library for what orjson refuses
     (integers past 64 bits)."""
     try:
-        return orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
+        return orjson.dumps(payload, default=_array_list, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:
-        return stdlib_json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+        return stdlib_json.dumps(payload, default=_array_list, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _array_list(value: Any) -> list[Any]:
+    # A prompt's ids are kept as ``array("i")`` (render/tokenization.py): sent as a JSON list.
+    if isinstance(value, array):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def loads(raw: bytes | str) -> Any:

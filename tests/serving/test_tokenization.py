@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import logging
+from array import array
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import httpx
@@ -16,8 +18,9 @@ import pytest
 
 from serving.pipeline.engine.native import native_reason
 from serving.pipeline.errors import RenderUnavailable, RequestError, UpstreamRequestError
+from serving.pipeline.http11 import dumps
 from serving.pipeline.render import local_tokenizer as lt
-from serving.pipeline.render.tokenization import local_render, local_unsupported
+from serving.pipeline.render.tokenization import TokenizationService, local_render, local_unsupported
 from tests.serving.fakes import CHAT_PROMPT, MODEL, error_json
 from tests.serving.loopback import HANG_DEADLINE_S, hang
 from tests.serving.router_fakes import (
@@ -299,3 +302,30 @@ def test_the_local_template_renders_what_transformers_renders(messages: list[dic
     ours = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     assert ours == hf_prompt(messages, tools=tools)
     assert tok.encode(ours, add_special_tokens=False) == hf_ids(ours, add_special_tokens=False)
+
+
+class _RenderReply:
+    """A render sidecar answering one completions prompt with ``ids``."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+        return [{"request_id": f"cmpl-{request_id}", "token_ids": list(self.ids), "sampling_params": {"max_tokens": 4}}]
+
+
+async def test_a_prompts_ids_are_held_once_as_four_byte_integers_and_sent_as_a_list() -> None:
+    # A stream holds its prompt all its life (a relay continues from it): one copy, 4 bytes an id.
+    ids = [151644, 872, 5, 0]
+    service = TokenizationService(_RenderReply(ids), SimpleNamespace(name=MODEL, model_path=""))  # type: ignore[arg-type]
+    prompt = (await service.tokenize("completions", {"prompt": "x"}, "r")).prompts[0]
+    assert prompt.token_ids is prompt.generate_request["token_ids"]
+    assert isinstance(prompt.token_ids, array) and prompt.token_ids.itemsize == 4 and list(prompt.token_ids) == ids
+    sent = {"request_id": "cmpl-r", "token_ids": ids, "sampling_params": {"max_tokens": 4}}
+    assert dumps(prompt.generate_request) == dumps(sent)
+
+
+async def test_ids_no_four_byte_integer_holds_stay_a_list_for_the_checks_to_refuse() -> None:
+    service = TokenizationService(_RenderReply([1, 2**40]), SimpleNamespace(name=MODEL, model_path=""))  # type: ignore[arg-type]
+    prompt = (await service.tokenize("completions", {"prompt": "x"}, "r")).prompts[0]
+    assert prompt.token_ids == [1, 2**40] and prompt.token_ids is prompt.generate_request["token_ids"]

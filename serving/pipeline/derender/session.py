@@ -18,7 +18,7 @@ import asyncio
 import enum
 import logging
 from array import array
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -141,7 +141,7 @@ class StreamingRenderSession:
         render: ChunkDerender,
         kind: TokenKind,
         body: dict[str, Any],
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         *,
         request_id: str,
         public_id: str,

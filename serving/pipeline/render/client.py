@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 import msgspec
@@ -177,7 +177,7 @@ class RenderClient:
         self,
         generate_response: dict[str, Any],
         *,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Sequence[int],
         chat_request: dict[str, Any],
         model: str | None,
     ) -> dict[str, Any]:
@@ -196,7 +196,7 @@ class RenderClient:
         self,
         generate_responses: list[dict[str, Any]],
         *,
-        prompt_token_ids: list[list[int]],
+        prompt_token_ids: Sequence[Sequence[int]],
         completion_request: dict[str, Any],
         model: str | None,
     ) -> dict[str, Any]:
@@ -218,7 +218,7 @@ class RenderClient:
         *,
         stream_state: dict[str, Any] | None,
         prompt_tokens: int,
-        prompt_token_ids: list[int] | None,
+        prompt_token_ids: Sequence[int] | None,
         request: dict[str, Any] | None,
         model: str | None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -27,7 +27,7 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterator, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 import httpx
 
@@ -193,14 +193,14 @@ class RenderPool(RenderClient):
         return await self._render(kind, lambda c: c.prompt_lengths(kind, body, request_id))
 
     async def derender_chat(
-        self, generate_response: dict[str, Any], *, prompt_token_ids: list[int], chat_request: dict[str, Any],
+        self, generate_response: dict[str, Any], *, prompt_token_ids: Sequence[int], chat_request: dict[str, Any],
         model: str | None,
     ) -> dict[str, Any]:
         return await self._derender(DERENDER, "chat", lambda c: c.derender_chat(
             generate_response, prompt_token_ids=prompt_token_ids, chat_request=chat_request, model=model))
 
     async def derender_completions(
-        self, generate_responses: list[dict[str, Any]], *, prompt_token_ids: list[list[int]],
+        self, generate_responses: list[dict[str, Any]], *, prompt_token_ids: Sequence[Sequence[int]],
         completion_request: dict[str, Any], model: str | None,
     ) -> dict[str, Any]:
         return await self._derender(DERENDER, "completions", lambda c: c.derender_completions(
@@ -208,7 +208,7 @@ class RenderPool(RenderClient):
 
     async def derender_chunk(
         self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: dict[str, Any] | None,
-        prompt_tokens: int, prompt_token_ids: list[int] | None, request: dict[str, Any] | None, model: str | None,
+        prompt_tokens: int, prompt_token_ids: Sequence[int] | None, request: dict[str, Any] | None, model: str | None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         return await self._derender(STREAMING_DERENDER, kind, lambda c: c.derender_chunk(
             kind, generate_chunk, stream_state=stream_state, prompt_tokens=prompt_tokens,

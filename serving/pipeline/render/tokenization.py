@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -43,7 +44,8 @@ class TokenizedPrompt:
     a relay's replay ids, never stored on the request.
     """
 
-    token_ids: list[int]  # semantic ids: what the model's tokenizer produced
+    # The very ids in ``generate_request``, never changed: render's in 4 bytes each (``_compact_ids``).
+    token_ids: Sequence[int]
     generate_request: Mapping[str, Any]  # render's GenerateRequest, carried opaquely to generate
 
     @property
@@ -69,6 +71,17 @@ class TokenizedRequest:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
+
+
+def _compact_ids(rendered: dict[str, Any]) -> Sequence[int]:
+    """Render's ids as 4-byte integers, in the reply sent on too (``http11.dumps`` writes a list),
+    not 8 + 28 bytes an id; ids too big for that stay a list, for the request checks to refuse."""
+    ids: Sequence[int] = rendered["token_ids"]
+    try:
+        ids = rendered["token_ids"] = array("i", ids)
+    except (OverflowError, TypeError):
+        pass
+    return ids
 
 
 class NeedsNative(Exception):
@@ -204,7 +217,7 @@ class TokenizationService:
             self.health.mark(exc)
             return await self._fallback(kind, body, request_id, exc, start)
         self.health.mark(None)
-        prompts = tuple(TokenizedPrompt(list(r["token_ids"]), r) for r in rendered)
+        prompts = tuple(TokenizedPrompt(_compact_ids(r), r) for r in rendered)
         token_kind: TokenKind = "completions" if kind == "completions" else "chat"
         return TokenizedRequest(token_kind, self.model.name, prompts, "render", None,
                                 (time.perf_counter() - start) * 1000)
@@ -245,7 +258,7 @@ class TokenizationService:
             rendered = local_render(tok, kind, body, request_id, self.model)
         except LocalTokenizerUnavailable as exc:
             raise RenderUnavailable(f"{cause.message}; no local fallback: {exc}", reason=reason) from exc
-        prompts = tuple(TokenizedPrompt(list(r["token_ids"]), r) for r in rendered)
+        prompts = tuple(TokenizedPrompt(r["token_ids"], r) for r in rendered)
         return TokenizedRequest(kind, self.model.name, prompts, "local", reason, (time.perf_counter() - start) * 1000)
 
 
@@ -411,12 +424,12 @@ class LocalDerenderer:
     created: Callable[[], int] = field(default=lambda: int(time.time()))
 
     def _text(
-        self, prompt_ids: list[int], ids: list[int], choice: Mapping[str, Any], body: Mapping[str, Any], skip: bool
+        self, prompt_ids: Sequence[int], ids: list[int], choice: Mapping[str, Any], body: Mapping[str, Any], skip: bool
     ) -> str:
         """The choice's text as derender makes it (``OnlineDerenderer._decode_output``): the stop
         token left out, decoded by vLLM's incremental detokenizer (``LocalTokenizer.decode_output``)
         and cut at the stop string the engine reported, as the streaming path cuts it."""
-        text = self.tok.decode_output(prompt_ids, _without_stop_token(ids, choice, body, self.tok.eos_token_id),
+        text = self.tok.decode_output(list(prompt_ids), _without_stop_token(ids, choice, body, self.tok.eos_token_id),
                                       skip_special_tokens=skip)
         cut = StopHoldback(stop_strings(body), include_in_output=bool(body.get("include_stop_str_in_output")))
         return cut.feed(text, finished=True, stop_reason=choice.get("stop_reason"))  # the whole text, final
@@ -425,7 +438,7 @@ class LocalDerenderer:
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
                 "prompt_tokens_details": None, "completion_tokens_details": None}
 
-    def chat(self, response: Mapping[str, Any], *, prompt_ids: list[int], body: Mapping[str, Any]) -> dict[str, Any]:
+    def chat(self, response: Mapping[str, Any], *, prompt_ids: Sequence[int], body: Mapping[str, Any]) -> dict[str, Any]:
         skip = _skip_special_tokens(body, self.tok.generation_defaults)
         with_ids = bool(body.get("return_token_ids"))
         choices = []
@@ -449,7 +462,7 @@ class LocalDerenderer:
         }
 
     def completions(
-        self, responses: Sequence[Mapping[str, Any]], *, prompt_ids: list[list[int]], body: Mapping[str, Any]
+        self, responses: Sequence[Mapping[str, Any]], *, prompt_ids: Sequence[Sequence[int]], body: Mapping[str, Any]
     ) -> dict[str, Any]:
         skip = _skip_special_tokens(body, self.tok.generation_defaults)
         with_ids = bool(body.get("return_token_ids"))

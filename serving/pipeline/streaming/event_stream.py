@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +89,7 @@ class EventStream:
             ]
 
     @property
-    def prompts(self) -> list[list[int]]:
+    def prompts(self) -> list[Sequence[int]]:
         return [p.token_ids for p in self.tokenized.prompts]
 
     @property
