@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +99,7 @@ class LocalStreamDerenderer:
     def _tokens(self, ids: list[int], skip: bool) -> list[str]:
         return [t or "" for t in self._hf.convert_ids_to_tokens(ids, skip_special_tokens=skip)]
 
-    def seed(self, prompt_ids: list[int] | None, skip: bool) -> dict[str, Any]:
+    def seed(self, prompt_ids: Sequence[int] | None, skip: bool) -> dict[str, Any]:
         if not prompt_ids:
             return _state([], 0, 0)
         window = self._tokens(list(prompt_ids[-SEED_OFFSET - 2:]), skip)
@@ -156,7 +156,7 @@ class LocalStreamDerenderer:
         *,
         stream_state: dict[str, Any] | None,
         prompt_tokens: int,
-        prompt_token_ids: list[int] | None,
+        prompt_token_ids: Sequence[int] | None,
         request: dict[str, Any] | None,
         model: str | None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -119,7 +119,7 @@ class ChunkDerender(Protocol):
 
     async def derender_chunk(
         self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: dict[str, Any] | None,
-        prompt_tokens: int, prompt_token_ids: list[int] | None, request: dict[str, Any] | None, model: str | None,
+        prompt_tokens: int, prompt_token_ids: Sequence[int] | None, request: dict[str, Any] | None, model: str | None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]: ...
 
 
