@@ -7,8 +7,8 @@ Harmony) model (``responses/serving.py``, ``responses_stream_generator``, and
 ``streaming_events.py``): ``response.created``, ``response.in_progress``; per item
 ``response.output_item.added``, for text and reasoning a ``content_part.added``, the deltas
 (``output_text``, ``reasoning_text``, ``function_call_arguments``), their ``.done``,
-``content_part.done``, ``output_item.done``; ``response.completed`` (``response.incomplete`` when
-the output bound cut it) with the whole response and usage. ``sequence_number`` counts every
+``content_part.done``, ``output_item.done``; ``response.completed`` (also when the output bound cut it:
+its status says so) with the whole response and usage. ``sequence_number`` counts every
 event from 0. An error after the first event ends the stream with an ``error`` event.
 """
 
@@ -154,9 +154,11 @@ class ResponsesEvents:
         # The items as streamed are the answer's output, as in vLLM (``streamed_output_items``).
         response = finished({**self.response, "output": self.items,
                              "usage": usage(chat_usage, reasoning_tokens(self.items, chat_usage))}, self.finish)
-        name = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         self.done = True
-        return out + [self._event(name, {"response": response})]
+        # An answer the output bound cut ends with ``response.completed`` too (its status says
+        # ``incomplete``), as the vLLM engines here send it: the openai SDK's stream helper
+        # fails without that event (vLLM 0.33 sends ``response.incomplete``).
+        return out + [self._event("response.completed", {"response": response})]
 
     def end(self) -> list[bytes]:
         if self.done:
