@@ -37,6 +37,7 @@ from serving.edge.keys import authenticate
 from serving.pipeline import metric_names, tracing
 from serving.pipeline.apis.messages import anthropic_error
 from serving.pipeline.apis.messages_stream import MessagesStream
+from serving.pipeline.apis.responses_stream import ResponsesStream
 from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import (
     ModelDraining,
@@ -124,8 +125,8 @@ def _log_error(request_id: str, kind: str, exc: BaseException, start: float) -> 
 def serve(kind: str) -> Endpoint:
     """The endpoint that hands a request to ``ServingPipeline.<kind>``.
 
-    chat | completions | responses | messages: Responses always takes the native path; Messages
-    the chat token path when render can render it (``apis/messages.py``).
+    chat | completions | responses | messages: Responses and Messages take the chat token path
+    when render can render them (``apis/responses.py``, ``apis/messages.py``).
     """
 
     async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
@@ -193,7 +194,7 @@ async def _serve(
             await send_error(send, exc, request_id, kind)
             phases.close(exc)
             return
-        if isinstance(result, (EventStream, MessagesStream, NativeStream, NativePromptsStream)):
+        if isinstance(result, (EventStream, MessagesStream, ResponsesStream, NativeStream, NativePromptsStream)):
             try:
                 # Native streams are the engine's bytes relayed: its engine-internal fields are
                 # nulled here, as ``scrub_response`` does for JSON answers.

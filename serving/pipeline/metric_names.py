@@ -106,6 +106,9 @@ NATIVE_REASONS = frozenset({
     "api:responses", "api:messages", "render_disabled", "no_token_in", "no_derender", "no_streaming_derender", "echo",
     "stop_strings", "structured_output", "forced_tool_choice", "engine_capability",
     "trigger_multi_prompt_stream", "local:stream", "local:param", "local:messages",
+    # What only a stateful Responses server (or its built-in tools) serves (``apis/responses.py``).
+    "api:responses:previous_response_id", "api:responses:background", "api:responses:stored_state",
+    "api:responses:builtin_tools", "api:responses:tool_choice",
 })
 # A tokenization's result: ok, moved to the native path, or the MotorError it raised.
 RENDER_RESULTS = frozenset({"ok", "native", "RenderUnavailable", "UpstreamRequestError", "RequestError"})

@@ -84,6 +84,13 @@ _FEATURES: dict[str, tuple[str, str | None, bool]] = {
     "echo": ("`echo` (the prompt in the answer)", "echo", False),
     "api:responses": ("the Responses API (`/v1/responses`)", None, False),
     "api:messages": ("the Anthropic Messages API (`/v1/messages`)", None, False),
+    "api:responses:previous_response_id": ("`previous_response_id` on the Responses API (`/v1/responses`)",
+                                           None, False),
+    "api:responses:background": ("`background` on the Responses API (`/v1/responses`)", None, False),
+    "api:responses:stored_state": ("`conversation` or `prompt` on the Responses API (`/v1/responses`)",
+                                   None, False),
+    "api:responses:builtin_tools": ("a built-in tool on the Responses API (`/v1/responses`)", None, False),
+    "api:responses:tool_choice": ("that tool choice on the Responses API (`/v1/responses`)", None, False),
 }
 
 

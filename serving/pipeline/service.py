@@ -34,8 +34,10 @@ from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
 
 from serving.pipeline import metric_names, request_checks
+from serving.pipeline.apis import responses as responses_api
 from serving.pipeline.apis.messages import chat_view, to_message
 from serving.pipeline.apis.messages_stream import MessagesEvents, MessagesStream
+from serving.pipeline.apis.responses_stream import ResponsesEvents, ResponsesStream
 from serving.pipeline.derender.full import derender_full
 from serving.pipeline.derender.local_stream import stream_derenderer
 from serving.pipeline.derender.session import StreamSettings
@@ -91,7 +93,7 @@ logger = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
 # What the token path serves: its own kinds, and Messages through the chat one.
-ServedKind = TokenKind | Literal["messages"]
+ServedKind = TokenKind | Literal["messages", "responses"]
 
 
 def _scrubbed(result: _R) -> _R:
@@ -162,11 +164,16 @@ class ServingPipeline(NativePath):
 
     async def responses(
         self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
-    ) -> dict[str, Any] | NativeStream | NativePromptsStream:
-        """The Responses API: no derender exists for it, so it always passes through natively."""
+    ) -> dict[str, Any] | ResponsesStream | NativeStream | NativePromptsStream:
+        """The Responses API: the chat token path from render's ``/v1/responses/render``, its
+        answer converted at the end (``apis/responses.py``); native where render cannot."""
         self._check_body("responses", body)
         with self._engine_errors_scrubbed():
-            return _scrubbed(await self._native("responses", body, request_id, "api:responses", phases))
+            result = await self._serve("responses", body, request_id, phases)
+        if isinstance(result, EventStream):  # the chat stream, sent as Responses events
+            return ResponsesStream(result, ResponsesEvents(
+                body, result.tokenized.prompts[0].generate_request, f"resp_{request_id}"))
+        return _scrubbed(result)
 
     async def messages(
         self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
@@ -257,7 +264,9 @@ class ServingPipeline(NativePath):
         requires_tokenizer = engine_tokenizer_feature(kind, body) is not None
         # A Messages request runs as the chat request its render stands for (apis/messages.py).
         token_kind: TokenKind = tokenized.kind
-        token_body = chat_view(body, tokenized.prompts[0].generate_request) if kind == "messages" else body
+        rendered = tokenized.prompts[0].generate_request
+        token_body = (chat_view(body, rendered) if kind == "messages"
+                      else responses_api.chat_view(body, rendered) if kind == "responses" else body)
         try:
             if body.get("stream"):
                 return await self._open(token_body, token_kind, request_id, tokenized, requires_tokenizer, phases)
@@ -268,6 +277,8 @@ class ServingPipeline(NativePath):
                 raise
             return await self._native(kind, body, request_id, "engine_capability", phases, tokenized=tokenized)
         out = await self._derender(token_kind, token_body, request_id, tokenized, responses, phases)
+        if kind == "responses":
+            return responses_api.to_response(out, body, rendered, f"resp_{request_id}")
         return to_message(out, f"msg_{request_id}") if kind == "messages" else out
 
     def _log_render(

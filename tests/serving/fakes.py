@@ -160,7 +160,7 @@ class FakeUpstreams:
             "stop": [], "stop_token_ids": [], "output_kind": 1 if stream else 2, "skip_clone": True,
             "bad_words": [], "skip_reading_prefix_cache": False,
         }
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens") or 16
         if max_tokens != 16:  # msgspec omit_defaults drops a resolved 16 (protocol 3.2)
             params["max_tokens"] = max_tokens
         n = int(body.get("n") or 1)

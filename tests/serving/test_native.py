@@ -40,7 +40,14 @@ WITH_TOKENIZER = (engine("e1", native_openai=True), engine("e2", native_openai=T
          "forced_tool_choice"),
         ("chat", chat_body(tool_choice={"type": "function", "function": {"name": "f"}}), "forced_tool_choice"),
         ("completions", {"model": MODEL, "prompt": "x", "echo": True}, "echo"),
-        ("responses", {"model": MODEL, "input": "x"}, "api:responses"),
+        ("responses", {"model": MODEL, "input": "x"}, None),  # the chat token path, from render
+        ("responses", {"model": MODEL, "input": "x", "previous_response_id": "resp_1"},
+         "api:responses:previous_response_id"),
+        ("responses", {"model": MODEL, "input": "x", "background": True}, "api:responses:background"),
+        ("responses", {"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, "api:responses:builtin_tools"),
+        ("responses", {"model": MODEL, "input": "x", "tools": [{"type": "function", "name": "f"}],
+                       "tool_choice": {"type": "function", "name": "f"}}, "forced_tool_choice"),
+        ("responses", {"model": MODEL, "input": "x", "text": {"format": {"type": "json_object"}}}, "structured_output"),
         ("messages", {"model": MODEL, "messages": []}, None),  # the chat token path, from render
         ("messages", {"model": MODEL, "messages": [], "stop_sequences": ["x"]}, "stop_strings"),
         ("messages", {"model": MODEL, "messages": [], "tools": [{"name": "f"}], "tool_choice": {"type": "any"}},
@@ -79,8 +86,8 @@ async def test_a_stop_string_goes_token_only_to_the_tokenizer_engine(rig: Rig) -
 @pytest.mark.parametrize("kind", ["responses", "messages"])
 async def test_responses_and_messages_pass_through(rig: Rig, kind: str) -> None:
     body = {"model": MODEL, "input": "hi"} if kind == "responses" else {"model": MODEL, "max_tokens": 5, "messages": []}
-    if kind == "messages":  # a sidecar without the Messages render route (older than vLLM 0.33)
-        rig.upstreams.override("render", "render", respond(404, {"detail": "Not Found"}))
+    # A sidecar without these APIs' render routes (older than vLLM 0.33).
+    rig.upstreams.override("render", "render", respond(404, {"detail": "Not Found"}))
     out = await getattr(rig.pipeline(snapshot_with(*PLAIN)), kind)(body, "n3")
     assert out["path"] == f"/v1/{kind}"
     assert rig.counters.get("motor_route_decisions_total", path="native", reason=f"api:{kind}") == 1

@@ -192,7 +192,7 @@ async def test_with_obfuscation_on_a_pd_pair_never_gets_the_native_path(rig: Rig
         obfuscation=True,
     )
     with pytest.raises(RequestError) as info:
-        await rig.pipeline(fleet).responses({"model": MODEL, "input": "hi"}, "obf1")
+        await rig.pipeline(fleet).responses({"model": MODEL, "input": "hi", "previous_response_id": "r"}, "obf1")
     assert info.value.status == 400 and "obfuscation" in info.value.message
     assert rig.native.calls == [] and rig.upstreams.calls == []
 
@@ -420,7 +420,8 @@ def unpaired(
 
 
 @pytest.mark.parametrize(("path", "body", "status"), [
-    ("/v1/responses", BODIES[2][1], 400),  # never servable on this fleet: request_checks.unservable
+    # Stored state only an engine's own API has: never servable on this fleet (request_checks.unservable).
+    ("/v1/responses", {**BODIES[2][1], "previous_response_id": "resp_1"}, 400),
     ("/v1/chat/completions", chat(), 503),  # render off: the native path finds no route
 ], ids=["responses", "chat"])
 async def test_a_p_and_d_of_different_transfer_modes_are_refused_saying_so(

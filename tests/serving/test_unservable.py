@@ -136,7 +136,8 @@ async def test_a_stop_string_or_list_of_strings_passes(rig: Rig) -> None:
     assert len(rig.upstreams.calls_of("generate")) == 2
 
 
-# (Messages takes the chat token path where render renders it: tests/serving/test_messages_api.py.)
+# (Messages and Responses take the chat token path where render renders them; what only an
+# engine's own Responses API serves: ``previous_response_id``. tests/serving/test_*_api.py.)
 @pytest.mark.parametrize("kind", ["responses"])
 async def test_responses_and_messages_on_a_fleet_without_any_native_engine_are_a_400_saying_why(
     rig: Rig, kind: str
@@ -144,7 +145,8 @@ async def test_responses_and_messages_on_a_fleet_without_any_native_engine_are_a
     before = set(asyncio.all_tasks())
     fleet = snapshot_with(engine("e1", tokenizer=True), engine("e2"))  # token-only, a tokenizer or not
     with pytest.raises(FeatureUnavailable) as info:
-        await getattr(rig.pipeline(fleet), kind)({"model": MODEL, "input": "hi", "max_tokens": 5}, "u5")
+        await getattr(rig.pipeline(fleet), kind)({"model": MODEL, "input": "hi", "max_tokens": 5,
+                                                  "previous_response_id": "resp_1"}, "u5")
     status, shown = error_body(info.value)
     assert status == 400 and shown["error"]["type"] == "BadRequestError"
     assert "its own OpenAI API" in shown["error"]["message"] and f"/v1/{kind}" in shown["error"]["message"]
@@ -157,7 +159,8 @@ async def test_responses_and_messages_with_native_engines_all_unavailable_stay_a
     before = set(asyncio.all_tasks())
     fleet = snapshot_with(engine("e1", native_openai=True, state="draining"), engine("e2"))  # may come back
     with pytest.raises(NoCapacity) as info:
-        await getattr(rig.pipeline(fleet), kind)({"model": MODEL, "input": "hi", "max_tokens": 5}, "u6")
+        await getattr(rig.pipeline(fleet), kind)({"model": MODEL, "input": "hi", "max_tokens": 5,
+                                                  "previous_response_id": "resp_1"}, "u6")
     assert error_body(info.value)[0] == 503
     assert rig.native.calls == []
     await assert_no_leaks(rig, before)

@@ -36,6 +36,7 @@ from typing import Any, AsyncIterator, Mapping
 import httpx
 
 from serving.pipeline import tracing
+from serving.pipeline.apis.responses import native_responses_reason, responses_tokenizer_feature
 from serving.pipeline.engine.client import ReplyDeadline, raise_for_status
 from serving.pipeline.errors import EngineError, error_body
 from serving.pipeline.http11 import Http11Client, StreamReply, loads
@@ -63,6 +64,8 @@ def engine_tokenizer_feature(kind: ApiKind, body: Mapping[str, Any]) -> str | No
     """
     if kind == "messages":
         return _messages_tokenizer_feature(body)
+    if kind == "responses":
+        return responses_tokenizer_feature(body)
     stop = body.get("stop")
     if stop and (isinstance(stop, str) or any(isinstance(s, str) and s for s in stop)):
         return "stop_strings"
@@ -80,7 +83,9 @@ def engine_tokenizer_feature(kind: ApiKind, body: Mapping[str, Any]) -> str | No
 def native_reason(kind: ApiKind, body: Mapping[str, Any], snapshot: FleetSnapshot, model: str) -> str | None:
     """Why ``body`` must take the native path before render, or None for token-only."""
     if kind == "responses":
-        return "api:responses"
+        reason = native_responses_reason(body)
+        if reason is not None:
+            return reason
     if not snapshot.render.enable:
         return "render_disabled"
     if not snapshot.render.token_in:

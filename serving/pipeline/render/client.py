@@ -131,6 +131,15 @@ class RenderClient:
         _check_generate_requests([out])
         return out
 
+    async def render_responses(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """Return one GenerateRequest for a Responses request (``apis/responses.py``)."""
+        out: dict[str, Any] = await self._post_render(RENDER_PATHS["responses"], body, request_id)
+        _check_generate_requests([out])
+        if body.get("stream"):
+            # vLLM's Responses server counts usage for its final event; render's request asks none.
+            out["stream_options"] = {"include_usage": True}
+        return out
+
     async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
         """Return one GenerateRequest per prompt, in prompt order."""
         out = await self._post_render(COMPLETIONS_RENDER, body, request_id)

@@ -196,7 +196,7 @@ class TokenizationService:
         self.health = health or RenderHealth()
         self._loader = loader
 
-    async def tokenize(self, kind: TokenKind | Literal["messages"], body: dict[str, Any], request_id: str
+    async def tokenize(self, kind: TokenKind | Literal["messages", "responses"], body: dict[str, Any], request_id: str
                        ) -> TokenizedRequest:
         """Return the request's prompts (a Messages request's as a chat's: the chat token path
         serves it, ``apis/messages.py``); raise ``UpstreamRequestError`` for render's verdicts on the
@@ -211,6 +211,8 @@ class TokenizationService:
                 rendered = [await self.render.render_chat(body, request_id)]
             elif kind == "messages":
                 rendered = [await self.render.render_messages(body, request_id)]
+            elif kind == "responses":
+                rendered = [await self.render.render_responses(body, request_id)]
             else:
                 rendered = await self.render.render_completions(body, request_id)
         except RenderUnavailable as exc:
@@ -227,13 +229,13 @@ class TokenizationService:
         return await asyncio.to_thread(self._loader, self.model.model_path)
 
     async def _fallback(
-        self, kind: TokenKind | Literal["messages"], body: dict[str, Any], request_id: str, cause: RenderUnavailable,
-        start: float,
+        self, kind: TokenKind | Literal["messages", "responses"], body: dict[str, Any], request_id: str,
+        cause: RenderUnavailable, start: float,
     ) -> TokenizedRequest:
         reason = cause.reason
-        if kind == "messages":
-            # Only render converts Messages as vLLM does (a sidecar older than 0.33 lacks the route).
-            raise NeedsNative("api:messages", reason, detail=f"render:{reason}") from cause
+        if kind == "messages" or kind == "responses":
+            # Only render converts these APIs as vLLM does (a sidecar older than 0.33 lacks the route).
+            raise NeedsNative(f"api:{kind}", reason, detail=f"render:{reason}") from cause
         unsupported = local_unsupported(kind, body)
         if unsupported is not None:
             # The reason is the category (``local:param``, a metric label); which key it was, a
