@@ -16,8 +16,9 @@ import httpx
 import pytest
 
 from motorsite import stack
+from serving.pipeline.derender.local import LocalDerenderer
 from serving.pipeline.render import local_tokenizer as lt
-from serving.pipeline.render.tokenization import LocalDerenderer, local_render, local_unsupported
+from serving.pipeline.render.tokenization import local_render, local_unsupported
 from serving.pipeline.snapshot import ModelView
 
 pytestmark = pytest.mark.integration

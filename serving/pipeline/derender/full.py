@@ -12,11 +12,12 @@ import time
 from typing import Any
 
 from serving.pipeline import metric_names
+from serving.pipeline.derender.local import LocalDerenderer
 from serving.pipeline.engine.requests import sorted_choices
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import RenderClient
-from serving.pipeline.render.tokenization import LocalDerenderer, TokenizationService, TokenizedRequest
+from serving.pipeline.render.tokenization import TokenizationService, TokenizedRequest
 from serving.pipeline.snapshot import ModelView
 
 logger = logging.getLogger(__name__)
