@@ -108,11 +108,11 @@ def assert_nothing_held() -> None:
 
 
 async def limited_key(tokens_per_minute: int) -> tuple[str, str]:
-    """A client key with a tokens-per-minute limit: (the key, its window's id)."""
+    """A client key with a tokens-per-minute limit: (the key, its window's id: per served model)."""
     _, key = await sync_to_async(api_key_create)(name=f"tpm-{tokens_per_minute}", scope="client",
                                                  tokens_per_minute=tokens_per_minute)
     snapshots.invalidate()
-    return key, hashlib.sha256(key.encode()).hexdigest()
+    return key, f"{hashlib.sha256(key.encode()).hexdigest()}:{MODEL}"
 
 
 async def post(base: str, path: str, body: dict[str, Any], key: str | None = None) -> httpx.Response:
@@ -126,7 +126,8 @@ def chat(**extra: Any) -> dict[str, Any]:
 
 
 def response_body(**extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "input": "hi", **extra}
+    # previous_response_id needs state only the engine keeps: the Responses API's native path.
+    return {"model": MODEL, "input": "hi", "previous_response_id": "resp_native", **extra}
 
 
 def message(**extra: Any) -> dict[str, Any]:

@@ -55,6 +55,8 @@ async def test_it_passes_responses_and_messages_to_an_engines_own_api(
     body = {"model": MODEL, "input": "hi", "max_tokens": 5}
     if path == "/v1/messages":  # a stop sequence: these tokens-only engines cannot take it token-only
         body["stop_sequences"] = ["\n"]
+    else:  # state only the engine keeps: the Responses API's native path
+        body["previous_response_id"] = "resp_native"
     response = await v1.post(path, json=body)
     assert response.status_code == 200
     assert response.json()["path"] == path
@@ -64,7 +66,7 @@ async def test_it_passes_responses_and_messages_to_an_engines_own_api(
 async def test_a_streamed_native_answer_is_relayed(
     v1: httpx.AsyncClient, native: NativeEngines, mock_client: LoopbackClient
 ) -> None:
-    body = {"model": MODEL, "input": "hi", "stream": True}
+    body = {"model": MODEL, "input": "hi", "stream": True, "previous_response_id": "resp_native"}  # native
     response = await v1.post("/v1/responses", json=body)
     assert response.status_code == 200 and response.headers["Content-Type"] == "text/event-stream"
     raw = response.content
@@ -84,7 +86,8 @@ async def test_engine_controls_in_a_relayed_native_stream_are_nulled(
     )
     cut = leaky.index(b"transfer_params")
     native.stream_chunks = [leaky[:cut], leaky[cut:cut + 9], leaky[cut + 9:]]
-    response = await v1.post("/v1/responses", json={"model": MODEL, "input": "hi", "stream": True})
+    body = {"model": MODEL, "input": "hi", "stream": True, "previous_response_id": "resp_native"}  # native
+    response = await v1.post("/v1/responses", json=body)
     assert response.status_code == 200 and [p for _, p, _ in native.calls] == ["/v1/responses"]
     assert b"10.0.0.7" not in response.content and b"5600" not in response.content
     events = [json.loads(line[5:]) for line in response.content.split(b"\n\n") if line.startswith(b"data: {")]
@@ -103,6 +106,8 @@ async def test_on_a_tokens_only_fleet_responses_and_messages_are_a_400_saying_wh
     body = {"model": MODEL, "input": "hi", "max_tokens": 5}
     if path == "/v1/messages":  # a stop sequence: these tokens-only engines cannot take it token-only
         body["stop_sequences"] = ["\n"]
+    else:  # state only the engine keeps: the Responses API's native path
+        body["previous_response_id"] = "resp_native"
     response = await v1.post(path, json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]

@@ -38,7 +38,10 @@ CONFIG = SimConfig(
     # A few ms per step: each event leaves the engine in a read of its own, so a cut lands between events.
     max_model_len=4096, block_size=16, tpot_ms=5.0,
 )
-MAX_TOKENS = 12
+# Long enough that the cut below always lands before both choices finished: an engine event is
+# 40-70 bytes by its ids' digits, so 12 tokens a choice sometimes all passed before byte 1200 and
+# nothing was left to relay (a flaky run in CI).
+MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
