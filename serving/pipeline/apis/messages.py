@@ -21,13 +21,9 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from serving.pipeline.apis.chat_view import base_chat_view
 from serving.pipeline.errors import DerenderError
 
-# The chat derender validates the chat request it is sent (one message at least) but the prompt
-# reaches it as ids, never as messages.
-_STUB_MESSAGES = [{"role": "user", "content": ""}]
-# Decoding options render resolved that the chat derender reads (sampling_params omits defaults).
-_DECODING = ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
 # Parse-context fields the chat request carries to the sidecar's parsers.
 _PARSING = ("parallel_tool_calls", "include_reasoning", "chat_template_kwargs")
 
@@ -57,19 +53,7 @@ def chat_view(body: Mapping[str, Any], generate_request: Mapping[str, Any]) -> d
     that render turned into ``generate_request``."""
     context = generate_request.get("parse_context") or {}
     params = generate_request.get("sampling_params") or {}
-    view: dict[str, Any] = {
-        "model": body.get("model"),
-        "messages": _STUB_MESSAGES,
-        "max_tokens": body.get("max_tokens"),
-        "stream": bool(body.get("stream")),
-    }
-    if params.get("stop"):
-        view["stop"] = list(params["stop"])
-    if params.get("stop_token_ids"):
-        view["stop_token_ids"] = list(params["stop_token_ids"])
-    for name in _DECODING:
-        if name in params:
-            view[name] = params[name]
+    view = base_chat_view(body, params, body.get("max_tokens"))
     tools = context.get("tools")
     if tools:  # vLLM's converter may set ``tools: []``, which the chat schema refuses
         view["tools"] = tools

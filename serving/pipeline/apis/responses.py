@@ -23,10 +23,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-# The chat derender validates the chat request it is sent (one message at least); the prompt
-# reaches it as ids, never as messages.
-_STUB_MESSAGES = [{"role": "user", "content": ""}]
-_DECODING = ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+from serving.pipeline.apis.chat_view import base_chat_view
 
 
 def native_responses_reason(body: Mapping[str, Any]) -> str | None:
@@ -88,19 +85,7 @@ def chat_view(body: Mapping[str, Any], generate_request: Mapping[str, Any]) -> d
     """The chat request the chat token path and the chat derender read for a Responses ``body``
     that render turned into ``generate_request``."""
     params = generate_request.get("sampling_params") or {}
-    view: dict[str, Any] = {
-        "model": body.get("model"),
-        "messages": _STUB_MESSAGES,
-        "max_tokens": params.get("max_tokens", body.get("max_output_tokens")),
-        "stream": bool(body.get("stream")),
-    }
-    if params.get("stop"):
-        view["stop"] = list(params["stop"])
-    if params.get("stop_token_ids"):
-        view["stop_token_ids"] = list(params["stop_token_ids"])
-    for name in _DECODING:
-        if name in params:
-            view[name] = params[name]
+    view = base_chat_view(body, params, params.get("max_tokens", body.get("max_output_tokens")))
     choice = body.get("tool_choice", "auto")
     tools = body.get("tools") or []
     if tools and choice != "none":  # vLLM leaves the tools out with tool_choice none
