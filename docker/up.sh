@@ -11,7 +11,7 @@
 # when we are root); (2) a Debian bookworm base image made with debootstrap, cached; (3) the
 # coordinator, render, engine, PostgreSQL and Redis images FROM it, with the machine's CA bundle
 # and the on-disk CPU torch wheel staged in docker/.build/; (4) the tiny model built by
-# toolchain; (5) generated secrets kept in the cache (PostgreSQL's volume keeps its password);
+# toolchain, and the second (model-b); (5) generated secrets kept in the cache (PostgreSQL's volume keeps its password);
 # (6) docker-compose up, then wait for every service's healthcheck.
 set -eu
 
@@ -113,9 +113,11 @@ print("POSTGRES_PASSWORD=" + secrets.token_urlsafe(16))
 EOF
     fi
     set -a; . "$envfile"; set +a
+    # Both models, built offline by the toolchain: tiny and tiny-b (another vocabulary and template).
     MOTOR_MODEL_DIR=$(cd "$ROOT" && python3 -m toolchain ensure model >/dev/null && python3 -m toolchain path model)
+    MOTOR_MODEL_B_DIR=$(cd "$ROOT" && python3 -m toolchain ensure model-b >/dev/null && python3 -m toolchain path model-b)
     MOTOR_POSTGRES_IMAGE=motorsite-postgres:15 MOTOR_REDIS_IMAGE=motorsite-redis:7
-    export MOTOR_MODEL_DIR MOTOR_POSTGRES_IMAGE MOTOR_REDIS_IMAGE
+    export MOTOR_MODEL_DIR MOTOR_MODEL_B_DIR MOTOR_POSTGRES_IMAGE MOTOR_REDIS_IMAGE
 }
 
 compose() { docker-compose -p "$PROJECT" -f "$ROOT/docker/compose.yaml" "$@"; }

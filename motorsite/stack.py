@@ -33,12 +33,14 @@ UVICORN_PROTOCOL = "motorsite.uvicorn_protocol:HeaderDeadlineProtocol"
 
 @dataclass(frozen=True)
 class ExtraModel:
-    """Another served model of the same fleet, with its own render sidecar and union engines."""
+    """Another served model of the same fleet, with its own render pool and union engines."""
 
     name: str
     model_dir: str
     render_port: int
     engine_ports: tuple[int, ...]
+    # More sidecars of this model's render pool beside the one on ``render_port`` (empty: one).
+    render_member_ports: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -327,16 +329,17 @@ def model_config(cfg: StackConfig, model: ExtraModel) -> StackConfig:
     return replace(
         cfg, model_dir=model.model_dir, served_model_name=model.name, render_port=model.render_port,
         engine_ports=model.engine_ports, prefill_ports=(), decode_ports=(), render_parsers=False,
-        render_member_ports=(),  # one sidecar each (a pool per extra model is not wired yet)
+        render_member_ports=model.render_member_ports,
     )
 
 
 def extra_model_specs(cfg: StackConfig) -> list[ProcessSpec]:
-    """The render sidecar and engines of each extra model, named after it (render-NAME, engine-NAME-1)."""
+    """The render pool and engines of each extra model, named after it (render-NAME,
+    render-NAME-member-2, engine-NAME-1)."""
     specs = []
     for model in cfg.extra_models:
         mcfg = model_config(cfg, model)
-        for spec in (render_spec(mcfg), *engine_specs(mcfg)):
+        for spec in (*render_specs(mcfg), *engine_specs(mcfg)):
             name = spec.name.replace("render", f"render-{model.name}", 1).replace("engine", f"engine-{model.name}", 1)
             specs.append(replace(spec, name=name, log_path=cfg.log_dir / f"{name}.log"))
     return specs
@@ -388,6 +391,8 @@ def prepare_database(cfg: StackConfig) -> None:
             "--render-port", str(model.render_port),
             "--engine-kind", cfg.engines,
         ]
+        for port in model.render_member_ports:
+            extra += ["--render-member-port", str(port)]
         for port in model.engine_ports:
             extra += ["--engine", f"http://{HOST}:{port}"]
         subprocess.run(extra, check=True, env=env, cwd=ROOT)

@@ -15,6 +15,7 @@ import re
 import secrets
 import shlex
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -54,11 +55,16 @@ def specs(monkeypatch: pytest.MonkeyPatch) -> dict[str, ProcessSpec]:
     # The compose file is written for a 2-core host, as make run's pinning is on this one.
     monkeypatch.setattr(stack.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(tiers, "check_engine_cpu", lambda: None)
-    cfg = stack.StackConfig(
-        model_dir="/model", render_python="python", engine_python="python", app_python="python", engines="vllm",
-        database_url=DATABASE_URL, redis_url=REDIS_URL, api_keys=(API_KEY,), celery_dir=Path("/data/celery"),
-    )
-    return {spec.name: spec for spec in stack.build_specs(cfg)}
+    return {spec.name: spec for spec in stack.build_specs(TWO_MODELS)}
+
+
+# The fleet compose runs, as make run's stack: two models, each a render pool of two sidecars.
+TWO_MODELS = stack.StackConfig(
+    model_dir="/model", render_python="python", engine_python="python", app_python="python", engines="vllm",
+    database_url=DATABASE_URL, redis_url=REDIS_URL, api_keys=(API_KEY,), celery_dir=Path("/data/celery"),
+    render_member_ports=(8101,),
+    extra_models=(stack.ExtraModel("tiny-b", "/model-b", 8102, (8203,), render_member_ports=(8103,)),),
+)
 
 
 def in_container(spec: ProcessSpec) -> tuple[list[str], str | None]:
@@ -129,21 +135,75 @@ def test_each_service_is_checked_by_the_request_make_run_checks_it_with(specs: d
             assert "/tmp/celery-ready" in test or "inspect ping" in test, name
 
 
-def test_the_fleet_registered_is_the_fleet_started(specs: dict[str, ProcessSpec]) -> None:
+def fleet_commands() -> list[list[str]]:
+    """The ``demo_fleet`` commands of the migrate service's script, each as argv."""
     script = SERVICES["migrate"]["command"][-1]
-    assert "manage.py migrate --noinput" in script
-    args = shlex.split(script.split("&&", 1)[1])
-    values = {flag: [args[i + 1] for i, a in enumerate(args) if a == flag] for flag in ("--engine", "--prefill", "--decode", "--render-port")}
+    steps = [shlex.split(step) for step in script.split("&&")]
+    assert steps[0] == ["python", "manage.py", "migrate", "--noinput", "-v", "0"]
+    assert all(step[:3] == ["python", "manage.py", "demo_fleet"] for step in steps[1:]), steps
+    return steps[1:]
+
+
+def values(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_the_fleet_registered_is_the_fleet_started(specs: dict[str, ProcessSpec]) -> None:
     # decode-1 lives in prefill-1's network namespace, so it is reached at prefill-1.
     hosts = {name: SERVICES[name].get("network_mode", f"service:{name}").split(":", 1)[1] for name in specs}
-    for flag, role in (("--engine", "engine"), ("--prefill", "prefill"), ("--decode", "decode")):
-        names = sorted(n for n in specs if n.startswith(role + "-"))
-        ports = [specs[n].ports[0][1] for n in names]
-        assert values[flag] == [f"http://{hosts[n]}:{p}" for n, p in zip(names, ports, strict=True)], flag
-    assert values["--render-port"] == [str(specs["render"].ports[0][1])]
+    models = {values(argv, "--served-model-name")[0]: argv for argv in fleet_commands()}
+    assert list(models) == ["tiny", "tiny-b"]
+    # The first model's command writes the fleet; the second only adds its own rows beside it.
+    assert "--only-this-model" not in models["tiny"] and "--only-this-model" in models["tiny-b"]
+    for model, argv in models.items():
+        mine = {n: s for n, s in specs.items() if values(s.argv, "--served-model-name") == [model]}
+        renders = [n for n in mine if n.startswith("render")]
+        assert len(renders) == 2, renders  # a pool of two sidecars per model
+        # Each member by its own address: the first as the render config's, the others as members.
+        addresses = [f"{hosts[n]}:{mine[n].ports[0][1]}" for n in renders]
+        assert [f"{h}:{p}" for h, p in zip(values(argv, "--render-host"), values(argv, "--render-port"), strict=True)] == addresses[:1]
+        assert values(argv, "--render-member") == addresses[1:]
+        assert values(argv, "--model-dir") == [SERVICES[renders[0]]["command"][3]]
+        for flag, role in (("--engine", "engine"), ("--prefill", "prefill"), ("--decode", "decode")):
+            names = sorted(n for n in mine if n.startswith(role + "-"))
+            assert values(argv, flag) == [f"http://{hosts[n]}:{mine[n].ports[0][1]}" for n in names], (model, flag)
     # The container side is make run's port; the host side is the operator's (docker/up.sh PORT).
     assert SERVICES["coordinator"]["ports"] == ["${MOTOR_BIND:-127.0.0.1}:${MOTOR_PORT:-8000}:8000"]
     assert specs["coordinator"].ready_url == "http://127.0.0.1:8000/healthz"
+
+
+def test_the_migrate_service_registers_each_models_pool_and_engines(tmp_path: Path) -> None:
+    # The migrate service's own script, run here on SQLite with the models on this host: what it
+    # registers is what the coordinator serves (a refused address would stop the bring-up).
+    models = {"/model-b": os.environ.get("MOTOR_MODEL_B_DIR", ""), "/model": os.environ.get("MOTOR_MODEL_DIR", "")}
+    if not all(models.values()):
+        pytest.skip("MOTOR_MODEL_DIR and MOTOR_MODEL_B_DIR (python3 -m toolchain exec sets them)")
+    script = SERVICES["migrate"]["command"][-1]
+    for container, host in models.items():
+        script = script.replace(f" {container} ", f" {host} ")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOTOR_", "DATABASE_URL", "REDIS_URL", "SECRET_KEY"))}
+    env.update(PYTHONPATH=str(ROOT), DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}", MOTOR_VAR_DIR=str(tmp_path),
+               MOTOR_CELERY_DIR=str(tmp_path / "celery"), SECRET_KEY=STRONG_KEY,
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+    done = subprocess.run(["sh", "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    db = sqlite3.connect(tmp_path / "db.sqlite3")
+    pools = db.execute(
+        "SELECT m.name, s.host, s.port FROM serving_rendersidecar s JOIN serving_renderconfig c ON s.render_config_id = c.id"
+        " JOIN serving_servedmodel m ON c.served_model_id = m.id ORDER BY s.id"
+    ).fetchall()
+    engines = db.execute(
+        "SELECT m.name, e.url FROM fleet_engineinstance e JOIN serving_servedmodel m ON e.served_model_id = m.id ORDER BY e.name"
+    ).fetchall()
+    active = db.execute("SELECT name FROM serving_servedmodel WHERE state = 'active' ORDER BY id").fetchall()
+    db.close()
+    assert pools == [("tiny", "render", 8100), ("tiny", "render-member-2", 8101),
+                     ("tiny-b", "render-tiny-b", 8102), ("tiny-b", "render-tiny-b-member-2", 8103)]
+    assert sorted(engines) == [
+        ("tiny", "http://engine-1:8201"), ("tiny", "http://engine-2:8202"), ("tiny", "http://prefill-1:8211"),
+        ("tiny", "http://prefill-1:8221"), ("tiny-b", "http://engine-tiny-b-1:8203"),
+    ]
+    assert active == [("tiny",), ("tiny-b",)]
 
 
 def test_the_coordinator_is_published_on_the_operators_port_on_loopback(tmp_path: Path) -> None:
@@ -151,7 +211,7 @@ def test_the_coordinator_is_published_on_the_operators_port_on_loopback(tmp_path
         pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
     published = {}
     for port in (None, "18123"):
-        env = {**os.environ, "MOTOR_MODEL_DIR": str(tmp_path), **USER_ENV}
+        env = {**os.environ, "MOTOR_MODEL_DIR": str(tmp_path), "MOTOR_MODEL_B_DIR": str(tmp_path), **USER_ENV}
         env.pop("MOTOR_PORT", None)
         env.pop("MOTOR_BIND", None)
         if port:
@@ -193,7 +253,7 @@ def test_the_compose_file_passes_compose_s_own_schema_check(tmp_path: Path) -> N
     # docker-compose parses and validates without a Docker engine; the toolchain installs it for the suite.
     if DOCKER_COMPOSE is None:
         pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
-    env = {**os.environ, "MOTOR_MODEL_DIR": str(tmp_path), **USER_ENV}
+    env = {**os.environ, "MOTOR_MODEL_DIR": str(tmp_path), "MOTOR_MODEL_B_DIR": str(tmp_path), **USER_ENV}
     for profile in ([], ["--profile", "ascend"]):
         done = subprocess.run(
             [DOCKER_COMPOSE, "-f", str(ROOT / "docker" / "compose.yaml"), *profile, "config", "--services"],
@@ -213,7 +273,7 @@ def test_the_app_services_need_a_secret_key_the_settings_accept(tmp_path: Path) 
     if DOCKER_COMPOSE is None:
         pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
     env = {k: v for k, v in os.environ.items() if k != "SECRET_KEY"}
-    env.update(MOTOR_MODEL_DIR=str(tmp_path), MOTOR_DEMO_API_KEY=USER_ENV["MOTOR_DEMO_API_KEY"],
+    env.update(MOTOR_MODEL_DIR=str(tmp_path), MOTOR_MODEL_B_DIR=str(tmp_path), MOTOR_DEMO_API_KEY=USER_ENV["MOTOR_DEMO_API_KEY"],
                POSTGRES_PASSWORD=USER_ENV["POSTGRES_PASSWORD"])
     compose = [DOCKER_COMPOSE, "-f", str(ROOT / "docker" / "compose.yaml"), "config"]
     done = subprocess.run(compose, env=env, capture_output=True, text=True, timeout=60)
@@ -233,7 +293,7 @@ def test_the_coordinator_names_its_replica() -> None:
 
 def compose_config(tmp_path: Path, **user: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in USER_ENV}
-    env.update(MOTOR_MODEL_DIR=str(tmp_path), **user)
+    env.update(MOTOR_MODEL_DIR=str(tmp_path), MOTOR_MODEL_B_DIR=str(tmp_path), **user)
     return subprocess.run([DOCKER_COMPOSE or "docker-compose", "-f", str(ROOT / "docker" / "compose.yaml"), "config"],
                           env=env, capture_output=True, text=True, timeout=60)
 
@@ -245,6 +305,16 @@ def test_compose_ships_no_secret_and_needs_each_one(tmp_path: Path, name: str) -
         pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
     done = compose_config(tmp_path, **{k: v for k, v in USER_ENV.items() if k != name})
     assert done.returncode != 0 and name in done.stderr
+
+
+def test_compose_needs_the_second_models_directory(tmp_path: Path) -> None:
+    if DOCKER_COMPOSE is None:
+        pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
+    env = {k: v for k, v in os.environ.items() if k != "MOTOR_MODEL_B_DIR"}
+    env.update(MOTOR_MODEL_DIR=str(tmp_path), **USER_ENV)
+    done = subprocess.run([DOCKER_COMPOSE, "-f", str(ROOT / "docker" / "compose.yaml"), "config", "-q"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "python3 -m toolchain path model-b" in done.stderr, done.stderr
 
 
 def app_env(tmp_path: Path, **user: str) -> dict[str, str]:

@@ -19,6 +19,13 @@ from motorsite.core import bump_control_version
 ACTOR = "demo_fleet"  # who the instances' history names for what this command changed
 
 
+def _address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(text)  # argparse: "invalid _address value"
+    return host, int(port)
+
+
 class Command(BaseCommand):
     help = "Create the demo served model, render config, engine instances and admin login."
 
@@ -31,6 +38,12 @@ class Command(BaseCommand):
         parser.add_argument(
             "--render-member-port", action="append", type=int, default=[],
             help="another sidecar of the render pool on --render-host, repeatable",
+        )
+        # Sidecars in containers or pods of their own (compose, deploy/k8s): one address each, so
+        # the pool sees every member (never one load-balanced name for several sidecars).
+        parser.add_argument(
+            "--render-member", action="append", type=_address, default=[], metavar="HOST:PORT",
+            help="another sidecar of the render pool at its own address, repeatable",
         )
         parser.add_argument("--engine", action="append", default=[], help="engine base URL, repeatable")
         parser.add_argument("--engine-kind", choices=["vllm", "sim"], default="vllm")
@@ -76,17 +89,20 @@ class Command(BaseCommand):
         # One render config per model: the first model's is "default", another's is named after it.
         config_name = model.name if only else "default"
         RenderConfig.objects.filter(served_model=model).exclude(name=config_name).update(served_model=None)
-        ports = [opts["render_port"], *opts["render_member_port"]]
+        host = opts["render_host"]
+        members = [(host, opts["render_port"]), *((host, p) for p in opts["render_member_port"]), *opts["render_member"]]
         config, _ = RenderConfig.objects.update_or_create(
             name=config_name,
-            defaults={"host": opts["render_host"], "port": opts["render_port"], "enable": True, "pool_size": len(ports),
+            defaults={"host": host, "port": opts["render_port"], "enable": True, "pool_size": len(members),
                       "served_model": model},
         )
         # The pool is exactly the sidecars this run started (a member left from another run would
-        # be a port nobody listens on); members on other hosts are the operator's and stay.
-        config.sidecars.filter(host=opts["render_host"]).exclude(port__in=ports).delete()
-        for port in ports:
-            RenderSidecar.objects.get_or_create(render_config=config, host=opts["render_host"], port=port)
+        # be a port nobody listens on); members on hosts this run does not name are the operator's and stay.
+        for member_host in {h for h, _ in members}:
+            ports = [p for h, p in members if h == member_host]
+            config.sidecars.filter(host=member_host).exclude(port__in=ports).delete()
+        for member_host, port in members:
+            RenderSidecar.objects.get_or_create(render_config=config, host=member_host, port=port)
         Role = EngineInstance.Role
         fleet = [(Role.UNION, url) for url in opts["engine"]]
         fleet += [(Role.PREFILL, url) for url in opts["prefill"]] + [(Role.DECODE, url) for url in opts["decode"]]
