@@ -1,12 +1,23 @@
-"""The compose deployment answers the official client, and a crashed engine container comes back.
+"""The compose deployment serves both models through their own tiers, and survives crashes.
 
     docker/up.sh 8000 && python3 -m toolchain exec docker/smoke.py 8000
 
-Not part of make test (it needs the images and a running compose project, docker/up.sh). It
-talks to the coordinator on 127.0.0.1:PORT only. Then it SIGKILLs one engine's process from the
-host, as a crash would (``docker kill`` would count as an operator's stop, which restart
-policies leave stopped), waits for Docker to restart the container and its healthcheck (one real
-greedy token) to pass, and asks the coordinator again.
+Not part of make test (it needs the images and a running compose project, docker/up.sh). Every
+request goes to the coordinator on 127.0.0.1:PORT with the official ``openai`` client:
+
+1. Each model (``tiny``, ``tiny-b``) answers: its models list, a greedy chat completion equal to
+   the same chat streamed, a completion, and a burst of concurrent chats.
+2. Each model's requests reach only its own tiers: every sidecar and engine container's access
+   log is read (``docker logs``) for the calls that came from the coordinator's address while
+   one model was asked; the other model's sidecars and engines must have none, its own some.
+3. A render sidecar of ``tiny``'s pool is SIGKILLed in the middle of a stream, the one that
+   rendered the stream's prompt: the stream completes with exactly the text an undisturbed run
+   gives, before Docker has the killed sidecar healthy again (it did not wait for the restart).
+4. An engine (``engine-1``) is SIGKILLed: Docker restarts it, its healthcheck (one real greedy
+   token) passes, and both models answer again.
+
+A process is killed from the host, as a crash would (``docker kill`` would count as an
+operator's stop, which restart policies leave stopped).
 """
 
 from __future__ import annotations
@@ -17,13 +28,24 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from openai import OpenAI
 
 CACHE = Path(os.environ.get("MOTOR_CACHE_DIR", Path.home() / ".cache" / "motorsite")) / "docker"
 PROJECT = os.environ.get("MOTOR_COMPOSE_PROJECT", "motorsite")
 ENGINE = os.environ.get("MOTOR_SMOKE_ENGINE", "engine-1")
+# Each model's tiers (docker/compose.yaml): its render pool first, then its engines.
+TIERS = {
+    "tiny": ["render", "render-member-2", "engine-1", "engine-2", "prefill-1", "decode-1"],
+    "tiny-b": ["render-tiny-b", "render-tiny-b-member-2", "engine-tiny-b-1"],
+}
+PROMPT = [{"role": "user", "content": "Say hello."}]
+# Long enough (no EOS) that the sidecar dies with most of the stream still to come.
+STREAM_TOKENS = 400
+KILL_AFTER_CHUNKS = 10
 
 
 def api_key() -> str:
@@ -33,70 +55,161 @@ def api_key() -> str:
     raise SystemExit(f"no MOTOR_DEMO_API_KEY in {CACHE / 'compose.env'}: run docker/up.sh first")
 
 
-def ask(client: OpenAI) -> None:
+def ask(client: OpenAI, model: str) -> None:
     t0 = time.monotonic()
-    models = [m.id for m in client.models.list().data]
-    chat = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0.0
-    )
+    chat = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=8, temperature=0.0)
     pieces = [
         c.choices[0].delta.content or ""
-        for c in client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0.0,
-            stream=True,
-        )
+        for c in client.chat.completions.create(model=model, messages=PROMPT, max_tokens=8, temperature=0.0, stream=True)
         if c.choices
     ]
-    text = client.completions.create(model="tiny", prompt="Once upon", max_tokens=8, temperature=0.0)
+    text = client.completions.create(model=model, prompt="Once upon", max_tokens=8, temperature=0.0)
+    assert chat.model == model, chat.model
     assert chat.choices[0].message.content == "".join(pieces), (chat.choices[0].message.content, pieces)
-    print(f"  models={models} chat={chat.choices[0].message.content!r} usage={chat.usage.completion_tokens} "
-          f"stream chunks={len(pieces)} completion={text.choices[0].text!r} ({time.monotonic() - t0:.1f}s)")
+    with ThreadPoolExecutor(4) as burst:  # concurrent calls: the pool spreads them by outstanding calls
+        answers = list(burst.map(lambda i: client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=8, temperature=0.0,
+        ), range(4)))
+    assert all(a.choices[0].message.content for a in answers)
+    print(f"  {model}: chat={chat.choices[0].message.content!r} usage={chat.usage and chat.usage.completion_tokens} "
+          f"stream chunks={len(pieces)} completion={text.choices[0].text!r} burst=4 "
+          f"({time.monotonic() - t0:.1f}s)")
 
 
-def inspect(container: str) -> dict:
-    out = subprocess.run(["docker", "inspect", container], check=True, capture_output=True, text=True).stdout
-    return json.loads(out)[0]
+def docker(*args: str) -> str:
+    return subprocess.run(["docker", *args], check=True, capture_output=True, text=True).stdout
+
+
+def inspect(container: str) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads(docker("inspect", container))[0]
+    return found
 
 
 def container_of(service: str) -> str:
-    out = subprocess.run(
-        ["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}",
-         "--filter", f"label=com.docker.compose.service={service}"],
-        check=True, capture_output=True, text=True,
-    ).stdout.split()
+    out = docker("ps", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}",
+                 "--filter", f"label=com.docker.compose.service={service}").split()
     if len(out) != 1:
         raise SystemExit(f"expected one running {service} container, found {out}")
     return out[0]
 
 
-def crash_and_wait(service: str, timeout: float = 600.0) -> None:
-    cid = container_of(service)
-    before = inspect(cid)
-    pid, restarts = before["State"]["Pid"], before["RestartCount"]
-    print(f"SIGKILL {service} (container {cid[:12]}, host pid {pid}, restarts so far {restarts})")
+def coordinator_address() -> str:
+    [network] = inspect(container_of("coordinator"))["NetworkSettings"]["Networks"].values()
+    return str(network["IPAddress"])
+
+
+def calls_from(address: str, service: str, since: float, until: float) -> dict[str, int]:
+    """POST paths the service's access log shows from ``address`` between the two times.
+
+    uvicorn logs ``ADDR:PORT - "POST /path HTTP/1.1" 200``; a sidecar leaves derender and
+    /health out of its log (tiers.UNLOGGED_PATHS), so a sidecar's count is its render calls.
+    Healthchecks come from 127.0.0.1 and the Celery probes from the worker's address.
+    """
+    done = subprocess.run(["docker", "logs", "--since", f"{since:.3f}", "--until", f"{until:.3f}", container_of(service)],
+                          check=True, capture_output=True, text=True)
+    counts: dict[str, int] = {}
+    for line in (done.stdout + done.stderr).splitlines():
+        if f" {address}:" in line and '"POST ' in line:
+            path = line.split('"POST ', 1)[1].split(" ", 1)[0]
+            counts[path] = counts.get(path, 0) + 1
+    return counts
+
+
+def routed_to_its_own_tiers(client: OpenAI, model: str, address: str) -> None:
+    since = time.time()
+    ask(client, model)
+    until = time.time() + 1.0
+    time.sleep(1.5)  # the last lines reach the logs; the next model's window starts after this one's end
+    seen = {service: calls_from(address, service, since, until) for tiers in TIERS.values() for service in tiers}
+    own = {s: c for s, c in seen.items() if s in TIERS[model]}
+    others = {s: c for s, c in seen.items() if s not in TIERS[model] and c}
+    print(f"    calls from the coordinator: {own}")
+    assert not others, f"{model}'s requests reached another model's tiers: {others}"
+    assert any("/render" in p for s in TIERS[model][:2] for p in own[s]), f"no render call on {model}'s pool: {own}"
+    assert any("/inference/v1/generate" in p for s in TIERS[model][2:] for p in own[s]), f"no generate on {model}'s engines: {own}"
+
+
+def stream(client: OpenAI, model: str, on_chunk: Any = None) -> tuple[str, str | None, int]:
+    text, finish, n = [], None, 0
+    for n, chunk in enumerate(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=STREAM_TOKENS,
+        temperature=0.0, stream=True, extra_body={"ignore_eos": True},
+    ), start=1):
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+        if on_chunk is not None:
+            on_chunk(n)
+    return "".join(text), finish, n
+
+
+def sidecar_killed_mid_stream(client: OpenAI, address: str) -> None:
+    model, pool = "tiny", TIERS["tiny"][:2]
     t0 = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    seen_down = False
+    reference, finish, chunks = stream(client, model)
+    print(f"  undisturbed {model} stream: {chunks} chunks, finish={finish} ({time.monotonic() - t0:.1f}s)")
+    assert finish == "length"
+    killed: dict[str, Any] = {}
+    since = time.time()
+
+    def kill(n: int) -> None:
+        if n != KILL_AFTER_CHUNKS:
+            return
+        time.sleep(1.0)  # the render call's log line is written
+        rendered = [s for s in pool if calls_from(address, s, since, time.time()).get("/v1/chat/completions/render")]
+        assert len(rendered) == 1, f"the stream's render call on {rendered}"
+        state = inspect(container_of(rendered[0]))
+        killed.update(service=rendered[0], id=state["Id"], restarts=state["RestartCount"], at=time.monotonic())
+        print(f"  SIGKILL {rendered[0]} (rendered this stream's prompt; host pid {state['State']['Pid']}) after {n} chunks")
+        os.kill(state["State"]["Pid"], signal.SIGKILL)
+
+    text, finish, chunks = stream(client, model, on_chunk=kill)
+    ended = time.monotonic()
+    state = inspect(killed["id"])
+    health = state["State"].get("Health", {}).get("Status")
+    print(f"  the stream completed {ended - killed['at']:.1f}s after the kill: {chunks} chunks, finish={finish}, "
+          f"text {'equal to' if text == reference else 'DIFFERENT from'} the undisturbed run; "
+          f"{killed['service']} then: {state['State']['Status']}/{health}, restarts {state['RestartCount']}")
+    assert text == reference and finish == "length", (text[:200], reference[:200], finish)
+    # It did not wait for the restart: the killed sidecar was not serving again yet.
+    assert state["RestartCount"] == killed["restarts"] or health != "healthy", state["State"]
+    back_healthy(killed["service"], killed["restarts"])
+
+
+def back_healthy(service: str, restarts: int, timeout: float = 600.0) -> None:
+    t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        state = inspect(cid)
-        health = state["State"].get("Health", {}).get("Status")
-        seen_down = seen_down or state["RestartCount"] > restarts
-        if seen_down and state["State"]["Running"] and health == "healthy":
-            print(f"  {service} restarted by Docker (restarts {state['RestartCount']}, new pid "
-                  f"{state['State']['Pid']}) and healthy again after {time.monotonic() - t0:.0f}s")
+        state = inspect(container_of(service))
+        if state["RestartCount"] > restarts and state["State"].get("Health", {}).get("Status") == "healthy":
+            print(f"  {service} restarted by Docker (restarts {state['RestartCount']}) and healthy again after "
+                  f"{time.monotonic() - t0:.0f}s more")
             return
         time.sleep(2)
     raise SystemExit(f"{service} did not come back healthy in {timeout:.0f}s")
 
 
+def engine_crash(service: str) -> None:
+    state = inspect(container_of(service))
+    print(f"SIGKILL {service} (host pid {state['State']['Pid']}, restarts so far {state['RestartCount']})")
+    os.kill(state["State"]["Pid"], signal.SIGKILL)
+    back_healthy(service, state["RestartCount"])
+
+
 def main() -> None:
     port = int(sys.argv[1]) if len(sys.argv) > 1 else int(os.environ.get("MOTOR_PORT", "8000"))
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key(), max_retries=0, timeout=120)
-    print(f"through the coordinator on 127.0.0.1:{port}:")
-    ask(client)
-    crash_and_wait(ENGINE)
+    address = coordinator_address()
+    models = [m.id for m in client.models.list().data]
+    print(f"through the coordinator on 127.0.0.1:{port} (container address {address}): models={models}")
+    assert models == list(TIERS), models
+    for model in TIERS:
+        routed_to_its_own_tiers(client, model, address)
+    print("a sidecar of tiny's pool killed mid-stream:")
+    sidecar_killed_mid_stream(client, address)
+    engine_crash(ENGINE)
     print("through the coordinator again:")
-    ask(client)
+    for model in TIERS:
+        ask(client, model)
     print("ok")
 
 

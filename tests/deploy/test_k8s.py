@@ -2,6 +2,10 @@
 
 Schemas: kubernetes-validate 1.37.0 (it ships them), strict mode, so an unknown or misspelt
 field fails as well as a wrong type; a kind with no schema fails too instead of being skipped.
+Two models, each with a render pool (a StatefulSet of sidecars behind a headless Service, each
+replica a member by its own name) and engines of its own; a Job registers them.
+deploy/k8s-render-in-pod/ (kustomize overlay) moves the sidecars into the coordinator pods: it is
+built with ``kubectl kustomize`` where kubectl is installed, and its output held to make run's.
 """
 
 from __future__ import annotations
@@ -9,7 +13,10 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shlex
 import secrets
+import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +32,8 @@ from motorsite.supervisor import free_port
 from serving.pipeline import metric_names
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+IN_POD = K8S.parent / "k8s-render-in-pod"
+KUBECTL = shutil.which("kubectl")
 KUBERNETES_VERSION = "1.33"
 KUSTOMIZATION = yaml.safe_load((K8S / "kustomization.yaml").read_text())
 
@@ -43,8 +52,8 @@ def one(kind: str, name: str) -> dict[str, Any]:
     return found
 
 
-def containers(deployment: str) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in one("Deployment", deployment)["spec"]["template"]["spec"]["containers"]}
+def containers(deployment: str, kind: str = "Deployment") -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in one(kind, deployment)["spec"]["template"]["spec"]["containers"]}
 
 
 def test_kustomize_lists_every_manifest() -> None:
@@ -67,30 +76,186 @@ def test_a_broken_manifest_is_refused() -> None:
         kubernetes_validate.validate({**service, "kind": "Servise"}, KUBERNETES_VERSION, strict=True)
 
 
-def test_the_render_sidecar_shares_the_coordinators_pod_and_runs_make_runs_arguments() -> None:
-    pod = containers("motorsite-coordinator")
-    assert set(pod) == {"coordinator", "render"}
+# Each model's tiers: (model, model dir, render pool StatefulSet, its port, engines StatefulSet, their port).
+MODELS = [
+    ("tiny", "/model", "motorsite-render-tiny", 8100, "motorsite-engine-tiny", 8201),
+    ("tiny-b", "/model-b", "motorsite-render-tiny-b", 8102, "motorsite-engine-tiny-b", 8203),
+]
+MODEL_IDS = [m[0] for m in MODELS]
+
+
+def bound_to_all(argv: list[str]) -> list[str]:
+    """make run's argv as a pod of its own runs it: the pod's network is its own, so 0.0.0.0."""
+    return [("0.0.0.0" if i and argv[i - 1] == "--host" else a) for i, a in enumerate(argv)]
+
+
+def members(statefulset: str, port: int) -> list[str]:
+    """Each replica at its stable name behind the headless Service: POD.SERVICE:PORT."""
+    replicas = one("StatefulSet", statefulset)["spec"]["replicas"]
+    return [f"{statefulset}-{i}.{statefulset}:{port}" for i in range(replicas)]
+
+
+def fleet_commands(script: str) -> list[list[str]]:
+    """The ``demo_fleet`` commands of a fleet script, each as argv, after its migration."""
+    steps = [shlex.split(step) for step in script.split("&&")]
+    assert steps[0] == ["python", "manage.py", "migrate", "--noinput", "-v", "0"]
+    assert all(step[:3] == ["python", "manage.py", "demo_fleet"] for step in steps[1:]), steps
+    return steps[1:]
+
+
+def values(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def job_script() -> str:
+    script: str = containers("motorsite-fleet", "Job")["fleet"]["command"][-1]
+    return script
+
+
+@pytest.mark.parametrize(("model", "model_dir", "pool", "port", "engines", "engine_port"), MODELS, ids=MODEL_IDS)
+def test_each_models_render_pool_is_a_statefulset_of_sidecars_running_make_runs_arguments(
+    model: str, model_dir: str, pool: str, port: int, engines: str, engine_port: int,
+) -> None:
+    statefulset = one("StatefulSet", pool)["spec"]
+    [sidecar] = statefulset["template"]["spec"]["containers"]
     argv, env = tiers.render_sidecar_command(
-        python="python", model_dir="/model", served_model_name="tiny", port=8100, workers=4, max_model_len=2048,
+        python="python", model_dir=model_dir, served_model_name=model, port=port, workers=4, max_model_len=2048,
     )
-    # Same pod, same network: the sidecar binds 127.0.0.1 exactly as under make run.
-    assert pod["render"]["args"] == argv[3:]
-    assert {e["name"]: e["value"] for e in pod["render"]["env"]} == env
-    assert pod["coordinator"]["command"] == ["python", "-m", "daphne", "-b", "0.0.0.0", "-p", "8000", "motorsite.asgi:application"]
+    assert sidecar["args"] == bound_to_all(argv[3:])
+    assert {e["name"]: e["value"] for e in sidecar["env"]} == env
+    assert statefulset["replicas"] == 2  # a pool of two, scaled apart from the coordinators
+    # A headless Service: each replica keeps a DNS name of its own (a member of the pool each).
+    service = one("Service", pool)["spec"]
+    assert service["clusterIP"] == "None" and statefulset["serviceName"] == pool
+    labels = statefulset["template"]["metadata"]["labels"]
+    assert service["selector"] == statefulset["selector"]["matchLabels"] == labels
+    assert labels["motorsite/model"] == model
+
+
+@pytest.mark.parametrize(("model", "model_dir", "pool", "port", "engines", "engine_port"), MODELS, ids=MODEL_IDS)
+def test_each_models_engines_run_make_runs_arguments(
+    model: str, model_dir: str, pool: str, port: int, engines: str, engine_port: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tiers, "check_engine_cpu", lambda: None)
+    [engine] = containers(engines, "StatefulSet").values()
+    # No pinning: a pod asks the scheduler for its core (resources), not taskset.
+    argv, env = tiers.vllm_engine_command(
+        python="python", model_dir=model_dir, served_model_name=model, port=engine_port, mode="scale-out", core=None,
+    )
+    assert engine["args"] == bound_to_all(argv[3:])
+    env["PYTHONPATH"] = "/opt/motorsite/engine_site"  # where the engine image has the engine site
+    assert {e["name"]: e["value"] for e in engine["env"]} == env
+    service = one("Service", engines)["spec"]
+    assert service["clusterIP"] == "None" and one("StatefulSet", engines)["spec"]["serviceName"] == engines
 
 
 def test_probes_are_real_requests() -> None:
     pod = containers("motorsite-coordinator")
+    assert set(pod) == {"coordinator"}  # the render pools are StatefulSets of their own
     for probe in ("readinessProbe", "livenessProbe"):
         assert pod["coordinator"][probe]["httpGet"]["path"] == "/healthz"
-    script = " ".join(pod["render"]["readinessProbe"]["exec"]["command"][2:])
-    path, body = tiers.render_ready_request("tiny")
-    assert f"'http://127.0.0.1:8100{path}'" in script
-    match = re.search(r"json\.dumps\((\{.*\})\)\.encode", script)
-    assert match and ast.literal_eval(match.group(1)) == body
-    assert pod["render"]["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8100}
+    for model, _, pool, port, engines, engine_port in MODELS:
+        for name, (path, body), at in ((pool, tiers.render_ready_request(model), port),
+                                        (engines, tiers.engine_ready_request(model), engine_port)):
+            [container] = containers(name, "StatefulSet").values()
+            script = " ".join(container["readinessProbe"]["exec"]["command"][2:])
+            assert f"'http://127.0.0.1:{at}{path}'" in script, name
+            match = re.search(r"json\.dumps\((\{.*\})\)\.encode", script)
+            assert match and ast.literal_eval(match.group(1)) == body, name
+            assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": at}
     worker = containers("motorsite-celery-worker")["worker"]
     assert "inspect ping" in " ".join(worker["livenessProbe"]["exec"]["command"])
+
+
+def test_the_fleet_job_registers_each_pool_member_and_engine_by_its_own_name() -> None:
+    commands = {values(argv, "--served-model-name")[0]: argv for argv in fleet_commands(job_script())}
+    assert list(commands) == ["tiny", "tiny-b"]
+    # The first model's command writes the fleet; the second only adds its own rows beside it.
+    assert "--only-this-model" not in commands["tiny"] and "--only-this-model" in commands["tiny-b"]
+    for model, model_dir, pool, port, engines, engine_port in MODELS:
+        argv = commands[model]
+        first, *others = members(pool, port)
+        assert [f"{h}:{p}" for h, p in zip(values(argv, "--render-host"), values(argv, "--render-port"), strict=True)] == [first]
+        assert values(argv, "--render-member") == others
+        assert values(argv, "--engine") == [f"http://{m}" for m in members(engines, engine_port)]
+        assert values(argv, "--model-dir") == [model_dir]
+
+
+def test_the_fleet_jobs_script_registers_both_pools(tmp_path: Path) -> None:
+    # The Job's own script, run here on SQLite with the models this host built.
+    models = {"/model-b": os.environ.get("MOTOR_MODEL_B_DIR", ""), "/model": os.environ.get("MOTOR_MODEL_DIR", "")}
+    if not all(models.values()):
+        pytest.skip("MOTOR_MODEL_DIR and MOTOR_MODEL_B_DIR (python3 -m toolchain exec sets them)")
+    script = job_script()
+    for container, host in models.items():
+        script = script.replace(f" {container} ", f" {host} ")
+    env = pod_env(GENERATED, tmp_path)
+    env.update(DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+    done = subprocess.run(["sh", "-c", script], env=env, cwd=stack.ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    db = sqlite3.connect(tmp_path / "db.sqlite3")
+    pools = db.execute(
+        "SELECT m.name, s.host, s.port FROM serving_rendersidecar s JOIN serving_renderconfig c ON s.render_config_id = c.id"
+        " JOIN serving_servedmodel m ON c.served_model_id = m.id ORDER BY s.id"
+    ).fetchall()
+    engines = db.execute(
+        "SELECT m.name, e.url FROM fleet_engineinstance e JOIN serving_servedmodel m ON e.served_model_id = m.id ORDER BY e.url"
+    ).fetchall()
+    db.close()
+    assert pools == [(model, f"{pool}-{i}.{pool}", port) for model, _, pool, port, _, _ in MODELS for i in range(2)]
+    assert engines == sorted(
+        (model, f"http://{m}") for model, _, _, _, statefulset, port in MODELS for m in members(statefulset, port)
+    )
+
+
+# -- the alternative: each coordinator pod runs its own pools (deploy/k8s-render-in-pod) -------------
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    if KUBECTL is None:
+        pytest.skip("no kubectl: its kustomize builds the overlay")
+    done = subprocess.run([KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+@pytest.mark.parametrize("directory", [K8S, IN_POD], ids=["deploy/k8s", "deploy/k8s-render-in-pod"])
+def test_each_kustomization_builds_and_validates(directory: Path) -> None:
+    docs = kustomize(directory)
+    for doc in docs:
+        assert kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
+    images = {c["image"] for d in docs if "template" in d.get("spec", {}) for c in d["spec"]["template"]["spec"]["containers"]}
+    assert images == {"motorsite-coordinator:latest", "motorsite-engine:0.32.0", DEFAULT_RENDER_IMAGE}
+
+
+def test_render_in_pod_runs_make_runs_two_pools_in_every_coordinator_pod(monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = kustomize(IN_POD)
+    names = {d["metadata"]["name"] for d in docs}
+    assert not {n for n in names if n.startswith("motorsite-render")}, names  # the pools' StatefulSets are gone
+    [pod] = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "motorsite-coordinator"]
+    [job] = [d for d in docs if d["kind"] == "Job"]
+    monkeypatch.setattr(stack.os, "cpu_count", lambda: 2)
+    cfg = stack.StackConfig(
+        model_dir="/model", render_python="python", engine_python="python", app_python="python",
+        render_member_ports=(8101,), extra_models=(stack.ExtraModel("tiny-b", "/model-b", 8102, (), render_member_ports=(8103,)),),
+    )
+    sidecars = [s for s in stack.build_specs(cfg) if s.name.startswith("render")]
+    in_pod = {c["name"]: c for c in pod["containers"]}
+    assert set(in_pod) == {"coordinator"} | {s.name for s in sidecars}
+    for spec in sidecars:
+        # Same pod, same network: each sidecar binds 127.0.0.1 exactly as under make run.
+        assert in_pod[spec.name]["args"] == spec.argv[3:], spec.name
+        assert {e["name"]: e["value"] for e in in_pod[spec.name]["env"]} == spec.env
+        script = " ".join(in_pod[spec.name]["readinessProbe"]["exec"]["command"][2:])
+        assert spec.ready_post and f"'{spec.ready_base_url}{spec.ready_post[0]}'" in script
+        match = re.search(r"json\.dumps\((\{.*\})\)\.encode", script)
+        assert match and ast.literal_eval(match.group(1)) == spec.ready_post[1], spec.name
+    # The Job registers the members at 127.0.0.1 (demo_fleet's default host), as make run does.
+    commands = fleet_commands(job["spec"]["template"]["spec"]["containers"][0]["command"][-1])
+    for argv, (first, *others) in zip(commands, ((8100, 8101), (8102, 8103)), strict=True):
+        assert values(argv, "--render-host") == [] and values(argv, "--render-port") == [str(first)]
+        assert values(argv, "--render-member-port") == [str(p) for p in others]
 
 
 def blank_values(argv: list[str], *flags: str) -> list[str]:
@@ -113,12 +278,15 @@ def test_keys_are_in_the_secret_and_settings_in_the_configmap() -> None:
     config = one("ConfigMap", "motorsite-config")["data"]
     assert {"SECRET_KEY", "MOTOR_API_KEYS", "MOTOR_DEMO_ADMIN_KEY", "DATABASE_URL"} <= set(secret)
     assert not set(secret) & set(config)
+    app = list(containers("motorsite-fleet", "Job").values())
     for deployment in ("motorsite-coordinator", "motorsite-celery-worker", "motorsite-celery-beat"):
-        for container in containers(deployment).values():
-            if container["name"] == "render":
-                continue  # the sidecar needs no keys
-            refs = container["envFrom"]
-            assert {"configMapRef": {"name": "motorsite-config"}} in refs and {"secretRef": {"name": "motorsite-keys"}} in refs
+        app += containers(deployment).values()
+    for container in app:
+        refs = container["envFrom"]
+        assert {"configMapRef": {"name": "motorsite-config"}} in refs and {"secretRef": {"name": "motorsite-keys"}} in refs
+    for _, _, pool, _, engines, _ in MODELS:  # sidecars and engines need no keys
+        for container in [*containers(pool, "StatefulSet").values(), *containers(engines, "StatefulSet").values()]:
+            assert "envFrom" not in container
 
 
 def test_the_hpa_scales_coordinators_on_a_metric_they_export() -> None:
@@ -129,8 +297,8 @@ def test_the_hpa_scales_coordinators_on_a_metric_they_export() -> None:
 
 
 def test_the_sidecar_image_is_set_from_the_render_config() -> None:
-    pod = containers("motorsite-coordinator")
-    assert pod["render"]["image"] == "motorsite-render"
+    for _, _, pool, _, _, _ in MODELS:
+        assert containers(pool, "StatefulSet")["render"]["image"] == "motorsite-render"
     [image] = [i for i in KUSTOMIZATION["images"] if i["name"] == "motorsite-render"]
     assert f"{image['newName']}:{image['newTag']}" == DEFAULT_RENDER_IMAGE
 
@@ -169,20 +337,24 @@ def test_the_secret_names_every_key_it_is_generated_for() -> None:
 
 
 @pytest.mark.parametrize(
-    "container", ["migrate", "coordinator"], ids=["init container (migrate)", "coordinator (daphne)"]
+    "container", ["migrate", "coordinator", "fleet"], ids=["init container (migrate)", "coordinator (daphne)", "fleet job"]
 )
 def test_a_pod_started_with_the_shipped_secret_refuses_to_start(container: str, tmp_path: Path) -> None:
     # The container's own command, binding 127.0.0.1 on a free port instead of the pod's 0.0.0.0:8000.
     pod = one("Deployment", "motorsite-coordinator")["spec"]["template"]["spec"]
+    env = pod_env(shipped_secret(), tmp_path)
     if container == "migrate":
         [init] = pod["initContainers"]
-        argv = init["command"]
+        argv = [sys.executable, *init["command"][1:]]
+    elif container == "fleet":  # its shell script, with this interpreter as its `python`
+        argv = containers("motorsite-fleet", "Job")["fleet"]["command"]
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     else:
         argv = containers("motorsite-coordinator")["coordinator"]["command"]
         argv = [a if a != "0.0.0.0" else "127.0.0.1" for a in argv]
         argv[argv.index("-p") + 1] = str(free_port())
-    argv = [sys.executable, *argv[1:]]
-    done = subprocess.run(argv, env=pod_env(shipped_secret(), tmp_path), cwd=stack.ROOT, capture_output=True,
+        argv = [sys.executable, *argv[1:]]
+    done = subprocess.run(argv, env=env, cwd=stack.ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode != 0
     assert "ImproperlyConfigured: SECRET_KEY is a placeholder" in done.stderr, done.stderr[-2000:]
