@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from django.core.management.base import CommandError
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.test import Client
@@ -163,6 +164,27 @@ def test_demo_fleet_makes_the_pool_make_run_started(tmp_path: Any) -> None:
     assert run(8100) == [8100]  # one sidecar by default, as before
     assert run(8100, 8101) == [8100, 8101]
     assert run(8100) == [8100]  # a run with fewer leaves no member nobody listens on
+
+
+@pytest.mark.django_db
+def test_demo_fleet_registers_members_at_their_own_addresses(tmp_path: Any) -> None:
+    # Compose and k8s run each sidecar in a container or pod of its own (docker/compose.yaml, deploy/k8s).
+    from django.core.management import call_command
+
+    def run(*members: str) -> list[tuple[str, int]]:
+        extra = [a for m in members for a in ("--render-member", m)]
+        call_command("demo_fleet", "--model-dir", str(tmp_path), "--render-host", "render", "--render-port", "8100",
+                     *extra, "--engine-kind", "sim", stdout=io.StringIO())
+        config = RenderConfig.objects.get()
+        assert config.pool_size == 1 + len(members)
+        return list(config.sidecars.values_list("host", "port"))
+
+    assert run("render-member-2:8101") == [("render", 8100), ("render-member-2", 8101)]
+    RenderSidecar.objects.create(render_config=RenderConfig.objects.get(), host="elsewhere", port=9000)
+    # On a host this run names, the pool is exactly this run's; a host it does not name is the operator's.
+    assert run("render-member-2:8111") == [("render", 8100), ("elsewhere", 9000), ("render-member-2", 8111)]
+    with pytest.raises(CommandError):
+        call_command("demo_fleet", "--model-dir", str(tmp_path), "--render-member", "no-port", stdout=io.StringIO())
 
 
 @pytest.mark.django_db
