@@ -13,8 +13,8 @@ from __future__ import annotations
 import ast
 import os
 import re
-import shlex
 import secrets
+import shlex
 import shutil
 import sqlite3
 import subprocess
