@@ -43,9 +43,9 @@ TIERS = {
     "tiny-b": ["render-tiny-b", "render-tiny-b-member-2", "engine-tiny-b-1"],
 }
 PROMPT = [{"role": "user", "content": "Say hello."}]
-# Long enough (no EOS) that the sidecar dies with most of the stream still to come.
-STREAM_TOKENS = 400
-KILL_AFTER_CHUNKS = 10
+# Long enough (no EOS; several seconds here) that the sidecar dies with most of the stream to come.
+STREAM_TOKENS = 1600
+KILL_AFTER_CHUNKS = 5
 
 
 def api_key() -> str:
@@ -129,24 +129,39 @@ def routed_to_its_own_tiers(client: OpenAI, model: str, address: str) -> None:
     assert any("/inference/v1/generate" in p for s in TIERS[model][2:] for p in own[s]), f"no generate on {model}'s engines: {own}"
 
 
-def stream(client: OpenAI, model: str, on_chunk: Any = None) -> tuple[str, str | None, int]:
-    text, finish, n = [], None, 0
+def stream(client: OpenAI, model: str, on_chunk: Any = None) -> tuple[str, str | None, int, str]:
+    text, finish, n, stream_id = [], None, 0, ""
     for n, chunk in enumerate(client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=STREAM_TOKENS,
         temperature=0.0, stream=True, extra_body={"ignore_eos": True},
     ), start=1):
+        stream_id = chunk.id
         for choice in chunk.choices:
             text.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
         if on_chunk is not None:
             on_chunk(n)
-    return "".join(text), finish, n
+    return "".join(text), finish, n, stream_id
+
+
+def finished_at(stream_id: str, since: float) -> float:
+    """When the coordinator logged the stream's end (its own clock, not the client's reading)."""
+    done = subprocess.run(["docker", "logs", "-t", "--since", f"{since:.3f}", container_of("coordinator")],
+                          check=True, capture_output=True, text=True)
+    for line in (done.stdout + done.stderr).splitlines():
+        if f"response request_id={stream_id} " in line:
+            stamp = line.split(" ", 1)[0]  # RFC 3339 with nanoseconds, UTC
+            day, clock = stamp.rstrip("Z").split("T")
+            seconds = clock.split(".")
+            whole = time.mktime(time.strptime(f"{day} {seconds[0]}", "%Y-%m-%d %H:%M:%S")) - time.timezone
+            return whole + float("0." + (seconds[1] if len(seconds) > 1 else "0"))
+    raise SystemExit(f"the coordinator logged no end of {stream_id}")
 
 
 def sidecar_killed_mid_stream(client: OpenAI, address: str) -> None:
     model, pool = "tiny", TIERS["tiny"][:2]
     t0 = time.monotonic()
-    reference, finish, chunks = stream(client, model)
+    reference, finish, chunks, _ = stream(client, model)
     print(f"  undisturbed {model} stream: {chunks} chunks, finish={finish} ({time.monotonic() - t0:.1f}s)")
     assert finish == "length"
     killed: dict[str, Any] = {}
@@ -155,21 +170,26 @@ def sidecar_killed_mid_stream(client: OpenAI, address: str) -> None:
     def kill(n: int) -> None:
         if n != KILL_AFTER_CHUNKS:
             return
-        time.sleep(1.0)  # the render call's log line is written
+        time.sleep(0.2)  # the render call's log line is written
         rendered = [s for s in pool if calls_from(address, s, since, time.time()).get("/v1/chat/completions/render")]
         assert len(rendered) == 1, f"the stream's render call on {rendered}"
         state = inspect(container_of(rendered[0]))
-        killed.update(service=rendered[0], id=state["Id"], restarts=state["RestartCount"], at=time.monotonic())
+        killed.update(service=rendered[0], id=state["Id"], restarts=state["RestartCount"], at=time.monotonic(),
+                      wall=time.time())
         print(f"  SIGKILL {rendered[0]} (rendered this stream's prompt; host pid {state['State']['Pid']}) after {n} chunks")
         os.kill(state["State"]["Pid"], signal.SIGKILL)
 
-    text, finish, chunks = stream(client, model, on_chunk=kill)
+    text, finish, chunks, stream_id = stream(client, model, on_chunk=kill)
     ended = time.monotonic()
     state = inspect(killed["id"])
     health = state["State"].get("Health", {}).get("Status")
-    print(f"  the stream completed {ended - killed['at']:.1f}s after the kill: {chunks} chunks, finish={finish}, "
-          f"text {'equal to' if text == reference else 'DIFFERENT from'} the undisturbed run; "
+    # The coordinator was still generating and derendering it when the sidecar died.
+    still_running = finished_at(stream_id, since) - killed["wall"]
+    print(f"  the stream completed {ended - killed['at']:.1f}s after the kill (the coordinator ended it "
+          f"{still_running:.1f}s after): {chunks} chunks, finish={finish}, text "
+          f"{'equal to' if text == reference else 'DIFFERENT from'} the undisturbed run; "
           f"{killed['service']} then: {state['State']['Status']}/{health}, restarts {state['RestartCount']}")
+    assert still_running > 0, "the stream had ended in the coordinator before the kill: nothing was proved"
     assert text == reference and finish == "length", (text[:200], reference[:200], finish)
     # It did not wait for the restart: the killed sidecar was not serving again yet.
     assert state["RestartCount"] == killed["restarts"] or health != "healthy", state["State"]

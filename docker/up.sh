@@ -122,6 +122,17 @@ EOF
 
 compose() { docker-compose -p "$PROJECT" -f "$ROOT/docker/compose.yaml" "$@"; }
 
+share_cpu() {
+    # cgroup v1: all containers share Docker's one cpu group, weighted 1024 like a single host
+    # process; on a busy host they crawl (each vLLM container got ~1.5% of a core here, and did
+    # not start in 8 min). Weigh the group as the same processes run by make run would weigh.
+    shares=${MOTOR_DOCKER_CPU_SHARES_FILE:-/sys/fs/cgroup/cpu/docker/cpu.shares}
+    [ -w "$shares" ] || return 0
+    n=$(compose ps -q | wc -l)
+    [ "$n" -gt 0 ] && echo $(( 1024 * n )) >"$shares" && log "Docker's cpu group weighs $(( 1024 * n )) ($n containers)"
+    return 0
+}
+
 wait_healthy() {
     deadline=$(( $(date +%s) + ${MOTOR_UP_TIMEOUT:-1200} ))
     while :; do
@@ -152,5 +163,6 @@ compose_env
 start=$(date +%s)
 log "docker-compose up (coordinator on 127.0.0.1:$MOTOR_PORT)"
 compose up -d
+share_cpu
 wait_healthy
 log "all services healthy in $(( $(date +%s) - start ))s: http://127.0.0.1:$MOTOR_PORT/v1 (key: MOTOR_DEMO_API_KEY in $CACHE/compose.env)"
