@@ -31,7 +31,11 @@ def can_start_now(candidates: Sequence[InstanceView], ctx: ScoringContext) -> li
     return [i for i in candidates if ctx.admission.has_room(i, ctx.tokens)]
 
 
-# Every profile's filters; another (an adapter filter, say) goes here in the order it applies.
+# Every profile's filters, in the order they apply. They prefer; what an engine must have to serve
+# a request at all (a capability, an adapter) belongs in the eligibility set (``filters.py``),
+# which both the profile and the scheduler's fast path read. A preference added here must be
+# taught to the fast path too (``Scheduler._least_loaded`` and ``_union`` apply
+# ``can_start_now`` by hand); ``tests/serving/test_scheduler_equivalence.py`` fails until it is.
 FILTERS: tuple[CandidateFilter, ...] = (can_start_now,)
 
 
