@@ -32,11 +32,26 @@ def _save_changed(obj: Model, form: Any, change: bool) -> None:
 @admin.register(ServedModel)
 class ServedModelAdmin(admin.ModelAdmin):
     form = OperatorEditForm
-    list_display = ("name", "state", "model_path", "max_model_len", "vocab_size", "active_revision", "instance_count")
+    list_display = ("name", "state", "model_path", "max_model_len", "vocab_size", "active_revision", "instance_count",
+                    "scorer_weights")
     list_select_related = ("active_revision",)
     list_filter = ("state",)
     search_fields = ("name",)
     actions = ("drain", "retire", "activate")
+    fieldsets = (
+        (None, {"fields": ("name", "model_path", "max_model_len", "vocab_size", "active_revision", "state")}),
+        ("Placement", {
+            "fields": ("prefix_weight", "queue_weight", "tokens_weight"),
+            "description": "Each scorer gives every candidate engine a score from 0 to 1; the engine with the "
+            "highest weighted sum takes the request (ties: the least loaded). The defaults (1, 0, 0) send a "
+            "prompt to the engine caching most of it unless that engine is far busier "
+            "(MOTOR_AFFINITY_LOAD_MARGIN_TOKENS). Saved edits reach traffic within one snapshot poll.",
+        }),
+    )
+
+    @admin.display(description="weights prefix/queue/tokens")
+    def scorer_weights(self, obj: ServedModel) -> str:
+        return f"{obj.prefix_weight:g} / {obj.queue_weight:g} / {obj.tokens_weight:g}"
 
     def _set_state(self, request: HttpRequest, queryset: QuerySet, state: str) -> None:
         actor = f"admin:{request.user.get_username()}"

@@ -11,6 +11,11 @@ STREAM_INTERVAL_MAX = 64
 # The largest RenderConfig.stream_interval_ms: a chunk may wait that long for the next derender,
 # and past a second a stream no longer reads as one (64 held events flush earlier anyway).
 STREAM_INTERVAL_MS_MAX = 1000
+# The largest placement scorer weight: scores are in [0, 1], so 100 already lets one scorer
+# outweigh another a hundredfold; a larger number only hides a typo.
+SCORER_WEIGHT_MAX = 100.0
+
+_SCORER_WEIGHT = [MinValueValidator(0.0), MaxValueValidator(SCORER_WEIGHT_MAX)]
 
 
 class Health(models.TextChoices):
@@ -50,7 +55,34 @@ class ServedModel(models.Model):
         max_length=10, choices=State.choices, default=State.ACTIVE,
         help_text="active: served; draining: no new requests (503), those in flight finish; retired: unknown to clients (404).",
     )
+    # Placement's scorer weights (serving/pipeline/placement/scorers.py, docs/request-path.md, Placement): each
+    # scorer gives every candidate engine a score in [0, 1]; the highest weighted sum wins.
+    prefix_weight = models.FloatField(
+        default=1.0, validators=_SCORER_WEIGHT,
+        help_text="Placement: how much an engine already holding the prompt's leading KV blocks counts "
+        "(score: the share of the prompt cached there). 0: ignore the KV cache.",
+    )
+    queue_weight = models.FloatField(
+        default=0.0, validators=_SCORER_WEIGHT,
+        help_text="Placement: how much few requests in flight per engine weight count (the least loaded "
+        "engine scores 1, the busiest 0). Above 0 it trades against prefix_weight.",
+    )
+    tokens_weight = models.FloatField(
+        default=0.0, validators=_SCORER_WEIGHT,
+        help_text="Placement: how much few admitted tokens in flight per engine token capacity count "
+        "(the least loaded engine scores 1, the busiest 0).",
+    )
     created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(prefix_weight__gte=0, prefix_weight__lte=SCORER_WEIGHT_MAX)
+                & models.Q(queue_weight__gte=0, queue_weight__lte=SCORER_WEIGHT_MAX)
+                & models.Q(tokens_weight__gte=0, tokens_weight__lte=SCORER_WEIGHT_MAX),
+                name="served_model_scorer_weights_in_range",
+            ),
+        ]
 
     def __str__(self) -> str:
         return self.name

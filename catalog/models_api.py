@@ -1,4 +1,5 @@
-"""REST endpoints for served models (mounted by ``motorsite.api``): list, add, drain, retire, activate."""
+"""REST endpoints for served models (mounted by ``motorsite.api``): list, add, weigh placement's
+scorers, drain, retire, activate."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ninja.responses import Status
 
 from catalog import served_models, services
 from catalog.api import RenderConfigImport
-from catalog.models import ServedModel
+from catalog.models import SCORER_WEIGHT_MAX, ServedModel
 from motorsite.core import BodySchema, Detail, optional, request_actor
 
 router = Router(tags=["models"])
@@ -26,6 +27,9 @@ class ServedModelOut(Schema):
     render_config: str | None = Field(
         description="The name of the model's own render config; null: it uses the default one (linked to no model)."
     )
+    prefix_weight: float = Field(description="Placement: weight of KV-cache prefix affinity (docs/request-path.md, Placement).")
+    queue_weight: float = Field(description="Placement: weight of requests in flight per engine weight.")
+    tokens_weight: float = Field(description="Placement: weight of admitted tokens in flight per token capacity.")
 
     @staticmethod
     def resolve_render_config(obj: ServedModel) -> str | None:
@@ -43,6 +47,19 @@ class ServedModelIn(BodySchema):
         description="The model's own render sidecar, in the RFC's render_config shape (named after the model "
         "unless it says otherwise). Left out: the model uses the default render config."
     )
+
+
+def _weight(description: str) -> Any:
+    return optional(ge=0, le=SCORER_WEIGHT_MAX, allow_inf_nan=False, description=description)
+
+
+class ServedModelPatch(BodySchema):
+    """Placement's scorer weights; only the weights sent change. Each scorer scores every candidate
+    engine in [0, 1] and the highest weighted sum wins (ties: the least loaded)."""
+
+    prefix_weight: float = _weight("KV-cache prefix affinity: the share of the prompt an engine caches.")
+    queue_weight: float = _weight("Requests in flight per engine weight: the least loaded scores 1.")
+    tokens_weight: float = _weight("Admitted tokens in flight per token capacity: the least loaded scores 1.")
 
 
 @router.get("/models", response=list[ServedModelOut])
@@ -64,6 +81,13 @@ def add_model(request: HttpRequest, body: ServedModelIn) -> Any:
 @router.get("/models/{name}", response={200: ServedModelOut, 404: Detail})
 def get_model(request: HttpRequest, name: str) -> Any:
     return served_models.served_model_get(name=name)
+
+
+@router.patch("/models/{name}", response={200: ServedModelOut, 404: Detail}, summary="Weigh placement's scorers")
+def patch_model(request: HttpRequest, name: str, body: ServedModelPatch) -> Any:
+    return served_models.served_model_set_weights(
+        name=name, weights=body.model_dump(exclude_unset=True), actor=request_actor(request)
+    )
 
 
 def _state(request: HttpRequest, name: str, state: str) -> Any:

@@ -1,4 +1,5 @@
-"""Operator actions on served models: add one (with its own render config), drain, retire, serve again.
+"""Operator actions on served models: add one (with its own render config), weigh placement's
+scorers, drain, retire, serve again.
 
 Each bumps the control version inside its transaction, so every coordinator process serves the
 change within one snapshot poll (``MOTOR_SNAPSHOT_POLL_S``), with no query per request: a drained
@@ -47,6 +48,22 @@ def served_model_add(
             RenderConfig.objects.filter(id=config.id).update(served_model=model)
         bump_control_version()
     logger.info("served model added name=%s render_config=%s actor=%s", name, render is not None, actor)
+    return served_model_get(name=name)
+
+
+def served_model_set_weights(*, name: str, weights: dict[str, float], actor: str) -> ServedModel:
+    """Set placement's scorer weights (any of ``prefix_weight``, ``queue_weight``,
+    ``tokens_weight``, already validated); the next snapshot places by them."""
+    unknown = set(weights) - {"prefix_weight", "queue_weight", "tokens_weight"}
+    if unknown:
+        raise ValueError(sorted(unknown))
+    rows = ServedModel.objects.filter(name=name)
+    with transaction.atomic():
+        if not (rows.update(**weights) if weights else rows.exists()):
+            raise NotFoundError(f"No served model named {name!r}.")
+        if weights:
+            bump_control_version()
+    logger.info("served model %s scorer weights %s actor=%s", name, weights, actor)
     return served_model_get(name=name)
 
 

@@ -32,7 +32,15 @@ from fleet.models import ApiKey, BreakerState, EngineInstance
 from motorsite.core import current_render_config, read_control_version, render_configs_by_model
 from serving import obfuscation_keys
 from serving.pipeline.errors import ControlDataUnavailable
-from serving.pipeline.snapshot import ClientKeyView, FleetSnapshot, InstanceView, ModelView, RenderMember, RenderView
+from serving.pipeline.snapshot import (
+    ClientKeyView,
+    FleetSnapshot,
+    InstanceView,
+    ModelView,
+    RenderMember,
+    RenderView,
+    ScorerWeights,
+)
 
 # The clock the freshness checks use; tests replace it to drive time without sleeping.
 clock: Callable[[], float] = time.monotonic
@@ -57,6 +65,7 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
             reasoning_parser=m.active_revision.reasoning_parser if m.active_revision else "",
             tool_parser=m.active_revision.tool_parser if m.active_revision else "",
             state=m.state,
+            scorer_weights=ScorerWeights(prefix=m.prefix_weight, queue=m.queue_weight, tokens=m.tokens_weight),
         )
         for m in rows
     }

@@ -11,6 +11,30 @@ from typing import Mapping
 
 
 @dataclass(frozen=True, slots=True)
+class ScorerWeights:
+    """How much each placement scorer counts for one model (``placement/scorers.py``), >= 0 each.
+
+    The defaults place as the fixed ranking did before scorers had weights: the prefix holder
+    within the load margin, else the least loaded. ``ServedModel``'s ``*_weight`` fields in the
+    database; an operator edits them in the admin or with ``PATCH /api/models/{name}``.
+    """
+
+    prefix: float = 1.0  # KV-cache prefix affinity: the share of the prompt's blocks an engine holds
+    queue: float = 0.0  # requests in flight per instance weight, least scores 1
+    tokens: float = 0.0  # admitted tokens in flight per token capacity, least scores 1
+
+    @property
+    def weighs_load(self) -> bool:
+        return self.queue > 0 or self.tokens > 0
+
+    def by_name(self) -> dict[str, float]:
+        return {"prefix": self.prefix, "queue": self.queue, "tokens": self.tokens}
+
+
+DEFAULT_SCORER_WEIGHTS = ScorerWeights()
+
+
+@dataclass(frozen=True, slots=True)
 class ModelView:
     name: str
     model_path: str
@@ -24,6 +48,7 @@ class ModelView:
     reasoning_parser: str = ""
     tool_parser: str = ""
     state: str = "active"  # active | draining | retired (ServedModel.State)
+    scorer_weights: ScorerWeights = DEFAULT_SCORER_WEIGHTS  # how placement weighs its scorers
 
     @property
     def serves_requests(self) -> bool:

@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.db import IntegrityError
 from django.test import Client
 
 from catalog.models import RenderConfig, ServedModel
 from fleet import services
 from motorsite.core import read_control_version
+from serving.pipeline.snapshot import ScorerWeights
 from serving.snapshots import build_snapshot
 
 pytestmark = pytest.mark.django_db
@@ -117,3 +119,42 @@ def test_the_pool_probe_renders_each_models_sidecar_with_its_own_model_name(db: 
 
     outcomes = probe_render_pool(client=httpx.Client(transport=httpx.MockTransport(handler)))
     assert outcomes == {"http://127.0.0.1:8100": True, "http://127.0.0.1:8101": True}
+
+
+def patch(api: Client, path: str, data: Any) -> Any:
+    return api.patch(path, data=data, content_type="application/json")
+
+
+def test_scorer_weights_set_through_the_api_reach_the_snapshot(api: Client) -> None:
+    ServedModel.objects.create(name="tiny", model_path="/models/tiny")
+    assert build_snapshot().models["tiny"].scorer_weights == ScorerWeights(prefix=1.0, queue=0.0, tokens=0.0)
+    before = read_control_version()
+    response = patch(api, "/api/models/tiny", {"prefix_weight": 0, "queue_weight": 2.5})
+    assert response.status_code == 200, response.content
+    body = response.json()
+    assert (body["prefix_weight"], body["queue_weight"], body["tokens_weight"]) == (0.0, 2.5, 0.0)
+    assert read_control_version() > before  # every coordinator rebuilds its snapshot within one poll
+    assert build_snapshot().models["tiny"].scorer_weights == ScorerWeights(prefix=0.0, queue=2.5, tokens=0.0)
+    assert api.get("/api/models/tiny").json()["queue_weight"] == 2.5
+
+
+@pytest.mark.parametrize("body", [
+    {"queue_weight": -1}, {"prefix_weight": 100.5}, {"tokens_weight": "1"}, {"tokens_weight": None},
+    {"affinity_weight": 1},
+], ids=["negative", "above-100", "string", "null", "unknown"])
+def test_a_scorer_weight_out_of_range_is_422_and_changes_nothing(api: Client, body: dict[str, Any]) -> None:
+    ServedModel.objects.create(name="tiny", model_path="/models/tiny")
+    before = read_control_version()
+    response = patch(api, "/api/models/tiny", body)
+    assert response.status_code == 422, response.content
+    assert read_control_version() == before
+    assert ServedModel.objects.values_list("prefix_weight", "queue_weight", "tokens_weight").get() == (1.0, 0.0, 0.0)
+
+
+def test_weighing_an_unknown_model_is_404(api: Client) -> None:
+    assert patch(api, "/api/models/nope", {"queue_weight": 1}).status_code == 404
+
+
+def test_the_database_refuses_a_scorer_weight_out_of_range(db: None) -> None:
+    with pytest.raises(IntegrityError):
+        ServedModel.objects.create(name="tiny", model_path="/models/tiny", queue_weight=-0.5)

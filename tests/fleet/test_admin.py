@@ -12,6 +12,7 @@ from django.test import Client
 from catalog.models import RenderConfig, ServedModel
 from fleet import services
 from fleet.models import ApiKey, BreakerState, EngineInstance, hash_key
+from motorsite.core import read_control_version
 
 
 @pytest.fixture
@@ -249,3 +250,15 @@ def test_a_render_config_is_given_its_model_in_the_admin(staff_client: Client, s
             "timeout_ms": 5000, "renderer_num_workers": 4, "stream_interval": 1, "stream_interval_ms": 0}
     assert staff_client.post(f"/admin/serving/renderconfig/{config.id}/change/", form).status_code == 302
     assert RenderConfig.objects.get().served_model == served_model
+
+
+def test_scorer_weights_are_edited_in_the_admin(staff_client: Client, served_model: ServedModel) -> None:
+    form = {"name": served_model.name, "model_path": served_model.model_path, "max_model_len": 2048,
+            "state": "active", "prefix_weight": "3", "queue_weight": "0.5", "tokens_weight": "0"}
+    before = read_control_version()
+    assert staff_client.post(f"/admin/serving/servedmodel/{served_model.id}/change/", form).status_code == 302
+    assert ServedModel.objects.values_list("prefix_weight", "queue_weight", "tokens_weight").get() == (3.0, 0.5, 0.0)
+    assert read_control_version() > before
+    refused = staff_client.post(f"/admin/serving/servedmodel/{served_model.id}/change/", {**form, "queue_weight": "-1"})
+    assert refused.status_code == 200 and "greater than or equal to 0" in refused.content.decode()
+    assert "3 / 0.5 / 0" in staff_client.get("/admin/serving/servedmodel/").content.decode()

@@ -1,11 +1,13 @@
 """The scheduler's union fast path decides exactly what scoring every candidate decides.
 
 ``Scheduler.place`` skips scoring idle instances and looks affinity up only on the prompt's
-holders (``placement/pools.py``, ``KVAffinityIndex.depths``). The reference below is the rule as
-the module docstring states it, over the whole eligibility set: sort every candidate by
-``scorers.union_key``, then let the deepest prefix holder among those as able to start win
-within the load margin. Random fleets, loads, leases, breakers, exclusions and cached prefixes
-must give both the same placement.
+holders (``placement/pools.py``, ``KVAffinityIndex.depths``). Two references, over the whole
+eligibility set: the model's profile (``profile.Profile.pick``: filter, score every candidate
+with every weighted scorer, pick), and for the default weights the fixed ranking placement had
+before scorers had weights (``reference`` below: sort every candidate by ``scorers.union_key``,
+then let the deepest prefix holder among those as able to start win within the load margin).
+Random fleets, weights, loads, leases, breakers, exclusions and cached prefixes must give all
+of them the same placement.
 """
 
 from __future__ import annotations
@@ -27,11 +29,31 @@ from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.scheduler import Placement, Scheduler
 from serving.pipeline.protocol import BlockRemoved, BlockStored
 from serving.pipeline.resilience.breaker import BreakerBoard
-from serving.pipeline.snapshot import InstanceView
+from serving.pipeline.snapshot import DEFAULT_SCORER_WEIGHTS, InstanceView, ScorerWeights
 from tests.serving.fakes import MODEL, fleet_snapshot, instance
 
 BLOCK = 16
 PREFIXES = [[p * 1000 + t for t in range(4 * BLOCK)] for p in range(3)]
+
+
+def random_weights(rng: random.Random) -> ScorerWeights:
+    return rng.choice([
+        DEFAULT_SCORER_WEIGHTS,
+        ScorerWeights(prefix=rng.choice([0.0, 0.5, 3.0])),  # no load scorer: the fast path
+        ScorerWeights(prefix=rng.choice([0.0, 0.4, 1.0, 10.0]), queue=rng.choice([0.0, 0.3, 1.0, 5.0]),
+                      tokens=rng.choice([0.0, 0.7, 2.0])),
+    ])
+
+
+def by_profile(
+    s: Scheduler, weights: ScorerWeights, pool: list[InstanceView], ids: Sequence[int], tokens: int,
+    exclude: Collection[str], requires_tokenizer: bool,
+) -> Placement | None:
+    """The profile's pick over every live union candidate, in snapshot order."""
+    live = [i for i in pool if i.name not in exclude and i.healthy and s.breakers.allows(i)]
+    pick = s.profile(weights).pick(union_role(live, requires_tokenizer=requires_tokenizer),
+                                   s.scoring_context(ids, tokens))
+    return Placement("union", (pick.instance,), pick.prefix_hit_blocks) if pick is not None else None
 
 
 def reference(
@@ -72,6 +94,8 @@ def test_it_places_as_scoring_every_candidate_would(seed: int, size: int) -> Non
         fleet.append(i)
     rng.shuffle(fleet)  # snapshot order is not name order
     snapshot = fleet_snapshot(*fleet)
+    weights = random_weights(rng)
+    snapshot = replace(snapshot, models={MODEL: replace(snapshot.models[MODEL], scorer_weights=weights)})
     breakers = BreakerBoard(threshold=1)
     admission = TokenAdmission(AdmissionSettings(queue_size=16, wait_s=0.0))
     # A small per-instance LRU evicts blocks out of order (gaps in a chain); some instances use
@@ -108,7 +132,9 @@ def test_it_places_as_scoring_every_candidate_would(seed: int, size: int) -> Non
         exclude = {i.name for i in fleet if rng.random() < 0.1}
         requires_tokenizer = rng.random() < 0.2
         pool = [i for i in snapshot.instances if i.model == MODEL and i.takes_new_requests]
-        expected = reference(s, pool, ids, tokens, exclude, requires_tokenizer)
+        expected = by_profile(s, weights, pool, ids, tokens, exclude, requires_tokenizer)
+        if weights.prefix > 0 and not weights.weighs_load:  # the default weights, or a multiple of them
+            assert expected == reference(s, pool, ids, tokens, exclude, requires_tokenizer)
         try:
             got: Placement | None = s.place(snapshot, MODEL, ids, tokens=tokens, exclude=exclude,
                                             requires_tokenizer=requires_tokenizer)

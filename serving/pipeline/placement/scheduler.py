@@ -4,14 +4,13 @@
 its instances (union: one; handoff / trigger: prefill then decode) and the prefix-hit blocks
 that decided it. Filter -> score -> pick: the eligibility set is computed once per placement
 (``filters.eligible_instances``: serves the model, takes new requests, passes its health probe,
-fits the obfuscation key, not excluded, breaker lets traffic through); union candidates are
-scored (``scorers.union_key``: room now, requests per weight, tokens per capacity) so the least
-loaded comes first and concurrent requests spread; then KV affinity may pick a prefix holder
-instead (below). P/D topologies pick from the same set through ``topology_policy``
-(``topologies/hybrid.py``).
+fits the obfuscation key, not excluded, breaker lets traffic through); its union instances are
+then filtered, scored and picked by the model's profile (``profile.Profile``: prefer those that
+can start now; named scorers ``prefix``, ``queue``, ``tokens`` in [0, 1] weighted by the
+model's ``ScorerWeights``; the highest total wins, ties to the load order ``scorers.union_key``).
+P/D topologies pick from the same set through ``topology_policy`` (``topologies/hybrid.py``).
 
-KV-cache affinity (``affinity``, a ``KVAffinityIndex``) then bends the union choice toward the
-instance that already caches the prompt's leading blocks. The rule, in tokens:
+With the default weights (``prefix`` 1, the load scorers 0) the rule reads, in tokens:
 
 - score every union candidate by its cached leading full blocks of the prompt, over the ids
   the engines see (``engine_ids``: physical ids when obfuscation is on);
@@ -22,6 +21,11 @@ instance that already caches the prompt's leading blocks. The rule, in tokens:
   prefill;
 - only candidates with token room like the least loaded one's compete, so affinity never sends
   a request to wait for admission that would run elsewhere now.
+
+A profile that weighs no load scorer is placed by that rule without scoring the fleet
+(``_least_loaded``, then the prefix's holders only, ``_union``); one that does scores every
+candidate (the normalisation needs every candidate's load). Both pick what ``Profile.pick``
+picks (``tests/serving/test_scheduler_equivalence.py``).
 
 Breaker-open, unhealthy and draining instances are never candidates, whatever they cache.
 After placing, the prompt's blocks are recorded on every placed instance that publishes no KV
@@ -42,9 +46,11 @@ from serving.pipeline.placement.filters import eligible_instances, is_union, nat
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex, PromptBlocks
 from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.pools import ModelPool, PoolCache
+from serving.pipeline.placement.profile import Profile
+from serving.pipeline.placement.scorers import ScoringContext
 from serving.pipeline.protocol import TopologyName
 from serving.pipeline.resilience.breaker import BreakerBoard
-from serving.pipeline.snapshot import FleetSnapshot, InstanceView
+from serving.pipeline.snapshot import DEFAULT_SCORER_WEIGHTS, FleetSnapshot, InstanceView, ScorerWeights
 
 # How many more in-flight tokens than the least loaded candidate an instance holding the prompt's
 # prefix may have and still win: about two long prompts' prefill on a small engine.
@@ -94,6 +100,25 @@ class Scheduler:
         self.load_margin_tokens = load_margin_tokens
         self.engine_ids = engine_ids
         self._pools = PoolCache()
+        self._profiles: dict[ScorerWeights, Profile] = {}
+
+    def weights(self, snapshot: FleetSnapshot, model: str) -> ScorerWeights:
+        """``model``'s scorer weights (``ModelView.scorer_weights``), the defaults when unknown."""
+        view = snapshot.models.get(model)
+        return view.scorer_weights if view is not None else DEFAULT_SCORER_WEIGHTS
+
+    def profile(self, weights: ScorerWeights) -> Profile:
+        """The profile of ``weights``, built once per distinct weights."""
+        profile = self._profiles.get(weights)
+        if profile is None:
+            profile = self._profiles[weights] = Profile.of(weights)
+        return profile
+
+    def scoring_context(self, ids: Sequence[int] | PromptBlocks, tokens: int = 0) -> ScoringContext:
+        """What the scorers of one placement read (``ids``: the engines' prompt ids)."""
+        blocks = ids if isinstance(ids, PromptBlocks) else PromptBlocks(ids)
+        return ScoringContext(self.load, self.admission, tokens, blocks, self.affinity, self.load_margin_tokens,
+                              self.admission.inflight_tokens())
 
     def eligible(self, instance: InstanceView) -> bool:
         """Probe health and the breaker are separate signals; either keeps traffic away."""
@@ -149,7 +174,9 @@ class Scheduler:
         ids = self.engine_ids(snapshot, prompt_ids) if self.engine_ids is not None else prompt_ids
         blocks = PromptBlocks(ids)  # hashed at most once per block size, for lookup and record
         static = self._pools.get(snapshot, model)
+        weights = self.weights(snapshot, model)
         placed: Placement | None = None
+        least: InstanceView | None = None
         if self.topology_policy is not None and static.has_pd and not requires_tokenizer and not pd_ineligible:
             # Filter once: every topology below picks from this one set.
             pool = self.pool(snapshot, model, exclude=exclude)
@@ -157,17 +184,33 @@ class Scheduler:
                 snapshot, model, requires_tokenizer=requires_tokenizer, tokens=tokens, pool=pool
             )
             placed = self.topology_policy(snapshot, model, ids, candidates, pool)
-            if placed is None:
-                if not candidates:
-                    raise NoCapacity(f"no engine instance can serve model {model!r} right now")
-                placed = self._union(candidates[0], static, blocks, tokens, exclude)
-        else:
-            least = self._least_loaded(static, tokens, exclude, requires_tokenizer)
-            if least is None:
+            if placed is None and not candidates:
                 raise NoCapacity(f"no engine instance can serve model {model!r} right now")
-            placed = self._union(least, static, blocks, tokens, exclude, requires_tokenizer)
+            least = candidates[0] if candidates else None
+        if placed is None:
+            if weights.weighs_load:
+                placed = self._scored(static, blocks, tokens, exclude, requires_tokenizer, weights)
+            else:
+                least = least or self._least_loaded(static, tokens, exclude, requires_tokenizer)
+                if least is not None:
+                    placed = self._union(least, static, blocks, tokens, exclude, requires_tokenizer,
+                                         affinity=weights.prefix > 0)
+            if placed is None:
+                raise NoCapacity(f"no engine instance can serve model {model!r} right now")
         self._record(placed, blocks)
         return placed
+
+    def _scored(
+        self, static: ModelPool, blocks: PromptBlocks, tokens: int, exclude: Collection[str],
+        requires_tokenizer: bool, weights: ScorerWeights,
+    ) -> Placement | None:
+        """The union placement of a profile that weighs load: every live candidate scored."""
+        live = [
+            i for i in (static.union_tokenizer if requires_tokenizer else static.union)
+            if i.name not in exclude and self.breakers.allows(i)
+        ]
+        pick = self.profile(weights).pick(live, self.scoring_context(blocks, tokens))
+        return Placement("union", (pick.instance,), pick.prefix_hit_blocks) if pick is not None else None
 
     def _least_loaded(
         self, static: ModelPool, tokens: int, exclude: Collection[str], requires_tokenizer: bool
@@ -195,7 +238,7 @@ class Scheduler:
 
     def _union(
         self, least: InstanceView, static: ModelPool, blocks: PromptBlocks, tokens: int, exclude: Collection[str],
-        requires_tokenizer: bool = False,
+        requires_tokenizer: bool = False, *, affinity: bool = True,
     ) -> Placement:
         """The union placement by the module docstring's rule (``least``: the least loaded).
 
@@ -210,6 +253,8 @@ class Scheduler:
         index = self.affinity
         levels = index.levels(blocks)
         least_depth = index.depth_of(least.name, levels)
+        if not affinity:  # the prefix scorer weighs nothing: the least loaded, whatever it caches
+            return Placement("union", (least,), least_depth)
         room = self.admission.has_room(least, tokens)
 
         def rival(name: str) -> InstanceView | None:
