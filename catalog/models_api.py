@@ -26,6 +26,14 @@ class ServedModelOut(Schema):
     render_config: str | None = Field(
         description="The name of the model's own render config; null: it uses the default one (linked to no model)."
     )
+    base: str | None = Field(
+        description="For a LoRA adapter: the served model it adapts, whose render config renders it and whose "
+        "engines that load it (--lora-modules) run it; null for a model."
+    )
+
+    @staticmethod
+    def resolve_base(obj: ServedModel) -> str | None:
+        return obj.base.name if obj.base else None
 
     @staticmethod
     def resolve_render_config(obj: ServedModel) -> str | None:
@@ -43,11 +51,15 @@ class ServedModelIn(BodySchema):
         description="The model's own render sidecar, in the RFC's render_config shape (named after the model "
         "unless it says otherwise). Left out: the model uses the default render config."
     )
+    base: str = optional(
+        description="Makes the model a LoRA adapter of this served model (its name is the adapter's "
+        "--lora-modules name, model_path its directory); it takes no render_config of its own (422 with one)."
+    )
 
 
 @router.get("/models", response=list[ServedModelOut])
 def list_models(request: HttpRequest) -> Any:
-    return list(ServedModel.objects.select_related("render_config").order_by("id"))
+    return list(ServedModel.objects.select_related("render_config", "base").order_by("id"))
 
 
 @router.post("/models", response={201: ServedModelOut, 409: Detail}, summary="Add a served model")
@@ -57,7 +69,7 @@ def add_model(request: HttpRequest, body: ServedModelIn) -> Any:
         render = services.parse_render_config(body.render_config.model_dump(exclude_unset=True))  # 422
     return Status(201, served_models.served_model_add(
         name=body.name, model_path=body.model_path, max_model_len=body.max_model_len, render=render,
-        actor=request_actor(request),
+        actor=request_actor(request), base=body.base,
     ))
 
 

@@ -171,7 +171,7 @@ def test_a_request_for_the_adapter_never_lands_on_an_engine_without_it(client: o
     assert fleet.without.generates()[before_without:] == []
     # The base model's requests do land on the engine without the adapter (it is placeable, and
     # first between idle engines), and only ever under the base's name.
-    for n in range(2):
+    for n in range(4):
         client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": f"Say {n}"}], max_tokens=2)
     assert fleet.without.generates()[before_without:], "no base request reached the engine without the adapter"
     assert set(fleet.without.generates()) == {BASE.encode()}

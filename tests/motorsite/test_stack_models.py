@@ -53,3 +53,17 @@ def test_demo_fleet_adds_a_second_model_beside_the_first_and_a_plain_run_retires
     _demo_fleet("--model-dir", "/m", "--engine", "http://127.0.0.1:8201")  # a run without the second model
     assert list(EngineInstance.objects.values_list("name", flat=True)) == ["union-1"]
     assert dict(ServedModel.objects.values_list("name", "state")) == {"tiny": "active", "tiny-b": "retired"}
+
+
+def test_lora_loads_the_adapter_on_the_union_engines_named_and_the_default_loads_none() -> None:
+    for spec in stack.build_specs(_config()):
+        assert "--enable-lora" not in spec.argv
+    adapter = stack.LoraAdapter("tiny-lora", "/adapters/lora", engine_ports=(8202,))
+    specs = {s.name: s for s in stack.build_specs(_config(lora_adapters=(adapter,)))}
+    engine = specs["engine-2"].argv
+    assert "--enable-lora" in engine and engine[engine.index("--lora-modules") + 1] == "tiny-lora=/adapters/lora"
+    assert engine[engine.index("--max-lora-rank") + 1] == "8"
+    for name in ("engine-1", "prefill-1", "decode-1", "render"):
+        assert "--enable-lora" not in specs[name].argv, name
+    every = {s.name: s for s in stack.build_specs(_config(lora_adapters=(replace(adapter, engine_ports=()),)))}
+    assert all("--enable-lora" in every[n].argv for n in ("engine-1", "engine-2"))
