@@ -7,11 +7,12 @@ import io
 from dataclasses import replace
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 
 from catalog.models import RenderConfig, ServedModel
 from fleet.models import EngineInstance
 from motorsite import stack
+from motorsite.launcher.management.commands.runstack import Command
 
 
 def _config(**changes: object) -> stack.StackConfig:
@@ -67,3 +68,15 @@ def test_lora_loads_the_adapter_on_the_union_engines_named_and_the_default_loads
         assert "--enable-lora" not in specs[name].argv, name
     every = {s.name: s for s in stack.build_specs(_config(lora_adapters=(replace(adapter, engine_ports=()),)))}
     assert all("--enable-lora" in every[n].argv for n in ("engine-1", "engine-2"))
+
+
+def test_make_run_takes_lora_from_motor_lora_and_refuses_it_with_simulated_engines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Command().create_parser("manage.py", "runstack").parse_args([]).lora is False
+    monkeypatch.setenv("MOTOR_LORA", "1")
+    assert Command().create_parser("manage.py", "runstack").parse_args([]).lora is True
+    for name in ("MOTOR_MODEL_DIR", "MOTOR_RENDER_PYTHON", "MOTOR_ENGINE_PYTHON", "MOTOR_LORA_DIR"):
+        monkeypatch.setenv(name, "/x")
+    with pytest.raises(CommandError, match="MOTOR_LORA needs real engines"):
+        call_command("runstack", "--engines", "sim")  # before anything starts or is written
