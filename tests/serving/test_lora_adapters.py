@@ -16,7 +16,7 @@ from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import BlockStored
 from serving.pipeline.render.adapter_names import AdapterRenderPool
-from serving.pipeline.snapshot import FleetSnapshot, ModelView
+from serving.pipeline.snapshot import FleetSnapshot
 
 from .fakes import MODEL, RENDER_URL, fleet_snapshot, instance
 
@@ -118,6 +118,3 @@ async def test_the_adapters_render_pool_calls_the_bases_sidecar_under_the_bases_
     assert seen[1]["chat_request"]["model"] == MODEL and seen[2]["chat_request"]["model"] == MODEL
     assert body["model"] == ADAPTER  # the client's body is not changed in place
 
-
-def test_a_model_view_of_an_adapter_names_its_base() -> None:
-    assert ModelView("a", "/m", 2048, base="tiny").base == "tiny"
