@@ -32,9 +32,9 @@ def _save_changed(obj: Model, form: Any, change: bool) -> None:
 @admin.register(ServedModel)
 class ServedModelAdmin(admin.ModelAdmin):
     form = OperatorEditForm
-    list_display = ("name", "state", "model_path", "max_model_len", "vocab_size", "active_revision", "instance_count",
+    list_display = ("name", "state", "base", "model_path", "max_model_len", "vocab_size", "active_revision", "instance_count",
                     "scorer_weights")
-    list_select_related = ("active_revision",)
+    list_select_related = ("active_revision", "base")
     list_filter = ("state",)
     search_fields = ("name",)
     actions = ("drain", "retire", "activate")

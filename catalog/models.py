@@ -72,6 +72,14 @@ class ServedModel(models.Model):
         help_text="Placement: how much few admitted tokens in flight per engine token capacity count "
         "(the least loaded engine scores 1, the busiest 0).",
     )
+    # A LoRA adapter engines load (--lora-modules NAME=DIR) is a served model of its own: rendered
+    # and derendered as its base (same tokenizer and template), generated under its own name on
+    # the base's engines that hold it (EngineInstance.lora_adapters).
+    base = models.ForeignKey(
+        "self", models.PROTECT, null=True, blank=True, related_name="adapters",
+        help_text="Set for a LoRA adapter: the served model whose engines load it and whose render config renders it. "
+        "Its name is the adapter's --lora-modules name; model_path the adapter's directory.",
+    )
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -30,6 +30,14 @@ class ServedModelOut(Schema):
     prefix_weight: float = Field(description="Placement: weight of KV-cache prefix affinity (docs/request-path.md, Placement).")
     queue_weight: float = Field(description="Placement: weight of requests in flight per engine weight.")
     tokens_weight: float = Field(description="Placement: weight of admitted tokens in flight per token capacity.")
+    base: str | None = Field(
+        description="For a LoRA adapter: the served model it adapts, whose render config renders it and whose "
+        "engines that load it (--lora-modules) run it; null for a model."
+    )
+
+    @staticmethod
+    def resolve_base(obj: ServedModel) -> str | None:
+        return obj.base.name if obj.base else None
 
     @staticmethod
     def resolve_render_config(obj: ServedModel) -> str | None:
@@ -46,6 +54,10 @@ class ServedModelIn(BodySchema):
     render_config: RenderConfigImport = optional(
         description="The model's own render sidecar, in the RFC's render_config shape (named after the model "
         "unless it says otherwise). Left out: the model uses the default render config."
+    )
+    base: str = optional(
+        description="Makes the model a LoRA adapter of this served model (its name is the adapter's "
+        "--lora-modules name, model_path its directory); it takes no render_config of its own (422 with one)."
     )
 
 
@@ -64,7 +76,7 @@ class ServedModelPatch(BodySchema):
 
 @router.get("/models", response=list[ServedModelOut])
 def list_models(request: HttpRequest) -> Any:
-    return list(ServedModel.objects.select_related("render_config").order_by("id"))
+    return list(ServedModel.objects.select_related("render_config", "base").order_by("id"))
 
 
 @router.post("/models", response={201: ServedModelOut, 409: Detail}, summary="Add a served model")
@@ -74,7 +86,7 @@ def add_model(request: HttpRequest, body: ServedModelIn) -> Any:
         render = services.parse_render_config(body.render_config.model_dump(exclude_unset=True))  # 422
     return Status(201, served_models.served_model_add(
         name=body.name, model_path=body.model_path, max_model_len=body.max_model_len, render=render,
-        actor=request_actor(request),
+        actor=request_actor(request), base=body.base,
     ))
 
 

@@ -17,28 +17,38 @@ from django.db import transaction
 
 from catalog.models import RenderConfig, ServedModel
 from catalog.services import render_config_publish
-from motorsite.core import ConflictError, NotFoundError, bump_control_version
+from motorsite.core import ConflictError, InvalidError, NotFoundError, bump_control_version
 
 logger = logging.getLogger(__name__)
 
 
 def served_model_get(*, name: str) -> ServedModel:
-    model = ServedModel.objects.select_related("render_config").filter(name=name).first()
+    model = ServedModel.objects.select_related("render_config", "base").filter(name=name).first()
     if model is None:
         raise NotFoundError(f"No served model named {name!r}.")
     return model
 
 
 def served_model_add(
-    *, name: str, model_path: str, max_model_len: int, render: dict[str, Any] | None, actor: str
+    *, name: str, model_path: str, max_model_len: int, render: dict[str, Any] | None, actor: str,
+    base: str | None = None,
 ) -> ServedModel:
     """Create a served model and, when ``render`` is given (parsed render config fields), its own
     render config, named after the model. Without one the model uses the default render config
-    (the oldest row linked to no model), if there is one."""
+    (the oldest row linked to no model), if there is one. With ``base`` it is a LoRA adapter of
+    that model: rendered by the base's render config (it takes none of its own), run on the
+    base's engines that load it."""
     with transaction.atomic():
         if ServedModel.objects.filter(name=name).exists():
             raise ConflictError(f"A served model named {name!r} exists.")
-        model = ServedModel.objects.create(name=name, model_path=model_path, max_model_len=max_model_len)
+        of = None
+        if base is not None:
+            of = ServedModel.objects.filter(name=base, base=None).first()
+            if of is None:
+                raise InvalidError(f"base: no served model named {base!r} that is not itself an adapter.")
+            if render is not None:
+                raise InvalidError("render_config: a LoRA adapter is rendered by its base's render config.")
+        model = ServedModel.objects.create(name=name, model_path=model_path, max_model_len=max_model_len, base=of)
         if render is not None:
             render = dict(render)
             config_name = render.pop("name", None) or name

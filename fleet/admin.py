@@ -34,7 +34,7 @@ from motorsite.admin_forms import OperatorEditForm
 MACHINE_OWNED = (
     "state", "health", "consecutive_successes", "consecutive_failures", "last_probe_at", "last_probe_ok",
     "last_probe_error", "reported_version", "reported_name", "reported_root", "reported_max_model_len",
-    "reported_fingerprint", "version_drift", "drift_reason", "model_mismatch", "created",
+    "reported_fingerprint", "version_drift", "drift_reason", "model_mismatch", "lora_adapters", "created",
 )
 
 
@@ -171,6 +171,7 @@ class EngineInstanceAdmin(admin.ModelAdmin):
         ("Model files", {"fields": ("model_dir", "obfuscation_key_id")}),
         ("Health probe", {"fields": ("health", "consecutive_successes", "consecutive_failures", "last_probe_at", "last_probe_ok", "last_probe_error")}),
         ("Version probe", {"fields": ("reported_version", "reported_name", "reported_root", "model_mismatch", "reported_max_model_len", "reported_fingerprint", "version_drift", "drift_reason")}),
+        ("LoRA probe", {"fields": ("lora_adapters",)}),
     )
     actions = ("drain", "undrain", "quarantine", "disable", "activate", "reset_breaker", "force_breaker_open", "probe_now",
         "adopt_reported_model",

@@ -110,6 +110,12 @@ class EngineInstance(models.Model):
         max_length=200, blank=True, help_text="The model name the engine serves (its /v1/models card)."
     )
     reported_max_model_len = models.PositiveIntegerField(null=True, blank=True)
+    # Machine-owned: the LoRA probe (fleet/lora_probes.py), from the engine's /v1/models.
+    lora_adapters = models.JSONField(
+        "LoRA adapters", default=list, blank=True,
+        help_text="The LoRA adapters the engine has loaded (its /v1/models cards with this model as parent): "
+        "requests for an adapter's served model are placed only on engines that list it.",
+    )
     reported_fingerprint = models.JSONField(default=dict, blank=True)
     version_drift = models.BooleanField(default=False)
     drift_reason = models.CharField(max_length=500, blank=True)

@@ -197,7 +197,8 @@ def probe_versions(*, client: httpx.Client | None = None) -> VersionProbeSummary
     """
     summary = VersionProbeSummary()
     cfg = current_render_config()
-    models = list(ServedModel.objects.select_related("active_revision").order_by("id"))
+    # LoRA adapters have no files of a model nor a sidecar of their own: the LoRA probe's business.
+    models = list(ServedModel.objects.select_related("active_revision").filter(base=None).order_by("id"))
     # Each model's engines are compared with its own sidecar (one render config per model).
     configs = render_configs_by_model(models)
     sidecars = [cfg] if cfg is not None else []

@@ -25,6 +25,9 @@ BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     # launcher saw it exit), while a probe (one 1-token request) every 15 s costs a CPU engine well
     # under 1% of its time.
     "probe-health": {"task": "fleet.tasks.probe_health", "schedule": timedelta(seconds=PROBE_INTERVAL_S)},
+    # LoRA adapters can be loaded and unloaded at runtime: which engine holds which is read as
+    # often as health (one small GET per engine), so placement follows within a probe interval.
+    "probe-lora": {"task": "fleet.tasks.probe_lora", "schedule": timedelta(seconds=PROBE_INTERVAL_S)},
     # Versions change only when someone redeploys a tier: once a minute catches a mismatched
     # rollout quickly, and reading four model files and two small endpoints per engine is cheap.
     "probe-versions": {"task": "fleet.tasks.probe_versions", "schedule": timedelta(minutes=1)},
@@ -79,6 +82,15 @@ def probe_versions() -> dict[str, Any]:
         "quarantined": summary.quarantined,
         "errors": summary.errors,
     }
+
+
+@shared_task(ignore_result=True)
+def probe_lora() -> dict[str, Any]:
+    """Which LoRA adapters each engine has loaded (``fleet.lora_probes``)."""
+    from fleet import lora_probes
+
+    summary = lora_probes.probe_lora_adapters()
+    return {"probed": summary.probed, "changed": summary.changed, "errors": summary.errors}
 
 
 @shared_task(ignore_result=True)

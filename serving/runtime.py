@@ -55,6 +55,7 @@ from serving.pipeline.placement.kv_affinity import KVAffinityIndex
 from serving.pipeline.placement.kv_events import KVEventHub
 from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, Scheduler
+from serving.pipeline.render.adapter_names import AdapterRenderPool
 from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.pool import PoolState, RenderPool
 from serving.pipeline.render.tokenization import RenderHealth
@@ -62,7 +63,7 @@ from serving.pipeline.request_checks import RequestLimits
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.resilience.shared_breaker import SharedBreakerBoard
 from serving.pipeline.service import ServingPipeline
-from serving.pipeline.snapshot import FleetSnapshot, RenderView
+from serving.pipeline.snapshot import FleetSnapshot, ModelView, RenderView
 from serving.pipeline.topologies import hybrid
 from serving.pipeline.topologies.metaserver import process_metaserver
 from serving.pipeline.topologies.registry import TopologyRegistry
@@ -311,20 +312,25 @@ def render_health_for(base_url: str) -> RenderHealth:
 # The render pools made for recent views (a view and the client it was made with, by the view's
 # id): a pool holds no per-request state, so requests of one snapshot share one. Bounded: old
 # snapshots' pools are dropped, and a pipeline still using one keeps it alive itself.
-_render_pools: dict[int, tuple[RenderView, Any, RenderPool]] = {}
+_render_pools: dict[tuple[int, str], tuple[RenderView, Any, RenderPool]] = {}
 _RENDER_POOLS_KEPT = 16
 
 
-def render_pool_for(view: RenderView) -> RenderPool:
-    """The pool of ``view`` (a snapshot's render view) on this loop's shared client."""
+def render_pool_for(view: RenderView, model: ModelView | None = None) -> RenderPool:
+    """The pool of ``view`` (a snapshot's render view) on this loop's shared client; for a LoRA
+    adapter's ``model``, its base's pool calling the sidecars under the base's name."""
     client = http.shared_client()
-    found = _render_pools.get(id(view))
+    adapter = model.name if model is not None and model.base else ""
+    found = _render_pools.get((id(view), adapter))
     if found is not None and found[0] is view and found[1] is client:
         return found[2]
     if len(_render_pools) >= _RENDER_POOLS_KEPT:
         _render_pools.clear()
-    pool = RenderPool(client, view, RUNTIME.render_pool)
-    _render_pools[id(view)] = (view, client, pool)
+    if model is not None and adapter:
+        pool: RenderPool = AdapterRenderPool(client, view, RUNTIME.render_pool, adapter=adapter, base=model.base)
+    else:
+        pool = RenderPool(client, view, RUNTIME.render_pool)
+    _render_pools[id(view), adapter] = (view, client, pool)
     return pool
 
 
@@ -353,7 +359,7 @@ def pipeline_for(snapshot: FleetSnapshot, model: str | None = None) -> ServingPi
         snapshot = model_snapshot(snapshot, model)
     client = http.shared_client()
     # The render pool of the snapshot's view: each call picks its member (render/pool.py).
-    render = render_pool_for(snapshot.render)
+    render = render_pool_for(snapshot.render, snapshot.models.get(model) if model is not None else None)
     boundary = EngineBoundary(obfuscation_mapping(snapshot))
     # Placement keeps instances whose declared key id does not fit the render config out of
     # traffic itself (placement/filters.py), so the pipeline gets the snapshot as it is.

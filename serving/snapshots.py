@@ -58,17 +58,10 @@ logger = logging.getLogger(__name__)
 def build_snapshot(version: int | None = None) -> FleetSnapshot:
     if version is None:
         version = read_control_version()
-    rows = list(ServedModel.objects.select_related("active_revision").order_by("id"))
-    models = {
-        m.name: ModelView(
-            m.name, m.model_path, m.max_model_len, m.vocab_size or config_vocab_size(m.model_path),
-            reasoning_parser=m.active_revision.reasoning_parser if m.active_revision else "",
-            tool_parser=m.active_revision.tool_parser if m.active_revision else "",
-            state=m.state,
-            scorer_weights=ScorerWeights(prefix=m.prefix_weight, queue=m.queue_weight, tokens=m.tokens_weight),
-        )
-        for m in rows
-    }
+    every = list(ServedModel.objects.select_related("active_revision", "base__active_revision").order_by("id"))
+    models = {m.name: _model_view(m) for m in every}
+    # LoRA adapters have no render config: they are rendered by their base's (FleetSnapshot.render_of).
+    rows = [m for m in every if m.base is None]
     configs = render_configs_by_model(rows)
     renders: dict[str, RenderView] = {}
     for m in rows:
@@ -90,6 +83,20 @@ def build_snapshot(version: int | None = None) -> FleetSnapshot:
     return FleetSnapshot(
         version=version, models=models, render=render, renders=renders, instances=instances,
         client_keys=client_keys, client_keys_managed=bool(keys), admin_keys=admin_keys,
+    )
+
+
+def _model_view(m: ServedModel) -> ModelView:
+    # A LoRA adapter is rendered as its base: the base's tokenizer files (the local fallback),
+    # vocabulary, context length and parsers; its own name, state and base.
+    of = m.base or m
+    return ModelView(
+        m.name, of.model_path, of.max_model_len, of.vocab_size or config_vocab_size(of.model_path),
+        reasoning_parser=of.active_revision.reasoning_parser if of.active_revision else "",
+        tool_parser=of.active_revision.tool_parser if of.active_revision else "",
+        state=m.state,
+        scorer_weights=ScorerWeights(prefix=m.prefix_weight, queue=m.queue_weight, tokens=m.tokens_weight),
+        base=m.base.name if m.base else "",
     )
 
 
@@ -192,6 +199,7 @@ def _instance_view(i: EngineInstance) -> InstanceView:
         breaker_state=breaker.state if breaker else "closed",
         breaker_epoch=breaker.epoch if breaker else 0,
         obfuscation_key_id=i.obfuscation_key_id,
+        lora_adapters=frozenset(str(name) for name in i.lora_adapters or ()),
     )
 
 

@@ -14,6 +14,8 @@ changed lock builds a new one beside the old:
 - ``model-obf``: its copy obfuscated with the public test key (``tinymodel.obfuscate``);
 - ``model-b``: a second small model (``tinymodel.llama.build``: another vocabulary and a Llama 3
   style chat template), for serving two models from one fleet;
+- ``model-lora``: a LoRA adapter for ``model`` (``tinymodel.lora.build``, PEFT's layout), which
+  engines load with ``--enable-lora --lora-modules``;
 - ``litellm``, ``sglang-router``, ``vllm-router`` and ``smg``: the gateways ``bench/peers.py`` and
   ``bench/serve_bench.py`` measure beside the coordinator (``requirements/<peer>.lock``). Only those
   benchmarks build them (``ensure litellm sglang-router vllm-router smg``); ``make run`` and
@@ -82,6 +84,8 @@ MODEL_SOURCES = [
 MODEL_B_SOURCES = MODEL_SOURCES + sorted((ROOT / "tinymodel" / "llama").glob("*.py")) + sorted(
     (ROOT / "tinymodel" / "llama").glob("*.jinja")
 )
+# The adapter is built by its own package on the first model's shapes.
+MODEL_LORA_SOURCES = MODEL_SOURCES + sorted((ROOT / "tinymodel" / "lora").glob("*.py"))
 # The obfuscated copy depends on the model, its own builder and the permutation it applies.
 OBF_MODEL_SOURCES = [ROOT / "tinymodel" / "obfuscate.py", ROOT / "serving" / "pipeline" / "obfuscation" / "mapping.py"]
 # A public test key, not a secret: the obfuscated tiny model exists to prove the boundary.
@@ -115,6 +119,8 @@ def location(kind: str) -> Path:
         key = _digest(MODEL_SOURCES + [LOCKS["app"]], _pyver(), sys.version)
     elif kind == "model-b":
         key = _digest(MODEL_B_SOURCES + [LOCKS["app"]], _pyver(), sys.version)
+    elif kind == "model-lora":
+        key = _digest(MODEL_LORA_SOURCES + [LOCKS["app"]], _pyver(), sys.version)
     elif kind == "model-obf":
         key = _digest(OBF_MODEL_SOURCES, location("model").name, OBF_TEST_KEY)
     elif kind == "uv":
@@ -199,6 +205,11 @@ def ensure(kind: str) -> Path:
             if target.exists():
                 shutil.rmtree(target)
             _run(python("app"), "-m", "tinymodel.llama.build", target, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        elif kind == "model-lora":
+            ensure("app")
+            if target.exists():
+                shutil.rmtree(target)
+            _run(python("app"), "-m", "tinymodel.lora.build", target, env={**os.environ, "PYTHONPATH": str(ROOT)})
         elif kind == "model-obf":
             source = location("model")
             if target.exists():

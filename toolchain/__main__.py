@@ -7,7 +7,7 @@ import sys
 
 from . import OBF_TEST_KEY, ROOT, ensure, ensure_chromium, ensure_docker_compose, location, python, rehash, relock
 
-KINDS = ("app", "render", "engine", "model", "model-obf", "model-b")
+KINDS = ("app", "render", "engine", "model", "model-obf", "model-b", "model-lora")
 
 
 def main(argv: list[str]) -> int:
@@ -64,6 +64,8 @@ def toolchain_env() -> dict[str, str]:
         "MOTOR_MODEL_DIR": str(location("model")),
         # The second small model (another vocabulary and chat template): two models, one fleet.
         "MOTOR_MODEL_B_DIR": str(location("model-b")),
+        # The tiny model's LoRA adapter (PEFT's files), for engines started with --enable-lora.
+        "MOTOR_LORA_DIR": str(location("model-lora")),
         # The tiny model obfuscated with the public test key, for the obfuscation tests.
         "MOTOR_OBF_MODEL_DIR": str(location("model-obf")),
         "MOTOR_OBF_TEST_KEY": OBF_TEST_KEY,

@@ -243,8 +243,9 @@ async def models(scope: Scope, receive: Receive, send: Send) -> None:
             "owned_by": "motorsite",
             # vLLM puts the model's path here; the path is the operator's business, not the client's.
             "root": m.name,
-            "parent": None,
-            "max_model_len": m.max_model_len,
+            # A LoRA adapter's card names its base model as vLLM's does, and no max_model_len.
+            "parent": m.base or None,
+            "max_model_len": None if m.base else m.max_model_len,
             "permission": [],
         }
         for m in snapshot.models.values()

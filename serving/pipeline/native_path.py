@@ -261,7 +261,7 @@ class NativePath:
 
     def _no_route(self, model: str, reason: str, pd_unfit: str) -> NoCapacity:
         """The 503 when no native route is left: why pairs are out, when that is the reason."""
-        unpaired = "" if any(i.model == model and i.role == "union" and i.native_openai
+        unpaired = "" if any(i.serves(model) and i.role == "union" and i.native_openai
                              for i in self.snapshot.instances) else unpaired_native_pd(self.snapshot, model)
         return _no_native_engine(model, reason, self._pd_unfit_note(model, pd_unfit), unpaired=unpaired)
 

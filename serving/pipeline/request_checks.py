@@ -104,7 +104,7 @@ def unservable(
     if feature is None:
         return None
     what, param, tokenizer_serves = feature
-    if any(i.model == model and i.role == "union"
+    if any(i.serves(model) and i.role == "union"
            and (i.native_openai or (tokenizer_serves and i.tokenizer and i.token_generate))
            for i in snapshot.instances) or has_native_pd(snapshot, model):
         # (A prefill/decode pair serving its own OpenAI API runs the native path too.)

@@ -49,6 +49,9 @@ class ModelView:
     tool_parser: str = ""
     state: str = "active"  # active | draining | retired (ServedModel.State)
     scorer_weights: ScorerWeights = DEFAULT_SCORER_WEIGHTS  # how placement weighs its scorers
+    # A LoRA adapter's base model (its render config, tokenizer and engines); "" for a model.
+    # An adapter's view carries its base's path, vocabulary and parsers: it is rendered as the base.
+    base: str = ""
 
     @property
     def serves_requests(self) -> bool:
@@ -144,10 +147,17 @@ class InstanceView:
     breaker_state: str = "closed"  # closed | open | half_open, as last written to the database
     breaker_epoch: int = 0  # bumped by operator actions (reset, force open) the request path must adopt
     obfuscation_key_id: str = ""  # key the engine's weights are permuted with, "" for plain weights
+    # The LoRA adapters the engine has loaded, by name (its /v1/models cards with a parent, as the
+    # LoRA probe recorded them): it serves each of those models too.
+    lora_adapters: frozenset[str] = frozenset()
 
     @property
     def takes_new_requests(self) -> bool:
         return self.state == "active"
+
+    def serves(self, model: str) -> bool:
+        """Whether a request for ``model`` may run here: the engine's own model, or an adapter it holds."""
+        return self.model == model or model in self.lora_adapters
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,17 +178,20 @@ class FleetSnapshot:
     admin_keys: frozenset[str] = frozenset()
 
     def render_of(self, model: str) -> RenderView:
-        return self.renders.get(model, self.render)
+        found = self.models.get(model)
+        # A LoRA adapter is rendered and derendered by its base model's sidecars.
+        return self.renders.get(found.base if found is not None and found.base else model, self.render)
 
     def for_model(self, model: str) -> FleetSnapshot:
         """The fleet as one model's request sees it: that model, its render config and only its
         instances, so nothing on its path (render, placement, generate, derender) can reach
-        another model's tiers. Same version: it is a view of this snapshot, not a new one."""
+        another model's tiers. For a LoRA adapter: its base's render config and only the base's
+        engines that hold the adapter. Same version: it is a view of this snapshot, not a new one."""
         return FleetSnapshot(
             version=self.version,
             models={model: self.models[model]} if model in self.models else {},
             render=self.render_of(model),
-            instances=tuple(i for i in self.instances if i.model == model),
+            instances=tuple(i for i in self.instances if i.serves(model)),
             renders={},
             client_keys=self.client_keys,
             client_keys_managed=self.client_keys_managed,

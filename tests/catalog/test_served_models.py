@@ -158,3 +158,22 @@ def test_weighing_an_unknown_model_is_404(api: Client) -> None:
 def test_the_database_refuses_a_scorer_weight_out_of_range(db: None) -> None:
     with pytest.raises(IntegrityError):
         ServedModel.objects.create(name="tiny", model_path="/models/tiny", queue_weight=-0.5)
+
+
+def test_a_lora_adapter_is_added_through_the_rest_api_with_its_base_and_no_render_config_of_its_own(
+    api: Client,
+) -> None:
+    ServedModel.objects.create(name="tiny", model_path="/models/tiny")
+    response = post(api, "/api/models", {"name": "tiny-lora", "model_path": "/adapters/tiny-lora", "base": "tiny"})
+    assert response.status_code == 201, response.content
+    assert response.json()["base"] == "tiny" and response.json()["render_config"] is None
+    assert api.get("/api/models/tiny").json()["base"] is None
+    assert build_snapshot().models["tiny-lora"].base == "tiny"
+    # Unknown base, an adapter as base, or a render config of its own: 422, nothing written.
+    for body in (
+        {"name": "x", "model_path": "/a", "base": "nope"},
+        {"name": "x", "model_path": "/a", "base": "tiny-lora"},
+        {"name": "x", "model_path": "/a", "base": "tiny", "render_config": {"endpoint": {"host": "h", "port": 1}}},
+    ):
+        assert post(api, "/api/models", body).status_code == 422, body
+    assert not ServedModel.objects.filter(name="x").exists()

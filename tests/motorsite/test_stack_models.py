@@ -7,11 +7,12 @@ import io
 from dataclasses import replace
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 
 from catalog.models import RenderConfig, ServedModel
 from fleet.models import EngineInstance
 from motorsite import stack
+from motorsite.launcher.management.commands.runstack import Command
 
 
 def _config(**changes: object) -> stack.StackConfig:
@@ -53,3 +54,29 @@ def test_demo_fleet_adds_a_second_model_beside_the_first_and_a_plain_run_retires
     _demo_fleet("--model-dir", "/m", "--engine", "http://127.0.0.1:8201")  # a run without the second model
     assert list(EngineInstance.objects.values_list("name", flat=True)) == ["union-1"]
     assert dict(ServedModel.objects.values_list("name", "state")) == {"tiny": "active", "tiny-b": "retired"}
+
+
+def test_lora_loads_the_adapter_on_the_union_engines_named_and_the_default_loads_none() -> None:
+    for spec in stack.build_specs(_config()):
+        assert "--enable-lora" not in spec.argv
+    adapter = stack.LoraAdapter("tiny-lora", "/adapters/lora", engine_ports=(8202,))
+    specs = {s.name: s for s in stack.build_specs(_config(lora_adapters=(adapter,)))}
+    engine = specs["engine-2"].argv
+    assert "--enable-lora" in engine and engine[engine.index("--lora-modules") + 1] == "tiny-lora=/adapters/lora"
+    assert engine[engine.index("--max-lora-rank") + 1] == "8"
+    for name in ("engine-1", "prefill-1", "decode-1", "render"):
+        assert "--enable-lora" not in specs[name].argv, name
+    every = {s.name: s for s in stack.build_specs(_config(lora_adapters=(replace(adapter, engine_ports=()),)))}
+    assert all("--enable-lora" in every[n].argv for n in ("engine-1", "engine-2"))
+
+
+def test_make_run_takes_lora_from_motor_lora_and_refuses_it_with_simulated_engines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Command().create_parser("manage.py", "runstack").parse_args([]).lora is False
+    monkeypatch.setenv("MOTOR_LORA", "1")
+    assert Command().create_parser("manage.py", "runstack").parse_args([]).lora is True
+    for name in ("MOTOR_MODEL_DIR", "MOTOR_RENDER_PYTHON", "MOTOR_ENGINE_PYTHON", "MOTOR_LORA_DIR"):
+        monkeypatch.setenv(name, "/x")
+    with pytest.raises(CommandError, match="MOTOR_LORA needs real engines"):
+        call_command("runstack", "--engines", "sim")  # before anything starts or is written

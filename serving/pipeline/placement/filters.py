@@ -1,6 +1,7 @@
 """Placement filters: the one eligibility set every path places from, and its role filters.
 
-An instance is eligible when it serves the model, takes new requests (active, not draining),
+An instance is eligible when it serves the model (its own, or a LoRA adapter it holds:
+``InstanceView.serves``), takes new requests (active, not draining),
 fits the deployment's obfuscation (``obfuscation.eligible``: the key id its weights were
 permuted with), is not excluded by an earlier attempt, and passes the live verdict
 (the scheduler's: its health probe and its circuit breaker). Without a live verdict the
@@ -29,9 +30,10 @@ def _always(_instance: InstanceView) -> bool:
 
 
 def statically_eligible(instance: InstanceView, snapshot: FleetSnapshot, model: str) -> bool:
-    """The half of eligibility the snapshot alone decides: serves ``model``, takes new requests,
-    fits the obfuscation key (``pools.build_pool`` keeps it per snapshot, adding the probe's verdict)."""
-    return instance.model == model and instance.takes_new_requests and key_eligible(instance, snapshot.render)[0]
+    """The half of eligibility the snapshot alone decides: serves ``model`` (a LoRA adapter's
+    request only on an engine that holds the adapter), takes new requests, fits the obfuscation key
+    (``pools.build_pool`` keeps it per snapshot, adding the probe's verdict)."""
+    return instance.serves(model) and instance.takes_new_requests and key_eligible(instance, snapshot.render)[0]
 
 
 def eligible_instances(
@@ -81,7 +83,7 @@ def pairs_with(prefill: InstanceView, decode: InstanceView) -> bool:
 def has_native_pd(snapshot: FleetSnapshot, model: str) -> bool:
     """Whether ``model`` has a prefill and a decode instance that pair, whatever their state, and
     could serve the native path together."""
-    pool = [i for i in snapshot.instances if i.model == model]
+    pool = [i for i in snapshot.instances if i.serves(model)]
     prefills, decodes = native_pd_role(pool, "prefill"), native_pd_role(pool, "decode")
     return any(pairs_with(p, d) for p in prefills for d in decodes)
 
@@ -91,7 +93,7 @@ def unpaired_native_pd(snapshot: FleetSnapshot, model: str) -> str:
     (their transfer modes or connectors differ), or "" when some pair, or there are not both.
 
     What a refusal says instead of "no engine serves its own OpenAI API", which they do."""
-    pool = [i for i in snapshot.instances if i.model == model]
+    pool = [i for i in snapshot.instances if i.serves(model)]
     prefills, decodes = native_pd_role(pool, "prefill"), native_pd_role(pool, "decode")
     if not prefills or not decodes or any(pairs_with(p, d) for p in prefills for d in decodes):
         return ""

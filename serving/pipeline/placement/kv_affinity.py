@@ -16,6 +16,12 @@ Two ways to fill it, usable together:
   event carries, chained through the engine's parent hash; BlockRemoved and AllBlocksCleared
   forget.
 
+Per LoRA adapter: vLLM keys an adapter's blocks apart from the base model's (and from other
+adapters') even for the same tokens, since their KV differs. The index does the same: the chain
+of a prompt run under an adapter starts from a root of the adapter's name (``lora_root``), on
+lookup and record (``PromptBlocks(..., lora=name)``) as for BlockStored events that name it
+(``lora_name``), so an adapter's request never counts the base's blocks as a hit, nor the reverse.
+
 Memory is bounded: an LRU per instance (``max_blocks_per_instance``) and a global cap
 (``max_blocks``) that evicts from the largest instance first. Pure data structure, no I/O,
 not thread-safe (one per event loop).
@@ -23,6 +29,7 @@ not thread-safe (one per event loop).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
@@ -42,10 +49,18 @@ def _block_key(parent: int | None, tokens: Sequence[int]) -> int:
     return hash((0 if parent is None else parent, tuple(tokens)))
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The coordinator's chained hashes of the full blocks of ``token_ids``."""
+def lora_root(lora: str | None) -> int | None:
+    """The parent of a chain's first block: None for the base model, else a 64-bit key of the
+    adapter's name (blake2b: the same in every process, unlike ``hash`` of a str)."""
+    if not lora:
+        return None
+    return int.from_bytes(hashlib.blake2b(lora.encode(), digest_size=8).digest(), "big")
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, lora: str | None = None) -> list[int]:
+    """The coordinator's chained hashes of the full blocks of ``token_ids`` (run under ``lora``)."""
     keys: list[int] = []
-    parent: int | None = None
+    parent = lora_root(lora)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = _block_key(parent, token_ids[start : start + block_size])
         keys.append(parent)
@@ -59,10 +74,11 @@ class PromptBlocks:
     so the scheduler hashes through one of these per decision.
     """
 
-    __slots__ = ("token_ids", "_keys")
+    __slots__ = ("token_ids", "lora", "_keys")
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
+    def __init__(self, token_ids: Sequence[int], lora: str | None = None) -> None:
         self.token_ids = token_ids
+        self.lora = lora  # the LoRA adapter the prompt runs under; None: the base model
         self._keys: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
@@ -71,7 +87,7 @@ class PromptBlocks:
     def keys(self, block_size: int) -> list[int]:
         keys = self._keys.get(block_size)
         if keys is None:
-            keys = self._keys[block_size] = chain_hashes(self.token_ids, block_size)
+            keys = self._keys[block_size] = chain_hashes(self.token_ids, block_size, self.lora)
         return keys
 
 
@@ -332,7 +348,7 @@ class KVAffinityIndex:
                 return
             # No size known yet: the engine's own full-block event says it.
             self.set_block_size(instance, size)
-        parent: int | None = None
+        parent = lora_root(event.lora_name)
         if event.parent_block_hash is not None:
             parent = state.by_engine_hash.get(event.parent_block_hash)
             if parent is None:

@@ -57,6 +57,12 @@ from serving.pipeline.snapshot import DEFAULT_SCORER_WEIGHTS, FleetSnapshot, Ins
 DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS = 8192
 
 
+def lora_of(snapshot: FleetSnapshot, model: str) -> str | None:
+    """``model``'s name when it is a LoRA adapter (its KV is keyed apart from its base's), else None."""
+    view = snapshot.models.get(model)
+    return model if view is not None and view.base else None
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     topology: TopologyName  # union: one instance; handoff / trigger: prefill then decode
@@ -158,7 +164,9 @@ class Scheduler:
         # Only instances placement may pick matter, and only prefix holders have a hit.
         placeable = self._pools.get(snapshot, model).by_name
         return {
-            name: n * index.block_size(name) for name, n in index.depths(engine_prompt_ids).items() if name in placeable
+            name: n * index.block_size(name)
+            for name, n in index.depths(PromptBlocks(engine_prompt_ids, lora_of(snapshot, model))).items()
+            if name in placeable
         }
 
     def place(
@@ -172,7 +180,8 @@ class Scheduler:
         keeps the request on union, away from the topology policy.
         """
         ids = self.engine_ids(snapshot, prompt_ids) if self.engine_ids is not None else prompt_ids
-        blocks = PromptBlocks(ids)  # hashed at most once per block size, for lookup and record
+        # Hashed at most once per block size, for lookup and record; a LoRA adapter's chain apart.
+        blocks = PromptBlocks(ids, lora_of(snapshot, model))
         static = self._pools.get(snapshot, model)
         weights = self.weights(snapshot, model)
         placed: Placement | None = None

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
 from catalog.fingerprints import config_vocab_size
@@ -67,6 +67,11 @@ class Command(BaseCommand):
             help="client key for /v1 (repeatable; default: MOTOR_API_KEYS)",
         )
         parser.add_argument("--admin-key", default=None, help="admin key for /api (default: MOTOR_DEMO_ADMIN_KEY)")
+        parser.add_argument(
+            "--lora", action="append", default=[], metavar="NAME=DIR",
+            help="a LoRA adapter the engines load (--lora-modules NAME=DIR), served as a model of its own on the "
+            "engines that hold it (repeatable)",
+        )
         parser.add_argument(
             "--only-this-model", action="store_true",
             help="add or update this model beside the others (its own render config, engines named after it); "
@@ -144,12 +149,15 @@ class Command(BaseCommand):
             if instance.state != EngineInstance.State.ACTIVE:
                 instance.activate(actor=ACTOR)
         removed = len(stale)
+        adapters = [_adapter(model, spec) for spec in opts["lora"]]
         if only:
             bump_control_version()
             self.stdout.write(f"demo fleet: model {model.name} added, {len(wanted)} engine(s), removed {removed} stale row(s)")
             return
         # A model an earlier run served beside this one has no engine left: unknown to clients.
-        ServedModel.objects.exclude(id=model.id).filter(instances=None).update(state=ServedModel.State.RETIRED)
+        # (Its adapters are this run's: an adapter of an earlier run no engine loads now is retired too.)
+        ServedModel.objects.exclude(id__in=[model.id, *(a.id for a in adapters)]).filter(instances=None).update(
+            state=ServedModel.State.RETIRED)
         admin_password = os.environ.get("MOTOR_DEMO_ADMIN_PASSWORD", "")
         if admin_password:
             User = get_user_model()
@@ -167,4 +175,20 @@ class Command(BaseCommand):
         # Demo keys printed by an earlier run stop working, as the old demo engines do.
         ApiKey.objects.filter(name__startswith="demo ").exclude(id__in=[k.id for k in current]).update(revoked=True)
         bump_control_version()
-        self.stdout.write(f"demo fleet: model {model.name}, {len(wanted)} engine(s), removed {removed} stale row(s)")
+        self.stdout.write(f"demo fleet: model {model.name}, {len(wanted)} engine(s), removed {removed} stale row(s)"
+                          + "".join(f", adapter {a.name}" for a in adapters))
+
+
+def _adapter(base: ServedModel, spec: str) -> ServedModel:
+    """The served model of the LoRA adapter ``NAME=DIR`` of ``base`` (made or brought up to date)."""
+    name, sep, path = spec.partition("=")
+    if not (sep and name and path):
+        raise CommandError(f"--lora takes NAME=DIR, not {spec!r}")
+    if ServedModel.objects.filter(name=name).exclude(base=base).exists():
+        raise CommandError(f"{name!r} is a served model that is not an adapter of {base.name!r}")
+    adapter, _ = ServedModel.objects.update_or_create(
+        name=name,
+        defaults={"model_path": path, "max_model_len": base.max_model_len, "base": base,
+                  "vocab_size": base.vocab_size, "state": ServedModel.State.ACTIVE},
+    )
+    return adapter

@@ -12,6 +12,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from fleet.lora_probes import probe_lora_adapters
 from fleet.models import ManagedProcess
 from motorsite import stack, tiers
 from motorsite.launcher import records
@@ -73,6 +74,13 @@ class Command(BaseCommand):
             help="the second model's render sidecar port, then its engines' ports (comma-separated)",
         )
         parser.add_argument(
+            "--lora",
+            action="store_true",
+            default=os.environ.get("MOTOR_LORA", "") not in ("", "0"),
+            help=f"load tinymodel's LoRA adapter on the union engines and serve it as the model {LORA_NAME!r} "
+            "(docs/models.md)",
+        )
+        parser.add_argument(
             "--var-dir",
             default=os.environ.get("MOTOR_VAR_DIR", str(stack.ROOT / "var")),
             help="logs (log/) and the Celery broker folders (celery/) of this run",
@@ -109,7 +117,10 @@ class Command(BaseCommand):
             admin_password=admin_password,
             extra_env={"MOTOR_DEMO_ADMIN_KEY": admin_key},
             extra_models=_second_model(opts["second_model_ports"]) if opts["second_model"] else (),
+            lora_adapters=(stack.LoraAdapter(LORA_NAME, _required_env("MOTOR_LORA_DIR")),) if opts["lora"] else (),
         )
+        if cfg.lora_adapters and cfg.engines != "vllm":
+            raise CommandError("MOTOR_LORA needs real engines: the engine simulator loads no LoRA adapter")
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             specs = stack.build_specs(cfg)
@@ -137,6 +148,9 @@ class Command(BaseCommand):
         records.processes_started(
             children=[(spec.name, supervisor.pids[spec.name], spec.ready_base_url or "") for spec in specs]
         )
+        if cfg.lora_adapters:
+            # Which engine holds which adapter, before beat's first LoRA probe: the adapter takes traffic now.
+            probe_lora_adapters()
         base = cfg.coordinator_url
         self.stdout.write(
             "\n".join(
@@ -148,6 +162,7 @@ class Command(BaseCommand):
                     f"  REST API        {base}/api/   (Authorization: Bearer {admin_key}; docs at {base}/api/docs)",
                     *[f"  render sidecar  http://127.0.0.1:{p}" for p in (cfg.render_port, *cfg.render_member_ports)],
                     *[f"  engine          {u}" for u in cfg.engine_urls],
+                    *[f"  LoRA adapter    {a.name} (model {a.name!r}, base {cfg.served_model_name!r})" for a in cfg.lora_adapters],
                     *[f"  model {m.name:<9} render http://127.0.0.1:{m.render_port}, engines "
                       + ", ".join(f"http://127.0.0.1:{p}" for p in m.engine_ports) for m in cfg.extra_models],
                     "",
@@ -187,6 +202,8 @@ def record_event(event: ChildEvent) -> None:
 
 
 SECOND_MODEL_NAME = "tiny-b"
+# tinymodel.lora's adapter as the engines load it (--lora-modules) and clients name it, with MOTOR_LORA=1.
+LORA_NAME = "tiny-lora"
 
 
 def _second_model(ports_text: str) -> tuple[stack.ExtraModel, ...]:
