@@ -36,6 +36,21 @@ def test_a_second_model_gets_its_own_sidecar_and_engines_and_the_default_none() 
     assert render.log_path.name == "render-tiny-b.log"
 
 
+def test_a_second_model_may_have_a_render_pool_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The deployed forms (docker/compose.yaml, deploy/k8s) run each model's pool of two.
+    second = stack.ExtraModel("tiny-b", "/mb", 8102, (8203,), render_member_ports=(8103,))
+    specs = {s.name: s for s in stack.build_specs(_config(extra_models=(second,)))}
+    member = specs["render-tiny-b-member-2"]
+    assert member.ports == [("127.0.0.1", 8103)] and member.log_path.name == "render-tiny-b-member-2.log"
+    assert member.argv[member.argv.index("--served-model-name") + 1] == "tiny-b"
+    assert "render-member-2" not in specs  # the first model still has its one sidecar
+    ran: list[list[str]] = []
+    monkeypatch.setattr(stack.subprocess, "run", lambda argv, **kw: ran.append(list(argv)))
+    stack.prepare_database(_config(extra_models=(second,)))
+    [extra] = [argv for argv in ran if "--only-this-model" in argv]
+    assert extra[extra.index("--render-port") + 1] == "8102" and extra[extra.index("--render-member-port") + 1] == "8103"
+
+
 def _demo_fleet(*args: str) -> None:
     call_command("demo_fleet", "--engine-kind", "sim", *args, stdout=io.StringIO())
 
