@@ -368,7 +368,20 @@ def build_specs(cfg: StackConfig) -> list[ProcessSpec]:
     tiers_group = together([
         *render_specs(cfg), *engine_specs(cfg), *pd_engine_specs(cfg), *extra_model_specs(cfg),
     ])
-    return [*tiers_group, *together(celery), coordinator_spec(cfg)]
+    specs = [*tiers_group, *together(celery), coordinator_spec(cfg)]
+    _refuse_shared_ports(specs)
+    return specs
+
+
+def _refuse_shared_ports(specs: list[ProcessSpec]) -> None:
+    # Two processes told the same port: the second would fail to bind, or worse, the first
+    # model's pool would register the second model's sidecar as its own member.
+    owners: dict[tuple[str, int], str] = {}
+    for spec in specs:
+        for address in spec.ports:
+            if address in owners:
+                raise ValueError(f"{spec.name} and {owners[address]} are both given port {address[1]}")
+            owners[address] = spec.name
 
 
 def prepare_database(cfg: StackConfig) -> None:

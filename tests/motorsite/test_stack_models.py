@@ -95,3 +95,24 @@ def test_make_run_takes_lora_from_motor_lora_and_refuses_it_with_simulated_engin
         monkeypatch.setenv(name, "/x")
     with pytest.raises(CommandError, match="MOTOR_LORA needs real engines"):
         call_command("runstack", "--engines", "sim")  # before anything starts or is written
+
+
+def test_second_model_with_a_pool_of_two_takes_the_ports_after_the_first_pool() -> None:
+    from motorsite.launcher.management.commands.runstack import _second_model
+
+    opts = {"render_pool_size": 2, "render_port": 8100, "second_model_ports": ""}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOTOR_MODEL_B_DIR", "/mb")
+        [second] = _second_model(opts)
+    assert (second.render_port, second.render_member_ports, second.engine_ports) == (8102, (8103,), (8203,))
+    cfg = _config(render_member_ports=(8101,), extra_models=(second,))
+    ports = [port for spec in stack.build_specs(cfg) for _, port in spec.ports]
+    assert len(ports) == len(set(ports))
+
+
+def test_two_processes_given_one_port_stop_make_run_before_anything_starts() -> None:
+    # The second model's sidecar on the first model's pool member's port (MOTOR_RENDER_POOL_SIZE=2
+    # with the old fixed MOTOR_SECOND_MODEL_PORTS default of 8101).
+    second = stack.ExtraModel("tiny-b", "/mb", 8101, (8203,))
+    with pytest.raises(ValueError, match="render-tiny-b and render-member-2 are both given port 8101"):
+        stack.build_specs(_config(render_member_ports=(8101,), extra_models=(second,)))

@@ -70,8 +70,10 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--second-model-ports",
-            default=os.environ.get("MOTOR_SECOND_MODEL_PORTS", "8101,8203"),
-            help="the second model's render sidecar port, then its engines' ports (comma-separated)",
+            default=os.environ.get("MOTOR_SECOND_MODEL_PORTS", ""),
+            help="the second model's render sidecar port, then its engines' ports (comma-separated); empty: its "
+            "sidecars on the ports after the first model's render pool, its engine on 8203. Its render pool "
+            "is as large as the first model's (--render-pool-size), on the ports after its sidecar's",
         )
         parser.add_argument(
             "--lora",
@@ -116,7 +118,7 @@ class Command(BaseCommand):
             api_keys=(api_key,),
             admin_password=admin_password,
             extra_env={"MOTOR_DEMO_ADMIN_KEY": admin_key},
-            extra_models=_second_model(opts["second_model_ports"]) if opts["second_model"] else (),
+            extra_models=_second_model(opts) if opts["second_model"] else (),
             lora_adapters=(stack.LoraAdapter(LORA_NAME, _required_env("MOTOR_LORA_DIR")),) if opts["lora"] else (),
         )
         if cfg.lora_adapters and cfg.engines != "vllm":
@@ -124,8 +126,8 @@ class Command(BaseCommand):
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             specs = stack.build_specs(cfg)
-        except tiers.UnsupportedCPU as exc:
-            raise CommandError(str(exc)) from None  # before anything starts: say what is missing
+        except (tiers.UnsupportedCPU, ValueError) as exc:
+            raise CommandError(str(exc)) from None  # before anything starts: say what is missing or clashes
         try:
             # Fail fast, naming the port, before anything is started or written.
             check_ports(specs)
@@ -206,11 +208,14 @@ SECOND_MODEL_NAME = "tiny-b"
 LORA_NAME = "tiny-lora"
 
 
-def _second_model(ports_text: str) -> tuple[stack.ExtraModel, ...]:
+def _second_model(opts: dict[str, Any]) -> tuple[stack.ExtraModel, ...]:
+    pool_size = max(1, opts["render_pool_size"])
+    ports_text = opts["second_model_ports"] or f"{opts['render_port'] + pool_size},8203"
     ports = _ports(ports_text)
     if len(ports) < 2:
         raise CommandError(f"--second-model-ports needs the render port and at least one engine port, not {ports_text!r}")
-    return (stack.ExtraModel(SECOND_MODEL_NAME, _required_env("MOTOR_MODEL_B_DIR"), ports[0], ports[1:]),)
+    members = tuple(ports[0] + i for i in range(1, pool_size))
+    return (stack.ExtraModel(SECOND_MODEL_NAME, _required_env("MOTOR_MODEL_B_DIR"), ports[0], ports[1:], members),)
 
 
 def _ports(text: str) -> tuple[int, ...]:
