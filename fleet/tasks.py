@@ -26,7 +26,8 @@ BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     # under 1% of its time.
     "probe-health": {"task": "fleet.tasks.probe_health", "schedule": timedelta(seconds=PROBE_INTERVAL_S)},
     # Versions change only when someone redeploys a tier: once a minute catches a mismatched
-    # rollout quickly, and reading four model files and two small endpoints per engine is cheap.
+    # rollout quickly, and reading four model files and a few small endpoints per engine
+    # (version, models, OpenAPI document, one /tokenize) is cheap.
     "probe-versions": {"task": "fleet.tasks.probe_versions", "schedule": timedelta(minutes=1)},
     # Retention is measured in days; hourly keeps the table within an hour of the limit.
     "prune-probe-results": {"task": "fleet.tasks.prune_probe_results", "schedule": timedelta(hours=1)},
@@ -68,11 +69,14 @@ def probe_render() -> bool | None:
 
 @shared_task(ignore_result=True)
 def probe_versions() -> dict[str, Any]:
-    """Version probe of the sidecar and every engine (drift, quarantine policy, render capabilities)."""
-    from fleet import probes
+    """Version probe of the sidecar and every engine (drift, quarantine policy, render capabilities),
+    then what each engine serves (``fleet.engine_probes``: routes, tokenizer, LoRA)."""
+    from fleet import engine_probes, probes
 
     summary = probes.probe_versions()
+    capabilities = engine_probes.probe_engine_capabilities()
     return {
+        "capabilities": capabilities,
         "render_version": summary.render_version,
         "streaming_derender": summary.streaming_derender,
         "drifted": summary.drifted,

@@ -343,8 +343,8 @@ class ServingPipeline(NativePath):
             # open_together closed whatever had opened.
             pd_unfit = native_pd_ineligible(kind, body)
             # Pairs' own APIs serve it too, one prompt each (native_path._native_prompts).
-            fleet_native = bool(self._native_routes(tokenized.model, pd_unfit)) or (
-                pd_unfit == "several_prompts" and self._splits(tokenized.model))
+            fleet_native = bool(self._native_routes(tokenized.model, pd_unfit, kind)) or (
+                pd_unfit == "several_prompts" and self._splits(tokenized.model, kind))
             if fleet_native and not self.snapshot.render.obfuscation:
                 return await self._native(
                     kind, body, request_id, "trigger_multi_prompt_stream", phases, tokenized=tokenized

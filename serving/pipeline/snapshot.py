@@ -98,6 +98,9 @@ class InstanceView:
     weight: int
     token_capacity: int
     max_model_len: int
+    # What placement may use of the engine: the operator's record less what its capability
+    # probe found missing (fleet.engine_capabilities.engine_flags): token_generate needs the
+    # 0.23 Token-In floor and /inference/v1/generate, native_openai and tokenizer a loaded tokenizer.
     token_generate: bool
     native_openai: bool
     tokenizer: bool
@@ -119,10 +122,17 @@ class InstanceView:
     breaker_state: str = "closed"  # closed | open | half_open, as last written to the database
     breaker_epoch: int = 0  # bumped by operator actions (reset, force open) the request path must adopt
     obfuscation_key_id: str = ""  # key the engine's weights are permuted with, "" for plain weights
+    # The request kinds whose own OpenAI route the probe found in the engine's OpenAPI document
+    # (chat, completions, messages, responses); None: not probed, every route taken as served.
+    native_routes: frozenset[str] | None = None
 
     @property
     def takes_new_requests(self) -> bool:
         return self.state == "active"
+
+    def serves_native(self, kind: str | None = None) -> bool:
+        """Whether the engine serves its own OpenAI API (for request kind ``kind``, when given)."""
+        return self.native_openai and (kind is None or self.native_routes is None or kind in self.native_routes)
 
 
 @dataclass(frozen=True, slots=True)
