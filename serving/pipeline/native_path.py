@@ -105,7 +105,7 @@ class NativePath:
         model = self._model(body)
         phases.placed("native")  # the end-to-end phase's topology
         if self.snapshot.render.obfuscation:
-            self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
+            self.counters.inc(metric_names.ROUTE_DECISIONS, model=model.name, path="refused", reason=reason)
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
             raise RequestError(
                 f"This request needs the engine's own OpenAI API ({reason}), which is not available while "
@@ -115,7 +115,7 @@ class NativePath:
         if unservable is not None:
             if kind in ("chat", "completions"):
                 await self._render_verdict(kind, body, request_id)  # render's 400 for a malformed body
-            self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
+            self.counters.inc(metric_names.ROUTE_DECISIONS, model=model.name, path="refused", reason=reason)
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
             raise unservable
         # A P/D pair's own API serves what it can serve exactly (topologies/native_pd.py).
@@ -124,14 +124,14 @@ class NativePath:
         split = pd_unfit == "several_prompts" and self._splits(model.name, kind)
         if not split and not self._native_routes(model.name, pd_unfit, kind):
             # Decided native, but no engine can take it now: no render call to count its prompt.
-            self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
+            self.counters.inc(metric_names.ROUTE_DECISIONS, model=model.name, path="native", reason=reason)
             logger.info("route request_id=%s kind=%s path=native reason=%s result=no_engine", request_id, kind, reason)
             raise self._no_route(model.name, reason, pd_unfit, kind)
         # Charged what the engine may really process: prompt tokens plus n x the output bound it
         # will resolve (engine/native.NativeEstimate), per instance context length.
         estimate = await self._native_estimate(kind, body, request_id, tokenized, render_tried)
         charge = estimate.tokens(model.max_model_len)
-        self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
+        self.counters.inc(metric_names.ROUTE_DECISIONS, model=model.name, path="native", reason=reason)
         logger.info("route request_id=%s kind=%s path=native reason=%s prompt_tokens=%d counted_by=%s tokens=%d",
                     request_id, kind, reason, sum(estimate.prompts), estimate.source, charge)
         # Charged here too (once per request: a request that moved from token-only is not charged twice).
