@@ -249,3 +249,14 @@ def test_a_render_config_is_given_its_model_in_the_admin(staff_client: Client, s
             "timeout_ms": 5000, "renderer_num_workers": 4, "stream_interval": 1, "stream_interval_ms": 0}
     assert staff_client.post(f"/admin/serving/renderconfig/{config.id}/change/", form).status_code == 302
     assert RenderConfig.objects.get().served_model == served_model
+
+
+def test_the_engine_admin_shows_what_its_probe_found_it_serves(staff_client: Client, fleet: list[EngineInstance]) -> None:
+    EngineInstance.objects.filter(id=fleet[0].id).update(cap_native_openai=True, cap_tokenizer=True, capabilities={
+        "version": "0.32.0", "token_in": True, "routes": {"generate": True, "native": ["chat", "completions"]},
+        "tokenizer_loaded": True, "lora": {"enabled": True, "adapters": ["sql-lora"]}})
+    listing = staff_client.get("/admin/fleet/engineinstance/").content.decode()
+    assert "token-only (tokenizer loaded); native chat, completions" in listing
+    assert "not probed yet: the record&#x27;s capabilities stand" in listing  # the others
+    page = staff_client.get(f"/admin/fleet/engineinstance/{fleet[0].id}/change/").content.decode()
+    assert "native chat, completions" in page and "sql-lora" in page and "0.32.0" in page
