@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache-blocks", type=int, default=512)
     parser.add_argument("--kv-events-endpoint", default=None, help="tcp://*:P or ipc:// binds; tcp://host:P connects")
     parser.add_argument("--kv-events-topic", default="")
+    parser.add_argument("--tokens-only", action="store_true", help="no tokenizer, as vLLM's --tokens-only")
+    parser.add_argument("--omit-route", action="append", default=[], metavar="PATH",
+                        help="a route this engine does not serve (e.g. /v1/messages); repeatable")
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -87,6 +90,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         cache_blocks=args.cache_blocks,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic,
+        tokens_only=args.tokens_only,
+        omitted_routes=frozenset(args.omit_route),
     )
 
 

@@ -54,6 +54,16 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     await app.state.engine.aclose()
 
 
+def openapi_document(routes: list[Route], version: str) -> dict[str, object]:
+    """The paths part of the OpenAPI document FastAPI serves for vLLM: every route the engine
+    serves (what a coordinator's capability probe reads), without the simulator's controls."""
+    paths = {
+        r.path: {m.lower(): {} for m in sorted(r.methods or ()) if m != "HEAD"}
+        for r in routes if not r.path.startswith("/sim/")
+    }
+    return {"openapi": "3.1.0", "info": {"title": "enginesim", "version": version}, "paths": paths}
+
+
 def create_app(config: SimConfig | None = None) -> Starlette:
     """A simulator app for ``config``; ``app.state.engine`` is its :class:`SimEngine`."""
     engine = SimEngine(config or SimConfig())
@@ -65,6 +75,7 @@ def create_app(config: SimConfig | None = None) -> Starlette:
         Route("/v1/completions", o.completions, methods=["POST"]),
         Route("/v1/responses", o.responses, methods=["POST"]),
         Route("/v1/messages", o.messages, methods=["POST"]),
+        Route("/tokenize", o.tokenize, methods=["POST"]),
         Route("/inference/v1/generate", g.generate, methods=["POST"]),
         Route("/inference/v1/abort_requests", g.abort_requests, methods=["POST"]),
         # The legacy unauthenticated route of --tokens-only servers.
@@ -85,6 +96,9 @@ def create_app(config: SimConfig | None = None) -> Starlette:
         Route("/sim/kv/pull", c.kv_pull, methods=["POST"]),
         Route("/sim/kv/push", c.kv_push, methods=["POST"]),
     ]
+    routes = [r for r in routes if r.path not in engine.config.omitted_routes]
+    spec = openapi_document(routes, engine.config.version)
+    routes.append(Route("/openapi.json", lambda request: JSONResponse(spec), methods=["GET"]))
     app = RawSendApp(
         routes=routes,
         exception_handlers={SimError: _sim_error, HTTPException: _http_error},

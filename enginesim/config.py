@@ -82,6 +82,12 @@ class SimConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = ""
     capabilities: frozenset[str] = field(default_factory=lambda: frozenset({"tokens_only"}))
+    # vLLM's --tokens-only: no tokenizer, so /tokenize of text and the OpenAI routes answer the
+    # 400 a real one gives (the routes stay registered, as vLLM keeps them).
+    tokens_only: bool = False
+    # Routes this engine does not serve (an older vLLM, or one started without scale-out):
+    # neither routed nor listed in /openapi.json, so a request there gets the router's 404.
+    omitted_routes: frozenset[str] = frozenset()
 
     @property
     def model_name(self) -> str:

@@ -77,6 +77,9 @@ class SimStats:
     x_request_ids: deque[str | None] = field(default_factory=lambda: deque(maxlen=256))
     # The W3C ``traceparent`` of the same requests (None: none sent), the trace header vLLM reads.
     traceparents: deque[str | None] = field(default_factory=lambda: deque(maxlen=256))
+    # Calls of the engine's own OpenAI API by kind (chat, completions, messages, responses),
+    # counted on arrival: also those a --tokens-only engine refuses.
+    native_requests: Counter[str] = field(default_factory=Counter)
 
     def as_json(self, running: int) -> dict[str, object]:
         return {
@@ -89,6 +92,7 @@ class SimStats:
             "finished": dict(self.finished),
             "x_request_ids": list(self.x_request_ids),
             "traceparents": list(self.traceparents),
+            "native_requests": dict(self.native_requests),
         }
 
 

@@ -37,6 +37,8 @@ from enginesim.streaming import DONE_EVENT, SSEResponse, sse_event
 
 # Ids below this are special in the tests' configurations; bytes map above them.
 BYTE_BASE = 4
+# What vLLM's renderer raises (a 400) when text needs the tokenizer a --tokens-only engine lacks.
+NO_TOKENIZER = "Tokenizer not available when `skip_tokenizer_init=True`"
 
 
 def encode(text: str) -> list[int]:
@@ -150,10 +152,27 @@ class OpenAIHandlers:
     async def messages(self, request: Request) -> Response:
         return await self._serve("messages", request)
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /tokenize`` for a ``prompt`` or chat ``messages``: ids of text need the
+        tokenizer (a --tokens-only engine answers 400); a prompt of ids passes as it is."""
+        body = await json_body(request)
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        prompt = body.get("prompt")
+        ids_only = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+        if self.g.engine.config.tokens_only and not ids_only:
+            raise bad_request(NO_TOKENIZER)
+        ids = prompt_ids("completions" if "messages" not in body else "chat", body)
+        max_len = self.g.engine.config.max_model_len
+        return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": None})
+
     async def _serve(self, kind: str, request: Request) -> Response:
         body = await json_body(request)
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object")
+        self.g.engine.stats.native_requests[kind] += 1
+        if self.g.engine.config.tokens_only:
+            raise bad_request(NO_TOKENIZER)  # every body of these APIs is text to a template
         rid = request.headers.get("x-request-id") or body.get("request_id") or f"{time.time_ns():x}"
 
         prompt = body.get("prompt") if kind == "completions" else None

@@ -17,6 +17,7 @@ from django.forms.models import construct_instance
 from django.http import HttpRequest
 
 from fleet import services
+from fleet.engine_capabilities import engine_traffic
 from fleet.models import (
     ApiKey,
     AuditReport,
@@ -34,7 +35,8 @@ from motorsite.admin_forms import OperatorEditForm
 MACHINE_OWNED = (
     "state", "health", "consecutive_successes", "consecutive_failures", "last_probe_at", "last_probe_ok",
     "last_probe_error", "reported_version", "reported_name", "reported_root", "reported_max_model_len",
-    "reported_fingerprint", "version_drift", "drift_reason", "model_mismatch", "lora_adapters", "created",
+    "reported_fingerprint", "version_drift", "drift_reason", "model_mismatch", "lora_adapters", "capabilities",
+    "created",
 )
 
 
@@ -154,18 +156,18 @@ class EngineInstanceAdmin(admin.ModelAdmin):
     formfield_overrides = {models.URLField: {"assume_scheme": "http"}}  # as the form's own callback
     list_display = (
         "name", "url", "role", "served_model", "state", "breaker_column", "health_column", "drift", "model_record",
-        "inflight", "obfuscation", "process_column", "last_probe_at", "capabilities",
+        "inflight", "obfuscation", "process_column", "last_probe_at", "capabilities_column",
     )
     list_filter = (
         BreakerOpenFilter, ProbeFailingFilter, VersionDriftFilter, ModelMismatchFilter, DrainingFilter, "role", "state", "served_model",
     )
     list_select_related = ("served_model", "breaker", "process")
     search_fields = ("name", "url")
-    readonly_fields = (*MACHINE_OWNED, "ascend_launch")
+    readonly_fields = (*MACHINE_OWNED, "ascend_launch", "traffic")
     fieldsets = (
         (None, {"fields": ("name", "url", "role", "served_model", "kind", "state")}),
         ("Capacity", {"fields": ("weight", "token_capacity", "max_model_len")}),
-        ("Capabilities", {"fields": ("cap_token_generate", "cap_native_openai", "cap_tokenizer")}),
+        ("Capabilities", {"fields": ("cap_token_generate", "cap_native_openai", "cap_tokenizer", "traffic", "capabilities")}),
         ("Deployment (P/D)", {"fields": ("hardware_kind", "kv_connector", "kv_transfer", "kv_port", "kv_events_endpoint", "tp", "dp", "ep")}),
         ("vllm-ascend launch", {"fields": ("ascend_launch",)}),
         ("Model files", {"fields": ("model_dir", "obfuscation_key_id")}),
@@ -192,9 +194,17 @@ class EngineInstanceAdmin(admin.ModelAdmin):
         return status.excluded_reason(obj) or ("ok" if status.render.obfuscation else "-")
 
     @admin.display(description="capabilities")
-    def capabilities(self, obj: EngineInstance) -> str:
-        caps = [("token-only", obj.cap_token_generate), ("native", obj.cap_native_openai), ("tokenizer", obj.cap_tokenizer)]
-        return ", ".join(name for name, on in caps if on) or "-"
+    def capabilities_column(self, obj: EngineInstance) -> str:
+        """The record's grants less what the capability probe found missing (``engine_traffic``)."""
+        return self.traffic(obj)
+
+    @admin.display(description="traffic")
+    def traffic(self, obj: EngineInstance) -> str:
+        """Which paths the record and the probed capabilities (version, routes, tokenizer) leave it."""
+        if obj.pk is None:
+            return "-"
+        return engine_traffic(obj.capabilities, token_generate=obj.cap_token_generate,
+                              native_openai=obj.cap_native_openai, tokenizer=obj.cap_tokenizer)
 
     # Not named "breaker": list_display would resolve that to the reverse one-to-one field and
     # print the BreakerState's str ("9: closed") instead of this column.

@@ -123,6 +123,11 @@ class EngineInstance(models.Model):
         max_length=500, blank=True,
         help_text="How the served model's record (name, model_path) differs from what the engine reports.",
     )
+    # Machine-owned: the capability probe (fleet.engine_probes; what it means: fleet.engine_capabilities).
+    capabilities = models.JSONField(
+        default=dict, blank=True,
+        help_text="What the engine reports it serves: vLLM version, routes, tokenizer, LoRA. Empty: not probed yet.",
+    )
     # Machine-owned: the health probe.
     health = models.CharField(max_length=10, choices=Health.choices, default=Health.UNKNOWN)
     consecutive_successes = models.PositiveIntegerField(default=0)

@@ -76,3 +76,10 @@ def _key_error(cfg: RenderConfig) -> str:
     if found != cfg.obfuscation_key_id:
         return f"the key at {cfg.obfuscation_key_ref} has id {found}, the render config names {cfg.obfuscation_key_id or '(none)'}"
     return obfuscation.load_error()
+
+
+def route_decisions() -> list[tuple[str, str, str, int]]:
+    """This process's route decisions as ``(model, path, reason, count)`` (the native path's reasons)."""
+    from serving import runtime  # on call, as ``inflight_tokens``
+
+    return runtime.counters.route_decisions()

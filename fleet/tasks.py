@@ -29,7 +29,8 @@ BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     # often as health (one small GET per engine), so placement follows within a probe interval.
     "probe-lora": {"task": "fleet.tasks.probe_lora", "schedule": timedelta(seconds=PROBE_INTERVAL_S)},
     # Versions change only when someone redeploys a tier: once a minute catches a mismatched
-    # rollout quickly, and reading four model files and two small endpoints per engine is cheap.
+    # rollout quickly, and reading four model files and a few small endpoints per engine
+    # (version, models, OpenAPI document, one /tokenize) is cheap.
     "probe-versions": {"task": "fleet.tasks.probe_versions", "schedule": timedelta(minutes=1)},
     # Retention is measured in days; hourly keeps the table within an hour of the limit.
     "prune-probe-results": {"task": "fleet.tasks.prune_probe_results", "schedule": timedelta(hours=1)},
@@ -71,11 +72,14 @@ def probe_render() -> bool | None:
 
 @shared_task(ignore_result=True)
 def probe_versions() -> dict[str, Any]:
-    """Version probe of the sidecar and every engine (drift, quarantine policy, render capabilities)."""
-    from fleet import probes
+    """Version probe of the sidecar and every engine (drift, quarantine policy, render capabilities),
+    then what each engine serves (``fleet.engine_probes``: routes, tokenizer, LoRA)."""
+    from fleet import engine_probes, probes
 
     summary = probes.probe_versions()
+    capabilities = engine_probes.probe_engine_capabilities()
     return {
+        "capabilities": capabilities,
         "render_version": summary.render_version,
         "streaming_derender": summary.streaming_derender,
         "drifted": summary.drifted,

@@ -20,10 +20,11 @@ from django.shortcuts import render
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
-from catalog.models import Health
-from catalog.render_versions import render_traffic
+from catalog.models import Health, RenderSidecar
+from catalog.render_versions import member_traffic, render_traffic
+from fleet.engine_capabilities import engine_traffic
 from fleet.models import BreakerState, EngineInstance, ManagedProcess, process_of
-from fleet.presenters import ObfuscationStatus, inflight_tokens
+from fleet.presenters import ObfuscationStatus, inflight_tokens, route_decisions
 from fleet.reports import reports_read, this_process
 from motorsite.core import current_render_config
 from serving.pipeline import metrics
@@ -70,6 +71,7 @@ class Row:
     latest: dict[str, Any]
     obfuscation_excluded: str | None = None  # why obfuscation keeps this instance out of traffic
     process: ManagedProcess | None = None  # the launcher's process of this engine, if any
+    traffic: str = ""  # the paths its record and probed capabilities leave it (engine_traffic)
 
 
 def _row(
@@ -115,7 +117,9 @@ def _row(
         "rate": sparkline(rate, label=f"{instance.name} requests per bucket"),
         "errors": sparkline(errors, label=f"{instance.name} errors per bucket", color="#ba2121"),
     }
-    return Row(instance, breaker, in_flight, bool(why), why, plots, latest, excluded, process)
+    traffic = engine_traffic(instance.capabilities, token_generate=instance.cap_token_generate,
+                             native_openai=instance.cap_native_openai, tokenizer=instance.cap_tokenizer)
+    return Row(instance, breaker, in_flight, bool(why), why, plots, latest, excluded, process, traffic)
 
 
 def fleet_series(own: metrics.Export, reports: Sequence[Any], *, now: float) -> dict[str, metrics.InstanceSeries]:
@@ -140,6 +144,30 @@ def fleet_in_flight(own: dict[str, int], reports: Sequence[Any]) -> dict[str, in
     return total
 
 
+@dataclass(frozen=True, slots=True)
+class NativeReason:
+    model: str
+    reason: str
+    native: int  # sent to an engine's own OpenAI API
+    refused: int  # needed it, and no engine (or obfuscation) allowed it
+    token_only: int  # the RFC's native route kept token-only (a Trigger per prompt)
+
+
+def native_reasons(own: Sequence[tuple[str, str, str, int]], reports: Sequence[Any]) -> list[NativeReason]:
+    """Why each served model's requests went native, added up over this process's live counts
+    and every other coordinator's report, by model then reason."""
+    me = this_process()
+    counts: dict[tuple[str, str], dict[str, int]] = {}
+    decisions = [*own, *(d for r in reports if (r.host, r.pid) != me for d in r.payload.get("route_decisions") or ())]
+    for model, path, reason, count in decisions:
+        by_path = counts.setdefault((str(model), str(reason)), {})
+        by_path[str(path)] = by_path.get(str(path), 0) + int(count)
+    return [
+        NativeReason(model, reason, c.get("native", 0), c.get("refused", 0), c.get("token_only", 0))
+        for (model, reason), c in sorted(counts.items())
+    ]
+
+
 def dashboard(request: HttpRequest) -> HttpResponse:
     reports = reports_read()
     series = fleet_series(metrics.REGISTRY.export(), reports, now=time.time())
@@ -156,6 +184,12 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         # Where the version floors send traffic, and why (fleet.verdicts.render_traffic).
         "render_traffic": render_traffic(render_config.sidecar_version) if render_config is not None else "",
         "sick_count": sum(r.sick for r in rows),
+        "native_reasons": native_reasons(route_decisions(), reports),
+        # Every render pool member with what its probe found it serves (catalog.render_versions).
+        "sidecars": [
+            (m, member_traffic(m.sidecar_version, m.capabilities))
+            for m in RenderSidecar.objects.select_related("render_config").order_by("render_config_id", "id")
+        ],
         # The processes drawn: this one, and every other that reported (a replica, or a worker).
         "coordinators": 1 + sum((r.host, r.pid) != this_process() for r in reports),
         "bucket_s": metrics.REGISTRY.bucket_s,

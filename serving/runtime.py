@@ -204,14 +204,16 @@ def build() -> Runtime:
     live_streams = LiveStreams()
     stream_reporter = stream_reports.StreamReporter(live_streams.counts)
     live_streams.on_change = stream_reporter.notify
+    counters = RouterCounters()
     dashboard_reporter = stream_reports.dashboard_reporter(
-        stream_reports.dashboard_payload(metrics.REGISTRY.export, admission.inflight_tokens)
+        stream_reports.dashboard_payload(metrics.REGISTRY.export, admission.inflight_tokens, counters.route_decisions)
     )
     # The registry is the process's (the request path records into the module's REGISTRY).
     metrics.REGISTRY.on_record = dashboard_reporter.notify
+    counters.on_inc = dashboard_reporter.notify
     return Runtime(
         load=load, breakers=breakers, admission=admission, rate_limiter=rate_limiter, affinity=affinity,
-        scheduler=scheduler, topologies=TopologyRegistry(), counters=RouterCounters(), phases=Histograms(),
+        scheduler=scheduler, topologies=TopologyRegistry(), counters=counters, phases=Histograms(),
         render_health=render_health, render_pool=PoolState(health=render_health),
         live_streams=live_streams, stream_reporter=stream_reporter, dashboard_reporter=dashboard_reporter,
         tracer=tracing.configure(replica=settings.MOTOR_REPLICA) if settings.MOTOR_TRACING else None,

@@ -28,6 +28,7 @@ from catalog.fingerprints import config_vocab_size
 from catalog.models import Health, RenderConfig, ServedModel
 from catalog.render_versions import probed_capabilities
 from fleet.ascend import ASCEND_CONNECTORS, ASCEND_GENERATIONS
+from fleet.engine_capabilities import engine_flags
 from fleet.models import ApiKey, BreakerState, EngineInstance
 from motorsite.core import current_render_config, read_control_version, render_configs_by_model
 from serving import obfuscation_keys
@@ -174,6 +175,9 @@ def _instance_view(i: EngineInstance) -> InstanceView:
         breaker: BreakerState | None = i.breaker
     except BreakerState.DoesNotExist:
         breaker = None
+    flags = engine_flags(
+        i.capabilities, token_generate=i.cap_token_generate, native_openai=i.cap_native_openai, tokenizer=i.cap_tokenizer,
+    )
     return InstanceView(
         id=i.id,
         name=i.name,
@@ -183,9 +187,10 @@ def _instance_view(i: EngineInstance) -> InstanceView:
         weight=i.weight,
         token_capacity=i.token_capacity,
         max_model_len=i.max_model_len or i.served_model.max_model_len,
-        token_generate=i.cap_token_generate,
-        native_openai=i.cap_native_openai,
-        tokenizer=i.cap_tokenizer,
+        token_generate=flags.token_generate,
+        native_openai=flags.native_openai,
+        tokenizer=flags.tokenizer,
+        native_routes=flags.native_routes,
         state=i.state,
         kind=i.kind,
         hardware=i.hardware_kind,

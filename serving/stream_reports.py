@@ -109,9 +109,14 @@ def _write(counts: dict[str, int]) -> None:
         connection.close()  # changes are seconds apart: hold no connection between them
 
 
-def dashboard_payload(series: Callable[[], Any], in_flight: Callable[[], dict[str, int]]) -> Callable[[], dict[str, Any]]:
-    """What ``dashboard_reporter`` writes: the registry's export and this process's tokens in flight."""
-    return lambda: {"series": series(), "in_flight": {k: v for k, v in in_flight().items() if v}}
+def dashboard_payload(
+    series: Callable[[], Any], in_flight: Callable[[], dict[str, int]],
+    route_decisions: Callable[[], list[tuple[str, str, str, int]]] = list,
+) -> Callable[[], dict[str, Any]]:
+    """What ``dashboard_reporter`` writes: the registry's export, this process's tokens in flight
+    and its route decisions so far (model, path, reason, count: why requests went native)."""
+    return lambda: {"series": series(), "in_flight": {k: v for k, v in in_flight().items() if v},
+                    "route_decisions": [list(d) for d in route_decisions()]}
 
 
 def dashboard_reporter(payload: Callable[[], dict[str, Any]]) -> StreamReporter:

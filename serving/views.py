@@ -5,6 +5,7 @@ The OpenAI API under /v1 is served by the edge (``serving/edge``), in front of D
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 @require_GET
 async def healthz(request: HttpRequest) -> HttpResponse:
-    """Liveness of the coordinator, plus whether the render sidecar answers.
+    """Liveness of the coordinator, plus whether each served model's render pool answers.
 
     A process that never had a snapshot and cannot read the database is up but cannot serve:
     503 with the reason, so a load balancer or readiness probe keeps traffic away until the
@@ -38,10 +39,21 @@ async def healthz(request: HttpRequest) -> HttpResponse:
         # The exception's message names the database error: for the log, not the probe.
         logger.warning("/healthz: %s", exc.message)
         return JsonResponse({"status": "unavailable", "reason": exc.public}, status=503)
-    # "up" while any member of the render pool answers (each call picks a member that does).
-    view = replace(snapshot.render, timeout_s=min(snapshot.render.timeout_s, 1.0))
-    render_ok = await RenderPool(http.shared_client(), view).health()
-    return JsonResponse({"status": "ok", "render": "up" if render_ok else "down", "fleet_version": snapshot.version})
+    # Every model that takes requests has a pool of its own: each is "up" while any of its members
+    # answers (each call picks a member that does); "render" is "up" only when every one is.
+    # Without served models yet, the one render config in force stands for them.
+    serving = [name for name, m in snapshot.models.items() if m.serves_requests]
+    views = {name: snapshot.render_of(name) for name in serving} or {"": snapshot.render}
+    checked = {name: view for name, view in views.items() if view.enable or name == ""}
+    answers = await asyncio.gather(*(
+        RenderPool(http.shared_client(), replace(view, timeout_s=min(view.timeout_s, 1.0))).health()
+        for view in checked.values()
+    ))
+    pools = {name: "up" if ok else "down" for name, ok in zip(checked, answers, strict=True)}
+    body = {"status": "ok", "render": "up" if all(answers) else "down", "fleet_version": snapshot.version}
+    if serving:
+        body["models"] = {name: pools.get(name, "disabled") for name in serving}
+    return JsonResponse(body)
 
 
 @require_GET

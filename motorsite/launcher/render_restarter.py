@@ -72,6 +72,10 @@ class RenderRestarter:
     sidecar at a time: after the first one's drain, each other member gets a replacement on a
     free port, its member row moves to it (``render_member_moved``), and it drains in turn, the
     rest of the pool serving meanwhile; ``restart_required`` is cleared after the last one.
+
+    One restarter per render config the launcher manages: the default one (``model`` None) and
+    one for each extra model's own config (``model``: its name), so every model's sidecar gets
+    the same graceful restart.
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class RenderRestarter:
         clock: Callable[[], float] = time.monotonic,
         spec_for: Callable[[stack.StackConfig], ProcessSpec] = stack.render_spec,
         live_requests: Callable[[tuple[str, ...]], int] = live_requests_on,
+        model: str | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.cfg = cfg
@@ -92,7 +97,11 @@ class RenderRestarter:
         self.clock = clock
         self.spec_for = spec_for
         self.live_requests = live_requests
-        self.current = "render"  # the supervisor's name for the sidecar coordinators use
+        # None: the default render config (the first model's); else the served model whose own
+        # render config and sidecar (``stack.extra_model_specs``: "render-NAME") this one looks after.
+        self.model = model
+        self.prefix = "render" if model is None else f"render-{model}"
+        self.current = self.prefix  # the supervisor's name for the sidecar coordinators use
         self.port = cfg.render_port
         # The other sidecars of the pool this launcher started (supervisor name -> port), replaced
         # one at a time after the first, each once the previous one's drain is over.
@@ -122,7 +131,7 @@ class RenderRestarter:
             self._replace_member(self.pending[0])
             return
         # The same row the coordinators' snapshot uses (serving.snapshots.build_snapshot).
-        config = current_render_config()
+        config = self._config()
         if config is None or not config.restart_required:
             return
         if config.host not in (stack.HOST, "localhost"):
@@ -132,7 +141,7 @@ class RenderRestarter:
         expected = {k: getattr(config, k) for k in RenderConfig.RESTART_KEYS}
         port = config.port if config.port != self.port else free_port()
         self.generation += 1
-        name = f"render-{self.generation}"
+        name = f"{self.prefix}-{self.generation}"
         spec = dataclasses.replace(
             self.spec_for(dataclasses.replace(self.cfg, render_port=port, render_workers=config.renderer_num_workers)),
             name=name,
@@ -150,14 +159,14 @@ class RenderRestarter:
 
     def _replace_member(self, old_name: str) -> None:
         """Replace one more sidecar of the pool for the restart in progress (the first is done)."""
-        config = current_render_config()
+        config = self._config()
         if config is None or not config.restart_required:
             self.pending = []
             return
         expected = {k: getattr(config, k) for k in RenderConfig.RESTART_KEYS}
         old_port, port = self.members[old_name], free_port()
         self.generation += 1
-        name = f"render-{self.generation}"
+        name = f"{self.prefix}-{self.generation}"
         spec = dataclasses.replace(
             self.spec_for(dataclasses.replace(self.cfg, render_port=port, render_workers=config.renderer_num_workers)),
             name=name,
@@ -173,6 +182,11 @@ class RenderRestarter:
         del self.members[old_name]
         self.members[name] = port
         self.retiring = Retiring(old_name, _urls(old_port), self.clock(), config.pk, expected)
+
+    def _config(self) -> RenderConfig | None:
+        if self.model is None:
+            return current_render_config()
+        return RenderConfig.objects.filter(served_model__name=self.model).order_by("id").first()
 
     def _drain(self, r: Retiring) -> None:
         """Stop the old sidecar once nothing uses it or the cap is reached; else wait."""

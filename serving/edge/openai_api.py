@@ -156,7 +156,7 @@ def serve(kind: str) -> Endpoint:
             return
         parent = tracing.incoming(scope["headers"])
         phases = Phases.begin(phase_histograms, kind, body, arrived, tracer=tracer, request_id=request_id,
-                              parent=parent)
+                              parent=parent, model=model)
         # What the sidecar and the engines get: the root span's context when tracing, else the
         # client's own trace headers unchanged, so the engines' traces still join the client's.
         carried = phases.trace.headers if phases.trace is not None else parent

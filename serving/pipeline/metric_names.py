@@ -9,13 +9,14 @@ and refuses labels it does not declare, so a typo cannot start a new series (doc
 Every label's values come from a fixed set, so no request can add a series (a client's JSON key
 in a label would be unbounded cardinality): a family declares, per label, the frozenset of its
 values (``values``), or the label is one the operator names (``OPERATOR_LABELS``: instance and
-process names, bounded by the fleet). ``Family.series`` maps any other value to ``"other"``;
+process names, bounded by the fleet), or it is ``model``, a served model of the request's snapshot
+(``MODEL_LABEL``). ``Family.series`` maps any other value to ``"other"``;
 every recorder (``exporter.Recorder``) and every series read at scrape time passes through it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -27,6 +28,17 @@ OTHER = "other"
 # Labels whose values are names from the fleet's records or the launcher's process specs, or that
 # describe the exporting process itself (one series per process: its replica name, host and pid).
 OPERATOR_LABELS = frozenset({"instance", "process", "replica", "host", "pid"})
+# The request-level families' ``model`` label: its closed set is the served model names of the
+# snapshot the request was served with. A client's ``model`` field never reaches a recorder: the
+# edge resolves it against the snapshot first (``ModelNotFound`` otherwise) and the pipeline
+# records its ``ModelView.name``; what has no served model (``model_label``) is OTHER.
+MODEL_LABEL = "model"
+
+
+def model_label(name: object, served: Collection[str]) -> str:
+    """The ``model`` label of ``name``: itself when it is one of ``served``, else OTHER."""
+    return name if isinstance(name, str) and name in served else OTHER
+
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -46,7 +58,8 @@ class Family:
 
     def __post_init__(self) -> None:
         # At import: a family with an open label would let requests mint series.
-        open_labels = [k for k in self.labels if k not in self.values and k not in OPERATOR_LABELS]
+        open_labels = [k for k in self.labels
+                       if k not in self.values and k not in OPERATOR_LABELS and k != MODEL_LABEL]
         if open_labels or not set(self.values) <= set(self.labels):
             raise ValueError(f"{self.name}: declare the values of {open_labels or sorted(set(self.values) - set(self.labels))}")
         if (self.type == "histogram") != bool(self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
@@ -120,18 +133,18 @@ TOKEN_ONLY_REASONS = frozenset({"trigger_per_prompt"})
 ROUTE_DECISIONS = Family("motor_route_decisions_total", "counter",
                          "Requests sent to an engine's native OpenAI API, refused it, or kept token-only where the "
                          "RFC's route is native (token_only: a Trigger multi-prompt stream without a native path, "
-                         "each prompt on its own Trigger), by reason.", ("path", "reason"),
+                         "each prompt on its own Trigger), by served model and reason.", ("model", "path", "reason"),
                          {"path": frozenset({"native", "refused", "token_only"}),
                           "reason": NATIVE_REASONS | TOKEN_ONLY_REASONS})
 RENDER_OUTCOMES = Family("motor_render_outcomes_total", "counter",
-                         "Tokenizations by source (render or local), result and fallback reason.",
-                         ("source", "result", "fallback_reason"),
+                         "Tokenizations by served model, source (render or local), result and fallback reason.",
+                         ("model", "source", "result", "fallback_reason"),
                          {"source": frozenset(get_args(TokenizerSource)), "result": RENDER_RESULTS,
                           "fallback_reason": frozenset({"", *RenderUnavailable.REASONS})})
 STREAM_RELAYS = Family("motor_stream_relays_total", "counter",
-                       "Streams moved to another instance after output reached the client, by the failed "
-                       "stream's topology and why it failed (stall: no chunk within the chunk timeout; "
-                       "failure: anything else the engine did).", ("topology", "reason"),
+                       "Streams moved to another instance after output reached the client, by served model, the "
+                       "failed stream's topology and why it failed (stall: no chunk within the chunk timeout; "
+                       "failure: anything else the engine did).", ("model", "topology", "reason"),
                        {"topology": TOPOLOGIES, "reason": frozenset({"stall", "failure"})})
 # A callback forwarded to the replica that started the request: what that owner answered.
 TRIGGER_CALLBACK_RESULTS = frozenset({"accepted", "refused", "unreachable"})
@@ -152,7 +165,8 @@ PHASE_VALUES: dict[str, frozenset[str]] = {
 
 
 def _phase(name: str, help: str, labels: tuple[str, ...], buckets: tuple[float, ...] = PHASE_BUCKETS) -> Family:
-    return Family(name, "histogram", help, labels, {k: PHASE_VALUES[k] for k in labels}, buckets)
+    # Every phase is of one request, of one served model: ``model`` first, then the phase's own.
+    return Family(name, "histogram", help, (MODEL_LABEL, *labels), {k: PHASE_VALUES[k] for k in labels}, buckets)
 
 
 PHASE_RENDER = _phase("motor_request_render_seconds",

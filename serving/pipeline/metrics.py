@@ -285,16 +285,37 @@ class RouterCounters:
     def __init__(self, families: tuple[Family, ...] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._recorders = {f.name: Recorder(f, self.registry) for f in families or ROUTER_FAMILIES}
+        # Called after each count (the dashboard's reporter: the route decisions are in its payload).
+        self.on_inc: Callable[[], None] | None = None
 
     def inc(self, family: Family, **labels: str) -> None:
         self._recorders[family.name].child(labels).inc()
+        if self.on_inc is not None:
+            self.on_inc()
+
+    def route_decisions(self) -> list[tuple[str, str, str, int]]:
+        """Every counted route decision as ``(model, path, reason, count)``: what the dashboard
+        shows per model (why its requests went native), and what each process reports of it."""
+        return sorted(
+            (s.labels["model"], s.labels["path"], s.labels["reason"], int(s.value))
+            for metric in self.registry.collect() for s in metric.samples
+            if s.name == names.ROUTE_DECISIONS.name and s.value
+        )
 
     def get(self, family: Family | str, **labels: str) -> int:
-        """The count of one series (tests and benchmarks; ``/metrics`` is what operators read)."""
+        """The count of one series, or the sum over the labels not given (tests and benchmarks;
+        ``/metrics`` is what operators read). Raises ``ValueError`` for labels the family lacks."""
         if isinstance(family, str):
             family = names.FAMILIES[family]
-        value = self.registry.get_sample_value(family.name, dict(family.series(labels)))
-        return int(value or 0)
+        given = set(labels)
+        if given - set(family.labels):
+            family.check(labels)  # raises: a label the family does not declare
+        full = {k: labels.get(k, "") for k in family.labels}
+        wanted = {k: v for k, v in family.series(full) if k in given}
+        return int(sum(
+            s.value for metric in self.registry.collect() for s in metric.samples
+            if s.name == family.name and all(s.labels.get(k) == v for k, v in wanted.items())
+        ))
 
     def snapshot(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], int]:
         """Every counted series as ``(family name, sorted (label, value) pairs) -> count``."""

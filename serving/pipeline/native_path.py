@@ -19,7 +19,7 @@ from typing import Any
 
 from serving.pipeline import metric_names, request_checks
 from serving.pipeline.engine.leg import BreakerOpen, EngineGuard, Reservation
-from serving.pipeline.engine.native import NATIVE_HINTS, NativeEstimate, NativeStream, prompt_bound
+from serving.pipeline.engine.native import NATIVE_HINTS, NATIVE_PATHS, NativeEstimate, NativeStream, prompt_bound
 from serving.pipeline.errors import (
     EngineError,
     ModelNotFound,
@@ -105,33 +105,33 @@ class NativePath:
         model = self._model(body)
         phases.placed("native")  # the end-to-end phase's topology
         if self.snapshot.render.obfuscation:
-            self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
+            self.counters.inc(metric_names.ROUTE_DECISIONS, model=model.name, path="refused", reason=reason)
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
             raise RequestError(
                 f"This request needs the engine's own OpenAI API ({reason}), which is not available while "
                 "token obfuscation is on." + _hint(reason),
             )
-        unservable = request_checks.unservable(self.snapshot, model.name, reason, body)
+        unservable = request_checks.unservable(self.snapshot, model.name, reason, body, kind)
         if unservable is not None:
             if kind in ("chat", "completions"):
                 await self._render_verdict(kind, body, request_id)  # render's 400 for a malformed body
-            self.counters.inc(metric_names.ROUTE_DECISIONS, path="refused", reason=reason)
+            self.counters.inc(metric_names.ROUTE_DECISIONS, model=model.name, path="refused", reason=reason)
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
             raise unservable
         # A P/D pair's own API serves what it can serve exactly (topologies/native_pd.py).
         pd_unfit = native_pd_ineligible(kind, body)
         # Several completion prompts where only pairs serve the native path: one pair run per prompt.
-        split = pd_unfit == "several_prompts" and self._splits(model.name)
-        if not split and not self._native_routes(model.name, pd_unfit):
+        split = pd_unfit == "several_prompts" and self._splits(model.name, kind)
+        if not split and not self._native_routes(model.name, pd_unfit, kind):
             # Decided native, but no engine can take it now: no render call to count its prompt.
-            self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
+            self.counters.inc(metric_names.ROUTE_DECISIONS, model=model.name, path="native", reason=reason)
             logger.info("route request_id=%s kind=%s path=native reason=%s result=no_engine", request_id, kind, reason)
-            raise self._no_route(model.name, reason, pd_unfit)
+            raise self._no_route(model.name, reason, pd_unfit, kind)
         # Charged what the engine may really process: prompt tokens plus n x the output bound it
         # will resolve (engine/native.NativeEstimate), per instance context length.
         estimate = await self._native_estimate(kind, body, request_id, tokenized, render_tried)
         charge = estimate.tokens(model.max_model_len)
-        self.counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason=reason)
+        self.counters.inc(metric_names.ROUTE_DECISIONS, model=model.name, path="native", reason=reason)
         logger.info("route request_id=%s kind=%s path=native reason=%s prompt_tokens=%d counted_by=%s tokens=%d",
                     request_id, kind, reason, sum(estimate.prompts), estimate.source, charge)
         # Charged here too (once per request: a request that moved from token-only is not charged twice).
@@ -150,9 +150,9 @@ class NativePath:
         excluded: set[str] = set()
 
         def place(attempt: int) -> InstanceView | NativePair:
-            routes = self._native_routes(model, pd_unfit, exclude=excluded)
+            routes = self._native_routes(model, pd_unfit, kind, exclude=excluded)
             if not routes:
-                raise self._no_route(model, reason, pd_unfit)
+                raise self._no_route(model, reason, pd_unfit, kind)
             return routes[0]
 
         async def run(route: InstanceView | NativePair, attempt: int) -> dict[str, Any] | NativeStream:
@@ -198,7 +198,7 @@ class NativePath:
 
         return await attempt_loop(
             range(self.policy.max_attempts), excluded, place, run, failed,
-            lambda: self._no_route(model, reason, pd_unfit), unblamed=(BreakerOpen,),
+            lambda: self._no_route(model, reason, pd_unfit, kind), unblamed=(BreakerOpen,),
         )
 
     async def _native_prompts(
@@ -239,31 +239,37 @@ class NativePath:
         return merge_whole([r for r in results if isinstance(r, dict)], n)
 
     def _native_routes(
-        self, model: str, pd_unfit: str, *, exclude: Collection[str] = ()
+        self, model: str, pd_unfit: str, kind: ApiKind, *, exclude: Collection[str] = ()
     ) -> list[InstanceView | NativePair]:
         """Where the native path may go now, best first: union instances' own API (least loaded),
-        then P/D pairs' (the guide's proxy flow) when the request fits a pair."""
+        then P/D pairs' (the guide's proxy flow) when the request fits a pair; only engines whose
+        probe found ``kind``'s route and a tokenizer (``InstanceView.serves_native``)."""
         routes: list[InstanceView | NativePair] = list(
-            self.scheduler.native_candidates(self.snapshot, model, exclude=exclude)
+            self.scheduler.native_candidates(self.snapshot, model, exclude=exclude, kind=kind)
         )
         if not pd_unfit:
             load = self.scheduler.load.inflight
             routes += native_pairs(
                 self.snapshot, model, live=self.scheduler.eligible, exclude=exclude,
-                load=lambda i: load(i.name) / max(i.weight, 1),
+                load=lambda i: load(i.name) / max(i.weight, 1), kind=kind,
             )
         return routes
 
-    def _splits(self, model: str) -> bool:
+    def _splits(self, model: str, kind: ApiKind) -> bool:
         """Whether a body of several prompts goes per prompt through P/D pairs: no union instance
         takes it whole now, and some pair takes a single prompt."""
-        return not self.scheduler.native_candidates(self.snapshot, model) and bool(self._native_routes(model, ""))
+        return (not self.scheduler.native_candidates(self.snapshot, model, kind=kind)
+                and bool(self._native_routes(model, "", kind)))
 
-    def _no_route(self, model: str, reason: str, pd_unfit: str) -> NoCapacity:
+    def _no_route(self, model: str, reason: str, pd_unfit: str, kind: ApiKind) -> NoCapacity:
         """The 503 when no native route is left: why pairs are out, when that is the reason."""
-        unpaired = "" if any(i.serves(model) and i.role == "union" and i.native_openai
-                             for i in self.snapshot.instances) else unpaired_native_pd(self.snapshot, model)
-        return _no_native_engine(model, reason, self._pd_unfit_note(model, pd_unfit), unpaired=unpaired)
+        unpaired = "" if any(i.serves(model) and i.role == "union" and i.serves_native(kind)
+                             for i in self.snapshot.instances) else unpaired_native_pd(self.snapshot, model, kind)
+        note = self._pd_unfit_note(model, pd_unfit)
+        if any(i.serves(model) and i.native_openai and not i.serves_native(kind) for i in self.snapshot.instances):
+            # Some engine serves its own API, only not this route (an older vLLM): say which.
+            note += f"; no engine of this model serves {NATIVE_PATHS[kind]}"
+        return _no_native_engine(model, reason, note, unpaired=unpaired)
 
     def _pd_unfit_note(self, model: str, pd_unfit: str) -> str:
         """What the 503 adds when only P/D pairs serve the native path and this request fits none."""

@@ -7,7 +7,8 @@ where it happens, in one hook, through the request's ``Phases``: the process's `
 (``prometheus_client`` histograms whose clock every duration is read from, so tests inject
 one), and the request's labels. Each phase's buckets are its family's (``metric_names``).
 
-Labels come from fixed sets only, never from what a client wrote: ``api`` (the route: chat,
+Labels come from fixed sets only, never from what a client wrote: ``model`` (the served model
+the edge resolved the request to), ``api`` (the route: chat,
 completions, responses, messages), ``mode`` (stream or json), ``topology`` (union, handoff,
 trigger; native for an engine's own API), ``leg`` (union, prefill, decode) and ``source``
 (render, local). A family takes the subset it declares; ``topology`` is the attempt's, or on the
@@ -24,7 +25,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from serving.pipeline.exporter import Recorder
-from serving.pipeline.metric_names import PHASES, Family
+from serving.pipeline.metric_names import OTHER, PHASES, Family
 from serving.pipeline.tracing import PhaseTracer, RequestTrace
 
 Labels = tuple[tuple[str, str], ...]
@@ -86,10 +87,12 @@ class Phases:
     def begin(
         cls, histograms: Histograms | None, api: str, body: Mapping[str, Any], start: float, *,
         tracer: PhaseTracer | None = None, request_id: str = "", parent: Mapping[str, str] | None = None,
+        model: str = OTHER,
     ) -> Phases:
-        """The recorder of a request of route ``api`` that arrived at ``start``, traced by ``tracer``
-        (a child of the client's trace when ``parent``, its W3C trace headers, names one)."""
-        labels = {"api": api, "mode": "stream" if body.get("stream") else "json"}
+        """The recorder of a request of route ``api`` for served ``model`` (as the edge resolved it
+        against the snapshot) that arrived at ``start``, traced by ``tracer`` (a child of the
+        client's trace when ``parent``, its W3C trace headers, names one)."""
+        labels = {"model": model, "api": api, "mode": "stream" if body.get("stream") else "json"}
         trace = None
         if tracer is not None and histograms is not None:
             trace = tracer.begin(request_id, labels, start, histograms.clock, parent)
@@ -113,7 +116,7 @@ class Phases:
         if self.histograms is None:
             return
         now = self.histograms.clock()
-        labels = {"topology": self.placed_on.topology, **self.labels}
+        labels = {"topology": self.placed_on.topology, "model": OTHER, **self.labels}
         declared = {k: labels[k] for k in family.labels}
         self.histograms.observe(family, now - start, declared)
         if self.trace is not None:

@@ -95,21 +95,22 @@ _FEATURES: dict[str, tuple[str, str | None, bool]] = {
 
 
 def unservable(
-    snapshot: FleetSnapshot, model: str, reason: str, body: Mapping[str, Any]
+    snapshot: FleetSnapshot, model: str, reason: str, body: Mapping[str, Any], kind: ApiKind | None = None,
 ) -> FeatureUnavailable | None:
     """The refusal of a request routed native for ``reason`` when no instance of ``model``, whatever
-    its state, could ever serve it; None when one could (an unavailable one may come back: the
-    native path's 503) or ``reason`` is not a property of the request (render down, ...)."""
+    its state, could ever serve it (on ``kind``'s own route, as the engines' probes found them);
+    None when one could (an unavailable one may come back: the native path's 503) or ``reason``
+    is not a property of the request (render down, ...)."""
     feature = _FEATURES.get(reason)
     if feature is None:
         return None
     what, param, tokenizer_serves = feature
     if any(i.serves(model) and i.role == "union"
-           and (i.native_openai or (tokenizer_serves and i.tokenizer and i.token_generate))
-           for i in snapshot.instances) or has_native_pd(snapshot, model):
+           and (i.serves_native(kind) or (tokenizer_serves and i.tokenizer and i.token_generate))
+           for i in snapshot.instances) or has_native_pd(snapshot, model, kind):
         # (A prefill/decode pair serving its own OpenAI API runs the native path too.)
         return None
-    unpaired = unpaired_native_pd(snapshot, model)
+    unpaired = unpaired_native_pd(snapshot, model, kind)
     if unpaired:
         # Its P and D engines do serve their own OpenAI API; they just cannot serve it as a pair.
         union = "a union engine that loads a tokenizer or serves its own OpenAI API" if tokenizer_serves else (
@@ -121,6 +122,13 @@ def unservable(
             param=None if reason.startswith("api:") else param or _structured_param(body),
         )
     if reason.startswith("api:"):
+        if any(i.model == model and i.native_openai for i in snapshot.instances):
+            # Engines with their own API, none of which lists this route (an older vLLM).
+            return FeatureUnavailable(
+                f"This server cannot serve {what} for model `{model}`: it needs an engine that serves that "
+                "route of its own OpenAI API with a tokenizer loaded, and no engine of this model does (their "
+                "probed routes lack it); use `/v1/chat/completions` or `/v1/completions`.",
+            )
         return FeatureUnavailable(
             f"This server cannot serve {what} for model `{model}`: it needs an engine that serves its own "
             "OpenAI API, and no engine of this model does (they serve token-only generation); use "

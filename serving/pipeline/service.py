@@ -285,7 +285,7 @@ class ServingPipeline(NativePath):
         self, request_id: str, model: str, tokenized: TokenizedRequest | None, source: str,
         fallback: str | None, *, outcome: str = "ok",
     ) -> None:
-        self.counters.inc(metric_names.RENDER_OUTCOMES, source=source, result=outcome.split(":")[0],
+        self.counters.inc(metric_names.RENDER_OUTCOMES, model=model, source=source, result=outcome.split(":")[0],
                           fallback_reason=fallback or "")
         logger.info(
             "render request_id=%s model=%s result=%s prompts=%d prompt_tokens=%d latency_ms=%.1f "
@@ -343,8 +343,8 @@ class ServingPipeline(NativePath):
             # open_together closed whatever had opened.
             pd_unfit = native_pd_ineligible(kind, body)
             # Pairs' own APIs serve it too, one prompt each (native_path._native_prompts).
-            fleet_native = bool(self._native_routes(tokenized.model, pd_unfit)) or (
-                pd_unfit == "several_prompts" and self._splits(tokenized.model))
+            fleet_native = bool(self._native_routes(tokenized.model, pd_unfit, kind)) or (
+                pd_unfit == "several_prompts" and self._splits(tokenized.model, kind))
             if fleet_native and not self.snapshot.render.obfuscation:
                 return await self._native(
                     kind, body, request_id, "trigger_multi_prompt_stream", phases, tokenized=tokenized
@@ -353,7 +353,8 @@ class ServingPipeline(NativePath):
             # their own; nor with obfuscation on): rather than fail the
             # request, each prompt runs its own Trigger, merged as on Handoff. The fan-out is the
             # one every topology shares; nothing in it is Trigger-specific.
-            self.counters.inc(metric_names.ROUTE_DECISIONS, path="token_only", reason="trigger_per_prompt")
+            self.counters.inc(metric_names.ROUTE_DECISIONS, model=tokenized.model, path="token_only",
+                              reason="trigger_per_prompt")
             logger.info("route request_id=%s kind=%s path=token_only reason=trigger_per_prompt "
                         "result=fanout (no native path)", request_id, kind)
             return await self._open(

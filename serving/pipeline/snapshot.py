@@ -126,6 +126,9 @@ class InstanceView:
     weight: int
     token_capacity: int
     max_model_len: int
+    # What placement may use of the engine: the operator's record less what its capability
+    # probe found missing (fleet.engine_capabilities.engine_flags): token_generate needs the
+    # 0.23 Token-In floor and /inference/v1/generate, native_openai and tokenizer a loaded tokenizer.
     token_generate: bool
     native_openai: bool
     tokenizer: bool
@@ -150,6 +153,9 @@ class InstanceView:
     # The LoRA adapters the engine has loaded, by name (its /v1/models cards with a parent, as the
     # LoRA probe recorded them): it serves each of those models too.
     lora_adapters: frozenset[str] = frozenset()
+    # The request kinds whose own OpenAI route the probe found in the engine's OpenAPI document
+    # (chat, completions, messages, responses); None: not probed, every route taken as served.
+    native_routes: frozenset[str] | None = None
 
     @property
     def takes_new_requests(self) -> bool:
@@ -158,6 +164,10 @@ class InstanceView:
     def serves(self, model: str) -> bool:
         """Whether a request for ``model`` may run here: the engine's own model, or an adapter it holds."""
         return self.model == model or model in self.lora_adapters
+
+    def serves_native(self, kind: str | None = None) -> bool:
+        """Whether the engine serves its own OpenAI API (for request kind ``kind``, when given)."""
+        return self.native_openai and (kind is None or self.native_routes is None or kind in self.native_routes)
 
 
 @dataclass(frozen=True, slots=True)

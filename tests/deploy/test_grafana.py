@@ -139,3 +139,12 @@ def test_the_dashboard_shows_ttft_tpot_and_duration_quantiles_from_their_buckets
     }
     for family in ("motor_engine_ttft_seconds", "motor_engine_tpot_seconds", "motor_request_duration_seconds"):
         assert f"{family}_bucket" in quantiles, family
+
+
+def test_the_dashboard_breaks_request_level_metrics_down_by_served_model(dashboard: dict[str, Any]) -> None:
+    by_model = {series for _, expr in targets(dashboard) if re.search(r"\bby \([^)]*\bmodel\b", expr)
+                for series in METRIC.findall(expr)}
+    assert {"motor_route_decisions_total", "motor_render_outcomes_total", "motor_request_duration_seconds_count",
+            "motor_request_duration_seconds_bucket"} <= by_model
+    [variable] = [v for v in dashboard["templating"]["list"] if v["name"] == "model"]
+    assert "label_values(motor_request_duration_seconds_count, model)" in variable["definition"]

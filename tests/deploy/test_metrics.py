@@ -65,13 +65,13 @@ def test_metrics_serves_the_phase_histograms_of_the_process(client: Client) -> N
     from serving.pipeline.metric_names import PHASE_RENDER
 
     runtime.phase_histograms.clear()
-    runtime.phase_histograms.observe(PHASE_RENDER, 0.004, {"api": "chat", "mode": "json", "source": "render"})
+    runtime.phase_histograms.observe(PHASE_RENDER, 0.004, {"model": "tiny", "api": "chat", "mode": "json", "source": "render"})
     try:
         text = client.get("/metrics").content.decode()
     finally:
         runtime.phase_histograms.clear()
-    series = 'api="chat",mode="json",source="render"'
-    bucket = 'motor_request_render_seconds_bucket{{api="chat",le="{}",mode="json",source="render"}}'
+    series = 'api="chat",mode="json",model="tiny",source="render"'
+    bucket = 'motor_request_render_seconds_bucket{{api="chat",le="{}",mode="json",model="tiny",source="render"}}'
     assert bucket.format("0.0025") + " 0.0" in text
     assert bucket.format("0.005") + " 1.0" in text
     assert bucket.format("+Inf") + " 1.0" in text

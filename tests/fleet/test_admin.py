@@ -262,3 +262,14 @@ def test_scorer_weights_are_edited_in_the_admin(staff_client: Client, served_mod
     refused = staff_client.post(f"/admin/serving/servedmodel/{served_model.id}/change/", {**form, "queue_weight": "-1"})
     assert refused.status_code == 200 and "greater than or equal to 0" in refused.content.decode()
     assert "3 / 0.5 / 0" in staff_client.get("/admin/serving/servedmodel/").content.decode()
+
+
+def test_the_engine_admin_shows_what_its_probe_found_it_serves(staff_client: Client, fleet: list[EngineInstance]) -> None:
+    EngineInstance.objects.filter(id=fleet[0].id).update(cap_native_openai=True, cap_tokenizer=True, capabilities={
+        "version": "0.32.0", "token_in": True, "routes": {"generate": True, "native": ["chat", "completions"]},
+        "tokenizer_loaded": True, "lora": {"enabled": True, "adapters": ["sql-lora"]}})
+    listing = staff_client.get("/admin/fleet/engineinstance/").content.decode()
+    assert "token-only (tokenizer loaded); native chat, completions" in listing
+    assert "not probed yet: the record&#x27;s capabilities stand" in listing  # the others
+    page = staff_client.get(f"/admin/fleet/engineinstance/{fleet[0].id}/change/").content.decode()
+    assert "native chat, completions" in page and "sql-lora" in page and "0.32.0" in page

@@ -61,7 +61,13 @@ def sick_fleet(transactional_db: None, settings: Any) -> list[EngineInstance]:
     other = metrics.MetricsRegistry()
     for _ in range(5):
         other.record_request("union-3", 0.04, 0.006, ok=True)
-    reports.report_write(host="coordinator-b", pid=4242, payload={"series": other.export(), "in_flight": {"union-3": 30}})
+    reports.report_write(host="coordinator-b", pid=4242, payload={
+        "series": other.export(), "in_flight": {"union-3": 30},
+        "route_decisions": [["tiny", "native", "stop_strings", 4], ["tiny", "refused", "api:messages", 1]]})
+    # union-1's capability probe found it tokens-only behind a record that grants the native API.
+    EngineInstance.objects.filter(id=made[0].id).update(cap_native_openai=True, capabilities={
+        "version": "0.32.0", "token_in": True, "routes": {"generate": True, "native": ["chat"]},
+        "tokenizer_loaded": False, "lora": {"enabled": False, "adapters": []}})
     return made
 
 
@@ -106,6 +112,13 @@ def test_it_shows_the_fleet_and_its_plots_in_chromium(sick_fleet: list[EngineIns
         assert union_3.locator('[data-plot="rate"] .num').inner_text().strip() == "5 in the last minute"
         assert union_3.locator('[data-field="in-flight"]').inner_text().strip() == "30"
         assert union_3.locator('[data-plot="ttft"] .num').inner_text().strip() == "40.0 ms"
+        # What each engine serves, and why each model's requests went native (the other replica's counts).
+        capabilities = page.locator('tr[data-instance="union-1"] [data-field="capabilities"]').inner_text()
+        assert "no native: tokens-only (no tokenizer loaded)" in capabilities
+        stop = page.locator('#native-reasons tr[data-model="tiny"][data-reason="stop_strings"]')
+        assert stop.locator('[data-field="native"]').inner_text().strip() == "4"
+        refused = page.locator('#native-reasons tr[data-model="tiny"][data-reason="api:messages"]')
+        assert refused.locator('[data-field="refused"]').inner_text().strip() == "1"
         # Drawn lines, not empty boxes: union-1 has TTFT points, union-2 error points.
         assert page.locator('tr[data-instance="union-1"] [data-plot="ttft"] svg :is(polyline, circle)').count() >= 1
         assert page.locator('tr[data-instance="union-2"] [data-plot="errors"] svg :is(polyline, circle)').count() >= 1

@@ -19,7 +19,7 @@ from fleet.models import EngineInstance
 from serving import runtime, snapshots
 from serving.pipeline import metric_names
 from serving.pipeline.exporter import Families, exposition, scraped
-from serving.pipeline.metric_names import FAMILIES, OPERATOR_LABELS, OTHER, Family
+from serving.pipeline.metric_names import FAMILIES, MODEL_LABEL, OPERATOR_LABELS, OTHER, Family
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.phases import Histograms
 from tests.serving.fakes import ENGINE_URLS, MODEL, FakeUpstreams
@@ -90,6 +90,10 @@ def unknown_label_values(text: str) -> list[str]:
         for label, value in _LABEL.findall(match.group(2)):
             if label in OPERATOR_LABELS or (label == "le" and name.endswith("_bucket")):
                 continue
+            if label == MODEL_LABEL:
+                if value not in (OTHER, MODEL):  # the one served model of this fleet
+                    found.append(f"{name} {label}={value}")
+                continue
             if value != OTHER and value not in family.values[label]:
                 found.append(f"{name} {label}={value}")
     return found
@@ -104,37 +108,47 @@ async def test_it_shows_only_declared_label_values_after_bodies_with_invented_fi
         response = await v1.post("/v1/chat/completions", json=body)
         assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "hi"
 
+    # A model the fleet does not serve is the client's 404, and no series of its name.
+    unknown = await v1.post("/v1/chat/completions", json={"model": "zq-unserved-model", "messages": [
+        {"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert unknown.status_code == 404
     text = (await v1.get("/metrics")).text
-    assert 'motor_route_decisions_total{path="native",reason="local:param"} 2.0' in text
+    assert "zq-unserved-model" not in text
+    assert f'motor_route_decisions_total{{model="{MODEL}",path="native",reason="local:param"}} 2.0' in text
     assert not any(field in text for field in INVENTED)
     assert unknown_label_values(text) == []
 
 
 def test_it_records_a_value_outside_its_labels_set_as_other() -> None:
     counters = RouterCounters()
-    counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason="local:param:zq_invented_field")
-    counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason='a"b\nc')
-    counters.inc(metric_names.ROUTE_DECISIONS, path="native", reason="echo")
+    counters.inc(metric_names.ROUTE_DECISIONS, model="tiny", path="native", reason="local:param:zq_invented_field")
+    counters.inc(metric_names.ROUTE_DECISIONS, model="tiny", path="native", reason='a"b\nc')
+    counters.inc(metric_names.ROUTE_DECISIONS, model="tiny", path="native", reason="echo")
+    counters.inc(metric_names.ROUTE_DECISIONS, model=metric_names.model_label("zq-not-served", {"tiny"}), path="native",
+                 reason="echo")
     assert counters.snapshot() == {
-        ("motor_route_decisions_total", (("path", "native"), ("reason", OTHER))): 2,
-        ("motor_route_decisions_total", (("path", "native"), ("reason", "echo"))): 1,
+        ("motor_route_decisions_total", (("model", "tiny"), ("path", "native"), ("reason", OTHER))): 2,
+        ("motor_route_decisions_total", (("model", "tiny"), ("path", "native"), ("reason", "echo"))): 1,
+        ("motor_route_decisions_total", (("model", OTHER), ("path", "native"), ("reason", "echo"))): 1,
     }
+    assert counters.get(metric_names.ROUTE_DECISIONS, reason="echo") == 2  # summed over the labels not given
 
 
 def test_the_exposition_folds_series_read_at_scrape_time_into_other() -> None:
     relays = scraped(metric_names.STREAM_RELAYS, [
-        ({"reason": "stall", "topology": "zq"}, 1.0), ({"reason": "stall", "topology": "zz"}, 2.0),
+        ({"model": "tiny", "reason": "stall", "topology": "zq"}, 1.0),
+        ({"model": "tiny", "reason": "stall", "topology": "zz"}, 2.0),
     ])
     lines = exposition(Families([relays])).decode().splitlines()
-    assert lines[2:] == ['motor_stream_relays_total{reason="stall",topology="other"} 3.0']
+    assert lines[2:] == ['motor_stream_relays_total{model="tiny",reason="stall",topology="other"} 3.0']
 
 
 def test_a_histogram_records_a_value_outside_its_labels_set_as_other() -> None:
     h = Histograms()
-    h.observe(metric_names.PHASE_RENDER, 0.01, {"api": "zq_invented", "mode": "json", "source": "render"})
-    h.observe(metric_names.PHASE_RENDER, 0.01, {"api": "chat", "mode": "json", "source": "render"})
+    h.observe(metric_names.PHASE_RENDER, 0.01, {"model": "tiny", "api": "zq_invented", "mode": "json", "source": "render"})
+    h.observe(metric_names.PHASE_RENDER, 0.01, {"model": "tiny", "api": "chat", "mode": "json", "source": "render"})
     text = exposition(h.registry).decode()
-    assert 'motor_request_render_seconds_count{api="other",mode="json",source="render"} 1.0' in text
+    assert 'motor_request_render_seconds_count{api="other",mode="json",model="tiny",source="render"} 1.0' in text
     assert "zq_invented" not in text and unknown_label_values(text) == []
 
 
@@ -150,4 +164,6 @@ def test_a_family_with_an_undeclared_label_set_fails_at_import() -> None:
 def test_every_family_bounds_every_label(family: str) -> None:
     f = FAMILIES[family]
     for label in f.labels:
-        assert label in OPERATOR_LABELS or (f.values[label] and OTHER not in f.values[label]), (family, label)
+        # ``model``'s set is the served models of the request's snapshot (metric_names.MODEL_LABEL).
+        assert label in OPERATOR_LABELS or label == MODEL_LABEL or (
+            f.values[label] and OTHER not in f.values[label]), (family, label)

@@ -160,8 +160,8 @@ def test_it_names_every_family_the_prometheus_way() -> None:
 def test_it_refuses_labels_a_family_does_not_declare() -> None:
     counters = RouterCounters()
     with pytest.raises(ValueError, match="takes labels"):
-        counters.inc(ROUTE_DECISIONS, path="native")
-    counters.inc(ROUTE_DECISIONS, path="native", reason="echo")
+        counters.inc(ROUTE_DECISIONS, model="tiny", path="native")
+    counters.inc(ROUTE_DECISIONS, model="tiny", path="native", reason="echo")
     assert counters.get(ROUTE_DECISIONS, path="native", reason="echo") == 1
     assert counters.get("motor_route_decisions_total", path="native", reason="echo") == 1
 

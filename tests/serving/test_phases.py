@@ -44,7 +44,8 @@ def sums(h: Histograms, family: names.Family) -> dict[tuple[tuple[str, str], ...
 
 
 def labels(**kv: str) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted(kv.items()))
+    # A recorder begun without the edge's resolved model (these drive the pipeline directly) says other.
+    return tuple(sorted({"model": names.OTHER, **kv}.items()))
 
 
 # -- the store ---------------------------------------------------------------------------------
@@ -53,9 +54,9 @@ def labels(**kv: str) -> tuple[tuple[str, str], ...]:
 def test_it_counts_cumulative_buckets_with_an_exact_sum_and_count() -> None:
     h = Histograms()
     for seconds in (0.0005, 0.001, 0.2, 31.0):
-        h.observe(names.PHASE_PLACEMENT, seconds, {"api": "chat", "mode": "json", "topology": "union"})
+        h.observe(names.PHASE_PLACEMENT, seconds, {"model": "tiny", "api": "chat", "mode": "json", "topology": "union"})
     samples = h.samples()
-    key = labels(api="chat", mode="json", topology="union")
+    key = labels(api="chat", mode="json", model="tiny", topology="union")
     bucket = {le: samples[(names.PHASE_PLACEMENT.name + "_bucket", (*key, ("le", le)))]
               for le in [repr(b) for b in names.PHASE_PLACEMENT.buckets] + ["+Inf"]}
     assert bucket["0.0005"] == 1.0 and bucket["0.001"] == 2.0  # le is inclusive: 1 ms is in the 1 ms bucket
@@ -72,8 +73,8 @@ def test_it_refuses_labels_the_family_does_not_declare() -> None:
 
 def test_its_text_has_one_header_and_buckets_in_increasing_le() -> None:
     h = Histograms()
-    h.observe(names.PHASE_RENDER, 0.003, {"api": "chat", "mode": "stream", "source": "render"})
-    h.observe(names.PHASE_RENDER, 12.0, {"api": "completions", "mode": "json", "source": "local"})
+    h.observe(names.PHASE_RENDER, 0.003, {"model": "tiny", "api": "chat", "mode": "stream", "source": "render"})
+    h.observe(names.PHASE_RENDER, 12.0, {"model": "tiny", "api": "completions", "mode": "json", "source": "local"})
     lines = exposition(h.registry).decode().splitlines()
     assert lines.count("# TYPE motor_request_render_seconds histogram") == 1
     assert "# TYPE motor_request_duration_seconds histogram" in lines  # declared while idle
@@ -82,7 +83,7 @@ def test_its_text_has_one_header_and_buckets_in_increasing_le() -> None:
     assert [line.split('le="')[1].split('"')[0] for line in chat] == bounds
     five_ms = bounds.index("0.005")  # 3 ms: first in the 5 ms bucket
     assert chat[five_ms - 1].endswith(" 0.0") and chat[five_ms].endswith(" 1.0")
-    assert 'motor_request_render_seconds_count{api="completions",mode="json",source="local"} 1.0' in lines
+    assert 'motor_request_render_seconds_count{api="completions",mode="json",model="tiny",source="local"} 1.0' in lines
 
 
 def test_a_recorder_without_histograms_records_nothing() -> None:

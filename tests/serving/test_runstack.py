@@ -19,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from catalog.models import RenderConfig, RenderSidecar, RenderStreamReport
+from catalog.models import RenderConfig, RenderSidecar, RenderStreamReport, ServedModel
 from catalog.services import render_config_publish, render_streams_report
 from motorsite import stack
 from motorsite.core import read_control_version
@@ -324,5 +324,37 @@ def test_a_pool_is_replaced_one_sidecar_at_a_time(tmp_path: Path) -> None:
         assert not RenderConfig.objects.get().restart_required
         restarter.tick()  # nothing more owed
         assert set(sup.pids) == {"render-2", "render-3"}
+        pids = list(sup.pids.values())
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_an_extra_models_own_sidecar_gets_the_same_graceful_restart(tmp_path: Path) -> None:
+    cfg = stack.StackConfig(
+        model_dir="/nonexistent", render_python=sys.executable, engine_python=sys.executable,
+        render_port=free_port(), log_dir=tmp_path,
+    )
+    first = ServedModel.objects.create(name="tiny", model_path="/m/tiny")
+    second = ServedModel.objects.create(name="tiny-b", model_path="/m/tiny-b")
+    RenderConfig.objects.create(port=cfg.render_port, served_model=first)
+    own_port = free_port()
+    RenderConfig.objects.create(name="tiny-b", port=own_port, served_model=second, renderer_num_workers=4)
+    mcfg = replace(cfg, render_port=own_port, served_model_name="tiny-b")
+    clock = Clock()
+    with Supervisor([fake_sidecar(cfg), replace(fake_sidecar(mcfg), name="render-tiny-b")]) as sup:
+        default = RenderRestarter(sup, cfg, drain_s=30, settle_s=3, clock=clock, spec_for=fake_sidecar)
+        own = RenderRestarter(sup, mcfg, drain_s=30, settle_s=3, clock=clock, spec_for=fake_sidecar, model="tiny-b")
+        old_pid = sup.pids["render-tiny-b"]
+        assert render_config_publish(changes={"renderer_num_workers": 2}, actor="test", name="tiny-b").restart_required
+        default.tick()
+        assert set(sup.pids) == {"render", "render-tiny-b"}  # not the first model's to restart
+        own.tick()
+        assert set(sup.pids) == {"render", "render-tiny-b", "render-tiny-b-2"}  # the replacement serves first
+        config = RenderConfig.objects.get(name="tiny-b")
+        assert config.port != own_port and config.restart_required
+        clock.now += 3.0
+        own.tick()
+        assert set(sup.pids) == {"render", "render-tiny-b-2"} and not alive(old_pid)
+        assert not RenderConfig.objects.get(name="tiny-b").restart_required
+        assert RenderConfig.objects.get(served_model=first).port == cfg.render_port  # untouched
         pids = list(sup.pids.values())
     assert not any(alive(pid) for pid in pids)

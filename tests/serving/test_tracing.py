@@ -96,7 +96,8 @@ async def test_each_phase_of_a_request_is_a_span_under_its_root(
     assert root.resource.attributes["service.instance.id"] == "coordinator-a"
     assert root.resource.attributes["service.name"] == tracing.SERVICE_NAME
     # Its histogram got the same observations: one hook, two records.
-    assert h.samples()[(names.PHASE_RENDER.name + "_count", (("api", "chat"), ("mode", "json"), ("source", "render")))] == 1.0
+    assert h.samples()[(names.PHASE_RENDER.name + "_count",
+                        (("api", "chat"), ("mode", "json"), ("model", names.OTHER), ("source", "render")))] == 1.0
 
 
 def test_a_request_that_failed_ends_its_root_span_with_the_error_once(

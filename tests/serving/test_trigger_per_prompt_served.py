@@ -37,7 +37,7 @@ CONFIG = SimConfig(
     served_model_names=(MODEL,), vocab_size=152_000, eos_token_ids=(2,), special_token_ids=frozenset({0, 1, 2, 3}),
     max_model_len=4096, block_size=16,
 )
-COUNTED = 'motor_route_decisions_total{path="token_only",reason="trigger_per_prompt"}'
+COUNTED = f'motor_route_decisions_total{{model="{MODEL}",path="token_only",reason="trigger_per_prompt"}}'
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ async def test_a_push_pair_serving_its_own_api_takes_the_multi_prompt_stream_nat
         chunks = [json.loads(f) for f in frames[:-1]]
         assert {c["index"] for f in chunks for c in f["choices"]} == {0, 1} and len({f["id"] for f in chunks}) == 1
         text = (await client.get("/metrics")).text
-    assert 'motor_route_decisions_total{path="native",reason="trigger_multi_prompt_stream"} 1.0' in text
+    assert f'motor_route_decisions_total{{model="{MODEL}",path="native",reason="trigger_multi_prompt_stream"}} 1.0' in text
     assert f"{COUNTED} 0.0" in text or COUNTED not in text
     assert trigger_only.delivered == 2
     # Through the engines' own API: D computed no prompt token (P pushed both prompts' KV).

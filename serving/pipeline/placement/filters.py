@@ -61,15 +61,16 @@ def pd_role(pool: Iterable[InstanceView], role: str) -> list[InstanceView]:
     return [i for i in pool if i.role == role and i.token_generate and i.kv_transfer in KV_TRANSFER_MODES]
 
 
-def native_role(pool: Iterable[InstanceView]) -> list[InstanceView]:
-    """Union instances that serve their own OpenAI API."""
-    return [i for i in pool if i.role == "union" and i.native_openai]
+def native_role(pool: Iterable[InstanceView], kind: str | None = None) -> list[InstanceView]:
+    """Union instances that serve their own OpenAI API (its route for request ``kind``, when given:
+    ``InstanceView.serves_native``, what the capability probe found)."""
+    return [i for i in pool if i.role == "union" and i.serves_native(kind)]
 
 
-def native_pd_role(pool: Iterable[InstanceView], role: str) -> list[InstanceView]:
-    """Instances of ``role`` ("prefill" | "decode") that serve their own OpenAI API and transfer
-    KV: the native path's P/D pairs (``topologies/native_pd.py``)."""
-    return [i for i in pool if i.role == role and i.native_openai and i.kv_transfer in KV_TRANSFER_MODES]
+def native_pd_role(pool: Iterable[InstanceView], role: str, kind: str | None = None) -> list[InstanceView]:
+    """Instances of ``role`` ("prefill" | "decode") that serve their own OpenAI API (for ``kind``)
+    and transfer KV: the native path's P/D pairs (``topologies/native_pd.py``)."""
+    return [i for i in pool if i.role == role and i.serves_native(kind) and i.kv_transfer in KV_TRANSFER_MODES]
 
 
 def pairs_with(prefill: InstanceView, decode: InstanceView) -> bool:
@@ -80,21 +81,22 @@ def pairs_with(prefill: InstanceView, decode: InstanceView) -> bool:
     )
 
 
-def has_native_pd(snapshot: FleetSnapshot, model: str) -> bool:
+def has_native_pd(snapshot: FleetSnapshot, model: str, kind: str | None = None) -> bool:
     """Whether ``model`` has a prefill and a decode instance that pair, whatever their state, and
-    could serve the native path together."""
+    could serve the native path (for ``kind``) together."""
     pool = [i for i in snapshot.instances if i.serves(model)]
-    prefills, decodes = native_pd_role(pool, "prefill"), native_pd_role(pool, "decode")
+    prefills, decodes = native_pd_role(pool, "prefill", kind), native_pd_role(pool, "decode", kind)
     return any(pairs_with(p, d) for p in prefills for d in decodes)
 
 
-def unpaired_native_pd(snapshot: FleetSnapshot, model: str) -> str:
-    """Why ``model``'s prefill and decode instances that serve their own OpenAI API form no pair
-    (their transfer modes or connectors differ), or "" when some pair, or there are not both.
+def unpaired_native_pd(snapshot: FleetSnapshot, model: str, kind: str | None = None) -> str:
+    """Why ``model``'s prefill and decode instances that serve their own OpenAI API (for ``kind``)
+    form no pair (their transfer modes or connectors differ), or "" when some pair, or there are
+    not both.
 
     What a refusal says instead of "no engine serves its own OpenAI API", which they do."""
     pool = [i for i in snapshot.instances if i.serves(model)]
-    prefills, decodes = native_pd_role(pool, "prefill"), native_pd_role(pool, "decode")
+    prefills, decodes = native_pd_role(pool, "prefill", kind), native_pd_role(pool, "decode", kind)
     if not prefills or not decodes or any(pairs_with(p, d) for p in prefills for d in decodes):
         return ""
 

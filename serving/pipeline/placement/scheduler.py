@@ -136,10 +136,11 @@ class Scheduler:
         return eligible_instances(snapshot, model, live=self.eligible, exclude=exclude)
 
     def native_candidates(
-        self, snapshot: FleetSnapshot, model: str, *, exclude: Collection[str] = ()
+        self, snapshot: FleetSnapshot, model: str, *, exclude: Collection[str] = (), kind: str | None = None
     ) -> list[InstanceView]:
-        """Eligible native-API instances of ``model``, least loaded (requests per weight) first."""
-        return sorted(native_role(self.pool(snapshot, model, exclude=exclude)),
+        """Eligible native-API instances of ``model`` (that serve ``kind``'s route), least loaded
+        (requests per weight) first."""
+        return sorted(native_role(self.pool(snapshot, model, exclude=exclude), kind),
                       key=lambda i: (self.load.inflight(i.name) / max(i.weight, 1), i.name))
 
     def candidates(

@@ -384,7 +384,8 @@ class EventStream:
         replacements = await open_together([opener(p) for p in plans], self.attempts.guard.engines)
         # Labels from fixed sets only: the failed stream's topology, and whether it stalled.
         reason = "stall" if isinstance(exc.__cause__, TimeoutError) else "failure"
-        self.attempts.counters.inc(metric_names.STREAM_RELAYS, topology=failed.topology, reason=reason)
+        self.attempts.counters.inc(metric_names.STREAM_RELAYS, model=self.tokenized.model, topology=failed.topology,
+                                  reason=reason)
         for plan, replacement in zip(plans, replacements, strict=True):
             replacement.choice = plan.choice
             logger.warning(

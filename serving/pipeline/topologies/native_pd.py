@@ -88,13 +88,14 @@ class NativePair:
 
 def native_pairs(
     snapshot: FleetSnapshot, model: str, *, live: Callable[[InstanceView], bool], load: Callable[[InstanceView], float],
-    exclude: Collection[str] = (),
+    exclude: Collection[str] = (), kind: str | None = None,
 ) -> list[NativePair]:
-    """Eligible pairs of ``model`` (one connector, or a blank one on either side), least loaded first."""
+    """Eligible pairs of ``model`` (one connector, or a blank one on either side) whose engines
+    serve ``kind``'s own route, least loaded first."""
     pool = eligible_instances(snapshot, model, live=live, exclude=exclude)
     pairs = [
         NativePair(p, d)
-        for p in native_pd_role(pool, "prefill") for d in native_pd_role(pool, "decode")
+        for p in native_pd_role(pool, "prefill", kind) for d in native_pd_role(pool, "decode", kind)
         if pairs_with(p, d)
     ]
     # Pull pairs first (the guide's main flow, and no callback to wait for), then the least loaded.

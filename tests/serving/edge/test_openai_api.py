@@ -344,8 +344,10 @@ async def test_it_times_every_answered_request_from_arrival_to_its_last_byte(
     assert (await v1.post("/v1/chat/completions", json={**CHAT, "max_tokens": 0})).status_code == 400  # not timed
     samples = phases.samples()
     for mode in ("json", "stream"):
-        labels = (("api", "chat"), ("mode", mode), ("topology", "union"))
+        # The model label is the served model the edge resolved the request to.
+        labels = (("api", "chat"), ("mode", mode), ("model", CHAT["model"]), ("topology", "union"))
         assert samples[(PHASE_END_TO_END.name + "_sum", labels)] == 0.5
         assert samples[(PHASE_END_TO_END.name + "_count", labels)] == 1.0
-        assert samples[(PHASE_RENDER.name + "_sum", (("api", "chat"), ("mode", mode), ("source", "render")))] == 0.5
+        render_labels = (("api", "chat"), ("mode", mode), ("model", CHAT["model"]), ("source", "render"))
+        assert samples[(PHASE_RENDER.name + "_sum", render_labels)] == 0.5
     assert sum(v for (name, _), v in samples.items() if name == PHASE_END_TO_END.name + "_count") == 2.0

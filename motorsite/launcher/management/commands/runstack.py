@@ -178,7 +178,17 @@ class Command(BaseCommand):
         )
         self.stdout.flush()
         try:
-            code = supervisor.wait(tick=RenderRestarter(supervisor, cfg).tick, tick_interval=1.0)
+            # Every model's sidecar restarts gracefully: the default config's, and each extra model's own.
+            restarters = [RenderRestarter(supervisor, cfg), *(
+                RenderRestarter(supervisor, stack.model_config(cfg, model), model=model.name)
+                for model in cfg.extra_models
+            )]
+
+            def tick() -> None:
+                for restarter in restarters:
+                    restarter.tick()
+
+            code = supervisor.wait(tick=tick, tick_interval=1.0)
         finally:
             try:
                 records.processes_stopped()

@@ -1,0 +1,135 @@
+"""Capability probes of the engines: what each one's vLLM serves, asked of the engine itself.
+
+- version: ``GET /version``; below 0.23 (the RFC's Token-In floor) no token-only request;
+- routes: the engine's OpenAPI document (FastAPI serves it). vLLM leaves the scale-out stubs of
+  a plain ``vllm serve`` out of it (``include_in_schema=False``; they answer 403), so a listed
+  ``/inference/v1/generate`` is one that generates;
+- tokenizer: ``POST /tokenize`` of a short text. A ``--tokens-only`` engine keeps the route but
+  has no tokenizer (``skip_tokenizer_init``) and answers 400; a 404 (the served name is not
+  the engine's) or an unreachable route gives no verdict;
+- LoRA: the adapters ``/v1/models`` lists (cards with a ``parent``), and enabled when it lists
+  any or ``/metrics`` carries ``vllm:lora_requests_info`` (registered only with a LoRA config).
+
+What the answers mean for placement is pure and lives in ``fleet.engine_capabilities``; a
+change is written once (compare-and-set), with a history row, and bumps the control version
+(the snapshot carries it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+from django.db import transaction
+
+from fleet.engine_capabilities import routes_from_openapi, token_in
+from fleet.models import EngineInstance, InstanceEvent
+from fleet.probes import ACTOR, _client
+from motorsite.core import bump_control_version
+
+logger = logging.getLogger(__name__)
+
+
+def _json(client: httpx.Client, url: str) -> Any:
+    response = client.get(url)
+    response.raise_for_status()
+    return response.json()
+
+
+def _tokenizer_loaded(client: httpx.Client, base: str, served_name: str) -> bool | None:
+    try:
+        response = client.post(base + "/tokenize", json={"model": served_name, "prompt": "hi"})
+    except httpx.HTTPError:
+        return None
+    if response.status_code == 200:
+        return True
+    # vLLM's renderer: "Tokenizer not available when `skip_tokenizer_init=True`" (400).
+    if response.status_code in (400, 500) and "tokenizer" in response.text.lower():
+        return False
+    return None
+
+
+def _lora(client: httpx.Client, base: str, models: Any) -> dict[str, Any]:
+    cards = models.get("data") if isinstance(models, dict) else None
+    adapters = sorted(
+        str(c.get("id")) for c in cards or () if isinstance(c, dict) and c.get("parent") and c.get("id")
+    )
+    enabled = bool(adapters)
+    if not enabled:
+        try:
+            metrics = client.get(base + "/metrics")
+            enabled = metrics.status_code == 200 and "vllm:lora_requests_info" in metrics.text
+        except httpx.HTTPError:
+            pass
+    return {"enabled": enabled, "adapters": adapters}
+
+
+def engine_capabilities(client: httpx.Client, base_url: str, served_name: str) -> dict[str, Any]:
+    """What the engine at ``base_url`` reports it can do (raises ``httpx.HTTPError``, ``ValueError``
+    when it gives no version: an engine that cannot say that is not probed at all)."""
+    base = base_url.rstrip("/")
+    answer = _json(client, base + "/version")
+    version = str((answer or {}).get("version") or "") if isinstance(answer, dict) else ""
+    caps: dict[str, Any] = {"version": version, "token_in": token_in(version)}
+    try:
+        paths = set((_json(client, base + "/openapi.json") or {}).get("paths") or {})
+    except (httpx.HTTPError, ValueError, AttributeError):
+        caps["routes"] = None  # unknown: the version floor alone decides
+    else:
+        caps["routes"] = routes_from_openapi(paths)
+        caps["token_in"] = caps["token_in"] and caps["routes"]["generate"]
+    caps["tokenizer_loaded"] = _tokenizer_loaded(client, base, served_name)
+    try:
+        models = _json(client, base + "/v1/models")
+    except (httpx.HTTPError, ValueError):
+        models = None
+    caps["lora"] = _lora(client, base, models)
+    return caps
+
+
+def probe_engine_capabilities(*, client: httpx.Client | None = None) -> dict[str, dict[str, Any] | None]:
+    """Probe every engine not disabled; return name -> what it recorded (None: no answer)."""
+    found: dict[str, dict[str, Any] | None] = {}
+    with _client(client) as c:
+        engines = EngineInstance.objects.select_related("served_model").exclude(state=EngineInstance.State.DISABLED)
+        for instance in engines.order_by("id"):
+            try:
+                caps = engine_capabilities(c, instance.url, instance.served_model.name)
+            except (httpx.HTTPError, ValueError) as exc:
+                # Keep the last record: an engine that is down is the health probe's to judge.
+                logger.info("instance %s: capability probe failed: %s: %s", instance.name, type(exc).__name__, exc)
+                found[instance.name] = None
+                continue
+            record_capabilities(instance, caps)
+            found[instance.name] = caps
+    return found
+
+
+def _summary(caps: dict[str, Any]) -> str:
+    routes = caps.get("routes")
+    route_text = "routes unknown" if not isinstance(routes, dict) else (
+        ("generate, " if routes.get("generate") else "no generate, ")
+        + ("native " + "/".join(routes.get("native") or []) if routes.get("native") else "no native API")
+    )
+    tokenizer = {True: "tokenizer loaded", False: "tokens-only", None: "tokenizer unknown"}[caps.get("tokenizer_loaded")]
+    return f"vLLM {caps.get('version') or '?'}: {route_text}; {tokenizer}"
+
+
+def record_capabilities(instance: EngineInstance, caps: dict[str, Any]) -> bool:
+    """Write ``caps`` if they changed since the row was read; True if this call wrote them."""
+    with transaction.atomic():
+        old = EngineInstance.objects.filter(id=instance.id).values_list("capabilities", flat=True).first()
+        if old is None or old == caps:
+            return False
+        # Compare-and-set on the record read: of two probes racing, the first writes the history row.
+        if not EngineInstance.objects.filter(id=instance.id, capabilities=old).update(capabilities=caps):
+            return False
+        InstanceEvent.objects.create(
+            instance=instance, kind="capabilities", old=str((old or {}).get("version") or "")[:30],
+            new=str(caps.get("version") or "")[:30], actor=ACTOR, reason=_summary(caps)[:500],
+        )
+        bump_control_version()  # placement reads them from the snapshot
+    instance.capabilities = caps
+    logger.info("instance %s: capabilities %s", instance.name, _summary(caps))
+    return True
