@@ -72,10 +72,14 @@ def dumps(payload: Any) -> bytes:
         return stdlib_json.dumps(payload, default=_array_list, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _array_list(value: Any) -> list[Any]:
+def _array_list(value: Any) -> Any:
     # A prompt's ids are kept as ``array("i")`` (render/tokenization.py): sent as a JSON list.
     if isinstance(value, array):
         return value.tolist()
+    # JSON kept as it came (a derender's stream_state, derender/payload.py): orjson writes it in as
+    # it is; the standard library needs it parsed.
+    if isinstance(value, orjson.Fragment):
+        return loads(value.contents)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
@@ -234,7 +238,9 @@ class Http11Client:
         connect_s, read_s = self._timeouts(timeout)
         body = None if json is None else dumps(json)
         origin, conn, _ = await self._exchange(method, url, body, headers, connect_s, read_s, None)
-        del body  # sent: not held for the life of the stream
+        # Sent: neither the body nor the payload it was made of is held for the life of the stream
+        # (a generate request is a few KiB parsed; issue 31's 64 KiB a silent stream).
+        del body, json
         try:
             reply = StreamReply(conn, read_s, max_bytes=self._max_reply)
             yield reply

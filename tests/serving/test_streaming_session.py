@@ -55,6 +55,9 @@ class FakeRender:
             state["output_token_ids"] = (stream_state or {}).get("output_token_ids", []) + list(c["token_ids"])
         return chunk, state
 
+    def kept(self, state: dict[str, Any] | None) -> dict[str, Any] | None:
+        return state
+
 
 def event(token: int, index: int = 0, finish: str | None = None) -> dict[str, Any]:
     return {"request_id": "g", "choices": [{"index": index, "token_ids": [token], "finish_reason": finish}]}
