@@ -24,7 +24,13 @@ from typing import Any, Protocol
 
 from serving.pipeline import metric_names
 from serving.pipeline.derender.coalesce import each_event
-from serving.pipeline.derender.payload import StreamState, proves_plain_path, reads_request, request_unread, slim_request
+from serving.pipeline.derender.payload import (
+    StreamState,
+    proves_plain_path,
+    reads_request,
+    request_unread,
+    slim_request,
+)
 from serving.pipeline.errors import DerenderError
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import EventBatches, TokenKind
