@@ -65,21 +65,28 @@ Origin = tuple[str, str, int]  # scheme, host, port
 
 def dumps(payload: Any) -> bytes:
     """JSON bytes of a request body: orjson, or the standard library for what orjson refuses
-    (integers past 64 bits)."""
+    (integers past 64 bits). A ``bytes`` value in ``payload`` is JSON already, written in as it is
+    (a derender's kept ``stream_state``, derender/payload.py)."""
     try:
-        return orjson.dumps(payload, default=_array_list, option=orjson.OPT_NON_STR_KEYS)
+        return orjson.dumps(payload, default=_orjson_default, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:
-        return stdlib_json.dumps(payload, default=_array_list, separators=(",", ":"), ensure_ascii=False).encode()
+        return stdlib_json.dumps(payload, default=_stdlib_default, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _array_list(value: Any) -> Any:
+def _orjson_default(value: Any) -> Any:
     # A prompt's ids are kept as ``array("i")`` (render/tokenization.py): sent as a JSON list.
     if isinstance(value, array):
         return value.tolist()
-    # JSON kept as it came (a derender's stream_state, derender/payload.py): orjson writes it in as
-    # it is; the standard library needs it parsed.
-    if isinstance(value, orjson.Fragment):
-        return loads(value.contents)
+    if isinstance(value, bytes):
+        return orjson.Fragment(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _stdlib_default(value: Any) -> Any:
+    if isinstance(value, array):
+        return value.tolist()
+    if isinstance(value, bytes):
+        return loads(value)  # the standard library has no way to write JSON in as it is
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 

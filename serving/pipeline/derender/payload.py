@@ -22,24 +22,22 @@ sidecar then skips validating a ``ChatCompletionRequest`` per token, 13-22 % of 
 spaced call (``bench/derender_cost.py``).
 
 Between two calls the sidecar's ``stream_state`` is kept as the JSON it goes back as
-(``packed_state``), not as the parsed dict: a detokenizer window of a few dozen ids and offsets
-weighs about 1.7 KiB parsed and a third of that as JSON, kept per choice for the whole stream
-(``bench/slow_reader.py``). It is serialized once either way: on arrival instead of in the next
-call's body, where ``orjson.Fragment`` goes in as it is.
+(``packed_state``: ``bytes``), not as the parsed dict: a detokenizer window of a few dozen ids and
+offsets weighs about 1.7 KiB parsed and a third of that as JSON, kept per choice for the whole
+stream (``bench/slow_reader.py``). It is serialized once either way: on arrival instead of in the
+next call's body, which ``http11.dumps`` writes it into as it is.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-from serving.pipeline.http11 import dumps
+from serving.pipeline.http11 import dumps, loads
 from serving.pipeline.protocol import TokenKind
 
 # What a streaming derender call is given back of the previous one's: the sidecar's state as its
 # JSON (``packed_state``), the coordinator's own derender's as the dict it made, None at first.
-StreamState = dict[str, Any] | orjson.Fragment | None
+StreamState = dict[str, Any] | bytes | None
 
 # The parser path's replay buffer in ``DerenderStreamState``; empty on the plain path.
 REPLAY_BUFFER = "output_token_ids"
@@ -98,13 +96,13 @@ def packed_state(state: StreamState) -> StreamState:
     # Copied out: the bytes orjson returns keep its whole output buffer (8 KiB for a few hundred
     # bytes of JSON, in the heap and in RSS alike), fine for a body written at once, not for
     # what a stream keeps.
-    return orjson.Fragment(bytes(memoryview(dumps(state))))
+    return bytes(memoryview(dumps(state)))
 
 
 def unpacked_state(state: StreamState) -> dict[str, Any] | None:
     """``state`` parsed (for a derender that reads it, or a caller that packed it earlier)."""
-    if isinstance(state, orjson.Fragment):
-        parsed: dict[str, Any] = orjson.loads(state.contents)
+    if isinstance(state, bytes):
+        parsed: dict[str, Any] = loads(state)
         return parsed
     return state
 
