@@ -65,17 +65,28 @@ Origin = tuple[str, str, int]  # scheme, host, port
 
 def dumps(payload: Any) -> bytes:
     """JSON bytes of a request body: orjson, or the standard library for what orjson refuses
-    (integers past 64 bits)."""
+    (integers past 64 bits). A ``bytes`` value in ``payload`` is JSON already, written in as it is
+    (a derender's kept ``stream_state``, derender/payload.py)."""
     try:
-        return orjson.dumps(payload, default=_array_list, option=orjson.OPT_NON_STR_KEYS)
+        return orjson.dumps(payload, default=_orjson_default, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:
-        return stdlib_json.dumps(payload, default=_array_list, separators=(",", ":"), ensure_ascii=False).encode()
+        return stdlib_json.dumps(payload, default=_stdlib_default, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _array_list(value: Any) -> list[Any]:
+def _orjson_default(value: Any) -> Any:
     # A prompt's ids are kept as ``array("i")`` (render/tokenization.py): sent as a JSON list.
     if isinstance(value, array):
         return value.tolist()
+    if isinstance(value, bytes):
+        return orjson.Fragment(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _stdlib_default(value: Any) -> Any:
+    if isinstance(value, array):
+        return value.tolist()
+    if isinstance(value, bytes):
+        return loads(value)  # the standard library has no way to write JSON in as it is
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
@@ -234,7 +245,9 @@ class Http11Client:
         connect_s, read_s = self._timeouts(timeout)
         body = None if json is None else dumps(json)
         origin, conn, _ = await self._exchange(method, url, body, headers, connect_s, read_s, None)
-        del body  # sent: not held for the life of the stream
+        # Sent: neither the body nor the payload it was made of is held for the life of the stream
+        # (a generate request is a few KiB parsed; issue 31's 64 KiB a silent stream).
+        del body, json
         try:
             reply = StreamReply(conn, read_s, max_bytes=self._max_reply)
             yield reply

@@ -104,7 +104,7 @@ class Connection(asyncio.BufferedProtocol):
     __slots__ = (
         "loop", "transport", "lost", "idle_since", "_waiter", "_paused", "_pause_timer", "_read_limit",
         "on_complete", "body_limit", "status", "headers", "head_done", "complete", "keep_alive", "pieces",
-        "buffered", "_body_bytes", "_framing", "_interim", "_until_close", "_parser",
+        "buffered", "_body_bytes", "_framing", "_interim", "_until_close", "_parser", "_whole",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -138,6 +138,7 @@ class Connection(asyncio.BufferedProtocol):
         self._framing = 0  # bytes fed since the last body byte (or since the head ended)
         self._interim = False  # the answer being parsed is a 1xx, to be skipped
         self._until_close = False  # the body ends when the server closes (no length, not chunked)
+        self._whole = False  # its reader takes all that arrived at once (``read_piece``'s ``whole``)
 
     # -- asyncio.BufferedProtocol
 
@@ -169,6 +170,11 @@ class Connection(asyncio.BufferedProtocol):
             cause = exc.__context__ if isinstance(exc.__context__, Malformed) else exc
             self._fail(httpx.RemoteProtocolError(f"malformed response: {cause}"))
             return
+        if self._paused and self._whole and len(self.pieces) > 1:
+            # Its reader is behind and will take them joined anyway: held as one piece meanwhile,
+            # not a bytes object per chunk (33 bytes each and the allocator's rounding, a dozen
+            # per paused stream). Done here, once per pause: the socket reads no more until then.
+            self.pieces = [b"".join(self.pieces)]
         self._wake()
 
     def eof_received(self) -> bool | None:
@@ -329,6 +335,7 @@ class Connection(asyncio.BufferedProtocol):
         while it was busy derendering, and merges them. A reader that takes events one by one
         reads chunk by chunk instead, so what it holds parsed is one chunk's events.
         """
+        self._whole = whole
         while True:
             if self.pieces:
                 pieces = self.pieces

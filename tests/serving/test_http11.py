@@ -386,3 +386,51 @@ async def test_a_kept_alive_connection_the_server_closed_while_idle_is_replaced_
     assert [json.loads(r.body)["n"] for r in srv.requests] == [0, 1, 2]
     assert srv.connections == 3
     await client.aclose()
+
+
+class Payload(dict[str, Any]):
+    """A request payload a test can hold a weak reference to (a plain dict takes none)."""
+
+
+async def test_a_stream_does_not_hold_its_request_payload_once_it_was_written(server: Any) -> None:
+    # A stream whose client reads nothing lasts as long as the client is silent; the generate
+    # request it was opened with (a few KiB parsed) is no use to it after the write.
+    import gc
+    import weakref
+
+    payload = Payload(prompt=list(range(100)))
+    gone = weakref.ref(payload)
+    client = Http11Client()
+    async with client.stream("POST", (await server(sse_reply)).url, json=payload) as reply:
+        del payload
+        gc.collect()
+        assert gone() is None
+        assert [e async for b in iter_event_batches(reply.aiter_raw()) for e in b] == [{"i": i} for i in range(3)]
+    await client.aclose()
+
+
+async def test_a_paused_whole_read_stream_holds_what_it_buffered_as_one_piece(server: Any) -> None:
+    # A coalescing reader takes all that arrived at once anyway: while its socket is paused the
+    # connection keeps one bytes object, not one per chunk (a dozen per held-back stream).
+    events = 600
+
+    async def many(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(events):
+            writer.write(chunk(b'data: {"i": %d}\n\n' % i))
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    client = Http11Client()
+    async with client.stream("POST", (await server(many)).url, json={}) as reply:
+        reply.whole_reads = True
+        conn = reply._conn
+        batches = iter_event_batches(reply.aiter_raw())
+        got = list(await anext(batches))
+        while not conn._paused:
+            await asyncio.sleep(0.01)
+        assert len(conn.pieces) == 1 and conn.buffered == len(conn.pieces[0])
+        async for batch in batches:
+            got.extend(batch)
+        assert got == [{"i": i} for i in range(events)]
+    await client.aclose()

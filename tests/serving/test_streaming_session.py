@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import sys
 from typing import Any, AsyncIterator
 
 import pytest
 
-from serving.pipeline.derender.payload import slim_request
+from serving.pipeline import http11
+from serving.pipeline.derender.payload import packed_state, slim_request, unpacked_state
 from serving.pipeline.derender.session import ChoicePhase, PendingChunk, StreamingRenderSession, StreamSettings
 from serving.pipeline.errors import DerenderError, UpstreamRequestError
 from serving.pipeline.render.client import DerenderRetryable
@@ -42,6 +45,7 @@ class FakeRender:
         if not choices:
             return {"choices": [], "usage": dict(event["usage"])}, stream_state
         c = choices[0]
+        stream_state = unpacked_state(stream_state)  # as the sidecar reads the JSON it is sent
         seen = (stream_state or {}).get("chunks", 0)
         delta: dict[str, Any] = {"content": "".join(f"<{t}>" for t in c["token_ids"])}
         if seen == 0:
@@ -54,6 +58,9 @@ class FakeRender:
         if self.replay_buffer:
             state["output_token_ids"] = (stream_state or {}).get("output_token_ids", []) + list(c["token_ids"])
         return chunk, state
+
+    def kept(self, state: dict[str, Any] | None) -> dict[str, Any] | None:
+        return state
 
 
 def event(token: int, index: int = 0, finish: str | None = None) -> dict[str, Any]:
@@ -301,3 +308,41 @@ async def test_a_plain_path_call_goes_without_the_request_only_where_derender_re
     # allowed; the slim request where the event has logprobs or finishes its choice. The usage
     # event has no choice, so no state: it goes whole, as a first call.
     assert render.requests == [body, None if bare else slim, slim, slim, body]
+
+
+async def test_it_keeps_committed_ids_at_two_bytes_while_they_fit_and_widens_for_larger_ones() -> None:
+    s = session(FakeRender())
+    wide = [5, 70_000, 2**40]
+    chunks = s.chunks(events(event(7), event(8), *(event(t) for t in wide), event(9, finish="length")))
+    async for _ in chunks:
+        if len(s.choice(0).output_ids) == 2:
+            assert s.choice(0).output_ids.itemsize == 2  # a relay ledger of 2 bytes an id
+    ids = s.choice(0).output_ids
+    assert list(ids) == [7, 8, *wide, 9] and ids.itemsize == 8 and s.committed_ids == [7, 8, *wide, 9]
+
+
+def test_a_packed_stream_state_goes_back_byte_for_byte_and_keeps_only_its_json() -> None:
+    state = {"prefix_offset": 3, "read_offset": 5, "tokens": list(range(40)), "text": "é\u2028x", "none": None}
+    packed = packed_state(state)
+    assert isinstance(packed, bytes) and unpacked_state(packed) == state
+    # orjson's own bytes keep its 8 KiB output buffer; what a held-back stream keeps is the JSON.
+    assert sys.getsizeof(packed) < len(packed) + 64
+    body = {"stream": True, "generate_chunk": event(7), "stream_state": state, "prompt_tokens": 4}
+    assert http11.dumps({**body, "stream_state": packed}) == http11.dumps(body)
+    # The standard library's fallback (an integer past 64 bits elsewhere in the body) too.
+    huge = {**body, "seed": 2**70}
+    assert json.loads(http11.dumps({**huge, "stream_state": packed})) == json.loads(http11.dumps(huge))
+    assert packed_state(None) is None and unpacked_state(None) is None
+
+
+async def test_a_sidecar_state_is_kept_packed_and_handed_back_to_the_next_call() -> None:
+    render = FakeRender()
+    render.kept = packed_state  # type: ignore[method-assign]  # as RenderClient keeps it
+    s = session(render)
+    async for _ in s.chunks(events(event(7), event(8), event(9, finish="length"))):
+        pass
+    states = [c[1] for c in render.calls]
+    assert states[0] is None and all(isinstance(st, bytes) for st in states[1:])
+    assert [unpacked_state(st) for st in states[1:]] == [{"chunks": 1}, {"chunks": 2}]
+    # The plain path was still proven from the answer (no prompt ids after the first call).
+    assert [c[2] for c in render.calls] == [PROMPT, None, None]

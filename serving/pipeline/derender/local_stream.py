@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from serving.pipeline.derender.payload import StreamState, unpacked_state
 from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.local_tokenizer import LocalTokenizerUnavailable, local_tokenizer
 from serving.pipeline.snapshot import ModelView, RenderView
@@ -147,6 +148,10 @@ class LocalStreamDerenderer:
             return ids, stop_reason
         return ids[:-1], stop_reason
 
+    def kept(self, state: dict[str, Any] | None) -> StreamState:
+        """Its state is read on the next call: kept as the dict it is."""
+        return state
+
     # -- the chunk -------------------------------------------------------------------------------
 
     async def derender_chunk(
@@ -154,7 +159,7 @@ class LocalStreamDerenderer:
         kind: TokenKind,
         generate_chunk: dict[str, Any],
         *,
-        stream_state: dict[str, Any] | None,
+        stream_state: StreamState,
         prompt_tokens: int,
         prompt_token_ids: Sequence[int] | None,
         request: dict[str, Any] | None,
@@ -162,6 +167,8 @@ class LocalStreamDerenderer:
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """``RenderClient.derender_chunk``'s answer, made here (a plain path only: ``qualifies``)."""
         self.calls += 1
+        # Its own states come back as its dicts (``kept``); a packed one only from a sidecar's.
+        stream_state = unpacked_state(stream_state)
         choices = generate_chunk.get("choices") or []
         if len(choices) > 1:
             raise ValueError("derender expects at most one choice per chunk")

@@ -20,13 +20,24 @@ at derender's own defaults (what it assumes when no request is sent), a call who
 finishes nor carries logprobs goes without one (``request_unread``, ``reads_request``): the
 sidecar then skips validating a ``ChatCompletionRequest`` per token, 13-22 % of its CPU per
 spaced call (``bench/derender_cost.py``).
+
+Between two calls the sidecar's ``stream_state`` is kept as the JSON it goes back as
+(``packed_state``: ``bytes``), not as the parsed dict: a detokenizer window of a few dozen ids and
+offsets weighs about 1.7 KiB parsed and a third of that as JSON, kept per choice for the whole
+stream (``bench/slow_reader.py``). It is serialized once either way: on arrival instead of in the
+next call's body, which ``http11.dumps`` writes it into as it is.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from serving.pipeline.http11 import dumps, loads
 from serving.pipeline.protocol import TokenKind
+
+# What a streaming derender call is given back of the previous one's: the sidecar's state as its
+# JSON (``packed_state``), the coordinator's own derender's as the dict it made, None at first.
+StreamState = dict[str, Any] | bytes | None
 
 # The parser path's replay buffer in ``DerenderStreamState``; empty on the plain path.
 REPLAY_BUFFER = "output_token_ids"
@@ -78,6 +89,24 @@ def reads_request(event: dict[str, Any]) -> bool:
     return choice.get("finish_reason") is not None or choice.get("logprobs") is not None
 
 
-def proves_plain_path(token_ids: tuple[int, ...], next_state: dict[str, Any] | None) -> bool:
+def packed_state(state: StreamState) -> StreamState:
+    """``state`` as the JSON the next call's body carries, ready to go in whole."""
+    if not isinstance(state, dict):
+        return state
+    # Copied out: the bytes orjson returns keep its whole output buffer (8 KiB for a few hundred
+    # bytes of JSON, in the heap and in RSS alike), fine for a body written at once, not for
+    # what a stream keeps.
+    return bytes(memoryview(dumps(state)))
+
+
+def unpacked_state(state: StreamState) -> dict[str, Any] | None:
+    """``state`` parsed (for a derender that reads it, or a caller that packed it earlier)."""
+    if isinstance(state, bytes):
+        parsed: dict[str, Any] = loads(state)
+        return parsed
+    return state
+
+
+def proves_plain_path(token_ids: tuple[int, ...], next_state: StreamState) -> bool:
     """Whether a call that derendered ``token_ids`` and returned ``next_state`` ran the plain path."""
     return bool(token_ids) and isinstance(next_state, dict) and not next_state.get(REPLAY_BUFFER)

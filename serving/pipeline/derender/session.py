@@ -24,7 +24,13 @@ from typing import Any, Protocol
 
 from serving.pipeline import metric_names
 from serving.pipeline.derender.coalesce import each_event
-from serving.pipeline.derender.payload import proves_plain_path, reads_request, request_unread, slim_request
+from serving.pipeline.derender.payload import (
+    StreamState,
+    proves_plain_path,
+    reads_request,
+    request_unread,
+    slim_request,
+)
 from serving.pipeline.errors import DerenderError
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import EventBatches, TokenKind
@@ -56,24 +62,30 @@ class ChoicePhase(enum.Enum):
     CANCELLED = "cancelled"  # the client left, or a sibling's failure ended the request
 
 
+# The next wider array of ids: unsigned 16 bits, then signed 32 and 64 (a negative id or one past
+# 2**63 is no token: ``OverflowError`` from the last).
+_WIDER = {"H": "i", "i": "q"}
+
+
 @dataclass
 class ChoiceRecord:
     """Committed state of one choice: only what the client has been handed."""
 
     index: int
     phase: ChoicePhase = ChoicePhase.PENDING
-    stream_state: dict[str, Any] | None = None
-    # Committed semantic output ids, kept for a relay's replay: 4 bytes an id instead of a list's
-    # pointer plus an int object (40 bytes), which was most of a long stream's own state. No
-    # vocabulary nears 2**31; an id past it widens the array (``commit``) rather than fail.
-    output_ids: array[int] = field(default_factory=lambda: array("i"))
+    stream_state: StreamState = None  # as the derenderer keeps it (``ChunkDerender.kept``)
+    # Committed semantic output ids, kept for a relay's replay: 2 bytes an id while every id fits
+    # (a vocabulary under 65,536), else 4, instead of a list's pointer plus an int object (40
+    # bytes), which was most of a long stream's own state. An id that does not fit widens the
+    # array (``commit``: "H", then "i", then "q") rather than fail.
+    output_ids: array[int] = field(default_factory=lambda: array("H"))
     visible: bool = False  # a chunk of this choice was handed to the client
     finish_reason: str | None = None
     # Derendered but not handed on yet (held back for stop strings): the next derender goes on
     # from the last of them (``tip_state``); a failed attempt drops them (``drop_uncommitted``).
     held: int = 0
     held_tokens: int = 0
-    tip_state: dict[str, Any] | None = None
+    tip_state: StreamState = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +94,7 @@ class AttemptSnapshot:
 
     attempt: int
     instance: str
-    choices: tuple[tuple[int, ChoicePhase, dict[str, Any] | None, int, bool, str | None], ...]
+    choices: tuple[tuple[int, ChoicePhase, StreamState, int, bool, str | None], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +103,7 @@ class PendingChunk:
 
     chunk: dict[str, Any]
     index: int | None  # the choice, or None for a usage-only event
-    next_state: dict[str, Any] | None
+    next_state: StreamState
     token_ids: tuple[int, ...]
     finish_reason: str | None
 
@@ -118,9 +130,14 @@ class ChunkDerender(Protocol):
     timeout_s: float
 
     async def derender_chunk(
-        self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: dict[str, Any] | None,
+        self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: StreamState,
         prompt_tokens: int, prompt_token_ids: Sequence[int] | None, request: dict[str, Any] | None, model: str | None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]: ...
+
+    def kept(self, state: dict[str, Any] | None) -> StreamState:
+        """``state`` (a call's answer) as the session keeps it until it hands it to the next call:
+        the sidecar's client packs it as JSON (``derender/payload.py``), the coordinator's own
+        derender keeps its dict."""
 
 
 class _NoHoldback:
@@ -242,12 +259,16 @@ class StreamingRenderSession:
         record.stream_state = pending.next_state
         ids = record.output_ids
         count = len(ids)
-        try:
-            ids.extend(pending.token_ids)
-        except OverflowError:  # an id past 32 bits (extend kept the ones before it)
-            del ids[count:]
-            record.output_ids = ids = array("q", ids)
-            ids.extend(pending.token_ids)
+        while True:
+            try:
+                ids.extend(pending.token_ids)
+                break
+            except OverflowError:  # an id the array cannot hold (extend kept the ones before it)
+                del ids[count:]
+                wider = _WIDER.get(ids.typecode)
+                if wider is None:
+                    raise
+                record.output_ids = ids = array(wider, ids)
         if record.held:
             record.held -= 1
             record.held_tokens -= len(pending.token_ids)
@@ -313,7 +334,7 @@ class StreamingRenderSession:
         chunk["id"] = self.public_id
         self._account(chunk, len(token_ids))
         self._own_prompt_ids(chunk, index)
-        return PendingChunk(chunk, index, next_state, token_ids, finish)
+        return PendingChunk(chunk, index, self.render.kept(next_state), token_ids, finish)
 
     def _own_prompt_ids(self, chunk: dict[str, Any], index: int | None) -> None:
         """``prompt_token_ids`` (``return_token_ids``) are the original prompt's, and only until the

@@ -173,6 +173,9 @@ class EngineClient:
             async with self._client.stream(
                 "POST", instance.url + GENERATE, json=request, headers=request_headers(request)
             ) as response:
+                # Written: this frame stays suspended while the stream lasts, and must not keep
+                # the request (a few KiB parsed) for it.
+                del request
                 if response.status_code != 200:
                     raw = await response.aread()
                     try:

@@ -16,6 +16,7 @@ import httpx
 import msgspec
 
 from serving.pipeline import tracing
+from serving.pipeline.derender.payload import StreamState, packed_state
 from serving.pipeline.errors import DerenderError, RenderUnavailable, UpstreamRequestError
 from serving.pipeline.http11 import Http11Client, Reply
 from serving.pipeline.protocol import ApiKind, GenerateRequest, TokenKind
@@ -225,7 +226,7 @@ class RenderClient:
         kind: TokenKind,
         generate_chunk: dict[str, Any],
         *,
-        stream_state: dict[str, Any] | None,
+        stream_state: StreamState,
         prompt_tokens: int,
         prompt_token_ids: Sequence[int] | None,
         request: dict[str, Any] | None,
@@ -253,6 +254,9 @@ class RenderClient:
         if not isinstance(chunk, dict):
             raise DerenderError("derender answered without a chunk")
         return chunk, out.get("stream_state")
+
+    # The state goes back to the sidecar as it came: kept as its JSON between calls.
+    kept = staticmethod(packed_state)
 
     async def health(self) -> bool:
         try:

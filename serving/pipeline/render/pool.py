@@ -31,6 +31,7 @@ from typing import Any, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 import httpx
 
+from serving.pipeline.derender.payload import StreamState, packed_state
 from serving.pipeline.errors import DerenderError, RenderUnavailable
 from serving.pipeline.http11 import Http11Client
 from serving.pipeline.protocol import ApiKind, TokenKind
@@ -207,12 +208,15 @@ class RenderPool(RenderClient):
             generate_responses, prompt_token_ids=prompt_token_ids, completion_request=completion_request, model=model))
 
     async def derender_chunk(
-        self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: dict[str, Any] | None,
+        self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: StreamState,
         prompt_tokens: int, prompt_token_ids: Sequence[int] | None, request: dict[str, Any] | None, model: str | None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         return await self._derender(STREAMING_DERENDER, kind, lambda c: c.derender_chunk(
             kind, generate_chunk, stream_state=stream_state, prompt_tokens=prompt_tokens,
             prompt_token_ids=prompt_token_ids, request=request, model=model))
+
+    # As each member's client keeps it: any member takes the state back (render keeps no session).
+    kept = staticmethod(packed_state)
 
     async def health(self) -> bool:
         """True when any member answers its health route."""
