@@ -27,7 +27,7 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterator, Sequence, TypeVar
+from typing import Any, AsyncContextManager, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 import httpx
 
@@ -36,6 +36,7 @@ from serving.pipeline.http11 import Http11Client
 from serving.pipeline.protocol import ApiKind, TokenKind
 from serving.pipeline.render.client import DerenderRetryable, RenderClient
 from serving.pipeline.render.tokenization import RenderHealth
+from serving.pipeline.render.window import Windows
 from serving.pipeline.snapshot import RenderMember, RenderView
 
 T = TypeVar("T")
@@ -52,6 +53,8 @@ class PoolState:
     clock: Callable[[], float] = time.monotonic
     outstanding: Counter[str] = field(default_factory=Counter)
     health: dict[str, RenderHealth] = field(default_factory=dict)
+    # Streaming derender calls in flight per pool (render/window.py): the rest wait here, not in a sidecar.
+    windows: Windows = field(default_factory=Windows)
 
     def health_of(self, base_url: str) -> RenderHealth:
         key = base_url.rstrip("/")
@@ -124,6 +127,10 @@ class RenderPool(RenderClient):
     def pick(self, need: str, kind: str | None = None) -> RenderMember | None:
         found = self.candidates(need, kind)
         return found[0] if found else None
+
+    def chunk_slot(self) -> AsyncContextManager[None]:
+        """A turn in the pool's window of streaming derender calls (render/window.py)."""
+        return self.state.windows.of(self.base_urls).slot()
 
     async def _on(self, member: RenderMember, call: Callable[[RenderClient], Awaitable[T]]) -> T:
         self.state.outstanding[member.base_url] += 1
