@@ -236,7 +236,7 @@ def main() -> int:
     render_url = f"http://{stack.HOST}:{cfg.render_port}"
     with contextlib.ExitStack() as exits:
         engines = [replace(e, argv=[*e.argv, "--tpot-ms", str(args.tpot_ms)]) for e in stack.engine_specs(cfg)]
-        tiers = Supervisor([stack.render_spec(cfg), *engines])
+        tiers = Supervisor([replace(stack.render_spec(cfg), ready_timeout=300.0), *engines])  # a loaded shared machine
         exits.enter_context(tiers)
         stack.prepare_database(cfg)
         specs = [stack.coordinator_spec(cfg)]
@@ -256,7 +256,7 @@ def main() -> int:
             base_cfg = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{tmp / 'base.sqlite3'}")
             specs.append(coordinator_from(baseline_tree(args.baseline, tmp, exits), base_cfg, "coordinator-base"))
             urls["base"] = base_cfg.coordinator_url
-        coords = Supervisor(specs)
+        coords = Supervisor([replace(s, ready_timeout=180.0) for s in specs])
         exits.enter_context(coords)
         pids = {"now": coords.pids["coordinator"]}
         if args.baseline:
