@@ -106,6 +106,7 @@ class RenderPool(RenderClient):
         self.state = state or PoolState()
         self._clients = {m.base_url: RenderClient(client, m.base_url, view.timeout_s) for m in self.members}
         self.health_view = PoolHealth(self)
+        self._sidecars = self.base_urls  # the window's key, taken once: one call per streamed chunk
 
     @property
     def base_urls(self) -> tuple[str, ...]:
@@ -130,7 +131,7 @@ class RenderPool(RenderClient):
 
     def chunk_slot(self) -> AsyncContextManager[None]:
         """A turn in the pool's window of streaming derender calls (render/window.py)."""
-        return self.state.windows.of(self.base_urls).slot()
+        return self.state.windows.of(self._sidecars).slot()
 
     async def _on(self, member: RenderMember, call: Callable[[RenderClient], Awaitable[T]]) -> T:
         self.state.outstanding[member.base_url] += 1

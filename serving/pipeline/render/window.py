@@ -22,7 +22,6 @@ import asyncio
 import collections
 import contextlib
 import weakref
-from typing import AsyncIterator
 
 # Calls in flight per sidecar of a pool. One sidecar answered 300-550 streaming derender calls a
 # second on the 2-core machines (bench/RESULTS.md, the knee), so 16 queued in it are tens of
@@ -43,18 +42,21 @@ class Window:
     def waiting(self) -> int:
         return sum(1 for w in self._waiters if not w.done())
 
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self._acquire()
-        try:
-            yield
-        finally:
-            self._release()
+    def slot(self) -> Window:
+        """``async with window.slot():`` holds one of its places (the window is its own context
+        manager: no generator per call, which a call per chunk would pay for)."""
+        return self
 
-    async def _acquire(self) -> None:
+    async def __aenter__(self) -> None:
         if self.held < self.size and not self._waiters:
             self.held += 1
             return
+        await self._acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._release()
+
+    async def _acquire(self) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
@@ -83,10 +85,18 @@ class Windows:
         self.per_sidecar = per_sidecar
         self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, ...], Window]] = (
             weakref.WeakKeyDictionary())
+        # The last loop asked about and its windows: one loop in production, so one lookup per call.
+        self._last: tuple[asyncio.AbstractEventLoop, dict[tuple[str, ...], Window]] | None = None
 
     def of(self, sidecars: tuple[str, ...]) -> Window:
         """The window of a pool of ``sidecars`` (base URLs) on the running loop: ``per_sidecar`` calls each."""
-        windows = self._by_loop.setdefault(asyncio.get_running_loop(), {})
+        loop = asyncio.get_running_loop()
+        last = self._last
+        if last is not None and last[0] is loop:
+            windows = last[1]
+        else:
+            windows = self._by_loop.setdefault(loop, {})
+            self._last = (loop, windows)
         found = windows.get(sidecars)
         if found is None:
             found = windows[sidecars] = Window(self.per_sidecar * len(sidecars))
