@@ -487,7 +487,8 @@ def main() -> int:
     notes: list[str] = []
     pd = ""
     try:
-        with Supervisor([stack.render_spec(cfg)]) as render:
+        # vLLM's import alone took over the default 120 s on a loaded shared machine.
+        with Supervisor([replace(stack.render_spec(cfg), ready_timeout=300.0)]) as render:
             render_pid = render.pids["render"]
             load_before = loadavg()
             union = union_phase(args, cfg, tmp, render_pid, notes)
