@@ -318,7 +318,7 @@ def main() -> int:
     render = ProcessSpec(
         name="render", argv=argv, env=env, log_path=tmp / "render.log", ports=[(stack.HOST, cfg.render_port)],
         ready_post=tiers.render_ready_request(cfg.served_model_name),
-        ready_base_url=f"http://{stack.HOST}:{cfg.render_port}", ready_timeout=120.0,
+        ready_base_url=f"http://{stack.HOST}:{cfg.render_port}", ready_timeout=300.0,
     )
     (engine,) = stack.engine_specs(cfg)
     engine = replace(engine, argv=[*engine.argv, "--tpot-ms", str(args.tpot_ms)])
@@ -341,7 +341,9 @@ def main() -> int:
         tier_sup = exits.enter_context(Supervisor([render, engine]))
         coordinator_pids = {}
         for mode, c in modes:
-            coordinator_pids[mode] = exits.enter_context(Supervisor([stack.coordinator_spec(c)])).pids["coordinator"]
+            # Django's start takes over the default 30 s on a loaded shared machine.
+            spec = replace(stack.coordinator_spec(c), ready_timeout=180.0)
+            coordinator_pids[mode] = exits.enter_context(Supervisor([spec])).pids["coordinator"]
         render_pgid = tier_sup.pids.get("render")
         generate_url = f"{cfg.engine_urls[0]}/inference/v1/generate"
         for streams in levels:

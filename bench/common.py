@@ -14,12 +14,14 @@ import platform
 import re
 import shlex
 import shutil
+import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from motorsite import stack
-from motorsite.supervisor import free_port
+from motorsite.supervisor import ProcessSpec, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -222,3 +224,27 @@ def write_section(heading: str, text: str, *, intro: str | None = None, path: Pa
     else:
         new = current.rstrip("\n") + "\n\n" + text
     path.write_text(new.rstrip("\n") + "\n", encoding="utf-8")
+
+
+def baseline_tree(rev: str, tmp: Path, exits: contextlib.ExitStack) -> Path:
+    """A checkout of ``rev`` (a detached git worktree under ``tmp``), removed when ``exits`` closes."""
+    tree = tmp / "baseline"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+    exits.callback(subprocess.run, ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    return tree
+
+
+def coordinator_from(tree: Path, cfg: stack.StackConfig, name: str) -> ProcessSpec:
+    """``cfg``'s coordinator, run from another checkout after that checkout migrated its database
+    and wrote its demo fleet (``cfg``'s sidecar and union engines)."""
+    env = {**os.environ, **stack.coordinator_env(cfg), "PYTHONPATH": str(tree)}
+    manage = [cfg.app_python, str(tree / "manage.py")]
+    subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], check=True, env=env, cwd=tree)
+    subprocess.run(
+        [*manage, "demo_fleet", "--model-dir", cfg.model_dir, "--served-model-name", cfg.served_model_name,
+         "--max-model-len", str(cfg.max_model_len), "--render-port", str(cfg.render_port), "--engine-kind", cfg.engines,
+         *[a for url in cfg.engine_urls for a in ("--engine", url)]],
+        check=True, env=env, cwd=tree,
+    )
+    spec = stack.coordinator_spec(cfg)
+    return replace(spec, name=name, cwd=tree, env={**spec.env, "PYTHONPATH": str(tree)})

@@ -38,8 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +51,16 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import bench_stack, loadavg, percentile, publish, section_head, tree_cpu_seconds  # noqa: E402
+from bench.common import (  # noqa: E402
+    baseline_tree,
+    bench_stack,
+    coordinator_from,
+    loadavg,
+    percentile,
+    publish,
+    section_head,
+    tree_cpu_seconds,
+)
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, free_port  # noqa: E402
 from serving.pipeline.derender.coalesce import coalesced  # noqa: E402
@@ -168,28 +175,6 @@ def report(results: dict[tuple[str, str], Samples], paths: list[str], baseline: 
     return "\n".join(lines)
 
 
-def _baseline_tree(rev: str, tmp: Path, exits: contextlib.ExitStack) -> Path:
-    tree = tmp / "baseline"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
-    exits.callback(subprocess.run, ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
-    return tree
-
-
-def _coordinator_from(tree: Path, cfg: stack.StackConfig, name: str) -> stack.ProcessSpec:
-    """``cfg``'s coordinator, run from another checkout after that checkout migrated its database."""
-    env = {**os.environ, **stack.coordinator_env(cfg), "PYTHONPATH": str(tree)}
-    manage = [cfg.app_python, str(tree / "manage.py")]
-    subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], check=True, env=env, cwd=tree)
-    subprocess.run(
-        [*manage, "demo_fleet", "--model-dir", cfg.model_dir, "--served-model-name", cfg.served_model_name,
-         "--max-model-len", str(cfg.max_model_len), "--render-port", str(cfg.render_port), "--engine-kind", "sim",
-         *[a for url in cfg.engine_urls for a in ("--engine", url)]],
-        check=True, env=env, cwd=tree,
-    )
-    spec = stack.coordinator_spec(cfg)
-    return replace(spec, name=name, cwd=tree, env={**spec.env, "PYTHONPATH": str(tree)})
-
-
 async def measure(args: argparse.Namespace, urls: dict[str, str], pids: dict[str, int], render_url: str, engine: str,
                   render_pid: int) -> dict[tuple[str, str], Samples]:
     paths = list(urls)
@@ -251,7 +236,7 @@ def main() -> int:
     render_url = f"http://{stack.HOST}:{cfg.render_port}"
     with contextlib.ExitStack() as exits:
         engines = [replace(e, argv=[*e.argv, "--tpot-ms", str(args.tpot_ms)]) for e in stack.engine_specs(cfg)]
-        tiers = Supervisor([stack.render_spec(cfg), *engines])
+        tiers = Supervisor([replace(stack.render_spec(cfg), ready_timeout=300.0), *engines])  # a loaded shared machine
         exits.enter_context(tiers)
         stack.prepare_database(cfg)
         specs = [stack.coordinator_spec(cfg)]
@@ -269,9 +254,9 @@ def main() -> int:
             urls["uvicorn-asyncio"] = ua_cfg.coordinator_url
         if args.baseline:
             base_cfg = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{tmp / 'base.sqlite3'}")
-            specs.append(_coordinator_from(_baseline_tree(args.baseline, tmp, exits), base_cfg, "coordinator-base"))
+            specs.append(coordinator_from(baseline_tree(args.baseline, tmp, exits), base_cfg, "coordinator-base"))
             urls["base"] = base_cfg.coordinator_url
-        coords = Supervisor(specs)
+        coords = Supervisor([replace(s, ready_timeout=180.0) for s in specs])
         exits.enter_context(coords)
         pids = {"now": coords.pids["coordinator"]}
         if args.baseline:

@@ -29,6 +29,7 @@ PEER_LABELS = {
     "litellm": "LiteLLM proxy",
     "motorsite": "motorsite",
     "motorsite-uvicorn": "motorsite (uvicorn)",
+    "motorsite-base": "motorsite at the baseline commit",
     "pd-floor": "client legs (floor)",
     "pd-motorsite": "motorsite Handoff",
 }

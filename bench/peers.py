@@ -11,7 +11,9 @@ litellm sglang-router vllm-router smg``, done here when missing):
     smg        SMG, the SGLang gateway's successor (``smg launch --backend vllm ... --policy round_robin``)
     litellm    LiteLLM's proxy (``litellm --config``, one worker, ``hosted_vllm/`` provider)
     motorsite  the coordinator at this checkout (render -> generate -> derender), under Daphne
-               as ``make run`` serves it; ``--uvicorn`` adds it under uvicorn beside it
+               as ``make run`` serves it; ``--uvicorn`` adds it under uvicorn beside it;
+               ``--baseline REV`` adds the coordinator of a checkout of REV (its own database)
+               beside it, on the same sidecar and engine, in the same rounds
 
 Chat, streaming and JSON, at each concurrency of ``--concurrency`` (1, 4, 16), in interleaved
 rounds: every round runs every cell (mode, concurrency) on every path, the paths' order rotated
@@ -30,7 +32,8 @@ and a real decode engine (NixlConnector over UCX on loopback) start, and two pat
 and SGLang's gateway is tried once in P/D mode (``--pd-disaggregation``) against the same pair.
 
     python3 -m toolchain exec bench/peers.py [--requests 24] [--rounds 3] [--concurrency 1,4,16]
-                                             [--max-tokens 32] [--no-pd] [--uvicorn] [--write]
+                                             [--max-tokens 32] [--no-pd] [--uvicorn] [--baseline REV]
+                                             [--write]
 
 ``--write`` replaces this benchmark's section of ``bench/RESULTS.md``. Reports numbers only;
 nothing here asserts on timings, and no test runs it.
@@ -57,7 +60,17 @@ sys.path.insert(0, str(ROOT))
 
 import toolchain  # noqa: E402
 from bench import phase_split  # noqa: E402
-from bench.common import bench_stack, loadavg, percentile, publish, section_head, tidy, tree_cpu_seconds  # noqa: E402
+from bench.common import (  # noqa: E402
+    baseline_tree,
+    bench_stack,
+    coordinator_from,
+    loadavg,
+    percentile,
+    publish,
+    section_head,
+    tidy,
+    tree_cpu_seconds,
+)
 from bench.first_path import API_KEY, TIMEOUT, Sample, chat_body, one_chat, one_generate, render_bodies  # noqa: E402
 from bench.peer_procs import LITELLM_KEY, PEER_LABELS, pd_probe, peer_specs, scale_out_pd_specs, versions  # noqa: E402
 from bench.phase_split import PhaseSplit, scrape  # noqa: E402
@@ -72,7 +85,7 @@ MODES = ("stream", "json")
 # of them, so no path's prompts are longer than another's.
 TAGS = {
     "direct": "a", "sglang": "b", "litellm": "c", "motorsite": "d", "motorsite-uvicorn": "e", "pd-floor": "c",
-    "pd-motorsite": "f", "vllm-router": "g", "smg": "h",
+    "pd-motorsite": "f", "vllm-router": "g", "smg": "h", "motorsite-base": "i",
 }
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -340,17 +353,26 @@ def _concurrency(text: str) -> list[int]:
 def with_motorsite(
     exits: contextlib.ExitStack, cfg: stack.StackConfig, key: str, paths: list[Route],
     args: argparse.Namespace, render_pid: int, offset: int, notes: list[str], *, uvicorn: bool = False,
+    baseline: Path | None = None,
 ) -> dict[tuple[str, str, int], Cell]:
     """Start a coordinator for ``cfg``'s fleet, add it to ``paths`` as ``key``, and run every cell;
-    ``uvicorn``: a second one beside it under uvicorn (``MOTOR_SERVER=uvicorn``) as ``key-uvicorn``."""
+    ``uvicorn``: a second one beside it under uvicorn (``MOTOR_SERVER=uvicorn``) as ``key-uvicorn``;
+    ``baseline``: one from that checkout (its own database) as ``key-base``."""
     stack.prepare_database(cfg)
-    for name, server in [(key, "daphne"), *([(f"{key}-uvicorn", "uvicorn")] if uvicorn else [])]:
+    names = [(key, "daphne"), *([(f"{key}-uvicorn", "uvicorn")] if uvicorn else []),
+             *([(f"{key}-base", "daphne")] if baseline else [])]
+    for name, server in names:
         print(f"starting {PEER_LABELS[name]} ...", flush=True)
         # A port picked only now: one picked before the engines started may since be theirs (vLLM
         # and NIXL bind ephemeral ports of their own).
         one = replace(cfg, coordinator_port=free_port(), server=server)
-        spec = replace(stack.coordinator_spec(one), name=name, log_path=one.log_dir / f"{name}.log")
-        sup = Supervisor([spec])
+        if name.endswith("-base") and baseline is not None:
+            one = replace(one, database_url=f"sqlite:///{one.log_dir.parent / 'base.sqlite3'}")
+            spec = replace(coordinator_from(baseline, one, name), log_path=one.log_dir / f"{name}.log")
+        else:
+            spec = replace(stack.coordinator_spec(one), name=name, log_path=one.log_dir / f"{name}.log")
+        # Django's start takes over the default 30 s on a loaded shared machine.
+        sup = Supervisor([replace(spec, ready_timeout=180.0)])
         exits.enter_context(sup)
         paths.append(chat_path(
             name, one.coordinator_url, args, AUTH, cpu_roots=(sup.pids[name],), sidecar=True,
@@ -384,7 +406,11 @@ def union_phase(args: argparse.Namespace, cfg: stack.StackConfig, tmp: Path, ren
             headers = {"Authorization": f"Bearer {LITELLM_KEY}"} if key == "litellm" else {}
             base = f"http://{stack.HOST}:{spec.ports[0][1]}"
             paths.append(chat_path(key, base, args, headers, cpu_roots=(sup.pids[key],)))
-        cells = with_motorsite(exits, cfg, "motorsite", paths, args, render_pid, 0, notes, uvicorn=args.uvicorn)
+        baseline = baseline_tree(args.baseline, tmp, exits) if args.baseline else None
+        if args.baseline:
+            notes.append(f"{PEER_LABELS['motorsite-base']}: {args.baseline}")
+        cells = with_motorsite(exits, cfg, "motorsite", paths, args, render_pid, 0, notes, uvicorn=args.uvicorn,
+                               baseline=baseline)
         notes.append(
             f"union part: the render sidecar idles at {sidecar_idle(cells, paths)} (measured while the other paths ran); "
             "motorsite's sidecar column includes that rate over its own runs"
@@ -440,6 +466,7 @@ def main() -> int:
     parser.add_argument(
         "--uvicorn", action="store_true", help="also motorsite under uvicorn (MOTOR_SERVER=uvicorn) in the union part",
     )
+    parser.add_argument("--baseline", help="a git revision whose coordinator runs beside this tree's (union part)")
     parser.add_argument("--write", action="store_true", help="write the section into bench/RESULTS.md")
     parser.add_argument("--keep-logs", action="store_true", help="keep the temp log directory")
     args = parser.parse_args()
@@ -460,7 +487,8 @@ def main() -> int:
     notes: list[str] = []
     pd = ""
     try:
-        with Supervisor([stack.render_spec(cfg)]) as render:
+        # vLLM's import alone took over the default 120 s on a loaded shared machine.
+        with Supervisor([replace(stack.render_spec(cfg), ready_timeout=300.0)]) as render:
             render_pid = render.pids["render"]
             load_before = loadavg()
             union = union_phase(args, cfg, tmp, render_pid, notes)

@@ -8,6 +8,10 @@ front of both engines, each from its own environment:
     motorsite       the coordinator at this checkout under Daphne, as ``make run`` serves it, the
                     render config's defaults (coalescing on, ``stream_interval`` 1, ``stream_interval_ms`` 0)
     motorsite-<ms>ms  the same with ``RenderConfig.stream_interval_ms`` set (``--interval-ms``, default 50)
+    motorsite-pool2 the defaults with a render pool of two sidecars (``MOTOR_RENDER_POOL_SIZE=2``: a second
+                    sidecar, started with the first, is a member of this coordinator's render config only)
+    motorsite-local the defaults with ``RenderConfig.local_stream_detokenize`` on (plain streams
+                    derendered in the coordinator)
     sglang          sglang-router over both engines (``--policy``, default ``cache_aware``)
     vllm-router     vLLM's router over both engines (the same policy)
     smg             SMG, the SGLang gateway's successor, ``--backend vllm`` over both engines (the same policy)
@@ -69,6 +73,9 @@ SECTION = "## bench/serve_bench.py"
 SCRIPT = "bench/serve_bench.py"
 API_KEY = "sk-bench-serve-" + os.urandom(6).hex()
 ROUTERS = ("sglang", "vllm-router", "smg")
+# motorsite beside its defaults with what landed for issue 32: a render pool of two sidecars, and
+# the plain streams derendered in the coordinator.
+VARIANTS = {"motorsite-pool2": "motorsite, render pool of 2", "motorsite-local": "motorsite, local_stream_detokenize"}
 WORKLOADS = ("prefix", "random")
 APIS = {"completions": ("openai", "/v1/completions"), "chat": ("openai-chat", "/v1/chat/completions")}
 
@@ -108,7 +115,7 @@ def parser() -> argparse.ArgumentParser:
 
 def all_paths(args: argparse.Namespace) -> list[str]:
     """Every path this run measures, in the order of the tables (``--paths`` keeps a subset)."""
-    keys = ["direct", "motorsite", *(f"motorsite-{ms}ms" for ms in args.interval_ms), *ROUTERS]
+    keys = ["direct", "motorsite", *(f"motorsite-{ms}ms" for ms in args.interval_ms), *VARIANTS, *ROUTERS]
     if args.paths is None:
         return keys
     unknown = [k for k in args.paths if k not in keys]
@@ -117,7 +124,14 @@ def all_paths(args: argparse.Namespace) -> list[str]:
     return [k for k in keys if k in args.paths]
 
 
+def interval_of(key: str) -> int:
+    """The ``stream_interval_ms`` of a ``motorsite-<ms>ms`` path (0 for every other path)."""
+    return int(key[len("motorsite-"):-2]) if key.startswith("motorsite-") and key.endswith("ms") else 0
+
+
 def label(key: str) -> str:
+    if key in VARIANTS:
+        return VARIANTS[key]
     if key.startswith("motorsite-"):
         return f"motorsite, stream_interval_ms {key.split('-', 1)[1][:-2]}"
     return {**PEER_LABELS, "motorsite": "motorsite (make run defaults)"}.get(key, key)
@@ -166,7 +180,7 @@ class Run:
 class Fleet:
     """The processes every path shares: the render sidecar's pid, the engines' pids and URLs, the model."""
 
-    sidecar: int
+    sidecars: tuple[int, ...]  # the render pool's sidecars (the second only with the pool path)
     engines: tuple[int, ...]
     engine_urls: list[str]
     model_dir: str
@@ -312,15 +326,19 @@ def ratio_lines(results: dict[tuple[str, str, int], dict[str, Cell]]) -> list[st
 # --------------------------------------------------------------------------- the stack
 
 
-def motorsite_config(cfg: stack.StackConfig, tmp: Path, name: str, interval_ms: int) -> stack.StackConfig:
-    """A coordinator of its own (database, port, logs) over ``cfg``'s fleet; ``interval_ms`` 0 leaves the defaults."""
+def motorsite_config(cfg: stack.StackConfig, tmp: Path, name: str, interval_ms: int, *,
+                     member_ports: tuple[int, ...] = (), local: bool = False) -> stack.StackConfig:
+    """A coordinator of its own (database, port, logs) over ``cfg``'s fleet; ``interval_ms`` 0 leaves the defaults,
+    ``member_ports`` are more sidecars of its render pool, ``local`` turns ``local_stream_detokenize`` on."""
     db = tmp / f"{name}.sqlite3"
-    one = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{db}", log_dir=cfg.log_dir / name)
+    one = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{db}", log_dir=cfg.log_dir / name,
+                  render_member_ports=member_ports)
     one.log_dir.mkdir(parents=True, exist_ok=True)
     stack.prepare_database(one)
-    if interval_ms:
+    if interval_ms or local:
         with sqlite3.connect(db) as conn:
-            conn.execute("UPDATE serving_renderconfig SET stream_interval_ms = ?", (interval_ms,))
+            conn.execute("UPDATE serving_renderconfig SET stream_interval_ms = ?, local_stream_detokenize = ?",
+                         (interval_ms, local))
     return one
 
 
@@ -377,7 +395,7 @@ def measure(args: argparse.Namespace, urls: dict[str, str], roots: dict[str, tup
 
 def _rounds(args: argparse.Namespace, results: dict[tuple[str, str, int], dict[str, Cell]], urls: dict[str, str],
             roots: dict[str, tuple[int, ...]], fleet: Fleet, tmp: Path, client: Client, seed: int) -> None:
-    sidecar, engines = fleet.sidecar, fleet.engines
+    sidecars, engines = fleet.sidecars, fleet.engines
     keys = list(urls)
     for rnd in range(args.rounds):
         for (workload, api, conc), cells in results.items():
@@ -389,7 +407,7 @@ def _rounds(args: argparse.Namespace, results: dict[tuple[str, str, int], dict[s
                 argv = client_argv(args, urls[key], workload, api, conc, seed, result, fleet.model_dir)
                 counts = engine_counts(fleet)
                 phases0 = phase_totals(urls[key]) if key.startswith("motorsite") else {}
-                before = {"proxy": tree_cpu_seconds(*roots[key]), "sidecar": tree_cpu_seconds(sidecar),
+                before = {"proxy": tree_cpu_seconds(*roots[key]), "sidecar": tree_cpu_seconds(*sidecars),
                           "engines": tree_cpu_seconds(*engines)}
                 load = loadavg()
                 print(f"round {rnd + 1}/{args.rounds} {workload} {api} c={conc} {key} (load {load}) ...", flush=True)
@@ -401,7 +419,7 @@ def _rounds(args: argparse.Namespace, results: dict[tuple[str, str, int], dict[s
                     client = Client(tmp / "logs" / "client.log")
                     continue
                 spent = {"proxy": tree_cpu_seconds(*roots[key]) - before["proxy"],
-                         "sidecar": tree_cpu_seconds(sidecar) - before["sidecar"],
+                         "sidecar": tree_cpu_seconds(*sidecars) - before["sidecar"],
                          "engines": tree_cpu_seconds(*engines) - before["engines"], "client": client_cpu}
                 if not roots[key]:
                     del spent["proxy"]
@@ -436,8 +454,13 @@ def main() -> int:
     try:
         with contextlib.ExitStack() as exits:
             print("starting the render sidecar and two vLLM engines ...", flush=True)
-            tiers = exits.enter_context(Supervisor([stack.render_spec(cfg), *stack.engine_specs(cfg)]))
-            sidecar = tiers.pids["render"]
+            members = (free_port(),) if "motorsite-pool2" in keys else ()
+            # Readiness bounds for a loaded shared machine (vLLM's and Django's imports alone can take minutes).
+            sidecar_specs = [replace(s, ready_timeout=max(s.ready_timeout, 300.0))
+                             for s in stack.render_specs(replace(cfg, render_member_ports=members))]
+            engine_specs = [replace(s, ready_timeout=max(s.ready_timeout, 600.0)) for s in stack.engine_specs(cfg)]
+            tiers = exits.enter_context(Supervisor([*sidecar_specs, *engine_specs]))
+            sidecars = tuple(tiers.pids[s.name] for s in sidecar_specs)
             engines = tuple(pid for name, pid in tiers.pids.items() if name.startswith("engine-"))
             urls: dict[str, str] = {}
             roots: dict[str, tuple[int, ...]] = {}
@@ -446,10 +469,11 @@ def main() -> int:
             for key in keys:
                 if not key.startswith("motorsite"):
                     continue
-                ms = int(key.split("-", 1)[1][:-2]) if "-" in key else 0
-                one = motorsite_config(cfg, tmp, key, ms)
+                one = motorsite_config(cfg, tmp, key, interval_of(key),
+                                       member_ports=members if key == "motorsite-pool2" else (),
+                                       local=key == "motorsite-local")
                 print(f"starting {label(key)} ...", flush=True)
-                spec = replace(stack.coordinator_spec(one), name=key, log_path=log_dir / f"{key}.log")
+                spec = replace(stack.coordinator_spec(one), name=key, log_path=log_dir / f"{key}.log", ready_timeout=180.0)
                 sup = exits.enter_context(Supervisor([spec]))
                 urls[key], roots[key] = one.coordinator_url, (sup.pids[key],)
             for key, spec in router_specs(cfg.engine_urls, log_dir, args.policy):
@@ -459,7 +483,7 @@ def main() -> int:
                 sup = exits.enter_context(Supervisor([spec]))
                 urls[key], roots[key] = f"http://{stack.HOST}:{spec.ports[0][1]}", (sup.pids[key],)
             urls = {k: urls[k] for k in keys}
-            results = measure(args, urls, roots, Fleet(sidecar, engines, cfg.engine_urls, cfg.model_dir), tmp)
+            results = measure(args, urls, roots, Fleet(sidecars, engines, cfg.engine_urls, cfg.model_dir), tmp)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

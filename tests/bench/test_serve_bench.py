@@ -7,7 +7,19 @@ from typing import Any
 
 import pytest
 
-from bench.serve_bench import Cell, Run, all_paths, best_router, client_argv, finished, goals, parser, round_ratios
+from bench.serve_bench import (
+    Cell,
+    Run,
+    all_paths,
+    best_router,
+    client_argv,
+    finished,
+    goals,
+    interval_of,
+    label,
+    parser,
+    round_ratios,
+)
 
 
 def run(rps: float, ttfts: list[float], latencies: list[float], lens: list[int], errors: list[str] | None = None,
@@ -23,7 +35,16 @@ def run(rps: float, ttfts: list[float], latencies: list[float], lens: list[int],
 def test_defaults_measure_the_issue_s_cells_on_every_path() -> None:
     args = parser().parse_args([])
     assert (args.workloads, args.apis, args.concurrency) == (["prefix"], ["completions"], [4, 16])
-    assert all_paths(args) == ["direct", "motorsite", "motorsite-50ms", "sglang", "vllm-router", "smg"]
+    assert all_paths(args) == ["direct", "motorsite", "motorsite-50ms", "motorsite-pool2", "motorsite-local", "sglang",
+                               "vllm-router", "smg"]
+
+
+def test_the_motorsite_variants_are_named_and_only_interval_paths_carry_an_interval() -> None:
+    assert [interval_of(k) for k in ("motorsite", "motorsite-25ms", "motorsite-pool2", "motorsite-local", "smg")] == [
+        0, 25, 0, 0, 0]
+    assert label("motorsite-pool2") == "motorsite, render pool of 2"
+    assert label("motorsite-local") == "motorsite, local_stream_detokenize"
+    assert label("motorsite-25ms") == "motorsite, stream_interval_ms 25"
 
 
 def test_paths_and_intervals_from_the_command_line() -> None:

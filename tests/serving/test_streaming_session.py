@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import sys
@@ -29,6 +30,9 @@ class FakeRender:
         self.replay_buffer = False  # answer like the parser path: the state carries every output id
         self.hang = False
         self.timeout_s = 1.0  # RenderClient.timeout_s: the render config's timeout_ms, one bound per chunk
+
+    def chunk_slot(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
 
     async def derender_chunk(self, kind: str, event: dict[str, Any], *, stream_state: Any, prompt_tokens: int,
                              prompt_token_ids: list[int] | None, request: dict[str, Any] | None,

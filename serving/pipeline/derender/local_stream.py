@@ -27,11 +27,12 @@ for byte, over generated id sequences; that test is what allows the option.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncContextManager
 
 from serving.pipeline.derender.payload import StreamState, unpacked_state
 from serving.pipeline.protocol import TokenKind
@@ -153,6 +154,10 @@ class LocalStreamDerenderer:
         return state
 
     # -- the chunk -------------------------------------------------------------------------------
+
+    def chunk_slot(self) -> AsyncContextManager[None]:
+        """No window: nothing is sent anywhere (render/window.py is for sidecars)."""
+        return contextlib.nullcontext()
 
     async def derender_chunk(
         self,

@@ -20,7 +20,7 @@ import logging
 from array import array
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, AsyncContextManager, Protocol
 
 from serving.pipeline import metric_names
 from serving.pipeline.derender.coalesce import each_event
@@ -128,6 +128,10 @@ class ChunkDerender(Protocol):
     coordinator's own plain-path derender (derender/local_stream.py, ``local_stream_detokenize``)."""
 
     timeout_s: float
+
+    def chunk_slot(self) -> AsyncContextManager[None]:
+        """Held around each chunk's derender, outside its deadline (render/window.py)."""
+        ...
 
     async def derender_chunk(
         self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: StreamState,
@@ -301,7 +305,9 @@ class StreamingRenderSession:
         budget = self.render.timeout_s
         first, start = self.derender_calls == 0, self.phases.now()
         try:
-            async with asyncio.timeout(budget):
+            # The turn first, then the deadline: a call waiting for the pool's window (its events
+            # coalescing meanwhile) is not yet a derender call, and its wait is not the sidecar's.
+            async with self.render.chunk_slot(), asyncio.timeout(budget):
                 delay = RETRY_DELAY_MIN_S
                 for attempt in range(tries):
                     self.derender_calls += 1

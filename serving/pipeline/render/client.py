@@ -9,8 +9,9 @@ render errors about the request go back to the client, an unusable render raises
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import Any, Sequence
+from typing import Any, AsyncContextManager, Sequence
 
 import httpx
 import msgspec
@@ -220,6 +221,11 @@ class RenderClient:
                 "completion_request": completion_request,
             },
         )
+
+    def chunk_slot(self) -> AsyncContextManager[None]:
+        """Held around a streaming chunk's derender, outside its deadline: a single client waits for
+        nothing; ``RenderPool`` queues past its window (render/window.py)."""
+        return contextlib.nullcontext()
 
     async def derender_chunk(
         self,

@@ -27,7 +27,7 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterator, Sequence, TypeVar
+from typing import Any, AsyncContextManager, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 import httpx
 
@@ -37,6 +37,7 @@ from serving.pipeline.http11 import Http11Client
 from serving.pipeline.protocol import ApiKind, TokenKind
 from serving.pipeline.render.client import DerenderRetryable, RenderClient
 from serving.pipeline.render.tokenization import RenderHealth
+from serving.pipeline.render.window import Windows
 from serving.pipeline.snapshot import RenderMember, RenderView
 
 T = TypeVar("T")
@@ -53,6 +54,8 @@ class PoolState:
     clock: Callable[[], float] = time.monotonic
     outstanding: Counter[str] = field(default_factory=Counter)
     health: dict[str, RenderHealth] = field(default_factory=dict)
+    # Streaming derender calls in flight per pool (render/window.py): the rest wait here, not in a sidecar.
+    windows: Windows = field(default_factory=Windows)
 
     def health_of(self, base_url: str) -> RenderHealth:
         key = base_url.rstrip("/")
@@ -104,6 +107,7 @@ class RenderPool(RenderClient):
         self.state = state or PoolState()
         self._clients = {m.base_url: RenderClient(client, m.base_url, view.timeout_s) for m in self.members}
         self.health_view = PoolHealth(self)
+        self._sidecars = self.base_urls  # the window's key, taken once: one call per streamed chunk
 
     @property
     def base_urls(self) -> tuple[str, ...]:
@@ -125,6 +129,10 @@ class RenderPool(RenderClient):
     def pick(self, need: str, kind: str | None = None) -> RenderMember | None:
         found = self.candidates(need, kind)
         return found[0] if found else None
+
+    def chunk_slot(self) -> AsyncContextManager[None]:
+        """A turn in the pool's window of streaming derender calls (render/window.py)."""
+        return self.state.windows.of(self._sidecars).slot()
 
     async def _on(self, member: RenderMember, call: Callable[[RenderClient], Awaitable[T]]) -> T:
         self.state.outstanding[member.base_url] += 1
