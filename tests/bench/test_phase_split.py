@@ -13,7 +13,7 @@ def metrics_text(h: Histograms) -> str:
 
 
 def observe(h: Histograms, family: names.Family, seconds: float, **extra: str) -> None:
-    h.observe(family, seconds, {k: v for k, v in {"api": "chat", "mode": "stream", "topology": "union", **extra}.items()
+    h.observe(family, seconds, {k: v for k, v in {"model": "tiny", "api": "chat", "mode": "stream", "topology": "union", **extra}.items()
                                 if k in family.labels})
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from serving.pipeline.derender.payload import StreamState
 from serving.pipeline.http11 import Http11Client
 from serving.pipeline.protocol import ApiKind, TokenKind
 from serving.pipeline.render.pool import PoolState, RenderPool
@@ -72,7 +73,7 @@ class AdapterRenderPool(RenderPool):
             completion_request=self._out(completion_request) or completion_request, model=self._model(model)))
 
     async def derender_chunk(
-        self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: dict[str, Any] | None,
+        self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: StreamState,
         prompt_tokens: int, prompt_token_ids: Sequence[int] | None, request: dict[str, Any] | None, model: str | None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         chunk, state = await super().derender_chunk(
