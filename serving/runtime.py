@@ -353,8 +353,26 @@ def model_snapshot(snapshot: FleetSnapshot, model: str) -> FleetSnapshot:
     return view
 
 
+# The pipelines made for recent views: a pipeline holds no per-request state, so the requests of
+# one snapshot version share one instead of building nine small objects each. The key is every
+# object and setting a pipeline is built from, by identity (tests override settings and swap the
+# process's objects); the value keeps those objects alive, so an id is never reused while cached.
+_pipelines: dict[tuple[object, ...], tuple[tuple[object, ...], ServingPipeline]] = {}
+_PIPELINES_KEPT = 32
+
+
+def _pipeline_settings() -> tuple[object, ...]:
+    return (
+        settings.MOTOR_ENGINE_READ_TIMEOUT_S, settings.MOTOR_ENGINE_REPLY_S_PER_TOKEN,
+        settings.MOTOR_STREAM_CHUNK_TIMEOUT_S, settings.MOTOR_STREAM_MAX_RELAYS, settings.MOTOR_DERENDER_CHUNK_RETRIES,
+        settings.MOTOR_MAX_CHOICES, settings.MOTOR_MAX_PROMPTS,
+    )
+
+
 def pipeline_for(snapshot: FleetSnapshot, model: str | None = None) -> ServingPipeline:
-    """The pipeline for a request; with ``model``, over that model's view of the fleet only."""
+    """The pipeline for a request; with ``model``, over that model's view of the fleet only.
+
+    Cached per view and what it is built from (``_pipelines``)."""
     # KV events from the whole fleet, not one model's view (which would unsubscribe the others).
     sync_kv_events(snapshot)
     if model is not None:
@@ -362,7 +380,22 @@ def pipeline_for(snapshot: FleetSnapshot, model: str | None = None) -> ServingPi
     client = http.shared_client()
     # The render pool of the snapshot's view: each call picks its member (render/pool.py).
     render = render_pool_for(snapshot.render, snapshot.models.get(model) if model is not None else None)
-    boundary = EngineBoundary(obfuscation_mapping(snapshot))
+    mapping = obfuscation_mapping(snapshot)
+    parts = (snapshot, client, render, mapping, scheduler, counters, live_streams, RUNTIME.topologies)
+    config = _pipeline_settings()
+    key = (*map(id, parts), *config)
+    cached = _pipelines.get(key)
+    if cached is not None and all(a is b for a, b in zip(cached[0], parts, strict=True)):
+        return cached[1]
+    pipeline = _build_pipeline(snapshot, client, render, mapping)
+    if len(_pipelines) >= _PIPELINES_KEPT:
+        del _pipelines[next(iter(_pipelines))]  # the oldest: an old snapshot's
+    _pipelines[key] = (parts, pipeline)
+    return pipeline
+
+
+def _build_pipeline(snapshot: FleetSnapshot, client: Any, render: RenderPool, mapping: TokenMapping | None) -> ServingPipeline:
+    boundary = EngineBoundary(mapping)
     # Placement keeps instances whose declared key id does not fit the render config out of
     # traffic itself (placement/filters.py), so the pipeline gets the snapshot as it is.
     deadline = ReplyDeadline(settings.MOTOR_ENGINE_READ_TIMEOUT_S, settings.MOTOR_ENGINE_REPLY_S_PER_TOKEN)

@@ -15,9 +15,10 @@ import hmac
 from collections.abc import Sequence
 
 from serving.edge.asgi import Scope, header
-from serving.pipeline import request_checks
 from serving.pipeline.errors import Unauthorized
-from serving.pipeline.flow_control import rate_limit
+from serving.pipeline.flow_control.rate_limit import KeyLimit
+from serving.pipeline.request_checks import KeyPolicy
+from serving.pipeline.request_context import NO_GRANT, KeyGrant
 from serving.pipeline.snapshot import FleetSnapshot
 
 INVALID_KEY = "Missing or invalid API key: send `Authorization: Bearer <key>`."
@@ -32,7 +33,7 @@ def bearer_token(scope: Scope) -> bytes:
 
 
 def is_client_key(token: bytes, snapshot: FleetSnapshot, *, env_keys: Sequence[str]) -> bool:
-    """Whether ``token`` opens /v1, as ``authenticate`` decides, without binding anything
+    """Whether ``token`` opens /v1, as ``authenticate`` decides, without its grant
     (the front door asks this before a request's body is read)."""
     if not token or not token.isascii():
         return False
@@ -41,31 +42,27 @@ def is_client_key(token: bytes, snapshot: FleetSnapshot, *, env_keys: Sequence[s
     return any(hmac.compare_digest(token, k.encode()) for k in env_keys)
 
 
-def authenticate(scope: Scope, snapshot: FleetSnapshot, *, env_keys: Sequence[str], open_access: bool) -> None:
-    """Let the request through or raise ``Unauthorized`` (401); binds the key's token rate limit.
+def authenticate(scope: Scope, snapshot: FleetSnapshot, *, env_keys: Sequence[str], open_access: bool) -> KeyGrant:
+    """What the request's key grants (its policy and token rate limit), or raise ``Unauthorized`` (401).
 
     A token that is not ASCII is no key of ours (keys are generated ASCII): 401, never an
-    encoding error. With open access a known key still brings its rate limit.
+    encoding error. With open access a known key still brings its rate limit. Returned, never
+    bound to a context: a key's grant cannot carry over to another request.
     """
     token = bearer_token(scope)
     if token and not token.isascii():
         token = b""
-    # Bound every time, like the rate limit: a key's policy never carries over to another request.
-    request_checks.bind_policy(request_checks.KeyPolicy())
     if snapshot.client_keys_managed:
         # A dict lookup by sha256 of the token: the hash hides timing of the stored key bytes.
         digest = hashlib.sha256(token).hexdigest() if token else ""
         key = snapshot.client_keys.get(digest) if digest else None
         if key is not None:
-            request_checks.bind_policy(request_checks.KeyPolicy(allow_priority=key.allow_priority))
-            # The limit is charged once the token count is known (rate_limit.charge_request).
+            # The limit is charged once the token count is known (``Response.charge``).
             limited = key.tokens_per_minute
-            rate_limit.bind(rate_limit.KeyLimit(digest, key.name, limited) if limited else None)
-            return
+            return KeyGrant(KeyPolicy(allow_priority=key.allow_priority),
+                            KeyLimit(digest, key.name, limited) if limited else None)
     elif token and any(hmac.compare_digest(token, k.encode()) for k in env_keys):
-        rate_limit.bind(None)
-        return
+        return NO_GRANT
     if not open_access:
         raise Unauthorized(INVALID_KEY)
-    # Bound every time: a server that runs requests in one context must not carry a limit over.
-    rate_limit.bind(None)
+    return NO_GRANT

@@ -10,7 +10,6 @@ text of errors that name engines or addresses is logged, not returned (``MotorEr
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -36,9 +35,6 @@ from serving.edge.bodies import parse_object
 from serving.edge.keys import authenticate
 from serving.pipeline import metric_names, tracing
 from serving.pipeline.apis.messages import anthropic_error
-from serving.pipeline.apis.messages_stream import MessagesStream
-from serving.pipeline.apis.responses_stream import ResponsesStream
-from serving.pipeline.engine.native import NativeStream
 from serving.pipeline.errors import (
     ModelDraining,
     ModelNotFound,
@@ -48,13 +44,12 @@ from serving.pipeline.errors import (
     error_body,
     error_headers,
 )
-from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.phases import Phases
 from serving.pipeline.request_checks import RESPONSE_CONTROLS
-from serving.pipeline.service import EventStream
+from serving.pipeline.request_context import KeyGrant, RequestContext
+from serving.pipeline.response import Response
 from serving.pipeline.snapshot import FleetSnapshot
 from serving.pipeline.sse import FieldScrub
-from serving.pipeline.topologies.native_prompts import NativePromptsStream
 from serving.runtime import phase_histograms, pipeline_for, tracer
 from serving.snapshots import current_snapshot
 
@@ -73,8 +68,8 @@ async def send_error(send: Send, exc: BaseException, request_id: str | None = No
     await send_json(send, status, body, extra)
 
 
-def _check_key(scope: Scope, snapshot: FleetSnapshot) -> None:
-    authenticate(scope, snapshot, env_keys=settings.MOTOR_API_KEYS, open_access=settings.MOTOR_OPEN_ACCESS)
+def _check_key(scope: Scope, snapshot: FleetSnapshot) -> KeyGrant:
+    return authenticate(scope, snapshot, env_keys=settings.MOTOR_API_KEYS, open_access=settings.MOTOR_OPEN_ACCESS)
 
 
 def _check_media_type(scope: Scope) -> None:
@@ -139,7 +134,7 @@ def serve(kind: str) -> Endpoint:
                 raise RequestError("Method not allowed; use POST.", status=405)
             snapshot = await current_snapshot()
             # The key before the body: a client without one cannot make this process read a byte.
-            _check_key(scope, snapshot)
+            grant = _check_key(scope, snapshot)
             _check_media_type(scope)
             try:
                 raw = await read_body(scope, receive, settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
@@ -147,7 +142,6 @@ def serve(kind: str) -> Endpoint:
                 raise RequestError("The request body is too large.", status=413) from None
             body = parse_object(raw, max_depth=settings.MOTOR_MAX_JSON_DEPTH)
             model = _resolve_model(body, snapshot)
-            rate_limit.scope_to_model(model)
         except ClientGone:
             return
         except Exception as exc:
@@ -161,8 +155,9 @@ def serve(kind: str) -> Endpoint:
         # client's own trace headers unchanged, so the engines' traces still join the client's.
         carried = phases.trace.headers if phases.trace is not None else parent
         token = tracing.carry(carried) if carried else None
+        ctx = RequestContext.granted(request_id, grant.for_model(model), phases)
         try:
-            await _serve(kind, body, request_id, rid, phases, snapshot, model, start, receive, send)
+            await _serve(kind, body, ctx, rid, snapshot, model, start, receive, send)
         except BaseException as exc:
             phases.close(exc)
             raise
@@ -175,45 +170,42 @@ def serve(kind: str) -> Endpoint:
 
 
 async def _serve(
-    kind: str, body: dict[str, Any], request_id: str, rid: bytes, phases: Phases, snapshot: FleetSnapshot, model: str,
+    kind: str, body: dict[str, Any], ctx: RequestContext, rid: bytes, snapshot: FleetSnapshot, model: str,
     start: float, receive: Receive, send: Send,
 ) -> None:
-    """Run the pipeline's ``kind`` on a parsed request and send its answer (a stream or JSON)."""
+    """Run the pipeline's ``kind`` on a parsed request and send its answer (a stream or JSON).
+
+    What the request holds (its charge, render count, engine streams) is its ``Response``'s to
+    let go (``serving/pipeline/response.py``), whichever way it ends: the edge only sends.
+    """
+    request_id, phases = ctx.request_id, ctx.phases
     async with DisconnectWatch(receive) as watch:
         try:
             # Over the model's own view of the fleet: its render config and its engines only.
             pipeline = pipeline_for(snapshot, model)
-            result = await getattr(pipeline, kind)(body, request_id, phases)
-        except asyncio.CancelledError:
-            await rate_limit.refund_request()  # the client left before its answer began
-            raise
+            result = await getattr(pipeline, kind)(body, ctx)
         except Exception as exc:
             watch.complete = True
             _log_error(request_id, kind, exc, start)
-            await rate_limit.refund_request()  # answered nothing: the key pays for answers only
             await send_error(send, exc, request_id, kind)
             phases.close(exc)
             return
-        if isinstance(result, (EventStream, MessagesStream, ResponsesStream, NativeStream, NativePromptsStream)):
-            try:
-                # Native streams are the engine's bytes relayed: its engine-internal fields are
-                # nulled here, as ``scrub_response`` does for JSON answers.
-                scrub = FieldScrub(RESPONSE_CONTROLS)
-                await send_stream(send, result.frames(), ((b"x-request-id", rid),), watch, scrub,
-                                  stall_s=settings.MOTOR_CLIENT_STALL_S)
-            except ClientStalled:
-                # The stream is closed (engines aborted, lease released) and the connection dropped.
-                logger.info(
-                    "response request_id=%s kind=%s status=200 outcome=client_stalled stall_s=%d latency_ms=%.1f",
-                    request_id, kind, settings.MOTOR_CLIENT_STALL_S, (time.perf_counter() - start) * 1000,
-                )
-                return
-            finally:
-                # The task ended (the client left, a send failed) before frames() ran: its
-                # finally never will, so the engine streams are closed and the load released here.
-                if not result.started:
-                    await result.aclose()
-                    await rate_limit.refund_request()
+        if isinstance(result, Response):
+            async with result:  # closed however sending ends, also before its first frame
+                try:
+                    # Native streams are the engine's bytes relayed: its engine-internal fields are
+                    # nulled here, as ``scrub_response`` does for JSON answers.
+                    scrub = FieldScrub(RESPONSE_CONTROLS)
+                    await send_stream(send, result.frames(), ((b"x-request-id", rid),), watch, scrub,
+                                      stall_s=settings.MOTOR_CLIENT_STALL_S)
+                except ClientStalled:
+                    # The stream is closed (engines aborted, lease released) and the connection dropped.
+                    logger.info(
+                        "response request_id=%s kind=%s status=200 outcome=client_stalled stall_s=%d "
+                        "latency_ms=%.1f", request_id, kind, settings.MOTOR_CLIENT_STALL_S,
+                        (time.perf_counter() - start) * 1000,
+                    )
+                    return
             phases.observe(metric_names.PHASE_END_TO_END, phases.start)  # the last frame was sent
             return
         watch.complete = True

@@ -28,15 +28,14 @@ from serving.pipeline.errors import (
     RequestError,
     UpstreamRequestError,
 )
-from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.metrics import RouterCounters
-from serving.pipeline.phases import Phases
 from serving.pipeline.placement.filters import has_native_pd, unpaired_native_pd
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.tokenization import RenderHealth, TokenizedRequest
 from serving.pipeline.resilience.attempts import AttemptPolicy, attempt_loop
+from serving.pipeline.response import Response
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView
 from serving.pipeline.streaming.fanout import first_error
 from serving.pipeline.topologies.metaserver import process_metaserver
@@ -94,7 +93,7 @@ class NativePath:
         return model
 
     async def _native(
-        self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, phases: Phases,
+        self, kind: ApiKind, body: dict[str, Any], response: Response, reason: str,
         *, tokenized: TokenizedRequest | None = None, render_tried: bool = False,
     ) -> dict[str, Any] | NativeStream | NativePromptsStream:
         """Serve ``body`` on an engine's own OpenAI API, retrying elsewhere within the budget.
@@ -102,6 +101,7 @@ class NativePath:
         ``tokenized``: the request's prompts when render (or the local tokenizer) already made
         them; ``render_tried``: render was just found unusable, so it is not asked to count.
         """
+        request_id, phases = response.ctx.request_id, response.ctx.phases
         model = self._model(body)
         phases.placed("native")  # the end-to-end phase's topology
         if self.snapshot.render.obfuscation:
@@ -135,7 +135,7 @@ class NativePath:
         logger.info("route request_id=%s kind=%s path=native reason=%s prompt_tokens=%d counted_by=%s tokens=%d",
                     request_id, kind, reason, sum(estimate.prompts), estimate.source, charge)
         # Charged here too (once per request: a request that moved from token-only is not charged twice).
-        await rate_limit.charge_request(charge)
+        await response.charge(charge)
         if split:
             return await self._native_prompts(kind, body, request_id, reason, model.name, estimate)
         return await self._native_attempts(kind, body, request_id, reason, model.name, pd_unfit, estimate)

@@ -33,7 +33,6 @@ What is refused, with vLLM 0.33's status and message where it has one (400, ``Ba
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -163,18 +162,7 @@ class KeyPolicy:
     allow_priority: bool = False
 
 
-# The caller's key policy, bound by the view with the key (as ``rate_limit.bind``); a request
-# without a bound policy (open access, tests) gets the default, which allows nothing extra.
-_policy: contextvars.ContextVar[KeyPolicy | None] = contextvars.ContextVar("motor_key_policy", default=None)
-_NO_EXTRAS = KeyPolicy()
-
-
-def bind_policy(policy: KeyPolicy) -> None:
-    _policy.set(policy)
-
-
-def current_policy() -> KeyPolicy:
-    return _policy.get() or _NO_EXTRAS
+NO_EXTRAS = KeyPolicy()  # an unauthenticated caller's (open access) and the tests' default
 
 
 def _is_int(value: Any) -> bool:
@@ -302,7 +290,9 @@ def prompt_count(body: Mapping[str, Any]) -> int:
     return 1
 
 
-def check_body(kind: ApiKind, body: dict[str, Any], model: ModelView, limits: RequestLimits) -> None:
+def check_body(
+    kind: ApiKind, body: dict[str, Any], model: ModelView, limits: RequestLimits, policy: KeyPolicy = NO_EXTRAS
+) -> None:
     """Refuse a body whose numbers, types or engine controls must not go further (400); return None.
 
     Every API is checked the same way, whichever path serves it (token-only, the local fallback,
@@ -310,7 +300,7 @@ def check_body(kind: ApiKind, body: dict[str, Any], model: ModelView, limits: Re
     "false") are rewritten in ``body`` as vLLM reads them, so routing and accounting read what
     the engines will; ``n`` x prompts is bounded by ``RequestLimits.max_choices``.
     """
-    _check_controls(body, current_policy())
+    _check_controls(body, policy)
     _check_types(kind, body)
     n = _sequences(_integer(body, "n"), "n")
     if kind == "messages":

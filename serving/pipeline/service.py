@@ -1,9 +1,10 @@
 """Render -> place -> generate -> derender for one OpenAI request, streaming or not.
 
-``ServingPipeline`` is built per request from the fleet snapshot and the process-wide objects
-the composition root (``serving/runtime.py``) made: clients, scheduler with its breakers and
-token admission, the engine boundary, the topology registry, counters. It holds no state of its
-own between requests. The phases, each logged once per outcome with the request id:
+``ServingPipeline`` is built once per snapshot view (``serving/runtime.py`` ``pipeline_for``)
+from the fleet snapshot and the process-wide objects the composition root made: clients,
+scheduler with its breakers and token admission, the engine boundary, the topology registry,
+counters. It holds no state of its own between requests: what one request carries is its
+``RequestContext`` (``request_context.py``). The phases, each logged once per outcome with the request id:
 
 0. body checks (``request_checks.py``): numbers, engine controls and key policy, before any
    path uses the body; every JSON answer is scrubbed of engine-internal fields on the way out;
@@ -20,9 +21,11 @@ own between requests. The phases, each logged once per outcome with the request 
    leg (``engine/leg.py``): breaker, token admission, load, the obfuscation boundary, validation;
 5. derender: full (``derender/full.py``) or per chunk (``streaming/event_stream.py``).
 
-Streaming responses are returned as an ``EventStream`` (or a relayed ``NativeStream``) whose
-engine streams are already established (HTTP 200 from every engine), so a failure before that
-still gets a proper status instead of a broken 200.
+A request's ``Response`` (``response.py``) owns what it holds from the first step on (its
+charge, its render count, its engine streams). Streaming responses are returned as that
+``Response``, whose body (an ``EventStream``, or a relayed ``NativeStream``) has its engine
+streams already established (HTTP 200 from every engine), so a failure before that still gets a
+proper status instead of a broken 200; a JSON answer is returned as a dict once the stack closed.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from serving.pipeline.errors import (
     TriggerMultiPromptStream,
     UpstreamRequestError,
 )
-from serving.pipeline.flow_control import rate_limit
+from serving.pipeline.flow_control.admission import LeaseGroup
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.native_path import NativePath
 from serving.pipeline.obfuscation.boundary import EngineBoundary
@@ -73,6 +76,7 @@ from serving.pipeline.render.tokenization import (
     TokenizedRequest,
 )
 from serving.pipeline.request_checks import RequestLimits
+from serving.pipeline.request_context import RequestContext
 from serving.pipeline.resilience.attempts import (
     AttemptPolicy,
     Attempts,
@@ -80,6 +84,7 @@ from serving.pipeline.resilience.attempts import (
     open_together,
     requested_tokens,
 )
+from serving.pipeline.response import Response, StreamBody, respond
 from serving.pipeline.snapshot import FleetSnapshot, ModelView
 from serving.pipeline.streaming.event_stream import EventStream
 from serving.pipeline.streaming.fanout import first_error
@@ -149,41 +154,42 @@ class ServingPipeline(NativePath):
     # -- entry points ------------------------------------------------------------------------------
 
     async def chat(
-        self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
-    ) -> dict[str, Any] | EventStream | NativeStream | NativePromptsStream:
-        self._check_body("chat", body)
-        with self._engine_errors_scrubbed():
-            return _scrubbed(await self._serve("chat", body, request_id, phases))
+        self, body: dict[str, Any], request: RequestContext | str, phases: Phases = NO_PHASES
+    ) -> dict[str, Any] | Response:
+        return await self._respond("chat", body, RequestContext.of(request, phases))
 
     async def completions(
-        self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
-    ) -> dict[str, Any] | EventStream | NativeStream | NativePromptsStream:
-        self._check_body("completions", body)
-        with self._engine_errors_scrubbed():
-            return _scrubbed(await self._serve("completions", body, request_id, phases))
+        self, body: dict[str, Any], request: RequestContext | str, phases: Phases = NO_PHASES
+    ) -> dict[str, Any] | Response:
+        return await self._respond("completions", body, RequestContext.of(request, phases))
 
     async def responses(
-        self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
-    ) -> dict[str, Any] | ResponsesStream | NativeStream | NativePromptsStream:
+        self, body: dict[str, Any], request: RequestContext | str, phases: Phases = NO_PHASES
+    ) -> dict[str, Any] | Response:
         """The Responses API: the chat token path from render's ``/v1/responses/render``, its
         answer converted at the end (``apis/responses.py``); native where render cannot."""
-        self._check_body("responses", body)
-        with self._engine_errors_scrubbed():
-            result = await self._serve("responses", body, request_id, phases)
-        if isinstance(result, EventStream):  # the chat stream, sent as Responses events
-            return ResponsesStream(result, ResponsesEvents(
-                body, result.tokenized.prompts[0].generate_request, f"resp_{request_id}"))
-        return _scrubbed(result)
+        return await self._respond("responses", body, RequestContext.of(request, phases))
 
     async def messages(
-        self, body: dict[str, Any], request_id: str, phases: Phases = NO_PHASES
-    ) -> dict[str, Any] | MessagesStream | NativeStream | NativePromptsStream:
+        self, body: dict[str, Any], request: RequestContext | str, phases: Phases = NO_PHASES
+    ) -> dict[str, Any] | Response:
         """The Anthropic Messages API: the chat token path from render's ``/v1/messages/render``,
         its answer converted at the end (``apis/messages.py``); native where render cannot."""
-        self._check_body("messages", body)
+        return await self._respond("messages", body, RequestContext.of(request, phases))
+
+    async def _respond(self, kind: ServedKind, body: dict[str, Any], ctx: RequestContext) -> dict[str, Any] | Response:
+        """A JSON answer, or the stream's ``Response`` (``response.py``: it owns what the request holds)."""
+        self._check_body(kind, body, ctx)
+        return await respond(ctx, lambda response: self._answer(kind, body, response))
+
+    async def _answer(self, kind: ServedKind, body: dict[str, Any], response: Response) -> dict[str, Any] | StreamBody:
         with self._engine_errors_scrubbed():
-            result = await self._serve("messages", body, request_id, phases)
-        if isinstance(result, EventStream):  # the chat stream, sent as Anthropic events
+            result = await self._serve(kind, body, response)
+        request_id = response.ctx.request_id
+        if isinstance(result, EventStream) and kind == "responses":  # the chat stream, sent as Responses events
+            return ResponsesStream(result, ResponsesEvents(
+                body, result.tokenized.prompts[0].generate_request, f"resp_{request_id}"))
+        if isinstance(result, EventStream) and kind == "messages":  # the chat stream, sent as Anthropic events
             return MessagesStream(result, MessagesEvents(
                 f"msg_{request_id}", str(body.get("model")), result.tokenized.prompt_tokens))
         return _scrubbed(result)
@@ -199,10 +205,10 @@ class ServingPipeline(NativePath):
                 raise
             raise shown from None
 
-    def _check_body(self, kind: ApiKind, body: dict[str, Any]) -> None:
+    def _check_body(self, kind: ApiKind, body: dict[str, Any], ctx: RequestContext) -> None:
         """Every path starts here: the body's numbers, engine controls and id fields (request_checks)."""
         model = self._model(body)
-        request_checks.check_body(kind, body, model, self.limits)
+        request_checks.check_body(kind, body, model, self.limits, ctx.policy)
         if model.vocab_size is not None:
             # The token-only path checks the rendered ids again; the native one has only these.
             request_checks.check_body_ids(kind, body, model.vocab_size)
@@ -210,31 +216,26 @@ class ServingPipeline(NativePath):
     # -- the token-only path -------------------------------------------------------------------------
 
     async def _serve(
-        self, kind: ServedKind, body: dict[str, Any], request_id: str, phases: Phases
+        self, kind: ServedKind, body: dict[str, Any], response: Response
     ) -> dict[str, Any] | EventStream | NativeStream | NativePromptsStream:
         model = self._model(body)
         reason = native_reason(kind, body, self.snapshot, model.name)
         if reason is not None:
-            return await self._native(kind, body, request_id, reason, phases)
+            return await self._native(kind, body, response, reason)
         # From render to the last derender this request calls the sidecar of its snapshot, even
         # if the snapshot moves to a replacement meanwhile (a graceful restart): counted from
         # here, not from the first chunk, so a request still waiting for admission counts too.
         # With a pool, any member may serve any of its calls: it holds every member of its pool.
-        release = self.live_streams.hold_all(m.base_url for m in pool_members(self.snapshot.render))
-        try:
-            result = await self._serve_token_only(kind, body, request_id, model, phases)
-        except BaseException:
-            release()
-            raise
-        if isinstance(result, EventStream):
-            result.release_render = release  # the stream holds its sidecar until its aclose
-        else:
-            release()
+        release = response.hold(self.live_streams.hold_all(m.base_url for m in pool_members(self.snapshot.render)))
+        result = await self._serve_token_only(kind, body, model, response)
+        if not isinstance(result, EventStream):
+            release()  # no derender call follows (a JSON answer, or the native path took it)
         return result
 
     async def _serve_token_only(
-        self, kind: ServedKind, body: dict[str, Any], request_id: str, model: ModelView, phases: Phases
+        self, kind: ServedKind, body: dict[str, Any], model: ModelView, response: Response
     ) -> dict[str, Any] | EventStream | NativeStream | NativePromptsStream:
+        request_id, phases = response.ctx.request_id, response.ctx.phases
         request_checks.require_vocab(model)  # 503 before render while the vocabulary is unknown
         tokenizer = TokenizationService(self.render, model, health=self.render_health)
         start = phases.now()
@@ -247,7 +248,7 @@ class ServingPipeline(NativePath):
                     f"render is unavailable ({exc.fallback_reason}) and this request needs render's metadata; "
                     "the native path is closed with obfuscation on", reason=exc.fallback_reason,
                 ) from exc
-            return await self._native(kind, body, request_id, exc.reason, phases, render_tried=True)
+            return await self._native(kind, body, response, exc.reason, render_tried=True)
         except MotorError as exc:
             self._log_render(request_id, model.name, None, "render", None, outcome=type(exc).__name__)
             raise
@@ -258,7 +259,7 @@ class ServingPipeline(NativePath):
             self.boundary.admit(prompt.generate_request)  # with obfuscation on: a 400 before any quota
         # The client key's tokens-per-minute window is charged once the real count is known, with
         # the output bound the context budget leaves (the one placement and admission use).
-        await rate_limit.charge_request(
+        await response.charge(
             sum(requested_tokens(p, self.snapshot, self.scheduler, model.name) for p in tokenized.prompts)
         )
         requires_tokenizer = engine_tokenizer_feature(kind, body) is not None
@@ -269,13 +270,13 @@ class ServingPipeline(NativePath):
                       else responses_api.chat_view(body, rendered) if kind == "responses" else body)
         try:
             if body.get("stream"):
-                return await self._open(token_body, token_kind, request_id, tokenized, requires_tokenizer, phases)
+                return await self._open(token_body, token_kind, tokenized, requires_tokenizer, response)
             responses = await self._generate_all(tokenized, request_id, requires_tokenizer, phases)
         except EngineLacksCapability:
             # Nothing reached the client yet: the whole request may move to the native path.
             if self.snapshot.render.obfuscation:
                 raise
-            return await self._native(kind, body, request_id, "engine_capability", phases, tokenized=tokenized)
+            return await self._native(kind, body, response, "engine_capability", tokenized=tokenized)
         out = await self._derender(token_kind, token_body, request_id, tokenized, responses, phases)
         if kind == "responses":
             return responses_api.to_response(out, body, rendered, f"resp_{request_id}")
@@ -322,22 +323,26 @@ class ServingPipeline(NativePath):
         )
 
     async def _open(
-        self, body: dict[str, Any], kind: TokenKind, request_id: str, tokenized: TokenizedRequest,
-        requires_tokenizer: bool, phases: Phases, *, trigger_fanout: bool = False,
+        self, body: dict[str, Any], kind: TokenKind, tokenized: TokenizedRequest, requires_tokenizer: bool,
+        response: Response, *, trigger_fanout: bool = False,
     ) -> EventStream | NativeStream | NativePromptsStream | dict[str, Any]:
         """Establish every engine stream of the request before the client sees a byte.
 
         The prompts open concurrently (their prefills overlap, as the non-streaming path runs
-        them); the response is committed once, when every stream is established.
+        them); the response is committed once, when every stream is established. The streams are
+        the response's from the moment they are open (closed and aborted with its stack).
         """
+        request_id, phases = response.ctx.request_id, response.ctx.phases
         attempts = self.attempts(request_id, phases)
         attempts.trigger_fanout = trigger_fanout
 
-        def opener(index: int) -> Callable[[], Coroutine[Any, Any, OpenStream]]:
-            return lambda: attempts.open(tokenized, index, requires_tokenizer)
+        def opener(index: int) -> Callable[[LeaseGroup], Coroutine[Any, Any, OpenStream]]:
+            return lambda leases: attempts.open(tokenized, index, requires_tokenizer, leases=leases)
 
         try:
             streams = await open_together([opener(i) for i in range(len(tokenized.prompts))], self.engines)
+            for stream in streams:
+                response.stack.push_async_callback(stream.aclose, self.engines)
         except TriggerMultiPromptStream:
             # RFC: Trigger 多 prompt 流式仍沿用原生链路. Nothing reached the client yet, and
             # open_together closed whatever had opened.
@@ -346,9 +351,7 @@ class ServingPipeline(NativePath):
             fleet_native = bool(self._native_routes(tokenized.model, pd_unfit, kind)) or (
                 pd_unfit == "several_prompts" and self._splits(tokenized.model, kind))
             if fleet_native and not self.snapshot.render.obfuscation:
-                return await self._native(
-                    kind, body, request_id, "trigger_multi_prompt_stream", phases, tokenized=tokenized
-                )
+                return await self._native(kind, body, response, "trigger_multi_prompt_stream", tokenized=tokenized)
             # No native path for it here (a Trigger-only fleet whose engines serve no OpenAI API of
             # their own; nor with obfuscation on): rather than fail the
             # request, each prompt runs its own Trigger, merged as on Handoff. The fan-out is the
@@ -357,9 +360,7 @@ class ServingPipeline(NativePath):
                               reason="trigger_per_prompt")
             logger.info("route request_id=%s kind=%s path=token_only reason=trigger_per_prompt "
                         "result=fanout (no native path)", request_id, kind)
-            return await self._open(
-                body, kind, request_id, tokenized, requires_tokenizer, phases, trigger_fanout=True
-            )
+            return await self._open(body, kind, tokenized, requires_tokenizer, response, trigger_fanout=True)
         n = int(body.get("n") or 1)
         public_id = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
         # RenderConfig.local_stream_detokenize: a plain stream's chunks derendered here, not by the sidecar.

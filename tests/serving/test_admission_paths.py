@@ -13,6 +13,7 @@ from serving.pipeline.engine.native import prompt_bound
 from serving.pipeline.errors import AdmissionUnavailable, RequestError
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.rate_limit import KeyLimit, TokenRateLimited, TokenRateLimiter
+from serving.pipeline.request_context import KeyGrant, RequestContext
 from tests.serving.fakes import CHAT_PROMPT, MODEL, error_json
 from tests.serving.router_fakes import Rig, chat_body, engine, model_dir, respond, snapshot_with
 from tests.serving.test_tokenization import connect_error, expected_chat_ids
@@ -25,38 +26,40 @@ KEY = KeyLimit("c" * 64, "team-c", 100)
 def limiter(monkeypatch: pytest.MonkeyPatch) -> Iterator[TokenRateLimiter]:
     fresh = TokenRateLimiter()
     monkeypatch.setattr(rate_limit, "LIMITER", fresh)
-    rate_limit.bind(KEY)
     yield fresh
-    rate_limit.bind(None)
+
+
+def keyed(request_id: str, limit: KeyLimit = KEY) -> RequestContext:
+    """The context of a request whose key has ``limit``."""
+    return RequestContext.granted(request_id, KeyGrant(limit=limit))
 
 
 async def test_the_native_path_is_charged(rig: Rig, limiter: TokenRateLimiter) -> None:
-    await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=60), "t1")
+    await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=60), keyed("t1"))
     assert limiter.used(KEY.key_id) == len(CHAT_PROMPT) + 60  # render's prompt count + max_tokens
-    rate_limit.bind(KEY)  # the next request of the same key
     with pytest.raises(TokenRateLimited):
-        await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=60), "t2")
+        await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=60), keyed("t2"))
     assert len(rig.native.calls) == 1  # refused before any engine
     assert limiter.used(KEY.key_id) == len(CHAT_PROMPT) + 60
 
 
 async def test_responses_are_charged_their_max_output_tokens(rig: Rig, limiter: TokenRateLimiter) -> None:
-    await rig.pipeline(snapshot_with(*PLAIN)).responses({"model": MODEL, "input": "hi", "max_output_tokens": 33}, "t10")
+    await rig.pipeline(snapshot_with(*PLAIN)).responses({"model": MODEL, "input": "hi", "max_output_tokens": 33}, keyed("t10"))
     assert limiter.used(KEY.key_id) == len(CHAT_PROMPT) + 33
 
 
 async def test_the_local_fallback_is_charged(rig: Rig, limiter: TokenRateLimiter) -> None:
     rig.upstreams.override("render", "render", connect_error)  # render unreachable: local tokenizer
-    await rig.pipeline(snapshot_with(model_path=model_dir())).chat(chat_body(max_tokens=5), "t7")
+    await rig.pipeline(snapshot_with(model_path=model_dir())).chat(chat_body(max_tokens=5), keyed("t7"))
     assert limiter.used(KEY.key_id) == len(expected_chat_ids()) + 5
 
 
 async def test_a_fallback_that_goes_native_is_charged_once(rig: Rig, limiter: TokenRateLimiter) -> None:
     rig.upstreams.override("render", "render", connect_error)
-    rate_limit.bind(roomy := KeyLimit("d" * 64, "team-d", 10_000))
+    roomy = KeyLimit("d" * 64, "team-d", 10_000)
     snap = snapshot_with(engine("e1", native_openai=True), engine("e2"), model_path=model_dir())
     body = chat_body(max_tokens=7, tools=[{"type": "function", "function": {"name": "f"}}])
-    await rig.pipeline(snap).chat(body, "t8")
+    await rig.pipeline(snap).chat(body, keyed("t8", roomy))
     assert len(rig.native.calls) == 1
     assert len(rig.upstreams.calls_of("render")) == 1  # render is not asked again to count
     # The native estimate, charged on the native path: render is down, so the body's size bounds the prompt.
@@ -68,7 +71,7 @@ async def test_a_request_moved_from_token_only_to_native_is_not_charged_twice(
 ) -> None:
     for host in ("e1", "e2"):  # no token-only generate: the request moves to the native path
         rig.upstreams.override(host, "generate", respond(404, {"detail": "Not Found"}))
-    out = await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(max_tokens=9), "t9")
+    out = await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(max_tokens=9), keyed("t9"))
     assert out["path"] == "/v1/chat/completions"
     (render,) = rig.upstreams.calls_of("render")
     assert limiter.used(KEY.key_id) == len(render.response["token_ids"]) + 9  # after render, only
@@ -78,12 +81,12 @@ async def test_a_native_request_with_negative_max_tokens_is_refused_before_any_e
     rig: Rig, limiter: TokenRateLimiter
 ) -> None:
     with pytest.raises(RequestError) as info:
-        await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=-50), "t3")
+        await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=-50), keyed("t3"))
     assert info.value.status == 400
     assert rig.native.calls == [] and limiter.used(KEY.key_id) == 0
     assert rig.scheduler.admission.inflight_tokens() == {}
     # Capacity still applies afterwards: nothing went negative.
-    await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=5), "t4")
+    await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["\n"], max_tokens=5), keyed("t4"))
 
 
 async def test_a_multi_prompt_stream_that_cannot_hold_all_its_prompts_fails_fast(rig: Rig) -> None:
@@ -104,9 +107,9 @@ async def test_render_only_counts_a_native_prompt_and_its_verdict_never_refuses_
 ) -> None:
     # Render cannot know a response only the engine stored: its 4xx costs the count, not the request.
     rig.upstreams.override("render", "render", respond(404, error_json(404, "Response resp_x not found", "NotFoundError")))
-    rate_limit.bind(roomy := KeyLimit("e" * 64, "team-e", 10_000))
+    roomy = KeyLimit("e" * 64, "team-e", 10_000)
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 5, "previous_response_id": "resp_x"}
-    out = await rig.pipeline(snapshot_with(*PLAIN)).responses(dict(body), "t11")
+    out = await rig.pipeline(snapshot_with(*PLAIN)).responses(dict(body), keyed("t11", roomy))
     assert out["path"] == "/v1/responses"
     (count,) = rig.upstreams.calls_of("render")
     assert count.path == "/v1/responses/render" and count.body["mm_payload"] == "none"  # ids only, no tensors

@@ -30,6 +30,7 @@ from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.scheduler import Placement, Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard
+from serving.pipeline.response import Response
 from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
 from serving.pipeline.streaming.event_stream import EventStream
@@ -154,7 +155,7 @@ async def serve(client: LoopbackClient, faults: list[Fault], attempts: int, *, s
         async with asyncio.timeout(WATCHDOG_S):
             result = await pipeline.chat(body, "t1")
             if stream:
-                assert isinstance(result, EventStream)
+                assert isinstance(result, Response) and isinstance(result.body, EventStream)
                 raw = b"".join([f async for f in result.frames()])
                 assert parse_frames(raw)[-1] == "[DONE]"
                 assert not any(isinstance(f, dict) and "error" in f for f in parse_frames(raw)), raw

@@ -24,6 +24,7 @@ from serving.pipeline.engine.requests import GENERATE_PREFIX
 from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.client import RenderClient
+from serving.pipeline.response import Response
 from serving.pipeline.service import EventStream, ServingPipeline
 from serving.pipeline.streaming import fanout
 from tests.serving.fakes import (
@@ -106,7 +107,7 @@ async def test_it_makes_producers_wait_for_a_client_that_reads_nothing(
     body = {"model": MODEL, "prompt": [f"p{i}" for i in range(PROMPTS)], "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": TOKENS}
     stream = await pipeline.completions(body, "bp1")
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     async with asyncio.timeout(30):
         frames = stream.frames()
         raw = [await frames.__anext__()]
@@ -161,7 +162,7 @@ async def test_a_client_that_leaves_while_producers_wait_releases_everything(
     before = asyncio.all_tasks()
     body = {"model": MODEL, "prompt": [f"p{i}" for i in range(PROMPTS)], "stream": True, "max_tokens": TOKENS}
     stream = await pipeline.completions(body, "bp2")
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     async with asyncio.timeout(30):
         frames = stream.frames()
         await frames.__anext__()
@@ -190,7 +191,7 @@ async def test_a_client_that_leaves_while_the_engine_stalls_mid_stream_releases_
     before = asyncio.all_tasks()
     stream = await pipeline.chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
                                  "bp3")
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     async with asyncio.timeout(30):
         frames = stream.frames()
         await frames.__anext__()

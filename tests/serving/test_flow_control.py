@@ -13,9 +13,9 @@ from serving.pipeline.errors import AdmissionTimeout, AdmissionUnavailable, Queu
 from serving.pipeline.flow_control.admission import (
     AdmissionSettings,
     Lease,
+    LeaseGroup,
     TokenAdmission,
     admission_turn,
-    reserve_together,
 )
 from serving.pipeline.snapshot import InstanceView
 from tests.serving.fakes import instance
@@ -168,27 +168,26 @@ async def test_a_waiter_held_only_by_the_global_budget_holds_back_later_requests
 async def test_prompts_reserved_together_fail_fast_instead_of_waiting_on_themselves() -> None:
     adm = TokenAdmission(AdmissionSettings(wait_s=30.0, retry_after_s=2))
     async with asyncio.timeout(5):  # watchdog: waiting out wait_s would be the bug
-        with reserve_together():
-            first = await adm.acquire(E1, 60)
-            with pytest.raises(AdmissionUnavailable) as info:
-                await adm.acquire(E1, 60)  # only this request's own first prompt is in the way
-            assert info.value.status == 503 and info.value.retry_after_s == 2
-            assert adm.waiting() == 0  # it never queued, so it stalled nobody
-            second = await adm.acquire(E2, 60)  # what fits is still granted together
+        group = LeaseGroup()
+        first = await adm.acquire(E1, 60, group)
+        with pytest.raises(AdmissionUnavailable) as info:
+            await adm.acquire(E1, 60, group)  # only this request's own first prompt is in the way
+        assert info.value.status == 503 and info.value.retry_after_s == 2
+        assert adm.waiting() == 0  # it never queued, so it stalled nobody
+        second = await adm.acquire(E2, 60, group)  # what fits is still granted together
         first.release()
         second.release()
     assert adm.inflight_tokens() == {} and adm.waiting() == 0
 
 
-async def test_a_request_holding_nothing_inside_reserve_together_may_still_wait() -> None:
+async def test_a_request_holding_nothing_in_its_lease_group_may_still_wait() -> None:
     adm = TokenAdmission()
     other = await adm.acquire(E1, 100)
-    with reserve_together():
-        waiting = asyncio.create_task(adm.acquire(E1, 60))  # holds nothing yet: may wait its turn
-        await asyncio.sleep(0)
-        assert adm.waiting() == 1
-        other.release()
-        (await waiting).release()
+    waiting = asyncio.create_task(adm.acquire(E1, 60, LeaseGroup()))  # holds nothing yet: may wait its turn
+    await asyncio.sleep(0)
+    assert adm.waiting() == 1
+    other.release()
+    (await waiting).release()
     assert adm.inflight_tokens() == {} and adm.waiting() == 0
 
 
@@ -200,21 +199,22 @@ async def test_streams_opened_together_take_their_leases_one_at_a_time() -> None
     other = await adm.acquire(E1, 100)  # E1 is full
     granted: list[str] = []
 
+    group = LeaseGroup()
+
     async def open_prompt(instance: InstanceView) -> Lease:
-        async with admission_turn():
-            lease = await adm.acquire(instance, 60)
+        async with admission_turn(group):
+            lease = await adm.acquire(instance, 60, group)
         granted.append(instance.name)
         return lease
 
     async with asyncio.timeout(5):
-        with reserve_together():
-            waiting = asyncio.create_task(open_prompt(E1))
-            sibling = asyncio.create_task(open_prompt(E2))  # E2 has room, but it is not its turn
-            for _ in range(10):
-                await asyncio.sleep(0)
-            assert adm.waiting() == 1 and granted == [] and adm.inflight_tokens() == {"e1": 100}
-            other.release()
-            leases = [await waiting, await sibling]
+        waiting = asyncio.create_task(open_prompt(E1))
+        sibling = asyncio.create_task(open_prompt(E2))  # E2 has room, but it is not its turn
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert adm.waiting() == 1 and granted == [] and adm.inflight_tokens() == {"e1": 100}
+        other.release()
+        leases = [await waiting, await sibling]
     assert granted == ["e1", "e2"]
     for lease in leases:
         lease.release()

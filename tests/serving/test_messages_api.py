@@ -15,6 +15,7 @@ import pytest
 from serving.pipeline.apis.messages_stream import MessagesStream
 from serving.pipeline.errors import RenderUnavailable
 from serving.pipeline.placement.scheduler import Placement
+from serving.pipeline.response import Response
 from tests.serving.fakes import CHAT_PROMPT, MODEL, StreamPlan, output_ids, text_of
 from tests.serving.router_fakes import Rig, engine, respond, snapshot_with
 
@@ -53,7 +54,7 @@ async def test_it_is_rendered_as_messages_and_derendered_as_a_chat(rig: Rig) -> 
 
 async def test_a_stream_is_anthropics_event_protocol(rig: Rig) -> None:
     stream = await rig.pipeline(snapshot_with(*FLEET)).messages(message(stream=True), "m2")
-    assert isinstance(stream, MessagesStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, MessagesStream)
     got = events(b"".join([f async for f in stream.frames()]))
     names = [n for n, _ in got]
     assert names[:2] == ["message_start", "content_block_start"] and names[-3:] == [
@@ -113,7 +114,7 @@ async def test_a_prefill_decode_pair_serves_it_as_a_chat(rig: Rig, stream: bool)
 
     rig.upstreams.override("e1", "generate", prefill)
     out = await rig.pipeline(snapshot_with(*pair)).messages(message(stream=stream), "m7")
-    if isinstance(out, MessagesStream):
+    if isinstance(out, Response) and isinstance(out.body, MessagesStream):
         names = [n for n, _ in events(b"".join([f async for f in out.frames()]))]
         assert names[0] == "message_start" and names[-1] == "message_stop"
     else:

@@ -19,6 +19,7 @@ from serving.pipeline.engine.native import (
     sequences,
 )
 from serving.pipeline.errors import EngineError, NoCapacity, RequestError, UpstreamRequestError
+from serving.pipeline.response import Response
 from tests.serving.fakes import MODEL, error_json
 from tests.serving.router_fakes import Rig, chat_body, engine, respond, snapshot_with
 
@@ -95,7 +96,7 @@ async def test_responses_and_messages_pass_through(rig: Rig, kind: str) -> None:
 
 async def test_native_streams_are_relayed_and_closed(rig: Rig) -> None:
     stream = await rig.pipeline(snapshot_with(*PLAIN)).chat(chat_body(stop=["x"], stream=True), "n4")
-    assert isinstance(stream, NativeStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, NativeStream)
     assert rig.scheduler.load.snapshot() == {"e1": 1}  # held while the stream is open
     raw = b"".join([chunk async for chunk in stream.frames()])
     assert raw.endswith(b"data: [DONE]\n\n") and b'"content":"hi"' in raw
@@ -104,7 +105,7 @@ async def test_native_streams_are_relayed_and_closed(rig: Rig) -> None:
 async def test_a_native_stream_never_read_is_released_by_aclose(rig: Rig) -> None:
     stream = await rig.pipeline(snapshot_with(*PLAIN)).completions({"model": MODEL, "prompt": "x", "echo": True,
                                                                      "stream": True}, "n5")
-    assert isinstance(stream, NativeStream) and rig.native.open_streams
+    assert isinstance(stream, Response) and isinstance(stream.body, NativeStream) and rig.native.open_streams
     await stream.aclose()
 
 

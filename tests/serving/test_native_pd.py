@@ -205,10 +205,10 @@ async def test_a_decode_side_without_room_refuses_before_prefill_pins_kv(
     p, d = pd_only
     acquire = runtime.admission.acquire
 
-    async def full_decode(instance: Any, tokens: int) -> Any:
+    async def full_decode(instance: Any, tokens: int, group: Any = None) -> Any:
         if instance.role == "decode":
             raise QueueFull("queue full", retry_after_s=2)
-        return await acquire(instance, tokens)
+        return await acquire(instance, tokens, group)
 
     monkeypatch.setattr(runtime.admission, "acquire", full_decode)
     response = await post(served, "/v1/responses", BODIES[2][1])

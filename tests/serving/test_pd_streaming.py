@@ -32,6 +32,7 @@ from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard
+from serving.pipeline.response import Response
 from serving.pipeline.service import EventStream, ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
 from serving.pipeline.topologies import metaserver as metaserver_module
@@ -201,7 +202,7 @@ def chat(**extra: Any) -> dict[str, Any]:
 
 
 async def drain(stream: Any) -> list[Any]:
-    assert isinstance(stream, EventStream), stream
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream), stream
     async with asyncio.timeout(WATCHDOG_S):
         raw = b"".join([f async for f in stream.frames()])
     return parse_frames(raw)
@@ -328,7 +329,7 @@ async def test_trigger_multi_prompt_streaming_without_a_native_path_fans_out_on_
     body = {"model": MODEL, "prompt": ["a", "b"], "stream": True, "max_tokens": 4, "ignore_eos": True}
 
     stream = await rig.pipeline.completions(body, "m1")
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     async with asyncio.timeout(WATCHDOG_S):
         frames = parse_frames(b"".join([f async for f in stream.frames()]))
 
@@ -407,13 +408,13 @@ async def test_a_client_leaving_mid_stream_aborts_decode_and_releases_everything
     p, d = view(p_server, "prefill", transfer), view(d_server, "decode", transfer)
     rig = rig_factory(p, d)
     stream = await rig.pipeline.chat(chat(max_tokens=200), "x1")
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
 
     async with asyncio.timeout(WATCHDOG_S), aclosing(stream.frames()) as frames:  # type: ignore[type-var]
         for _ in range(3):
             await anext(frames)
 
-    d_id = stream.streams[0].request_id
+    d_id = stream.body.streams[0].request_id
     assert d_id.endswith("-decode") and (d.name, [d_id]) in rig.engines.aborted
     assert metaserver.pending == 0
 

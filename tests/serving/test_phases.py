@@ -15,9 +15,10 @@ import pytest
 
 from serving.pipeline import metric_names as names
 from serving.pipeline.exporter import exposition
-from serving.pipeline.flow_control.admission import AdmissionSettings, Lease, TokenAdmission
+from serving.pipeline.flow_control.admission import AdmissionSettings, Lease, LeaseGroup, TokenAdmission
 from serving.pipeline.phases import Histograms, Phases
 from serving.pipeline.placement.scheduler import Placement
+from serving.pipeline.response import Response
 from serving.pipeline.service import EventStream
 from serving.pipeline.snapshot import InstanceView
 from tests.serving.fakes import FakeUpstreams
@@ -136,7 +137,7 @@ async def test_it_times_the_first_event_and_only_the_first_derender_of_a_stream(
     h = Histograms(clock=clock)
     body = chat_body(stream=True, max_tokens=3)
     stream = await rig.pipeline().chat(body, "p2", Phases.begin(h, "chat", body, clock()))
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     frames = [f async for f in stream.frames()]
     assert len(rig.upstreams.calls_of("derender")) == len(frames) - 1 > 2  # every chunk derendered
     on = dict(api="chat", mode="stream", topology="union")
@@ -152,9 +153,9 @@ class WaitingAdmission(TokenAdmission):
         super().__init__(AdmissionSettings())
         self.clock = clock
 
-    async def acquire(self, instance: InstanceView, tokens: int) -> Lease:
+    async def acquire(self, instance: InstanceView, tokens: int, group: LeaseGroup | None = None) -> Lease:
         self.clock.now += WAIT_S
-        return await super().acquire(instance, tokens)
+        return await super().acquire(instance, tokens, group)
 
 
 async def test_it_times_the_admission_wait_of_every_lease(upstreams: FakeUpstreams, clock: Clock) -> None:

@@ -28,6 +28,7 @@ from serving.pipeline.errors import (
 from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.client import RenderClient
+from serving.pipeline.response import Response
 from serving.pipeline.service import EventStream, ServingPipeline
 from serving.pipeline.streaming import fanout
 from tests.serving.fakes import (
@@ -403,7 +404,7 @@ async def test_streaming_chat(pipeline: ServingPipeline, upstreams: FakeUpstream
 
     stream = await pipeline.chat(body, "r20")
 
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     assert scheduler.load.snapshot() == {"e1": 1}  # held while the stream is open
     frames = await drain(stream)
 
@@ -702,7 +703,7 @@ async def test_without_coalescing_each_engine_event_is_one_derender_call_and_one
     pipeline = make_pipeline(derender_coalesce=coalesce)
     upstreams.default_plan = StreamPlan(tokens=12, burst=True)
     stream = await pipeline.chat(chat_body(stream=True, max_tokens=12), "r-coalesce")
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     chunks = (await drain(stream))[:-1]
     (gen,) = upstreams.calls_of("generate")
     events = upstreams.stream_events(gen.body, 12)

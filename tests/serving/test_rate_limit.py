@@ -1,5 +1,5 @@
 """Tokens-per-minute limits per client key: the sliding window (fake clock) and the /v1 view's
-binding of the caller's key, charged the way the pipeline charges it after render."""
+grant of the caller's key, charged the way the pipeline charges it after render."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from fleet.services import api_key_create
 from serving import snapshots
 from serving.pipeline.errors import EngineError, RequestError
 from serving.pipeline.flow_control import rate_limit
-from serving.pipeline.flow_control.rate_limit import KeyLimit, TokenRateLimited, TokenRateLimiter
+from serving.pipeline.flow_control.rate_limit import KeyCharge, KeyLimit, TokenRateLimited, TokenRateLimiter
+from serving.pipeline.request_context import KeyGrant, RequestContext
+from serving.pipeline.response import Response, respond
 
 
 class Clock:
@@ -92,9 +94,8 @@ def test_keys_are_independent_and_idle_keys_are_forgotten(limiter: TokenRateLimi
     assert limiter._log == {} and limiter._used == {}
 
 
-async def test_charge_without_a_bound_limit_is_free(limiter: TokenRateLimiter) -> None:
-    rate_limit.bind(None)
-    await rate_limit.charge_request(10**9, limiter)
+async def test_charge_without_a_limit_is_free(limiter: TokenRateLimiter) -> None:
+    assert not await KeyCharge(None).charge(10**9, limiter)
     assert limiter._log == {}
 
 
@@ -102,39 +103,30 @@ async def test_charge_without_a_bound_limit_is_free(limiter: TokenRateLimiter) -
 async def test_a_non_positive_amount_is_refused_never_charged(limiter: TokenRateLimiter, amount: int) -> None:
     with pytest.raises(RequestError):
         limiter.charge(KEY, amount)
-    rate_limit.bind(KEY)
     with pytest.raises(RequestError):
-        await rate_limit.charge_request(amount, limiter)
-    rate_limit.bind(None)
+        await KeyCharge(KEY).charge(amount, limiter)
     with pytest.raises(RequestError):  # a wrong count is wrong for an unlimited key too
-        await rate_limit.charge_request(amount, limiter)
+        await KeyCharge(None).charge(amount, limiter)
     assert limiter.used(KEY.key_id) == 0 and limiter._log == {}
 
 
 async def test_a_request_is_charged_once_whichever_paths_it_takes(limiter: TokenRateLimiter) -> None:
-    rate_limit.bind(KEY)
-    await rate_limit.charge_request(30, limiter)  # after render
-    await rate_limit.charge_request(16, limiter)  # then moved to the native path: not again
+    charge = KeyCharge(KEY)
+    assert await charge.charge(30, limiter)  # after render
+    assert not await charge.charge(16, limiter)  # then moved to the native path: not again
     assert limiter.used(KEY.key_id) == 30
-    rate_limit.bind(KEY)  # the next request
-    await rate_limit.charge_request(30, limiter)
+    await KeyCharge(KEY).charge(30, limiter)  # the next request
     assert limiter.used(KEY.key_id) == 60
-    rate_limit.bind(None)
 
 
 async def test_a_keys_limit_holds_per_served_model(limiter: TokenRateLimiter) -> None:
-    rate_limit.bind(KEY)
-    rate_limit.scope_to_model("tiny")
-    await rate_limit.charge_request(90, limiter)
-    rate_limit.bind(KEY)
-    rate_limit.scope_to_model("tiny")
+    grant = KeyGrant(limit=KEY)
+    await RequestContext.granted("a", grant.for_model("tiny")).charge.charge(90, limiter)
     with pytest.raises(TokenRateLimited):
-        await rate_limit.charge_request(20, limiter)
-    rate_limit.bind(KEY)
-    rate_limit.scope_to_model("tiny-b")  # another model's window: its own 100 tokens
-    await rate_limit.charge_request(20, limiter)
+        await RequestContext.granted("b", grant.for_model("tiny")).charge.charge(20, limiter)
+    # another model's window: its own 100 tokens
+    await RequestContext.granted("c", grant.for_model("tiny-b")).charge.charge(20, limiter)
     assert limiter.used(f"{KEY.key_id}:tiny") == 90 and limiter.used(f"{KEY.key_id}:tiny-b") == 20
-    rate_limit.bind(None)
 
 
 # --------------------------------------------------------------------------- through the view
@@ -147,10 +139,13 @@ class ChargingPipeline:
         self.tokens = tokens
         self.served = 0
 
-    async def chat(self, body: dict[str, Any], request_id: str, phases: Any = None) -> dict[str, Any]:
-        await rate_limit.charge_request(self.tokens)
+    async def chat(self, body: dict[str, Any], ctx: RequestContext) -> dict[str, Any] | Response:
+        return await respond(ctx, self.serve)
+
+    async def serve(self, response: Response) -> dict[str, Any]:
+        await response.charge(self.tokens)
         self.served += 1
-        return {"id": request_id, "object": "chat.completion", "choices": []}
+        return {"id": response.ctx.request_id, "object": "chat.completion", "choices": []}
 
 
 @pytest.fixture
@@ -266,10 +261,10 @@ class FailingPipeline(ChargingPipeline):
         self.mode = mode
         self.charged = asyncio.Event()
 
-    async def chat(self, body: dict[str, Any], request_id: str, phases: Any = None) -> dict[str, Any]:
+    async def serve(self, response: Response) -> dict[str, Any]:
         if self.mode == "answer":
-            return await super().chat(body, request_id, phases)
-        await rate_limit.charge_request(self.tokens)
+            return await super().serve(response)
+        await response.charge(self.tokens)
         self.charged.set()
         if self.mode == "fail":
             raise EngineError("engine e1 answered 500", instance="e1")

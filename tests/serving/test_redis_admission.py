@@ -14,7 +14,7 @@ import pytest
 from redis.exceptions import ResponseError
 
 from serving.pipeline.errors import AdmissionTimeout, AdmissionUnavailable, RequestError
-from serving.pipeline.flow_control.admission import AdmissionSettings, reserve_together
+from serving.pipeline.flow_control.admission import AdmissionSettings, LeaseGroup
 from serving.pipeline.flow_control.redis_admission import RedisTokenAdmission
 from tests.serving import shared_redis
 from tests.serving.fakes import instance
@@ -204,11 +204,11 @@ async def test_the_queue_is_fifo_per_instance_across_processes_and_spares_other_
 async def test_prompts_reserved_together_fail_fast_with_redis(redis_client: Any, prefix: str) -> None:
     a = RedisTokenAdmission(redis_client, AdmissionSettings(wait_s=30.0), prefix=prefix)
     async with asyncio.timeout(5):
-        with reserve_together():
-            first = await a.acquire(E1, 60)
-            with pytest.raises(AdmissionUnavailable):
-                await a.acquire(E1, 60)
-            assert await redis_client.zcard(f"{prefix}:queue:e1") == 0
+        group = LeaseGroup()
+        first = await a.acquire(E1, 60, group)
+        with pytest.raises(AdmissionUnavailable):
+            await a.acquire(E1, 60, group)
+        assert await redis_client.zcard(f"{prefix}:queue:e1") == 0
         first.release()
     await settle(a)
     assert await keys(redis_client, prefix) == []

@@ -24,6 +24,7 @@ from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.resilience.breaker import BreakerBoard
+from serving.pipeline.response import Response
 from serving.pipeline.service import EventStream, ServingPipeline
 from tests.serving.fakes import (
     CHAT_PROMPT,
@@ -184,7 +185,7 @@ def chat(**extra: Any) -> dict[str, Any]:
 
 
 async def drain(stream: Any) -> list[Any]:
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     async with asyncio.timeout(WATCHDOG_S):
         raw = b"".join([f async for f in stream.frames()])
     return parse_frames(raw)
@@ -441,7 +442,7 @@ async def test_disconnect_while_choices_are_relayed_releases_every_choice_stream
 ) -> None:
     engines.faults = {"e1": [Fault("raise", 3)], "e2": [Fault("hang", 1), Fault("hang", 1)]}
     stream = await pipeline.chat(chat(n=2), "r4d")
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     frames = stream.frames()
     async with asyncio.timeout(WATCHDOG_S):
         got = [await anext(frames) for _ in range(5)]  # three from e1, one from each relayed choice
@@ -499,17 +500,17 @@ async def test_fan_out_commits_a_chunk_only_once_the_client_was_handed_it(
 ) -> None:
     body = {"model": MODEL, "prompt": ["a", "b", "c"], "stream": True, "max_tokens": 6}
     stream = await pipeline.completions(body, "r6b")
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     handed = 0
     async with asyncio.timeout(WATCHDOG_S), aclosing(stream.frames()) as frames:
         async for raw in frames:
             # What the sessions committed is what the client has been handed, never what only
             # entered the merge queue (the chunk in hand commits when the client asks for more).
-            committed = sum(s.completion_tokens for s in stream.sessions)
+            committed = sum(s.completion_tokens for s in stream.body.sessions)
             assert handed <= committed + raw.count(b"<") and committed <= handed, (committed, handed)
             handed += raw.count(b"<")
             await asyncio.sleep(0)  # a slow client: the producers run meanwhile
-    assert handed == 18 == sum(s.completion_tokens for s in stream.sessions)
+    assert handed == 18 == sum(s.completion_tokens for s in stream.body.sessions)
 
 
 async def test_disconnect_during_relay_releases_everything(
@@ -517,7 +518,7 @@ async def test_disconnect_during_relay_releases_everything(
 ) -> None:
     engines.faults = {"e1": [Fault("raise", 2)], "e2": [Fault("hang", 1)]}
     stream = await pipeline.chat(chat(), "r7")
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     frames = stream.frames()
     async with asyncio.timeout(WATCHDOG_S):
         got = [await anext(frames) for _ in range(3)]  # two from e1, one from the relay on e2
@@ -540,7 +541,7 @@ async def test_disconnect_while_the_relay_is_being_opened(
     engines.faults = {"e1": [Fault("raise", 1)]}
     upstreams._overrides[("e2", "generate")].insert(0, (slow_open, 1))
     stream = await pipeline.chat(chat(), "r8")
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     task = asyncio.create_task(drain(stream))
     async with asyncio.timeout(WATCHDOG_S):
         while len(upstreams.calls_of("generate")) < 2:

@@ -14,6 +14,7 @@ import pytest
 from serving.pipeline.engine.native import NativeStream, native_reason
 from serving.pipeline.errors import NoCapacity, RequestError, error_body
 from serving.pipeline.render.live import LiveStreams
+from serving.pipeline.response import Response
 from serving.pipeline.service import EventStream
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams
 from tests.serving.router_fakes import Rig, chat_body, engine, snapshot_with
@@ -42,7 +43,7 @@ def test_native_reason_names_the_missing_streaming_derender() -> None:
 async def test_a_stream_goes_native_when_the_sidecar_lacks_streaming_derender(rig: Rig) -> None:
     body = chat_body(stream=True)
     stream = await rig.pipeline(snapshot_with(*NATIVE_FLEET, **OLD_SIDECAR)).chat(body, "s1")
-    assert isinstance(stream, NativeStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, NativeStream)
     raw = await read_all(stream)
     assert raw.endswith(b"data: [DONE]\n\n") and b'"content":"hi"' in raw
     assert rig.native.calls == [("e1", "/v1/chat/completions", body)]
@@ -85,7 +86,7 @@ async def test_with_obfuscation_on_the_stream_is_refused_never_sent_native(rig: 
 async def test_a_stream_holds_its_sidecar_until_its_last_chunk(rig: Rig) -> None:
     live = LiveStreams()
     stream = await rig.pipeline(live_streams=live).chat(chat_body(stream=True), "h1")
-    assert isinstance(stream, EventStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     assert live.counts() == {RENDER_URL: 1}
     seen: list[tuple[bytes, dict[str, int]]] = []
     async with asyncio.timeout(5):
@@ -99,7 +100,7 @@ async def test_a_stream_holds_its_sidecar_until_its_last_chunk(rig: Rig) -> None
 async def test_a_stream_never_read_releases_its_sidecar_on_aclose(rig: Rig) -> None:
     live = LiveStreams()
     stream = await rig.pipeline(live_streams=live).chat(chat_body(stream=True), "h2")
-    assert isinstance(stream, EventStream) and live.counts() == {RENDER_URL: 1}
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream) and live.counts() == {RENDER_URL: 1}
     await stream.aclose()
     await stream.aclose()  # idempotent: counted down once
     assert live.counts() == {}

@@ -13,6 +13,7 @@ from serving.pipeline import request_checks
 from serving.pipeline.engine.native import prompt_bound
 from serving.pipeline.errors import MotorError, RequestError
 from serving.pipeline.request_checks import KeyPolicy, RequestLimits, VocabularyUnknown
+from serving.pipeline.request_context import KeyGrant, RequestContext
 from serving.pipeline.snapshot import FleetSnapshot, ModelView
 from tests.serving.fakes import MODEL, VOCAB_SIZE, FakeUpstreams
 from tests.serving.router_fakes import Rig, chat_body, engine, model_dir, snapshot_with
@@ -34,7 +35,9 @@ def _path(rig: Rig, path: str) -> FleetSnapshot:
     return snapshot_with(*NATIVE)
 
 
-async def _call(rig: Rig, snapshot: FleetSnapshot, kind: str, body: dict[str, Any], rid: str = "rc") -> Any:
+async def _call(
+    rig: Rig, snapshot: FleetSnapshot, kind: str, body: dict[str, Any], rid: str | RequestContext = "rc"
+) -> Any:
     return await getattr(rig.pipeline(snapshot), kind)(body, rid)
 
 
@@ -187,8 +190,8 @@ async def test_priority_needs_a_key_that_allows_it(rig: Rig, path: str) -> None:
     _nothing_sent(rig)
     with pytest.raises(RequestError):
         await _call(rig, _path(rig, path), "chat", chat_body(priority="-5"))  # the same integer
-    request_checks.bind_policy(KeyPolicy(allow_priority=True))
-    await _call(rig, _path(rig, path), "chat", chat_body(priority=-5))
+    allowed = RequestContext.granted("rc", KeyGrant(KeyPolicy(allow_priority=True)))
+    await _call(rig, _path(rig, path), "chat", chat_body(priority=-5), allowed)
     sent = rig.native.calls[0][2] if path == "native" else rig.upstreams.calls_of("render")[0].body
     assert sent["priority"] == -5
 

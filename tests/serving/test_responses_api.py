@@ -14,6 +14,7 @@ import pytest
 from serving.pipeline.apis.responses import to_response
 from serving.pipeline.apis.responses_stream import ResponsesStream
 from serving.pipeline.errors import RenderUnavailable, RequestError
+from serving.pipeline.response import Response
 from tests.serving.fakes import CHAT_PROMPT, MODEL, StreamPlan, output_ids, text_of
 from tests.serving.router_fakes import Rig, engine, respond, snapshot_with
 
@@ -68,7 +69,7 @@ def test_the_output_bound_makes_it_incomplete() -> None:
 
 async def test_a_stream_is_the_responses_event_protocol(rig: Rig) -> None:
     stream = await rig.pipeline(snapshot_with(*FLEET)).responses(request(stream=True), "r3")
-    assert isinstance(stream, ResponsesStream)
+    assert isinstance(stream, Response) and isinstance(stream.body, ResponsesStream)
     got = events(b"".join([f async for f in stream.frames()]))
     names = [n for n, _ in got]
     assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",

@@ -22,6 +22,7 @@ from serving.pipeline.errors import (
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.admission import AdmissionSettings, TokenAdmission
 from serving.pipeline.flow_control.rate_limit import KeyLimit, TokenRateLimiter
+from serving.pipeline.request_context import KeyGrant, RequestContext
 from serving.pipeline.resilience.breaker import BreakerBoard, State
 from tests.serving.fakes import CHAT_PROMPT, MODEL, FakeUpstreams, completion_prompt_ids, error_json
 from tests.serving.router_fakes import (
@@ -235,13 +236,9 @@ async def test_the_context_budget_clamps_before_placement_and_the_rate_limit_cha
         return httpx.Response(200, json=rig.upstreams.generate_response(body))
 
     rig.upstreams.override("e1", "generate", observe)
-    rate_limit.bind(key)
-    try:
-        await rig.pipeline(snapshot_with(big, small, context_budget=True)).completions(
-            {"model": MODEL, "prompt": "x", "max_tokens": 2000}, "f12b"
-        )
-    finally:
-        rate_limit.bind(None)
+    await rig.pipeline(snapshot_with(big, small, context_budget=True)).completions(
+        {"model": MODEL, "prompt": "x", "max_tokens": 2000}, RequestContext.granted("f12b", KeyGrant(limit=key))
+    )
     room = 1000 - 2  # prompt 0 renders to 2 ids
     (gen,) = rig.upstreams.calls_of("generate")
     assert gen.host == "e1" and gen.body["sampling_params"]["max_tokens"] == room

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -61,3 +62,15 @@ async def test_it_skips_a_render_found_down_in_every_pipeline_of_the_process(mon
         runtime.RUNTIME.render_health.pop(down, None)
         runtime.RUNTIME.render_health.pop(other, None)
         await http.shared_client().aclose()
+
+
+async def test_it_builds_one_pipeline_per_snapshot_view_and_settings(settings: Any) -> None:
+    snapshot = snapshot_with(model_path=model_dir())
+    model = next(iter(snapshot.models))
+    first = runtime.pipeline_for(snapshot, model)
+    assert runtime.pipeline_for(snapshot, model) is first
+    settings.MOTOR_STREAM_CHUNK_TIMEOUT_S = 7.5  # what a test overrides is part of the key
+    changed = runtime.pipeline_for(snapshot, model)
+    assert changed is not first and changed.stream_settings.chunk_timeout_s == 7.5
+    moved = replace(snapshot, version=snapshot.version + 1)  # a new snapshot: a new pipeline
+    assert runtime.pipeline_for(moved, model).snapshot is not changed.snapshot

@@ -1,6 +1,6 @@
 """Anthropic's event protocol over the chat token path's stream.
 
-``MessagesStream`` wraps the chat ``EventStream`` (derender per chunk, committed ``stream_state``,
+``MessagesStream`` wraps the chat ``EventStream`` (``apis/converted_stream.py``) (derender per chunk, committed ``stream_state``,
 relay after an engine failure, cancellation on disconnect: all the chat stream's) and turns its
 chat chunks into Anthropic events as vLLM's server does (``message_stream_converter``):
 ``message_start``; per block ``content_block_start``, its deltas (``thinking_delta`` then a
@@ -15,26 +15,15 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
+from serving.pipeline.apis.converted_stream import ConvertedStream
 from serving.pipeline.apis.messages import error_type, stop_reason, usage
-from serving.pipeline.streaming.event_stream import EventStream
 
 
 def event(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: ".encode() + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
-
-
-def chat_payloads(framed: bytes) -> list[dict[str, Any]]:
-    """The JSON payloads of one or more chat SSE frames; ``[DONE]`` is left out."""
-    out = []
-    for line in framed.split(b"\n"):
-        if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
-            out.append(json.loads(line[6:]))
-    return out
 
 
 @dataclass
@@ -169,28 +158,7 @@ def _is_json(text: str) -> bool:
     return True
 
 
-@dataclass
-class MessagesStream:
+class MessagesStream(ConvertedStream):
     """A chat ``EventStream`` sent as Anthropic events; the stream itself stays the chat one's."""
 
-    inner: EventStream
     events: MessagesEvents
-
-    @property
-    def started(self) -> bool:
-        return self.inner.started
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    async def frames(self) -> AsyncIterator[bytes]:
-        failed = False
-        async with aclosing(cast(AsyncGenerator[bytes, None], self.inner.frames())) as chunks:
-            async for framed in chunks:
-                for payload in chat_payloads(framed):
-                    out = self.events.chunk(payload)
-                    failed = failed or "error" in payload
-                    if out:
-                        yield b"".join(out)
-        if not failed:
-            yield b"".join(self.events.end())

@@ -1,6 +1,6 @@
 """The Responses API's event protocol over the chat token path's stream.
 
-``ResponsesStream`` wraps the chat ``EventStream`` (derender per chunk, committed
+``ResponsesStream`` wraps the chat ``EventStream`` (``apis/converted_stream.py``) (derender per chunk, committed
 ``stream_state``, relay after an engine failure, cancellation on disconnect: all the chat
 stream's) and turns its chat chunks into the events vLLM's server sends for a simple (not
 Harmony) model (``responses/serving.py``, ``responses_stream_generator``, and
@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from contextlib import aclosing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
-from serving.pipeline.apis.messages_stream import chat_payloads
+from serving.pipeline.apis.converted_stream import ConvertedStream
 from serving.pipeline.apis.responses import (
     envelope,
     finished,
@@ -33,7 +32,6 @@ from serving.pipeline.apis.responses import (
     reasoning_tokens,
     usage,
 )
-from serving.pipeline.streaming.event_stream import EventStream
 
 
 @dataclass
@@ -172,27 +170,7 @@ class ResponsesEvents:
         return [self._event("error", {"code": str(status or 500), "message": str(message or ""), "param": None})]
 
 
-@dataclass
-class ResponsesStream:
+class ResponsesStream(ConvertedStream):
     """A chat ``EventStream`` sent as Responses events; the stream itself stays the chat one's."""
 
-    inner: EventStream
     events: ResponsesEvents
-
-    @property
-    def started(self) -> bool:
-        return self.inner.started
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    async def frames(self) -> AsyncIterator[bytes]:
-        async with aclosing(cast(AsyncGenerator[bytes, None], self.inner.frames())) as chunks:
-            async for framed in chunks:
-                for payload in chat_payloads(framed):
-                    out = self.events.chunk(payload)
-                    if out:
-                        yield b"".join(out)
-        out = self.events.end()
-        if out:
-            yield b"".join(out)

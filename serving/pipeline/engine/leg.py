@@ -3,7 +3,8 @@
 ``EngineGuard`` holds what each call needs around it: the instance's circuit breaker, token
 admission, the load hold, the obfuscation boundary and response validation. The breaker hears
 only the engine's own faults: a busy engine, a missing capability, a 4xx about the request,
-admission refusals and cancellation leave it as it was (``breaker_scope``).
+admission refusals and cancellation leave it as it was (``breaker_scope``). A stream's verdict
+is given here too: success once established, failure when a read fails (``GuardedEvents``).
 
 ``GenerateContext`` binds the guard to one attempt of one prompt, in the attempt's mode, for the
 topology openers; ``open_leg`` is the attempt's last leg (union, or P/D's decode) in that mode.
@@ -11,6 +12,7 @@ topology openers; ``open_leg`` is the attempt's last leg (union, or P/D's decode
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,7 +26,7 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.native import NativeClient, NativeStream
 from serving.pipeline.engine.requests import validate_generate_response
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability
-from serving.pipeline.flow_control.admission import admission_turn
+from serving.pipeline.flow_control.admission import LeaseGroup, admission_turn
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.placement.scheduler import Scheduler
@@ -116,23 +118,31 @@ class EngineGuard:
         async with self._outcome(instance, record_failure=record_failure):
             yield
 
-    def stream_failed(self, instance: InstanceView, exc: EngineError) -> None:
+    def stream_events(self, events: EventBatches, instance: InstanceView, timeout: float) -> GuardedEvents:
+        """An established stream's events (``open_stream``'s) read through the guard (``GuardedEvents``)."""
+        return GuardedEvents(self, events, instance, timeout)
+
+    def _failed_mid_stream(self, instance: InstanceView, exc: EngineError) -> None:
         """An established stream failed mid-way: the engine's fault, its breaker hears it."""
         self.scheduler.breakers.failure(instance, exc.message[:200])
         metrics.record_request(instance.name, None, None, ok=False)
 
     async def _hold(
-        self, instance: InstanceView, tokens: int, stack: AsyncExitStack, phases: Phases = NO_PHASES
+        self, instance: InstanceView, tokens: int, stack: AsyncExitStack, phases: Phases = NO_PHASES,
+        group: LeaseGroup | None = None,
     ) -> None:
-        """Admission lease and load hold on ``stack``, released when the stack closes."""
+        """Admission lease and load hold on ``stack``, released when the stack closes; ``group``:
+        the leases of the response's streams opened together (``attempts.open_together``)."""
         start = phases.now()
-        async with admission_turn():  # a response's streams take their leases one at a time
-            lease = await self.scheduler.admission.acquire(instance, tokens)
+        async with admission_turn(group):  # a response's streams take their leases one at a time
+            lease = await self.scheduler.admission.acquire(instance, tokens, group)
         phases.observe(metric_names.PHASE_QUEUE_WAIT, start)  # here, so in-process and Redis admission alike
         stack.callback(lease.release)
         stack.enter_context(self.scheduler.load.hold(instance))
 
-    async def reserve(self, instance: InstanceView, tokens: int, phases: Phases = NO_PHASES) -> Reservation:
+    async def reserve(
+        self, instance: InstanceView, tokens: int, phases: Phases = NO_PHASES, group: LeaseGroup | None = None
+    ) -> Reservation:
         """Take ``instance``'s breaker slot, admission lease and load hold now, for a call later.
 
         P/D reserves the decode side before the prefill runs: a decode engine that is held off or
@@ -142,7 +152,7 @@ class EngineGuard:
         await self._admit(instance)
         holds = AsyncExitStack()
         try:
-            await self._hold(instance, tokens, holds, phases)
+            await self._hold(instance, tokens, holds, phases, group)
         except BaseException:
             try:
                 await holds.aclose()
@@ -153,17 +163,17 @@ class EngineGuard:
 
     async def _holds(
         self, instance: InstanceView, tokens: int, reserved: Reservation | None, stack: AsyncExitStack,
-        phases: Phases,
+        phases: Phases, group: LeaseGroup | None = None,
     ) -> None:
         """The call's holds on ``stack``: the reservation's (its breaker slot was taken) or new ones."""
         if reserved is None:
-            await self._hold(instance, tokens, stack, phases)
+            await self._hold(instance, tokens, stack, phases, group)
         else:
             stack.push_async_callback(reserved.take().aclose)
 
     async def generate(
         self, instance: InstanceView, request: dict[str, Any], *, tokens: int, reserved: Reservation | None = None,
-        phases: Phases = NO_PHASES,
+        phases: Phases = NO_PHASES, group: LeaseGroup | None = None,
     ) -> dict[str, Any]:
         """One non-streaming generate; returns the validated, semantic GenerateResponse."""
         start = time.perf_counter()
@@ -171,7 +181,7 @@ class EngineGuard:
             await self._admit(instance)
         async with self._outcome(instance):
             async with AsyncExitStack() as holds:
-                await self._holds(instance, tokens, reserved, holds, phases)
+                await self._holds(instance, tokens, reserved, holds, phases, group)
                 sent = phases.now()
                 raw = await self.engines.generate(instance, self.boundary.outbound(request, instance))
                 phases.observe(metric_names.PHASE_FIRST_CHUNK, sent)  # the whole answer is its first chunk
@@ -185,6 +195,7 @@ class EngineGuard:
     async def open_stream(
         self, instance: InstanceView, request: dict[str, Any], *, tokens: int, stack: AsyncExitStack,
         reserved: Reservation | None = None, phases: Phases = NO_PHASES, whole_reads: bool = False,
+        group: LeaseGroup | None = None,
     ) -> EventBatches:
         """Open one streaming generate (established: HTTP 200); its holds and stream go on ``stack``.
 
@@ -193,7 +204,7 @@ class EngineGuard:
         if reserved is None:
             await self._admit(instance)
         async with self._outcome(instance):
-            await self._holds(instance, tokens, reserved, stack, phases)
+            await self._holds(instance, tokens, reserved, stack, phases, group)
             sent = phases.now()
             events = await stack.enter_async_context(
                 self.engines.generate_stream(instance, self.boundary.outbound(request, instance), whole_reads=whole_reads)
@@ -222,6 +233,46 @@ class EngineGuard:
 
     async def abort(self, instance: InstanceView, request_ids: list[str]) -> None:
         await self.engines.abort(instance, request_ids)
+
+
+class GuardedEvents:
+    """An established stream's events through the guard: each read within ``timeout`` (the chunk
+    timeout), each event made semantic by the boundary.
+
+    The breaker's verdict on a stream is the guard's alone: success once it is established
+    (``_outcome``), failure here when a read fails (an ``EngineError``: the engine's fault, a
+    stall included). Not a generator: a stream whose client reads nothing keeps no frame of it
+    suspended (``bench/slow_reader.py``).
+    """
+
+    __slots__ = ("_events", "_guard", "_instance", "_timeout")
+
+    def __init__(self, guard: EngineGuard, events: EventBatches, instance: InstanceView, timeout: float) -> None:
+        self._guard = guard
+        self._events = events
+        self._instance = instance
+        self._timeout = timeout
+
+    def __aiter__(self) -> GuardedEvents:
+        return self
+
+    async def __anext__(self) -> list[dict[str, Any]]:
+        instance = self._instance
+        try:
+            try:
+                async with asyncio.timeout(self._timeout):
+                    raw = await anext(self._events)
+            except TimeoutError as exc:
+                raise EngineError(
+                    f"{instance.name} sent nothing for {self._timeout:g}s mid-stream", instance=instance.name
+                ) from exc
+        except EngineError as exc:
+            self._guard._failed_mid_stream(instance, exc)
+            raise
+        # In place: the reader empties the list it takes, and nothing here holds an event then.
+        inbound = self._guard.boundary.inbound_event
+        raw[:] = [inbound(event, instance) for event in raw]
+        return raw
 
 
 @dataclass
@@ -259,6 +310,7 @@ class GenerateContext:
     tokens: int  # prompt + resolved max output: what admission holds on the decoding instance
     stream: bool = False  # the attempt's mode: whether its last leg streams
     phases: Phases = NO_PHASES  # the attempt's recorder (its topology); each leg adds its own label
+    leases: LeaseGroup | None = None  # the response's streams opened together (``open_together``)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -278,7 +330,7 @@ class GenerateContext:
         try:
             return await self.guard.generate(
                 instance, request, tokens=self.tokens if tokens is None else tokens, reserved=reserved,
-                phases=self.phases.on(leg=phase),
+                phases=self.phases.on(leg=phase), group=self.leases,
             )
         except BaseException as exc:
             result = type(exc).__name__
@@ -300,6 +352,7 @@ class GenerateContext:
         events = await self.guard.open_stream(
             instance, request, tokens=tokens, stack=stack, reserved=reserved, phases=self.phases.on(leg=phase),
             whole_reads=coalesces(self.snapshot.render),  # what its reader will merge (coalesce.py)
+            group=self.leases,
         )
         logger.info(
             "generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d engine_request_id=%s result=established "

@@ -229,15 +229,9 @@ class NativeStream:
     request_id: str
     response: StreamReply
     stack: AsyncExitStack
-    _started: bool = field(default=False, init=False)
     _closed: bool = field(default=False, init=False)
 
-    @property
-    def started(self) -> bool:
-        return self._started
-
     async def frames(self) -> AsyncIterator[bytes]:
-        self._started = True
         outcome = "ok"
         try:
             async for chunk in self.response.aiter_raw():

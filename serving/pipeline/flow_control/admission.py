@@ -12,7 +12,7 @@ a waiter that fits its instance but not the budget holds back every later reques
 reason.
 
 A request that already holds leases and needs another (the prompts of one stream, opened one
-after another inside ``reserve_together``) never waits: its own leases would only come back
+after another, in one ``LeaseGroup``) never waits: its own leases would only come back
 once the client reads the stream, which cannot start before every prompt is open. So it gets the
 next lease at once or fails fast with ``AdmissionUnavailable`` (503), releasing what it holds.
 
@@ -30,12 +30,11 @@ the same queues among coordinator processes.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -80,8 +79,9 @@ class Lease:
 
 
 @dataclass(eq=False)
-class _Together:
-    """The leases one request took inside ``reserve_together``."""
+class LeaseGroup:
+    """The leases of one response's streams, opened together (``attempts.open_together`` makes
+    one and hands it down to every ``acquire`` of those streams)."""
 
     leases: list[Lease] = field(default_factory=list)
     # One acquire at a time (``admission_turn``): the streams of one response open concurrently,
@@ -93,31 +93,13 @@ class _Together:
         return any(not lease.released for lease in self.leases)
 
 
-_together: contextvars.ContextVar[_Together | None] = contextvars.ContextVar("motor_admission_together", default=None)
-
-
-@contextmanager
-def reserve_together() -> Iterator[None]:
-    """Within this block, an ``acquire`` made while holding an earlier one never waits.
-
-    Used around opening a multi-prompt stream: every prompt's lease is taken at once or the
-    request fails fast (``AdmissionUnavailable``), never waiting on its own leases.
-    """
-    token = _together.set(_Together())
-    try:
-        yield
-    finally:
-        _together.reset(token)
-
-
 @asynccontextmanager
-async def admission_turn() -> AsyncIterator[None]:
-    """Inside ``reserve_together``, the one turn of its request to acquire a lease; else nothing."""
-    together = _together.get()
-    if together is None:
+async def admission_turn(group: LeaseGroup | None) -> AsyncIterator[None]:
+    """In ``group``, the one turn of its request to acquire a lease; without one, nothing."""
+    if group is None:
         yield
         return
-    async with together.turn:
+    async with group.turn:
         yield
 
 
@@ -196,15 +178,15 @@ class TokenAdmission:
         self._inflight[instance] += tokens
         self._total += tokens
 
-    async def acquire(self, instance: InstanceView, tokens: int) -> Lease:
+    async def acquire(self, instance: InstanceView, tokens: int, group: LeaseGroup | None = None) -> Lease:
         """Hold ``tokens`` on ``instance``, waiting FIFO for room.
 
         Raises ``RequestError`` for a non-positive amount, ``QueueFull``, ``AdmissionTimeout``,
-        or ``AdmissionUnavailable`` inside ``reserve_together`` when it would have to wait.
+        or ``AdmissionUnavailable`` when it would have to wait while ``group`` holds a lease.
         """
         tokens = check_tokens(tokens)
         name, capacity = instance.name, instance.token_capacity
-        together = _together.get()
+        together = group
         if self._may_pass(name, capacity, tokens):
             self._take(name, tokens)
             return self._granted(Lease(self, name, tokens), together)
@@ -232,7 +214,7 @@ class TokenAdmission:
         return self._granted(Lease(self, name, tokens), together)
 
     @staticmethod
-    def _granted(lease: Lease, together: _Together | None) -> Lease:
+    def _granted(lease: Lease, together: LeaseGroup | None) -> Lease:
         if together is not None:
             together.leases.append(lease)
         return lease

@@ -1,15 +1,15 @@
 """Tokens-per-minute limits per client key, enforced once a request's token count is known.
 
 The count a request is charged is prompt tokens + resolved max output tokens (times ``n``),
-known only after render; so the view binds the caller's key and limit to the request's context
-(``bind``) and the pipeline charges it (``charge_request``) on whichever path first knows the
-count: after render or local tokenization on the token-only path, before the first engine call
+known only after render; so the edge puts the caller's key and limit in the request's context
+(``request_context.RequestContext``) and the pipeline charges it (``KeyCharge.charge``,
+through ``Response.charge``) on whichever path first knows the count: after render or local tokenization on the token-only path, before the first engine call
 on the native path (the admission estimate there). A request is charged once, even when it moves
 from one path to the other. Charging the reserved output rather than what was generated errs on
 the safe side: a limit is a promise about engine capacity, which is reserved up front. A
 non-positive amount is refused (``RequestError``), never charged. A request that is answered
 nothing (an error status, or a client that left before its answer began) is refunded
-(``refund_request``): the key pays for answers, not for the fleet's failures.
+(``KeyCharge.refund``, from the response's exit stack): the key pays for answers, not for the fleet's failures.
 
 ``TokenRateLimiter`` is a sliding log of the last 60 s per key, in-process: with several
 coordinator processes each would enforce the limit on its own share of the traffic.
@@ -21,7 +21,6 @@ the limit holds across every process; Redis unreachable is 503 with ``Retry-Afte
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import math
 import threading
@@ -51,6 +50,12 @@ class KeyLimit:
     key_id: str  # sha256 hex of the key: the window's identity, never the key itself
     name: str
     tokens_per_minute: int
+
+    def for_model(self, model: str) -> KeyLimit:
+        """The key's window for ``model``: a key's tokens per minute hold per served model, as
+        OpenAI's limits do, so one model's traffic never uses up another's. The model name comes
+        from the control plane (the request was resolved against the snapshot), never raw input."""
+        return KeyLimit(f"{self.key_id}:{model}", self.name, self.tokens_per_minute)
 
 
 class TokenRateLimiter:
@@ -266,66 +271,49 @@ class RedisTokenRateLimiter(TokenRateLimiter):
 
 
 @dataclass(eq=False)
-class _Binding:
-    limit: KeyLimit
+class KeyCharge:
+    """One request's charge against its key's window: made once, whichever path first knows the
+    count (``charge``), taken back when the request was answered nothing (``refund``)."""
+
+    limit: KeyLimit | None  # None: the key has no limit, nothing is charged
     charged: bool = False  # once per request, whichever path charges first
-    charge_id: str = ""  # the charge, for ``refund_request``
+    charge_id: str = ""  # the charge, for ``refund``
     limiter: TokenRateLimiter | None = None  # the limiter that holds it
 
+    async def charge(self, tokens: int, limiter: TokenRateLimiter | None = None) -> bool:
+        """Charge ``tokens`` once per request if the key has a limit; True when this call charged.
 
-# The process's limiter (``serving.runtime.build`` installs the shared one with ``REDIS_URL``),
-# and the key of the request being served (set by the view).
+        Raises ``TokenRateLimited`` when over it, ``RequestError`` for a non-positive amount (even
+        for a key without a limit: the count is wrong, whoever asks), ``AdmissionUnavailable`` when
+        the shared window cannot be reached.
+        """
+        tokens = check_tokens(tokens)
+        if self.limit is None or self.charged:
+            return False
+        charge_id = uuid.uuid4().hex
+        limiter = limiter or LIMITER
+        await limiter.acharge(self.limit, tokens, charge_id)
+        self.charged, self.charge_id, self.limiter = True, charge_id, limiter
+        return True
+
+    async def refund(self) -> None:
+        """Take back this request's charge: it was answered nothing (an error, or a client that left
+        before its answer began). Once; a refund that cannot reach the shared window is logged, never
+        raised over the request's own outcome."""
+        if self.limit is None or not self.charge_id or self.limiter is None:
+            return
+        charge_id, self.charge_id = self.charge_id, ""
+        try:
+            await self.limiter.arefund(self.limit, charge_id)
+        except (RedisError, OSError) as exc:
+            logger.warning("tokens-per-minute refund failed key=%s: %r", self.limit.name, exc)
+
+
+# The process's limiter (``serving.runtime.build`` installs the shared one with ``REDIS_URL``).
 LIMITER: TokenRateLimiter = TokenRateLimiter()
-_current: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar("motor_key_limit", default=None)
 
 
 def install(limiter: TokenRateLimiter) -> None:
     """Make ``limiter`` the process's limiter (the composition root calls this once)."""
     global LIMITER
     LIMITER = limiter
-
-
-def bind(limit: KeyLimit | None) -> None:
-    """Attach the caller's key limit to this request's context (None: unlimited)."""
-    _current.set(_Binding(limit) if limit is not None else None)
-
-
-def scope_to_model(model: str) -> None:
-    """Make the bound key's window this model's: a key's tokens per minute hold per served model,
-    as OpenAI's limits do, so one model's traffic never uses up another's. The model name comes
-    from the control plane (the request was resolved against the snapshot), never raw input."""
-    binding = _current.get()
-    if binding is not None and not binding.charged:
-        limit = binding.limit
-        _current.set(_Binding(KeyLimit(f"{limit.key_id}:{model}", limit.name, limit.tokens_per_minute)))
-
-
-async def charge_request(tokens: int, limiter: TokenRateLimiter | None = None) -> None:
-    """Charge the bound key once per request, if it has a limit.
-
-    Raises ``TokenRateLimited`` when over it, ``RequestError`` for a non-positive amount (even
-    for a key without a limit: the count is wrong, whoever asks), ``AdmissionUnavailable`` when
-    the shared window cannot be reached.
-    """
-    tokens = check_tokens(tokens)
-    binding = _current.get()
-    if binding is None or binding.charged:
-        return
-    charge_id = uuid.uuid4().hex
-    limiter = limiter or LIMITER
-    await limiter.acharge(binding.limit, tokens, charge_id)
-    binding.charged, binding.charge_id, binding.limiter = True, charge_id, limiter
-
-
-async def refund_request() -> None:
-    """Take back this request's charge: it was answered nothing (an error, or a client that left
-    before its answer began). Once; a refund that cannot reach the shared window is logged, never
-    raised over the request's own outcome."""
-    binding = _current.get()
-    if binding is None or not binding.charge_id or binding.limiter is None:
-        return
-    charge_id, binding.charge_id = binding.charge_id, ""
-    try:
-        await binding.limiter.arefund(binding.limit, charge_id)
-    except (RedisError, OSError) as exc:
-        logger.warning("tokens-per-minute refund failed key=%s: %r", binding.limit.name, exc)

@@ -1,7 +1,7 @@
 """Token admission shared by every coordinator process through Redis leases that expire.
 
 The same rules as ``admission.TokenAdmission`` (capacity, global budget, a FIFO queue per
-instance, a bounded local queue, a deadline, ``reserve_together``), with the state in Redis:
+instance, a bounded local queue, a deadline, ``LeaseGroup``), with the state in Redis:
 
 - ``<prefix>:leases`` is a sorted set of lease ids scored by their expiry on the leases' clock
   ``<prefix>:clock``, kept by the scripts themselves so processes with skewed clocks agree on it.
@@ -52,8 +52,8 @@ from serving.pipeline.errors import AdmissionUnavailable
 from serving.pipeline.flow_control.admission import (
     AdmissionSettings,
     Lease,
+    LeaseGroup,
     TokenAdmission,
-    _together,
     check_tokens,
     must_not_wait,
     queue_full,
@@ -260,14 +260,14 @@ class RedisTokenAdmission(TokenAdmission):
         )
         return bool(ok)
 
-    async def acquire(self, instance: InstanceView, tokens: int) -> Lease:
+    async def acquire(self, instance: InstanceView, tokens: int, group: LeaseGroup | None = None) -> Lease:
         """Hold ``tokens`` on ``instance``, waiting in its shared FIFO queue for room.
 
         Raises what ``TokenAdmission.acquire`` raises, and ``AdmissionUnavailable`` (503 with
         ``Retry-After``) when Redis cannot be reached.
         """
         lease = Lease(self, instance.name, check_tokens(tokens))
-        together = _together.get()
+        together = group
         waiter: _LocalWaiter | None = None
         try:
             if not await self._try(instance, lease, enqueue=False):

@@ -27,7 +27,7 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import EngineGuard, GenerateContext
 from serving.pipeline.engine.requests import attempt_request_id, engine_request, resolved_max_tokens
 from serving.pipeline.errors import EngineError, EngineLacksCapability, NoCapacity, TriggerMultiPromptStream
-from serving.pipeline.flow_control.admission import reserve_together
+from serving.pipeline.flow_control.admission import LeaseGroup
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.placement.scheduler import Placement, Scheduler
@@ -103,7 +103,7 @@ class OpenStream:
 
 
 async def open_together(
-    openers: Sequence[Callable[[], Coroutine[Any, Any, OpenStream]]], engines: EngineClient
+    openers: Sequence[Callable[[LeaseGroup], Coroutine[Any, Any, OpenStream]]], engines: EngineClient
 ) -> list[OpenStream]:
     """Run ``openers`` concurrently and return their streams in order, all or none.
 
@@ -111,25 +111,26 @@ async def open_together(
     continues) open at once, so under Handoff their prefills overlap instead of queueing one
     after another; the caller commits the response only once every one is established (RFC: all
     generate streams ready before the client's response). The first failure cancels and awaits
-    the others, closes (and aborts) whatever had opened, and is raised. Leases are taken inside
-    ``reserve_together`` one at a time (``admission_turn`` in the guarded leg), as if the streams
-    opened one after another: only the first may wait for room, while its siblings hold nothing.
+    the others, closes (and aborts) whatever had opened, and is raised. Each opener gets the
+    streams' one ``LeaseGroup``: their leases are taken one at a time (``admission_turn`` in the
+    guarded leg), as if the streams opened one after another: only the first may wait for room,
+    while its siblings hold nothing.
     """
-    with reserve_together():
-        if len(openers) == 1:
-            return [await openers[0]()]
-        tasks: list[asyncio.Task[OpenStream]] = []
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(opener()) for opener in openers]
-        except BaseException as exc:
-            for t in tasks:
-                if t.done() and not t.cancelled() and t.exception() is None:
-                    await t.result().aclose(engines)
-            if isinstance(exc, BaseExceptionGroup):
-                raise first_error(exc) from exc
-            raise
-        return [t.result() for t in tasks]
+    group = LeaseGroup()
+    if len(openers) == 1:
+        return [await openers[0](group)]
+    tasks: list[asyncio.Task[OpenStream]] = []
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(opener(group)) for opener in openers]
+    except BaseException as exc:
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is None:
+                await t.result().aclose(engines)
+        if isinstance(exc, BaseExceptionGroup):
+            raise first_error(exc) from exc
+        raise
+    return [t.result() for t in tasks]
 
 
 def context_room(
@@ -268,10 +269,13 @@ class Attempts:
     async def open(
         self, tokenized: TokenizedRequest, index: int, requires_tokenizer: bool, *,
         plan: RetryRequestPlan | None = None, exclude: Collection[str] = (), first_attempt: int = 0,
+        leases: LeaseGroup | None = None,
     ) -> OpenStream:
-        """Open one engine stream of prompt ``index`` (or of a relay ``plan``), established (HTTP 200)."""
+        """Open one engine stream of prompt ``index`` (or of a relay ``plan``), established (HTTP 200);
+        ``leases``: the group of the response's streams opened with it (``open_together``)."""
         result = await self._attempts(
-            tokenized, index, requires_tokenizer, stream=True, plan=plan, exclude=exclude, first_attempt=first_attempt
+            tokenized, index, requires_tokenizer, stream=True, plan=plan, exclude=exclude, first_attempt=first_attempt,
+            leases=leases,
         )
         assert isinstance(result, OpenStream)
         return result
@@ -279,6 +283,7 @@ class Attempts:
     async def _attempts(
         self, tokenized: TokenizedRequest, index: int, requires_tokenizer: bool, *, stream: bool,
         plan: RetryRequestPlan | None = None, exclude: Collection[str] = (), first_attempt: int = 0,
+        leases: LeaseGroup | None = None,
     ) -> dict[str, Any] | OpenStream:
         """The attempts of both modes, through ``attempt_loop``: place, budget, run or open, and on
         an engine failure exclude what the policy says and try again while the budget lasts."""
@@ -319,7 +324,7 @@ class Attempts:
             )
             ctx = GenerateContext(
                 self.guard, self.snapshot, self.request_id, prompt, index, attempt, placed.tokens, stream,
-                phases=placed.phases,
+                phases=placed.phases, leases=leases,
             )
             return await self._open_attempt(ctx, placement, placed.request, index, attempt)
 

@@ -1,7 +1,8 @@
 """The SSE body of a streaming response: derender per chunk, relay, restart and fan-in.
 
 ``EventStream`` owns the request's established engine streams (``OpenStream``, opened
-concurrently by ``open_together`` before the client saw a byte) until it is closed. One
+concurrently by ``open_together`` before the client saw a byte) until it is closed; the
+request's ``Response`` (``response.py``) closes it with everything else the request holds. One
 ``StreamingRenderSession`` per prompt derenders with committed state across attempts. A single
 prompt relays to another instance after a mid-stream engine failure (the plan in ``relay.py``),
 every choice of it: with ``n > 1`` each unfinished choice continues in an engine stream of its
@@ -19,7 +20,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from serving.pipeline import metric_names
 from serving.pipeline.derender.coalesce import event_reader
@@ -27,6 +28,7 @@ from serving.pipeline.derender.holdback import ChunkHoldback, derender_request
 from serving.pipeline.derender.session import ChoicePhase, ChunkDerender, StreamingRenderSession, StreamSettings
 from serving.pipeline.engine.requests import GENERATE_PREFIX
 from serving.pipeline.errors import EngineError, MotorError, error_body
+from serving.pipeline.flow_control.admission import LeaseGroup
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.tokenization import TokenizedRequest
@@ -38,8 +40,20 @@ from serving.pipeline.streaming.relay import RetryRequestPlan
 logger = logging.getLogger(__name__)
 
 
+_Item = TypeVar("_Item")
+
+
 def _ms(start: float) -> float:
     return (time.perf_counter() - start) * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class PromptChunk:
+    """What one prompt hands the fan-in (``_merged``): a framed chunk, or, with ``usage`` set, its
+    usage-only chunk, left parsed because the fan-in sums the prompts' usage into one chunk."""
+
+    framed: bytes = b""
+    usage: dict[str, Any] | None = None
 
 
 @dataclass
@@ -66,9 +80,6 @@ class EventStream:
     n: int = 1
     phases: Phases = NO_PHASES  # the request's recorder (each session's first derender)
     sessions: list[StreamingRenderSession] = field(default_factory=list)
-    # Counts the stream on its sidecar (``LiveStreams``) until ``aclose``: set by ``_serve``.
-    release_render: Callable[[], None] | None = None
-    _started: bool = field(default=False, init=False)
     _closed: bool = field(default=False, init=False)
     _visible: bool = field(default=False, init=False)
 
@@ -98,13 +109,7 @@ class EventStream:
         several prompts only restart before visible output."""
         return len(self.tokenized.prompts) == 1
 
-    @property
-    def started(self) -> bool:
-        """Whether ``frames()`` ran; from then on its ``finally`` closes the engine streams."""
-        return self._started
-
     async def frames(self) -> AsyncIterator[bytes]:
-        self._started = True
         start = time.perf_counter()
         outcome = "ok"
         # Fan-out (several prompts) cannot relay; before the client saw any chunk the whole
@@ -112,14 +117,14 @@ class EventStream:
         restarts = 0 if self.relays_allowed else self.settings.max_relays
         try:
             while True:
-                source = self._prompt_chunks(0) if self.relays_allowed else self._merged()
+                source = self._prompt_chunks(0, frame) if self.relays_allowed else self._merged()
                 try:
                     # aclosing: when the client leaves mid-stream (GeneratorExit here), the source must be
                     # closed now, so _merged cancels its producers before the engine streams are closed.
                     async with aclosing(source) as chunks:
                         async for chunk in chunks:
                             self._visible = True
-                            yield chunk if isinstance(chunk, bytes) else frame(chunk)
+                            yield chunk
                     break
                 except EngineError as exc:
                     if self._visible or restarts <= 0:
@@ -161,10 +166,10 @@ class EventStream:
             self.public_id, len(old), exc.instance, type(exc).__name__,
         )
 
-        def opener(stream: OpenStream) -> Callable[[], Coroutine[Any, Any, OpenStream]]:
-            return lambda: self.attempts.open(
+        def opener(stream: OpenStream) -> Callable[[LeaseGroup], Coroutine[Any, Any, OpenStream]]:
+            return lambda leases: self.attempts.open(
                 self.tokenized, stream.prompt_index, self.requires_tokenizer, first_attempt=stream.attempt + 1,
-                exclude=self.attempts.policy.excluded_after_restart(exc),
+                exclude=self.attempts.policy.excluded_after_restart(exc), leases=leases,
             )
 
         # As when first opened: all prompts at once; a failure closes what had opened and the old
@@ -174,25 +179,13 @@ class EventStream:
     async def _events(
         self, stream: OpenStream, failed: list[tuple[OpenStream, BaseException]] | None = None
     ) -> AsyncGenerator[list[dict[str, Any]], None]:
-        """The attempt's events (a list per read) through the engine boundary, each read within
-        the chunk timeout; an ``EngineError`` is recorded in ``failed`` (if given) with its stream."""
-        timeout = self.settings.chunk_timeout_s
-        events = stream.events
-        inbound, instance = self.attempts.guard.inbound_event, stream.instance
+        """The attempt's events (a list per read) through the guard (``GuardedEvents``: the chunk
+        timeout, the boundary, the breaker); an ``EngineError`` is recorded in ``failed`` (if
+        given) with its stream."""
         try:
-            while True:
-                try:
-                    async with asyncio.timeout(timeout):
-                        raw = await anext(events)
-                except StopAsyncIteration:
-                    return
-                except TimeoutError as exc:
-                    raise EngineError(
-                        f"{stream.instance.name} sent nothing for {timeout:g}s mid-stream",
-                        instance=stream.instance.name,
-                    ) from exc
-                # In place: the reader empties the list it takes, and nothing here holds an event then.
-                raw[:] = [inbound(event, instance) for event in raw]
+            async for raw in self.attempts.guard.stream_events(
+                stream.events, stream.instance, self.settings.chunk_timeout_s
+            ):
                 yield raw
         except EngineError as exc:
             if failed is not None:
@@ -203,14 +196,12 @@ class EventStream:
         return [s for s in self.streams if s.prompt_index == index]
 
     async def _prompt_chunks(
-        self, index: int, *, fanned: bool = False
-    ) -> AsyncGenerator[dict[str, Any] | bytes, None]:
-        """Derendered chunks of prompt ``index`` across its attempts (relaying where allowed), framed:
-        what waits for a slow client (here, in the merge queue) is a frame, which weighs a fraction
-        of the parsed chunk.
-
-        ``fanned``: a source of the fan-in (``_merged``): choice indices made global, and the
-        usage-only chunk left parsed (``_merged`` sums those).
+        self, index: int, emit: Callable[[dict[str, Any]], _Item]
+    ) -> AsyncGenerator[_Item, None]:
+        """Derendered chunks of prompt ``index`` across its attempts (relaying where allowed), each
+        as ``emit`` makes it: ``frame`` for the client, or a ``PromptChunk`` for the fan-in
+        (``_fanned``). What waits for a slow client (here, in the merge queue) is a frame, which
+        weighs a fraction of the parsed chunk.
         """
         session = self.sessions[index]
         while True:
@@ -221,15 +212,14 @@ class EventStream:
                 async with aclosing(self._prompt_events(streams, failed)) as events, \
                         aclosing(session.chunks(events)) as chunks:
                     async for chunk in chunks:
-                        framed = self._fanned(chunk, index) if fanned else frame(chunk)
+                        item = emit(chunk)
                         del chunk  # not referenced while the client is slow to take its frame
-                        yield framed
+                        yield item
             except EngineError as exc:
                 if not session.visible:
                     session.restore(snapshot)
+                # The breaker heard it already (``GuardedEvents``); the relay avoids the culprit.
                 culprit = next((s for s, e in failed if e is exc), failed[0][0] if failed else streams[0])
-                # A mid-stream engine failure is the engine's: its breaker hears it.
-                self.attempts.guard.stream_failed(culprit.instance, exc)
                 for s in streams:
                     await s.aclose(self.attempts.guard.engines)
                 # Choices still open (an engine that failed before its usage event or [DONE] may
@@ -253,9 +243,9 @@ class EventStream:
                     )
                     async with aclosing(session.chunks(tail_events)) as tail:
                         async for chunk in tail:
-                            framed = self._fanned(chunk, index) if fanned else frame(chunk)
+                            item = emit(chunk)
                             del chunk
-                            yield framed
+                            yield item
                 if not replacements:
                     return
                 continue
@@ -302,20 +292,24 @@ class EventStream:
         if (self.body.get("stream_options") or {}).get("include_usage"):
             yield [_usage_event(GENERATE_PREFIX + streams[0].request_id)]
 
-    def _fanned(self, chunk: dict[str, Any], index: int) -> dict[str, Any] | bytes:
-        """Prompt ``index``'s chunk as the fan-in takes it: global choice indices, and framed
+    def _fanned(self, index: int) -> Callable[[dict[str, Any]], PromptChunk]:
+        """Prompt ``index``'s chunks as the fan-in takes them: global choice indices, framed
         unless it is the usage-only chunk (``_merged`` sums those)."""
-        for c in chunk.get("choices") or []:
-            c["index"] = index * self.n + c.get("index", 0)
-        return chunk if _usage_only(chunk) else frame(chunk)
 
-    async def _merged(self) -> AsyncGenerator[dict[str, Any] | bytes, None]:
+        def item(chunk: dict[str, Any]) -> PromptChunk:
+            for c in chunk.get("choices") or []:
+                c["index"] = index * self.n + c.get("index", 0)
+            return PromptChunk(usage=chunk) if _usage_only(chunk) else PromptChunk(frame(chunk))
+
+        return item
+
+    async def _merged(self) -> AsyncGenerator[bytes, None]:
         """Fan-in of per-prompt streams (framed chunks): global choice index, one merged usage chunk."""
         usage: dict[str, int] = {}
         usage_template: dict[str, Any] | None = None
 
-        def source(index: int) -> Callable[[], AsyncGenerator[dict[str, Any] | bytes, None]]:
-            return lambda: self._prompt_chunks(index, fanned=True)
+        def source(index: int) -> Callable[[], AsyncGenerator[PromptChunk, None]]:
+            return lambda: self._prompt_chunks(index, self._fanned(index))
 
         def on_stop(failed: list[int], exc: BaseException) -> None:
             cancelled = [i for i in range(len(self.streams)) if i not in failed and not self.streams[i].finished]
@@ -328,15 +322,15 @@ class EventStream:
         sources = [source(i) for i in range(len(self.streams))]
         # handed_on: a prompt's session commits a chunk once the client took it, not when it was queued.
         async with aclosing(fan_in(sources, on_stop=on_stop, handed_on=True)) as chunks:
-            async for chunk in chunks:
-                if isinstance(chunk, dict):  # the usage-only chunk: the one left parsed
-                    usage_template = chunk
+            async for item in chunks:
+                if item.usage is not None:  # a prompt's usage-only chunk: summed into one
+                    usage_template = item.usage
                     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-                        usage[key] = usage.get(key, 0) + int(chunk["usage"].get(key) or 0)
+                        usage[key] = usage.get(key, 0) + int(item.usage["usage"].get(key) or 0)
                     continue
-                yield chunk
+                yield item.framed
         if usage_template is not None:
-            yield {**usage_template, "usage": {**usage_template["usage"], **usage}}
+            yield frame({**usage_template, "usage": {**usage_template["usage"], **usage}})
 
     async def _relay(
         self, session: StreamingRenderSession, failed_streams: list[OpenStream], failed: OpenStream,
@@ -376,9 +370,9 @@ class EventStream:
             return [], spent
         exclude = self.attempts.policy.excluded_after_stream_failure(failed.instance)
 
-        def opener(plan: RetryRequestPlan) -> Callable[[], Coroutine[Any, Any, OpenStream]]:
-            return lambda: self.attempts.open(
-                self.tokenized, failed.prompt_index, self.requires_tokenizer, plan=plan, exclude=exclude,
+        def opener(plan: RetryRequestPlan) -> Callable[[LeaseGroup], Coroutine[Any, Any, OpenStream]]:
+            return lambda leases: self.attempts.open(
+                self.tokenized, failed.prompt_index, self.requires_tokenizer, plan=plan, exclude=exclude, leases=leases,
             )
 
         replacements = await open_together([opener(p) for p in plans], self.attempts.guard.engines)
@@ -402,15 +396,11 @@ class EventStream:
             return
         self._closed = True
         errors: list[BaseException] = []
-        try:
-            for s in self.streams:
-                try:
-                    await s.aclose(self.attempts.guard.engines)
-                except BaseException as exc:  # close the others first, then raise
-                    errors.append(exc)
-        finally:
-            if self.release_render is not None:
-                self.release_render()  # no derender call follows: the old sidecar may go
+        for s in self.streams:
+            try:
+                await s.aclose(self.attempts.guard.engines)
+            except BaseException as exc:  # close the others first, then raise
+                errors.append(exc)
         if errors:
             raise errors[0]
 

@@ -72,7 +72,7 @@ def merge_whole(answers: Sequence[dict[str, Any]], n: int) -> dict[str, Any]:
 class NativePromptsStream:
     """The prompts' SSE answers (each an established ``NativeStream``) as one completion stream.
 
-    The edge drives it like a ``NativeStream``: ``frames()`` once, ``aclose()`` if it never ran.
+    Driven like a ``NativeStream``: ``frames()`` once; its ``Response`` closes it if it never ran.
     """
 
     def __init__(self, request_id: str, legs: Sequence[NativeStream], n: int) -> None:
@@ -80,15 +80,9 @@ class NativePromptsStream:
         self.request_id = request_id
         self.legs = list(legs)
         self.n = n
-        self._started = False
         self._closed = False
 
-    @property
-    def started(self) -> bool:
-        return self._started
-
     async def frames(self) -> AsyncGenerator[bytes, None]:
-        self._started = True
         outcome = "ok"
         usages: list[dict[str, Any]] = []
         head: dict[str, Any] = {}

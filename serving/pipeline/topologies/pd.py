@@ -187,7 +187,7 @@ def pd_context(ctx: GenerateContext, placement: PDPlacement, *, callback_timeout
         return await ctx.stream_leg(instance, request, phase=phase, tokens=tokens, stack=stack, reserved=reserved)
 
     async def reserve(instance: InstanceView, tokens: int) -> Reservation:
-        return await ctx.guard.reserve(instance, tokens, ctx.phases)
+        return await ctx.guard.reserve(instance, tokens, ctx.phases, ctx.leases)
 
     def pick_prefill() -> InstanceView:
         # Trigger, at callback time: the P placed earlier, unless its breaker opened meanwhile.
