@@ -16,7 +16,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from http import HTTPStatus
-
 from urllib.parse import unquote
 
 import orjson
