@@ -18,7 +18,8 @@ extension points, ``_GenericHTTPChannelProtocol`` is the wrapper Twisted's facto
   waits for a request (opened, or the previous response sent) until its headers are complete.
   Twisted's own timeout restarts on every byte (12 hours by default in Daphne), so a client
   that trickled a header byte now and then, or sent nothing, held its connection for ever. A
-  client cut in the middle of its headers gets a 408 first.
+  client cut in the middle of its headers gets a 408 first (in its route's error shape once
+  its request line is complete: ``motorsite.refusals``).
 - **Bodies unparsed.** Twisted's request parses every POST's Content-Type and a form body into
   ``request.args``, which Daphne never reads: about 40 us of CPU per request, a form body held
   twice, and a body Twisted cannot parse as the multipart form its Content-Type names answered
@@ -31,20 +32,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
-from urllib.parse import unquote
 
 from daphne import http_protocol
 from django.conf import settings
 from twisted.web import http
 
-from motorsite.front_door import Head, Refusal, check_head, current_limits, log_refusal, too_large, unavailable
+from motorsite.front_door import Head, check_head, current_limits, log_refusal, unavailable
+from motorsite.refusals import Refusal, headers_timed_out, path_of, too_large
 from serving.pipeline.errors import MotorError
 from serving.pipeline.snapshot import FleetSnapshot
 from serving.snapshots import current_snapshot, fresh_snapshot
 
 logger = logging.getLogger(__name__)
-
-REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
 class FrontDoorRequest(http_protocol.WebRequest):  # type: ignore[misc]
@@ -65,7 +64,7 @@ class FrontDoorRequest(http_protocol.WebRequest):  # type: ignore[misc]
                 return  # answered already: the rest of this read is dropped unread by anyone
             self.motor_size += len(data)
             if self.motor_size > self.motor_cap:
-                channel.motor_refuse(head, too_large(head.route))
+                channel.motor_refuse(head, too_large(head.route, head.path))
                 return
         super().handleContentChunk(data)
 
@@ -117,7 +116,9 @@ class FrontDoorChannel(http.HTTPChannel):  # type: ignore[misc]
         self._head_timer = None
         logger.info("front door cut a connection: no complete request headers in %.1f s (server=daphne)", self.header_timeout)
         if self._head_started:
-            self.transport.write(REQUEST_TIMEOUT)
+            # Twisted holds the request line's target from its parse until the request is
+            # complete: present, the 408 takes that route's error shape.
+            self.transport.write(headers_timed_out(vars(self).get("_path")))
         # Twisted's own timeout path: close after the write, abort if the client never reads it.
         self.timeoutConnection()
 
@@ -129,7 +130,7 @@ class FrontDoorChannel(http.HTTPChannel):  # type: ignore[misc]
             super().allHeadersReceived()
             return
         request = self.requests[-1]
-        head = Head.parse(self._command.decode("ascii", "replace"), _path(self._path), _headers(request))
+        head = Head.parse(self._command.decode("ascii", "replace"), path_of(self._path), _headers(request))
         if head.needs_snapshot:
             snapshot = fresh_snapshot()
             if snapshot is None:
@@ -144,7 +145,7 @@ class FrontDoorChannel(http.HTTPChannel):  # type: ignore[misc]
         try:
             answer = check_head(head, snapshot, current_limits())
         except MotorError as exc:
-            answer = unavailable(head.route, exc)
+            answer = unavailable(head, exc)
         if answer is not None:
             self.motor_refuse(head, answer)
             return False
@@ -168,12 +169,12 @@ class FrontDoorChannel(http.HTTPChannel):  # type: ignore[misc]
             snapshot = done.result()
         except MotorError as exc:
             if not self._lost:
-                self.motor_refuse(head, unavailable(head.route, exc))
+                self.motor_refuse(head, unavailable(head, exc))
             return
         except BaseException:
             logger.exception("front door: the snapshot check failed")
             if not self._lost:
-                self.motor_refuse(head, unavailable(head.route, MotorError("snapshot check failed")))
+                self.motor_refuse(head, unavailable(head, MotorError("snapshot check failed")))
             return
         if self._lost or not self._judge(head, snapshot):
             return
@@ -201,15 +202,6 @@ class FrontDoorChannel(http.HTTPChannel):  # type: ignore[misc]
         if self.motor_refused:
             return  # the end of a chunked body that arrived in the read that refused it
         super().allContentReceived()
-
-
-def _path(uri: bytes) -> str:
-    """The path as Daphne puts it in the scope (undecodable: Daphne answers 400 itself)."""
-    raw = uri.split(b"?", 1)[0]
-    try:
-        return unquote(raw.decode("ascii"))
-    except UnicodeDecodeError:
-        return "/"
 
 
 def _headers(request: Any) -> list[tuple[bytes, bytes]]:

@@ -6,7 +6,8 @@ and Django's handler spools it before the view, under any server. Here each requ
 a body (a Content-Length above zero, or chunked) is judged from its head alone:
 
     /v1/...                        a route and method of the edge (404, 405), then a client key
-                                   (``serving.edge.keys``, from the fleet snapshot), body up to
+                                   (``serving.edge.keys``: Bearer, else ``x-api-key``; from the
+                                   fleet snapshot), body up to
                                    ``MOTOR_MAX_BODY_BYTES``
     /api/...                       an admin key (the snapshot's ``admin_keys``): 401, a client
                                    key 403, body up to ``MOTOR_CONTROL_MAX_BODY_BYTES``
@@ -14,8 +15,9 @@ a body (a Content-Length above zero, or chunked) is judged from its head alone:
                                    body up to the control cap
     anything else (/admin, ...)    no key exists before login: body up to the control cap
 
-A refusal is an answer with ``Connection: close``: the body is never read, and the connection
-ends with it. A body without a declared length is counted as it arrives and refused (413) as
+A refusal is an answer with ``Connection: close`` in its route's error shape
+(``motorsite.refusals``: Anthropic's on ``/v1/messages``): the body is never read, and the
+connection ends with it. A body without a declared length is counted as it arrives and refused (413) as
 soon as it passes its cap. A request without a body passes untouched (its route's own
 authentication answers it; nothing here costs it anything).
 
@@ -27,22 +29,20 @@ headers are complete and pauses reading at 64 KiB until ``receive()``), and, und
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from http import HTTPStatus
 
-import orjson
 from django.conf import settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
+from motorsite.refusals import Refusal, Route, refusal, route_of, too_large, v1_error
 from serving.edge.asgi import ASGIApp, Message, Receive, Scope, Send
-from serving.edge.keys import INVALID_KEY, is_client_key
+from serving.edge.keys import INVALID_KEY, chosen_key, is_client_key
 from serving.edge.openai_api import METHODS
-from serving.pipeline.errors import MotorError, NotFound, RequestError, Unauthorized, error_body
+from serving.pipeline.errors import MotorError
 from serving.pipeline.snapshot import FleetSnapshot
 from serving.pipeline.topologies.metaserver import (
     CALLBACK_PATH,
@@ -55,15 +55,7 @@ from serving.snapshots import current_snapshot
 
 logger = logging.getLogger(__name__)
 
-TOO_LARGE = "The request body is too large."
 _FORWARDED = FORWARDED_HEADER.lower().encode()
-
-
-class Route(enum.Enum):
-    V1 = "v1"  # the OpenAI API (serving.edge): client keys
-    API = "api"  # the REST API (motorsite.api): admin keys
-    METASERVER = "metaserver"  # Trigger callbacks (serving.views_internal): the route's MAC
-    SITE = "site"  # the admin and the rest of Django: no key before login
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +88,7 @@ class Head:
     has_body: bool
     declared: int | None  # Content-Length; None when the body must be counted (chunked)
     bearer: bytes  # the token of ``Authorization: Bearer <token>``, or b""
+    client_key: bytes  # the key /v1 reads: that token, else ``x-api-key`` (``keys.chosen_key``)
     forwarded: bool  # a metaserver callback another replica forwarded
 
     @classmethod
@@ -105,6 +98,7 @@ class Head:
         lengths = 0
         chunked = False
         authorization: bytes | None = None
+        api_key: bytes | None = None
         forwarded = False
         for name, value in headers:
             if name == b"content-length":
@@ -117,6 +111,9 @@ class Head:
             elif name == b"authorization":
                 if authorization is None:  # the first, as the edge reads it (serving.edge.asgi.header)
                     authorization = value
+            elif name == b"x-api-key":
+                if api_key is None:
+                    api_key = value
             elif name == _FORWARDED:
                 forwarded = value == b"1"
         has_body = chunked or bool(declared)
@@ -127,40 +124,12 @@ class Head:
         bearer = b""
         if authorization is not None and authorization[:7].lower() == b"bearer ":
             bearer = authorization[7:].strip()
-        return cls(route_of(path), method, path, has_body, declared, bearer, forwarded)
+        client_key = chosen_key(authorization, api_key)
+        return cls(route_of(path), method, path, has_body, declared, bearer, client_key, forwarded)
 
     @property
     def needs_snapshot(self) -> bool:
         return self.has_body and self.route in (Route.V1, Route.API)
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """An answer sent instead of reading the body; the connection closes after it."""
-
-    status: int
-    body: bytes
-    content_type: bytes = b"application/json"
-
-    @property
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return [
-            (b"content-type", self.content_type),
-            (b"content-length", str(len(self.body)).encode()),
-            # The unread body would otherwise be parsed as the next request: the connection ends.
-            (b"connection", b"close"),
-            (b"x-content-type-options", b"nosniff"),
-        ]
-
-    def http11(self) -> bytes:
-        """The whole response as bytes on the wire (for Twisted, which has no ASGI send)."""
-        reason = HTTPStatus(self.status).phrase.encode()
-        lines = [b"HTTP/1.1 %d %s" % (self.status, reason)] + [name + b": " + value for name, value in self.headers]
-        return b"\r\n".join(lines) + b"\r\n\r\n" + self.body
-
-    async def send(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
-        await send({"type": "http.response.body", "body": self.body})
 
 
 _limits: Limits | None = None
@@ -180,46 +149,11 @@ def _settings_changed(**kwargs: object) -> None:
     _limits = None
 
 
-def route_of(path: str) -> Route:
-    if path == "/v1" or path.startswith("/v1/"):
-        return Route.V1
-    if path == "/api" or path.startswith("/api/"):
-        return Route.API
-    if path.startswith(CALLBACK_PATH):
-        return Route.METASERVER
-    return Route.SITE
-
-
-def refusal(route: Route, status: int, message: str) -> Refusal:
-    """An answer in the shape the route's own errors have."""
-    if route is Route.V1:
-        exc: MotorError
-        if status == 401:
-            exc = Unauthorized(message)
-        elif status == 404:
-            exc = NotFound(message)
-        else:
-            exc = RequestError(message, status=status)
-        code, payload = error_body(exc)
-        return Refusal(code, orjson.dumps(payload))
-    if route is Route.API:
-        return Refusal(status, orjson.dumps({"detail": message}))
-    if route is Route.METASERVER:  # serving.views_internal's shape
-        error = {"message": message, "type": "MetaserverError", "param": None, "code": status}
-        return Refusal(status, orjson.dumps({"error": error}))
-    return Refusal(status, message.encode() + b"\n", b"text/plain; charset=utf-8")
-
-
-def unavailable(route: Route, exc: MotorError) -> Refusal:
+def unavailable(head: Head, exc: MotorError) -> Refusal:
     """No snapshot to check a key against (the database is down and never answered): 503."""
-    if route is Route.V1:
-        code, payload = error_body(exc)
-        return Refusal(code, orjson.dumps(payload))
-    return refusal(route, 503, "The control data is unavailable; try again later.")
-
-
-def too_large(route: Route) -> Refusal:
-    return refusal(route, 413, TOO_LARGE)
+    if head.route is Route.V1:
+        return v1_error(head.path, exc)
+    return refusal(head.route, 503, "The control data is unavailable; try again later.")
 
 
 def check_head(head: Head, snapshot: FleetSnapshot | None, limits: Limits) -> Refusal | None:
@@ -237,9 +171,9 @@ def check_head(head: Head, snapshot: FleetSnapshot | None, limits: Limits) -> Re
         if method is None:
             return refusal(route, 404, f"Not found: {head.method} {head.path}")
         if head.method != method:
-            return refusal(route, 405, f"Method not allowed; use {method}.")
-        if not limits.open_access and (snapshot is None or not is_client_key(head.bearer, snapshot, env_keys=limits.env_keys)):
-            return refusal(route, 401, INVALID_KEY)
+            return refusal(route, 405, f"Method not allowed; use {method}.", head.path)
+        if not limits.open_access and (snapshot is None or not is_client_key(head.client_key, snapshot, env_keys=limits.env_keys)):
+            return refusal(route, 401, INVALID_KEY, head.path)
     elif route is Route.API:
         digest = _sha256(head.bearer)
         if snapshot is None or digest not in snapshot.admin_keys:
@@ -258,7 +192,7 @@ def check_head(head: Head, snapshot: FleetSnapshot | None, limits: Limits) -> Re
         except (TypeError, ValueError):  # a token no replica could have signed (not ASCII, ...)
             return refusal(route, 404, "unknown or expired callback token")
     if head.declared is not None and head.declared > limits.cap(route):
-        return too_large(route)
+        return too_large(route, head.path)
     return None
 
 
@@ -298,7 +232,7 @@ class FrontDoor:
                 snapshot = await current_snapshot()
             answer = check_head(head, snapshot, limits)
         except MotorError as exc:
-            answer = unavailable(head.route, exc)
+            answer = unavailable(head, exc)
         if answer is not None:
             log_refusal(head, answer, "asgi")
             await answer.send(send)
@@ -325,7 +259,7 @@ def _counted(receive: Receive, send: Send, cap: int, head: Head) -> Receive:
             size += len(message.get("body", b""))
             if size > cap:
                 refused = True
-                answer = too_large(head.route)
+                answer = too_large(head.route, head.path)
                 log_refusal(head, answer, "asgi")
                 await answer.send(send)
                 return {"type": "http.disconnect"}

@@ -4,7 +4,8 @@ uvicorn arms its keep-alive timeout only after a response and cancels it on the 
 client that connects and sends nothing, or sends a header byte now and then (slowloris), holds
 its connection for ever. Here the deadline runs from the moment the connection waits for a
 request (opened, or the previous response sent) until the request's headers are complete; a
-client cut in the middle of its headers gets a 408 first. ``motorsite.stack`` passes this class
+client cut in the middle of its headers gets a 408 first, in its route's error shape
+(``motorsite.refusals``) once its request line is complete. ``motorsite.stack`` passes this class
 with ``--http``; Daphne's connections get the same deadline in ``motorsite.daphne_requests``.
 """
 
@@ -16,9 +17,9 @@ import logging
 from django.conf import settings
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-logger = logging.getLogger(__name__)
+from motorsite.refusals import headers_timed_out
 
-REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+logger = logging.getLogger(__name__)
 
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
@@ -70,5 +71,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
             settings.MOTOR_HEADER_TIMEOUT_S,
         )
         if self._head_started:
-            self.transport.write(REQUEST_TIMEOUT)
+            # The target is whole once a header has followed it: the 408 then takes its
+            # route's error shape (``url`` and ``headers`` start afresh with each request).
+            self.transport.write(headers_timed_out(self.url if self.headers else None))
         self.transport.close()

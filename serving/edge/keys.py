@@ -6,6 +6,9 @@ first client key record exists, the plain keys of ``MOTOR_API_KEYS`` are used in
 client record exists (even a revoked one) only records count, so revoking the last key never
 reopens ``/v1``; deleting every record leaves ``MOTOR_API_KEYS`` (if set), and with neither
 ``/v1`` answers 401. Admin keys (``/api``) never open ``/v1``.
+
+The key comes in ``Authorization: Bearer <key>`` (the ``openai`` client's) or, when that is
+absent, in ``x-api-key`` (the ``anthropic`` client's default), on every ``/v1`` route.
 """
 
 from __future__ import annotations
@@ -21,15 +24,22 @@ from serving.pipeline.request_checks import KeyPolicy
 from serving.pipeline.request_context import NO_GRANT, KeyGrant
 from serving.pipeline.snapshot import FleetSnapshot
 
-INVALID_KEY = "Missing or invalid API key: send `Authorization: Bearer <key>`."
+INVALID_KEY = "Missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`."
 
 
-def bearer_token(scope: Scope) -> bytes:
-    """The token of an ``Authorization: Bearer <token>`` header (scheme case-insensitive), or b""."""
-    value = header(scope, b"authorization")
-    if value is None or value[:7].lower() != b"bearer ":
-        return b""
-    return value[7:].strip()
+def chosen_key(authorization: bytes | None, api_key: bytes | None) -> bytes:
+    """The client key of a request's first ``Authorization`` and ``x-api-key`` headers: the token
+    of ``Bearer <token>`` (scheme case-insensitive), else ``x-api-key``, else b"". The front door
+    reads a head with this too, so both decide alike."""
+    if authorization is not None and authorization[:7].lower() == b"bearer ":
+        token = authorization[7:].strip()
+        if token:
+            return token
+    return (api_key or b"").strip()
+
+
+def client_token(scope: Scope) -> bytes:
+    return chosen_key(header(scope, b"authorization"), header(scope, b"x-api-key"))
 
 
 def is_client_key(token: bytes, snapshot: FleetSnapshot, *, env_keys: Sequence[str]) -> bool:
@@ -49,7 +59,7 @@ def authenticate(scope: Scope, snapshot: FleetSnapshot, *, env_keys: Sequence[st
     encoding error. With open access a known key still brings its rate limit. Returned, never
     bound to a context: a key's grant cannot carry over to another request.
     """
-    token = bearer_token(scope)
+    token = client_token(scope)
     if token and not token.isascii():
         token = b""
     if snapshot.client_keys_managed:

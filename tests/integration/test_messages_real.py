@@ -1,7 +1,7 @@
 """The Anthropic Messages API through the token path, compared with vLLM's own ``/v1/messages``.
 
 A render sidecar and a tokenizer-loaded vLLM engine, both with the hermes tool and qwen3
-reasoning parsers, behind a coordinator. Each greedy request (plain text, a system prompt and a
+reasoning parsers, behind a coordinator (``api_rigs.py``, shared with test_responses_real.py). Each greedy request (plain text, a system prompt and a
 conversation with tool results, a forced tool, a stop sequence, ``max_tokens`` 1) is answered by
 the coordinator through render, generate and the chat derender, and by the engine's own
 ``/v1/messages``: the content blocks, stop reason, stop sequence and usage are the same, whole
@@ -12,21 +12,22 @@ Errors come in Anthropic's shape with vLLM's status and type.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import anthropic
 import httpx
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port
 
+from . import api_rigs
+from .api_rigs import native_routes
 from .conftest import API_KEY
 from .test_fuzz_openai import assert_idle
 
 pytestmark = pytest.mark.integration
+
+cfg = api_rigs.cfg  # this module's own stack (the fixture is module-scoped)
 
 USER = [{"role": "user", "content": "Tell me about lists in Python."}]
 TOOL = {"name": "get_weather", "description": "Weather in a city",
@@ -49,20 +50,6 @@ CASES: dict[str, dict[str, Any]] = {
     "forced-tool-text": {"messages": CONVERSATION[:1], "tools": [TOOL], "tool_choice": {"type": "tool", "name": "get_weather"},
                          "max_tokens": 40, "thinking": {"type": "disabled"}},
 }
-
-
-@pytest.fixture(scope="module")
-def cfg(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackConfig]:
-    tmp: Path = tmp_path_factory.mktemp("messages")
-    config = replace(
-        base_config, render_port=free_port(), render_workers=1, render_parsers=True, engine_ports=(free_port(),),
-        coordinator_port=free_port(), database_url=f"sqlite:///{tmp / 'coordinator.sqlite3'}",
-        log_dir=base_config.log_dir / "messages",
-    )
-    stack.prepare_database(config)
-    with Supervisor([stack.render_spec(config)]), Supervisor(stack.engine_specs(config)):
-        with Supervisor([stack.coordinator_spec(config)]):
-            yield config
 
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -107,12 +94,6 @@ def raw_streamed(base_url: str, request: dict[str, Any]) -> list[dict[str, Any]]
                     data["delta"].pop("signature")
                 events.append(data)
     return merged(events)
-
-
-def native_routes(cfg: stack.StackConfig) -> float:
-    text = httpx.get(cfg.coordinator_url + "/metrics", timeout=30.0, trust_env=False).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("motor_route_decisions_total{") and 'path="native"' in line)
 
 
 _DELTA_TEXT = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}

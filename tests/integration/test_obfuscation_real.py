@@ -828,3 +828,91 @@ async def test_what_an_engine_would_read_plainly_is_refused_before_any_byte_reac
     if param is not None:
         assert error["param"] == param and "multimodal" in error["message"], error
     assert b"".join(_new(before, leak_fleet.sent())) == b""  # not one byte to an engine
+
+
+# -- the Responses API on the token path: the same boundary ----------------------------------------
+
+LEAK_RESPONSE = {
+    "model": "tiny", "instructions": "You are the payroll desk of Marzipan-Lighthouse.",
+    "input": "What does employee Quokka-Saffron earn?",
+    "tools": [{"type": "function", **TOOLS[0]["function"]}], "tool_choice": "auto",
+    "max_output_tokens": 24, "temperature": 0,
+}
+RESPONSE_MARKERS = ("lookup_salary_kestrel", "Quartz-Heron", "employee_zircon", "Marzipan-Lighthouse", "Quokka-Saffron")
+
+
+async def _responses_reference(path: Path_, body: dict[str, Any]) -> dict[str, Any]:
+    """The answer behind the in-test boundary: render's Responses ids, obfuscated, generated on the
+    obfuscated engine, deobfuscated, chat-derendered and shaped as the coordinator shapes it."""
+    from serving.pipeline.apis.responses import chat_view, to_response
+
+    rendered = await path.render.render_responses(body, "obf-responses-reference")
+    resp = await path._generate(rendered)
+    chat = await path.render.derender_chat(resp, prompt_token_ids=rendered["token_ids"],
+                                           chat_request=chat_view(body, rendered), model="tiny")
+    return to_response(chat, body, rendered, "resp_reference")
+
+
+def _items(output: list[Any]) -> list[dict[str, Any]]:
+    """Output items without their random ids: type, status, text, call name and arguments."""
+    out = []
+    for item in output:
+        item = item if isinstance(item, dict) else item.model_dump()
+        out.append({"type": item["type"], "status": item.get("status"), "name": item.get("name"),
+                    "arguments": item.get("arguments"),
+                    "text": [part.get("text") for part in item.get("content") or []]})
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_responses_request_reaches_obfuscated_engines_unreadable_and_answers_as_the_boundary_does(
+    leak_fleet: LeakFleet, parser_path: Path_, parser_render: str, obf_model: tuple[Path, TokenMapping],
+    stream: bool,
+) -> None:
+    import openai
+
+    from .conftest import API_KEY
+
+    mapping = obf_model[1]
+    rendered = await parser_path.render.render_responses(LEAK_RESPONSE, "obf-responses-rendered")
+    before = leak_fleet.sent()
+    async with openai.AsyncOpenAI(base_url=leak_fleet.cfg.coordinator_url + "/v1", api_key=API_KEY,
+                                  max_retries=0, timeout=120.0) as client:
+        if stream:
+            async with client.responses.stream(**LEAK_RESPONSE) as events:  # type: ignore[arg-type]
+                got = await events.get_final_response()
+        else:
+            got = await client.responses.create(**LEAK_RESPONSE)  # type: ignore[arg-type]
+    sent = _new(before, leak_fleet.sent())
+    _assert_unreadable(sent, RESPONSE_MARKERS)
+    (engine_body,) = _generate_bodies(sent)
+    # Render's ids for the Responses request (instructions, input and the tool in the template),
+    # as physical ids: the token path, not an engine's own /v1/responses.
+    assert engine_body["token_ids"] == mapping.to_physical(rendered["token_ids"])
+    want = await _responses_reference(parser_path, LEAK_RESPONSE)
+    if stream:  # the client's stream helper builds the items from the events, without each item's status
+        assert [{**i, "status": None} for i in _items(got.output)] == [{**i, "status": None} for i in _items(want["output"])]
+    else:
+        assert _items(got.output) == _items(want["output"])
+    assert got.output
+    assert (got.status, got.usage.input_tokens, got.usage.output_tokens) == (
+        want["status"], want["usage"]["input_tokens"], want["usage"]["output_tokens"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_responses_request_that_must_stay_native_is_refused_in_the_responses_error_shape(
+    leak_fleet: LeakFleet, http: httpx.AsyncClient, stream: bool,
+) -> None:
+    """``previous_response_id`` needs an engine's response store: the native path, which would
+    send the text plainly. With obfuscation on it is refused, and no byte reaches an engine."""
+    from .conftest import API_KEY
+
+    before = leak_fleet.sent()
+    body = {**LEAK_RESPONSE, "previous_response_id": "resp_Quokka-Saffron", "stream": stream}
+    r = await http.post(leak_fleet.cfg.coordinator_url + "/v1/responses", json=body,
+                        headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]  # the Responses API's error shape: OpenAI's, as vLLM's router gives it
+    assert set(r.json()) == {"error"} and set(error) >= {"message", "type", "param", "code"}
+    assert error["code"] == 400
+    assert b"".join(_new(before, leak_fleet.sent())) == b""

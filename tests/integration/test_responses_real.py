@@ -1,7 +1,7 @@
 """The Responses API through the token path, compared with vLLM's own ``/v1/responses``.
 
 A render sidecar and a tokenizer-loaded vLLM engine, both with the hermes tool and qwen3
-reasoning parsers, behind a coordinator (the rig of ``test_messages_real.py``). Each greedy
+reasoning parsers, behind a coordinator (``api_rigs.py``, shared with ``test_messages_real.py``). Each greedy
 request (plain text, reasoning, tools with a tool choice, a conversation carrying a function
 call and its output, ``max_output_tokens`` 1) is answered by the coordinator through render,
 generate and the chat derender, and by the engine's own ``/v1/responses``: the output items,
@@ -11,22 +11,22 @@ status, incomplete details and usage are the same, whole and streamed, read by t
 
 from __future__ import annotations
 
-from dataclasses import replace
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port
 
+from . import api_rigs
+from .api_rigs import native_routes
 from .conftest import API_KEY
 from .test_fuzz_openai import assert_idle
-from .test_messages_real import native_routes
 
 pytestmark = pytest.mark.integration
+
+cfg = api_rigs.cfg  # this module's own stack (the fixture is module-scoped)
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -50,20 +50,6 @@ CASES: dict[str, dict[str, Any]] = {
     # With the qwen3 parser the tiny model's whole answer is reasoning.
     "reasoning": {"input": "Tell me about lists in Python.", "max_output_tokens": 30},
 }
-
-
-@pytest.fixture(scope="module")
-def cfg(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackConfig]:
-    tmp: Path = tmp_path_factory.mktemp("responses")
-    config = replace(
-        base_config, render_port=free_port(), render_workers=1, render_parsers=True, engine_ports=(free_port(),),
-        coordinator_port=free_port(), database_url=f"sqlite:///{tmp / 'coordinator.sqlite3'}",
-        log_dir=base_config.log_dir / "responses",
-    )
-    stack.prepare_database(config)
-    with Supervisor([stack.render_spec(config)]), Supervisor(stack.engine_specs(config)):
-        with Supervisor([stack.coordinator_spec(config)]):
-            yield config
 
 
 def client(base_url: str) -> openai.OpenAI:

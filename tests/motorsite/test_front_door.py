@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import anthropic
+import httpx2
 import orjson
 import pytest
 
@@ -282,6 +284,79 @@ def test_it_cuts_a_client_that_trickles_its_headers(server: Server) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
         cut, got = _cut_within(sock, b"", bound)
     assert cut and got == b"", "a connection that never sent a request stayed open"
+
+
+# -- /v1/messages: Anthropic's error shape, the anthropic client's x-api-key ------------------------
+
+
+def _anthropic_error(answer: Answer, kind: str) -> anthropic.APIStatusError:
+    """The answer is Anthropic's error of ``kind``; what the ``anthropic`` client raises for it
+    (its own mapping, given the answer the server sent: it cannot itself send a body it is
+    refused, nor trickle its headers)."""
+    body = orjson.loads(answer.body)
+    assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"], body
+    assert set(body) == {"type", "error"} and set(body["error"]) == {"type", "message"}
+    response = httpx2.Response(answer.status, headers=answer.headers, content=answer.body,
+                               request=httpx2.Request("POST", "http://127.0.0.1/v1/messages"))
+    return anthropic.Anthropic(api_key="-")._make_status_error_from_response(response)
+
+
+MESSAGES_REFUSALS = [
+    ("POST", (), 401, "authentication_error", anthropic.AuthenticationError),
+    ("POST", ("x-api-key: sk-motor-not-a-key",), 401, "authentication_error", anthropic.AuthenticationError),
+    ("POST", (f"x-api-key: {CLIENT_KEY}",), 413, "request_too_large", anthropic.ContentTooLargeError),
+    ("POST", (f"Authorization: Bearer {CLIENT_KEY}",), 413, "request_too_large", anthropic.ContentTooLargeError),
+    ("PUT", (f"x-api-key: {CLIENT_KEY}",), 405, "invalid_request_error", anthropic.APIStatusError),
+]
+
+
+@pytest.mark.parametrize(("method", "headers", "status", "kind", "raised"), MESSAGES_REFUSALS,
+                         ids=["no-key", "wrong-x-api-key", "too-large-x-api-key", "too-large-bearer", "wrong-method"])
+def test_on_v1_messages_a_refusal_before_the_body_is_anthropics(
+    server: Server, method: str, headers: tuple[str, ...], status: int, kind: str, raised: type[Exception]
+) -> None:
+    head = _head(method, "/v1/messages", *headers, "Content-Type: application/json", f"Content-Length: {HUGE}")
+    answer, read, written = _refused_unread(server, head)
+    assert answer.status == status, answer
+    error = _anthropic_error(answer, kind)
+    assert type(error) is raised and error.status_code == status
+    assert read < READ_SLACK and written < READ_SLACK, (read, written)
+
+
+def test_on_v1_messages_a_chunked_body_past_its_cap_is_anthropics_413(server: Server) -> None:
+    head = _head("POST", "/v1/messages", f"x-api-key: {CLIENT_KEY}", "Content-Type: application/json",
+                 "Transfer-Encoding: chunked")
+    answer, read, written = _refused_unread(server, head, chunked=True)
+    assert answer.status == 413 and type(_anthropic_error(answer, "request_too_large")) is anthropic.ContentTooLargeError
+    assert read < V1_CAP + READ_SLACK and written < V1_CAP + READ_SLACK, (read, written)
+
+
+def test_the_anthropic_client_is_answered_in_its_shape_and_its_default_key_header_is_read(server: Server) -> None:
+    """The client itself: a wrong key (its default ``x-api-key``) is refused before the body; the
+    right one passes the front door and the edge, which answers the model the fleet lacks."""
+    base = f"http://127.0.0.1:{server.port}"
+    message = {"model": "absent", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    with anthropic.Anthropic(base_url=base, api_key="sk-motor-not-a-key", max_retries=0, timeout=20) as client:
+        with pytest.raises(anthropic.AuthenticationError) as wrong:
+            client.messages.create(**message)  # type: ignore[call-overload]
+    assert wrong.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    with anthropic.Anthropic(base_url=base, api_key=CLIENT_KEY, max_retries=0, timeout=20) as client:
+        with pytest.raises(anthropic.NotFoundError) as absent:
+            client.messages.create(**message)  # type: ignore[call-overload]
+    assert absent.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+def test_a_client_cut_in_its_headers_gets_its_routes_408(server: Server, path: str) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode())
+        cut, got = _cut_within(sock, b"X-Slow: still-coming\r\n", 20 * HEADER_TIMEOUT_S)
+    assert cut and got.startswith(b"HTTP/1.1 408 "), got
+    body = orjson.loads(got.split(b"\r\n\r\n", 1)[1])
+    if path == "/v1/messages":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    else:
+        assert body["error"]["code"] == 408
 
 
 def test_a_keep_alive_connection_still_serves_requests_in_time(server: Server) -> None:

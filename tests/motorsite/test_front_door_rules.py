@@ -34,11 +34,14 @@ SNAPSHOT = FleetSnapshot(
 
 
 def head(
-    path: str, *, key: bytes | None = None, length: int | None = 10, chunked: bool = False, method: str = "POST"
+    path: str, *, key: bytes | None = None, length: int | None = 10, chunked: bool = False, method: str = "POST",
+    api_key: bytes | None = None,
 ) -> Head:
     headers = [(b"content-type", b"application/json")]
     if key is not None:
         headers.append((b"authorization", b"Bearer " + key))
+    if api_key is not None:
+        headers.append((b"x-api-key", api_key))
     if length is not None:
         headers.append((b"content-length", str(length).encode()))
     if chunked:
@@ -109,6 +112,39 @@ def test_each_refusal_has_its_routes_error_shape() -> None:
     assert orjson.loads(api.body) == {"detail": "Unauthorized"}  # ninja's
     assert orjson.loads(meta.body)["error"]["type"] == "MetaserverError"  # serving.views_internal's
     assert site.content_type.startswith(b"text/plain")
+
+
+@pytest.mark.parametrize(
+    ("request_head", "status", "kind"),
+    [
+        (head("/v1/messages"), 401, "authentication_error"),
+        (head("/v1/messages", method="PUT"), 405, "invalid_request_error"),
+        (head("/v1/messages", key=CLIENT, length=1001), 413, "request_too_large"),
+    ],
+)
+def test_on_v1_messages_each_refusal_has_anthropics_error_shape(request_head: Head, status: int, kind: str) -> None:
+    answer = check_head(request_head, SNAPSHOT, LIMITS)
+    assert answer is not None and answer.status == status
+    body = orjson.loads(answer.body)
+    assert body["type"] == "error" and set(body) == {"type", "error"}
+    assert body["error"]["type"] == kind and set(body["error"]) == {"type", "message"}
+
+
+@pytest.mark.parametrize(
+    ("request_head", "status"),
+    [
+        (head("/v1/messages", api_key=CLIENT), None),  # the anthropic client's default header
+        (head("/v1/chat/completions", api_key=CLIENT), None),  # every /v1 route reads it
+        (head("/v1/messages", api_key=REVOKED), 401),
+        (head("/v1/messages", key=b"", api_key=CLIENT), None),  # an empty Bearer is no key
+        (head("/v1/messages", key=REVOKED, api_key=CLIENT), 401),  # a Bearer key comes first
+        (head("/v1/messages", key=CLIENT, api_key=REVOKED), None),
+        (head("/api/instances", api_key=ADMIN), 401),  # the REST API reads Bearer alone
+    ],
+)
+def test_x_api_key_is_a_client_key_when_no_bearer_token_is_sent(request_head: Head, status: int | None) -> None:
+    answer = check_head(request_head, SNAPSHOT, LIMITS)
+    assert (answer.status if answer else None) == status
 
 
 def test_open_access_lifts_the_key_but_not_the_cap() -> None:

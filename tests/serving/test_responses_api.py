@@ -6,7 +6,6 @@ with obfuscation on). The real sidecar and engine: tests/integration/test_respon
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -15,26 +14,15 @@ from serving.pipeline.apis.responses import to_response
 from serving.pipeline.apis.responses_stream import ResponsesStream
 from serving.pipeline.errors import RenderUnavailable, RequestError
 from serving.pipeline.response import Response
+from tests.serving.api_rigs import FLEET, NO_ROUTE, events
 from tests.serving.fakes import CHAT_PROMPT, MODEL, StreamPlan, output_ids, text_of
-from tests.serving.router_fakes import Rig, engine, respond, snapshot_with
+from tests.serving.router_fakes import Rig, snapshot_with
 
-FLEET = (engine("e1", native_openai=True), engine("e2", native_openai=True))
-NO_ROUTE = respond(404, {"detail": "Not Found"})  # a sidecar older than vLLM 0.33
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
 
 
 def request(**extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "max_output_tokens": 8, "input": "Say hi", **extra}
-
-
-def events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for block in raw.decode().split("\n\n"):
-        if block:
-            name, data = block.split("\n")
-            assert name.startswith("event: ") and data.startswith("data: ")
-            out.append((name[7:], json.loads(data[6:])))
-    return out
 
 
 async def test_it_is_rendered_as_responses_and_derendered_as_a_chat(rig: Rig) -> None:

@@ -100,6 +100,25 @@ async def test_deleting_the_last_client_key_keeps_it_closed(v1: httpx.AsyncClien
     assert len(upstream.calls_of("generate")) == 1
 
 
+async def test_x_api_key_opens_it_as_the_anthropic_client_sends_the_key(
+    v1: httpx.AsyncClient, upstream: FakeUpstreams, settings: Any
+) -> None:
+    """``anthropic.Anthropic(api_key=...)`` sends ``x-api-key``: a client key there opens /v1
+    (the edge's check for a request without a body, the front door's and the edge's with one);
+    a Bearer token, when sent, is the key."""
+    key = await client_key()
+    assert (await v1.get("/v1/models", headers={"x-api-key": key})).status_code == 200
+    assert (await v1.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": key})).status_code == 200
+    assert_openai_error(await v1.get("/v1/models", headers={"x-api-key": "sk-nope"}), 401)
+    both = {"x-api-key": key, "Authorization": "Bearer sk-nope"}
+    assert_openai_error(await v1.post("/v1/chat/completions", json=CHAT, headers=both), 401)
+    settings.MOTOR_API_KEYS = ["sk-env-test-key"]  # before any key record: the plain keys, as with Bearer
+    await sync_to_async(ApiKey.objects.all().delete)()
+    snapshots.invalidate()
+    assert (await v1.get("/v1/models", headers={"x-api-key": "sk-env-test-key"})).status_code == 200
+    assert len(upstream.calls_of("generate")) == 1
+
+
 async def test_admin_keys_alone_keep_it_closed(v1: httpx.AsyncClient, upstream: FakeUpstreams) -> None:
     _, admin = await sync_to_async(services.api_key_create)(name="ops", scope="admin")
     snapshots.invalidate()
