@@ -95,10 +95,21 @@ def _model_view(m: ServedModel) -> ModelView:
         m.name, of.model_path, of.max_model_len, of.vocab_size or config_vocab_size(of.model_path),
         reasoning_parser=of.active_revision.reasoning_parser if of.active_revision else "",
         tool_parser=of.active_revision.tool_parser if of.active_revision else "",
-        state=m.state,
+        state=_adapter_state(m),
         scorer_weights=ScorerWeights(prefix=m.prefix_weight, queue=m.queue_weight, tokens=m.tokens_weight),
         base=m.base.name if m.base else "",
     )
+
+
+_STATE_ORDER = (ServedModel.State.ACTIVE, ServedModel.State.DRAINING, ServedModel.State.RETIRED)
+
+
+def _adapter_state(m: ServedModel) -> str:
+    # An adapter is served no longer than its base: draining or retiring the base takes its
+    # adapters with it (their engines and sidecars are the base's), whatever their own state.
+    if m.base is None:
+        return str(m.state)
+    return str(max(m.state, m.base.state, key=_STATE_ORDER.index))
 
 
 # A model whose render config rows all belong to other models: native path on its own engines.

@@ -56,6 +56,7 @@ from serving.pipeline.errors import (
     EngineLacksCapability,
     MotorError,
     RenderUnavailable,
+    RequestError,
     TriggerMultiPromptStream,
     UpstreamRequestError,
 )
@@ -208,6 +209,13 @@ class ServingPipeline(NativePath):
     def _check_body(self, kind: ApiKind, body: dict[str, Any], ctx: RequestContext) -> None:
         """Every path starts here: the body's numbers, engine controls and id fields (request_checks)."""
         model = self._model(body)
+        if model.base and self.snapshot.render.obfuscation:
+            # The engines' weights are permuted with the render config's key, an adapter's are
+            # not: its answers would be noise. Refused rather than served wrong (fail closed).
+            raise RequestError(
+                f"The LoRA adapter `{model.name}` is not served with token obfuscation on: its weights are "
+                "not permuted with the base model's key.", param="model",
+            )
         request_checks.check_body(kind, body, model, self.limits, ctx.policy)
         if model.vocab_size is not None:
             # The token-only path checks the rendered ids again; the native one has only these.

@@ -177,3 +177,18 @@ def test_a_lora_adapter_is_added_through_the_rest_api_with_its_base_and_no_rende
     ):
         assert post(api, "/api/models", body).status_code == 422, body
     assert not ServedModel.objects.filter(name="x").exists()
+
+
+@pytest.mark.django_db
+def test_an_adapter_is_served_no_longer_than_its_base() -> None:
+    base = ServedModel.objects.create(name="tiny", model_path="/models/tiny")
+    adapter = ServedModel.objects.create(name="tiny-lora", model_path="/adapters/tiny-lora", base=base)
+    assert build_snapshot().models["tiny-lora"].state == "active"
+    for base_state, adapter_state, seen in [
+        ("draining", "active", "draining"), ("retired", "active", "retired"), ("retired", "draining", "retired"),
+        ("active", "draining", "draining"), ("active", "retired", "retired"), ("draining", "retired", "retired"),
+    ]:
+        ServedModel.objects.filter(id=base.id).update(state=base_state)
+        ServedModel.objects.filter(id=adapter.id).update(state=adapter_state)
+        models = build_snapshot().models
+        assert (models["tiny"].state, models["tiny-lora"].state) == (base_state, seen), (base_state, adapter_state)

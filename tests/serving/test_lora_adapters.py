@@ -9,7 +9,9 @@ from dataclasses import replace
 from typing import Any
 
 import httpx
+import pytest
 
+from serving.pipeline.errors import RequestError
 from serving.pipeline.placement.filters import eligible_instances
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex, PromptBlocks
 from serving.pipeline.placement.load import LoadTracker
@@ -18,7 +20,8 @@ from serving.pipeline.protocol import BlockStored
 from serving.pipeline.render.adapter_names import AdapterRenderPool
 from serving.pipeline.snapshot import FleetSnapshot
 
-from .fakes import MODEL, RENDER_URL, fleet_snapshot, instance
+from .fakes import MODEL, RENDER_URL, FakeUpstreams, fleet_snapshot, instance
+from .router_fakes import assert_no_leaks, make_rig
 
 ADAPTER = "tiny-lora"
 
@@ -118,3 +121,17 @@ async def test_the_adapters_render_pool_calls_the_bases_sidecar_under_the_bases_
     assert seen[1]["chat_request"]["model"] == MODEL and seen[2]["chat_request"]["model"] == MODEL
     assert body["model"] == ADAPTER  # the client's body is not changed in place
 
+
+
+async def test_an_adapter_is_refused_before_any_upstream_call_with_obfuscation_on(upstreams: FakeUpstreams) -> None:
+    # The engines' weights are permuted with the render config's key; the adapter's are not, so
+    # its answers would be noise: refused (fail closed), where the base model is still served.
+    rig = make_rig(upstreams)
+    snapshot = adapter_fleet()
+    snapshot = replace(snapshot, render=replace(snapshot.render, obfuscation=True, obfuscation_key_id="k" * 16))
+    body = {"model": ADAPTER, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with pytest.raises(RequestError, match="not served with token obfuscation on") as refused:
+        await rig.pipeline(snapshot).chat(body, "req-lora-obf")
+    assert refused.value.status == 400 and refused.value.param == "model"
+    assert upstreams.calls == []
+    await assert_no_leaks(rig, set())
