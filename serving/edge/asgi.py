@@ -22,7 +22,7 @@ from contextlib import aclosing
 from types import TracebackType
 from typing import Any
 
-from serving.pipeline.http11 import dumps
+from serving.pipeline.json_codec import dumps
 from serving.pipeline.sse import FieldScrub
 
 Scope = MutableMapping[str, Any]

@@ -34,20 +34,18 @@ connection).
 from __future__ import annotations
 
 import asyncio
-import json as stdlib_json
 import re
 import ssl
-from array import array
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
 import httpx
-import orjson
 
 from serving.pipeline.http11_wire import HIGH_WATER, READ_SIZE, Connection
+from serving.pipeline.json_codec import dumps, loads
 
-__all__ = ["HIGH_WATER", "READ_SIZE", "Http11Client", "Reply", "StreamReply", "dumps", "loads"]
+__all__ = ["HIGH_WATER", "READ_SIZE", "Http11Client", "Reply", "StreamReply"]
 
 # uvicorn closes an idle keep-alive connection after 5 s: never reuse one that old.
 KEEPALIVE_S = 4.0
@@ -61,42 +59,6 @@ DRAIN_S = 1.0
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 Origin = tuple[str, str, int]  # scheme, host, port
-
-
-def dumps(payload: Any) -> bytes:
-    """JSON bytes of a request body: orjson, or the standard library for what orjson refuses
-    (integers past 64 bits). A ``bytes`` value in ``payload`` is JSON already, written in as it is
-    (a derender's kept ``stream_state``, derender/payload.py)."""
-    try:
-        return orjson.dumps(payload, default=_orjson_default, option=orjson.OPT_NON_STR_KEYS)
-    except TypeError:
-        return stdlib_json.dumps(payload, default=_stdlib_default, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def _orjson_default(value: Any) -> Any:
-    # A prompt's ids are kept as ``array("i")`` (render/tokenization.py): sent as a JSON list.
-    if isinstance(value, array):
-        return value.tolist()
-    if isinstance(value, bytes):
-        return orjson.Fragment(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def _stdlib_default(value: Any) -> Any:
-    if isinstance(value, array):
-        return value.tolist()
-    if isinstance(value, bytes):
-        return loads(value)  # the standard library has no way to write JSON in as it is
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def loads(raw: bytes | str) -> Any:
-    """Parse an upstream's JSON; the standard library takes what orjson refuses (``NaN``,
-    ``-Infinity``: Python's encoder writes them, and vLLM's logprobs can be ``-inf``)."""
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return stdlib_json.loads(raw)
 
 
 class Reply:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator
 
-from serving.pipeline.http11 import dumps, loads
+from serving.pipeline.json_codec import dumps, loads
 
 DONE = b"data: [DONE]\n\n"
 # The longest SSE line kept while its end has not arrived: one event is one JSON document, as large

@@ -18,7 +18,8 @@ from typing import Any, AsyncIterator, Mapping
 
 import httpx
 
-from serving.pipeline.http11 import Http11Client, Reply, dumps
+from serving.pipeline.http11 import Http11Client, Reply
+from serving.pipeline.json_codec import dumps
 from tests.serving.loopback import Handler
 
 

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from serving.pipeline import http11
+from serving.pipeline import json_codec
 from serving.pipeline.derender.payload import packed_state, slim_request, unpacked_state
 from serving.pipeline.derender.session import ChoicePhase, PendingChunk, StreamingRenderSession, StreamSettings
 from serving.pipeline.errors import DerenderError, UpstreamRequestError
@@ -332,10 +332,10 @@ def test_a_packed_stream_state_goes_back_byte_for_byte_and_keeps_only_its_json()
     # orjson's own bytes keep its 8 KiB output buffer; what a held-back stream keeps is the JSON.
     assert sys.getsizeof(packed) < len(packed) + 64
     body = {"stream": True, "generate_chunk": event(7), "stream_state": state, "prompt_tokens": 4}
-    assert http11.dumps({**body, "stream_state": packed}) == http11.dumps(body)
+    assert json_codec.dumps({**body, "stream_state": packed}) == json_codec.dumps(body)
     # The standard library's fallback (an integer past 64 bits elsewhere in the body) too.
     huge = {**body, "seed": 2**70}
-    assert json.loads(http11.dumps({**huge, "stream_state": packed})) == json.loads(http11.dumps(huge))
+    assert json.loads(json_codec.dumps({**huge, "stream_state": packed})) == json.loads(json_codec.dumps(huge))
     assert packed_state(None) is None and unpacked_state(None) is None
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from serving.pipeline.engine.native import native_reason
 from serving.pipeline.errors import RenderUnavailable, RequestError, UpstreamRequestError
-from serving.pipeline.http11 import dumps
+from serving.pipeline.json_codec import dumps
 from serving.pipeline.render import local_tokenizer as lt
 from serving.pipeline.render.tokenization import TokenizationService, local_render, local_unsupported
 from tests.serving.fakes import CHAT_PROMPT, MODEL, error_json

@@ -25,14 +25,14 @@ Between two calls the sidecar's ``stream_state`` is kept as the JSON it goes bac
 (``packed_state``: ``bytes``), not as the parsed dict: a detokenizer window of a few dozen ids and
 offsets weighs about 1.7 KiB parsed and a third of that as JSON, kept per choice for the whole
 stream (``bench/slow_reader.py``). It is serialized once either way: on arrival instead of in the
-next call's body, which ``http11.dumps`` writes it into as it is.
+next call's body, which ``json_codec.dumps`` writes it into as it is.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from serving.pipeline.http11 import dumps, loads
+from serving.pipeline.json_codec import dumps, loads
 from serving.pipeline.protocol import TokenKind
 
 # What a streaming derender call is given back of the previous one's: the sidecar's state as its

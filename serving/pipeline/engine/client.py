@@ -20,7 +20,8 @@ import httpx
 from serving.pipeline import tracing
 from serving.pipeline.engine.requests import validate_generate_event
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError
-from serving.pipeline.http11 import Http11Client, StreamReply, loads
+from serving.pipeline.http11 import Http11Client, StreamReply
+from serving.pipeline.json_codec import loads
 from serving.pipeline.protocol import EventBatches
 from serving.pipeline.snapshot import InstanceView
 from serving.pipeline.sse import SSEProtocolError, iter_event_batches

@@ -39,7 +39,8 @@ from serving.pipeline import tracing
 from serving.pipeline.apis.responses import native_responses_reason, responses_tokenizer_feature
 from serving.pipeline.engine.client import ReplyDeadline, raise_for_status
 from serving.pipeline.errors import EngineError, error_body
-from serving.pipeline.http11 import Http11Client, StreamReply, loads
+from serving.pipeline.http11 import Http11Client, StreamReply
+from serving.pipeline.json_codec import loads
 from serving.pipeline.placement.filters import eligible_instances, union_role
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView

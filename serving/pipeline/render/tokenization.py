@@ -73,7 +73,7 @@ class TokenizedRequest:
 
 
 def _compact_ids(rendered: dict[str, Any]) -> Sequence[int]:
-    """Render's ids as 4-byte integers, in the reply sent on too (``http11.dumps`` writes a list),
+    """Render's ids as 4-byte integers, in the reply sent on too (``json_codec.dumps`` writes a list),
     not 8 + 28 bytes an id; ids too big for that stay a list, for the request checks to refuse."""
     ids: Sequence[int] = rendered["token_ids"]
     try:
