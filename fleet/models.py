@@ -441,7 +441,7 @@ def process_of(instance: EngineInstance) -> ManagedProcess | None:
 class CoordinatorReport(models.Model):
     """One coordinator process's recent engine-request buckets and tokens in flight (machine-owned).
 
-    Written by that process (``serving.stream_reports.StreamReporter`` via ``fleet.reports``) a few
+    Written by that process (``serving.stream_reports.ReportWriter`` via ``fleet.reports``) a few
     seconds after its traffic changes, read by the fleet dashboard of any process, so every replica
     draws the same fleet. With ``REDIS_URL`` set the same reports live in Redis instead.
     """

@@ -2,7 +2,7 @@
 
 Each coordinator process keeps its engine-request buckets in memory (``serving.pipeline.metrics``);
 to draw the whole fleet, every process writes its buckets and tokens in flight here a few seconds
-after they change (``serving.stream_reports.StreamReporter``), and the dashboard of any process
+after they change (``serving.stream_reports.ReportWriter``), and the dashboard of any process
 reads every report and adds them up, so two replicas show the same plots.
 
 Why both stores: Redis, when a deployment has it, is where the live shared state already is

@@ -21,8 +21,8 @@ whenever the snapshot version changes, started lazily on the running loop (one h
 the shared HTTP client); ``aclose_kv_events`` stops it. The others are indexed from placement
 decisions (approximate mode).
 
-Render sidecar use: ``live_streams`` counts the requests that may still call each sidecar, and
-``stream_reporter`` writes those counts to the database when they change (``serving.stream_reports``),
+Render sidecar use: ``sidecar_holds`` counts the requests that may still call each sidecar, and
+``render_report_writer`` writes those counts to the database when they change (``serving.stream_reports``),
 so the launcher retires a replaced sidecar only once nothing uses it.
 """
 
@@ -56,8 +56,8 @@ from serving.pipeline.placement.kv_events import KVEventHub
 from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.scheduler import DEFAULT_AFFINITY_LOAD_MARGIN_TOKENS, Scheduler
 from serving.pipeline.render.adapter_names import AdapterRenderPool
-from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.pool import PoolState, RenderPool
+from serving.pipeline.render.sidecar_holds import SidecarHolds
 from serving.pipeline.render.tokenization import RenderHealth
 from serving.pipeline.request_checks import RequestLimits
 from serving.pipeline.resilience.breaker import BreakerBoard
@@ -171,10 +171,10 @@ class Runtime:
     # same render-down memory as ``render_health`` (one dict): members outlive snapshots.
     render_pool: PoolState
     # Requests per render sidecar, reported to the database for the launcher's graceful restart.
-    live_streams: LiveStreams
-    stream_reporter: stream_reports.StreamReporter
+    sidecar_holds: SidecarHolds
+    render_report_writer: stream_reports.ReportWriter
     # This process's engine-request buckets and tokens in flight, reported for the fleet dashboard.
-    dashboard_reporter: stream_reports.StreamReporter
+    dashboard_reporter: stream_reports.ReportWriter
     # OpenTelemetry spans of each request's phases (MOTOR_TRACING); None: off, nothing imported.
     tracer: tracing.PhaseTracer | None = None
 
@@ -201,9 +201,9 @@ def build() -> Runtime:
     # each process's address, never by an address in the callback's URL.
     process_metaserver().directory = ReplicaDirectory()
     render_health: dict[str, RenderHealth] = {}
-    live_streams = LiveStreams()
-    stream_reporter = stream_reports.StreamReporter(live_streams.counts)
-    live_streams.on_change = stream_reporter.notify
+    sidecar_holds = SidecarHolds()
+    render_report_writer = stream_reports.ReportWriter(sidecar_holds.counts)
+    sidecar_holds.on_change = render_report_writer.notify
     counters = RouterCounters()
     dashboard_reporter = stream_reports.dashboard_reporter(
         stream_reports.dashboard_payload(metrics.REGISTRY.export, admission.inflight_tokens, counters.route_decisions)
@@ -215,7 +215,7 @@ def build() -> Runtime:
         load=load, breakers=breakers, admission=admission, rate_limiter=rate_limiter, affinity=affinity,
         scheduler=scheduler, topologies=TopologyRegistry(), counters=counters, phases=Histograms(),
         render_health=render_health, render_pool=PoolState(health=render_health),
-        live_streams=live_streams, stream_reporter=stream_reporter, dashboard_reporter=dashboard_reporter,
+        sidecar_holds=sidecar_holds, render_report_writer=render_report_writer, dashboard_reporter=dashboard_reporter,
         tracer=tracing.configure(replica=settings.MOTOR_REPLICA) if settings.MOTOR_TRACING else None,
     )
 
@@ -230,8 +230,8 @@ scheduler = RUNTIME.scheduler
 counters = RUNTIME.counters
 phase_histograms = RUNTIME.phases
 tracer = RUNTIME.tracer
-live_streams = RUNTIME.live_streams
-stream_reporter = RUNTIME.stream_reporter
+sidecar_holds = RUNTIME.sidecar_holds
+render_report_writer = RUNTIME.render_report_writer
 dashboard_reporter = RUNTIME.dashboard_reporter
 
 
@@ -381,7 +381,7 @@ def pipeline_for(snapshot: FleetSnapshot, model: str | None = None) -> ServingPi
     # The render pool of the snapshot's view: each call picks its member (render/pool.py).
     render = render_pool_for(snapshot.render, snapshot.models.get(model) if model is not None else None)
     mapping = obfuscation_mapping(snapshot)
-    parts = (snapshot, client, render, mapping, scheduler, counters, live_streams, RUNTIME.topologies)
+    parts = (snapshot, client, render, mapping, scheduler, counters, sidecar_holds, RUNTIME.topologies)
     config = _pipeline_settings()
     key = (*map(id, parts), *config)
     cached = _pipelines.get(key)
@@ -405,7 +405,7 @@ def _build_pipeline(snapshot: FleetSnapshot, client: Any, render: RenderPool, ma
             chunk_timeout_s=settings.MOTOR_STREAM_CHUNK_TIMEOUT_S, max_relays=settings.MOTOR_STREAM_MAX_RELAYS,
             derender_retries=settings.MOTOR_DERENDER_CHUNK_RETRIES,
         ),
-        live_streams=live_streams, topologies=RUNTIME.topologies,
+        sidecar_holds=sidecar_holds, topologies=RUNTIME.topologies,
         render_health=render.health_view,
         limits=RequestLimits(max_choices=settings.MOTOR_MAX_CHOICES, max_prompts=settings.MOTOR_MAX_PROMPTS),
     )

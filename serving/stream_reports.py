@@ -1,6 +1,6 @@
 """Writes this process's live requests per render sidecar to the database, off the request path.
 
-The data plane counts them in memory (``serving.pipeline.render.live.LiveStreams``) and calls
+The data plane counts them in memory (``serving.pipeline.render.sidecar_holds.SidecarHolds``) and calls
 ``notify`` on every change; one daemon thread per process (as the breaker write-back) writes
 the counts through ``catalog.services.render_streams_report`` at most once per
 ``REPORT_DELAY_S``, and only when they differ from what it last wrote. A request that starts
@@ -40,7 +40,7 @@ DASHBOARD_DELAY_S = 5.0
 HOST = socket.gethostname()
 
 
-class StreamReporter:
+class ReportWriter:
     """The thread that mirrors ``counts()`` into this process's ``RenderStreamReport`` row (or another report)."""
 
     def __init__(
@@ -119,8 +119,8 @@ def dashboard_payload(
                     "route_decisions": [list(d) for d in route_decisions()]}
 
 
-def dashboard_reporter(payload: Callable[[], dict[str, Any]]) -> StreamReporter:
-    return StreamReporter(payload, delay_s=DASHBOARD_DELAY_S, write=_write_dashboard, name="dashboard-reports")
+def dashboard_reporter(payload: Callable[[], dict[str, Any]]) -> ReportWriter:
+    return ReportWriter(payload, delay_s=DASHBOARD_DELAY_S, write=_write_dashboard, name="dashboard-reports")
 
 
 def _write_dashboard(payload: dict[str, Any]) -> None:

@@ -60,7 +60,7 @@ def _in_process_reports_write_nowhere() -> None:
     recursion depth mismatch``). Tests of the reporters build their own."""
     runtime = sys.modules.get("serving.runtime")
     if runtime is not None:
-        for reporter in (runtime.RUNTIME.stream_reporter, runtime.RUNTIME.dashboard_reporter):
+        for reporter in (runtime.RUNTIME.render_report_writer, runtime.RUNTIME.dashboard_reporter):
             reporter._write = _write_nowhere
 
 

@@ -2,7 +2,7 @@
 
 ``respond`` gives a request one ``AsyncExitStack`` before its first step runs; every step that
 takes something puts its release there as it takes it: the key's charge (refunded unless the
-request was answered), the render pool's count (``render/live.py``), the engine streams (closed
+request was answered), the render pool's count (``render/sidecar_holds.py``), the engine streams (closed
 and aborted unless finished), the stream body itself. Whatever way the request ends, the stack
 lets go of everything, in the reverse order:
 

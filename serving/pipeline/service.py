@@ -68,8 +68,8 @@ from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind, TokenKind
 from serving.pipeline.render.client import RenderClient
-from serving.pipeline.render.live import LiveStreams
 from serving.pipeline.render.pool import pool_members
+from serving.pipeline.render.sidecar_holds import SidecarHolds
 from serving.pipeline.render.tokenization import (
     NeedsNative,
     RenderHealth,
@@ -125,7 +125,7 @@ class ServingPipeline(NativePath):
         boundary: EngineBoundary | None = None,
         render_health: RenderHealth | None = None,
         stream_settings: StreamSettings | None = None,
-        live_streams: LiveStreams | None = None,
+        sidecar_holds: SidecarHolds | None = None,
         topologies: TopologyRegistry | None = None,
         limits: RequestLimits | None = None,
     ) -> None:
@@ -140,7 +140,7 @@ class ServingPipeline(NativePath):
         self.boundary = boundary or EngineBoundary()
         self.render_health = render_health or RenderHealth()
         self.stream_settings = stream_settings or StreamSettings()
-        self.live_streams = live_streams or LiveStreams()
+        self.sidecar_holds = sidecar_holds or SidecarHolds()
         self.topologies = topologies or TopologyRegistry()
         self.limits = limits or RequestLimits()
         self.guard = EngineGuard(scheduler, engines, self.boundary, self.native)
@@ -234,7 +234,7 @@ class ServingPipeline(NativePath):
         # if the snapshot moves to a replacement meanwhile (a graceful restart): counted from
         # here, not from the first chunk, so a request still waiting for admission counts too.
         # With a pool, any member may serve any of its calls: it holds every member of its pool.
-        release = response.hold(self.live_streams.hold_all(m.base_url for m in pool_members(self.snapshot.render)))
+        release = response.hold(self.sidecar_holds.hold_all(m.base_url for m in pool_members(self.snapshot.render)))
         result = await self._serve_token_only(kind, body, model, response)
         if not isinstance(result, EventStream):
             release()  # no derender call follows (a JSON answer, or the native path took it)

@@ -13,7 +13,7 @@ import pytest
 
 from serving.pipeline.engine.native import NativeStream, native_reason
 from serving.pipeline.errors import NoCapacity, RequestError, error_body
-from serving.pipeline.render.live import LiveStreams
+from serving.pipeline.render.sidecar_holds import SidecarHolds
 from serving.pipeline.response import Response
 from serving.pipeline.service import EventStream
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams
@@ -84,8 +84,8 @@ async def test_with_obfuscation_on_the_stream_is_refused_never_sent_native(rig: 
 
 
 async def test_a_stream_holds_its_sidecar_until_its_last_chunk(rig: Rig) -> None:
-    live = LiveStreams()
-    stream = await rig.pipeline(live_streams=live).chat(chat_body(stream=True), "h1")
+    live = SidecarHolds()
+    stream = await rig.pipeline(sidecar_holds=live).chat(chat_body(stream=True), "h1")
     assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
     assert live.counts() == {RENDER_URL: 1}
     seen: list[tuple[bytes, dict[str, int]]] = []
@@ -98,8 +98,8 @@ async def test_a_stream_holds_its_sidecar_until_its_last_chunk(rig: Rig) -> None
 
 
 async def test_a_stream_never_read_releases_its_sidecar_on_aclose(rig: Rig) -> None:
-    live = LiveStreams()
-    stream = await rig.pipeline(live_streams=live).chat(chat_body(stream=True), "h2")
+    live = SidecarHolds()
+    stream = await rig.pipeline(sidecar_holds=live).chat(chat_body(stream=True), "h2")
     assert isinstance(stream, Response) and isinstance(stream.body, EventStream) and live.counts() == {RENDER_URL: 1}
     await stream.aclose()
     await stream.aclose()  # idempotent: counted down once
@@ -107,10 +107,10 @@ async def test_a_stream_never_read_releases_its_sidecar_on_aclose(rig: Rig) -> N
 
 
 async def test_a_stream_keeps_the_sidecar_it_began_with_after_the_snapshot_moves(rig: Rig) -> None:
-    live = LiveStreams()
-    old = await rig.pipeline(live_streams=live).chat(chat_body(stream=True), "h3")
+    live = SidecarHolds()
+    old = await rig.pipeline(sidecar_holds=live).chat(chat_body(stream=True), "h3")
     moved = snapshot_with(**{"base_url": "http://render.test:8101"})
-    out = await rig.pipeline(moved, live_streams=live).chat(chat_body(), "h4")
+    out = await rig.pipeline(moved, sidecar_holds=live).chat(chat_body(), "h4")
     assert isinstance(out, dict)
     assert live.counts() == {RENDER_URL: 1}  # the new request came and went on the replacement
     await read_all(old)
@@ -118,7 +118,7 @@ async def test_a_stream_keeps_the_sidecar_it_began_with_after_the_snapshot_moves
 
 
 async def test_a_non_streaming_request_holds_its_sidecar_through_derender(rig: Rig, upstreams: FakeUpstreams) -> None:
-    live = LiveStreams()
+    live = SidecarHolds()
     during: list[dict[str, int]] = []
 
     def derender(request: httpx.Request, body: Any) -> httpx.Response:
@@ -126,15 +126,15 @@ async def test_a_non_streaming_request_holds_its_sidecar_through_derender(rig: R
         return upstreams._derender(request, body)
 
     upstreams.override("render", "derender", derender)
-    await rig.pipeline(live_streams=live).chat(chat_body(), "h5")
+    await rig.pipeline(sidecar_holds=live).chat(chat_body(), "h5")
     assert during == [{RENDER_URL: 1}]
     assert live.counts() == {}
 
 
 async def test_a_failed_request_releases_its_sidecar(rig: Rig) -> None:
-    live = LiveStreams()
+    live = SidecarHolds()
     with pytest.raises(NoCapacity):
-        await rig.pipeline(snapshot_with(engine("e1", state="draining")), live_streams=live).chat(
+        await rig.pipeline(snapshot_with(engine("e1", state="draining")), sidecar_holds=live).chat(
             chat_body(stream=True), "h6"
         )
     assert live.counts() == {}
@@ -142,9 +142,9 @@ async def test_a_failed_request_releases_its_sidecar(rig: Rig) -> None:
 
 async def test_a_native_request_never_holds_the_sidecar(rig: Rig) -> None:
     changes: list[dict[str, int]] = []
-    live = LiveStreams()
+    live = SidecarHolds()
     live.on_change = lambda: changes.append(live.counts())
-    stream = await rig.pipeline(snapshot_with(*NATIVE_FLEET, **OLD_SIDECAR), live_streams=live).chat(
+    stream = await rig.pipeline(snapshot_with(*NATIVE_FLEET, **OLD_SIDECAR), sidecar_holds=live).chat(
         chat_body(stream=True), "h7"
     )
     await read_all(stream)
@@ -153,7 +153,7 @@ async def test_a_native_request_never_holds_the_sidecar(rig: Rig) -> None:
 
 def test_live_streams_count_per_sidecar_and_release_once() -> None:
     changes: list[dict[str, int]] = []
-    live = LiveStreams()
+    live = SidecarHolds()
     live.on_change = lambda: changes.append(live.counts())
     a1, a2, b = live.hold("http://a"), live.hold("http://a"), live.hold("http://b")
     assert live.counts() == {"http://a": 2, "http://b": 1}

@@ -12,7 +12,7 @@ import pytest
 
 from serving.pipeline.flow_control import rate_limit
 from serving.pipeline.flow_control.rate_limit import KeyLimit, TokenRateLimiter
-from serving.pipeline.render.live import LiveStreams
+from serving.pipeline.render.sidecar_holds import SidecarHolds
 from serving.pipeline.request_context import KeyGrant, RequestContext
 from tests.serving.fakes import RENDER_URL
 from tests.serving.router_fakes import Rig, chat_body
@@ -34,9 +34,9 @@ async def test_it_closes_the_open_engine_streams_when_a_step_after_them_fails(
         raise RuntimeError("tokenizer files unreadable")
 
     monkeypatch.setattr("serving.pipeline.service.stream_derenderer", broken)
-    live = LiveStreams()
+    live = SidecarHolds()
     with pytest.raises(RuntimeError):
-        await rig.pipeline(live_streams=live).chat(
+        await rig.pipeline(sidecar_holds=live).chat(
             chat_body(stream=True), RequestContext.granted("x1", KeyGrant(limit=KEY))
         )
     (generate,) = rig.upstreams.calls_of("generate")
@@ -56,8 +56,8 @@ async def test_it_closes_the_open_engine_streams_when_the_client_leaves_before_t
         await asyncio.Event().wait()
 
     monkeypatch.setattr("serving.pipeline.service.stream_derenderer", slow)
-    live = LiveStreams()
-    task = asyncio.create_task(rig.pipeline(live_streams=live).chat(
+    live = SidecarHolds()
+    task = asyncio.create_task(rig.pipeline(sidecar_holds=live).chat(
         chat_body(stream=True), RequestContext.granted("x2", KeyGrant(limit=KEY))
     ))
     await asyncio.wait_for(building.wait(), 5)

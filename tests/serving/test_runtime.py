@@ -40,8 +40,8 @@ async def ask(base_url: str, request_id: str) -> None:
 
 async def test_it_skips_a_render_found_down_in_every_pipeline_of_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
     # The live-stream reporter (a thread writing each sidecar's count to the database) is not
-    # what this test is about: the counts are read from ``live_streams`` directly.
-    monkeypatch.setattr(runtime.live_streams, "on_change", lambda: None)
+    # what this test is about: the counts are read from ``sidecar_holds`` directly.
+    monkeypatch.setattr(runtime.sidecar_holds, "on_change", lambda: None)
     down, other = closed_url(), closed_url()
     before = {reason: local_fallbacks(reason) for reason in ("unreachable", "render_down")}
     tasks = asyncio.all_tasks()
@@ -54,7 +54,7 @@ async def test_it_skips_a_render_found_down_in_every_pipeline_of_the_process(mon
         assert local_fallbacks("render_down") - before["render_down"] == 1
         assert runtime.render_health_for(down).skip() and runtime.render_health_for(down + "/").skip()
         # Nothing held once the requests are over.
-        assert not any(runtime.live_streams.counts().values())
+        assert not any(runtime.sidecar_holds.counts().values())
         assert not any(runtime.admission.inflight_tokens().values())
         assert runtime.load.snapshot() == {}
         assert asyncio.all_tasks() == tasks

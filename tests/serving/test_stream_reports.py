@@ -13,8 +13,8 @@ import pytest
 from catalog.models import RenderStreamReport
 from catalog.services import render_live_streams, render_streams_report
 from serving import stream_reports
-from serving.pipeline.render.live import LiveStreams
-from serving.stream_reports import StreamReporter
+from serving.pipeline.render.sidecar_holds import SidecarHolds
+from serving.stream_reports import ReportWriter
 
 OLD = "http://127.0.0.1:8100"
 
@@ -34,8 +34,8 @@ class Writes:
 
 
 def test_it_writes_only_counts_that_differ_from_the_last_write() -> None:
-    live, writes = LiveStreams(), Writes()
-    reporter = StreamReporter(live.counts, write=writes)
+    live, writes = SidecarHolds(), Writes()
+    reporter = ReportWriter(live.counts, write=writes)
     assert reporter.report_once()  # nothing held, nothing ever written: no row needed
     release = live.hold(OLD)
     reporter.report_once()
@@ -46,8 +46,8 @@ def test_it_writes_only_counts_that_differ_from_the_last_write() -> None:
 
 
 def test_a_request_that_ends_before_the_report_costs_no_write() -> None:
-    live, writes = LiveStreams(), Writes()
-    reporter = StreamReporter(live.counts, write=writes)
+    live, writes = SidecarHolds(), Writes()
+    reporter = ReportWriter(live.counts, write=writes)
     live.hold(OLD)()  # began and ended within one report delay
     reporter.report_once()
     assert writes.written == []
@@ -55,8 +55,8 @@ def test_a_request_that_ends_before_the_report_costs_no_write() -> None:
 
 def test_a_failed_write_is_retried_with_the_counts_of_then(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stream_reports, "RETRY_S", 0)
-    live, writes = LiveStreams(), Writes(fail=1)
-    reporter = StreamReporter(live.counts, write=writes)
+    live, writes = SidecarHolds(), Writes(fail=1)
+    reporter = ReportWriter(live.counts, write=writes)
     live.hold(OLD)
     assert not reporter.report_once()
     assert reporter.written == {}  # not taken as written
@@ -65,8 +65,8 @@ def test_a_failed_write_is_retried_with_the_counts_of_then(monkeypatch: pytest.M
 
 
 def test_the_thread_reports_a_change_after_its_delay() -> None:
-    live, writes = LiveStreams(), Writes()
-    reporter = StreamReporter(live.counts, delay_s=0.01, write=writes)
+    live, writes = SidecarHolds(), Writes()
+    reporter = ReportWriter(live.counts, delay_s=0.01, write=writes)
     live.on_change = reporter.notify
     live.hold(OLD)
     assert writes.event.wait(5)

@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Callable, Iterable
 
 
-class LiveStreams:
+class SidecarHolds:
     """Live holds per render base URL; ``on_change`` is told (without arguments) after each change."""
 
     def __init__(self, on_change: Callable[[], None] | None = None) -> None:
