@@ -13,7 +13,6 @@ import io
 import os
 import re
 import secrets
-import shlex
 import shutil
 import sqlite3
 import subprocess
@@ -31,6 +30,7 @@ from fleet.ascend import EngineRecord, launch_config
 from motorsite import stack, tiers
 from motorsite.settings import check_secret_key
 from motorsite.supervisor import ProcessSpec
+from tests.deploy.fleet_script import fleet_commands, values
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
@@ -135,23 +135,15 @@ def test_each_service_is_checked_by_the_request_make_run_checks_it_with(specs: d
             assert "/tmp/celery-ready" in test or "inspect ping" in test, name
 
 
-def fleet_commands() -> list[list[str]]:
+def compose_fleet_commands() -> list[list[str]]:
     """The ``demo_fleet`` commands of the migrate service's script, each as argv."""
-    script = SERVICES["migrate"]["command"][-1]
-    steps = [shlex.split(step) for step in script.split("&&")]
-    assert steps[0] == ["python", "manage.py", "migrate", "--noinput", "-v", "0"]
-    assert all(step[:3] == ["python", "manage.py", "demo_fleet"] for step in steps[1:]), steps
-    return steps[1:]
-
-
-def values(argv: list[str], flag: str) -> list[str]:
-    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+    return fleet_commands(SERVICES["migrate"]["command"][-1])
 
 
 def test_the_fleet_registered_is_the_fleet_started(specs: dict[str, ProcessSpec]) -> None:
     # decode-1 lives in prefill-1's network namespace, so it is reached at prefill-1.
     hosts = {name: SERVICES[name].get("network_mode", f"service:{name}").split(":", 1)[1] for name in specs}
-    models = {values(argv, "--served-model-name")[0]: argv for argv in fleet_commands()}
+    models = {values(argv, "--served-model-name")[0]: argv for argv in compose_fleet_commands()}
     assert list(models) == ["tiny", "tiny-b"]
     # The first model's command writes the fleet; the second only adds its own rows beside it.
     assert "--only-this-model" not in models["tiny"] and "--only-this-model" in models["tiny-b"]

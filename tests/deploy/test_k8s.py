@@ -14,7 +14,6 @@ import ast
 import os
 import re
 import secrets
-import shlex
 import shutil
 import sqlite3
 import subprocess
@@ -30,6 +29,7 @@ from catalog.management.commands.render_image import DEFAULT_RENDER_IMAGE
 from motorsite import stack, tiers
 from motorsite.supervisor import free_port
 from serving.pipeline import metric_names
+from tests.deploy.fleet_script import fleet_commands, values
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 IN_POD = K8S.parent / "k8s-render-in-pod"
@@ -93,18 +93,6 @@ def members(statefulset: str, port: int) -> list[str]:
     """Each replica at its stable name behind the headless Service: POD.SERVICE:PORT."""
     replicas = one("StatefulSet", statefulset)["spec"]["replicas"]
     return [f"{statefulset}-{i}.{statefulset}:{port}" for i in range(replicas)]
-
-
-def fleet_commands(script: str) -> list[list[str]]:
-    """The ``demo_fleet`` commands of a fleet script, each as argv, after its migration."""
-    steps = [shlex.split(step) for step in script.split("&&")]
-    assert steps[0] == ["python", "manage.py", "migrate", "--noinput", "-v", "0"]
-    assert all(step[:3] == ["python", "manage.py", "demo_fleet"] for step in steps[1:]), steps
-    return steps[1:]
-
-
-def values(argv: list[str], flag: str) -> list[str]:
-    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
 
 
 def job_script() -> str:
