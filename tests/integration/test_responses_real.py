@@ -1,11 +1,12 @@
 """The Responses API through the token path, compared with vLLM's own ``/v1/responses``.
 
 A render sidecar and a tokenizer-loaded vLLM engine, both with the hermes tool and qwen3
-reasoning parsers, behind a coordinator (``api_rigs.py``, shared with ``test_messages_real.py``). Each greedy
-request (plain text, reasoning, tools with a tool choice, a conversation carrying a function
-call and its output, ``max_output_tokens`` 1) is answered by the coordinator through render,
-generate and the chat derender, and by the engine's own ``/v1/responses``: the output items,
-status, incomplete details and usage are the same, whole and streamed, read by the official
+reasoning parsers, behind a coordinator (``api_rigs.py``, shared with ``test_messages_real.py``).
+Each greedy request (plain text, reasoning, tools with a tool choice, a forced call, one the
+output bound cut, a conversation carrying a function call and its output, ``max_output_tokens``
+1) is answered by the coordinator through render, generate and the chat derender, and by the engine's own ``/v1/responses``: the output items
+(each one's status included), status, incomplete details and usage are the same, whole and
+streamed (every ``output_item.done`` and the final response), read by the official
 ``openai`` client. None of them goes to the native path; ``previous_response_id`` does.
 """
 
@@ -45,6 +46,10 @@ CASES: dict[str, dict[str, Any]] = {
     "forced-tool": {"input": CONVERSATION[:1], "tools": [TOOL],
                     "tool_choice": {"type": "function", "name": "get_weather"},
                     "max_output_tokens": 40, "extra_body": NO_THINKING},
+    # Cut inside the forced call: vLLM's whole answer is a message, its stream has no item.
+    "forced-tool-cut": {"input": CONVERSATION[:1], "tools": [TOOL],
+                        "tool_choice": {"type": "function", "name": "get_weather"},
+                        "max_output_tokens": 5, "extra_body": NO_THINKING},
     "max-output-tokens-1": {"input": "Tell me about lists in Python.", "max_output_tokens": 1,
                             "extra_body": NO_THINKING},
     # With the qwen3 parser the tiny model's whole answer is reasoning.
@@ -74,7 +79,8 @@ def summary(response: Any, *, engine: bool = False) -> dict[str, Any]:
     data["output"] = [{k: v for k, v in item.items() if k not in _RANDOM} for item in data["output"]]
     if engine:
         last = data["output"][-1] if data["output"] else {}
-        if data["status"] == "incomplete" and "status" in last:
+        if data["status"] == "incomplete" and last.get("status") is not None:
+            assert last["status"] == "completed"  # 0.32's, which 0.33's response_item_status corrects
             last["status"] = "incomplete"
         data["usage"]["input_tokens_details"]["cached_tokens"] = 0
     return data
@@ -108,6 +114,7 @@ def streamed(api: openai.OpenAI, request: dict[str, Any], *, engine: bool = Fals
     if engine:  # the last item's done event and the final event as 0.33 sends them
         done = [e for e in events if e["type"] == "response.output_item.done"]
         if summed["status"] == "incomplete" and done:
+            assert done[-1]["item"]["status"] == "completed"
             done[-1]["item"]["status"] = "incomplete"
         events[-1]["response"]["output"] = summed["output"]
         events[-1]["response"]["usage"] = summed["usage"]
@@ -135,6 +142,24 @@ def test_a_stream_is_vllms_own(cfg: stack.StackConfig, case: str) -> None:
     assert ours_final == theirs_final
     assert native_routes(cfg) == before
     assert_idle(cfg, sims=False)
+
+
+def test_a_cut_reasoning_item_has_vllms_status_whole_and_streamed(cfg: stack.StackConfig) -> None:
+    """vLLM gives the reasoning item no status in a whole answer (``build_response_output_items``)
+    and the streamed status in a stream (``emit_simple_reasoning_done``); the openai client's
+    final response of a stream is the streamed items. The coordinator keeps both, as its
+    summary above compares them; this says so plainly for an answer the output bound cut."""
+    def statuses(base_url: str) -> tuple[list[Any], list[Any], list[Any]]:
+        api = client(base_url)
+        whole = api.responses.create(**body("reasoning"))
+        with api.responses.stream(**body("reasoning")) as stream:
+            done = [e.item.status for e in stream if e.type == "response.output_item.done"]
+            final = stream.get_final_response()
+        assert whole.status == final.status == "incomplete"
+        return [i.status for i in whole.output], done, [i.status for i in final.output]
+
+    assert statuses(cfg.coordinator_url) == ([None], ["incomplete"], ["incomplete"])
+    assert statuses(cfg.engine_urls[0]) == ([None], ["completed"], ["completed"])  # 0.32: 0.33 says incomplete
 
 
 def test_sequence_numbers_count_every_event(cfg: stack.StackConfig) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from serving.pipeline.apis.responses import to_response
-from serving.pipeline.apis.responses_stream import ResponsesStream
+from serving.pipeline.apis.responses_stream import ResponsesEvents, ResponsesStream
 from serving.pipeline.errors import RenderUnavailable, RequestError
 from serving.pipeline.response import Response
 from tests.serving.api_rigs import FLEET, NO_ROUTE, events
@@ -53,6 +53,29 @@ def test_the_output_bound_makes_it_incomplete() -> None:
         ("reasoning", None), ("message", "completed"), ("function_call", "incomplete")]
     assert out["output"][2]["call_id"] == "call_1" and out["max_output_tokens"] == 2
     assert out["usage"]["output_tokens_details"]["reasoning_tokens"] == 0  # mixed: no exact count here
+
+
+def test_a_cut_stream_gives_its_items_the_statuses_vllm_streams() -> None:
+    # vLLM's stream closes every item but the last as ``completed`` and the last with the
+    # finish reason's status, the reasoning item too (``emit_simple_reasoning_done``), and its
+    # final response carries the streamed items: a streamed reasoning item is never ``None``,
+    # unlike the whole answer's (test_the_output_bound_makes_it_incomplete).
+    chunks = [{"model": MODEL, "choices": [{"delta": {"reasoning": "hm"}}]},
+              {"model": MODEL, "choices": [{"delta": {"content": "Hi"}}]},
+              {"model": MODEL, "choices": [{"delta": {"tool_calls": [
+                  {"index": 0, "id": "call_1", "function": {"name": "f", "arguments": "{"}}]},
+                  "finish_reason": "length"}]},
+              {"model": MODEL, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}]
+    stream = ResponsesEvents(request(max_output_tokens=3, stream=True), {"sampling_params": {"max_tokens": 3}}, "resp_c")
+    got = events(b"".join(frame for chunk in chunks for frame in stream.chunk(chunk)))
+    done = [d["item"] for n, d in got if n == "response.output_item.done"]
+    expected = [("reasoning", "completed"), ("message", "completed"), ("function_call", "incomplete")]
+    assert [(i["type"], i["status"]) for i in done] == expected
+    name, final = got[-1]
+    assert name == "response.completed"  # not vLLM 0.33's response.incomplete: docs/messages-responses.md
+    assert final["response"]["status"] == "incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["response"]["output"] == done
 
 
 async def test_a_stream_is_the_responses_event_protocol(rig: Rig) -> None:
