@@ -17,7 +17,7 @@ from django.forms.models import construct_instance
 from django.http import HttpRequest
 
 from fleet import services
-from fleet.engine_capabilities import engine_traffic
+from fleet.engine_capabilities import instance_traffic
 from fleet.models import (
     ApiKey,
     AuditReport,
@@ -200,11 +200,11 @@ class EngineInstanceAdmin(admin.ModelAdmin):
 
     @admin.display(description="traffic")
     def traffic(self, obj: EngineInstance) -> str:
-        """Which paths the record and the probed capabilities (version, routes, tokenizer) leave it."""
+        """Which paths the record and the probed capabilities (version, routes, tokenizer) leave it, and
+        the LoRA adapters it holds (the LoRA probe's record)."""
         if obj.pk is None:
             return "-"
-        return engine_traffic(obj.capabilities, token_generate=obj.cap_token_generate,
-                              native_openai=obj.cap_native_openai, tokenizer=obj.cap_tokenizer)
+        return instance_traffic(obj)
 
     # Not named "breaker": list_display would resolve that to the reverse one-to-one field and
     # print the BreakerState's str ("9: closed") instead of this column.

@@ -10,7 +10,7 @@ from ninja import Field, Query, Router, Schema
 from ninja.responses import Status
 
 from fleet import services
-from fleet.engine_capabilities import engine_traffic
+from fleet.engine_capabilities import instance_traffic
 from fleet.models import BreakerState, EngineInstance, ProbeResult
 from fleet.presenters import ObfuscationStatus, inflight_tokens
 from motorsite.core import (
@@ -132,9 +132,13 @@ class InstanceOut(Schema):
     reported_version: str
     capabilities: dict[str, Any] = Field(
         description="What the engine's capability probe found it serves: vLLM version, token_in (the 0.23 floor "
-        "and /inference/v1/generate), routes, tokenizer_loaded, lora; empty: not probed yet."
+        "and /inference/v1/generate), routes, tokenizer_loaded, lora (enabled); empty: not probed yet."
     )
-    traffic: str = Field(description="Which paths the record and the probed capabilities leave this engine.")
+    lora_adapters: list[str] = Field(
+        description="The LoRA adapters the engine holds (its /v1/models, read by the LoRA probe every probe "
+        "interval): placement sends an adapter's requests only to engines that list it."
+    )
+    traffic: str = Field(description="Which paths the record and the probed capabilities leave this engine, and its LoRA adapters.")
     obfuscation_excluded_reason: str | None = Field(
         description="Why this instance takes no traffic under the render config's obfuscation setting; null when eligible."
     )
@@ -175,8 +179,7 @@ def instance_out(
         breaker_state=breaker.state if breaker else "closed",
         inflight_tokens=inflight.get(i.name, 0) if inflight is not None else None,
         obfuscation_excluded_reason=(obfuscated or ObfuscationStatus.current()).excluded_reason(i),
-        traffic=engine_traffic(i.capabilities, token_generate=i.cap_token_generate,
-                               native_openai=i.cap_native_openai, tokenizer=i.cap_tokenizer),
+        traffic=instance_traffic(i),
     )
     return data
 

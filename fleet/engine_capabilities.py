@@ -4,21 +4,29 @@
 
     {"version": "0.32.0", "token_in": true,
      "routes": {"generate": true, "native": ["chat", "completions", "messages", "responses"]},
-     "tokenizer_loaded": true, "lora": {"enabled": false, "adapters": []}}
+     "tokenizer_loaded": true, "lora": {"enabled": true}}
 
 ``routes`` is None when the engine served no OpenAPI document, and ``tokenizer_loaded`` None when
 its ``/tokenize`` gave no verdict: unknown fields leave the operator's record standing. The rule
 (``engine_flags``) is the render pool's: what the probe found can only take away what the
 operator's ``cap_*`` fields grant, never add to it, so an operator can still keep a capable
 engine off a path, and an engine not probed yet is taken at the operator's word.
+
+Which LoRA adapters an engine holds is not in this record: ``EngineInstance.lora_adapters`` (the
+LoRA probe's, read every probe interval since vLLM loads and unloads adapters at runtime) is the
+one list, and what the admin, the API and the dashboard say of LoRA is derived from it here
+(``instance_traffic``), as placement's ``InstanceView.lora_adapters`` is in the snapshot.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from catalog.render_versions import parse_version
+
+if TYPE_CHECKING:
+    from fleet.models import EngineInstance
 
 # The RFC's Token-In floor: below vLLM 0.23 an engine has no /inference/v1/generate to speak of.
 ENGINE_TOKEN_IN_MIN = (0, 23, 0)
@@ -71,6 +79,24 @@ def engine_flags(
         tokenizer=tokenizer and loaded,
         native_routes=native_routes,
     )
+
+
+def lora_line(capabilities: dict[str, Any] | None, lora_adapters: list[str] | None) -> str:
+    """What the engine does with LoRA: the adapters it holds (the LoRA probe's record), else
+    whether its capability probe found LoRA enabled; empty when neither says anything."""
+    if lora_adapters:
+        return "LoRA " + ", ".join(sorted(lora_adapters))
+    lora = (capabilities or {}).get("lora")
+    return "LoRA enabled, no adapter loaded" if isinstance(lora, dict) and lora.get("enabled") else ""
+
+
+def instance_traffic(instance: EngineInstance) -> str:
+    """``engine_traffic`` of an engine's row, with the adapters it holds: the admin's, the API's
+    and the dashboard's one line."""
+    line = engine_traffic(instance.capabilities, token_generate=instance.cap_token_generate,
+                          native_openai=instance.cap_native_openai, tokenizer=instance.cap_tokenizer)
+    lora = lora_line(instance.capabilities, instance.lora_adapters)
+    return f"{line}; {lora}" if lora else line
 
 
 def engine_traffic(capabilities: dict[str, Any] | None, *, token_generate: bool, native_openai: bool,

@@ -7,8 +7,10 @@
 - tokenizer: ``POST /tokenize`` of a short text. A ``--tokens-only`` engine keeps the route but
   has no tokenizer (``skip_tokenizer_init``) and answers 400; a 404 (the served name is not
   the engine's) or an unreachable route gives no verdict;
-- LoRA: the adapters ``/v1/models`` lists (cards with a ``parent``), and enabled when it lists
-  any or ``/metrics`` carries ``vllm:lora_requests_info`` (registered only with a LoRA config).
+- LoRA: enabled when ``/metrics`` carries ``vllm:lora_requests_info`` (vLLM registers it only
+  with a LoRA config). Which adapters are loaded is not recorded here: they can change at runtime,
+  so the LoRA probe (``fleet.lora_probes``) reads them from ``/v1/models`` every probe interval
+  into ``EngineInstance.lora_adapters``, the one record placement, the admin and the API read.
 
 What the answers mean for placement is pure and lives in ``fleet.engine_capabilities``; a
 change is written once (compare-and-set), with a history row, and bumps the control version
@@ -25,16 +27,10 @@ from django.db import transaction
 
 from fleet.engine_capabilities import routes_from_openapi, token_in
 from fleet.models import EngineInstance, InstanceEvent
-from fleet.probes import ACTOR, _client
+from fleet.probes import ACTOR, _client, _get_json
 from motorsite.core import bump_control_version
 
 logger = logging.getLogger(__name__)
-
-
-def _json(client: httpx.Client, url: str) -> Any:
-    response = client.get(url)
-    response.raise_for_status()
-    return response.json()
 
 
 def _tokenizer_loaded(client: httpx.Client, base: str, served_name: str) -> bool | None:
@@ -50,41 +46,30 @@ def _tokenizer_loaded(client: httpx.Client, base: str, served_name: str) -> bool
     return None
 
 
-def _lora(client: httpx.Client, base: str, models: Any) -> dict[str, Any]:
-    cards = models.get("data") if isinstance(models, dict) else None
-    adapters = sorted(
-        str(c.get("id")) for c in cards or () if isinstance(c, dict) and c.get("parent") and c.get("id")
-    )
-    enabled = bool(adapters)
-    if not enabled:
-        try:
-            metrics = client.get(base + "/metrics")
-            enabled = metrics.status_code == 200 and "vllm:lora_requests_info" in metrics.text
-        except httpx.HTTPError:
-            pass
-    return {"enabled": enabled, "adapters": adapters}
+def _lora_enabled(client: httpx.Client, base: str) -> bool:
+    try:
+        metrics = client.get(base + "/metrics")
+    except httpx.HTTPError:
+        return False
+    return metrics.status_code == 200 and "vllm:lora_requests_info" in metrics.text
 
 
 def engine_capabilities(client: httpx.Client, base_url: str, served_name: str) -> dict[str, Any]:
     """What the engine at ``base_url`` reports it can do (raises ``httpx.HTTPError``, ``ValueError``
     when it gives no version: an engine that cannot say that is not probed at all)."""
     base = base_url.rstrip("/")
-    answer = _json(client, base + "/version")
+    answer = _get_json(client, base + "/version")
     version = str((answer or {}).get("version") or "") if isinstance(answer, dict) else ""
     caps: dict[str, Any] = {"version": version, "token_in": token_in(version)}
     try:
-        paths = set((_json(client, base + "/openapi.json") or {}).get("paths") or {})
+        paths = set((_get_json(client, base + "/openapi.json") or {}).get("paths") or {})
     except (httpx.HTTPError, ValueError, AttributeError):
         caps["routes"] = None  # unknown: the version floor alone decides
     else:
         caps["routes"] = routes_from_openapi(paths)
         caps["token_in"] = caps["token_in"] and caps["routes"]["generate"]
     caps["tokenizer_loaded"] = _tokenizer_loaded(client, base, served_name)
-    try:
-        models = _json(client, base + "/v1/models")
-    except (httpx.HTTPError, ValueError):
-        models = None
-    caps["lora"] = _lora(client, base, models)
+    caps["lora"] = {"enabled": _lora_enabled(client, base)}
     return caps
 
 

@@ -8,6 +8,10 @@ to engines that list it (``placement/filters.py``). A change bumps the control v
 reaches traffic within one snapshot poll. An engine that does not answer keeps its last record:
 whether it takes traffic at all is the health probe's verdict, not this one's.
 
+This is the one record of an engine's adapters: the capability probe (``fleet.engine_probes``)
+records only whether LoRA is enabled, and the admin, the API (``lora_adapters``) and the
+dashboard show this list (``fleet.engine_capabilities.instance_traffic``).
+
 Runs on Celery beat (``fleet.tasks.probe_lora``, every probe interval: adapters can be loaded
 and unloaded at runtime) and once when ``make run`` has started the stack (``runstack``).
 """
@@ -22,7 +26,7 @@ import httpx
 from django.db import transaction
 
 from fleet.models import EngineInstance
-from fleet.probes import _client
+from fleet.probes import _client, _get_json
 from motorsite.core import bump_control_version
 
 logger = logging.getLogger(__name__)
@@ -50,9 +54,7 @@ def loaded_adapters(models: Any, served_name: str) -> list[str]:
 
 def probe_engine_adapters(client: httpx.Client, instance: EngineInstance) -> list[str]:
     """The adapters ``instance`` lists for its served model (raises ``httpx.HTTPError``, ``ValueError``)."""
-    answer = client.get(instance.url.rstrip("/") + "/v1/models")
-    answer.raise_for_status()
-    return loaded_adapters(answer.json(), instance.served_model.name)
+    return loaded_adapters(_get_json(client, instance.url.rstrip("/") + "/v1/models"), instance.served_model.name)
 
 
 def probe_lora_adapters(*, client: httpx.Client | None = None) -> LoraProbeSummary:

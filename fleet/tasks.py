@@ -73,7 +73,8 @@ def probe_render() -> bool | None:
 @shared_task(ignore_result=True)
 def probe_versions() -> dict[str, Any]:
     """Version probe of the sidecar and every engine (drift, quarantine policy, render capabilities),
-    then what each engine serves (``fleet.engine_probes``: routes, tokenizer, LoRA)."""
+    then what each engine serves (``fleet.engine_probes``: routes, tokenizer, LoRA enabled; the
+    adapters it holds are ``probe_lora``'s, read more often)."""
     from fleet import engine_probes, probes
 
     summary = probes.probe_versions()

@@ -22,7 +22,7 @@ from django.utils.safestring import SafeString, mark_safe
 
 from catalog.models import Health, RenderSidecar
 from catalog.render_versions import member_traffic, render_traffic
-from fleet.engine_capabilities import engine_traffic
+from fleet.engine_capabilities import instance_traffic
 from fleet.models import BreakerState, EngineInstance, ManagedProcess, process_of
 from fleet.presenters import ObfuscationStatus, inflight_tokens, route_decisions
 from fleet.reports import reports_read, this_process
@@ -71,7 +71,7 @@ class Row:
     latest: dict[str, Any]
     obfuscation_excluded: str | None = None  # why obfuscation keeps this instance out of traffic
     process: ManagedProcess | None = None  # the launcher's process of this engine, if any
-    traffic: str = ""  # the paths its record and probed capabilities leave it (engine_traffic)
+    traffic: str = ""  # the paths its record and probed capabilities leave it, its adapters (instance_traffic)
 
 
 def _row(
@@ -117,8 +117,7 @@ def _row(
         "rate": sparkline(rate, label=f"{instance.name} requests per bucket"),
         "errors": sparkline(errors, label=f"{instance.name} errors per bucket", color="#ba2121"),
     }
-    traffic = engine_traffic(instance.capabilities, token_generate=instance.cap_token_generate,
-                             native_openai=instance.cap_native_openai, tokenizer=instance.cap_tokenizer)
+    traffic = instance_traffic(instance)
     return Row(instance, breaker, in_flight, bool(why), why, plots, latest, excluded, process, traffic)
 
 

@@ -267,9 +267,12 @@ def test_scorer_weights_are_edited_in_the_admin(staff_client: Client, served_mod
 def test_the_engine_admin_shows_what_its_probe_found_it_serves(staff_client: Client, fleet: list[EngineInstance]) -> None:
     EngineInstance.objects.filter(id=fleet[0].id).update(cap_native_openai=True, cap_tokenizer=True, capabilities={
         "version": "0.32.0", "token_in": True, "routes": {"generate": True, "native": ["chat", "completions"]},
-        "tokenizer_loaded": True, "lora": {"enabled": True, "adapters": ["sql-lora"]}})
+        "tokenizer_loaded": True, "lora": {"enabled": True}}, lora_adapters=["sql-lora"])
+    EngineInstance.objects.filter(id=fleet[1].id).update(capabilities={"version": "0.32.0", "lora": {"enabled": True}})
     listing = staff_client.get("/admin/fleet/engineinstance/").content.decode()
-    assert "token-only (tokenizer loaded); native chat, completions" in listing
+    # The adapters come from the LoRA probe's record, the one placement reads.
+    assert "token-only (tokenizer loaded); native chat, completions; LoRA sql-lora" in listing
+    assert "LoRA enabled, no adapter loaded" in listing
     assert "not probed yet: the record&#x27;s capabilities stand" in listing  # the others
     page = staff_client.get(f"/admin/fleet/engineinstance/{fleet[0].id}/change/").content.decode()
     assert "native chat, completions" in page and "sql-lora" in page and "0.32.0" in page

@@ -42,7 +42,7 @@ def test_it_reads_version_routes_tokenizer_and_lora_from_the_engine(sims: dict[s
         ok = engine_capabilities(c, sims["ok"].url, "tiny")
         assert ok == {"version": "0.32.0", "token_in": True,
                       "routes": {"generate": True, "native": ALL_NATIVE},
-                      "tokenizer_loaded": True, "lora": {"enabled": False, "adapters": []}}
+                      "tokenizer_loaded": True, "lora": {"enabled": False}}
         assert engine_capabilities(c, sims["old"].url, "tiny")["token_in"] is False
         nogen = engine_capabilities(c, sims["nogen"].url, "tiny")
         assert nogen["token_in"] is False and nogen["routes"]["generate"] is False
@@ -50,10 +50,15 @@ def test_it_reads_version_routes_tokenizer_and_lora_from_the_engine(sims: dict[s
         assert engine_capabilities(c, sims["no-messages"].url, "tiny")["routes"]["native"] == ["chat", "completions"]
 
 
-def test_it_reads_lora_adapters_as_v1_models_lists_them() -> None:
+def test_it_finds_lora_enabled_in_metrics_and_leaves_the_adapters_to_the_lora_probe() -> None:
+    asked: list[str] = []
+
     def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
         if request.url.path == "/version":
             return httpx.Response(200, json={"version": "0.33.0"})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text='vllm:lora_requests_info{max_lora="1",running_lora_adapters=""} 1.0\n')
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [
                 {"id": "tiny", "root": "/m", "parent": None}, {"id": "sql-lora", "root": "/a", "parent": "tiny"}]})
@@ -63,7 +68,10 @@ def test_it_reads_lora_adapters_as_v1_models_lists_them() -> None:
         caps = engine_capabilities(c, "http://e.test", "tiny")
     # No OpenAPI document and no /tokenize verdict: unknown, not "absent".
     assert caps["routes"] is None and caps["tokenizer_loaded"] is None
-    assert caps["lora"] == {"enabled": True, "adapters": ["sql-lora"]}
+    # The adapters are EngineInstance.lora_adapters' alone (fleet.lora_probes reads /v1/models):
+    # a second list here would drift from placement's between the two probes' cadences.
+    assert caps["lora"] == {"enabled": True}
+    assert "/v1/models" not in asked
 
 
 @pytest.mark.django_db

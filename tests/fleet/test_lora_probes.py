@@ -11,6 +11,7 @@ from django.core.management import call_command
 
 from catalog.models import RenderConfig, ServedModel
 from fleet import services
+from fleet.engine_probes import probe_engine_capabilities
 from fleet.lora_probes import loaded_adapters, probe_lora_adapters
 from fleet.models import EngineInstance
 from motorsite.core import read_control_version
@@ -87,6 +88,47 @@ def test_the_snapshot_serves_an_adapter_as_its_base_on_the_engines_that_hold_it(
     assert snapshot.render_of("tiny-lora") is snapshot.render_of("tiny")
     assert [i.name for i in snapshot.for_model("tiny-lora").instances] == ["e1"]
     assert [i.name for i in snapshot.for_model("tiny").instances] == ["e1", "e2"]
+
+
+def test_placement_the_admin_and_the_api_read_one_list_of_adapters(
+    fleet: tuple[ServedModel, ServedModel], client: Any,
+) -> None:
+    """Both probes run against the same engines; what placement, the admin and the API say an
+    engine holds is one list, and follows an adapter unloaded at runtime after the LoRA probe alone."""
+    holding: dict[str, list[str]] = {"e1": ["tiny-lora"], "e2": []}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        name = request.url.host.split(".")[0]
+        if request.url.path == "/v1/models":
+            cards = [card("tiny", None), *(card(a, "tiny") for a in holding[name])]
+            return httpx.Response(200, json={"object": "list", "data": cards})
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.32.0"})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="vllm:lora_requests_info 1.0\n")
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    _, key = services.api_key_create(name="ops", scope="admin")
+
+    def said() -> dict[str, Any]:
+        api = {i["name"]: i for i in client.get("/api/instances", HTTP_AUTHORIZATION=f"Bearer {key}").json()}
+        placed = {i.name: sorted(i.lora_adapters) for i in build_snapshot().instances}
+        rows = dict(EngineInstance.objects.values_list("name", "lora_adapters"))
+        for name in ("e1", "e2"):
+            # The capability record keeps no list of its own to drift from the LoRA probe's.
+            assert set(api[name]["capabilities"]["lora"]) == {"enabled"}
+            assert api[name]["lora_adapters"] == placed[name] == rows[name]
+            assert ("LoRA tiny-lora" in api[name]["traffic"]) == ("tiny-lora" in rows[name])
+        return rows
+
+    probe_lora_adapters(client=http)
+    probe_engine_capabilities(client=http)
+    assert said() == {"e1": ["tiny-lora"], "e2": []}
+    holding["e1"] = []  # unloaded at runtime; the capability probe (once a minute) has not run since
+    probe_lora_adapters(client=http)
+    assert said() == {"e1": [], "e2": []}
+    assert [i.name for i in build_snapshot().for_model("tiny-lora").instances] == []
 
 
 def test_demo_fleet_registers_the_adapters_of_this_run_and_retires_an_earlier_runs(db: None, tmp_path: Any) -> None:

@@ -44,7 +44,7 @@ def test_it_records_the_real_engines_version_and_routes(engines: dict[str, str],
     assert union == {
         "version": "0.32.0", "token_in": True,
         "routes": {"generate": True, "native": ALL_NATIVE},
-        "tokenizer_loaded": True, "lora": {"enabled": False, "adapters": []},
+        "tokenizer_loaded": True, "lora": {"enabled": False},
     }
     # --tokens-only keeps its OpenAI routes registered (vllm-protocol.md 1.2), with no tokenizer behind them.
     assert tokens_only["routes"] == {"generate": True, "native": ALL_NATIVE}
