@@ -17,12 +17,14 @@ import argparse
 import asyncio
 import gc
 import tracemalloc
+from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
 import orjson
 
 from serving.pipeline.render.tokenization import TokenizationService
+from serving.pipeline.tracing import NO_TRACE
 
 
 class _Render:
@@ -33,7 +35,9 @@ class _Render:
         self.raw = orjson.dumps([{"request_id": "cmpl-x", "token_ids": list(range(1000, 1000 + tokens)),
                                   "sampling_params": {"max_tokens": 16}}])
 
-    async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+    async def render_completions(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> list[dict[str, Any]]:
         return orjson.loads(self.raw)
 
 

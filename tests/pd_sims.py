@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Iterator
 
 import httpx
@@ -34,6 +34,7 @@ from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.tokenization import TokenizedPrompt
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
 from serving.pipeline.topologies.pd import PDContext, PDPlacement, pd_context
+from serving.pipeline.tracing import NO_TRACE
 
 
 def sim_server(config: SimConfig, **changes: Any) -> Iterator[LiveServer]:
@@ -108,11 +109,12 @@ class Placed:
 
 def router_pd_context(
     engines: EngineClient, request_id: str, placement: PDPlacement, *, load: LoadTracker | None = None,
-    tokens: int = 100, callback_timeout_s: float = 30.0,
+    tokens: int = 100, callback_timeout_s: float = 30.0, trace: Mapping[str, str] = NO_TRACE,
 ) -> PDContext:
     """A ``PDContext`` built as the router builds one (``pd_context``): every leg through the guarded
     leg (breaker, token admission, the load hold on ``load``) over ``engines``, the metaserver the
-    process's (the Trigger tests' fixture installs theirs); ``tokens``: D's admission tokens."""
+    process's (the Trigger tests' fixture installs theirs); ``tokens``: D's admission tokens;
+    ``trace``: the request's trace headers (``RequestContext.trace``)."""
     instances = tuple(placement.instances)
     model = instances[0].model
     snapshot = FleetSnapshot(
@@ -122,7 +124,7 @@ def router_pd_context(
     scheduler = Scheduler(load if load is not None else LoadTracker())
     guard = EngineGuard(scheduler, engines, EngineBoundary(), NativeClient(engines._client))
     prompt = TokenizedPrompt([], {"request_id": request_id})
-    ctx = GenerateContext(guard, snapshot, request_id, prompt, 0, 0, tokens)
+    ctx = GenerateContext(guard, snapshot, request_id, prompt, 0, 0, tokens, trace=trace)
     return pd_context(ctx, placement, callback_timeout_s=callback_timeout_s)
 
 
@@ -138,12 +140,14 @@ class RecordingEngines(EngineClient):
         self.answers: list[dict[str, Any]] = []
         self.aborted: list[tuple[str, list[str]]] = []
 
-    async def generate(self, instance: InstanceView, request: dict[str, Any]) -> dict[str, Any]:
+    async def generate(
+        self, instance: InstanceView, request: dict[str, Any], *, trace: Mapping[str, str] = NO_TRACE
+    ) -> dict[str, Any]:
         self.sent.append((instance.name, request))
         if self.canned is not None and instance.role == "prefill":
             response = self.canned
         else:
-            response = await super().generate(instance, request)
+            response = await super().generate(instance, request, trace=trace)
         self.answers.append(response)
         return response
 

@@ -154,16 +154,12 @@ def serve(kind: str) -> Endpoint:
         # What the sidecar and the engines get: the root span's context when tracing, else the
         # client's own trace headers unchanged, so the engines' traces still join the client's.
         carried = phases.trace.headers if phases.trace is not None else parent
-        token = tracing.carry(carried) if carried else None
-        ctx = RequestContext.granted(request_id, grant.for_model(model), phases)
+        ctx = RequestContext.granted(request_id, grant.for_model(model), phases, carried or tracing.NO_TRACE)
         try:
             await _serve(kind, body, ctx, rid, snapshot, model, start, receive, send)
         except BaseException as exc:
             phases.close(exc)
             raise
-        finally:
-            if token is not None:
-                tracing.reset(token)
         phases.close()  # a no-op once the end-to-end phase ended the trace; else it ends it here
 
     return endpoint

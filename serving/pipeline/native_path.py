@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import replace
 from typing import Any
@@ -114,7 +114,8 @@ class NativePath:
         unservable = request_checks.unservable(self.snapshot, model.name, reason, body, kind)
         if unservable is not None:
             if kind in ("chat", "completions"):
-                await self._render_verdict(kind, body, request_id)  # render's 400 for a malformed body
+                # Render's 400 for a malformed body.
+                await self._render_verdict(kind, body, request_id, response.ctx.trace)
             self.counters.inc(metric_names.ROUTE_DECISIONS, model=model.name, path="refused", reason=reason)
             logger.info("route request_id=%s kind=%s path=refused reason=%s", request_id, kind, reason)
             raise unservable
@@ -129,7 +130,7 @@ class NativePath:
             raise self._no_route(model.name, reason, pd_unfit, kind)
         # Charged what the engine may really process: prompt tokens plus n x the output bound it
         # will resolve (engine/native.NativeEstimate), per instance context length.
-        estimate = await self._native_estimate(kind, body, request_id, tokenized, render_tried)
+        estimate = await self._native_estimate(kind, body, request_id, tokenized, render_tried, response.ctx.trace)
         charge = estimate.tokens(model.max_model_len)
         self.counters.inc(metric_names.ROUTE_DECISIONS, model=model.name, path="native", reason=reason)
         logger.info("route request_id=%s kind=%s path=native reason=%s prompt_tokens=%d counted_by=%s tokens=%d",
@@ -137,12 +138,14 @@ class NativePath:
         # Charged here too (once per request: a request that moved from token-only is not charged twice).
         await response.charge(charge)
         if split:
-            return await self._native_prompts(kind, body, request_id, reason, model.name, estimate)
-        return await self._native_attempts(kind, body, request_id, reason, model.name, pd_unfit, estimate)
+            return await self._native_prompts(kind, body, request_id, reason, model.name, estimate, response.ctx.trace)
+        return await self._native_attempts(
+            kind, body, request_id, reason, model.name, pd_unfit, estimate, response.ctx.trace
+        )
 
     async def _native_attempts(
         self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, model: str, pd_unfit: str,
-        estimate: NativeEstimate,
+        estimate: NativeEstimate, trace: Mapping[str, str],
     ) -> dict[str, Any] | NativeStream:
         """The attempts (``attempt_loop``): the best native route now, elsewhere after a failure,
         within the budget. A pair is left whole, as the token-only attempt policy leaves one: the
@@ -163,21 +166,22 @@ class NativePath:
             try:
                 if isinstance(route, NativePair) and route.transfer == "push":
                     result = await run_native_trigger(
-                        self._native_call(kind), route, kind, body, f"{request_id}-{attempt}",
+                        self._native_call(kind, trace), route, kind, body, f"{request_id}-{attempt}",
                         metaserver=process_metaserver(), prompt_tokens=sum(estimate.prompts),
                         tokens=estimate.tokens(instance.max_model_len),
                         max_output=estimate.output(instance.max_model_len), stack=stack,
                     )
                 elif isinstance(route, NativePair):
                     result = await run_native_handoff(
-                        self._native_call(kind), self.guard.reserve, route, kind, body, f"{request_id}-{attempt}",
+                        self._native_call(kind, trace), self.guard.reserve, route, kind, body,
+                        f"{request_id}-{attempt}",
                         prompt_tokens=sum(estimate.prompts), tokens=estimate.tokens(instance.max_model_len),
                         max_output=estimate.output(instance.max_model_len), stack=stack,
                     )
                 else:
                     result = await self.guard.native(
                         instance, kind, body, request_id, tokens=estimate.tokens(instance.max_model_len),
-                        max_output=estimate.output(instance.max_model_len), stack=stack,
+                        max_output=estimate.output(instance.max_model_len), stack=stack, trace=trace,
                     )
             except BaseException:
                 await stack.aclose()
@@ -203,7 +207,7 @@ class NativePath:
 
     async def _native_prompts(
         self, kind: ApiKind, body: dict[str, Any], request_id: str, reason: str, model: str,
-        estimate: NativeEstimate,
+        estimate: NativeEstimate, trace: Mapping[str, str],
     ) -> dict[str, Any] | NativePromptsStream:
         """Several completion prompts on P/D pairs: one pair run per prompt, concurrently, merged
         as vLLM answers the multi-prompt completion (``topologies/native_prompts.py``). A failing
@@ -218,7 +222,7 @@ class NativePath:
             async with asyncio.TaskGroup() as tg:
                 for i, (leg_body, leg_estimate) in enumerate(zip(bodies, per_prompt, strict=True)):
                     tasks.append(tg.create_task(self._native_attempts(
-                        kind, leg_body, f"{request_id}-{i}", reason, model, "", leg_estimate,
+                        kind, leg_body, f"{request_id}-{i}", reason, model, "", leg_estimate, trace,
                     )))
         except BaseException as exc:
             # Cancelled by the client or failed: the legs already open hold admission and a connection.
@@ -277,7 +281,7 @@ class NativePath:
             return f"; prefill/decode pairs cannot serve it exactly ({pd_unfit})"
         return ""
 
-    def _native_call(self, kind: ApiKind) -> NativeCall:
+    def _native_call(self, kind: ApiKind, trace: Mapping[str, str]) -> NativeCall:
         """One guarded leg of a native P/D run (breaker, admission, load, the reply's deadline)."""
 
         async def call(
@@ -286,13 +290,14 @@ class NativePath:
         ) -> dict[str, Any] | NativeStream:
             return await self.guard.native(
                 instance, kind, body, leg_id, tokens=tokens, max_output=max_output, stack=stack, reserved=reserved,
+                trace=trace,
             )
 
         return call
 
     async def _native_estimate(
         self, kind: ApiKind, body: dict[str, Any], request_id: str, tokenized: TokenizedRequest | None,
-        render_tried: bool,
+        render_tried: bool, trace: Mapping[str, str],
     ) -> NativeEstimate:
         """The request's prompt tokens (render's count where it can give one, else a bound from the
         body's size) and output bound. Render is asked for a count only: its verdict on the body
@@ -305,7 +310,7 @@ class NativePath:
         if (not render_tried and self.snapshot.render.enable and self.snapshot.render.token_in
                 and not self.render_health.skip()):
             try:
-                counts = await self.render.prompt_lengths(kind, body, request_id)
+                counts = await self.render.prompt_lengths(kind, body, request_id, trace)
             except RenderUnavailable as exc:
                 self.render_health.mark(exc)
             except UpstreamRequestError:
@@ -315,15 +320,17 @@ class NativePath:
                 return NativeEstimate.of(kind, body, counts, "render")
         return NativeEstimate.of(kind, body, prompt_bound(kind, body), "bound")
 
-    async def _render_verdict(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> None:
+    async def _render_verdict(
+        self, kind: ApiKind, body: dict[str, Any], request_id: str, trace: Mapping[str, str]
+    ) -> None:
         """Let render judge ``body`` (vLLM's own schema and validators): its 4xx propagates; an
         unusable sidecar has no verdict, and the caller's answer stands."""
         if not self.snapshot.render.enable or not self.snapshot.render.token_in or self.render_health.skip():
             return
         try:
             if kind == "chat":
-                await self.render.render_chat(body, request_id)
+                await self.render.render_chat(body, request_id, trace)
             else:
-                await self.render.render_completions(body, request_id)
+                await self.render.render_completions(body, request_id, trace)
         except RenderUnavailable as exc:
             self.render_health.mark(exc)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
 
@@ -94,6 +94,7 @@ from serving.pipeline.topologies.native_pd import (
 )
 from serving.pipeline.topologies.native_prompts import NativePromptsStream
 from serving.pipeline.topologies.registry import TopologyRegistry
+from serving.pipeline.tracing import NO_TRACE
 
 logger = logging.getLogger(__name__)
 
@@ -145,11 +146,13 @@ class ServingPipeline(NativePath):
         self.limits = limits or RequestLimits()
         self.guard = EngineGuard(scheduler, engines, self.boundary, self.native)
 
-    def attempts(self, request_id: str, phases: Phases = NO_PHASES) -> Attempts:
+    def attempts(
+        self, request_id: str, phases: Phases = NO_PHASES, trace: Mapping[str, str] = NO_TRACE
+    ) -> Attempts:
         """The attempt loop of one request (both modes), on this pipeline's snapshot and guard."""
         return Attempts(
             self.snapshot, self.guard, self.topologies, self.policy, request_id=request_id, counters=self.counters,
-            phases=phases,
+            phases=phases, trace=trace,
         )
 
     # -- entry points ------------------------------------------------------------------------------
@@ -248,7 +251,7 @@ class ServingPipeline(NativePath):
         tokenizer = TokenizationService(self.render, model, health=self.render_health)
         start = phases.now()
         try:
-            tokenized = await tokenizer.tokenize(kind, body, request_id)
+            tokenized = await tokenizer.tokenize(kind, body, request_id, response.ctx.trace)
         except NeedsNative as exc:
             self._log_render(request_id, model.name, None, "local", exc.fallback_reason, outcome=f"native:{exc.detail}")
             if self.snapshot.render.obfuscation:
@@ -279,13 +282,13 @@ class ServingPipeline(NativePath):
         try:
             if body.get("stream"):
                 return await self._open(token_body, token_kind, tokenized, requires_tokenizer, response)
-            responses = await self._generate_all(tokenized, request_id, requires_tokenizer, phases)
+            responses = await self._generate_all(tokenized, response.ctx, requires_tokenizer)
         except EngineLacksCapability:
             # Nothing reached the client yet: the whole request may move to the native path.
             if self.snapshot.render.obfuscation:
                 raise
             return await self._native(kind, body, response, "engine_capability", tokenized=tokenized)
-        out = await self._derender(token_kind, token_body, request_id, tokenized, responses, phases)
+        out = await self._derender(token_kind, token_body, response.ctx, tokenized, responses)
         if kind == "responses":
             return responses_api.to_response(out, body, rendered, f"resp_{request_id}")
         return to_message(out, f"msg_{request_id}") if kind == "messages" else out
@@ -305,9 +308,9 @@ class ServingPipeline(NativePath):
         )
 
     async def _generate_all(
-        self, tokenized: TokenizedRequest, request_id: str, requires_tokenizer: bool, phases: Phases
+        self, tokenized: TokenizedRequest, ctx: RequestContext, requires_tokenizer: bool
     ) -> list[dict[str, Any]]:
-        attempts = self.attempts(request_id, phases)
+        attempts = self.attempts(ctx.request_id, ctx.phases, ctx.trace)
         if len(tokenized.prompts) == 1:
             return [await attempts.run(tokenized, 0, requires_tokenizer)]
         # Prompts run concurrently; one failing prompt fails the request as a whole and cancels
@@ -323,11 +326,12 @@ class ServingPipeline(NativePath):
         return [t.result() for t in tasks]
 
     async def _derender(
-        self, kind: TokenKind, body: dict[str, Any], request_id: str, tokenized: TokenizedRequest,
-        responses: list[dict[str, Any]], phases: Phases,
+        self, kind: TokenKind, body: dict[str, Any], ctx: RequestContext, tokenized: TokenizedRequest,
+        responses: list[dict[str, Any]],
     ) -> dict[str, Any]:
         return await derender_full(
-            self.render, self._model(body), kind, body, request_id, tokenized, responses, phases=phases
+            self.render, self._model(body), kind, body, ctx.request_id, tokenized, responses, phases=ctx.phases,
+            trace=ctx.trace,
         )
 
     async def _open(
@@ -341,7 +345,7 @@ class ServingPipeline(NativePath):
         the response's from the moment they are open (closed and aborted with its stack).
         """
         request_id, phases = response.ctx.request_id, response.ctx.phases
-        attempts = self.attempts(request_id, phases)
+        attempts = self.attempts(request_id, phases, response.ctx.trace)
         attempts.trigger_fanout = trigger_fanout
 
         def opener(index: int) -> Callable[[LeaseGroup], Coroutine[Any, Any, OpenStream]]:
@@ -376,5 +380,5 @@ class ServingPipeline(NativePath):
         return EventStream(
             attempts, local or self.render, self.stream_settings, kind, public_id, body, tokenized, streams,
             request_id=request_id,
-            requires_tokenizer=requires_tokenizer, n=n, phases=phases,
+            requires_tokenizer=requires_tokenizer, n=n, phases=phases, trace=response.ctx.trace,
         )

@@ -19,9 +19,10 @@ Propagation (W3C Trace Context, the ``traceparent`` and ``tracestate`` headers v
 ``vllm.tracing.TRACE_HEADERS``): the edge reads them from the client's request (``incoming``);
 with tracing on, the root span is their child and every render, derender and generate call
 carries the root span's context; with tracing off, the client's own headers go to the sidecar
-and the engines unchanged, so their traces still join the client's. The edge sets them for the
-request's task (``carry``) and each upstream call adds them (``with_trace``): a request that
-brought none, with tracing off, pays one context-variable read per call.
+and the engines unchanged, so their traces still join the client's. The edge puts them in the
+request's ``RequestContext`` (``trace``), which hands them explicitly to every render, derender,
+generate and native call; each adds them to its own headers (``with_trace``): a request that
+brought none, with tracing off, pays one empty-mapping check per call.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
-from contextvars import ContextVar, Token
+from types import MappingProxyType
 from typing import Any
 
 from serving.pipeline import metric_names
@@ -55,9 +56,8 @@ TRACESTATE = "tracestate"
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}(-[\x21-\x7e]*)?")
 _TRACESTATE = re.compile(r"[\x20-\x7e]{0,512}")  # printable, within the spec's 512 bytes
 
-# The trace headers of the request this task serves (set by the edge: ``carry``), for every
-# upstream call it makes; None when it has none (tracing off and the client sent none).
-_carried: ContextVar[Mapping[str, str] | None] = ContextVar("motor_trace_headers", default=None)
+# The trace headers of a request that has none (tracing off and the client sent none).
+NO_TRACE: Mapping[str, str] = MappingProxyType({})
 
 
 def incoming(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str] | None:
@@ -83,21 +83,10 @@ def incoming(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str] | None:
     return carrier
 
 
-def carry(headers: Mapping[str, str] | None) -> Token[Mapping[str, str] | None]:
-    """Make ``headers`` the trace headers of every upstream call this task (and the tasks it
-    starts) makes from now on; ``reset`` with the token returned when the request is done."""
-    return _carried.set(headers)
-
-
-def reset(token: Token[Mapping[str, str] | None]) -> None:
-    _carried.reset(token)
-
-
-def with_trace(headers: dict[str, str]) -> dict[str, str]:
-    """``headers`` of an upstream call, with the request's trace headers added when it has any."""
-    carried = _carried.get()
-    if carried:
-        headers.update(carried)
+def with_trace(headers: dict[str, str], trace: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` of an upstream call, with the request's trace headers (``trace``) added."""
+    if trace:
+        headers.update(trace)
     return headers
 
 

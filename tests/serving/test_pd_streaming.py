@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -38,6 +38,7 @@ from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, Re
 from serving.pipeline.topologies import metaserver as metaserver_module
 from serving.pipeline.topologies.hybrid import PDPolicy, pd_topology_policy
 from serving.pipeline.topologies.metaserver import MetaServer
+from serving.pipeline.tracing import NO_TRACE
 from tests.pd_sims import MOONCAKE_PREFILL_ENGINE_ID, mooncake_sim_fixtures, pd_sim_fixtures, sim_server
 from tests.serving.fakes import CHAT_PROMPT, MODEL, RENDER_URL, parse_frames
 from tests.serving.leaks import assert_nothing_held
@@ -76,9 +77,11 @@ class RecordingEngines(EngineClient):
         self.answers: list[dict[str, Any]] = []
         self.aborted: list[tuple[str, list[str]]] = []
 
-    async def generate(self, instance: InstanceView, request: dict[str, Any]) -> dict[str, Any]:
+    async def generate(
+        self, instance: InstanceView, request: dict[str, Any], *, trace: Mapping[str, str] = NO_TRACE
+    ) -> dict[str, Any]:
         self.sent.append((instance.name, False, request))
-        response = await super().generate(instance, request)
+        response = await super().generate(instance, request, trace=trace)
         self.answers.append(response)
         return response
 
@@ -88,10 +91,11 @@ class RecordingEngines(EngineClient):
 
     @asynccontextmanager
     async def generate_stream(
-        self, instance: InstanceView, request: dict[str, Any], *, whole_reads: bool = False
+        self, instance: InstanceView, request: dict[str, Any], *, whole_reads: bool = False,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> AsyncIterator[Any]:
         self.sent.append((instance.name, True, request))
-        async with super().generate_stream(instance, request, whole_reads=whole_reads) as events:
+        async with super().generate_stream(instance, request, whole_reads=whole_reads, trace=trace) as events:
             yield events
 
 
@@ -597,7 +601,9 @@ def _prefill_barrier(rig: Rig) -> dict[str, int]:
     seen = {"in_flight": 0, "peak": 0}
     both = asyncio.Event()
 
-    async def generate(instance: InstanceView, request: dict[str, Any]) -> dict[str, Any]:
+    async def generate(
+        instance: InstanceView, request: dict[str, Any], *, trace: Mapping[str, str] = NO_TRACE
+    ) -> dict[str, Any]:
         seen["in_flight"] += 1
         seen["peak"] = max(seen["peak"], seen["in_flight"])
         if seen["in_flight"] == 2:
@@ -606,7 +612,7 @@ def _prefill_barrier(rig: Rig) -> dict[str, int]:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(3.0):
                     await both.wait()
-            return await inner(instance, request)
+            return await inner(instance, request, trace=trace)
         finally:
             seen["in_flight"] -= 1
 

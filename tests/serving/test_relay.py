@@ -17,12 +17,12 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 import pytest
 
-from serving.pipeline import tracing
 from serving.pipeline.derender.session import StreamSettings
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.placement.load import LoadTracker
 from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.render.client import RenderClient
+from serving.pipeline.request_context import RequestContext
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.response import Response
 from serving.pipeline.service import EventStream, ServingPipeline
@@ -258,11 +258,8 @@ async def test_a_relay_attempt_carries_the_requests_trace_headers(
 ) -> None:
     engines.faults["e1"] = [Fault("raise", 3)]
     traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    token = tracing.carry({"traceparent": traceparent})  # what the edge sets for the request's task
-    try:
-        frames = await drain(await pipeline.chat(chat(), "r-traced"))
-    finally:
-        tracing.reset(token)
+    # What the edge puts in the request's context: its trace headers.
+    frames = await drain(await pipeline.chat(chat(), RequestContext("r-traced", trace={"traceparent": traceparent})))
     assert content(frames) == text(EXPECTED)
     gens = upstreams.calls_of("generate")
     assert len(gens) == 2  # the first attempt and its relay

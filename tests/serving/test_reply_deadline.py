@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -27,6 +27,7 @@ from serving.pipeline.render.tokenization import TokenizedPrompt, TokenizedReque
 from serving.pipeline.resilience.breaker import BreakerBoard
 from serving.pipeline.service import ServingPipeline
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView, ModelView, RenderView
+from serving.pipeline.tracing import NO_TRACE
 
 MODEL = "tiny"
 PROMPT = list(range(10, 40))
@@ -69,9 +70,11 @@ async def generate(
     sent: list[str] = []
 
     class Recording(EngineClient):
-        async def generate(self, instance: InstanceView, request: dict[str, Any]) -> dict[str, Any]:
+        async def generate(
+            self, instance: InstanceView, request: dict[str, Any], *, trace: Mapping[str, str] = NO_TRACE
+        ) -> dict[str, Any]:
             sent.append(instance.name)
-            return await super().generate(instance, request)
+            return await super().generate(instance, request, trace=trace)
 
     engines = Recording(http, deadline=deadline)
     pipeline = ServingPipeline(snapshot, None, engines, scheduler)  # type: ignore[arg-type]  # no render needed

@@ -36,7 +36,7 @@ class FakeRender:
 
     async def derender_chunk(self, kind: str, event: dict[str, Any], *, stream_state: Any, prompt_tokens: int,
                              prompt_token_ids: list[int] | None, request: dict[str, Any] | None,
-                             model: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+                             model: str | None, trace: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
         assert prompt_tokens == len(PROMPT)
         number = len(self.calls)
         self.calls.append((event, stream_state, prompt_token_ids))

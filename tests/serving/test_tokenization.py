@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from array import array
+from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -21,6 +22,7 @@ from serving.pipeline.errors import RenderUnavailable, RequestError, UpstreamReq
 from serving.pipeline.json_codec import dumps
 from serving.pipeline.render import local_tokenizer as lt
 from serving.pipeline.render.tokenization import TokenizationService, local_render, local_unsupported
+from serving.pipeline.tracing import NO_TRACE
 from tests.serving.fakes import CHAT_PROMPT, MODEL, error_json
 from tests.serving.loopback import HANG_DEADLINE_S, hang
 from tests.serving.router_fakes import (
@@ -310,7 +312,9 @@ class _RenderReply:
     def __init__(self, ids: list[int]) -> None:
         self.ids = ids
 
-    async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+    async def render_completions(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> list[dict[str, Any]]:
         return [{"request_id": f"cmpl-{request_id}", "token_ids": list(self.ids), "sampling_params": {"max_tokens": 4}}]
 
 

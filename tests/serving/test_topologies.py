@@ -22,7 +22,6 @@ from django.core.asgi import get_asgi_application
 
 from enginesim import EngineRole, SimConfig
 from enginesim.testing import LiveServer, eventually
-from serving.pipeline import tracing
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import BreakerOpen, GenerateContext, Opened
 from serving.pipeline.engine.requests import decode_request, leg_ids, prefill_request
@@ -598,12 +597,11 @@ async def test_both_legs_carry_the_requests_trace_headers(
     placed = Placed(view(p_server, "prefill", transfer), view(d_server, "decode", transfer))
     opener = open_handoff if transfer == "pull" else open_trigger
     traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    token = tracing.carry({"traceparent": traceparent})  # what the edge sets for the request's task
-    try:
-        ctx = router_pd_context(engines, f"t-{transfer}", placed, load=load, callback_timeout_s=5.0)
-        await whole(opener, ctx, placed, request(f"t-{transfer}"))
-    finally:
-        tracing.reset(token)
+    # What the request's RequestContext hands its attempts (the edge puts the client's there).
+    ctx = router_pd_context(
+        engines, f"t-{transfer}", placed, load=load, callback_timeout_s=5.0, trace={"traceparent": traceparent}
+    )
+    await whole(opener, ctx, placed, request(f"t-{transfer}"))
     # Each engine's latest generate: P's prefill leg and D's decode leg (P's started by D's callback).
     assert (await stats(http, p_server))["traceparents"][-1] == traceparent
     assert (await stats(http, d_server))["traceparents"][-1] == traceparent

@@ -27,6 +27,7 @@ from serving.pipeline import metric_names as names
 from serving.pipeline import tracing
 from serving.pipeline.errors import EngineError
 from serving.pipeline.phases import Histograms, Phases
+from serving.pipeline.request_context import RequestContext
 from tests.otlp import Receiver
 from tests.serving.fakes import MODEL, FakeUpstreams
 from tests.serving.router_fakes import Rig, chat_body
@@ -220,11 +221,8 @@ def test_incoming_keeps_only_a_valid_w3c_trace_context(headers: list[tuple[bytes
 
 
 async def test_a_carried_trace_reaches_every_call_of_the_request_and_no_other(rig: Rig, upstreams: FakeUpstreams) -> None:
-    token = tracing.carry({"traceparent": TRACEPARENT})
-    try:
-        await rig.pipeline().completions({"model": MODEL, "prompt": ["a", "b"], "max_tokens": 3}, "req-t")
-    finally:
-        tracing.reset(token)
+    traced_request = RequestContext("req-t", trace={"traceparent": TRACEPARENT})
+    await rig.pipeline().completions({"model": MODEL, "prompt": ["a", "b"], "max_tokens": 3}, traced_request)
     await rig.pipeline().completions({"model": MODEL, "prompt": "c", "max_tokens": 3}, "req-u")
     traced = [c for c in upstreams.calls if c.headers.get("traceparent") == TRACEPARENT]
     # Both prompts' generate calls (concurrent tasks of the request) and its render and derender.

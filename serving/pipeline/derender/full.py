@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from serving.pipeline import metric_names
@@ -19,6 +20,7 @@ from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.tokenization import TokenizationService, TokenizedRequest
 from serving.pipeline.snapshot import ModelView
+from serving.pipeline.tracing import NO_TRACE
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,7 @@ logger = logging.getLogger(__name__)
 async def derender_full(
     render: RenderClient, model: ModelView, kind: TokenKind, body: dict[str, Any],
     request_id: str, tokenized: TokenizedRequest, responses: list[dict[str, Any]], *, phases: Phases = NO_PHASES,
+    trace: Mapping[str, str] = NO_TRACE,
 ) -> dict[str, Any]:
     """The client's response for ``responses`` (one per prompt), with the public id set."""
     start = time.perf_counter()
@@ -44,12 +47,12 @@ async def derender_full(
                 out = await asyncio.to_thread(local.completions, responses, prompt_ids=prompt_ids, body=body)
         elif kind == "chat":
             out = await render.derender_chat(
-                responses[0], prompt_token_ids=prompt_ids[0], chat_request=body, model=body.get("model")
+                responses[0], prompt_token_ids=prompt_ids[0], chat_request=body, model=body.get("model"), trace=trace
             )
         else:
             out = await render.derender_completions(
                 [sorted_choices(r) for r in responses], prompt_token_ids=prompt_ids,
-                completion_request=body, model=body.get("model"),
+                completion_request=body, model=body.get("model"), trace=trace,
             )
     except BaseException as exc:
         result = type(exc).__name__

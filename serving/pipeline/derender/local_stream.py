@@ -38,6 +38,7 @@ from serving.pipeline.derender.payload import StreamState, unpacked_state
 from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.local_tokenizer import LocalTokenizerUnavailable, local_tokenizer
 from serving.pipeline.snapshot import ModelView, RenderView
+from serving.pipeline.tracing import NO_TRACE
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +170,10 @@ class LocalStreamDerenderer:
         prompt_token_ids: Sequence[int] | None,
         request: dict[str, Any] | None,
         model: str | None,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """``RenderClient.derender_chunk``'s answer, made here (a plain path only: ``qualifies``)."""
+        """``RenderClient.derender_chunk``'s answer, made here (a plain path only: ``qualifies``;
+        ``trace`` is unused: no call leaves the process)."""
         self.calls += 1
         # Its own states come back as its dicts (``kept``); a packed one only from a sidecar's.
         stream_state = unpacked_state(stream_state)

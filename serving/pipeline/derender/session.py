@@ -18,7 +18,7 @@ import asyncio
 import enum
 import logging
 from array import array
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, AsyncContextManager, Protocol
 
@@ -35,6 +35,7 @@ from serving.pipeline.errors import DerenderError
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import EventBatches, TokenKind
 from serving.pipeline.render.client import RETRY_DELAY_MAX_S, RETRY_DELAY_MIN_S, DerenderRetryable
+from serving.pipeline.tracing import NO_TRACE
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class ChunkDerender(Protocol):
     async def derender_chunk(
         self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: StreamState,
         prompt_tokens: int, prompt_token_ids: Sequence[int] | None, request: dict[str, Any] | None, model: str | None,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]: ...
 
     def kept(self, state: dict[str, Any] | None) -> StreamState:
@@ -171,6 +173,7 @@ class StreamingRenderSession:
         reader: EventReader = each_event,
         holdback: Holdback | None = None,
         phases: Phases = NO_PHASES,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> None:
         self.render = render
         self.kind = kind
@@ -183,6 +186,7 @@ class StreamingRenderSession:
         self.reader = reader
         self.holdback = holdback or _NoHoldback()
         self.phases = phases  # the request's: its first derender call is a phase of its TTFT
+        self.trace = trace  # the request's trace headers, on every derender call
         self.choices: dict[int, ChoiceRecord] = {}
         self.attempt = 0
         self.instance = ""
@@ -315,6 +319,7 @@ class StreamingRenderSession:
                         chunk, next_state = await self.render.derender_chunk(
                             self.kind, event, stream_state=state, prompt_tokens=len(self.prompt_ids),
                             prompt_token_ids=prompt_ids, request=request, model=self.body.get("model"),
+                            trace=self.trace,
                         )
                         break
                     except DerenderRetryable as exc:

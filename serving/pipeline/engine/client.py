@@ -37,13 +37,13 @@ def engine_request_id(request_id: str) -> str:
     return f"generate-tokens-{request_id}"
 
 
-def request_headers(request: Mapping[str, Any]) -> dict[str, str]:
+def request_headers(request: Mapping[str, Any], trace: Mapping[str, str] = tracing.NO_TRACE) -> dict[str, str]:
     """``X-Request-Id`` for one generate leg: the leg's own ``request_id`` (what the logs name as
     ``engine_request_id``). vLLM builds its engine id from this header when it is present, in place
     of the body's, so it must be the body's id: an abort names ``generate-tokens-<that id>``. And
-    the request's trace headers, when it has any (``tracing.with_trace``)."""
+    the request's trace headers (``trace``), when it has any."""
     rid = request.get("request_id")
-    return tracing.with_trace({"X-Request-Id": rid} if isinstance(rid, str) and rid else {})
+    return tracing.with_trace({"X-Request-Id": rid} if isinstance(rid, str) and rid else {}, trace)
 
 
 def raise_for_status(
@@ -128,13 +128,15 @@ class EngineClient:
             return None
         return self.deadline.timeout(self._client.timeout, (request.get("sampling_params") or {}).get("max_tokens"))
 
-    async def generate(self, instance: InstanceView, request: dict[str, Any]) -> dict[str, Any]:
+    async def generate(
+        self, instance: InstanceView, request: dict[str, Any], *, trace: Mapping[str, str] = tracing.NO_TRACE
+    ) -> dict[str, Any]:
         """Non-streaming generate; returns the GenerateResponse JSON as the engine wrote it.
 
         The reply may take as long as ``deadline`` gives this request's budget.
         """
         timeout = self._reply_timeout(request)
-        headers = request_headers(request)
+        headers = request_headers(request, trace)
         try:
             if timeout is None:
                 response = await self._client.post(instance.url + GENERATE, json=request, headers=headers)
@@ -161,7 +163,8 @@ class EngineClient:
 
     @asynccontextmanager
     async def generate_stream(
-        self, instance: InstanceView, request: dict[str, Any], *, whole_reads: bool = False
+        self, instance: InstanceView, request: dict[str, Any], *, whole_reads: bool = False,
+        trace: Mapping[str, str] = tracing.NO_TRACE,
     ) -> AsyncIterator[EventBatches]:
         """Open a streaming generate; entering means the engine accepted it (HTTP 200).
 
@@ -172,7 +175,7 @@ class EngineClient:
         """
         try:
             async with self._client.stream(
-                "POST", instance.url + GENERATE, json=request, headers=request_headers(request)
+                "POST", instance.url + GENERATE, json=request, headers=request_headers(request, trace)
             ) as response:
                 # Written: this frame stays suspended while the stream lasts, and must not keep
                 # the request (a few KiB parsed) for it.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +33,7 @@ from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind, EventBatches
 from serving.pipeline.render.tokenization import TokenizedPrompt
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
+from serving.pipeline.tracing import NO_TRACE
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class EngineGuard:
 
     async def generate(
         self, instance: InstanceView, request: dict[str, Any], *, tokens: int, reserved: Reservation | None = None,
-        phases: Phases = NO_PHASES, group: LeaseGroup | None = None,
+        phases: Phases = NO_PHASES, group: LeaseGroup | None = None, trace: Mapping[str, str] = NO_TRACE,
     ) -> dict[str, Any]:
         """One non-streaming generate; returns the validated, semantic GenerateResponse."""
         start = time.perf_counter()
@@ -183,7 +184,7 @@ class EngineGuard:
             async with AsyncExitStack() as holds:
                 await self._holds(instance, tokens, reserved, holds, phases, group)
                 sent = phases.now()
-                raw = await self.engines.generate(instance, self.boundary.outbound(request, instance))
+                raw = await self.engines.generate(instance, self.boundary.outbound(request, instance), trace=trace)
                 phases.observe(metric_names.PHASE_FIRST_CHUNK, sent)  # the whole answer is its first chunk
             response = self.boundary.inbound(raw, instance)
             problem = validate_generate_response(response, n=int(request.get("sampling_params", {}).get("n") or 1))
@@ -195,7 +196,7 @@ class EngineGuard:
     async def open_stream(
         self, instance: InstanceView, request: dict[str, Any], *, tokens: int, stack: AsyncExitStack,
         reserved: Reservation | None = None, phases: Phases = NO_PHASES, whole_reads: bool = False,
-        group: LeaseGroup | None = None,
+        group: LeaseGroup | None = None, trace: Mapping[str, str] = NO_TRACE,
     ) -> EventBatches:
         """Open one streaming generate (established: HTTP 200); its holds and stream go on ``stack``.
 
@@ -207,7 +208,9 @@ class EngineGuard:
             await self._holds(instance, tokens, reserved, stack, phases, group)
             sent = phases.now()
             events = await stack.enter_async_context(
-                self.engines.generate_stream(instance, self.boundary.outbound(request, instance), whole_reads=whole_reads)
+                self.engines.generate_stream(
+                    instance, self.boundary.outbound(request, instance), whole_reads=whole_reads, trace=trace
+                )
             )
         return metrics.TimedEvents(
             instance.name, events, on_first=lambda: phases.observe(metric_names.PHASE_FIRST_CHUNK, sent)
@@ -219,6 +222,7 @@ class EngineGuard:
     async def native(
         self, instance: InstanceView, kind: ApiKind, body: dict[str, Any], request_id: str, *, tokens: int,
         stack: AsyncExitStack, max_output: int | None = None, reserved: Reservation | None = None,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> dict[str, Any] | NativeStream:
         """One call to an engine's own OpenAI API; a stream takes ``stack`` (its holds) over.
 
@@ -229,7 +233,9 @@ class EngineGuard:
             await self._admit(instance)
         async with self._outcome(instance, record_failure=False):
             await self._holds(instance, tokens, reserved, stack, NO_PHASES)
-            return await self.native_client.call(instance, kind, body, request_id, stack, max_output=max_output)
+            return await self.native_client.call(
+                instance, kind, body, request_id, stack, max_output=max_output, trace=trace
+            )
 
     async def abort(self, instance: InstanceView, request_ids: list[str]) -> None:
         await self.engines.abort(instance, request_ids)
@@ -311,6 +317,8 @@ class GenerateContext:
     stream: bool = False  # the attempt's mode: whether its last leg streams
     phases: Phases = NO_PHASES  # the attempt's recorder (its topology); each leg adds its own label
     leases: LeaseGroup | None = None  # the response's streams opened together (``open_together``)
+    # The request's trace headers, on every leg (``RequestContext.trace``).
+    trace: Mapping[str, str] = field(default_factory=lambda: NO_TRACE)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -330,7 +338,7 @@ class GenerateContext:
         try:
             return await self.guard.generate(
                 instance, request, tokens=self.tokens if tokens is None else tokens, reserved=reserved,
-                phases=self.phases.on(leg=phase), group=self.leases,
+                phases=self.phases.on(leg=phase), group=self.leases, trace=self.trace,
             )
         except BaseException as exc:
             result = type(exc).__name__
@@ -352,7 +360,7 @@ class GenerateContext:
         events = await self.guard.open_stream(
             instance, request, tokens=tokens, stack=stack, reserved=reserved, phases=self.phases.on(leg=phase),
             whole_reads=coalesces(self.snapshot.render),  # what its reader will merge (coalesce.py)
-            group=self.leases,
+            group=self.leases, trace=self.trace,
         )
         logger.info(
             "generate request_id=%s prompt=%d instance=%s phase=%s attempt=%d engine_request_id=%s result=established "

@@ -270,7 +270,7 @@ class NativeClient:
 
     async def call(
         self, instance: InstanceView, kind: ApiKind, body: dict[str, Any], request_id: str, stack: AsyncExitStack,
-        *, max_output: int | None = None,
+        *, max_output: int | None = None, trace: Mapping[str, str] = tracing.NO_TRACE,
     ) -> dict[str, Any] | NativeStream:
         """Send ``body`` to ``instance``; a stream is returned only once the engine answered 200.
 
@@ -280,7 +280,7 @@ class NativeClient:
         chunks each get the shared client's read timeout instead).
         """
         url = instance.url + NATIVE_PATHS[kind]
-        headers = tracing.with_trace({"X-Request-Id": request_id})
+        headers = tracing.with_trace({"X-Request-Id": request_id}, trace)
         try:
             if body.get("stream"):
                 opened: AbstractAsyncContextManager[StreamReply] = self._client.stream(

@@ -12,6 +12,7 @@ responses and chunks say ``model: <adapter>``, as the engine's own API does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 from serving.pipeline.derender.payload import StreamState
@@ -19,6 +20,7 @@ from serving.pipeline.http11 import Http11Client
 from serving.pipeline.protocol import ApiKind, TokenKind
 from serving.pipeline.render.pool import PoolState, RenderPool
 from serving.pipeline.snapshot import RenderView
+from serving.pipeline.tracing import NO_TRACE
 
 
 class AdapterRenderPool(RenderPool):
@@ -41,42 +43,56 @@ class AdapterRenderPool(RenderPool):
     def _model(self, model: str | None) -> str | None:
         return self.base if model == self.adapter else model
 
-    async def render_chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        return self._back(await super().render_chat(self._out(body) or body, request_id))
+    async def render_chat(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> dict[str, Any]:
+        return self._back(await super().render_chat(self._out(body) or body, request_id, trace))
 
-    async def render_messages(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        return self._back(await super().render_messages(self._out(body) or body, request_id))
+    async def render_messages(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> dict[str, Any]:
+        return self._back(await super().render_messages(self._out(body) or body, request_id, trace))
 
-    async def render_responses(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        return self._back(await super().render_responses(self._out(body) or body, request_id))
+    async def render_responses(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> dict[str, Any]:
+        return self._back(await super().render_responses(self._out(body) or body, request_id, trace))
 
-    async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+    async def render_completions(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> list[dict[str, Any]]:
         return [self._back(r) for r in await super().render_completions(self._out(body) or body, request_id)]
 
-    async def prompt_lengths(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> list[int]:
-        return await super().prompt_lengths(kind, self._out(body) or body, request_id)
+    async def prompt_lengths(
+        self, kind: ApiKind, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> list[int]:
+        return await super().prompt_lengths(kind, self._out(body) or body, request_id, trace)
 
     async def derender_chat(
         self, generate_response: dict[str, Any], *, prompt_token_ids: Sequence[int], chat_request: dict[str, Any],
         model: str | None,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> dict[str, Any]:
         return self._back(await super().derender_chat(
             generate_response, prompt_token_ids=prompt_token_ids, chat_request=self._out(chat_request) or chat_request,
-            model=self._model(model)))
+            model=self._model(model), trace=trace))
 
     async def derender_completions(
         self, generate_responses: list[dict[str, Any]], *, prompt_token_ids: Sequence[Sequence[int]],
         completion_request: dict[str, Any], model: str | None,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> dict[str, Any]:
         return self._back(await super().derender_completions(
             generate_responses, prompt_token_ids=prompt_token_ids,
-            completion_request=self._out(completion_request) or completion_request, model=self._model(model)))
+            completion_request=self._out(completion_request) or completion_request, model=self._model(model),
+            trace=trace))
 
     async def derender_chunk(
         self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: StreamState,
         prompt_tokens: int, prompt_token_ids: Sequence[int] | None, request: dict[str, Any] | None, model: str | None,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         chunk, state = await super().derender_chunk(
             kind, generate_chunk, stream_state=stream_state, prompt_tokens=prompt_tokens,
-            prompt_token_ids=prompt_token_ids, request=self._out(request), model=self._model(model))
+            prompt_token_ids=prompt_token_ids, request=self._out(request), model=self._model(model), trace=trace)
         return self._back(chunk), state

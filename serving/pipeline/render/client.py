@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 from typing import Any, AsyncContextManager, Sequence
 
 import httpx
@@ -21,6 +22,7 @@ from serving.pipeline.derender.payload import StreamState, packed_state
 from serving.pipeline.errors import DerenderError, RenderUnavailable, UpstreamRequestError
 from serving.pipeline.http11 import Http11Client, Reply
 from serving.pipeline.protocol import ApiKind, GenerateRequest, TokenKind
+from serving.pipeline.tracing import NO_TRACE
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +102,14 @@ class RenderClient:
         self.timeout_s = timeout_s  # the render config's timeout_ms: a call, or a streaming chunk
         self._timeout = httpx.Timeout(timeout_s)
 
-    async def _post_render(self, path: str, body: dict[str, Any], request_id: str) -> Any:
+    async def _post_render(
+        self, path: str, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> Any:
         try:
             # The whole call (httpx's timeouts are per phase: a sidecar trickling bytes would pass).
             async with asyncio.timeout(self.timeout_s):
                 response = await self._client.post(
-                    self._base_url + path, json=body, headers=tracing.with_trace({"X-Request-Id": request_id}),
+                    self._base_url + path, json=body, headers=tracing.with_trace({"X-Request-Id": request_id}, trace),
                     timeout=self._timeout,
                 )
         except (httpx.TimeoutException, TimeoutError) as exc:
@@ -120,37 +124,47 @@ class RenderClient:
         reason = "capability" if response.status_code in (403, 404, 405, 501) else "status"
         raise RenderUnavailable(f"render answered {response.status_code}: {str(payload)[:200]}", reason=reason)
 
-    async def render_chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    async def render_chat(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> dict[str, Any]:
         """Return one GenerateRequest for a chat request."""
-        out: dict[str, Any] = await self._post_render(CHAT_RENDER, body, request_id)
+        out: dict[str, Any] = await self._post_render(CHAT_RENDER, body, request_id, trace)
         _check_generate_requests([out])
         return out
 
-    async def render_messages(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    async def render_messages(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> dict[str, Any]:
         """Return one GenerateRequest for an Anthropic Messages request (a sidecar without the
         route answers 404: ``RenderUnavailable`` with reason ``capability``)."""
-        out: dict[str, Any] = await self._post_render(RENDER_PATHS["messages"], body, request_id)
+        out: dict[str, Any] = await self._post_render(RENDER_PATHS["messages"], body, request_id, trace)
         _check_generate_requests([out])
         return out
 
-    async def render_responses(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    async def render_responses(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> dict[str, Any]:
         """Return one GenerateRequest for a Responses request (``apis/responses.py``)."""
-        out: dict[str, Any] = await self._post_render(RENDER_PATHS["responses"], body, request_id)
+        out: dict[str, Any] = await self._post_render(RENDER_PATHS["responses"], body, request_id, trace)
         _check_generate_requests([out])
         if body.get("stream"):
             # vLLM's Responses server counts usage for its final event; render's request asks none.
             out["stream_options"] = {"include_usage": True}
         return out
 
-    async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+    async def render_completions(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> list[dict[str, Any]]:
         """Return one GenerateRequest per prompt, in prompt order."""
-        out = await self._post_render(COMPLETIONS_RENDER, body, request_id)
+        out = await self._post_render(COMPLETIONS_RENDER, body, request_id, trace)
         if not (isinstance(out, list) and out):
             raise RenderUnavailable("render answered without a list of generate requests", reason="malformed")
         _check_generate_requests(out)
         return out
 
-    async def prompt_lengths(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> list[int]:
+    async def prompt_lengths(
+        self, kind: ApiKind, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> list[int]:
         """How many tokens each prompt of ``body`` renders to (one for all but completions).
 
         Raises what rendering raises: ``UpstreamRequestError`` for render's verdict on the body,
@@ -163,11 +177,11 @@ class RenderClient:
             raise RenderUnavailable("render answered without usable token_ids", reason="no_token_ids")
         return [len(r["token_ids"]) for r in rendered]
 
-    async def _post_derender(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post_derender(self, path: str, body: dict[str, Any], trace: Mapping[str, str]) -> dict[str, Any]:
         try:
             async with asyncio.timeout(self.timeout_s):  # the whole call, as for render
                 response = await self._client.post(
-                    self._base_url + path, json=body, headers=tracing.with_trace({}), timeout=self._timeout
+                    self._base_url + path, json=body, headers=tracing.with_trace({}, trace), timeout=self._timeout
                 )
         except (httpx.TimeoutException, TimeoutError) as exc:
             raise DerenderError(f"derender timed out: {exc!r}", status=504) from exc
@@ -191,6 +205,7 @@ class RenderClient:
         prompt_token_ids: Sequence[int],
         chat_request: dict[str, Any],
         model: str | None,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> dict[str, Any]:
         return await self._post_derender(
             CHAT_DERENDER,
@@ -201,6 +216,7 @@ class RenderClient:
                 "prompt_token_ids": prompt_token_ids,
                 "chat_request": chat_request,
             },
+            trace,
         )
 
     async def derender_completions(
@@ -210,6 +226,7 @@ class RenderClient:
         prompt_token_ids: Sequence[Sequence[int]],
         completion_request: dict[str, Any],
         model: str | None,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> dict[str, Any]:
         return await self._post_derender(
             COMPLETIONS_DERENDER,
@@ -220,6 +237,7 @@ class RenderClient:
                 "prompt_token_ids": prompt_token_ids,
                 "completion_request": completion_request,
             },
+            trace,
         )
 
     def chunk_slot(self) -> AsyncContextManager[None]:
@@ -237,6 +255,7 @@ class RenderClient:
         prompt_token_ids: Sequence[int] | None,
         request: dict[str, Any] | None,
         model: str | None,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Derender one generate event with the previous state; return ``(chunk, next_state)``.
 
@@ -255,7 +274,7 @@ class RenderClient:
             body["prompt_token_ids"] = prompt_token_ids
         if request is not None:
             body["chat_request" if kind == "chat" else "completion_request"] = request
-        out = await self._post_derender(CHAT_DERENDER if kind == "chat" else COMPLETIONS_DERENDER, body)
+        out = await self._post_derender(CHAT_DERENDER if kind == "chat" else COMPLETIONS_DERENDER, body, trace)
         chunk = out.get("chunk")
         if not isinstance(chunk, dict):
             raise DerenderError("derender answered without a chunk")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, AsyncContextManager, Awaitable, Callable, Iterator, Sequence, TypeVar
 
@@ -39,6 +40,7 @@ from serving.pipeline.render.client import DerenderRetryable, RenderClient
 from serving.pipeline.render.tokenization import RenderHealth
 from serving.pipeline.render.window import Windows
 from serving.pipeline.snapshot import RenderMember, RenderView
+from serving.pipeline.tracing import NO_TRACE
 
 T = TypeVar("T")
 
@@ -189,39 +191,51 @@ class RenderPool(RenderClient):
 
     # -- the RenderClient calls, each on one member -------------------------------------------------
 
-    async def render_chat(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        return await self._render("chat", lambda c: c.render_chat(body, request_id))
+    async def render_chat(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> dict[str, Any]:
+        return await self._render("chat", lambda c: c.render_chat(body, request_id, trace))
 
-    async def render_messages(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        return await self._render("messages", lambda c: c.render_messages(body, request_id))
+    async def render_messages(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> dict[str, Any]:
+        return await self._render("messages", lambda c: c.render_messages(body, request_id, trace))
 
-    async def render_completions(self, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
-        return await self._render("completions", lambda c: c.render_completions(body, request_id))
+    async def render_completions(
+        self, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> list[dict[str, Any]]:
+        return await self._render("completions", lambda c: c.render_completions(body, request_id, trace))
 
-    async def prompt_lengths(self, kind: ApiKind, body: dict[str, Any], request_id: str) -> list[int]:
-        return await self._render(kind, lambda c: c.prompt_lengths(kind, body, request_id))
+    async def prompt_lengths(
+        self, kind: ApiKind, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
+    ) -> list[int]:
+        return await self._render(kind, lambda c: c.prompt_lengths(kind, body, request_id, trace))
 
     async def derender_chat(
         self, generate_response: dict[str, Any], *, prompt_token_ids: Sequence[int], chat_request: dict[str, Any],
         model: str | None,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> dict[str, Any]:
         return await self._derender(DERENDER, "chat", lambda c: c.derender_chat(
-            generate_response, prompt_token_ids=prompt_token_ids, chat_request=chat_request, model=model))
+            generate_response, prompt_token_ids=prompt_token_ids, chat_request=chat_request, model=model, trace=trace))
 
     async def derender_completions(
         self, generate_responses: list[dict[str, Any]], *, prompt_token_ids: Sequence[Sequence[int]],
         completion_request: dict[str, Any], model: str | None,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> dict[str, Any]:
         return await self._derender(DERENDER, "completions", lambda c: c.derender_completions(
-            generate_responses, prompt_token_ids=prompt_token_ids, completion_request=completion_request, model=model))
+            generate_responses, prompt_token_ids=prompt_token_ids, completion_request=completion_request, model=model,
+            trace=trace))
 
     async def derender_chunk(
         self, kind: TokenKind, generate_chunk: dict[str, Any], *, stream_state: StreamState,
         prompt_tokens: int, prompt_token_ids: Sequence[int] | None, request: dict[str, Any] | None, model: str | None,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         return await self._derender(STREAMING_DERENDER, kind, lambda c: c.derender_chunk(
             kind, generate_chunk, stream_state=stream_state, prompt_tokens=prompt_tokens,
-            prompt_token_ids=prompt_token_ids, request=request, model=model))
+            prompt_token_ids=prompt_token_ids, request=request, model=model, trace=trace))
 
     # As each member's client keeps it: any member takes the state back (render keeps no session).
     kept = staticmethod(packed_state)

@@ -29,6 +29,7 @@ from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.local_tokenizer import LocalTokenizer, LocalTokenizerUnavailable, local_tokenizer
 from serving.pipeline.snapshot import ModelView
+from serving.pipeline.tracing import NO_TRACE
 
 # vLLM's CompletionRequest.max_tokens default (chat defaults to the room left in the context).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -195,8 +196,10 @@ class TokenizationService:
         self.health = health or RenderHealth()
         self._loader = loader
 
-    async def tokenize(self, kind: TokenKind | Literal["messages", "responses"], body: dict[str, Any], request_id: str
-                       ) -> TokenizedRequest:
+    async def tokenize(
+        self, kind: TokenKind | Literal["messages", "responses"], body: dict[str, Any], request_id: str,
+        trace: Mapping[str, str] = NO_TRACE,
+    ) -> TokenizedRequest:
         """Return the request's prompts (a Messages request's as a chat's: the chat token path
         serves it, ``apis/messages.py``); raise ``UpstreamRequestError`` for render's verdicts on the
         request, ``NeedsNative`` when only the native path can serve it exactly, and
@@ -207,13 +210,13 @@ class TokenizationService:
             return await self._fallback(kind, body, request_id, down, start)
         try:
             if kind == "chat":
-                rendered = [await self.render.render_chat(body, request_id)]
+                rendered = [await self.render.render_chat(body, request_id, trace)]
             elif kind == "messages":
-                rendered = [await self.render.render_messages(body, request_id)]
+                rendered = [await self.render.render_messages(body, request_id, trace)]
             elif kind == "responses":
-                rendered = [await self.render.render_responses(body, request_id)]
+                rendered = [await self.render.render_responses(body, request_id, trace)]
             else:
-                rendered = await self.render.render_completions(body, request_id)
+                rendered = await self.render.render_completions(body, request_id, trace)
         except RenderUnavailable as exc:
             self.health.mark(exc)
             return await self._fallback(kind, body, request_id, exc, start)

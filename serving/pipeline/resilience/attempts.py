@@ -37,6 +37,7 @@ from serving.pipeline.snapshot import FleetSnapshot, InstanceView
 from serving.pipeline.streaming.fanout import first_error
 from serving.pipeline.streaming.relay import RetryRequestPlan
 from serving.pipeline.topologies.registry import TopologyRegistry
+from serving.pipeline.tracing import NO_TRACE
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +228,7 @@ class Attempts:
     def __init__(
         self, snapshot: FleetSnapshot, guard: EngineGuard, topologies: TopologyRegistry, policy: AttemptPolicy,
         *, request_id: str, counters: RouterCounters | None = None, phases: Phases = NO_PHASES,
+        trace: Mapping[str, str] = NO_TRACE,
     ) -> None:
         self.snapshot = snapshot
         self.guard = guard
@@ -235,6 +237,7 @@ class Attempts:
         self.request_id = request_id  # the client-facing id (logs)
         self.counters = counters or RouterCounters()  # the process's, for relays
         self.phases = phases  # the request's; each attempt's copy carries its topology
+        self.trace = trace  # the request's trace headers, on every leg of every attempt and relay
         # Multi-prompt streams may run on Trigger (one Trigger run per prompt, merged): only once
         # the request found no native path (the RFC's route for them), never by default.
         self.trigger_fanout = False
@@ -324,7 +327,7 @@ class Attempts:
             )
             ctx = GenerateContext(
                 self.guard, self.snapshot, self.request_id, prompt, index, attempt, placed.tokens, stream,
-                phases=placed.phases, leases=leases,
+                phases=placed.phases, leases=leases, trace=self.trace,
             )
             return await self._open_attempt(ctx, placement, placed.request, index, attempt)
 

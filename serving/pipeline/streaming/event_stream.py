@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -36,6 +36,7 @@ from serving.pipeline.resilience.attempts import Attempts, OpenStream, open_toge
 from serving.pipeline.sse import DONE, frame
 from serving.pipeline.streaming.fanout import fan_in
 from serving.pipeline.streaming.relay import RetryRequestPlan
+from serving.pipeline.tracing import NO_TRACE
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class EventStream:
     requires_tokenizer: bool = False
     n: int = 1
     phases: Phases = NO_PHASES  # the request's recorder (each session's first derender)
+    # The request's trace headers, on every derender call.
+    trace: Mapping[str, str] = field(default_factory=lambda: NO_TRACE)
     sessions: list[StreamingRenderSession] = field(default_factory=list)
     _closed: bool = field(default=False, init=False)
     _visible: bool = field(default=False, init=False)
@@ -94,7 +97,7 @@ class EventStream:
                     request_id=self.request_id, public_id=self.public_id, prompt_index=i,
                     settings=self.settings,
                     reader=event_reader(self.attempts.snapshot.render),
-                    holdback=ChunkHoldback(self.kind, self.body), phases=self.phases,
+                    holdback=ChunkHoldback(self.kind, self.body), phases=self.phases, trace=self.trace,
                 )
                 for i, p in enumerate(self.tokenized.prompts)
             ]
