@@ -373,6 +373,8 @@ class ServingPipeline(NativePath):
             logger.info("route request_id=%s kind=%s path=token_only reason=trigger_per_prompt "
                         "result=fanout (no native path)", request_id, kind)
             return await self._open(body, kind, tokenized, requires_tokenizer, response, trigger_fanout=True)
+        for prompt in tokenized.prompts:
+            prompt.pack()  # held while the stream lasts, read again only by a relay
         n = int(body.get("n") or 1)
         public_id = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}"
         # RenderConfig.local_stream_detokenize: a plain stream's chunks derendered here, not by the sidecar.

@@ -9,6 +9,7 @@ check (load, admission, open engine streams, stray tasks).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -251,6 +252,24 @@ async def test_a_relayed_stream_equals_the_fault_free_stream(
     assert carried and all(ids == CHAT_PROMPT for ids in carried)
     assert ("e1", "generate-tokens-chatcmpl-r1") in upstreams.aborted_ids()
     assert scheduler.breakers._get(pipeline.snapshot.instances[0]).failures == 1  # the breaker heard it
+
+
+async def test_an_open_stream_holds_renders_request_as_json_and_a_relay_sends_it_unchanged(
+    pipeline: ServingPipeline, engines: ContextEngines, upstreams: FakeUpstreams,
+) -> None:
+    # A held stream keeps render's GenerateRequest for a relay: as its JSON bytes, not the parsed
+    # dicts (about three times the size), and the relay's body is what it was.
+    engines.faults["e1"] = [Fault("raise", 3)]
+    stream = await pipeline.chat(chat(), "r7")
+    assert isinstance(stream, Response) and isinstance(stream.body, EventStream)
+    (prompt,) = stream.body.tokenized.prompts
+    assert not [r for r in gc.get_referents(prompt) if isinstance(r, dict)]
+    frames = await drain(stream)
+    assert content(frames) == text(reference_output(CHAT_PROMPT, 8))
+    first, relay = upstreams.calls_of("generate")
+    assert relay.body == {**first.body, "request_id": "chatcmpl-r7-a1", "token_ids": CHAT_PROMPT + EXPECTED[:3],
+                          "sampling_params": {**first.body["sampling_params"], "max_tokens": 5}}
+    assert list(relay.body) == list(first.body)  # the keys in render's order
 
 
 async def test_a_relay_attempt_carries_the_requests_trace_headers(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from serving.pipeline.errors import RenderUnavailable, RequestError
+from serving.pipeline.json_codec import dumps, loads
 from serving.pipeline.protocol import TokenKind
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.render.local_tokenizer import LocalTokenizer, LocalTokenizerUnavailable, local_tokenizer
@@ -35,18 +36,54 @@ from serving.pipeline.tracing import NO_TRACE
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-@dataclass(frozen=True, slots=True)
 class TokenizedPrompt:
     """One prompt of a request, as token ids plus what generate needs besides them.
 
     Only semantic ids are kept: with obfuscation on, the physical ids are made where they are
     used (the engine boundary per engine call, placement's affinity lookup), from these or from
     a relay's replay ids, never stored on the request.
+
+    Once its streams are open (``pack``), the rest of render's GenerateRequest is kept as its JSON
+    bytes, for a relay to read again: a parsed reply held a silent stream's whole life cost
+    about three times its JSON (its dicts, floats and key tables).
     """
+
+    __slots__ = ("token_ids", "_request")
 
     # The very ids in ``generate_request``, never changed: render's in 4 bytes each (``_compact_ids``).
     token_ids: Sequence[int]
-    generate_request: Mapping[str, Any]  # render's GenerateRequest, carried opaquely to generate
+    _request: Mapping[str, Any] | bytes  # render's GenerateRequest, carried opaquely to generate
+
+    def __init__(self, token_ids: Sequence[int], generate_request: Mapping[str, Any]) -> None:
+        self.token_ids = token_ids
+        self._request = generate_request
+
+    def __repr__(self) -> str:
+        return f"TokenizedPrompt(token_ids=<{len(self.token_ids)} ids>, generate_request={self.generate_request!r})"
+
+    @property
+    def generate_request(self) -> Mapping[str, Any]:
+        """Render's GenerateRequest (parsed again, with the same ids, once ``pack`` kept it as JSON)."""
+        if isinstance(self._request, bytes):
+            request: dict[str, Any] = loads(self._request)
+            request["token_ids"] = self.token_ids
+            return request
+        return self._request
+
+    def pack(self) -> None:
+        """Keep render's GenerateRequest as its JSON from now on, when it reads back exactly (a NaN
+        would not: the parsed reply stays); its ids stay ``token_ids``, the very object."""
+        request = self._request
+        if isinstance(request, bytes) or request.get("token_ids") is not self.token_ids:
+            return
+        rest = {**request, "token_ids": None}  # the key keeps its place, so bodies stay byte for byte
+        try:
+            # Copied out: orjson's bytes keep its whole output buffer (derender/payload.py).
+            packed = bytes(memoryview(dumps(rest)))
+        except (TypeError, ValueError):
+            return
+        if loads(packed) == rest:
+            self._request = packed
 
     @property
     def request_id(self) -> str:
