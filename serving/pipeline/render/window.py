@@ -85,18 +85,10 @@ class Windows:
         self.per_sidecar = per_sidecar
         self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, ...], Window]] = (
             weakref.WeakKeyDictionary())
-        # The last loop asked about and its windows: one loop in production, so one lookup per call.
-        self._last: tuple[asyncio.AbstractEventLoop, dict[tuple[str, ...], Window]] | None = None
 
     def of(self, sidecars: tuple[str, ...]) -> Window:
         """The window of a pool of ``sidecars`` (base URLs) on the running loop: ``per_sidecar`` calls each."""
-        loop = asyncio.get_running_loop()
-        last = self._last
-        if last is not None and last[0] is loop:
-            windows = last[1]
-        else:
-            windows = self._by_loop.setdefault(loop, {})
-            self._last = (loop, windows)
+        windows = self._by_loop.setdefault(asyncio.get_running_loop(), {})
         found = windows.get(sidecars)
         if found is None:
             found = windows[sidecars] = Window(self.per_sidecar * len(sidecars))
