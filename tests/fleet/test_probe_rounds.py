@@ -5,7 +5,6 @@ round, and that one answer serves the LoRA adapter record (every round) and the 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from datetime import timedelta
 
 import httpx
@@ -19,16 +18,6 @@ from fleet.services import instance_create
 from motorsite.celery import app
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def eager() -> Iterator[None]:
-    """`.delay()` inside a task (the health fan-out) runs inline instead of reaching a broker."""
-    app.conf.task_always_eager = True
-    try:
-        yield
-    finally:
-        app.conf.task_always_eager = False
 
 
 def test_each_beat_tick_reads_each_engines_models_once_for_both_records(
