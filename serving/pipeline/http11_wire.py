@@ -57,10 +57,9 @@ import httpx
 # 65 engine chunks at 64 streams). At 1 + 1 KiB a silent stream held 8-10 KiB less with coalescing
 # on, but a 64-token request at 64 streams took 12 derender calls instead of 7-8 (2026-12-06).
 HIGH_WATER = 2 * 1024
-# Response headers whose values repeat across connections: kept once per process, as their names are
-# (``Connection.on_header``); at most _SHARED_MAX of each, whatever an upstream sends.
-SHARED_VALUES = frozenset({"content-type", "transfer-encoding", "server", "connection", "keep-alive",
-                           "content-encoding", "cache-control", "vary"})
+# Header names, and the values of SHARED_VALUES, kept once per process by their bytes (at most
+# _SHARED_MAX each, whatever an upstream sends): ``Connection.on_header``.
+SHARED_VALUES = frozenset({"content-type", "transfer-encoding", "server", "connection", "content-encoding"})
 _SHARED_MAX = 256
 _HEADER_NAMES: dict[bytes, str] = {}
 _HEADER_VALUES: dict[bytes, str] = {}
@@ -209,10 +208,8 @@ class Connection(asyncio.BufferedProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.head_done:
             return  # a trailer: bounded by MAX_FRAMING_BYTES, of no use to any caller
-        # Shared: an engine stream keeps its response's headers while it lasts, and the names and
-        # the values of SHARED_VALUES are the same on every connection. Taken from a small map by
-        # their raw bytes (no decode, no ``sys.intern`` of each value: every derender call's
-        # answer passes here, and its date and length are new strings each time).
+        # Shared: an engine stream keeps its headers while it lasts, and these repeat on every
+        # connection. Looked up by their bytes, not decoded and interned on every derender answer.
         key = _HEADER_NAMES.get(name)
         if key is None:
             key = sys.intern(name.decode("latin-1").lower())
