@@ -38,8 +38,10 @@ closes the connection a few seconds later; the kernel then keeps that orphaned s
 tail of the output unsent, only while its zero-window probes back off, and kills it (the next
 read here gets a reset, the tail is lost) once they reach two minutes. Letting one more read in
 every ``PAUSE_MAX_S`` keeps the window moving, so the orphan lives until it is read, at the cost
-of at most ``READ_SIZE`` more held per ``PAUSE_MAX_S`` of a client's silence. A paused connection
-is never reused (``reusable``): its next request would wait up to ``PAUSE_MAX_S`` for its head.
+of at most ``TRICKLE_SIZE`` (a streamed body; ``READ_SIZE`` another) more held per ``PAUSE_MAX_S``
+of a client's silence. A paused connection is never reused (``reusable``): its next request would
+wait up to ``PAUSE_MAX_S`` for its head; a streamed body read to its ``[DONE]`` lets its socket
+read again so that its last chunk comes in and it can be pooled (``Http11Client.stream``).
 
 It is an ``asyncio.BufferedProtocol`` so that the read size is its own on every loop: asyncio's
 selector loop and uvloop (uvicorn's loop when it is installed) both fill the buffer it hands out,
@@ -389,7 +391,8 @@ class Connection(asyncio.BufferedProtocol):
                 if (whole and self._pull and self._paused and not polled and self.lost is None
                         and self._kernel_has_bytes()):
                     # What arrived while it was away may be more than the one read let in: a
-                    # coalescing reader takes it all at once, so it waits for one read more.
+                    # coalescing reader takes it all at once, so it waits for one read more (up
+                    # to WHOLE_READ_SIZE and a trickle after it, as a reader that waited).
                     polled = True
                     self._resume()
                     await self._wait(deadline, "waiting for the response body")
@@ -410,6 +413,7 @@ class Connection(asyncio.BufferedProtocol):
                 raise _lost(self.lost, "in the middle of the response body")
             if self._paused and self._pull:
                 self._resume()
+            polled = True  # woken by a read: what it brought is this call's, no read more
             await self._wait(deadline, "waiting for the response body")
 
     def start(self, request: bytes, *, body_limit: int | None = None) -> None:
