@@ -11,9 +11,10 @@ It keeps httpx's surface where the callers touch it (``post``, ``get``, ``stream
 httpx's exception classes, so the callers classify failures one way whichever client they
 hold.
 
-Flow control (``http11_wire.py``): a connection stops reading from its socket once ``HIGH_WATER`` bytes wait
-unread (and reads at most ``READ_SIZE`` at once), so a client that reads nothing holds the
-engine back by TCP instead of the coordinator buffering the whole generation. Responses are parsed
+Flow control (``http11_wire.py``): a streamed body is read from its socket only while its reader
+waits for it (a read that comes while it is away takes ``TRICKLE_SIZE`` bytes and shuts the socket),
+a body of known length until ``HIGH_WATER`` bytes wait unread, so a client that reads nothing holds
+the engine back by TCP instead of the coordinator buffering the whole generation. Responses are parsed
 by llhttp (``httptools``), strictly; see ``http11_wire.py`` for what is refused and bounded.
 
 A request is written once. A kept-alive connection is checked right before the write (the loop
@@ -36,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
-from contextlib import asynccontextmanager
+from types import TracebackType
 from typing import Any, AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
@@ -84,7 +85,7 @@ class StreamReply:
 
     __slots__ = (
         "_conn", "_timeout", "_max_bytes", "status_code", "headers", "sse_done", "whole_reads", "_event_deadline",
-        "_ends_line",
+        "_ends_line", "_cut",
     )
 
     def __init__(self, conn: Connection, read_timeout_s: float | None, *, max_bytes: int = MAX_REPLY_BYTES) -> None:
@@ -99,6 +100,7 @@ class StreamReply:
         # When the next SSE event must have ended: pushed on only when one does (``_Pieces``).
         self._event_deadline = _deadline(conn.loop, read_timeout_s)
         self._ends_line = False  # the last piece ended with a newline: the next may end an event
+        self._cut = b""  # the last piece's tail when it did not end an event
 
     def aiter_raw(self) -> AsyncIterator[bytes]:
         return _Pieces(self)
@@ -119,8 +121,8 @@ class StreamReply:
 
 class _Pieces:
     """``StreamReply.aiter_raw``: a plain async iterator, not a generator, so that between reads
-    nothing here still holds the piece it handed over (up to ``HIGH_WATER`` + ``READ_SIZE``
-    bytes with whole reads, while a stalled client's stream waits)."""
+    nothing here still holds the piece it handed over (up to ``WHOLE_READ_SIZE`` and a trickle
+    with whole reads, while a stalled client's stream waits)."""
 
     def __init__(self, reply: StreamReply) -> None:
         self._reply = reply
@@ -133,12 +135,15 @@ class _Pieces:
         piece = await reply._conn.read_piece(reply._event_deadline, whole=reply.whole_reads)
         if piece is None:
             raise StopAsyncIteration
-        reply.sse_done = piece.endswith(DONE_FRAME)
+        # The [DONE] frame may come in two pieces: a read while the reader is away takes only
+        # ``http11_wire.TRICKLE_SIZE`` bytes.
+        reply.sse_done = piece.endswith(DONE_FRAME) or (reply._cut != b"" and (reply._cut + piece).endswith(DONE_FRAME))
         # An event ended (a blank line): the stall deadline starts again from now. Single bytes
         # that never end one leave it where it was.
         if b"\n\n" in piece or b"\n\r\n" in piece or (reply._ends_line and piece[:1] in (b"\n", b"\r")):
             reply._event_deadline = _deadline(reply._conn.loop, reply._timeout)
         reply._ends_line = piece[-1:] == b"\n"
+        reply._cut = b"" if piece.endswith(b"\n\n") else piece[-len(DONE_FRAME):]
         return piece
 
 
@@ -194,8 +199,7 @@ class Http11Client:
         self._release(origin, conn)
         return reply
 
-    @asynccontextmanager
-    async def stream(
+    def stream(
         self,
         method: str,
         url: str,
@@ -203,27 +207,10 @@ class Http11Client:
         json: Any = None,
         headers: Mapping[str, str] | None = None,
         timeout: httpx.Timeout | float | None = None,
-    ) -> AsyncIterator[StreamReply]:
-        connect_s, read_s = self._timeouts(timeout)
-        body = None if json is None else dumps(json)
-        origin, conn, _ = await self._exchange(method, url, body, headers, connect_s, read_s, None)
-        # Sent: neither the body nor the payload it was made of is held for the life of the stream
-        # (a generate request is a few KiB parsed; issue 31's 64 KiB a silent stream).
-        del body, json
-        try:
-            reply = StreamReply(conn, read_s, max_bytes=self._max_reply)
-            yield reply
-        except BaseException:
-            conn.close()
-            raise
-        if conn.complete:
-            self._release(origin, conn)  # closed instead when it is paused with pieces unread
-        elif reply.sse_done and conn.lost is None and not conn._paused:
-            # The stream said [DONE]; only the body's last chunk is still on its way.
-            conn.on_complete = lambda c: self._release(origin, c)
-            conn.loop.call_later(DRAIN_S, _close_if_draining, conn)
-        else:
-            conn.close()  # a body left unread: the server sees the close (vLLM aborts on it)
+    ) -> _Stream:
+        """``async with client.stream(...) as reply``: the request is sent on entry; on exit the
+        connection goes back to the pool if the body was read whole, else it is closed."""
+        return _Stream(self, method, url, json, headers, timeout)
 
     async def aclose(self) -> None:
         self.is_closed = True
@@ -337,6 +324,69 @@ class Http11Client:
             return
         conn.idle_since = conn.loop.time()
         conns.append(conn)
+
+
+class _Stream:
+    """``Http11Client.stream``'s context manager. A class, not an ``asynccontextmanager``: a
+    generator's suspended frame, its wrapper and asyncio's weak registry of async generators would
+    hold about 1 KiB more a prompt for as long as the stream lasts (issue 31's 64 KiB a silent
+    stream)."""
+
+    __slots__ = ("_client", "_method", "_url", "_json", "_headers", "_timeout", "_origin", "_conn", "_reply")
+
+    def __init__(
+        self, client: Http11Client, method: str, url: str, json: Any, headers: Mapping[str, str] | None,
+        timeout: httpx.Timeout | float | None,
+    ) -> None:
+        self._client = client
+        self._method = method
+        self._url = url
+        self._json = json
+        self._headers = headers
+        self._timeout = timeout
+        self._origin: Origin | None = None
+        self._conn: Connection | None = None
+        self._reply: StreamReply | None = None
+
+    async def __aenter__(self) -> StreamReply:
+        client = self._client
+        connect_s, read_s = client._timeouts(self._timeout)
+        json, self._json = self._json, None
+        body = None if json is None else dumps(json)
+        # Sent: neither the body nor the payload it was made of is held for the life of the stream
+        # (a generate request is a few KiB parsed; issue 31's 64 KiB a silent stream).
+        del json
+        origin, conn, _ = await client._exchange(
+            self._method, self._url, body, self._headers, connect_s, read_s, None
+        )
+        del body
+        self._origin, self._conn = origin, conn
+        try:
+            reply = self._reply = StreamReply(conn, read_s, max_bytes=client._max_reply)
+        except BaseException:
+            conn.close()
+            raise
+        return reply
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        conn, reply, origin = self._conn, self._reply, self._origin
+        assert conn is not None and reply is not None and origin is not None
+        client = self._client
+        if exc_type is not None:
+            conn.close()
+            return
+        if conn.complete:
+            client._release(origin, conn)  # closed instead when it is paused with pieces unread
+        elif reply.sse_done and conn.lost is None and not conn.pieces:
+            # The stream said [DONE]; only the body's last chunk is still on its way (the socket
+            # may be shut: a streamed body is read only while its reader waits).
+            conn.resume()
+            conn.on_complete = lambda c: client._release(origin, c)
+            conn.loop.call_later(DRAIN_S, _close_if_draining, conn)
+        else:
+            conn.close()  # a body left unread: the server sees the close (vLLM aborts on it)
 
 
 # A header name is an RFC 9110 token; a method too.

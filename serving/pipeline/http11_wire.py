@@ -17,12 +17,20 @@ header or trailer only once its line ends, so ``httptools`` keeps the partial li
 it can grow to); a body read whole by its caller by ``body_limit`` (``Connection.start``), checked
 against a declared ``Content-Length`` before any of it is read.
 
-A connection stops reading from its socket once ``HIGH_WATER`` bytes wait unread and reads at
-most ``READ_SIZE`` at once, so what a stream whose client reads nothing holds in this process is
-bounded by their sum; the rest waits in the engine, held back by TCP. A body of known length
-(``Content-Length``: render, derender and non-streaming generate replies) is read whole by its
-caller anyway, so it is read ``BODY_READ_SIZE`` at a time: a long prompt's render reply (200 KiB
-of token ids for 32k tokens) takes a sixteenth of the reads.
+A streamed body (an engine stream: chunked or until the close, with no caller's limit) is read
+from its socket only while its reader waits for it: a read that comes while the reader is away
+(derendering what it took) takes at most ``TRICKLE_SIZE`` bytes and shuts the socket until the
+reader is back, so a stream whose client reads nothing holds about that per connection in this
+process; the rest waits in the engine, held back by TCP. A reader that takes all that arrived
+at once (``read_piece``'s ``whole``: derender coalescing) finds the rest of what queued while it
+was away in the kernel, and its read takes up to ``WHOLE_READ_SIZE`` of it: one derender call
+merges as much as when the socket was read ahead (before 2026-12-06 a stream was read until
+``HIGH_WATER`` bytes waited, ``READ_SIZE`` at a time, and a silent client's stream held up to
+their sum per connection). Shutting and opening the socket costs two system calls, paid only
+while the reader is behind. Any other body stops reading once ``HIGH_WATER`` bytes wait unread.
+A body of known length (``Content-Length``: render, derender and non-streaming generate
+replies) is read whole by its caller anyway, so it is read ``BODY_READ_SIZE`` at a time: a long
+prompt's render reply (200 KiB of token ids for 32k tokens) takes a sixteenth of the reads.
 
 It never keeps its socket shut for longer than ``PAUSE_MAX_S`` at a time, though: an engine that
 has finished hands its last bytes to the kernel, and its server (uvicorn, vLLM's keep-alive of 5 s)
@@ -30,8 +38,10 @@ closes the connection a few seconds later; the kernel then keeps that orphaned s
 tail of the output unsent, only while its zero-window probes back off, and kills it (the next
 read here gets a reset, the tail is lost) once they reach two minutes. Letting one more read in
 every ``PAUSE_MAX_S`` keeps the window moving, so the orphan lives until it is read, at the cost
-of at most ``READ_SIZE`` more held per ``PAUSE_MAX_S`` of a client's silence. A paused connection
-is never reused (``reusable``): its next request would wait up to ``PAUSE_MAX_S`` for its head.
+of at most ``TRICKLE_SIZE`` (a streamed body; ``READ_SIZE`` another) more held per ``PAUSE_MAX_S``
+of a client's silence. A paused connection is never reused (``reusable``): its next request would
+wait up to ``PAUSE_MAX_S`` for its head; a streamed body read to its ``[DONE]`` lets its socket
+read again so that its last chunk comes in and it can be pooled (``Http11Client.stream``).
 
 It is an ``asyncio.BufferedProtocol`` so that the read size is its own on every loop: asyncio's
 selector loop and uvloop (uvicorn's loop when it is installed) both fill the buffer it hands out,
@@ -69,6 +79,16 @@ READ_SIZE = 2 * 1024
 # ... and for a body of known length, which its caller reads whole: 0.5 ms against 1.4 ms for a
 # 218 KiB body read 4 KiB at a time (2-CPU EPYC).
 BODY_READ_SIZE = 64 * 1024
+# A stream's body is read only while its reader waits for it (``Connection._pull``): a read that
+# comes while the reader is busy (derendering what it took) takes at most this much and shuts the
+# socket, so a stream whose client reads nothing holds about this per connection, the rest
+# waiting in the kernel. Under an engine event (a few hundred bytes): the event is read whole
+# once its reader is back.
+TRICKLE_SIZE = 512
+# What a waiting whole reader's read takes: what one coalescing read merged when the socket was
+# read ahead to ``HIGH_WATER`` (2026-12-06: up to ``HIGH_WATER`` + ``READ_SIZE``), so a derender
+# call covers as many events as before.
+WHOLE_READ_SIZE = HIGH_WATER + READ_SIZE
 # The longest a connection keeps its socket shut before it lets one more read in (see above).
 PAUSE_MAX_S = 10.0
 # A response head: uvicorn's and vLLM's are under 300 bytes; h11, uvicorn's own parser, refuses
@@ -110,7 +130,7 @@ class Connection(asyncio.BufferedProtocol):
     __slots__ = (
         "loop", "transport", "lost", "idle_since", "_waiter", "_paused", "_pause_timer", "_read_limit",
         "on_complete", "body_limit", "status", "headers", "head_done", "complete", "keep_alive", "pieces",
-        "buffered", "_body_bytes", "_framing", "_interim", "_until_close", "_parser", "_whole",
+        "buffered", "_body_bytes", "_framing", "_interim", "_until_close", "_parser", "_whole", "_pull",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -145,6 +165,9 @@ class Connection(asyncio.BufferedProtocol):
         self._interim = False  # the answer being parsed is a 1xx, to be skipped
         self._until_close = False  # the body ends when the server closes (no length, not chunked)
         self._whole = False  # its reader takes all that arrived at once (``read_piece``'s ``whole``)
+        # A streamed body (no length, no caller's limit: an engine stream): read only while its
+        # reader waits (``TRICKLE_SIZE``). Off for a head, and for a reply read whole anyway.
+        self._pull = False
 
     # -- asyncio.BufferedProtocol
 
@@ -154,7 +177,15 @@ class Connection(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._pull:
+            if not self._reader_waits():
+                return _read_buffer.view[:TRICKLE_SIZE]
+            return _read_buffer.view[: WHOLE_READ_SIZE if self._whole else READ_SIZE]
         return _read_buffer.view[: self._read_limit]
+
+    def _reader_waits(self) -> bool:
+        waiter = self._waiter
+        return waiter is not None and not waiter.done()
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.complete:
@@ -165,6 +196,7 @@ class Connection(asyncio.BufferedProtocol):
             self.keep_alive = False  # bytes no request asked for (or after the close): never reuse
             return
         self._framing += nbytes
+        waits = self._reader_waits()
         try:
             parser.feed_data(_read_buffer.view[:nbytes])
             if self._framing > (MAX_FRAMING_BYTES if self.head_done else MAX_HEAD_BYTES):
@@ -176,6 +208,9 @@ class Connection(asyncio.BufferedProtocol):
             cause = exc.__context__ if isinstance(exc.__context__, Malformed) else exc
             self._fail(httpx.RemoteProtocolError(f"malformed response: {cause}"))
             return
+        if self._pull and self.pieces and not waits and not self.complete and not self._paused:
+            # Read while its reader is away: nothing more until it is back (``read_piece``).
+            self._pause()
         if self._paused and self._whole and len(self.pieces) > 1:
             # Its reader is behind and will take them joined anyway: held as one piece meanwhile,
             # not a bytes object per chunk (33 bytes each and the allocator's rounding, a dozen
@@ -246,6 +281,7 @@ class Connection(asyncio.BufferedProtocol):
             # this client cannot decode (llhttp reads those until the close).
             if coding.strip().lower() != "chunked":
                 raise Malformed(f"unsupported transfer coding {coding[:80]!r}")
+            self._pull = self.body_limit is None
         elif "content-length" in headers:
             length = int(headers["content-length"])  # llhttp took only plain digits, once
             if self.body_limit is not None and length > self.body_limit:
@@ -253,6 +289,7 @@ class Connection(asyncio.BufferedProtocol):
             self._read_size(BODY_READ_SIZE)
         elif status not in (204, 304):
             self._until_close = True
+            self._pull = self.body_limit is None
         self.status = status
         self.keep_alive = parser.should_keep_alive() and not self._until_close
         self.head_done = True
@@ -279,7 +316,11 @@ class Connection(asyncio.BufferedProtocol):
     def _push(self, data: bytes) -> None:
         self.pieces.append(data)
         self.buffered += len(data)
-        if self.buffered > HIGH_WATER and not self._paused and self.transport is not None:
+        if self.buffered > HIGH_WATER and not self._paused and not self._pull:
+            self._pause()
+
+    def _pause(self) -> None:
+        if self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
             self._pause_timer = self.loop.call_later(PAUSE_MAX_S, self._let_one_read_in)
@@ -287,6 +328,11 @@ class Connection(asyncio.BufferedProtocol):
     def _let_one_read_in(self) -> None:
         # The reader is still behind; the next read pauses the socket again (``_push``).
         self._pause_timer = None
+        self._resume()
+
+    def resume(self) -> None:
+        """Read the socket again (a streamed body's reader that will read no more, before the
+        connection drains its last chunk to be pooled)."""
         self._resume()
 
     def _resume(self) -> None:
@@ -305,6 +351,9 @@ class Connection(asyncio.BufferedProtocol):
         # Dropped here, still running: it lives until ``feed_data`` returns, so bytes after the
         # response in the same read still reach ``on_message_begin``.
         self._parser = None
+        if self._pull:
+            self._pull = False
+            self._resume()  # all of it is in: the connection may be pooled
         if self.on_complete is not None:
             callback, self.on_complete = self.on_complete, None
             callback(self)
@@ -353,8 +402,18 @@ class Connection(asyncio.BufferedProtocol):
         reads chunk by chunk instead, so what it holds parsed is one chunk's events.
         """
         self._whole = whole
+        polled = False
         while True:
             if self.pieces:
+                if (whole and self._pull and self._paused and not polled and self.lost is None
+                        and self._kernel_has_bytes()):
+                    # What arrived while it was away may be more than the one read let in: a
+                    # coalescing reader takes it all at once, so it waits for one read more (up
+                    # to WHOLE_READ_SIZE and a trickle after it, as a reader that waited).
+                    polled = True
+                    self._resume()
+                    await self._wait(deadline, "waiting for the response body")
+                    continue
                 pieces = self.pieces
                 if whole and len(pieces) > 1:
                     piece = b"".join(pieces)
@@ -362,13 +421,16 @@ class Connection(asyncio.BufferedProtocol):
                 else:
                     piece = pieces.pop(0)
                 self.buffered -= len(piece)
-                if self._paused and self.buffered <= HIGH_WATER // 2:
+                if self._paused and not self._pull and self.buffered <= HIGH_WATER // 2:
                     self._resume()
                 return piece
             if self.complete:
                 return None
             if self.lost is not None:
                 raise _lost(self.lost, "in the middle of the response body")
+            if self._paused and self._pull:
+                self._resume()
+            polled = True  # woken by a read: what it brought is this call's, no read more
             await self._wait(deadline, "waiting for the response body")
 
     def start(self, request: bytes, *, body_limit: int | None = None) -> None:
@@ -386,6 +448,17 @@ class Connection(asyncio.BufferedProtocol):
             self.complete and self.keep_alive and self.lost is None and not self._paused
             and self.transport is not None and not self.transport.is_closing()
         )
+
+    def _kernel_has_bytes(self) -> bool:
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return False
+        try:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return False
 
     def dropped(self) -> bool:
         """True when an idle connection's socket has something to read: the server's FIN or

@@ -21,6 +21,7 @@ from contextlib import AsyncExitStack, aclosing
 from types import TracebackType
 from typing import Any, Protocol
 
+from serving.pipeline.exit_stack import ExitStack
 from serving.pipeline.flow_control.rate_limit import TokenRateLimiter
 from serving.pipeline.request_context import RequestContext
 
@@ -38,7 +39,7 @@ class Response:
 
     def __init__(self, ctx: RequestContext) -> None:
         self.ctx = ctx
-        self.stack = AsyncExitStack()
+        self.stack: AsyncExitStack = ExitStack()
         self.body: StreamBody | None = None
         # The charge is kept once this is set: a JSON answer was made, or a stream's frames() ran.
         self.answered = False

@@ -434,3 +434,32 @@ async def test_a_paused_whole_read_stream_holds_what_it_buffered_as_one_piece(se
             got.extend(batch)
         assert got == [{"i": i} for i in range(events)]
     await client.aclose()
+
+
+async def test_a_stream_read_while_its_reader_is_away_holds_one_small_read_and_merges_the_rest_on_return(
+    server: Any,
+) -> None:
+    # Issue 31: a stream whose client reads nothing held the engine connection read ahead to
+    # HIGH_WATER + READ_SIZE (4 KiB, 8 a two-prompt stream). Now a read while the reader is away
+    # takes TRICKLE_SIZE and shuts the socket; a whole reader back from away takes what queued in
+    # the kernel meanwhile in one piece (coalescing merges as much as before).
+    client = Http11Client()
+    async with client.stream("POST", (await server(flood)).url, json={}) as reply:
+        reply.whole_reads = True
+        conn = reply._conn
+        pieces = reply.aiter_raw()
+        got = len(await anext(pieces))
+        while not conn._paused:  # the reader is away; the server keeps sending
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        # (Nothing, when the reader took the last read with its piece.)
+        assert conn.buffered <= http11_wire.TRICKLE_SIZE
+        away = conn.buffered
+        back = await anext(pieces)
+        # One read of what queued, and the one let in while the reader was being woken.
+        assert away + http11_wire.TRICKLE_SIZE < len(back) <= away + http11_wire.WHOLE_READ_SIZE + http11_wire.TRICKLE_SIZE
+        got += len(back)
+        async for data in pieces:
+            got += len(data)
+    assert got == FLOOD_TOTAL
+    await client.aclose()

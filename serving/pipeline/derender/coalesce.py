@@ -7,7 +7,8 @@ them over at the next read (``Connection.read_piece``, one list of events per re
 so ``coalesced`` needs no task of its own to watch the stream: per pull it merges, per choice,
 what that read brought into a single generate event (``merge_events``), and the next derender
 covers several engine events in one call. What a stream holds while its client reads nothing is
-then what the connection holds (``HIGH_WATER``), not a second buffer of parsed events.
+then what the connection holds (a streamed body is read only while its reader waits, a trickle
+otherwise: ``http11_wire.TRICKLE_SIZE``), not a second buffer of parsed events.
 
 What is never merged, because derender or the client would see the difference:
 

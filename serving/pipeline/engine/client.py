@@ -11,9 +11,9 @@ token-only generate at all (``EngineLacksCapability``), which the router may ser
 from __future__ import annotations
 
 import logging
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping
+from types import TracebackType
+from typing import Any, Mapping
 
 import httpx
 
@@ -161,11 +161,10 @@ class EngineClient:
             raise EngineError(f"{instance.name} answered a malformed GenerateResponse", instance=instance.name)
         return body
 
-    @asynccontextmanager
-    async def generate_stream(
+    def generate_stream(
         self, instance: InstanceView, request: dict[str, Any], *, whole_reads: bool = False,
         trace: Mapping[str, str] = tracing.NO_TRACE,
-    ) -> AsyncIterator[EventBatches]:
+    ) -> _GenerateStream:
         """Open a streaming generate; entering means the engine accepted it (HTTP 200).
 
         Yields the events, a list per read (``[DONE]`` consumed); iterating raises
@@ -173,24 +172,7 @@ class EngineClient:
         failure, after the events that came before it. ``whole_reads``: each read takes all that
         arrived since the last (for a coalescing reader), not one network chunk.
         """
-        try:
-            async with self._client.stream(
-                "POST", instance.url + GENERATE, json=request, headers=request_headers(request, trace)
-            ) as response:
-                # Written: this frame stays suspended while the stream lasts, and must not keep
-                # the request (a few KiB parsed) for it.
-                del request
-                if response.status_code != 200:
-                    raw = await response.aread()
-                    try:
-                        body: Any = loads(raw)
-                    except ValueError:
-                        body = raw.decode(errors="replace")
-                    raise_for_status(instance, response.status_code, body)
-                response.whole_reads = whole_reads
-                yield self._events(instance, response)
-        except httpx.HTTPError as exc:
-            raise EngineError(f"{instance.name} stream failed: {exc!r}", instance=instance.name) from exc
+        return _GenerateStream(self, instance, request, whole_reads, trace)
 
     async def _events(self, instance: InstanceView, response: StreamReply) -> EventBatches:
         pieces = response.aiter_raw()
@@ -221,3 +203,62 @@ class EngineClient:
             )
         except httpx.HTTPError as exc:
             logger.warning("abort on %s failed: %r", instance.name, exc)
+
+
+class _GenerateStream:
+    """``EngineClient.generate_stream``'s context manager: a class, not an ``asynccontextmanager``,
+    whose suspended generator frame (and asyncio's weak registry entry for it) would be held while
+    the stream lasts (issue 31's 64 KiB a silent stream). An ``httpx.HTTPError`` on the way in or
+    out is an ``EngineError``."""
+
+    __slots__ = ("_engines", "_instance", "_request", "_whole_reads", "_trace", "_opened")
+
+    def __init__(
+        self, engines: EngineClient, instance: InstanceView, request: dict[str, Any], whole_reads: bool,
+        trace: Mapping[str, str],
+    ) -> None:
+        self._engines = engines
+        self._instance = instance
+        self._request: dict[str, Any] | None = request
+        self._whole_reads = whole_reads
+        self._trace = trace
+        self._opened: Any = None
+
+    async def __aenter__(self) -> EventBatches:
+        instance, request = self._instance, self._request
+        assert request is not None
+        # Written: the request (a few KiB parsed) is not kept for the stream's life.
+        self._request = None
+        try:
+            opened = self._engines._client.stream(
+                "POST", instance.url + GENERATE, json=request, headers=request_headers(request, self._trace)
+            )
+            del request
+            response = await opened.__aenter__()
+            try:
+                if response.status_code != 200:
+                    raw = await response.aread()
+                    try:
+                        body: Any = loads(raw)
+                    except ValueError:
+                        body = raw.decode(errors="replace")
+                    raise_for_status(instance, response.status_code, body)
+                response.whole_reads = self._whole_reads
+            except BaseException as exc:
+                await opened.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{instance.name} stream failed: {exc!r}", instance=instance.name) from exc
+        self._opened = opened
+        return self._engines._events(instance, response)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        instance = self._instance
+        try:
+            await self._opened.__aexit__(exc_type, exc, tb)
+        except httpx.HTTPError as err:
+            raise EngineError(f"{instance.name} stream failed: {err!r}", instance=instance.name) from err
+        if isinstance(exc, httpx.HTTPError):
+            raise EngineError(f"{instance.name} stream failed: {exc!r}", instance=instance.name) from exc

@@ -27,6 +27,7 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.leg import EngineGuard, GenerateContext
 from serving.pipeline.engine.requests import attempt_request_id, engine_request, resolved_max_tokens
 from serving.pipeline.errors import EngineError, EngineLacksCapability, NoCapacity, TriggerMultiPromptStream
+from serving.pipeline.exit_stack import ExitStack
 from serving.pipeline.flow_control.admission import LeaseGroup
 from serving.pipeline.metrics import RouterCounters
 from serving.pipeline.phases import NO_PHASES, Phases
@@ -352,7 +353,7 @@ class Attempts:
         if opener is None:
             raise NoCapacity(f"no opener for topology {placement.topology!r}")
         # Per attempt: a failed attempt releases its holds now, not when the request ends.
-        stack = AsyncExitStack()
+        stack: AsyncExitStack = ExitStack()
         try:
             opened = await opener(ctx, placement, engine_req, stack)
         except BaseException:
