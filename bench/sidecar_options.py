@@ -21,9 +21,9 @@ candidate option of vLLM 0.33.0 on top of ``before``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import statistics
-import asyncio
 import sys
 import tempfile
 import time
@@ -99,10 +99,23 @@ class Cost:
         return statistics.median(self.per_round_ms(idle_rate))
 
 
+async def stream(render: RenderClient) -> None:
+    """A 32-token streamed chat's calls, as the coordinator makes them one token at a time: a render,
+    the first derender (prompt ids and request), then 31 bare ones carrying the state along."""
+    ids = (await render.render_chat(BODY, uuid.uuid4().hex))["token_ids"]
+    _, state = await render.derender_chunk(
+        "chat", EVENT, stream_state=None, prompt_tokens=len(ids), prompt_token_ids=ids, request=BODY, model="tiny",
+    )
+    for _ in range(31):
+        _, state = await render.derender_chunk(
+            "chat", EVENT, stream_state=state, prompt_tokens=len(ids), prompt_token_ids=None, request=None, model="tiny",
+        )
+
+
 async def measure(targets: dict[str, tuple[str, int]], args: argparse.Namespace) -> tuple[dict[str, dict[str, Cost]], dict[str, float]]:
     client = Http11Client()
     names = list(targets)
-    costs: dict[str, dict[str, Cost]] = {n: {"bare": Cost(), "render": Cost()} for n in names}
+    costs: dict[str, dict[str, Cost]] = {n: {"bare": Cost(), "stream": Cost()} for n in names}
     try:
         renders = {n: RenderClient(client, url, 60.0) for n, (url, _) in targets.items()}
         bodies: dict[str, dict[str, Any]] = {}
@@ -127,9 +140,10 @@ async def measure(targets: dict[str, tuple[str, int]], args: argparse.Namespace)
                     await renders[n]._post_derender(CHAT_DERENDER, bodies[n], {})
                 costs[n]["bare"].rounds.append((args.calls, (run_ns(pid) - s0) / 1e9, time.perf_counter() - t0))
                 s0, t0 = run_ns(pid), time.perf_counter()
-                for _ in range(args.calls // 4):
-                    await renders[n].render_chat(BODY, uuid.uuid4().hex)
-                costs[n]["render"].rounds.append((args.calls // 4, (run_ns(pid) - s0) / 1e9, time.perf_counter() - t0))
+                streams = max(args.calls // 32, 1)
+                for _ in range(streams):
+                    await stream(renders[n])
+                costs[n]["stream"].rounds.append((streams, (run_ns(pid) - s0) / 1e9, time.perf_counter() - t0))
         starts = {n: run_ns(targets[n][1]) / 1e9 for n in names}
         t0 = time.perf_counter()
         await asyncio.sleep(3.0)
@@ -145,23 +159,28 @@ def report(costs: dict[str, dict[str, Cost]], idle: dict[str, float], load: tupl
     lines = section_head(HEADING, load, "2 cores shared by every sidecar and this client, and by other work")
     lines += [
         f"- workload: one call at a time; per variant and round {args.calls} bare streaming derender calls "
-        f"(a one-token event and the stream state) and {args.calls // 4} render calls; {args.rounds} rounds, "
+        f"(a one-token event and the stream state) and {max(args.calls // 32, 1)} 32-token streams' calls (`stream`: "
+        f"a render, a first derender, 31 bare ones); {args.rounds} rounds, "
         "the order turning each round; each sidecar's idle rate taken out of its column",
         "",
         "| variant | what | arguments on top of before's | derender: sidecar CPU / call (ms), median round | "
         "vs before, median (range) of rounds | "
-        "render: sidecar CPU / call (ms) |",
-        "|---|---|---|---:|---:|---:|",
+        "32-token stream: sidecar CPU (ms), median round | vs before |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
-    base = costs["before"]["bare"].per_round_ms(idle["before"]) if "before" in costs else None
+
+    def versus(n: str, kind: str) -> str:
+        """Each round's ratio to before's in the same round: their median and range."""
+        if "before" not in costs:
+            return "-"
+        base = costs["before"][kind].per_round_ms(idle["before"])
+        ratios = sorted(a / b for a, b in zip(costs[n][kind].per_round_ms(idle[n]), base, strict=True) if b)
+        return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})" if ratios else "-"
+
     for n, c in costs.items():
-        d = c["bare"].per_call_ms(idle[n])
-        # Each round's ratio to before's in the same round, then their median and range.
-        ratios = sorted(a / b for a, b in zip(c["bare"].per_round_ms(idle[n]), base or [], strict=True) if b)
-        rel = f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})" if ratios else "-"
         what, extra = VARIANTS[n]
-        lines.append(f"| {n} | {what} | `{' '.join(extra) or '(none)'}` | {d:.3f} | {rel} | "
-                     f"{c['render'].per_call_ms(idle[n]):.3f} |")
+        lines.append(f"| {n} | {what} | `{' '.join(extra) or '(none)'}` | {c['bare'].per_call_ms(idle[n]):.3f} | "
+                     f"{versus(n, 'bare')} | {c['stream'].per_call_ms(idle[n]):.2f} | {versus(n, 'stream')} |")
     return "\n".join(lines)
 
 
