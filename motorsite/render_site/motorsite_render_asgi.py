@@ -8,10 +8,10 @@ environment, which has no motorsite.
 Why: a streamed answer costs the sidecar one derender call per chunk, and every call went through
 prometheus-fastapi-instrumentator's middleware, which vLLM 0.33.0 mounts unconditionally (no option
 turns it off): a second walk of the route table, a timer, four metric updates, about 0.1 ms of
-the sidecar's ~0.6 ms of CPU per call (``bench/sidecar_options.py``). The coordinator already
-counts every derender call and its latency in its own metrics (docs/metrics.md), so the sidecar's
-``http_requests_total`` and latency series for the two derender paths are dropped; render,
-``/health`` and everything else are still counted.
+the sidecar's ~0.6 ms of CPU per call (``bench/sidecar_options.py``). What is given up: the
+sidecar's ``http_requests_total`` and latency series for the two derender paths. The coordinator
+times each prompt's first derender call and the time per output token (docs/metrics.md), which
+the later calls are part of; render, ``/health`` and everything else are still counted here.
 
 How: vLLM adds the instrumentator first, then CORS, then each ``--middleware``, and Starlette puts
 the last added outermost, so this layer sits directly above CORS and the instrumentator. A
