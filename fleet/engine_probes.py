@@ -9,8 +9,11 @@
   the engine's) or an unreachable route gives no verdict;
 - LoRA: enabled when ``/metrics`` carries ``vllm:lora_requests_info`` (vLLM registers it only
   with a LoRA config). Which adapters are loaded is not recorded here: they can change at runtime,
-  so the LoRA probe (``fleet.lora_probes``) reads them from ``/v1/models`` every probe interval
-  into ``EngineInstance.lora_adapters``, the one record placement, the admin and the API read.
+  so the LoRA probe (``fleet.lora_probes``) records them every probe round from the engine's
+  ``/v1/models`` (``fleet.rounds``) into ``EngineInstance.lora_adapters``, the one record
+  placement, the admin and the API read.
+
+Runs after the version probe, in the probe round that runs it (once a minute, ``fleet.rounds``).
 
 What the answers mean for placement is pure and lives in ``fleet.engine_capabilities``; a
 change is written once (compare-and-set), with a history row, and bumps the control version
@@ -27,7 +30,7 @@ from django.db import transaction
 
 from fleet.engine_capabilities import routes_from_openapi, token_in
 from fleet.models import EngineInstance, InstanceEvent
-from fleet.probes import ACTOR, _client, _get_json
+from fleet.probes import ACTOR, _client, _get_json, probed_engines
 from motorsite.core import bump_control_version
 
 logger = logging.getLogger(__name__)
@@ -77,8 +80,7 @@ def probe_engine_capabilities(*, client: httpx.Client | None = None) -> dict[str
     """Probe every engine not disabled; return name -> what it recorded (None: no answer)."""
     found: dict[str, dict[str, Any] | None] = {}
     with _client(client) as c:
-        engines = EngineInstance.objects.select_related("served_model").exclude(state=EngineInstance.State.DISABLED)
-        for instance in engines.order_by("id"):
+        for instance in probed_engines():
             try:
                 caps = engine_capabilities(c, instance.url, instance.served_model.name)
             except (httpx.HTTPError, ValueError) as exc:

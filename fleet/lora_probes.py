@@ -12,8 +12,9 @@ This is the one record of an engine's adapters: the capability probe (``fleet.en
 records only whether LoRA is enabled, and the admin, the API (``lora_adapters``) and the
 dashboard show this list (``fleet.engine_capabilities.instance_traffic``).
 
-Runs on Celery beat (``fleet.tasks.probe_lora``, every probe interval: adapters can be loaded
-and unloaded at runtime) and once when ``make run`` has started the stack (``runstack``).
+Runs in every probe round of Celery beat (``fleet.rounds``, every probe interval: adapters can be
+loaded and unloaded at runtime) on the same ``/v1/models`` answer the version probe reads, and
+alone once when ``make run`` has started the stack (``runstack``, ``manage.py probe_lora``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import httpx
 from django.db import transaction
 
 from fleet.models import EngineInstance
-from fleet.probes import _client, _get_json
+from fleet.probes import ModelsAnswer, _client, probed_engines, read_engine_models
 from motorsite.core import bump_control_version
 
 logger = logging.getLogger(__name__)
@@ -52,27 +53,21 @@ def loaded_adapters(models: Any, served_name: str) -> list[str]:
     })
 
 
-def probe_engine_adapters(client: httpx.Client, instance: EngineInstance) -> list[str]:
-    """The adapters ``instance`` lists for its served model (raises ``httpx.HTTPError``, ``ValueError``)."""
-    return loaded_adapters(_get_json(client, instance.url.rstrip("/") + "/v1/models"), instance.served_model.name)
-
-
-def probe_lora_adapters(*, client: httpx.Client | None = None) -> LoraProbeSummary:
-    """Read every engine's loaded adapters (not disabled ones) and record those that changed."""
-    summary = LoraProbeSummary()
-    instances = list(
-        EngineInstance.objects.select_related("served_model").exclude(state=EngineInstance.State.DISABLED)
-    )
+def record_adapters(engines: list[EngineInstance], answers: dict[int, ModelsAnswer]) -> LoraProbeSummary:
+    """Record the adapters each engine lists in its ``/v1/models`` answer, where they changed."""
+    summary = LoraProbeSummary(probed=len(engines))
     found: dict[int, list[str]] = {}
-    with _client(client) as http:
-        for instance in instances:
-            summary.probed += 1
-            try:
-                found[instance.id] = probe_engine_adapters(http, instance)
-            except (httpx.HTTPError, ValueError) as exc:
-                summary.errors[instance.name] = repr(exc)[:300]
+    for instance in engines:
+        answer = answers[instance.id]
+        if answer.error:
+            summary.errors[instance.name] = answer.error[:300]
+            continue
+        try:
+            found[instance.id] = loaded_adapters(answer.listed, instance.served_model.name)
+        except ValueError as exc:
+            summary.errors[instance.name] = str(exc)[:300]
     with transaction.atomic():
-        for instance in instances:
+        for instance in engines:
             adapters = found.get(instance.id)
             if adapters is None or adapters == sorted(instance.lora_adapters or []):
                 continue
@@ -82,3 +77,11 @@ def probe_lora_adapters(*, client: httpx.Client | None = None) -> LoraProbeSumma
         if summary.changed:
             bump_control_version()
     return summary
+
+
+def probe_lora_adapters(*, client: httpx.Client | None = None) -> LoraProbeSummary:
+    """Read every engine's loaded adapters (not disabled ones) and record those that changed: a
+    round of the LoRA probe alone (``manage.py probe_lora``; beat's rounds are ``fleet.rounds``)."""
+    engines = probed_engines()
+    with _client(client) as http:
+        return record_adapters(engines, read_engine_models(http, engines))

@@ -171,12 +171,34 @@ def _get_json(client: httpx.Client, url: str) -> Any:
     return response.json()
 
 
-def _report(client: httpx.Client, base_url: str, served_name: str, model_dir: str) -> TierReport:
-    base = base_url.rstrip("/")
-    models = _get_json(client, base + "/v1/models")
-    version = _get_json(client, base + "/version")
-    fingerprint = fingerprint_model_dir(model_dir) if model_dir else None
-    return TierReport.from_answers(served_name, models, version, fingerprint)
+def probed_engines() -> list[EngineInstance]:
+    """The engines a probe round asks (every one not disabled), with their served models, by id."""
+    return list(
+        EngineInstance.objects.select_related("served_model").exclude(state=EngineInstance.State.DISABLED).order_by("id")
+    )
+
+
+@dataclass(slots=True)
+class ModelsAnswer:
+    """An engine's ``/v1/models``, read once a probe round for every record taken from it: the
+    version probe's (name, root, max_model_len) and the LoRA probe's adapters (``fleet.rounds``)."""
+
+    listed: Any = None
+    error: str = ""  # why it was not read; each record then keeps what it had
+    seconds: float = 0.0  # how long the read took (part of the version probe's latency)
+
+
+def read_engine_models(client: httpx.Client, engines: list[EngineInstance]) -> dict[int, ModelsAnswer]:
+    """GET each engine's ``/v1/models`` once; engine id -> its answer."""
+    answers: dict[int, ModelsAnswer] = {}
+    for instance in engines:
+        start = time.perf_counter()
+        try:
+            answers[instance.id] = ModelsAnswer(_get_json(client, instance.url.rstrip("/") + "/v1/models"))
+        except (httpx.HTTPError, ValueError) as exc:
+            answers[instance.id] = ModelsAnswer(error=f"{type(exc).__name__}: {exc}")
+        answers[instance.id].seconds = time.perf_counter() - start
+    return answers
 
 
 @dataclass(slots=True)
@@ -188,12 +210,16 @@ class VersionProbeSummary:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-def probe_versions(*, client: httpx.Client | None = None) -> VersionProbeSummary:
+def probe_versions(
+    *, client: httpx.Client | None = None, engine_models: dict[int, ModelsAnswer] | None = None
+) -> VersionProbeSummary:
     """Ask the sidecar and every engine what they serve; negotiate render capabilities, flag drift.
 
     The render sidecar is the reference for the engines of each served model, with the model
     files' hashes taken from the model's active revision when one is set (the operator's record)
     and from the served model's ``model_path`` (the directory the sidecar loads) otherwise.
+    ``engine_models``: the engines' ``/v1/models`` this probe round has read already (``fleet.rounds``);
+    an engine without one is read here.
     """
     summary = VersionProbeSummary()
     cfg = current_render_config()
@@ -237,8 +263,11 @@ def probe_versions(*, client: httpx.Client | None = None) -> VersionProbeSummary
                     key=lambda m: m.name,
                 )
                 _record_render_mismatch(config, own_models, references)
-        for instance in EngineInstance.objects.select_related("served_model").exclude(state=EngineInstance.State.DISABLED):
-            _probe_engine_version(c, instance, references.get(instance.served_model_id), summary)
+        engines = probed_engines()
+        listed_by = dict(engine_models or {})
+        listed_by.update(read_engine_models(c, [i for i in engines if i.id not in listed_by]))
+        for instance in engines:
+            _probe_engine_version(c, instance, listed_by[instance.id], references.get(instance.served_model_id), summary)
     return summary
 
 
@@ -305,14 +334,22 @@ def _apply_render_version(cfg: RenderConfig, summary: VersionProbeSummary, start
 
 
 def _probe_engine_version(
-    client: httpx.Client, instance: EngineInstance, reference: TierReport | None, summary: VersionProbeSummary
+    client: httpx.Client, instance: EngineInstance, models: ModelsAnswer, reference: TierReport | None,
+    summary: VersionProbeSummary,
 ) -> None:
-    start = time.perf_counter()
-    try:
-        report = _report(client, instance.url, instance.served_model.name, instance.model_dir)
-    except (httpx.HTTPError, ValueError, OSError) as exc:
-        summary.errors[instance.name] = f"{type(exc).__name__}: {exc}"
-        _version_result(instance, False, start, {}, summary.errors[instance.name])
+    start = time.perf_counter() - models.seconds
+    report, error = None, models.error
+    if not error:
+        try:
+            version = _get_json(client, instance.url.rstrip("/") + "/version")
+            fingerprint = fingerprint_model_dir(instance.model_dir) if instance.model_dir else None
+        except (httpx.HTTPError, ValueError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            report = TierReport.from_answers(instance.served_model.name, models.listed, version, fingerprint)
+    if report is None:
+        summary.errors[instance.name] = error
+        _version_result(instance, False, start, {}, error)
         return
     reasons = drift_reasons(instance.served_model.name, reference, report) if reference is not None else []
     drift_reason = "; ".join(reasons)[:500]

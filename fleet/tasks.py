@@ -1,8 +1,9 @@
-"""Celery tasks of the fleet: health checks, version probes, retention and the audit.
+"""Celery tasks of the fleet: health checks, probe rounds (LoRA adapters, versions), retention and the audit.
 
 Tasks take ids, re-fetch what they act on, are idempotent (running one twice records two probes
-and changes a verdict at most once), and call one function of ``fleet.probes``. The fan-out task
-enqueues one health check per instance so a slow engine delays only its own probe.
+and changes a verdict at most once), and call one function of ``fleet.probes`` or ``fleet.rounds``
+(a probe round of the engines). The fan-out task enqueues one health check per instance so a slow
+engine delays only its own probe.
 
 Django models are imported inside the task bodies: ``motorsite.celery`` reads ``BEAT_SCHEDULE``
 from here before Django is set up.
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import shared_task
+
+if TYPE_CHECKING:
+    from fleet.rounds import RoundSummary
 
 # MOTOR_PROBE_INTERVAL_MS, as settings.MOTOR_PROBE_INTERVAL_S reads it: beat builds its schedule
 # from this module before Django is set up, so it reads the environment itself.
@@ -25,13 +29,11 @@ BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     # launcher saw it exit), while a probe (one 1-token request) every 15 s costs a CPU engine well
     # under 1% of its time.
     "probe-health": {"task": "fleet.tasks.probe_health", "schedule": timedelta(seconds=PROBE_INTERVAL_S)},
-    # LoRA adapters can be loaded and unloaded at runtime: which engine holds which is read as
-    # often as health (one small GET per engine), so placement follows within a probe interval.
-    "probe-lora": {"task": "fleet.tasks.probe_lora", "schedule": timedelta(seconds=PROBE_INTERVAL_S)},
-    # Versions change only when someone redeploys a tier: once a minute catches a mismatched
-    # rollout quickly, and reading four model files and a few small endpoints per engine
-    # (version, models, OpenAPI document, one /tokenize) is cheap.
-    "probe-versions": {"task": "fleet.tasks.probe_versions", "schedule": timedelta(minutes=1)},
+    # A probe round of the engines (fleet.rounds): each engine's /v1/models read once serves the
+    # LoRA adapters every round (loaded and unloaded at runtime: placement follows within a probe
+    # interval) and, once a minute, the version probe (versions change only when someone
+    # redeploys a tier; four model files and a few small endpoints per engine are cheap).
+    "probe-engines": {"task": "fleet.tasks.probe_engines", "schedule": timedelta(seconds=PROBE_INTERVAL_S)},
     # Retention is measured in days; hourly keeps the table within an hour of the limit.
     "prune-probe-results": {"task": "fleet.tasks.prune_probe_results", "schedule": timedelta(hours=1)},
     # The audit is a record for people reading history later; every 15 minutes is enough detail.
@@ -71,31 +73,37 @@ def probe_render() -> bool | None:
 
 
 @shared_task(ignore_result=True)
-def probe_versions() -> dict[str, Any]:
-    """Version probe of the sidecar and every engine (drift, quarantine policy, render capabilities),
-    then what each engine serves (``fleet.engine_probes``: routes, tokenizer, LoRA enabled; the
-    adapters it holds are ``probe_lora``'s, read more often)."""
-    from fleet import engine_probes, probes
+def probe_engines() -> dict[str, Any]:
+    """A probe round of the engines (``fleet.rounds``): the LoRA adapters, and the version and
+    capability probes when a minute has passed since the last."""
+    from fleet import rounds
 
-    summary = probes.probe_versions()
-    capabilities = engine_probes.probe_engine_capabilities()
-    return {
-        "capabilities": capabilities,
-        "render_version": summary.render_version,
-        "streaming_derender": summary.streaming_derender,
-        "drifted": summary.drifted,
-        "quarantined": summary.quarantined,
-        "errors": summary.errors,
-    }
+    return _round_result(rounds.probe_round(versions=rounds.versions_due()))
 
 
 @shared_task(ignore_result=True)
-def probe_lora() -> dict[str, Any]:
-    """Which LoRA adapters each engine has loaded (``fleet.lora_probes``)."""
-    from fleet import lora_probes
+def probe_versions() -> dict[str, Any]:
+    """A probe round with the version probe of the sidecar and every engine (drift, quarantine
+    policy, render capabilities) and what each engine serves (routes, tokenizer, LoRA enabled),
+    due or not."""
+    from fleet import rounds
 
-    summary = lora_probes.probe_lora_adapters()
-    return {"probed": summary.probed, "changed": summary.changed, "errors": summary.errors}
+    return _round_result(rounds.probe_round(versions=True))
+
+
+def _round_result(summary: RoundSummary) -> dict[str, Any]:
+    lora = summary.lora
+    out: dict[str, Any] = {"lora": {"probed": lora.probed, "changed": lora.changed, "errors": lora.errors}}
+    if summary.versions is not None:
+        out.update(
+            capabilities=summary.capabilities,
+            render_version=summary.versions.render_version,
+            streaming_derender=summary.versions.streaming_derender,
+            drifted=summary.versions.drifted,
+            quarantined=summary.versions.quarantined,
+            errors=summary.versions.errors,
+        )
+    return out
 
 
 @shared_task(ignore_result=True)

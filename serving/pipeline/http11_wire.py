@@ -57,6 +57,12 @@ import httpx
 # 65 engine chunks at 64 streams). At 1 + 1 KiB a silent stream held 8-10 KiB less with coalescing
 # on, but a 64-token request at 64 streams took 12 derender calls instead of 7-8 (2026-12-06).
 HIGH_WATER = 2 * 1024
+# Header names, and the values of SHARED_VALUES, kept once per process by their bytes (at most
+# _SHARED_MAX each, whatever an upstream sends): ``Connection.on_header``.
+SHARED_VALUES = frozenset({"content-type", "transfer-encoding", "server", "connection", "content-encoding"})
+_SHARED_MAX = 256
+_HEADER_NAMES: dict[bytes, str] = {}
+_HEADER_VALUES: dict[bytes, str] = {}
 # The most one socket read hands over for a response head and a streamed body (asyncio's default
 # is 256 KiB).
 READ_SIZE = 2 * 1024
@@ -202,10 +208,21 @@ class Connection(asyncio.BufferedProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.head_done:
             return  # a trailer: bounded by MAX_FRAMING_BYTES, of no use to any caller
-        # Interned: an engine stream keeps its response's headers while it lasts, and the names and
-        # most values (content-type, transfer-encoding, server) are the same on every connection.
-        key = sys.intern(name.decode("latin-1").lower())
-        text = sys.intern(value.decode("latin-1"))
+        # Shared: an engine stream keeps its headers while it lasts, and these repeat on every
+        # connection. Looked up by their bytes, not decoded and interned on every derender answer.
+        key = _HEADER_NAMES.get(name)
+        if key is None:
+            key = sys.intern(name.decode("latin-1").lower())
+            if len(_HEADER_NAMES) < _SHARED_MAX:
+                _HEADER_NAMES[name] = key
+        if key in SHARED_VALUES:
+            text = _HEADER_VALUES.get(value)
+            if text is None:
+                text = sys.intern(value.decode("latin-1"))
+                if len(_HEADER_VALUES) < _SHARED_MAX:
+                    _HEADER_VALUES[value] = text
+        else:
+            text = value.decode("latin-1")
         known = self.headers.get(key)
         # A repeated field is one list (RFC 9110 5.3); llhttp refuses a repeated Content-Length.
         self.headers[key] = text if known is None else f"{known}, {text}"

@@ -30,7 +30,7 @@ from fleet.ascend import EngineRecord, launch_config
 from motorsite import stack, tiers
 from motorsite.settings import check_secret_key
 from motorsite.supervisor import ProcessSpec
-from tests.deploy.fleet_script import fleet_commands, values
+from tests.deploy.fleet_script import commands_by_model, render_pool, values
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
@@ -136,26 +136,16 @@ def test_each_service_is_checked_by_the_request_make_run_checks_it_with(specs: d
             assert "/tmp/celery-ready" in test or "inspect ping" in test, name
 
 
-def compose_fleet_commands() -> list[list[str]]:
-    """The ``demo_fleet`` commands of the migrate service's script, each as argv."""
-    return fleet_commands(SERVICES["migrate"]["command"][-1])
-
-
 def test_the_fleet_registered_is_the_fleet_started(specs: dict[str, ProcessSpec]) -> None:
     # decode-1 lives in prefill-1's network namespace, so it is reached at prefill-1.
     hosts = {name: SERVICES[name].get("network_mode", f"service:{name}").split(":", 1)[1] for name in specs}
-    models = {values(argv, "--served-model-name")[0]: argv for argv in compose_fleet_commands()}
-    assert list(models) == ["tiny", "tiny-b"]
-    # The first model's command writes the fleet; the second only adds its own rows beside it.
-    assert "--only-this-model" not in models["tiny"] and "--only-this-model" in models["tiny-b"]
-    for model, argv in models.items():
+    for model, argv in commands_by_model(SERVICES["migrate"]["command"][-1]).items():
         mine = {n: s for n, s in specs.items() if values(s.argv, "--served-model-name") == [model]}
         renders = [n for n in mine if n.startswith("render")]
         assert len(renders) == 2, renders  # a pool of two sidecars per model
         # Each member by its own address: the first as the render config's, the others as members.
         addresses = [f"{hosts[n]}:{mine[n].ports[0][1]}" for n in renders]
-        assert [f"{h}:{p}" for h, p in zip(values(argv, "--render-host"), values(argv, "--render-port"), strict=True)] == addresses[:1]
-        assert values(argv, "--render-member") == addresses[1:]
+        assert render_pool(argv) == (addresses[:1], addresses[1:])
         assert values(argv, "--model-dir") == [SERVICES[renders[0]]["command"][3]]
         for flag, role in (("--engine", "engine"), ("--prefill", "prefill"), ("--decode", "decode")):
             names = sorted(n for n in mine if n.startswith(role + "-"))

@@ -29,7 +29,7 @@ from catalog.management.commands.render_image import DEFAULT_RENDER_IMAGE
 from motorsite import stack, tiers
 from motorsite.supervisor import free_port
 from serving.pipeline import metric_names
-from tests.deploy.fleet_script import fleet_commands, values
+from tests.deploy.fleet_script import commands_by_model, fleet_commands, render_pool, values
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 IN_POD = K8S.parent / "k8s-render-in-pod"
@@ -157,15 +157,11 @@ def test_probes_are_real_requests() -> None:
 
 
 def test_the_fleet_job_registers_each_pool_member_and_engine_by_its_own_name() -> None:
-    commands = {values(argv, "--served-model-name")[0]: argv for argv in fleet_commands(job_script())}
-    assert list(commands) == ["tiny", "tiny-b"]
-    # The first model's command writes the fleet; the second only adds its own rows beside it.
-    assert "--only-this-model" not in commands["tiny"] and "--only-this-model" in commands["tiny-b"]
+    commands = commands_by_model(job_script())
     for model, model_dir, pool, port, engines, engine_port in MODELS:
         argv = commands[model]
         first, *others = members(pool, port)
-        assert [f"{h}:{p}" for h, p in zip(values(argv, "--render-host"), values(argv, "--render-port"), strict=True)] == [first]
-        assert values(argv, "--render-member") == others
+        assert render_pool(argv) == ([first], others)
         assert values(argv, "--engine") == [f"http://{m}" for m in members(engines, engine_port)]
         assert values(argv, "--model-dir") == [model_dir]
 

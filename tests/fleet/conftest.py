@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from catalog.models import ServedModel
 from fleet.models import EngineInstance
 from fleet.services import instance_create
+from motorsite.celery import app
 
 
 @pytest.fixture
@@ -23,3 +26,13 @@ def engine_up(served_model: ServedModel) -> EngineInstance:
 def engine_draining(engine_up: EngineInstance) -> EngineInstance:
     assert engine_up.drain(actor="test")
     return engine_up
+
+
+@pytest.fixture
+def eager() -> Iterator[None]:
+    """`.delay()` inside a task runs inline instead of reaching a broker."""
+    app.conf.task_always_eager = True
+    try:
+        yield
+    finally:
+        app.conf.task_always_eager = False

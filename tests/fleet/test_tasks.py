@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Iterator
 
 import httpx
 import pytest
@@ -14,16 +13,6 @@ from fleet import probes, tasks
 from fleet.models import AuditReport, EngineInstance, ProbeResult
 from fleet.services import instance_create
 from motorsite.celery import app
-
-
-@pytest.fixture
-def eager() -> Iterator[None]:
-    """`.delay()` inside a task runs inline instead of reaching a broker."""
-    app.conf.task_always_eager = True
-    try:
-        yield
-    finally:
-        app.conf.task_always_eager = False
 
 
 @pytest.fixture

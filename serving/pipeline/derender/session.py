@@ -131,7 +131,8 @@ class ChunkDerender(Protocol):
     timeout_s: float
 
     def chunk_slot(self) -> AsyncContextManager[None]:
-        """Held around each chunk's derender, outside its deadline (render/window.py)."""
+        """Held around each chunk's derender, outside its deadline (render/window.py). A session
+        asks once and enters what it got around every chunk: it must be reusable."""
         ...
 
     async def derender_chunk(
@@ -196,6 +197,7 @@ class StreamingRenderSession:
         # calls carry the slim request and no prompt ids, or no request where none is read.
         self._slim: dict[str, Any] | None = None
         self._unread = request_unread(kind, body)
+        self._slot: AsyncContextManager[None] | None = None  # ``render.chunk_slot()``, taken at the first chunk
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -311,7 +313,10 @@ class StreamingRenderSession:
         try:
             # The turn first, then the deadline: a call waiting for the pool's window (its events
             # coalescing meanwhile) is not yet a derender call, and its wait is not the sidecar's.
-            async with self.render.chunk_slot(), asyncio.timeout(budget):
+            slot = self._slot
+            if slot is None:  # the session's one loop and pool: looked up once per stream, not per chunk
+                slot = self._slot = self.render.chunk_slot()
+            async with slot, asyncio.timeout(budget):
                 delay = RETRY_DELAY_MIN_S
                 for attempt in range(tries):
                     self.derender_calls += 1

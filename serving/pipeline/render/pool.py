@@ -12,7 +12,8 @@ What a member's failure costs:
   local tokenizer (``TokenizationService``), with the last member's reason.
 - derender: a member that cannot be reached or answers 5xx is a fault of that member, and the
   same call (same chunk, same previous state: derender is a pure function of both, and nothing
-  was committed) goes to the next one, all inside the call's one bound (``timeout_s``). A stream
+  was committed) goes to the next one, all inside the call's one bound (``timeout_s``: the pool's
+  own for a whole derender, the session's per-chunk bound for a streamed chunk). A stream
   therefore outlives the sidecar it started on without waiting for its restart. A timeout, a
   request error or a missing capability ends the call as a single sidecar's would.
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, AsyncContextManager, Awaitable, Callable, Iterator, Sequence, TypeVar
@@ -54,7 +54,7 @@ class PoolState:
 
     cooldown_s: float = 5.0
     clock: Callable[[], float] = time.monotonic
-    outstanding: Counter[str] = field(default_factory=Counter)
+    outstanding: dict[str, int] = field(default_factory=dict)
     health: dict[str, RenderHealth] = field(default_factory=dict)
     # Streaming derender calls in flight per pool (render/window.py): the rest wait here, not in a sidecar.
     windows: Windows = field(default_factory=Windows)
@@ -110,6 +110,9 @@ class RenderPool(RenderClient):
         self._clients = {m.base_url: RenderClient(client, m.base_url, view.timeout_s) for m in self.members}
         self.health_view = PoolHealth(self)
         self._sidecars = self.base_urls  # the window's key, taken once: one call per streamed chunk
+        # The members able to serve each (need, kind), in pool order: the members never change, so
+        # this is worked out once per pair, not on every call (a streamed chunk is one).
+        self._able: dict[tuple[str, str | None], tuple[RenderMember, ...]] = {}
 
     @property
     def base_urls(self) -> tuple[str, ...]:
@@ -119,14 +122,22 @@ class RenderPool(RenderClient):
         """Members that can serve a call needing ``need`` (for API ``kind``, when its route is
         known), best first: those up before those down (marked in this process, or failing their
         probes), each group by fewest outstanding calls (ties: pool order)."""
-        able = [m for m in self.members if getattr(m, need) and _serves(m, need, kind)]
+        able = self._able_for(need, kind)
+        if len(able) == 1:
+            return list(able)  # nothing to rank
 
         def rank(item: tuple[int, RenderMember]) -> tuple[bool, int, int]:
             i, m = item
             down = not m.healthy or self.state.health_of(m.base_url).skip()
-            return down, self.state.outstanding[m.base_url], i
+            return down, self.state.outstanding.get(m.base_url, 0), i
 
         return [m for _, m in sorted(enumerate(able), key=rank)]
+
+    def _able_for(self, need: str, kind: str | None) -> tuple[RenderMember, ...]:
+        able = self._able.get((need, kind))
+        if able is None:
+            able = self._able[need, kind] = tuple(m for m in self.members if getattr(m, need) and _serves(m, need, kind))
+        return able
 
     def pick(self, need: str, kind: str | None = None) -> RenderMember | None:
         found = self.candidates(need, kind)
@@ -137,13 +148,21 @@ class RenderPool(RenderClient):
         return self.state.windows.of(self._sidecars).slot()
 
     async def _on(self, member: RenderMember, call: Callable[[RenderClient], Awaitable[T]]) -> T:
-        self.state.outstanding[member.base_url] += 1
+        outstanding, url = self.state.outstanding, member.base_url
+        # dict's own get and item methods: a Counter's missing key and its deletion are Python code.
+        outstanding[url] = outstanding.get(url, 0) + 1
         try:
-            return await call(self._clients[member.base_url])
+            return await call(self._clients[url])
+        except DerenderRetryable as exc:  # a derender call's; a render call raises RenderUnavailable
+            if isinstance(exc.__cause__, httpx.TransportError):  # not a 5xx: nothing listens
+                self.state.health_of(url).mark(RenderUnavailable(str(exc), reason="unreachable"))
+            raise
         finally:
-            self.state.outstanding[member.base_url] -= 1
-            if self.state.outstanding[member.base_url] <= 0:
-                del self.state.outstanding[member.base_url]
+            left = outstanding.get(url, 0) - 1
+            if left > 0:
+                outstanding[url] = left
+            else:
+                outstanding.pop(url, None)
 
     def _tries(self, need: str, kind: str | None) -> Iterator[RenderMember]:
         """Each able member once, re-ranked before each try (the load moved while one failed)."""
@@ -172,19 +191,23 @@ class RenderPool(RenderClient):
         raise last or RenderUnavailable("no render sidecar of the pool can render token ids", reason="capability")
 
     async def _derender(self, need: str, kind: str, call: Callable[[RenderClient], Awaitable[T]]) -> T:
-        last: DerenderError | None = None
         try:
             async with asyncio.timeout(self.timeout_s):  # one bound for the call, failovers included
-                for member in self._tries(need, kind):
-                    try:
-                        return await self._on(member, call)
-                    except DerenderRetryable as exc:
-                        if isinstance(exc.__cause__, httpx.TransportError):  # not a 5xx: nothing listens
-                            self.state.health_of(member.base_url).mark(
-                                RenderUnavailable(str(exc), reason="unreachable"))
-                        last = exc
+                return await self._failover(need, kind, call)
         except TimeoutError as exc:
             raise DerenderError(f"derender took over {self.timeout_s:g}s", status=504) from exc
+
+    async def _failover(self, need: str, kind: str, call: Callable[[RenderClient], Awaitable[T]]) -> T:
+        """``call`` on each able member in turn until one answers (unbounded: the caller bounds it)."""
+        able = self._able_for(need, kind)
+        if len(able) == 1:  # one sidecar (the usual pool): nothing to rank, no one to fail over to
+            return await self._on(able[0], call)
+        last: DerenderError | None = None
+        for member in self._tries(need, kind):
+            try:
+                return await self._on(member, call)
+            except DerenderRetryable as exc:
+                last = exc
         if last is not None:
             raise last
         raise DerenderError("the response stage is unavailable: no render sidecar of the pool can derender this")
@@ -233,9 +256,16 @@ class RenderPool(RenderClient):
         prompt_tokens: int, prompt_token_ids: Sequence[int] | None, request: dict[str, Any] | None, model: str | None,
         trace: Mapping[str, str] = NO_TRACE,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        return await self._derender(STREAMING_DERENDER, kind, lambda c: c.derender_chunk(
-            kind, generate_chunk, stream_state=stream_state, prompt_tokens=prompt_tokens,
-            prompt_token_ids=prompt_token_ids, request=request, model=model, trace=trace))
+        def call(c: RenderClient) -> Awaitable[tuple[dict[str, Any], dict[str, Any] | None]]:
+            return c.derender_chunk(kind, generate_chunk, stream_state=stream_state, prompt_tokens=prompt_tokens,
+                                    prompt_token_ids=prompt_token_ids, request=request, model=model, trace=trace)
+
+        # Within the session's bound of the chunk (derender/session.py: the same ``timeout_ms``,
+        # started first, so it always ends first): no second deadline of its own per chunk.
+        able = self._able_for(STREAMING_DERENDER, kind)
+        if len(able) == 1:  # as ``_failover`` would, one coroutine fewer on every chunk
+            return await self._on(able[0], call)
+        return await self._failover(STREAMING_DERENDER, kind, call)
 
     # As each member's client keeps it: any member takes the state back (render keeps no session).
     kept = staticmethod(packed_state)

@@ -1,0 +1,276 @@
+"""What one streamed chunk costs the coordinator, counted rather than timed (issue 34).
+
+``bench/hotpath.py`` reads CPU from /proc in 10 ms ticks on a shared machine; this script counts.
+It starts the real render sidecar and one paced ``enginesim`` engine, and a coordinator from this
+tree (Daphne, as ``make run``) and, with ``--baseline REV``, one from a checkout of REV, each under
+an instrument switched on only around the measured requests:
+
+    callgrind  valgrind's callgrind (instrumentation off until the measurement): instructions
+               executed by the whole coordinator process (every thread) per stream
+               (``--separate-threads``: also the event loop's thread alone, without the report
+               writer's and Django's threads, whose database writes follow the clock)
+    cprofile   cProfile on the event loop's thread: Python and C function calls per chunk, and
+               the functions whose calls per chunk differ between the trees (``--top``)
+
+Each coordinator serves ``--streams`` chat streams of 32 tokens and as many of 1 token, one at a
+time (``ignore_eos``, ``include_usage``); what a chunk costs is the difference over the 31 tokens
+more, counted as the frames the client got (one a derender call). The engine is paced
+(``--tpot-ms``, 150 by default under callgrind, 30 under cProfile) so that each token reaches the
+coordinator alone and gets its own derender call even when the instrument slows the coordinator
+down; where some merged anyway (a loaded machine), the frames say so.
+
+    python3 -m toolchain exec bench/chunk_cost.py [--tool callgrind|cprofile] [--baseline REV]
+                                                  [--streams 10] [--tpot-ms MS] [--top 40]
+
+Reports numbers only; nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import pstats
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import baseline_tree, bench_stack, coordinator_from, loadavg  # noqa: E402
+from motorsite import stack  # noqa: E402
+from motorsite.supervisor import ProcessSpec, Supervisor, free_port  # noqa: E402
+from serving.pipeline.http11 import Http11Client  # noqa: E402
+
+API_KEY = "sk-bench-" + uuid.uuid4().hex[:12]
+TIMEOUT = httpx.Timeout(600.0, connect=30.0)
+LONG, SHORT = 32, 1
+
+# Run a module as ``python -m`` would, with cProfile switched on by SIGUSR1 and written by SIGUSR2.
+PROFILED = """
+import cProfile, os, runpy, signal, sys
+_p = cProfile.Profile()
+def _on(*_a): _p.enable()
+def _off(*_a):
+    _p.disable(); _p.dump_stats(os.environ["BENCH_PROFILE_OUT"]); _p.clear()
+signal.signal(signal.SIGUSR1, _on)
+signal.signal(signal.SIGUSR2, _off)
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def instrumented(spec: ProcessSpec, tool: str, out: Path) -> ProcessSpec:
+    """``spec`` (``python -m <server> ...``) run under ``tool``, its output going to ``out``."""
+    python, dash_m, *rest = spec.argv
+    assert dash_m == "-m", spec.argv
+    if tool == "callgrind":
+        argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
+                f"--callgrind-out-file={out}", python, "-m", *rest]
+        return replace(spec, argv=argv, ready_timeout=600.0)
+    return replace(spec, argv=[python, "-c", PROFILED, *rest], env={**spec.env, "BENCH_PROFILE_OUT": str(out)},
+                   ready_timeout=300.0)
+
+
+def body(i: int, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": f"Request {i:05d}: say something about the sea."}],
+        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def streams(client: Http11Client, url: str, first: int, count: int, max_tokens: int) -> int:
+    """Serve ``count`` streams one at a time; the number of SSE data frames the client got."""
+    frames = 0
+    for i in range(first, first + count):
+        async with client.stream("POST", url + "/v1/chat/completions", json=body(i, max_tokens),
+                                 headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+            raw = b"".join([piece async for piece in r.aiter_raw()])
+            if r.status_code != 200 or not raw.rstrip().endswith(b"data: [DONE]"):
+                raise RuntimeError(f"{r.status_code}: {raw[-300:]!r}")
+            frames += raw.count(b"data: ")
+    return frames
+
+
+def callgrind(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
+
+
+def total_ir(path: Path) -> int:
+    """The ``totals:`` instruction count of one callgrind dump."""
+    for line in path.read_text().splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no totals in {path}")
+
+
+class Measure:
+    """Switches one coordinator's instrument on around a block of streams and reads what it counted."""
+
+    def __init__(self, tool: str, pid: int, out: Path) -> None:
+        self.tool, self.pid, self.out = tool, pid, out
+
+    async def run(self, client: Http11Client, url: str, first: int, count: int, max_tokens: int,
+                  label: str) -> tuple[int, Any]:
+        if self.tool == "callgrind":
+            callgrind(self.pid, "--zero")
+            callgrind(self.pid, "--instr=on")
+        else:
+            os.kill(self.pid, signal.SIGUSR1)
+            await asyncio.sleep(0.5)
+        frames = await streams(client, url, first, count, max_tokens)
+        if self.tool == "callgrind":
+            callgrind(self.pid, "--instr=off")
+            before = set(self.out.parent.glob(self.out.name + ".*"))
+            callgrind(self.pid, f"--dump={label}")
+            for _ in range(600):
+                new = set(self.out.parent.glob(self.out.name + ".*")) - before
+                if new:
+                    time.sleep(2.0)  # every thread's file, written whole
+                    new = set(self.out.parent.glob(self.out.name + ".*")) - before
+                    # One file per thread (``<out>.<part>-<thread>``): thread 1 runs the event loop.
+                    loop = [d for d in new if d.name.endswith("-01")]
+                    return frames, (loop[0] if loop else None, sum(total_ir(d) for d in new),
+                                    sum(total_ir(d) for d in loop))
+                time.sleep(0.2)
+            raise RuntimeError("callgrind wrote no dump")
+        os.kill(self.pid, signal.SIGUSR2)
+        for _ in range(100):
+            await asyncio.sleep(0.2)
+            if self.out.exists():
+                break
+        await asyncio.sleep(0.5)
+        dump = self.out.with_name(f"{self.out.name}.{label}")
+        self.out.rename(dump)
+        return frames, (dump, pstats.Stats(str(dump)))
+
+
+def calls_by_function(stats: pstats.Stats) -> dict[str, tuple[int, float]]:
+    """``file:name`` with the tree-specific root cut off -> (calls, own seconds)."""
+    out: dict[str, tuple[int, float]] = {}
+    for (file, _line, name), (_cc, nc, tt, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        file = re.sub(r"^.*?/(serving|motorsite|catalog|fleet)/", r"\1/", file)
+        file = re.sub(r"^.*?/site-packages/", "", file)
+        file = re.sub(r"^.*?/lib/python3\.\d+/", "", file)
+        key = f"{file}:{name}"
+        calls, own = out.get(key, (0, 0.0))
+        out[key] = (calls + nc, own + tt)
+    return out
+
+
+def per_chunk(long: Any, short: Any, chunks: int) -> dict[str, tuple[float, float]]:
+    """Calls and own µs per extra chunk: what the 32-token block took over the 1-token block, over
+    the ``chunks`` more frames it sent (31 a stream when no event merged with another)."""
+    a, b = calls_by_function(long), calls_by_function(short)
+    return {k: ((a.get(k, (0, 0.0))[0] - b.get(k, (0, 0.0))[0]) / chunks,
+                (a.get(k, (0, 0.0))[1] - b.get(k, (0, 0.0))[1]) / chunks * 1e6) for k in a.keys() | b.keys()}
+
+
+async def measure(args: argparse.Namespace, coords: dict[str, tuple[str, Measure]]) -> dict[str, dict[str, Any]]:
+    client = Http11Client(TIMEOUT)
+    results: dict[str, dict[str, Any]] = {name: {} for name in coords}
+    try:
+        for url, _m in coords.values():  # warm-up: connections, imports, caches
+            await streams(client, url, 900_000, 3, LONG)
+            await streams(client, url, 900_100, 3, SHORT)
+        for r in range(args.repeat):
+            order = list(coords) if r % 2 == 0 else list(coords)[::-1]
+            for name in order:
+                url, m = coords[name]
+                for tokens in (LONG, SHORT):
+                    frames, got = await m.run(client, url, r * 1000 + tokens * 10, args.streams, tokens,
+                                              f"{name}-{tokens}-{r}")
+                    results[name].setdefault(tokens, []).append((frames, got))
+                    counted = f"{got[1]:,} Ir, event loop {got[2]:,}" if args.tool == "callgrind" else ""
+                    print(f"{name} {tokens} tokens round {r}: {frames} frames {counted}", flush=True)
+    finally:
+        await client.aclose()
+    return results
+
+
+def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
+    lines = [f"- streams per block: {args.streams}; blocks per tree: {args.repeat}; enginesim --tpot-ms {args.tpot_ms:g}", ""]
+    n = args.streams
+    if args.tool == "callgrind":
+        lines += ["| tree | threads | Ir per 32-token stream | Ir per 1-token stream | frames per 32-token stream | "
+                  "Ir per chunk (the difference over the extra frames) |", "|---|---|---:|---:|---:|---:|"]
+        for name, by_tokens in results.items():
+            for (f_long, got_long), (f_short, got_short) in zip(by_tokens[LONG], by_tokens[SHORT], strict=True):
+                for which, i in (("all", 1), ("event loop", 2)):
+                    ir_long, ir_short = got_long[i], got_short[i]
+                    lines.append(f"| {name} | {which} | {ir_long / n:,.0f} | {ir_short / n:,.0f} | {f_long / n:.1f} | "
+                                 f"{(ir_long - ir_short) / (f_long - f_short):,.0f} |")
+        return "\n".join(lines)
+    chunk = {name: per_chunk(by[LONG][-1][1][1], by[SHORT][-1][1][1], by[LONG][-1][0] - by[SHORT][-1][0])
+             for name, by in results.items()}
+    for name, rows in chunk.items():
+        calls = sum(c for c, _ in rows.values())
+        lines.append(f"- {name}: {calls:.1f} function calls per chunk (cProfile, event loop thread)")
+    if len(chunk) == 2:
+        (na, a), (nb, b) = chunk.items()
+        keys = sorted(a.keys() | b.keys(),
+                      key=lambda k: -abs(a.get(k, (0.0, 0.0))[0] - b.get(k, (0.0, 0.0))[0]))
+        lines += ["", f"| function | calls per chunk, {na} | {nb} | own µs per chunk, {na} | {nb} |", "|---|---:|---:|---:|---:|"]
+        for k in keys[: args.top]:
+            ca, ta = a.get(k, (0.0, 0.0))
+            cb, tb = b.get(k, (0.0, 0.0))
+            if abs(ca - cb) < 0.05:
+                break
+            lines.append(f"| `{k}` | {ca:.2f} | {cb:.2f} | {ta:.1f} | {tb:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tool", choices=("callgrind", "cprofile"), default="callgrind")
+    parser.add_argument("--baseline", help="a git revision whose coordinator runs beside this tree's")
+    parser.add_argument("--streams", type=int, default=10, help="streams per measured block")
+    parser.add_argument("--repeat", type=int, default=1, help="measured blocks per tree, alternating")
+    parser.add_argument("--tpot-ms", type=float, help="the engine's pace (default 150 under callgrind, 30 under cProfile)")
+    parser.add_argument("--top", type=int, default=40, help="cProfile: functions listed")
+    parser.add_argument("--keep", action="store_true", help="keep the temp directory (dumps, logs)")
+    args = parser.parse_args()
+    if args.tpot_ms is None:
+        args.tpot_ms = 150.0 if args.tool == "callgrind" else 30.0
+
+    tmp = Path(tempfile.mkdtemp(prefix="motorsite-chunkcost-"))
+    (tmp / "logs").mkdir()
+    cfg = bench_stack("bench/chunk_cost.py", engines="sim", engine_count=1, api_key=API_KEY, log_dir=tmp / "logs",
+                      database_url=f"sqlite:///{tmp / 'now.sqlite3'}")
+    with contextlib.ExitStack() as exits:
+        engines = [replace(e, argv=[*e.argv, "--tpot-ms", str(args.tpot_ms)]) for e in stack.engine_specs(cfg)]
+        exits.enter_context(Supervisor([replace(stack.render_spec(cfg), ready_timeout=300.0), *engines]))
+        stack.prepare_database(cfg)
+        specs = {"now": (instrumented(stack.coordinator_spec(cfg), args.tool, tmp / "now.out"), cfg.coordinator_url)}
+        if args.baseline:
+            base_cfg = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{tmp / 'base.sqlite3'}")
+            spec = coordinator_from(baseline_tree(args.baseline, tmp, exits), base_cfg, "coordinator-base")
+            specs["base"] = (instrumented(spec, args.tool, tmp / "base.out"), base_cfg.coordinator_url)
+        sup = Supervisor([s for s, _ in specs.values()])
+        exits.enter_context(sup)
+        coords = {name: (url, Measure(args.tool, sup.pids[s.name], tmp / f"{name}.out")) for name, (s, url) in specs.items()}
+        load = loadavg()
+        results = asyncio.run(measure(args, coords))
+        load_after = loadavg()
+    print(f"\nload average {load} before, {load_after} after; {args.tool}; dumps in {tmp}")
+    print(report(args, results))
+    if not args.keep:
+        print("(pass --keep to keep the dumps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
