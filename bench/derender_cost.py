@@ -115,7 +115,7 @@ async def measure(render_url: str, render_pid: int, args: argparse.Namespace) ->
         async def call(variant: str) -> None:
             await render._post_derender(CHAT_DERENDER, {
                 "stream": True, "model": "tiny", "generate_chunk": EVENT, "prompt_tokens": len(ids), **bodies[variant],
-            })
+            }, {})
 
         gaps = (0.0, args.gap_ms / 1000)
         costs = {(v, g): Cost() for v in VARIANTS for g in gaps}

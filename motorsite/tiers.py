@@ -75,6 +75,13 @@ def check_engine_cpu(*, cpuinfo: Path | None = None, machine: str | None = None)
         raise UnsupportedCPU(reason)
 
 
+# The render site (motorsite/render_site): the ASGI middleware vLLM loads with --middleware, so that
+# derender calls skip vLLM's per-request HTTP metrics (motorsite_render_asgi says how and why).
+RENDER_SITE_DIR = Path(__file__).resolve().parent / "render_site"
+RENDER_MIDDLEWARE = "motorsite_render_asgi.DerenderFastPath"
+# bench/sidecar_options.py measures it. Not --disable-fastapi-docs (four routes fewer walked per
+# call, within the noise): the render pool's probes read the sidecar's /openapi.json for its routes.
+SIDECAR_LEAN_ARGS = ["--middleware", RENDER_MIDDLEWARE]
 UNLOGGED_PATHS = "/v1/chat/completions/derender,/v1/completions/derender,/health"
 
 
@@ -109,11 +116,13 @@ def render_sidecar_command(
         # uvicorn's access log would write a line per derender call, that is per token of every
         # stream; the coordinator logs each request's outcome. Render calls keep theirs.
         "--disable-access-log-for-endpoints", UNLOGGED_PATHS,
+        *SIDECAR_LEAN_ARGS,
     ]
     if parsers:
         argv += _PARSER_FLAGS
     env = {
         **_OFFLINE,
+        "PYTHONPATH": str(RENDER_SITE_DIR),
         # The CUDA wheel cannot infer a device on a machine without a GPU; even --help fails.
         "VLLM_TARGET_DEVICE": "cpu",
     }

@@ -84,7 +84,8 @@ def in_container(spec: ProcessSpec) -> tuple[list[str], str | None]:
 def expected_env(spec: ProcessSpec) -> dict[str, str]:
     env = dict(spec.env)
     if "PYTHONPATH" in env:
-        env["PYTHONPATH"] = {str(tiers.ENGINE_SITE_DIR): "/opt/motorsite/engine_site", str(stack.ROOT): "/app"}[env["PYTHONPATH"]]
+        env["PYTHONPATH"] = {str(tiers.ENGINE_SITE_DIR): "/opt/motorsite/engine_site", str(stack.ROOT): "/app",
+                             str(tiers.RENDER_SITE_DIR): "/opt/motorsite/render_site"}[env["PYTHONPATH"]]
     if "MOTOR_METASERVER_BASE_URL" in env:
         env["MOTOR_METASERVER_BASE_URL"] = "http://coordinator:8000"
     if "MOTOR_CELERY_READY_FILE" in env:

@@ -110,6 +110,7 @@ def test_each_models_render_pool_is_a_statefulset_of_sidecars_running_make_runs_
         python="python", model_dir=model_dir, served_model_name=model, port=port, workers=4, max_model_len=2048,
     )
     assert sidecar["args"] == bound_to_all(argv[3:])
+    env["PYTHONPATH"] = "/opt/motorsite/render_site"  # where the render image has the render site
     assert {e["name"]: e["value"] for e in sidecar["env"]} == env
     assert statefulset["replicas"] == 2  # a pool of two, scaled apart from the coordinators
     # A headless Service: each replica keeps a DNS name of its own (a member of the pool each).
@@ -230,7 +231,9 @@ def test_render_in_pod_runs_make_runs_two_pools_in_every_coordinator_pod(monkeyp
     for spec in sidecars:
         # Same pod, same network: each sidecar binds 127.0.0.1 exactly as under make run.
         assert in_pod[spec.name]["args"] == spec.argv[3:], spec.name
-        assert {e["name"]: e["value"] for e in in_pod[spec.name]["env"]} == spec.env
+        # The render image has the render site where make run's sidecar finds it in the tree.
+        assert {e["name"]: e["value"] for e in in_pod[spec.name]["env"]} == {
+            **spec.env, "PYTHONPATH": "/opt/motorsite/render_site"}
         script = " ".join(in_pod[spec.name]["readinessProbe"]["exec"]["command"][2:])
         assert spec.ready_post and f"'{spec.ready_base_url}{spec.ready_post[0]}'" in script
         match = re.search(r"json\.dumps\((\{.*\})\)\.encode", script)
