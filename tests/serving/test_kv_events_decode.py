@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 
 import msgpack
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex
 from serving.pipeline.placement.kv_events import KVEventDecodeError, KVEventSubscriber, decode_message
 from serving.pipeline.protocol import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.env_memo import run_in_env
 
 # Run in the render env: vLLM's own structs and its publisher's encoder (``ZmqEventPublisher``).
 VLLM_ENCODE = """
@@ -31,8 +31,10 @@ def vllm_payloads() -> list[bytes]:
     python = os.environ.get("MOTOR_RENDER_PYTHON")
     if not python:
         pytest.fail("MOTOR_RENDER_PYTHON is not set; run with `python3 -m toolchain exec -m pytest`", pytrace=False)
-    out = subprocess.run([python, "-c", VLLM_ENCODE], capture_output=True, text=True, timeout=300, check=True)
-    return [bytes.fromhex(line) for line in out.stdout.split()]
+    # vLLM's output for this script is kept with the render environment (``env_memo``): importing
+    # vLLM is 8 s of CPU, and its encoder writes the same bytes for as long as that environment lives.
+    out = run_in_env(python, VLLM_ENCODE)
+    return [bytes.fromhex(line) for line in out.split()]
 
 
 def test_it_decodes_what_vllms_publisher_encodes(vllm_payloads: list[bytes]) -> None:

@@ -14,6 +14,7 @@ owner (as a coordinator process records its own), that owner's callback is forwa
 from __future__ import annotations
 
 import base64
+import contextlib
 import hmac
 import http.server
 import json
@@ -85,19 +86,32 @@ class Coordinator:
         return httpx.post(self.url + CALLBACK_PATH + token, json=body, timeout=30)
 
 
-@pytest.fixture(scope="module", params=["daphne", "uvicorn"])
-def coordinator(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
-    tmp = tmp_path_factory.mktemp(f"metaserver-{request.param}")
-    db = tmp / "db.sqlite3"
-    port = free_port()
-    cfg = stack.StackConfig(
-        model_dir="/m", render_python="", engine_python="", engines="sim", server=request.param,
-        coordinator_port=port, database_url=f"sqlite:///{db}", log_dir=tmp, celery=False, restart=None,
-        extra_env={"SECRET_KEY": SECRET_KEY, "MOTOR_VAR_DIR": str(tmp)},
+def config(tmp: Path, server: str) -> stack.StackConfig:
+    """A coordinator under ``server`` with the known ``SECRET_KEY``, its database and logs in ``tmp``."""
+    return stack.StackConfig(
+        model_dir="/m", render_python="", engine_python="", engines="sim", server=server,
+        coordinator_port=free_port(), database_url=f"sqlite:///{tmp / 'db.sqlite3'}", log_dir=tmp, celery=False,
+        restart=None, extra_env={"SECRET_KEY": SECRET_KEY, "MOTOR_VAR_DIR": str(tmp)},
     )
-    env = stack.coordinator_env(cfg)
+
+
+@pytest.fixture(scope="module")
+def migrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A migrated, empty database, migrated once: each server's coordinator starts on a copy of it."""
+    cfg = config(tmp_path_factory.mktemp("metaserver-migrated"), "daphne")
     subprocess.run([cfg.app_python, str(stack.ROOT / "manage.py"), "migrate", "--noinput", "-v", "0"],
-                   check=True, env={**os.environ, **env}, cwd=stack.ROOT)
+                   check=True, env={**os.environ, **stack.coordinator_env(cfg)}, cwd=stack.ROOT)
+    return Path(cfg.database_url.removeprefix("sqlite:///"))
+
+
+@pytest.fixture(scope="module", params=["daphne", "uvicorn"])
+def coordinator(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, migrated: Path
+) -> Iterator[Coordinator]:
+    cfg = config(tmp_path_factory.mktemp(f"metaserver-{request.param}"), request.param)
+    db = Path(cfg.database_url.removeprefix("sqlite:///"))
+    with contextlib.closing(sqlite3.connect(migrated)) as source, contextlib.closing(sqlite3.connect(db)) as copy:
+        source.backup(copy)  # whole, whatever the journal mode left beside the file
     with Supervisor([replace(stack.coordinator_spec(cfg), ready_timeout=60.0)]):
         yield Coordinator(cfg.coordinator_url, db)
 

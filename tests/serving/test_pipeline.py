@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from serving.pipeline.derender.session import StreamSettings
-from serving.pipeline.engine.client import EngineClient
+from serving.pipeline.engine.client import EngineClient, ReplyDeadline
 from serving.pipeline.errors import (
     DerenderError,
     EngineBusy,
@@ -65,10 +65,15 @@ async def no_leaks(scheduler: Scheduler, upstreams: FakeUpstreams):
 
 @pytest.fixture
 def make_pipeline(mock_client: LoopbackClient, scheduler: Scheduler) -> Callable[..., ServingPipeline]:
-    def make(*instances: Any, render_timeout_s: float = 5.0, **render: Any) -> ServingPipeline:
+    def make(
+        *instances: Any, render_timeout_s: float = 5.0, engine_reply_s: float | None = None, **render: Any,
+    ) -> ServingPipeline:
+        # engine_reply_s: a flat deadline for a non-streaming generate (production's ReplyDeadline);
+        # None leaves the shared client's read timeout, as a pipeline without one has.
+        deadline = None if engine_reply_s is None else ReplyDeadline(base_s=engine_reply_s, per_token_s=0.0)
         return ServingPipeline(
             fleet_snapshot(*instances, **render), RenderClient(mock_client, RENDER_URL, render_timeout_s),
-            EngineClient(mock_client), scheduler,
+            EngineClient(mock_client, deadline=deadline), scheduler,
         )
 
     return make
@@ -243,8 +248,11 @@ async def test_omitted_max_tokens_16_is_restored_before_generate(
     ids=["connect", "timeout", "500", "502-text", "malformed"],
 )
 async def test_a_failed_engine_is_retried_once_on_the_other_instance(
-    pipeline: ServingPipeline, upstreams: FakeUpstreams, fault: Callable[..., httpx.Response]
+    make_pipeline: Callable[..., ServingPipeline], upstreams: FakeUpstreams, fault: Callable[..., httpx.Response]
 ) -> None:
+    # An engine that never answers is given up on at its reply deadline (the shared client's read
+    # timeout, a minute, without one): a short one here.
+    pipeline = make_pipeline(engine_reply_s=HANG_DEADLINE_S if fault is read_timeout else None)
     upstreams.override("e1", "generate", fault)
 
     out = await pipeline.chat(chat_body(max_completion_tokens=64), "r6")
@@ -336,8 +344,10 @@ async def test_render_400_passes_through(pipeline: ServingPipeline, upstreams: F
     ids=["connect", "timeout", "500", "route-missing", "no-token-ids"],
 )
 async def test_unusable_render_is_render_unavailable(
-    pipeline: ServingPipeline, upstreams: FakeUpstreams, fault: Callable[..., httpx.Response]
+    make_pipeline: Callable[..., ServingPipeline], upstreams: FakeUpstreams, fault: Callable[..., httpx.Response]
 ) -> None:
+    # A sidecar that never answers is given up on at the render deadline: a short one here.
+    pipeline = make_pipeline(render_timeout_s=HANG_DEADLINE_S if fault is read_timeout else 5.0)
     upstreams.override("render", "render", fault)
 
     with pytest.raises(RenderUnavailable) as info:

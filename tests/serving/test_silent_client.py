@@ -10,6 +10,7 @@ alone, so a second client is admitted only once the silent one has let go of its
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -20,7 +21,7 @@ import sys
 import termios
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
@@ -45,6 +46,30 @@ WAIT_S = 30.0  # an upper bound for a state to be reached, never a timing assert
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     with fake_fleet(tmp_path_factory.mktemp("silent"), tokens=TOKENS, pad_bytes=PAD, coalesce=False) as f:
         yield f
+
+
+@pytest.fixture(scope="module")
+def patient(fleet: Fleet) -> Iterator[Callable[[str], stack.StackConfig]]:
+    """A coordinator per server with a stall deadline that never comes (``MOTOR_CLIENT_STALL_S``
+    3600), started on first use and kept for the module: what the hang-up and the reading client
+    tests need, each starting from a coordinator with nothing in flight (``wait_idle``)."""
+    with contextlib.ExitStack() as running:
+        started: dict[str, stack.StackConfig] = {}
+
+        def coordinator(server: str) -> stack.StackConfig:
+            if server not in started:
+                started[server] = running.enter_context(
+                    fleet.coordinator(server, {"MOTOR_CLIENT_STALL_S": "3600"}))[0]
+            return started[server]
+
+        yield coordinator
+
+
+def log_since(cfg: stack.StackConfig, offset: int) -> str:
+    """What the coordinator of ``cfg`` logged past ``offset`` bytes: one test's part of a shared log."""
+    with coordinator_log(cfg).open("rb") as log:
+        log.seek(offset)
+        return log.read().decode()
 
 
 def chat(max_tokens: int, stream: bool) -> bytes:
@@ -161,30 +186,17 @@ def test_a_client_that_reads_nothing_is_held_back_then_cut_and_others_are_served
 
 
 @pytest.mark.parametrize("server", stack.SERVERS)
-def test_a_client_that_hangs_up_while_its_stream_is_held_back_frees_it_at_once(fleet: Fleet, server: str) -> None:
-    """The send waiting for the client to read returns when the connection is lost (Twisted stops
-    the producer), so the disconnect cancels the request long before the stall deadline."""
-    with fleet.coordinator(server, {"MOTOR_CLIENT_STALL_S": "3600"}) as (cfg, _):
-        before = fleet.stats()
-        silent = open_silent(cfg.coordinator_port)
-        try:
-            calls = wait_blocked(fleet) - before["derender_calls"]
-            assert calls < TOKENS
-        finally:
-            silent.close()
-        stats = wait_idle(fleet, cfg)
-        aborted = stats["aborted"][len(before["aborted"]):]
-        assert len(aborted) == 1 and aborted[0].startswith("generate-tokens-chatcmpl-")
-        assert "outcome=client_stalled" not in coordinator_log(cfg).read_text()
-
-
-@pytest.mark.parametrize("server", stack.SERVERS)
-def test_a_reading_client_gets_whole_streams_one_after_another_on_one_connection(fleet: Fleet, server: str) -> None:
+def test_a_reading_client_gets_whole_streams_one_after_another_on_one_connection(
+    fleet: Fleet, patient: Callable[[str], stack.StackConfig], server: str
+) -> None:
     """The flow registered on each response is let go when it ends: the next request on the same
-    keep-alive connection registers its own (Twisted refuses a second producer)."""
+    keep-alive connection registers its own (Twisted refuses a second producer). First on its
+    coordinator (``patient``): a stream cut by the hang-up test could log its end late."""
     auth = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
-    with fleet.coordinator(server) as (cfg, _), httpx.Client(base_url=cfg.coordinator_url, headers=auth,
-                                                            timeout=WAIT_S) as client:
+    cfg = patient(server)
+    wait_idle(fleet, cfg)
+    offset = coordinator_log(cfg).stat().st_size
+    with httpx.Client(base_url=cfg.coordinator_url, headers=auth, timeout=WAIT_S) as client:
         for _ in range(2):
             with client.stream("POST", "/v1/chat/completions", content=chat(TOKENS, stream=True)) as response:
                 assert response.status_code == 200
@@ -192,11 +204,33 @@ def test_a_reading_client_gets_whole_streams_one_after_another_on_one_connection
             assert body.endswith(b"data: [DONE]\n\n")
             assert body.count(b"data: {") >= TOKENS  # every token, each frame PAD bytes and more
         assert client.get("/healthz").status_code == 200  # Django's side too, on the same connection
-    log = coordinator_log(cfg).read_text()
+    log = log_since(cfg, offset)
     assert "Producer was not unregistered" not in log and "Traceback" not in log
     if server == "daphne":  # its access log names the client's address and port: one connection
         clients = [line.split()[0] for line in log.splitlines() if '"POST /v1/chat/completions"' in line]
         assert len(clients) == 2 and len(set(clients)) == 1, clients
+
+
+@pytest.mark.parametrize("server", stack.SERVERS)
+def test_a_client_that_hangs_up_while_its_stream_is_held_back_frees_it_at_once(
+    fleet: Fleet, patient: Callable[[str], stack.StackConfig], server: str
+) -> None:
+    """The send waiting for the client to read returns when the connection is lost (Twisted stops
+    the producer), so the disconnect cancels the request long before the stall deadline."""
+    cfg = patient(server)
+    wait_idle(fleet, cfg)
+    offset = coordinator_log(cfg).stat().st_size
+    before = fleet.stats()
+    silent = open_silent(cfg.coordinator_port)
+    try:
+        calls = wait_blocked(fleet) - before["derender_calls"]
+        assert calls < TOKENS
+    finally:
+        silent.close()
+    stats = wait_idle(fleet, cfg)
+    aborted = stats["aborted"][len(before["aborted"]):]
+    assert len(aborted) == 1 and aborted[0].startswith("generate-tokens-chatcmpl-")
+    assert "outcome=client_stalled" not in log_since(cfg, offset)
 
 
 @pytest.mark.parametrize(("value", "error"), [("0", "must be at least 1"), ("soon", "must be an integer")])

@@ -42,6 +42,16 @@ def receiver() -> Iterator[Receiver]:
     r.close()
 
 
+@pytest.fixture(scope="module")
+def traced(fleet: Fleet, receiver: Receiver) -> Iterator[str]:
+    """A coordinator with tracing on, exporting to ``receiver``; yields its URL. Shared by the JSON
+    and the streaming case: each reads only the calls and spans of its own fresh trace ids."""
+    env = {"MOTOR_TRACING": "true", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
+           "OTEL_BSP_SCHEDULE_DELAY": "50"}
+    with fleet.coordinator("daphne", env) as (cfg, _pid):
+        yield cfg.coordinator_url
+
+
 def client_trace() -> tuple[str, str, str]:
     """A client span of a fresh trace: (trace id, span id, its traceparent)."""
     trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
@@ -98,21 +108,18 @@ def root_span(receiver: Receiver, request_id: str) -> Any:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_with_tracing_on_every_upstream_call_continues_the_clients_trace_under_the_coordinators_span(
-    fleet: Fleet, receiver: Receiver, stream: bool
+    fleet: Fleet, receiver: Receiver, traced: str, stream: bool
 ) -> None:
-    env = {"MOTOR_TRACING": "true", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
-           "OTEL_BSP_SCHEDULE_DELAY": "50"}
-    with fleet.coordinator("daphne", env) as (cfg, _pid):
-        trace_id, span_id, traceparent = client_trace()
-        seq = next_seq(fleet)
-        request_id = ask(cfg.coordinator_url, {"traceparent": traceparent, "tracestate": TRACESTATE}, stream=stream)
-        calls = calls_since(fleet, seq)
-        root = root_span(receiver, request_id)
-        # A request that brought no trace starts one at the coordinator, carried the same way.
-        seq = next_seq(fleet)
-        fresh_id = ask(cfg.coordinator_url, {}, stream=stream)
-        fresh_calls = calls_since(fleet, seq)
-        fresh_root = root_span(receiver, fresh_id)
+    trace_id, span_id, traceparent = client_trace()
+    seq = next_seq(fleet)
+    request_id = ask(traced, {"traceparent": traceparent, "tracestate": TRACESTATE}, stream=stream)
+    calls = calls_since(fleet, seq)
+    root = root_span(receiver, request_id)
+    # A request that brought no trace starts one at the coordinator, carried the same way.
+    seq = next_seq(fleet)
+    fresh_id = ask(traced, {}, stream=stream)
+    fresh_calls = calls_since(fleet, seq)
+    fresh_root = root_span(receiver, fresh_id)
 
     assert root.trace_id.hex() == trace_id and root.parent_span_id.hex() == span_id
     ours = of_trace(calls, trace_id)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
+from tests.env_memo import files_digest, run_in_env
 from tinymodel import CONTROL_TOKENS, EOS_TOKEN, MARKUP_TOKENS, PAD_TOKEN, SPECIAL_TOKENS
 from tinymodel.build import build
 
@@ -157,11 +157,11 @@ def test_it_renders_the_chat_template_with_tools(model_dir: Path) -> None:
     if not toolchain.is_ready("render"):
         pytest.skip("render environment not built (python3 -m toolchain ensure render)")
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run(
-        [str(toolchain.python("render")), "-c", RENDER_SCRIPT, str(model_dir)],
-        capture_output=True, text=True, env=env, timeout=60, check=True,
-    )
-    text, plain, no_think = json.loads(out.stdout)
+    # Kept with the render environment (``env_memo``), keyed by the model's files: importing
+    # transformers is most of this, and it renders the same files the same way every time.
+    out = run_in_env(toolchain.python("render"), RENDER_SCRIPT, str(model_dir), data=files_digest(model_dir),
+                     env=env, timeout=60)
+    text, plain, no_think = json.loads(out)
     assert text == EXPECTED_PROMPT
     assert plain == "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
     assert no_think == plain + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
