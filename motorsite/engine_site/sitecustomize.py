@@ -34,6 +34,14 @@ child, and a spawned interpreter imports ``site`` like any other). In order:
   core 1. We keep every affinity change of this process inside that set, so the worker thread and
   the NIXL threads it spawns (which inherit its mask) stay on the engine's own core.
 
+5. vLLM's cache (``VLLM_CACHE_ROOT``), unless the environment names one: ``<vLLM's default>/engine``.
+   vLLM caches each model class's inspection (``modelinfos/<module>-<class>.json``, keyed by the
+   model file's hash) to skip a subprocess that imports torch and vLLM to inspect it again. The
+   render sidecar (vLLM 0.33) reads and writes the same file, with the same hash (qwen2.py is the
+   same in both), but its record has fields 0.32 lacks and lacks one 0.32 has: each failed to load
+   the other's, inspected in that subprocess (20-60 s on a busy 2-core machine) and overwrote it,
+   so nearly every start of either tier paid it.
+
 Nothing here imports ``nixl`` (or torch) early: vLLM sets ``UCX_RCACHE_MAX_UNRELEASED`` only if
 ``nixl`` is not imported yet, so the agent fix waits on an import hook for the binding module.
 """
@@ -176,7 +184,14 @@ def _report_subprocess_fates() -> None:
     cls.__init__, cls.poll = __init__, poll  # type: ignore[method-assign]
 
 
+def _own_vllm_cache() -> None:
+    if not os.environ.get("VLLM_CACHE_ROOT"):
+        default = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
+        os.environ["VLLM_CACHE_ROOT"] = os.path.join(default, "engine")
+
+
 _request_amx()
+_own_vllm_cache()
 _enable_faulthandler()
 _report_subprocess_fates()
 _install_pthr_delay()

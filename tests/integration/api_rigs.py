@@ -1,35 +1,19 @@
 """The rig test_messages_real.py and test_responses_real.py share: a render sidecar and a
 tokenizer-loaded vLLM engine, both with the hermes tool and qwen3 reasoning parsers, behind a
-coordinator, started once per module that requests ``cfg``; and the coordinator's count of
-requests it sent to the native path."""
+coordinator (``conftest.parser_rig``: started once for both modules, stopped after the last test
+that uses it); and the coordinator's count of requests it sent to the native path."""
 
 from __future__ import annotations
-
-from dataclasses import replace
-from typing import Iterator
 
 import httpx
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port
 
 
 @pytest.fixture(scope="module")
-def cfg(
-    base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> Iterator[stack.StackConfig]:
-    name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").removesuffix("_real")
-    config = replace(
-        base_config, render_port=free_port(), render_workers=1, render_parsers=True, engine_ports=(free_port(),),
-        coordinator_port=free_port(),
-        database_url=f"sqlite:///{tmp_path_factory.mktemp(name) / 'coordinator.sqlite3'}",
-        log_dir=base_config.log_dir / name,
-    )
-    stack.prepare_database(config)
-    with Supervisor([stack.render_spec(config)]), Supervisor(stack.engine_specs(config)):
-        with Supervisor([stack.coordinator_spec(config)]):
-            yield config
+def cfg(parser_rig: stack.StackConfig) -> stack.StackConfig:
+    return parser_rig
 
 
 def native_routes(cfg: stack.StackConfig) -> float:

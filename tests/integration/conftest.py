@@ -14,16 +14,19 @@ stopped after the package's last test, not at the end of the session: the tests 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import socket
 import subprocess
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import pytest
 
 from motorsite import stack
+from motorsite import tiers as tier_commands
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
 from serving.pipeline.http11 import Http11Client
 from tests import prerequisites
@@ -35,6 +38,11 @@ HERE = Path(__file__).resolve().parent
 # Every process the session fixtures start, in start order: closed (last started first) after
 # the package's last test, or by the fixtures' own teardown if the run ends earlier.
 SESSION_PROCESSES = contextlib.ExitStack()
+# Processes several modules share but most of the package does not, under the name of the session
+# fixture that starts them: closed after the last test that uses that fixture, so that they neither
+# start once per module nor idle beside the rest of the package.
+UNTIL_LAST_USER: dict[str, contextlib.ExitStack] = {}
+LAST_USE: dict[str, int] = {}
 
 
 def _in_package(item: pytest.Item) -> bool:
@@ -48,9 +56,30 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     # processes. (A later integration test would find the session fixtures' processes gone, so
     # this asks the whole remaining list, not only the next item.)
     items = item.session.items
-    if not any(_in_package(i) for i in items[items.index(item) + 1:]):
+    index = items.index(item)
+    # Last started first: a rig's coordinator before the sidecar it renders through.
+    for fixture, running in reversed(UNTIL_LAST_USER.items()):
+        if index >= _last_use(items, fixture):
+            running.close()
+    if not any(_in_package(i) for i in items[index + 1:]):
         SESSION_PROCESSES.close()
     return result
+
+
+def _last_use(items: list[pytest.Item], fixture: str) -> int:
+    """The index of the last item that uses ``fixture`` (the items are fixed once the run starts)."""
+    if fixture not in LAST_USE:
+        LAST_USE[fixture] = max(
+            (n for n, i in enumerate(items) if isinstance(i, pytest.Function) and fixture in i.fixturenames), default=-1
+        )
+    return LAST_USE[fixture]
+
+
+def _until_last_user(fixture: str) -> contextlib.ExitStack:
+    """Where the session fixture ``fixture`` keeps what it starts: closed after its last user."""
+    running = UNTIL_LAST_USER[fixture] = contextlib.ExitStack()
+    SESSION_PROCESSES.callback(running.close)
+    return running
 
 
 def _supervised(specs: list[ProcessSpec]) -> None:
@@ -117,6 +146,92 @@ def sim_stack(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory
     )
     _supervised(together(stack.engine_specs(cfg)))
     yield from _coordinator(cfg)
+
+
+@pytest.fixture(scope="session")
+def parser_render(base_config: stack.StackConfig) -> Iterator[str]:
+    """The URL of a real render sidecar (two workers) with the hermes tool and qwen3 reasoning
+    parsers: the one test_messages_real, test_obfuscation_real, test_parsers_real and
+    test_responses_real render tool calls and reasoning through."""
+    running = _until_last_user("parser_render")
+    cfg = replace(base_config, render_port=free_port(), render_workers=2, render_parsers=True)
+    spec = replace(stack.render_spec(cfg), name="render-parsers", log_path=cfg.log_dir / "render-parsers.log",
+                   ready_timeout=300.0)
+    running.enter_context(Supervisor([spec]))
+    yield f"http://127.0.0.1:{cfg.render_port}"
+    running.close()
+
+
+@pytest.fixture(scope="session")
+def one_worker_render(base_config: stack.StackConfig) -> Iterator[int]:
+    """The port of a real render sidecar without parsers on one worker (whose Prometheus counters
+    are then the whole sidecar's), for test_local_stream_diff_real and test_local_stream_real."""
+    running = _until_last_user("one_worker_render")
+    cfg = replace(base_config, render_port=free_port(), render_workers=1, render_parsers=False)
+    spec = replace(stack.render_spec(cfg), name="render-one-worker", log_path=cfg.log_dir / "render-one-worker.log",
+                   ready_timeout=300.0)
+    running.enter_context(Supervisor([spec]))
+    yield cfg.render_port
+    running.close()
+
+
+@pytest.fixture(scope="session")
+def parser_rig(
+    base_config: stack.StackConfig, parser_render: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[stack.StackConfig]:
+    """A real tokenizer-loaded engine with the same parsers, behind a coordinator that renders
+    through ``parser_render``: the token path and vLLM's own API side by side, for
+    test_messages_real and test_responses_real."""
+    running = _until_last_user("parser_rig")
+    cfg = replace(
+        base_config, render_port=int(parser_render.rsplit(":", 1)[1]), render_workers=2, render_parsers=True,
+        engine_ports=(free_port(),), coordinator_port=free_port(),
+        database_url=f"sqlite:///{tmp_path_factory.mktemp('parser-rig') / 'coordinator.sqlite3'}",
+        log_dir=base_config.log_dir / "parser-rig",
+    )
+    stack.prepare_database(cfg)
+    running.enter_context(Supervisor(stack.engine_specs(cfg)))
+    running.enter_context(Supervisor([stack.coordinator_spec(cfg)]))
+    yield cfg
+    running.close()
+
+
+@dataclass
+class TokensOnlyEngine:
+    url: str
+    events_endpoint: str  # where it publishes its KV cache events (it connects; a test binds)
+    hold: socket.socket  # bound, not listening: keeps the endpoint's port from anyone else meanwhile
+
+    def release_events_endpoint(self) -> str:
+        """Free the events port for the test that binds it; return the endpoint."""
+        self.hold.close()
+        return self.events_endpoint
+
+
+@pytest.fixture(scope="session")
+def tokens_only_engine(base_config: stack.StackConfig) -> Iterator[TokensOnlyEngine]:
+    """A real ``--tokens-only`` engine on the last core, publishing its KV cache events over ZMQ:
+    what test_engine_probe_real probes and test_kv_events_real indexes."""
+    running = _until_last_user("tokens_only_engine")
+    hold = running.enter_context(socket.socket())
+    hold.bind(("127.0.0.1", 0))
+    endpoint = f"tcp://127.0.0.1:{hold.getsockname()[1]}"
+    port = free_port()
+    argv, env = tier_commands.vllm_engine_command(
+        python=base_config.engine_python, model_dir=base_config.model_dir,
+        served_model_name=base_config.served_model_name, port=port, mode="tokens-only",
+        core=(os.cpu_count() or 1) - 1, max_model_len=base_config.max_model_len,
+    )
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+    spec = ProcessSpec(
+        name="tokens-only-engine", argv=[*argv, "--kv-events-config", json.dumps(events)], env=env,
+        log_path=base_config.log_dir / "tokens-only-engine.log", ports=[("127.0.0.1", port)],
+        ready_post=tier_commands.engine_ready_request(base_config.served_model_name),
+        ready_base_url=f"http://127.0.0.1:{port}", ready_timeout=600.0,
+    )
+    running.enter_context(Supervisor([spec]))
+    yield TokensOnlyEngine(f"http://127.0.0.1:{port}", endpoint, hold)
+    running.close()
 
 
 @pytest.fixture(scope="session")

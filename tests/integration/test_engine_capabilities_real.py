@@ -66,7 +66,13 @@ class Fleet:
         return [httpx.get(url + "/sim/stats", timeout=10, trust_env=False).json() for url in self.cfg.engine_urls]
 
     def adopted(self) -> None:
-        time.sleep(1.0)  # coordinators adopt a change within a poll interval (250 ms)
+        """Wait until the coordinator serves the fleet's latest control version (a snapshot poll,
+        250 ms, in practice; 30 s is a watchdog, not a timing assertion)."""
+        version = self.api.get("/fleet/status").json()["control_version"]
+        deadline = time.monotonic() + 30
+        while httpx.get(self.cfg.coordinator_url + "/healthz", timeout=10, trust_env=False).json()["fleet_version"] < version:
+            assert time.monotonic() < deadline, "the coordinator never adopted the change"
+            time.sleep(0.05)
 
 
 def run_probe(cfg: stack.StackConfig) -> Any:

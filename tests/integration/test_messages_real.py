@@ -27,7 +27,7 @@ from .test_fuzz_openai import assert_idle
 
 pytestmark = pytest.mark.integration
 
-cfg = api_rigs.cfg  # this module's own stack (the fixture is module-scoped)
+cfg = api_rigs.cfg  # the stack both modules share (conftest.parser_rig)
 
 USER = [{"role": "user", "content": "Tell me about lists in Python."}]
 TOOL = {"name": "get_weather", "description": "Weather in a city",

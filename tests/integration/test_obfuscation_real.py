@@ -585,23 +585,6 @@ class RenderInjector:
         self._client.close()
 
 
-@pytest.fixture(scope="module")
-def parser_render(tiers: stack.StackConfig) -> Iterator[str]:
-    """A render sidecar with parsers (hermes tool calls, qwen3 reasoning), as test_parsers_real's."""
-    port = free_port()
-    argv, env = tier_commands.render_sidecar_command(
-        python=tiers.render_python, model_dir=tiers.model_dir, served_model_name=tiers.served_model_name,
-        port=port, workers=2, parsers=True, max_model_len=tiers.max_model_len,
-    )
-    spec = ProcessSpec(
-        name="render-obf-parsers", argv=argv, env=env, log_path=tiers.log_dir / "render-obf-parsers.log",
-        ports=[("127.0.0.1", port)], ready_post=tier_commands.render_ready_request(tiers.served_model_name),
-        ready_base_url=f"http://127.0.0.1:{port}", ready_timeout=300.0,
-    )
-    with Supervisor([spec]):
-        yield f"http://127.0.0.1:{port}"
-
-
 @dataclass(frozen=True, slots=True)
 class LeakFleet:
     cfg: stack.StackConfig

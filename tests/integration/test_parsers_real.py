@@ -21,8 +21,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from motorsite import stack
-from motorsite import tiers as tier_commands
-from motorsite.supervisor import ProcessSpec, Supervisor, free_port
+from motorsite.supervisor import Supervisor, free_port
 from serving.pipeline.derender.coalesce import merge_events
 
 from .conftest import API_KEY
@@ -41,22 +40,6 @@ TOOLS = [{
 }]
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS,
         "tool_choice": "auto", "max_tokens": 100, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def parser_render(tiers: stack.StackConfig) -> Iterator[str]:
-    port = free_port()
-    argv, env = tier_commands.render_sidecar_command(
-        python=tiers.render_python, model_dir=tiers.model_dir, served_model_name=tiers.served_model_name,
-        port=port, workers=2, parsers=True, max_model_len=tiers.max_model_len,
-    )
-    spec = ProcessSpec(
-        name="render-parsers", argv=argv, env=env, log_path=tiers.log_dir / "render-parsers.log",
-        ports=[("127.0.0.1", port)], ready_post=tier_commands.render_ready_request(tiers.served_model_name),
-        ready_base_url=f"http://127.0.0.1:{port}", ready_timeout=120.0,
-    )
-    with Supervisor([spec]):
-        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")

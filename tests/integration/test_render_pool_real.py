@@ -59,7 +59,13 @@ class Pool:
         assert self.api.delete(f"/api/render-configs/{self.config_id}/sidecars/{member['id']}").status_code == 204
 
     def adopted(self) -> None:
-        time.sleep(1.0)  # coordinators adopt a change within a poll interval (250 ms)
+        """Wait until the coordinator serves the fleet's latest control version (a snapshot poll,
+        250 ms, in practice; 30 s is a watchdog, not a timing assertion)."""
+        version = self.api.get("/api/fleet/status").json()["control_version"]
+        deadline = time.monotonic() + 30
+        while self.api.get("/healthz").json()["fleet_version"] < version:
+            assert time.monotonic() < deadline, "the coordinator never adopted the change"
+            time.sleep(0.05)
 
     def stream(self, word: str, *, on_chunk: Any = None) -> tuple[str, str | None]:
         text, finish = [], None

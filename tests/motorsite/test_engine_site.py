@@ -186,3 +186,20 @@ def test_without_the_engine_site_nothing_is_logged_or_armed() -> None:
     code = "import faulthandler; print(faulthandler.is_enabled())"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "False" and "motorsite:" not in proc.stderr
+
+
+def test_an_engine_keeps_its_vllm_cache_apart_from_the_render_sidecars(tmp_path: Path) -> None:
+    # The sidecar's vLLM 0.33 and the engine's 0.32 write model-inspection records of different
+    # shapes under one file name; sharing the directory, each start re-inspected in a subprocess.
+    _, env = tiers.vllm_engine_command(python="py", model_dir="/m", served_model_name="tiny", port=1, mode="scale-out", core=None)
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_CACHE_ROOT", "XDG_CACHE_HOME")}
+    code = "import os; print(os.environ.get('VLLM_CACHE_ROOT'))"
+
+    def cache_root(**extra: str) -> str:
+        proc = subprocess.run([sys.executable, "-c", code], env={**base, "HOME": str(tmp_path), **extra, **env},
+                              capture_output=True, text=True, check=True)
+        return proc.stdout.strip()
+
+    assert cache_root() == str(tmp_path / ".cache" / "vllm" / "engine")
+    assert cache_root(XDG_CACHE_HOME=str(tmp_path / "xdg")) == str(tmp_path / "xdg" / "vllm" / "engine")
+    assert cache_root(VLLM_CACHE_ROOT=str(tmp_path / "mine")) == str(tmp_path / "mine")  # the operator's own wins

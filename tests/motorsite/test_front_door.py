@@ -82,9 +82,10 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         restart=None,
     )
     env = {**os.environ, **stack.coordinator_env(cfg)}
-    _manage(env, "migrate", "--noinput", "-v", "0")
+    # One interpreter migrates and writes the keys: a Django start each is seconds on a busy machine.
     _manage(
         env, "shell", "-c",
+        "from django.core.management import call_command; call_command('migrate', interactive=False, verbosity=0);"
         "from fleet import services;"
         f"services.api_key_create(name='client', scope='client', key={CLIENT_KEY!r});"
         f"services.api_key_create(name='ops', scope='admin', key={ADMIN_KEY!r})",
