@@ -1,4 +1,5 @@
-"""What a Django process loads when it boots: Celery only where a worker, beat or a task send needs it.
+"""What a Django process loads when it boots: Celery only where a worker, beat or a task send needs
+it, Twisted only where Daphne serves.
 
 Each process runs fresh (a subprocess), since this test process has loaded everything already.
 """
@@ -31,6 +32,23 @@ def test_the_coordinators_boot_imports_no_celery(tmp_path: Path) -> None:
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'celery', 'kombu'}))"
     )
     assert _python(code, tmp_path) == "[]"
+
+
+def test_a_manage_py_command_imports_neither_celery_nor_twisted(tmp_path: Path) -> None:
+    # migrate, demo_fleet, probe_lora, runstack's launcher, Celery's worker and beat: the "daphne"
+    # app imported daphne.server (Twisted's reactor) into each of them.
+    code = (
+        "import sys, django; django.setup(); from django.core.management import call_command; call_command('check'); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'celery', 'kombu', 'daphne', 'twisted', 'autobahn'}))"
+    )
+    assert _python(code, tmp_path).splitlines()[-1] == "[]"
+
+
+def test_runserver_is_still_daphnes() -> None:
+    from daphne.management.commands import runserver as daphne_runserver
+    from django.core.management import get_commands, load_command_class
+
+    assert isinstance(load_command_class(get_commands()["runserver"], "runserver"), daphne_runserver.Command)
 
 
 def test_probe_now_from_a_fresh_process_reaches_motorsites_broker(tmp_path: Path) -> None:
