@@ -15,10 +15,9 @@ from typing import Any, Iterable
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, transaction
 from django.db.models import Count
-from kombu.exceptions import OperationalError
 
 from catalog.models import Health, ServedModel
-from fleet import ascend, tasks
+from fleet import ascend
 from fleet.models import MAX_PORT, ApiKey, BreakerFlip, BreakerState, EngineInstance, InstanceEvent, hash_key
 from motorsite.core import (
     ConflictError,
@@ -468,6 +467,13 @@ def probes_enqueue(*, instance_ids: Iterable[int]) -> int | None:
     Outside a transaction (an API call, an admin action) ``delay_on_commit`` sends at once, so a
     broker that is down shows here as kombu's ``OperationalError`` rather than as a lost probe.
     """
+    # Here, not at the top: Celery costs each Django boot a second of CPU and only this send needs
+    # it. ``motorsite.celery`` makes motorsite's app current: the task goes to motorsite's broker.
+    from kombu.exceptions import OperationalError
+
+    import motorsite.celery  # noqa: F401
+    from fleet import tasks
+
     n = 0
     try:
         for instance_id in instance_ids:

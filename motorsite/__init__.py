@@ -1,7 +1,7 @@
-"""The Django project: settings, urls, asgi, Celery, the REST API, the control plane's core and the launcher."""
+"""The Django project: settings, urls, asgi, Celery, the REST API, the control plane's core and the launcher.
 
-# The Celery app is loaded with Django (as in Celery's Django example), so `.delay()` from the
-# admin or the API uses motorsite's broker; importing it reads no setting until it is used.
-from motorsite.celery import app as celery_app
-
-__all__ = ("celery_app",)
+The Celery app (``motorsite.celery``) is not imported here, unlike Celery's Django example: it
+costs every Django boot about a second of CPU. ``celery -A motorsite`` finds it all the same
+(Celery looks for ``motorsite.celery.app``), and the one place that sends a task,
+``fleet.services.probes_enqueue``, imports it first.
+"""

@@ -222,8 +222,8 @@ def install() -> None:
     """Make Daphne build its connections and requests from the classes above. Idempotent.
 
     Called when the ASGI application is imported, before Daphne's server builds its factory. Under
-    another server Daphne's modules are imported too (the ``daphne`` app imports its server) and
-    this changes nothing that server uses.
+    another server this module still imports Daphne's HTTP protocol (not its server) and this
+    changes nothing that server uses.
     """
     FrontDoorChannel.header_timeout = settings.MOTOR_HEADER_TIMEOUT_S
     factory = http_protocol.HTTPFactory

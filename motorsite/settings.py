@@ -203,7 +203,10 @@ else:
 ALLOWED_HOSTS = env_str("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",")
 
 INSTALLED_APPS = [
-    "daphne",
+    # Not "daphne": its app imports daphne.server (Twisted's reactor, ~0.8 s of CPU) into every
+    # manage.py command and Celery process. The launcher's ``runserver`` is Daphne's (ASGI), and
+    # wins over staticfiles' only from before it in this list.
+    "motorsite.launcher",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
@@ -213,7 +216,6 @@ INSTALLED_APPS = [
     "channels",
     "catalog",
     "fleet",
-    "motorsite.launcher",
 ]
 
 MIDDLEWARE = [

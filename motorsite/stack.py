@@ -385,12 +385,15 @@ def _refuse_shared_ports(specs: list[ProcessSpec]) -> None:
 
 
 def prepare_database(cfg: StackConfig) -> None:
-    """Migrate and write the demo fleet for ``cfg`` (run before the coordinator starts)."""
+    """Migrate and write the demo fleet for ``cfg`` (run before the coordinator starts).
+
+    One process does both (``demo_fleet --migrate``): each Django boot costs seconds of CPU, and
+    make run and every integration stack pay them.
+    """
     env = {**os.environ, **coordinator_env(cfg)}
     manage = [cfg.app_python, str(ROOT / "manage.py")]
-    subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], check=True, env=env, cwd=ROOT)
     fleet = [
-        *manage, "demo_fleet",
+        *manage, "demo_fleet", "--migrate",
         "--model-dir", cfg.model_dir,
         "--served-model-name", cfg.served_model_name,
         "--max-model-len", str(cfg.max_model_len),

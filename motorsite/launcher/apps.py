@@ -2,7 +2,7 @@ from django.apps import AppConfig
 
 
 class LauncherConfig(AppConfig):
-    """Installed for its management command (``runstack``); it owns no models."""
+    """Installed for its management commands (``runstack``, ``demo_fleet``, ``runserver``); it owns no models."""
 
     name = "motorsite.launcher"
     label = "launcher"
