@@ -130,6 +130,12 @@ def test_it_answers_every_request_while_the_sidecar_and_an_engine_are_killed(lau
     render_pid, engine_pid = before["render"][0], before["engine-1"][0]
     assert render_pid and engine_pid and before["render"][2] == before["engine-1"][2] == 0
     engine_url = launcher.cfg.engine_urls[0]
+    # The probes' verdict before the fault: healthy (the history below starts from it). Beat's
+    # first round also probes versions and capabilities, so the first health verdict can come
+    # after the stack is up and a few requests are answered; waiting for it keeps the fault
+    # after it on any machine.
+    launcher.until(lambda: launcher.instance(engine_url)[0] == "healthy",
+                   settings.MOTOR_PROBE_RISE * PROBE_INTERVAL_S + 120, "engine-1 healthy before the fault")
 
     load = Load(client, expected)
     with ThreadPoolExecutor(LOAD_THREADS) as pool:
