@@ -36,22 +36,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import bench_stack, free_port, loadavg, publish, section_head, tidy  # noqa: E402
+from bench.derender_cost import BODY, EVENT  # noqa: E402
 from motorsite import stack, tiers  # noqa: E402
 from motorsite.supervisor import Supervisor  # noqa: E402
 from serving.pipeline.http11 import Http11Client  # noqa: E402
 from serving.pipeline.render.client import CHAT_DERENDER, RenderClient  # noqa: E402
 
 HEADING = "## bench/sidecar_options.py"
-BODY = {
-    "model": "tiny",
-    "messages": [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about cats."}],
-    "max_tokens": 32, "stream": True, "temperature": 0, "ignore_eos": True,
-}
-EVENT = {
-    "request_id": "generate-tokens-bench", "usage": None, "output_mode": "tokens",
-    "choices": [{"index": 0, "finish_reason": None, "stop_reason": None, "token_ids": [1000],
-                 "routed_experts": None, "sampling_mask": None, "weight_versions": None, "logprobs": None}],
-}
 # name -> (what it is, arguments added to ``before``'s command line)
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "before": ("the command before this benchmark: shipped less `SIDECAR_LEAN_ARGS`", []),
