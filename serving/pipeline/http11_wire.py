@@ -450,15 +450,20 @@ class Connection(asyncio.BufferedProtocol):
         )
 
     def _kernel_has_bytes(self) -> bool:
+        return self._socket_readable(unknown=False)
+
+    def _socket_readable(self, *, unknown: bool) -> bool:
+        """Whether the socket has something to read now (one zero-timeout poll); ``unknown``
+        when there is no socket to ask or asking it fails."""
         sock = self.transport.get_extra_info("socket") if self.transport is not None else None
         if sock is None:
-            return False
+            return unknown
         try:
             poller = select.poll()
             poller.register(sock.fileno(), select.POLLIN)
             return bool(poller.poll(0))
         except (OSError, ValueError):
-            return False
+            return unknown
 
     def dropped(self) -> bool:
         """True when an idle connection's socket has something to read: the server's FIN or
@@ -466,15 +471,7 @@ class Connection(asyncio.BufferedProtocol):
         request is written on a kept-alive connection: the event loop may not have seen the close
         yet, and a request written after it would fail with no way to tell whether the server
         got it. (urllib3 asks the same before it reuses a connection.)"""
-        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
-        if sock is None:
-            return True
-        try:
-            poller = select.poll()
-            poller.register(sock.fileno(), select.POLLIN)
-            return bool(poller.poll(0))
-        except (OSError, ValueError):
-            return True
+        return self._socket_readable(unknown=True)
 
     def close(self) -> None:
         self._stop_pause_timer()
