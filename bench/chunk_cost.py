@@ -2,7 +2,7 @@
 
 ``bench/hotpath.py`` reads CPU from /proc in 10 ms ticks on a shared machine; this script counts.
 It starts the real render sidecar and one paced ``enginesim`` engine, and a coordinator from this
-tree (Daphne, as ``make run``) and, with ``--baseline REV``, one from a checkout of REV, each under
+tree (Daphne, as ``make run``, or uvicorn with ``--server uvicorn``) and, with ``--baseline REV``, one from a checkout of REV, each under
 an instrument switched on only around the measured requests:
 
     callgrind  valgrind's callgrind (instrumentation off until the measurement): instructions
@@ -21,6 +21,7 @@ down; where some merged anyway (a loaded machine), the frames say so.
 
     python3 -m toolchain exec bench/chunk_cost.py [--tool callgrind|cprofile] [--baseline REV]
                                                   [--streams 10] [--tpot-ms MS] [--top 40]
+                                                  [--server daphne|uvicorn]
 
 Reports numbers only; nothing here asserts.
 """
@@ -242,6 +243,7 @@ def main() -> int:
     parser.add_argument("--tpot-ms", type=float, help="the engine's pace (default 150 under callgrind, 30 under cProfile)")
     parser.add_argument("--top", type=int, default=40, help="cProfile: functions listed")
     parser.add_argument("--keep", action="store_true", help="keep the temp directory (dumps, logs)")
+    parser.add_argument("--server", choices=stack.SERVERS, default="daphne", help="the coordinators' ASGI server")
     args = parser.parse_args()
     if args.tpot_ms is None:
         args.tpot_ms = 150.0 if args.tool == "callgrind" else 30.0
@@ -249,7 +251,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="motorsite-chunkcost-"))
     (tmp / "logs").mkdir()
     cfg = bench_stack("bench/chunk_cost.py", engines="sim", engine_count=1, api_key=API_KEY, log_dir=tmp / "logs",
-                      database_url=f"sqlite:///{tmp / 'now.sqlite3'}")
+                      database_url=f"sqlite:///{tmp / 'now.sqlite3'}", server=args.server)
     with contextlib.ExitStack() as exits:
         engines = [replace(e, argv=[*e.argv, "--tpot-ms", str(args.tpot_ms)]) for e in stack.engine_specs(cfg)]
         exits.enter_context(Supervisor([replace(stack.render_spec(cfg), ready_timeout=300.0), *engines]))
@@ -265,7 +267,7 @@ def main() -> int:
         load = loadavg()
         results = asyncio.run(measure(args, coords))
         load_after = loadavg()
-    print(f"\nload average {load} before, {load_after} after; {args.tool}; dumps in {tmp}")
+    print(f"\nload average {load} before, {load_after} after; {args.tool} under {args.server}; dumps in {tmp}")
     print(report(args, results))
     if not args.keep:
         print("(pass --keep to keep the dumps)")
