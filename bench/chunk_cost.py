@@ -13,7 +13,8 @@ an instrument switched on only around the measured requests:
     cprofile   cProfile on the event loop's thread: Python and C function calls per chunk, and
                the functions whose calls per chunk differ between the trees (``--top``)
     proc       no instrument (``--json`` only): the coordinator's CPU from /proc in 10 ms ticks,
-               to put milliseconds beside the counts (run enough requests for the ticks)
+               all threads and the event loop's (the main thread) apart, to put milliseconds
+               beside the counts (run enough requests for the ticks)
 
 Each coordinator serves ``--streams`` chat streams of 32 tokens and as many of 1 token, one at a
 time (``ignore_eos``, ``include_usage``); what a chunk costs is the difference over the 31 tokens
@@ -61,7 +62,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import baseline_tree, bench_stack, coordinator_from, loadavg, tree_cpu_seconds  # noqa: E402
+from bench.common import baseline_tree, bench_stack, coordinator_from, loadavg, parse_stat, tree_cpu_seconds  # noqa: E402
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port  # noqa: E402
 from serving.pipeline.http11 import Http11Client  # noqa: E402
@@ -168,13 +169,17 @@ class Measure:
     def __init__(self, tool: str, pid: int, out: Path) -> None:
         self.tool, self.pid, self.out = tool, pid, out
 
+    def loop_cpu_seconds(self) -> float:
+        """CPU seconds of the coordinator's main thread (Daphne's reactor and the event loop)."""
+        own = parse_stat(Path(f"/proc/{self.pid}/task/{self.pid}/stat").read_text()).own
+        return own / os.sysconf("SC_CLK_TCK")
+
     async def run(self, serve: Any, client: Http11Client, url: str, first: int, count: int, max_tokens: int,
                   label: str) -> tuple[int, Any]:
         if self.tool == "proc":
-            cpu0 = tree_cpu_seconds(self.pid)
+            cpu0, loop0 = tree_cpu_seconds(self.pid), self.loop_cpu_seconds()
             frames = await serve(client, url, first, count, max_tokens)
-            spent = tree_cpu_seconds(self.pid) - cpu0
-            return frames, (None, spent, spent)
+            return frames, (None, tree_cpu_seconds(self.pid) - cpu0, self.loop_cpu_seconds() - loop0)
         if self.tool == "callgrind":
             callgrind(self.pid, "--zero")
             callgrind(self.pid, "--instr=on")
@@ -297,12 +302,14 @@ def report_json(args: argparse.Namespace, results: dict[str, dict[str, Any]]) ->
     n = args.streams
     lines = [f"- JSON requests per block: {n}; blocks per tree: {args.repeat}; enginesim --tpot-ms {args.tpot_ms:g}", ""]
     if args.tool == "proc":
-        lines += ["| tree | round | ms CPU per request | ms CPU per scrape of /metrics |", "|---|---:|---:|---:|"]
+        lines += ["| tree | round | ms CPU per request | event loop thread | other threads | ms CPU per scrape of /metrics |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for name, by_tokens in results.items():
             scraped = by_tokens.get("scrapes", [])
             for r, (_served, got) in enumerate(by_tokens[LONG]):
                 scrape = f"{scraped[r][1][1] * 1000 / args.scrapes:.2f}" if r < len(scraped) else "-"
-                lines.append(f"| {name} | {r} | {got[1] * 1000 / n:.2f} | {scrape} |")
+                lines.append(f"| {name} | {r} | {got[1] * 1000 / n:.2f} | {got[2] * 1000 / n:.2f} | "
+                             f"{(got[1] - got[2]) * 1000 / n:.2f} | {scrape} |")
         return "\n".join(lines)
     if args.tool == "callgrind":
         lines += ["| tree | round | Ir per request, all threads | event loop thread |", "|---|---:|---:|---:|"]
