@@ -18,6 +18,7 @@ from typing import Any, Callable
 from django.db import transaction
 from django.utils import timezone
 
+from catalog import sidecar_addresses
 from catalog.fingerprints import fingerprint_model_dir
 from catalog.key_refs import InvalidKeyRef, check_key_ref
 from catalog.models import (
@@ -175,6 +176,10 @@ def _publish(config: RenderConfig, changed: tuple[str, ...], actor: str) -> Publ
         raise InvalidError("Obfuscation needs obfuscation_key_ref and obfuscation_key_id.")
     if config.obfuscation_key_ref:
         key_ref_check(config.obfuscation_key_ref)
+    # A config's own address may be a unix socket too; its port is then not used.
+    unix = sidecar_addresses.is_unix(config.host)
+    if (error := sidecar_addresses.address_error(config.host, 0 if unix else config.port)) is not None:
+        raise InvalidError(error[1][:1].upper() + error[1][1:] + ".")
     restart = config.pk is not None and any(k in RenderConfig.RESTART_KEYS for k in changed)
     with transaction.atomic():
         if config.pk is None:
@@ -223,17 +228,21 @@ def render_sidecar_moved(*, config_id: int, expected: dict[str, Any], port: int,
     return bool(moved)
 
 
-def render_member_add(*, config_id: int, host: str, port: int, actor: str) -> RenderSidecar:
-    """Add the sidecar at ``host``:``port`` to the config's pool; coordinators use it within a poll
-    interval (its version floors apply once a probe records its version). ``ConflictError`` when
-    the pool has it already."""
+def render_member_add(*, config_id: int, host: str, port: int | None, actor: str) -> RenderSidecar:
+    """Add the sidecar at ``host``:``port`` (or the unix socket ``host`` = ``unix:/path``, no port)
+    to the config's pool; coordinators use it within a poll interval (its version floors apply once
+    a probe records its version). ``InvalidError`` for an address that is none
+    (``sidecar_addresses.address_error``), ``ConflictError`` when the pool has it already."""
+    if (error := sidecar_addresses.address_error(host, port)) is not None:
+        raise InvalidError(error[1][:1].upper() + error[1][1:] + ".")
+    port = port or 0
     config = render_config_get(config_id=config_id)
     with transaction.atomic():
         member, created = RenderSidecar.objects.get_or_create(render_config=config, host=host, port=port)
         if not created:
-            raise ConflictError(f"The pool of render config {config.name!r} has {member.base_url} already.")
+            raise ConflictError(f"The pool of render config {config.name!r} has {member.address} already.")
         bump_control_version()
-    logger.info("render sidecar added config=%s url=%s actor=%s", config.name, member.base_url, actor)
+    logger.info("render sidecar added config=%s address=%s actor=%s", config.name, member.address, actor)
     return member
 
 
