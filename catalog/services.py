@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from catalog import sidecar_addresses
@@ -208,20 +209,27 @@ def render_config_get(*, config_id: int) -> RenderConfig:
         raise NotFoundError(f"No render config with id {config_id}.") from None
 
 
-def render_sidecar_moved(*, config_id: int, expected: dict[str, Any], port: int, actor: str) -> bool:
-    """Point the config at a replacement sidecar on ``port``, if it is still as ``expected``.
+def render_sidecar_moved(
+    *, config_id: int, expected: dict[str, Any], port: int, actor: str, host: str | None = None
+) -> bool:
+    """Point the config at a replacement sidecar on ``port`` (and ``host``: a replacement on a unix
+    socket has a socket of its own), if it is still as ``expected``.
 
     The launcher's side of a graceful restart: the new sidecar is ready before this runs, so
-    coordinators switch to it within a poll interval. No restart is owed for this port change
-    (the sidecar on it was started for it). False, changing nothing, when the config changed
+    coordinators switch to it within a poll interval. No restart is owed for this change (the
+    sidecar there was started for it). False, changing nothing, when the config changed
     meanwhile: the launcher then starts over from the newer config.
     """
     with transaction.atomic():
         before = RenderConfig.objects.filter(id=config_id, **expected).values("host", "port").first()
-        moved = RenderConfig.objects.filter(id=config_id, **expected).update(port=port)
+        moved = RenderConfig.objects.filter(id=config_id, **expected).update(port=port, host=host or F("host"))
         if moved and before is not None:
-            # The pool member the launcher manages moves with it (the others are not restarted here).
-            RenderSidecar.objects.filter(render_config_id=config_id, **before).update(port=port)
+            # The pool member the launcher manages moves with it (the others are not restarted here);
+            # a member on a unix socket has port 0.
+            unix = sidecar_addresses.is_unix(before["host"])
+            RenderSidecar.objects.filter(render_config_id=config_id, host=before["host"],
+                                         port=0 if unix else before["port"]).update(
+                port=0 if host and sidecar_addresses.is_unix(host) else port, host=host or before["host"])
         if moved:
             bump_control_version()
     logger.info("render sidecar moved config_id=%s port=%s moved=%s actor=%s", config_id, port, bool(moved), actor)
@@ -262,17 +270,23 @@ def render_member_remove(*, config_id: int, member_id: int, actor: str) -> None:
 
 
 def render_member_moved(
-    *, config_id: int, expected: dict[str, Any], host: str, old_port: int, port: int, actor: str
+    *, config_id: int, expected: dict[str, Any], host: str, old_port: int, port: int, actor: str,
+    new_host: str | None = None,
 ) -> bool:
-    """Point the pool member at ``host``:``old_port`` at its replacement on ``port``, if the config
-    is still as ``expected`` (the launcher's rolling restart of a pool, one member at a time)."""
+    """Point the pool member at ``host``:``old_port`` at its replacement on ``port`` (at ``new_host``
+    when it has an address of its own: a unix socket), if the config is still as ``expected`` (the
+    launcher's rolling restart of a pool, one member at a time)."""
+    new_host = new_host or host
     with transaction.atomic():
         if not RenderConfig.objects.filter(id=config_id, **expected).exists():
             return False
-        moved = RenderSidecar.objects.filter(render_config_id=config_id, host=host, port=old_port).update(port=port)
+        moved = RenderSidecar.objects.filter(
+            render_config_id=config_id, host=host, port=0 if sidecar_addresses.is_unix(host) else old_port,
+        ).update(host=new_host, port=0 if sidecar_addresses.is_unix(new_host) else port)
         if moved:
             bump_control_version()
-    logger.info("render pool member moved config_id=%s %s:%s -> %s actor=%s", config_id, host, old_port, port, actor)
+    logger.info("render pool member moved config_id=%s %s:%s -> %s:%s actor=%s", config_id, host, old_port, new_host,
+                port, actor)
     return True
 
 
