@@ -137,13 +137,21 @@ def render_base_url(cfg: StackConfig, port: int) -> str:
     return unix_http.base_url(tiers.render_socket_path(cfg.render_socket_dir, port))
 
 
+def render_address(cfg: StackConfig, port: int) -> str:
+    """How to name the sidecar started for ``port`` to a person: its URL, or ``unix:`` and its socket."""
+    if cfg.render_socket_dir is None:
+        return f"http://{HOST}:{port}"
+    return f"unix:{tiers.render_socket_path(cfg.render_socket_dir, port)}"
+
+
 def private_socket_dir(path: Path) -> Path:
     """Create ``path`` readable by this user only (0700): whoever can reach a sidecar's socket can
     render and derender with it. Raises ValueError when a socket in it would be too long a path."""
-    path.mkdir(parents=True, exist_ok=True)
-    path.chmod(0o700)
     if len(tiers.render_socket_path(path, 65535).encode()) > unix_http.UNIX_PATH_MAX:
-        raise ValueError(f"{path}: too long a directory for a unix socket ({unix_http.UNIX_PATH_MAX} bytes at most)")
+        raise ValueError(f"{path}: too long a directory for a unix socket ({unix_http.UNIX_PATH_MAX} bytes at most); "
+                         "set MOTOR_RENDER_SOCKET_DIR to a shorter one, or empty for TCP")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)  # an existing directory too
     return path
 
 
