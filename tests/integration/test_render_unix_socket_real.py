@@ -112,16 +112,24 @@ def test_render_and_streamed_derender_go_over_the_unix_socket(site: Site) -> Non
     assert site.metric("motor_render_outcomes_total", source="local") == local  # no fallback
 
 
-def test_the_fleet_probe_reads_the_sidecar_over_its_socket(site: Site) -> None:
-    """The Celery task's code (``fleet.render_pool_probes``), run against the coordinator's database."""
+PROBES = """
+from fleet.probes import probe_render_health, probe_versions
+from fleet.render_pool_probes import probe_render_pool
+versions = probe_versions()
+print(sorted(probe_render_pool().values()), probe_render_health().ok, versions.render_version, versions.errors)
+"""
+
+
+def test_the_fleet_probes_read_the_sidecar_over_its_socket(site: Site) -> None:
+    """The Celery tasks' code (the pool's, the config's health and the version probe), run against
+    the coordinator's database."""
     env = {**os.environ, **stack.coordinator_env(site.cfg)}
     out = subprocess.run(
-        [site.cfg.app_python, str(stack.ROOT / "manage.py"), "shell", "-c",
-         "from fleet.render_pool_probes import probe_render_pool; print(sorted(probe_render_pool().values()))"],
+        [site.cfg.app_python, str(stack.ROOT / "manage.py"), "shell", "-c", PROBES],
         env=env, cwd=stack.ROOT, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[True]"
+    assert out.stdout.strip().splitlines()[-1] == "[True] True 0.33.0 {}"
     [member] = site.api.get("/api/render-configs").json()[0]["sidecars"]
     assert member["sidecar_version"] == "0.33.0" and member["capabilities"]["streaming_derender"]
 
