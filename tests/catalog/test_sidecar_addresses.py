@@ -128,3 +128,4 @@ def test_demo_fleet_puts_the_sidecars_it_started_on_their_sockets(tmp_path: Path
     assert run("--render-socket-dir", str(sockets)) == [f"unix:{sockets}/render-8100.sock", f"unix:{sockets}/render-8101.sock"]
     config = RenderConfig.objects.get()
     assert (config.host, config.port) == (f"unix:{sockets}/render-8100.sock", 8100)
+    assert run() == ["127.0.0.1:8100", "127.0.0.1:8101"]  # and back: the sockets' members go

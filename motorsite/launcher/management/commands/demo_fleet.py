@@ -122,6 +122,8 @@ class Command(BaseCommand):
         # On unix sockets, each started sidecar's address is its socket (port 0: it has none).
         started = [(render_socket_host(sockets, p), 0) for p in ports] if sockets else [(host, p) for p in ports]
         members = [*started, *opts["render_member"]]
+        # Where an earlier run's sidecars were, if on sockets: the config's own address was its first.
+        earlier = RenderConfig.objects.filter(name=config_name).values_list("host", flat=True).first() or ""
         config, _ = RenderConfig.objects.update_or_create(
             name=config_name,
             # The config's own address is its first sidecar's; a unix socket's config ignores ``port``,
@@ -138,6 +140,9 @@ class Command(BaseCommand):
             # This launcher's own sidecars of an earlier run: on --render-host, or sockets in its directory.
             ours = Q(host=host) | Q(host__startswith=f"unix:{Path(sockets).resolve()}/")
             config.sidecars.filter(ours).exclude(host__in=[h for h, _ in started]).delete()
+        elif earlier.startswith("unix:/"):
+            # Back on TCP after a run on sockets: that run's sockets, beside its first one, are gone.
+            config.sidecars.filter(host__startswith=earlier.rsplit("/", 1)[0] + "/").delete()
         for member_host, port in members:
             RenderSidecar.objects.get_or_create(render_config=config, host=member_host, port=port)
         Role = EngineInstance.Role
