@@ -44,7 +44,7 @@ from fleet.verdicts import (  # noqa: F401  (the verdicts are part of what calle
     next_health,
     record_mismatch,
 )
-from motorsite import tiers
+from motorsite import tiers, unix_http
 from motorsite.core import bump_control_version, current_render_config, render_configs_by_model
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,8 @@ def _post_ready(client: httpx.Client, base_url: str, request: tuple[str, dict[st
     path, body = request
     start = time.perf_counter()
     try:
-        response = client.post(base_url.rstrip("/") + path, json=body)
+        with unix_http.reach(client, base_url) as (c, base):  # a sidecar on a unix socket too
+            response = c.post(base + path, json=body)
     except httpx.HTTPError as exc:
         return Outcome(False, (time.perf_counter() - start) * 1000, f"{type(exc).__name__}: {exc}")
     latency = (time.perf_counter() - start) * 1000
@@ -240,8 +241,9 @@ def probe_versions(
             key = "render" if config is cfg else f"render:{config.name}"
             start = time.perf_counter()
             try:
-                version = _get_json(c, config.base_url + "/version")
-                listed = _get_json(c, config.base_url + "/v1/models")
+                with unix_http.reach(c, config.base_url) as (sidecar, base):
+                    version = _get_json(sidecar, base + "/version")
+                    listed = _get_json(sidecar, base + "/v1/models")
             except (httpx.HTTPError, ValueError) as exc:
                 summary.errors[key] = f"{type(exc).__name__}: {exc}"
                 _version_result(None, False, start, {}, summary.errors[key])
