@@ -189,22 +189,13 @@ def test_the_migrate_service_registers_each_models_pool_and_engines(tmp_path: Pa
     assert active == [("tiny",), ("tiny-b",)]
 
 
-def test_the_coordinator_is_published_on_the_operators_port_on_loopback(tmp_path: Path) -> None:
+def test_the_coordinator_is_published_on_the_operators_port_on_loopback(tmp_path: Path, generated: Generated) -> None:
     if DOCKER_COMPOSE is None:
         pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
-    published = {}
-    for port in (None, "18123"):
-        env = {**os.environ, "MOTOR_MODEL_DIR": str(tmp_path), "MOTOR_MODEL_B_DIR": str(tmp_path), **USER_ENV}
-        env.pop("MOTOR_PORT", None)
-        env.pop("MOTOR_BIND", None)
-        if port:
-            env["MOTOR_PORT"] = port
-        done = subprocess.run(
-            [DOCKER_COMPOSE, "-f", str(ROOT / "docker" / "compose.yaml"), "config"],
-            env=env, capture_output=True, text=True, timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
-        published[port] = yaml.safe_load(done.stdout)["services"]["coordinator"]["ports"]
+    published = {None: generated.services["coordinator"]["ports"]}  # MOTOR_PORT and MOTOR_BIND unset
+    done = compose_config(tmp_path, **USER_ENV, MOTOR_PORT="18123")
+    assert done.returncode == 0, done.stderr
+    published["18123"] = yaml.safe_load(done.stdout)["services"]["coordinator"]["ports"]
     assert published == {None: ["127.0.0.1:8000:8000/tcp"], "18123": ["127.0.0.1:18123:8000/tcp"]}
 
 
@@ -252,18 +243,13 @@ def test_the_compose_file_passes_compose_s_own_schema_check(tmp_path: Path) -> N
     assert done.returncode != 0 and "cpusett" in done.stderr
 
 
-def test_the_app_services_need_a_secret_key_the_settings_accept(tmp_path: Path) -> None:
+def test_the_app_services_need_a_secret_key_the_settings_accept(tmp_path: Path, generated: Generated) -> None:
     if DOCKER_COMPOSE is None:
         pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
-    env = {k: v for k, v in os.environ.items() if k != "SECRET_KEY"}
-    env.update(MOTOR_MODEL_DIR=str(tmp_path), MOTOR_MODEL_B_DIR=str(tmp_path), MOTOR_DEMO_API_KEY=USER_ENV["MOTOR_DEMO_API_KEY"],
-               POSTGRES_PASSWORD=USER_ENV["POSTGRES_PASSWORD"])
-    compose = [DOCKER_COMPOSE, "-f", str(ROOT / "docker" / "compose.yaml"), "config"]
-    done = subprocess.run(compose, env=env, capture_output=True, text=True, timeout=60)
+    done = compose_config(tmp_path, **{k: v for k, v in USER_ENV.items() if k != "SECRET_KEY"})
     assert done.returncode != 0 and "set SECRET_KEY to 50 or more random characters" in done.stderr
-    done = subprocess.run(compose, env={**env, "SECRET_KEY": STRONG_KEY}, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    services = yaml.safe_load(done.stdout)["services"]
+    assert USER_ENV["SECRET_KEY"] == STRONG_KEY  # what the shared run below was given
+    services = generated.services
     keys = {name: s["environment"]["SECRET_KEY"] for name, s in services.items() if "SECRET_KEY" in s.get("environment", {})}
     assert set(keys) == {"migrate", "celery-worker", "celery-beat", "coordinator"}
     assert {check_secret_key(k) for k in keys.values()} == {STRONG_KEY}
@@ -275,10 +261,36 @@ def test_the_coordinator_names_its_replica() -> None:
 
 
 def compose_config(tmp_path: Path, **user: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in USER_ENV}
+    """``docker-compose config`` with the user's values only (none of this shell's secrets, port or bind)."""
+    env = {k: v for k, v in os.environ.items() if k not in {*USER_ENV, "MOTOR_PORT", "MOTOR_BIND"}}
     env.update(MOTOR_MODEL_DIR=str(tmp_path), MOTOR_MODEL_B_DIR=str(tmp_path), **user)
     return subprocess.run([DOCKER_COMPOSE or "docker-compose", "-f", str(ROOT / "docker" / "compose.yaml"), "config"],
                           env=env, capture_output=True, text=True, timeout=60)
+
+
+class Generated:
+    """The file as compose interpolates it with the secrets its header says to generate, and the
+    coordinator's settings loaded from it: run once for the module (each docker-compose and each
+    Django start costs about a second of CPU), each test asserting what it needs of it."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        done = compose_config(tmp_path, **USER_ENV)
+        assert done.returncode == 0, done.stderr
+        self.services: dict[str, dict[str, Any]] = yaml.safe_load(done.stdout)["services"]
+        self._settings: subprocess.CompletedProcess[str] | None = None
+
+    def settings_load(self) -> subprocess.CompletedProcess[str]:
+        if self._settings is None:
+            self._settings = load_settings(coordinator_env(self.services, self.tmp_path))
+        return self._settings
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory) -> Generated:
+    if DOCKER_COMPOSE is None:
+        pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
+    return Generated(tmp_path_factory.mktemp("generated"))
 
 
 @pytest.mark.parametrize("name", sorted(USER_ENV))
@@ -304,7 +316,11 @@ def app_env(tmp_path: Path, **user: str) -> dict[str, str]:
     """The coordinator container's environment as compose interpolates it, run from this checkout."""
     done = compose_config(tmp_path, **user)
     assert done.returncode == 0, done.stderr
-    env = yaml.safe_load(done.stdout)["services"]["coordinator"]["environment"]
+    return coordinator_env(yaml.safe_load(done.stdout)["services"], tmp_path)
+
+
+def coordinator_env(services: dict[str, dict[str, Any]], tmp_path: Path) -> dict[str, str]:
+    env = services["coordinator"]["environment"]
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(("MOTOR_", "SECRET_KEY", "DATABASE_URL", "REDIS_URL"))}
     return {**inherited, **{k: str(v) for k, v in env.items()}, "PYTHONPATH": str(ROOT), "MOTOR_VAR_DIR": str(tmp_path),
             "MOTOR_CELERY_DIR": str(tmp_path / "celery")}
@@ -324,12 +340,12 @@ def load_settings(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         ("POSTGRES_PASSWORD", "change-me"),
     ],
 )
-def test_the_app_services_refuse_a_weak_or_placeholder_secret(tmp_path: Path, name: str, value: str) -> None:
+def test_the_app_services_refuse_a_weak_or_placeholder_secret(tmp_path: Path, generated: Generated, name: str, value: str) -> None:
     if DOCKER_COMPOSE is None:
         pytest.skip("no docker-compose: `python3 -m toolchain ensure docker-compose` installs it (as root)")
     done = load_settings(app_env(tmp_path, **{**USER_ENV, name: value}))
     assert done.returncode != 0 and "ImproperlyConfigured" in done.stderr, done.stderr[-1500:]
     assert "generate one with python3 -c" in done.stderr
     # ...and the values the header says to generate start (the refusal above can fail).
-    done = load_settings(app_env(tmp_path, **USER_ENV))
+    done = generated.settings_load()
     assert done.returncode == 0, done.stderr[-1500:]
