@@ -280,6 +280,9 @@ class GuardedEvents:
         raw[:] = [inbound(event, instance) for event in raw]
         return raw
 
+    async def aclose(self) -> None:
+        """Nothing to let go: the stream is its attempt's to close (``OpenStream.aclose``)."""
+
 
 @dataclass
 class Opened:
