@@ -5,8 +5,10 @@ back (issue 31's 64 KiB a stream, ``bench/slow_reader.py``). An async generator 
 and asyncio's weak-set entry for it, so the response's chain per prompt (the prompt's chunks
 across attempts, the session's derender, the event reader, the engine's events and their SSE
 parsing) is made of plain async iterators: what is left as async generators is the response's
-own, one per stream. The coordinator runs as ``make run`` starts it under
-``tests/serving/counted_server.py``, which counts the async generators alive on a signal.
+own, one per stream. Likewise each engine attempt's holds (its admission lease's release, its load
+hold) are kept as small objects, not contextlib's closures and generator-based context managers.
+The coordinator runs as ``make run`` starts it under ``tests/serving/counted_server.py``, which
+counts what is alive on a signal.
 """
 
 from __future__ import annotations
@@ -57,15 +59,15 @@ def counted_coordinator(fleet: Fleet, server: str, count_file: Path) -> Iterator
         yield cfg, sup.pids["coordinator"]
 
 
-def alive(pid: int, count_file: Path) -> dict[str, int]:
-    """The coordinator's live async generators of the project's code, by ``path:qualname``."""
+def alive(pid: int, count_file: Path) -> dict[str, dict[str, int]]:
+    """What ``counted_server.py`` counts in the coordinator now, by kind and site."""
     count_file.unlink(missing_ok=True)
     os.kill(pid, signal.SIGUSR1)
     deadline = time.monotonic() + WAIT_S
     while not count_file.exists():
         assert time.monotonic() < deadline, "the coordinator never wrote its count"
         time.sleep(0.05)
-    got: dict[str, int] = json.loads(count_file.read_text())["async_generators"]
+    got: dict[str, dict[str, int]] = json.loads(count_file.read_text())
     return got
 
 
@@ -97,10 +99,13 @@ def wait_blocked(fleet: Fleet, streams: int) -> None:
         last = calls
 
 
-@pytest.mark.parametrize("server", stack.SERVERS)
-def test_a_held_stream_keeps_no_async_generator_per_prompt(fleet: Fleet, server: str, tmp_path: Path) -> None:
-    count_file = tmp_path / "alive.json"
-    with counted_coordinator(fleet, server, count_file) as (cfg, pid):
+@pytest.fixture(scope="module", params=stack.SERVERS)
+def grown(request: pytest.FixtureRequest, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, int]]:
+    """What ``STREAMS`` silent streams of ``PROMPTS`` prompts each keep alive in the coordinator
+    under the server ``request.param``, once they are held back: by kind and site, what more there
+    is than before they opened."""
+    count_file = tmp_path_factory.mktemp("counted") / "alive.json"
+    with counted_coordinator(fleet, request.param, count_file) as (cfg, pid):
         before = alive(pid, count_file)
         clients = [silent_client(cfg.coordinator_port) for _ in range(STREAMS)]
         try:
@@ -109,8 +114,21 @@ def test_a_held_stream_keeps_no_async_generator_per_prompt(fleet: Fleet, server:
         finally:
             for c in clients:
                 c.close()
-    grown = {site: n - before.get(site, 0) for site, n in held.items() if n > before.get(site, 0)}
-    assert grown, "no stream was held (nothing of the response is alive)"
+    return {kind: {site: n - before[kind].get(site, 0) for site, n in sites.items() if n > before[kind].get(site, 0)}
+            for kind, sites in held.items()}
+
+
+def test_a_held_stream_keeps_no_async_generator_per_prompt(grown: dict[str, dict[str, int]]) -> None:
+    assert grown["async_generators"], "no stream was held (nothing of the response is alive)"
     # One a stream (the response's own frames, its fan-in) at most; none for each prompt.
-    per_prompt = {site: n for site, n in grown.items() if n > STREAMS}
+    per_prompt = {site: n for site, n in grown["async_generators"].items() if n > STREAMS}
+    assert not per_prompt, per_prompt
+
+
+def test_a_held_stream_keeps_no_contextlib_closure_or_generator_context_manager_per_prompt(
+    grown: dict[str, dict[str, int]],
+) -> None:
+    assert grown["async_generators"], "no stream was held (nothing of the response is alive)"
+    per_prompt = {f"{kind} {site}": n for kind in ("context_managers", "exit_callbacks")
+                  for site, n in grown[kind].items() if n > STREAMS}
     assert not per_prompt, per_prompt

@@ -68,7 +68,7 @@ class ChoicePhase(enum.Enum):
 _WIDER = {"H": "i", "i": "q"}
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceRecord:
     """Committed state of one choice: only what the client has been handed."""
 
@@ -159,6 +159,11 @@ class _NoHoldback:
 
 class StreamingRenderSession:
     """Derender of one prompt's engine events across attempts; commits only what was handed on."""
+
+    # Slotted: a session lives as long as its stream, and its attribute dict weighed 1 KiB a prompt.
+    __slots__ = ("render", "kind", "body", "prompt_ids", "request_id", "public_id", "prompt_index", "settings",
+                 "reader", "holdback", "phases", "trace", "choices", "attempt", "instance", "relays",
+                 "derender_calls", "_slim", "_unread", "_slot")
 
     def __init__(
         self,

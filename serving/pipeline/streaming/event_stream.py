@@ -96,12 +96,13 @@ class EventStream:
 
     def __post_init__(self) -> None:
         if not self.sessions:
+            # Coalescing and stop strings (derender/coalesce.py, derender/holdback.py): derender gets
+            # the body without ``stop`` (it refuses it); the engine stops and the hold-back filter
+            # cuts, as vLLM's detokenizer does. One copy for every prompt's session (none changes it).
+            body = derender_request(self.body)
             self.sessions = [
                 StreamingRenderSession(
-                    # Coalescing and stop strings (derender/coalesce.py, derender/holdback.py): derender
-                    # gets the body without ``stop`` (it refuses it); the engine stops and the
-                    # hold-back filter cuts, as vLLM's detokenizer does.
-                    self.render, self.kind, derender_request(self.body), p.token_ids,
+                    self.render, self.kind, body, p.token_ids,
                     request_id=self.request_id, public_id=self.public_id, prompt_index=i,
                     settings=self.settings,
                     reader=event_reader(self.attempts.snapshot.render),
