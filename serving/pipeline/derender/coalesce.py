@@ -277,12 +277,12 @@ class Coalesced:
         if self._closed:
             raise StopAsyncIteration
         try:
-            return await self._next()
+            return await self._take()
         except BaseException:  # the end, a failure, or the consumer's cancellation: ended
             await self.aclose()
             raise
 
-    async def _next(self) -> dict[str, Any]:
+    async def _take(self) -> dict[str, Any]:
         pending, clock, batches = self._pending, self._clock, self._batches
         gi = pending.next_ready(clock.now())
         while gi is None and not pending.done:
