@@ -26,9 +26,9 @@ class StreamTruncated(SSEProtocolError):
     """The upstream closed the stream before ``data: [DONE]``."""
 
 
-async def iter_event_batches(pieces: AsyncIterator[bytes]) -> AsyncIterator[list[dict[str, Any]]]:
+def iter_event_batches(pieces: AsyncIterator[bytes]) -> EventBatchReader:
     """Each ``data:`` event's JSON until ``[DONE]``, a list per piece of the body: the events that
-    arrived together, in order.
+    arrived together, in order (``EventBatchReader``).
 
     A line cut between pieces waits for its end. Raises ``StreamTruncated`` if the body ends
     before ``[DONE]`` (a dropped connection that closed cleanly looks exactly like that),
@@ -36,43 +36,75 @@ async def iter_event_batches(pieces: AsyncIterator[bytes]) -> AsyncIterator[list
     it were yielded. Nothing here holds a piece, or an event once its list was handed on: the
     stream's reader empties each list it takes (``EventBatches``).
     """
-    # The incomplete last line, kept as its pieces: joined once its end arrives, not copied
-    # again with every piece (a long line in small pieces would cost quadratic time).
-    held: list[bytes] = []
-    held_bytes = 0
-    async for piece in pieces:
-        if b"\n" not in piece:
-            held.append(piece)
-            held_bytes += len(piece)
-            if held_bytes > MAX_LINE_BYTES:
+    return EventBatchReader(pieces)
+
+
+class EventBatchReader:
+    """``iter_event_batches``: a plain async iterator, not an async generator, so that a stream
+    whose client reads nothing keeps no suspended frame (nor asyncio's weak-set entry for it)
+    per prompt (issue 31, ``bench/slow_reader.py``). Once it has raised or ended it ends."""
+
+    __slots__ = ("_pieces", "_held", "_held_bytes", "_end")
+
+    def __init__(self, pieces: AsyncIterator[bytes]) -> None:
+        self._pieces = pieces
+        # The incomplete last line, kept as its pieces: joined once its end arrives, not copied
+        # again with every piece (a long line in small pieces would cost quadratic time).
+        self._held: list[bytes] = []
+        self._held_bytes = 0
+        # How the events stopped, raised (or, ``_DONE``, ended) at the next call: the events
+        # before it were handed on first.
+        self._end: SSEProtocolError | None = None
+
+    def __aiter__(self) -> EventBatchReader:
+        return self
+
+    async def __anext__(self) -> list[dict[str, Any]]:
+        held = self._held
+        while True:
+            end = self._end
+            if end is not None:
+                self._end = _DONE  # raised once; then ended, as a generator that raised
+                if end is _DONE:
+                    raise StopAsyncIteration
+                raise end
+            try:
+                piece = await self._pieces.__anext__()
+            except StopAsyncIteration:
+                tail = b"".join(held)
+                held.clear()
+                batch, _, end = _split(tail + b"\n")
+                self._end = end if end is not None else StreamTruncated("stream ended before [DONE]")
+                if batch:
+                    return batch
+                continue
+            if b"\n" not in piece:
+                held.append(piece)
+                self._held_bytes += len(piece)
+                if self._held_bytes > MAX_LINE_BYTES:
+                    self._end = _DONE
+                    raise SSEProtocolError(f"an SSE line over {MAX_LINE_BYTES} bytes without its end")
+                continue
+            if held:
+                held.append(piece)
+                piece = b"".join(held)
+                held.clear()
+            batch, tail, end = _split(piece)
+            del piece
+            self._held_bytes = len(tail)
+            if tail:
+                held.append(tail)
+            if self._held_bytes > MAX_LINE_BYTES:
+                self._end = _DONE
                 raise SSEProtocolError(f"an SSE line over {MAX_LINE_BYTES} bytes without its end")
-            continue
-        if held:
-            held.append(piece)
-            piece = b"".join(held)
-            held.clear()
-        batch, tail, end = _split(piece)
-        del piece
-        held_bytes = len(tail)
-        if tail:
-            held.append(tail)
-        if held_bytes > MAX_LINE_BYTES:
-            raise SSEProtocolError(f"an SSE line over {MAX_LINE_BYTES} bytes without its end")
-        if batch:
-            yield batch
-        if end is not None:
-            if end is _DONE:
-                return
-            raise end
-    tail = b"".join(held)
-    batch, _, end = _split(tail + b"\n")
-    if batch:
-        yield batch
-    if end is _DONE:
-        return
-    if end is not None:
-        raise end
-    raise StreamTruncated("stream ended before [DONE]")
+            self._end = end
+            if batch:
+                return batch
+
+    async def aclose(self) -> None:
+        """End here (the pieces stay their owner's to close)."""
+        self._end = _DONE
+        self._held.clear()
 
 
 _DONE = SSEProtocolError("[DONE]")  # how ``_split`` says the stream ended; never raised

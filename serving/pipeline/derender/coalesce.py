@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from serving.pipeline.protocol import EventBatches
 from serving.pipeline.snapshot import RenderView
@@ -226,7 +226,7 @@ class _Pending:
         return taken
 
 
-async def coalesced(
+def coalesced(
     batches: EventBatches,
     *,
     max_pending: int | None = None,
@@ -234,78 +234,141 @@ async def coalesced(
     stream_interval: int = 1,
     stream_interval_ms: int = 0,
     clock: Clock = CLOCK,
-) -> AsyncIterator[dict[str, Any]]:
-    """Yield the events of ``batches`` with each read's token events merged per choice.
+) -> Coalesced:
+    """The events of ``batches`` with each read's token events merged per choice (``Coalesced``).
 
     With ``stream_interval`` 1 a consumer that keeps up (one event a read) sees the events
     unchanged, one by one; with N it sees each choice's first event alone, then runs of N; with
     ``stream_interval_ms`` M, each choice's runs at least M ms apart (the module docstring says
     what is never held back). An exception of ``batches`` is raised after the events read before
     it were yielded; ``batches`` stays the caller's to close (a read still running in a task when
-    this generator is closed is cancelled and awaited first). ``stats``, when given, receives
-    ``events_in``, ``events_out`` and ``high_water`` (most events held).
+    this reader is closed is cancelled and awaited first). ``stats``, when given, receives
+    ``events_in``, ``events_out`` and ``high_water`` (most events held) once it ends or is closed.
     """
     pending = _Pending(max(1, MAX_PENDING if max_pending is None else max_pending), stream_interval,
                        stream_interval_ms / 1000)
-    events_in = events_out = 0
-    error: Exception | None = None
-    # A read that goes on while a run is held by time (see the module docstring); None otherwise.
-    read: asyncio.Future[list[dict[str, Any]]] | None = None
-    try:
-        while True:
-            gi = pending.next_ready(clock.now())
-            while gi is None and not pending.done:
-                deadline = pending.deadline() if pending.interval_s else None
-                try:
-                    if read is None and deadline is None:
-                        batch = await anext(batches)  # the common case: no task, as without an interval
-                    else:
-                        if read is None:
-                            read = asyncio.ensure_future(_next(batches))
-                        if deadline is None:
-                            await asyncio.wait((read,))
-                        else:
-                            await clock.wait(read, deadline - clock.now())
-                        if not read.done():
-                            gi = pending.next_ready(clock.now())  # the interval ended: a run is due
-                            continue
-                        done, read = read, None
-                        batch = done.result()
-                except StopAsyncIteration:
-                    pending.done = True
-                except Exception as exc:
-                    error, pending.done = exc, True
+    return Coalesced(batches, pending, stats, clock)
+
+
+class Coalesced:
+    """``coalesced``'s reader: a plain async iterator, not an async generator, so a stream whose
+    client reads nothing keeps no suspended frame of it (nor asyncio's weak-set entry for one)
+    per prompt (issue 31). It ends (and its ``stats`` are written) once it has ended, raised or
+    been closed (``aclose``)."""
+
+    __slots__ = ("_batches", "_pending", "_stats", "_clock", "_events_in", "_events_out", "_error", "_read",
+                 "_closed")
+
+    def __init__(self, batches: EventBatches, pending: _Pending, stats: dict[str, int] | None, clock: Clock) -> None:
+        self._batches = batches
+        self._pending = pending
+        self._stats = stats
+        self._clock = clock
+        self._events_in = self._events_out = 0
+        self._error: Exception | None = None
+        # A read that goes on while a run is held by time (see the module docstring); None otherwise.
+        self._read: asyncio.Future[list[dict[str, Any]]] | None = None
+        self._closed = False
+
+    def __aiter__(self) -> Coalesced:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            return await self._take()
+        except BaseException:  # the end, a failure, or the consumer's cancellation: ended
+            await self.aclose()
+            raise
+
+    async def _take(self) -> dict[str, Any]:
+        pending, clock, batches = self._pending, self._clock, self._batches
+        gi = pending.next_ready(clock.now())
+        while gi is None and not pending.done:
+            deadline = pending.deadline() if pending.interval_s else None
+            try:
+                read = self._read
+                if read is None and deadline is None:
+                    batch = await anext(batches)  # the common case: no task, as without an interval
                 else:
-                    events_in += len(batch)
-                    pending.extend(batch)
-                gi = pending.next_ready(clock.now())
-            if gi is None:
-                break
-            events_out += 1
-            yield merge_events(pending.take(gi, clock.now()))
-        if error is not None:
-            raise error
-    finally:
-        if read is not None:
-            # The consumer left (or failed) while a read ran: stop it before the caller closes
-            # ``batches`` under it. asyncio.wait raises only our own cancellation, which goes on.
-            read.cancel()
-            await asyncio.wait((read,))
-            if not read.cancelled():
-                read.exception()  # retrieved: it died with the stream the consumer left
-        if stats is not None:
-            stats.update(events_in=events_in, events_out=events_out, high_water=pending.high_water)
+                    if read is None:
+                        read = self._read = asyncio.ensure_future(_next(batches))
+                    if deadline is None:
+                        await asyncio.wait((read,))
+                    else:
+                        await clock.wait(read, deadline - clock.now())
+                    if not read.done():
+                        gi = pending.next_ready(clock.now())  # the interval ended: a run is due
+                        continue
+                    self._read = None
+                    batch = read.result()
+            except StopAsyncIteration:
+                pending.done = True
+            except Exception as exc:
+                self._error, pending.done = exc, True
+            else:
+                self._events_in += len(batch)
+                pending.extend(batch)
+            gi = pending.next_ready(clock.now())
+        if gi is None:
+            if self._error is not None:
+                raise self._error
+            raise StopAsyncIteration
+        self._events_out += 1
+        return merge_events(pending.take(gi, clock.now()))
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        read, self._read = self._read, None
+        try:
+            if read is not None:
+                # The consumer left (or failed) while a read ran: stop it before the caller closes
+                # ``batches`` under it. asyncio.wait raises only our own cancellation, which goes on.
+                read.cancel()
+                await asyncio.wait((read,))
+                if not read.cancelled():
+                    read.exception()  # retrieved: it died with the stream the consumer left
+        finally:
+            if self._stats is not None:
+                self._stats.update(events_in=self._events_in, events_out=self._events_out,
+                                   high_water=self._pending.high_water)
 
 
 async def _next(batches: EventBatches) -> list[dict[str, Any]]:
     return await anext(batches)
 
 
-async def each_event(batches: EventBatches) -> AsyncIterator[dict[str, Any]]:
-    """The events of ``batches`` one by one: the reader with coalescing off."""
-    async for batch in batches:
-        while batch:
-            yield batch.pop(0)  # taken out: held by the consumer alone
+def each_event(batches: EventBatches) -> EachEvent:
+    """The events of ``batches`` one by one: the reader with coalescing off (``EachEvent``)."""
+    return EachEvent(batches)
+
+
+class EachEvent:
+    """``each_event``'s reader: a plain async iterator, for the reason ``Coalesced`` is one."""
+
+    __slots__ = ("_batches", "_batch", "_closed")
+
+    def __init__(self, batches: EventBatches) -> None:
+        self._batches = batches
+        self._batch: list[dict[str, Any]] = []
+        self._closed = False
+
+    def __aiter__(self) -> EachEvent:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        while not self._batch:
+            if self._closed:
+                raise StopAsyncIteration
+            self._batch = await anext(self._batches)
+        return self._batch.pop(0)  # taken out: held by the consumer alone
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._batch = []
 
 
 def coalesces(render: RenderView) -> bool:
@@ -315,7 +378,7 @@ def coalesces(render: RenderView) -> bool:
     return render.derender_coalesce or render.stream_interval > 1 or render.stream_interval_ms > 0
 
 
-def event_reader(render: RenderView) -> Callable[[EventBatches], AsyncIterator[dict[str, Any]]]:
+def event_reader(render: RenderView) -> Callable[[EventBatches], Coalesced | EachEvent]:
     """The streaming session's engine-event reader for the render config."""
     if not coalesces(render):
         return each_event

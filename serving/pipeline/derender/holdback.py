@@ -196,6 +196,8 @@ class ChunkHoldback:
     fails, so a relay continues from what the client has.
     """
 
+    __slots__ = ("kind", "stop", "include_in_output", "_choices")  # one a prompt, for the stream's life
+
     def __init__(self, kind: TokenKind, body: Mapping[str, Any]) -> None:
         self.kind = kind
         self.stop = stop_strings(body)

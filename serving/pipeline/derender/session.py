@@ -18,7 +18,7 @@ import asyncio
 import enum
 import logging
 from array import array
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, AsyncContextManager, Protocol
 
@@ -68,7 +68,7 @@ class ChoicePhase(enum.Enum):
 _WIDER = {"H": "i", "i": "q"}
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceRecord:
     """Committed state of one choice: only what the client has been handed."""
 
@@ -159,6 +159,11 @@ class _NoHoldback:
 
 class StreamingRenderSession:
     """Derender of one prompt's engine events across attempts; commits only what was handed on."""
+
+    # Slotted: a session lives as long as its stream, and its attribute dict weighed 1 KiB a prompt.
+    __slots__ = ("render", "kind", "body", "prompt_ids", "request_id", "public_id", "prompt_index", "settings",
+                 "reader", "holdback", "phases", "trace", "choices", "attempt", "instance", "relays",
+                 "derender_calls", "_slim", "_unread", "_slot")
 
     def __init__(
         self,
@@ -379,38 +384,89 @@ class StreamingRenderSession:
             type(exc).__name__, str(retrying).lower(),
         )
 
-    async def chunks(self, events: EventBatches) -> AsyncGenerator[dict[str, Any], None]:
-        """Derendered chunks of one attempt's events; each is committed once the consumer resumes.
+    def chunks(self, events: EventBatches) -> AttemptChunks:
+        """Derendered chunks of one attempt's events; each is committed once the consumer asks for
+        the next one (``AttemptChunks``).
 
         ``events`` are already through the engine boundary (semantic ids) and error checks.
         """
-        # The (coalescing) reader wraps the engine events here, and only here.
-        reader = self.reader(events)
+        return AttemptChunks(self, events)
+
+
+class AttemptChunks:
+    """``StreamingRenderSession.chunks``: a plain async iterator, not an async generator, so a
+    stream whose client reads nothing keeps no suspended frame of it (nor asyncio's weak-set
+    entry for one) per prompt (issue 31, ``bench/slow_reader.py``).
+
+    A chunk is the client's (committed) when the consumer comes back for the next one; one that
+    the consumer never came back for (it closed this, or an error ended the attempt) is not. It
+    ends once it has ended, raised or been closed: whatever is held then was never handed on.
+    """
+
+    __slots__ = ("_session", "_events", "_reader", "_released", "_ready", "_closed")
+
+    def __init__(self, session: StreamingRenderSession, events: EventBatches) -> None:
+        self._session = session
+        self._events: EventBatches | None = events
+        # The (coalescing) reader wraps the engine events at the first chunk asked, and only here.
+        self._reader: AsyncIterator[dict[str, Any]] | None = None
+        self._released: list[PendingChunk] = []  # let go by the hold-back, not yet handed on
+        self._ready: PendingChunk | None = None  # handed on, committed when the consumer comes back
+        self._closed = False
+
+    def __aiter__(self) -> AttemptChunks:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._closed:
+            raise StopAsyncIteration
+        session = self._session
         try:
-            async for event in reader:
-                pending = await self.derender(event)
+            ready = self._ready
+            if ready is not None:
+                # The consumer came back: it handed the chunk on. Only now is it the client's.
+                self._ready = None
+                session.commit(ready)
+            released = self._released
+            reader = self._reader
+            if reader is None:
+                assert self._events is not None
+                reader = self._reader = session.reader(self._events)
+                self._events = None
+            while not released:
+                event = await reader.__anext__()
+                pending = await session.derender(event)
                 del event  # derendered: not held while the client is slow to take the chunk
                 if pending.index is not None:
-                    record = self.choice(pending.index)
+                    record = session.choice(pending.index)
                     record.held += 1
                     record.held_tokens += len(pending.token_ids)
                     record.tip_state = pending.next_state
                 # The hold-back sees every chunk here, before the client does, and says which may go.
-                released = self.holdback.release(pending)
+                released.extend(session.holdback.release(pending))
                 del pending
-                while released:
-                    # Yielded with no reference left here (the list gives it up, ``ready`` keeps
-                    # what the commit reads): a slow client's stream holds the chunk's frame, not
-                    # its parsed JSON as well (issue 31: 1.2 KiB a prompt, bench/slow_reader.py).
-                    ready = released.pop(0)
-                    handed = [ready.chunk]
-                    ready = PendingChunk({}, ready.index, ready.next_state, ready.token_ids, ready.finish_reason)
-                    yield handed.pop()
-                    # Resumed: the consumer handed the chunk on. Only now is it the client's.
-                    self.commit(ready)
-        finally:
-            # Whatever is still held was never handed on (a failed attempt, the client left).
-            self.drop_uncommitted()
-            # The reader is a generator suspended in ``events``: finish it now, not in the loop's
-            # asyncgen finalizer after the caller closed the engine stream under it.
-            await reader.aclose()  # type: ignore[attr-defined]
+        except BaseException:  # the end, a failure, or the consumer's cancellation: ended
+            await self.aclose()
+            raise
+        # Handed on with no reference left here (``_ready`` keeps what the commit reads): a slow
+        # client's stream holds the chunk's frame, not its parsed JSON as well (issue 31: 1.2
+        # KiB a prompt, bench/slow_reader.py).
+        ready = released.pop(0)
+        chunk = ready.chunk
+        self._ready = PendingChunk({}, ready.index, ready.next_state, ready.token_ids, ready.finish_reason)
+        return chunk
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._ready = None
+        self._released = []
+        reader, self._reader, self._events = self._reader, None, None
+        if reader is None:
+            return  # never started: nothing derendered, nothing to let go
+        # Whatever is still held was never handed on (a failed attempt, the client left).
+        self._session.drop_uncommitted()
+        # The reader may be suspended in the events: finish it now, not after the caller closed
+        # the engine stream under it.
+        await reader.aclose()  # type: ignore[attr-defined]

@@ -19,12 +19,12 @@ import httpx
 
 from serving.pipeline import tracing
 from serving.pipeline.engine.requests import validate_generate_event
-from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, UpstreamRequestError
-from serving.pipeline.http11 import Http11Client, StreamReply
+from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability, MotorError, UpstreamRequestError
+from serving.pipeline.http11 import Http11Client
 from serving.pipeline.json_codec import loads
 from serving.pipeline.protocol import EventBatches
 from serving.pipeline.snapshot import InstanceView
-from serving.pipeline.sse import SSEProtocolError, iter_event_batches
+from serving.pipeline.sse import EventBatchReader, SSEProtocolError, iter_event_batches
 
 logger = logging.getLogger(__name__)
 
@@ -174,27 +174,6 @@ class EngineClient:
         """
         return _GenerateStream(self, instance, request, whole_reads, trace)
 
-    async def _events(self, instance: InstanceView, response: StreamReply) -> EventBatches:
-        pieces = response.aiter_raw()
-        try:
-            async for batch in iter_event_batches(pieces):
-                cut, problem = _first_stop(batch)
-                if cut is None:
-                    yield batch
-                    continue
-                error = batch[cut]
-                del batch[cut:]
-                if batch:
-                    yield batch  # what came before the error is the client's
-                if problem is not None:
-                    raise EngineError(f"{instance.name} sent an unusable generate event: {problem}",
-                                      instance=instance.name)
-                raise_for_error_event(instance, error)
-        except SSEProtocolError as exc:
-            raise EngineError(f"{instance.name} stream broke: {exc}", instance=instance.name) from exc
-        except httpx.HTTPError as exc:
-            raise EngineError(f"{instance.name} stream failed: {exc!r}", instance=instance.name) from exc
-
     async def abort(self, instance: InstanceView, request_ids: list[str]) -> None:
         """Ask the engine to drop work; best effort, the engine answers at once."""
         try:
@@ -203,6 +182,59 @@ class EngineClient:
             )
         except httpx.HTTPError as exc:
             logger.warning("abort on %s failed: %r", instance.name, exc)
+
+
+class _EngineEvents:
+    """An established generate stream's events, a list per read, until ``[DONE]``: a plain async
+    iterator, not an async generator, so a stream whose client reads nothing keeps no suspended
+    frame of it (nor asyncio's weak-set entry for one) while it waits (issue 31).
+
+    An in-band error event or one not shaped as vLLM's raises (``raise_for_error_event``,
+    ``EngineError``) after the events that came before it in the same read were handed on; a
+    broken SSE body or a failed read is an ``EngineError``.
+    """
+
+    __slots__ = ("_instance", "_batches", "_error")
+
+    def __init__(self, instance: InstanceView, batches: EventBatchReader) -> None:
+        self._instance = instance
+        self._batches = batches
+        self._error: MotorError | None = None  # raised at the next read, once its read's events went
+
+    def __aiter__(self) -> _EngineEvents:
+        return self
+
+    async def __anext__(self) -> list[dict[str, Any]]:
+        instance = self._instance
+        error = self._error
+        if error is not None:
+            self._error = None
+            await self._batches.aclose()  # ended, as a generator that raised
+            raise error
+        try:
+            batch = await self._batches.__anext__()
+        except SSEProtocolError as exc:
+            raise EngineError(f"{instance.name} stream broke: {exc}", instance=instance.name) from exc
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{instance.name} stream failed: {exc!r}", instance=instance.name) from exc
+        cut, problem = _first_stop(batch)
+        if cut is None:
+            return batch
+        event = batch[cut]
+        del batch[cut:]
+        if problem is not None:
+            error = EngineError(f"{instance.name} sent an unusable generate event: {problem}", instance=instance.name)
+        else:
+            try:
+                raise_for_error_event(instance, event)
+            except MotorError as exc:
+                error = exc
+        assert error is not None  # _first_stop found an error event, and raise_for_error_event raised
+        if not batch:
+            await self._batches.aclose()
+            raise error
+        self._error = error
+        return batch  # what came before the error is the client's
 
 
 class _GenerateStream:
@@ -250,7 +282,7 @@ class _GenerateStream:
         except httpx.HTTPError as exc:
             raise EngineError(f"{instance.name} stream failed: {exc!r}", instance=instance.name) from exc
         self._opened = opened
-        return self._engines._events(instance, response)
+        return _EngineEvents(instance, iter_event_batches(response.aiter_raw()))
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -26,6 +26,7 @@ from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.native import NativeClient, NativeStream
 from serving.pipeline.engine.requests import validate_generate_response
 from serving.pipeline.errors import EngineBusy, EngineError, EngineLacksCapability
+from serving.pipeline.exit_stack import ExitStack
 from serving.pipeline.flow_control.admission import LeaseGroup, admission_turn
 from serving.pipeline.obfuscation.boundary import EngineBoundary
 from serving.pipeline.phases import NO_PHASES, Phases
@@ -151,7 +152,7 @@ class EngineGuard:
         the breaker or admission raise, holding nothing.
         """
         await self._admit(instance)
-        holds = AsyncExitStack()
+        holds: AsyncExitStack = ExitStack()
         try:
             await self._hold(instance, tokens, holds, phases, group)
         except BaseException:
@@ -279,6 +280,9 @@ class GuardedEvents:
         inbound = self._guard.boundary.inbound_event
         raw[:] = [inbound(event, instance) for event in raw]
         return raw
+
+    async def aclose(self) -> None:
+        """Nothing to let go: the stream is its attempt's to close (``OpenStream.aclose``)."""
 
 
 @dataclass

@@ -25,16 +25,24 @@ from typing import Any, TypeVar
 from serving.pipeline import metric_names
 from serving.pipeline.derender.coalesce import event_reader
 from serving.pipeline.derender.holdback import ChunkHoldback, derender_request
-from serving.pipeline.derender.session import ChoicePhase, ChunkDerender, StreamingRenderSession, StreamSettings
+from serving.pipeline.derender.session import (
+    AttemptSnapshot,
+    ChoicePhase,
+    ChunkDerender,
+    StreamingRenderSession,
+    StreamSettings,
+)
+from serving.pipeline.engine.leg import GuardedEvents
 from serving.pipeline.engine.requests import GENERATE_PREFIX
 from serving.pipeline.errors import EngineError, MotorError, error_body
 from serving.pipeline.flow_control.admission import LeaseGroup
 from serving.pipeline.phases import NO_PHASES, Phases
-from serving.pipeline.protocol import TokenKind
+from serving.pipeline.protocol import EventBatches, TokenKind
 from serving.pipeline.render.tokenization import TokenizedRequest
 from serving.pipeline.resilience.attempts import Attempts, OpenStream, open_together
 from serving.pipeline.sse import DONE, frame
 from serving.pipeline.streaming.fanout import fan_in
+from serving.pipeline.streaming.prompt_chunks import PromptChunks, PromptEvents
 from serving.pipeline.streaming.relay import RetryRequestPlan
 from serving.pipeline.tracing import NO_TRACE
 
@@ -88,12 +96,13 @@ class EventStream:
 
     def __post_init__(self) -> None:
         if not self.sessions:
+            # Coalescing and stop strings (derender/coalesce.py, derender/holdback.py): derender gets
+            # the body without ``stop`` (it refuses it); the engine stops and the hold-back filter
+            # cuts, as vLLM's detokenizer does. One copy for every prompt's session (none changes it).
+            body = derender_request(self.body)
             self.sessions = [
                 StreamingRenderSession(
-                    # Coalescing and stop strings (derender/coalesce.py, derender/holdback.py): derender
-                    # gets the body without ``stop`` (it refuses it); the engine stops and the
-                    # hold-back filter cuts, as vLLM's detokenizer does.
-                    self.render, self.kind, derender_request(self.body), p.token_ids,
+                    self.render, self.kind, body, p.token_ids,
                     request_id=self.request_id, public_id=self.public_id, prompt_index=i,
                     settings=self.settings,
                     reader=event_reader(self.attempts.snapshot.render),
@@ -179,101 +188,74 @@ class EventStream:
         # streams (already closed) stay with the stream, so aclose has nothing left to release.
         self.streams = await open_together([opener(s) for s in old], self.attempts.guard.engines)
 
-    async def _events(
-        self, stream: OpenStream, failed: list[tuple[OpenStream, BaseException]] | None = None
-    ) -> AsyncGenerator[list[dict[str, Any]], None]:
+    def _events(self, stream: OpenStream) -> GuardedEvents:
         """The attempt's events (a list per read) through the guard (``GuardedEvents``: the chunk
-        timeout, the boundary, the breaker); an ``EngineError`` is recorded in ``failed`` (if
-        given) with its stream."""
-        try:
-            async for raw in self.attempts.guard.stream_events(
-                stream.events, stream.instance, self.settings.chunk_timeout_s
-            ):
-                yield raw
-        except EngineError as exc:
-            if failed is not None:
-                failed.append((stream, exc))
-            raise
+        timeout, the boundary, the breaker)."""
+        return self.attempts.guard.stream_events(stream.events, stream.instance, self.settings.chunk_timeout_s)
 
-    def _streams_of(self, index: int) -> list[OpenStream]:
+    def streams_of(self, index: int) -> list[OpenStream]:
         return [s for s in self.streams if s.prompt_index == index]
 
-    async def _prompt_chunks(
-        self, index: int, emit: Callable[[dict[str, Any]], _Item]
-    ) -> AsyncGenerator[_Item, None]:
+    def _prompt_chunks(self, index: int, emit: Callable[[dict[str, Any]], _Item]) -> PromptChunks[_Item]:
         """Derendered chunks of prompt ``index`` across its attempts (relaying where allowed), each
         as ``emit`` makes it: ``frame`` for the client, or a ``PromptChunk`` for the fan-in
         (``_fanned``). What waits for a slow client (here, in the merge queue) is a frame, which
         weighs a fraction of the parsed chunk.
         """
-        session = self.sessions[index]
-        while True:
-            streams = self._streams_of(index)
-            snapshot = session.begin_attempt(max(s.attempt for s in streams), streams[0].instance.name)
-            failed: list[tuple[OpenStream, BaseException]] = []
-            try:
-                async with aclosing(self._prompt_events(streams, failed)) as events, \
-                        aclosing(session.chunks(events)) as chunks:
-                    async for chunk in chunks:
-                        item = emit(chunk)
-                        del chunk  # not referenced while the client is slow to take its frame
-                        yield item
-            except EngineError as exc:
-                if not session.visible:
-                    session.restore(snapshot)
-                # The breaker heard it already (``GuardedEvents``); the relay avoids the culprit.
-                culprit = next((s for s, e in failed if e is exc), failed[0][0] if failed else streams[0])
-                for s in streams:
-                    await s.aclose(self.attempts.guard.engines)
-                # Choices still open (an engine that failed before its usage event or [DONE] may
-                # have finished them all: then nothing is missing but the usage chunk, ours anyway).
-                open_choices = [
-                    j for j in range(self.n)
-                    if (c := session.choices.get(j)) is None or c.phase is not ChoicePhase.DONE
-                ]
-                if open_choices and (not self.relays_allowed or session.relays >= self.settings.max_relays):
-                    raise
-                replacements, spent = (
-                    await self._relay(session, streams, culprit, exc, open_choices) if open_choices else ([], [])
-                )
-                if replacements:  # (the closed ones stay otherwise: _merged indexes streams by prompt)
-                    self.streams = [s for s in self.streams if s.prompt_index != index] + replacements
-                if spent or not replacements:
-                    # Every output token of these choices was already committed: end them as the
-                    # engine would have (and the stream, with its usage, if nothing continues).
-                    tail_events = _budget_spent_events(
-                        self.body, streams[0].request_id, spent, usage=not replacements
-                    )
-                    async with aclosing(session.chunks(tail_events)) as tail:
-                        async for chunk in tail:
-                            item = emit(chunk)
-                            del chunk
-                            yield item
-                if not replacements:
-                    return
-                continue
-            for s in streams:
-                s.finished = True
-            return
+        return PromptChunks(self, index, emit)
 
-    def _prompt_events(
+    async def attempt_failed(self, index: int, streams: list[OpenStream], snapshot: AttemptSnapshot,
+                              failed: list[tuple[OpenStream, BaseException]], exc: EngineError,
+                              ) -> tuple[list[OpenStream], EventBatches | None]:
+        """After prompt ``index``'s attempt on ``streams`` failed with ``exc`` (its chunks and events
+        closed): relay its open choices, or raise ``exc``. Returns the streams that carry on (none:
+        the prompt ends) and, when choices' whole budget was already committed, the events that
+        end them (and the stream, with its usage, if nothing carries on)."""
+        session = self.sessions[index]
+        if not session.visible:
+            session.restore(snapshot)
+        # The breaker heard it already (``GuardedEvents``); the relay avoids the culprit.
+        culprit = next((s for s, e in failed if e is exc), failed[0][0] if failed else streams[0])
+        for s in streams:
+            await s.aclose(self.attempts.guard.engines)
+        # Choices still open (an engine that failed before its usage event or [DONE] may have
+        # finished them all: then nothing is missing but the usage chunk, ours anyway).
+        open_choices = [
+            j for j in range(self.n)
+            if (c := session.choices.get(j)) is None or c.phase is not ChoicePhase.DONE
+        ]
+        if open_choices and (not self.relays_allowed or session.relays >= self.settings.max_relays):
+            raise exc
+        replacements, spent = (
+            await self._relay(session, streams, culprit, exc, open_choices) if open_choices else ([], [])
+        )
+        if replacements:  # (the closed ones stay otherwise: _merged indexes streams by prompt)
+            self.streams = [s for s in self.streams if s.prompt_index != index] + replacements
+        if spent or not replacements:
+            # Every output token of these choices was already committed: end them as the engine
+            # would have (and the stream, with its usage, if nothing continues).
+            return replacements, _budget_spent_events(self.body, streams[0].request_id, spent, usage=not replacements)
+        return replacements, None
+
+    def prompt_events(
         self, streams: list[OpenStream], failed: list[tuple[OpenStream, BaseException]]
-    ) -> AsyncGenerator[list[dict[str, Any]], None]:
+    ) -> PromptEvents:
         """The engine events of one prompt: its one stream's, or, once the choices of an n > 1
         request continue in streams of their own, all of theirs merged under the client's
         choice indexes, with one usage-only event of ours when every one ended (each engine
         would send its own). A stream that fails is recorded in ``failed`` with its error.
 
-        One stream's events are its ``_events`` as they are, with no generator around them: a
-        stream whose client reads nothing keeps every layer suspended (``bench/slow_reader.py``)."""
+        One stream's events are the guard's (``GuardedEvents``) as they are, with no generator
+        around them: a stream whose client reads nothing keeps every layer suspended
+        (``bench/slow_reader.py``). Its failure needs no record: it is the culprit either way."""
         if len(streams) == 1 and streams[0].choice is None:
-            return self._events(streams[0], failed)
+            return self._events(streams[0])
         return self._choice_events(streams, failed)
 
     async def _choice_events(
         self, streams: list[OpenStream], failed: list[tuple[OpenStream, BaseException]]
     ) -> AsyncGenerator[list[dict[str, Any]], None]:
-        """The events of one prompt's choices, each continued in a stream of its own (``_prompt_events``)."""
+        """The events of one prompt's choices, each continued in a stream of its own (``prompt_events``)."""
 
         def lane(stream: OpenStream) -> Callable[[], AsyncGenerator[list[dict[str, Any]], None]]:
             async def events() -> AsyncGenerator[list[dict[str, Any]], None]:
@@ -311,7 +293,7 @@ class EventStream:
         usage: dict[str, int] = {}
         usage_template: dict[str, Any] | None = None
 
-        def source(index: int) -> Callable[[], AsyncGenerator[PromptChunk, None]]:
+        def source(index: int) -> Callable[[], PromptChunks[PromptChunk]]:
             return lambda: self._prompt_chunks(index, self._fanned(index))
 
         def on_stop(failed: list[int], exc: BaseException) -> None:
@@ -442,3 +424,4 @@ async def _budget_spent_events(
                              "logprobs": None}]}]
     if usage and (body.get("stream_options") or {}).get("include_usage"):
         yield [_usage_event(rid)]
+

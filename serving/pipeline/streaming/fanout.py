@@ -13,13 +13,23 @@ reads nothing keeps its fan-in for as long as it is held back, so what it is mad
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from serving.pipeline.errors import MotorError
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Source(Protocol[T_co]):
+    """A sub-stream: an async iterator the fan-in closes (an async generator, or a plain iterator
+    with ``aclose``, as ``streaming/prompt_chunks.py``'s)."""
+
+    def __aiter__(self) -> AsyncIterator[T_co]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
 
 # Bounded buffer between per-prompt producers and the client: a slow reader makes producers wait.
 # Each item is a derendered chunk (1-2 KiB parsed); a client that keeps up finds at most one or two
@@ -53,14 +63,14 @@ class _Merge(Generic[T]):
         self.failed: list[int] = []
         self.handed_on = handed_on
 
-    def start(self, sources: Sequence[Callable[[], AsyncGenerator[T, None]]]) -> None:
+    def start(self, sources: Sequence[Callable[[], Source[T]]]) -> None:
         for index, source in enumerate(sources):
             task = self.loop.create_task(self._produce(index, source))
             task.add_done_callback(self._ended)
             self.tasks.append(task)
         self.running = len(self.tasks)
 
-    async def _produce(self, index: int, source: Callable[[], AsyncGenerator[T, None]]) -> None:
+    async def _produce(self, index: int, source: Callable[[], Source[T]]) -> None:
         try:
             async with aclosing(source()) as items:
                 async for item in items:
@@ -116,7 +126,7 @@ class _Merge(Generic[T]):
 
 
 async def fan_in(
-    sources: Sequence[Callable[[], AsyncGenerator[T, None]]],
+    sources: Sequence[Callable[[], Source[T]]],
     *,
     on_stop: Callable[[list[int], BaseException], None] = lambda _failed, _exc: None,
     handed_on: bool = False,
