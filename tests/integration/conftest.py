@@ -70,7 +70,7 @@ def _begin_next_rig(item: pytest.Item) -> None:
     early.UPCOMING[:] = [(_base(), upcoming)]
     found = early.next_to_begin(upcoming)
     if found is not None:
-        found.begin(_base(), early=True, during=item.nodeid)
+        found.begin(_base(), early=True, during=f"during {item.nodeid}")
 
 
 def pytest_sessionfinish() -> None:

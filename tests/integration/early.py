@@ -88,7 +88,7 @@ class EarlyRig(Generic[T]):
             self._begin(base, early=early, during=during)
 
     def _begin(self, base: stack.StackConfig, *, early: bool, during: str) -> None:
-        _note(f"{self.name}: begun {'early, during ' + during if early else 'by its first user'}")
+        _note(f"{self.name}: begun {'early, ' + during if early else 'by its first user'}")
         self.begun_at = time.monotonic()
         specs, self.value = self.build(base)
         if isinstance(specs, list):
