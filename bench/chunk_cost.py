@@ -1,9 +1,10 @@
-"""What one streamed chunk costs the coordinator, counted rather than timed (issue 34).
+"""What one streamed chunk, or one JSON request, costs the coordinator, counted rather than timed
+(issue 34).
 
 ``bench/hotpath.py`` reads CPU from /proc in 10 ms ticks on a shared machine; this script counts.
 It starts the real render sidecar and one paced ``enginesim`` engine, and a coordinator from this
-tree (Daphne, as ``make run``) and, with ``--baseline REV``, one from a checkout of REV, each under
-an instrument switched on only around the measured requests:
+tree (Daphne, as ``make run``, or uvicorn with ``--server uvicorn``) and, with ``--baseline REV``,
+one from a checkout of REV, each under an instrument switched on only around the measured requests:
 
     callgrind  valgrind's callgrind (instrumentation off until the measurement): instructions
                executed by the whole coordinator process (every thread) per stream
@@ -11,6 +12,9 @@ an instrument switched on only around the measured requests:
                writer's and Django's threads, whose database writes follow the clock)
     cprofile   cProfile on the event loop's thread: Python and C function calls per chunk, and
                the functions whose calls per chunk differ between the trees (``--top``)
+    proc       no instrument (``--json`` only): the coordinator's CPU from /proc in 10 ms ticks,
+               all threads and the event loop's (the main thread) apart, to put milliseconds
+               beside the counts (run enough requests for the ticks)
 
 Each coordinator serves ``--streams`` chat streams of 32 tokens and as many of 1 token, one at a
 time (``ignore_eos``, ``include_usage``); what a chunk costs is the difference over the 31 tokens
@@ -19,8 +23,18 @@ more, counted as the frames the client got (one a derender call). The engine is 
 coordinator alone and gets its own derender call even when the instrument slows the coordinator
 down; where some merged anyway (a loaded machine), the frames say so.
 
-    python3 -m toolchain exec bench/chunk_cost.py [--tool callgrind|cprofile] [--baseline REV]
-                                                  [--streams 10] [--tpot-ms MS] [--top 40]
+``--json``: each coordinator serves ``--streams`` non-streaming chat requests of 32 tokens
+instead (``bench/peers.py``'s JSON request: one generate, one derender), and what is counted is
+per request: instructions, or function calls and the functions whose calls per request differ.
+The engine's pace does not change what the coordinator does for them (1 ms by default).
+``--idle S`` adds a block of S seconds without a request: what each coordinator costs per second
+of merely running (its timers and threads), which a CPU figure per request taken from /proc
+(``bench/peers.py``, ``bench/hotpath.py``) charges to requests by how long they last.
+``--scrapes N`` adds a block of N ``GET /metrics`` (Prometheus text): what one scrape costs.
+
+    python3 -m toolchain exec bench/chunk_cost.py [--tool callgrind|cprofile|proc] [--baseline REV]
+                                                  [--json] [--idle S] [--scrapes N] [--streams 10]
+                                                  [--tpot-ms MS] [--top 40] [--server daphne|uvicorn]
 
 Reports numbers only; nothing here asserts.
 """
@@ -48,7 +62,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import baseline_tree, bench_stack, coordinator_from, loadavg  # noqa: E402
+from bench.common import baseline_tree, bench_stack, coordinator_from, loadavg, parse_stat, tree_cpu_seconds  # noqa: E402
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port  # noqa: E402
 from serving.pipeline.http11 import Http11Client  # noqa: E402
@@ -75,6 +89,8 @@ def instrumented(spec: ProcessSpec, tool: str, out: Path) -> ProcessSpec:
     """``spec`` (``python -m <server> ...``) run under ``tool``, its output going to ``out``."""
     python, dash_m, *rest = spec.argv
     assert dash_m == "-m", spec.argv
+    if tool == "proc":
+        return spec
     if tool == "callgrind":
         argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
                 f"--callgrind-out-file={out}", python, "-m", *rest]
@@ -83,13 +99,15 @@ def instrumented(spec: ProcessSpec, tool: str, out: Path) -> ProcessSpec:
                    ready_timeout=300.0)
 
 
-def body(i: int, max_tokens: int) -> dict[str, Any]:
-    return {
+def body(i: int, max_tokens: int, *, stream: bool = True) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "model": "tiny",
         "messages": [{"role": "user", "content": f"Request {i:05d}: say something about the sea."}],
-        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True},
+        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream,
     }
+    if stream:
+        out["stream_options"] = {"include_usage": True}
+    return out
 
 
 async def streams(client: Http11Client, url: str, first: int, count: int, max_tokens: int) -> int:
@@ -103,6 +121,34 @@ async def streams(client: Http11Client, url: str, first: int, count: int, max_to
                 raise RuntimeError(f"{r.status_code}: {raw[-300:]!r}")
             frames += raw.count(b"data: ")
     return frames
+
+
+async def jsons(client: Http11Client, url: str, first: int, count: int, max_tokens: int) -> int:
+    """Serve ``count`` non-streaming requests one at a time; the number served."""
+    for i in range(first, first + count):
+        r = await client.post(url + "/v1/chat/completions", json=body(i, max_tokens, stream=False),
+                              headers={"Authorization": f"Bearer {API_KEY}"})
+        reply = r.json()
+        if r.status_code != 200 or reply["usage"]["completion_tokens"] != max_tokens:
+            raise RuntimeError(f"{r.status_code}: {r.content[-300:]!r}")
+    return count
+
+
+async def idle(client: Http11Client, url: str, first: int, seconds: int, max_tokens: int) -> int:
+    """No request for ``seconds``."""
+    await asyncio.sleep(seconds)
+    return 0
+
+
+async def scrapes(client: Http11Client, url: str, first: int, count: int, max_tokens: int) -> int:
+    """``count`` reads of ``/metrics``; the bytes of the last."""
+    size = 0
+    for _ in range(count):
+        r = await client.get(url + "/metrics")
+        if r.status_code != 200:
+            raise RuntimeError(f"/metrics: {r.status_code}")
+        size = len(r.content)
+    return size
 
 
 def callgrind(pid: int, *args: str) -> None:
@@ -123,15 +169,24 @@ class Measure:
     def __init__(self, tool: str, pid: int, out: Path) -> None:
         self.tool, self.pid, self.out = tool, pid, out
 
-    async def run(self, client: Http11Client, url: str, first: int, count: int, max_tokens: int,
+    def loop_cpu_seconds(self) -> float:
+        """CPU seconds of the coordinator's main thread (Daphne's reactor and the event loop)."""
+        own = parse_stat(Path(f"/proc/{self.pid}/task/{self.pid}/stat").read_text()).own
+        return own / os.sysconf("SC_CLK_TCK")
+
+    async def run(self, serve: Any, client: Http11Client, url: str, first: int, count: int, max_tokens: int,
                   label: str) -> tuple[int, Any]:
+        if self.tool == "proc":
+            cpu0, loop0 = tree_cpu_seconds(self.pid), self.loop_cpu_seconds()
+            frames = await serve(client, url, first, count, max_tokens)
+            return frames, (None, tree_cpu_seconds(self.pid) - cpu0, self.loop_cpu_seconds() - loop0)
         if self.tool == "callgrind":
             callgrind(self.pid, "--zero")
             callgrind(self.pid, "--instr=on")
         else:
             os.kill(self.pid, signal.SIGUSR1)
             await asyncio.sleep(0.5)
-        frames = await streams(client, url, first, count, max_tokens)
+        frames = await serve(client, url, first, count, max_tokens)
         if self.tool == "callgrind":
             callgrind(self.pid, "--instr=off")
             before = set(self.out.parent.glob(self.out.name + ".*"))
@@ -182,20 +237,27 @@ def per_chunk(long: Any, short: Any, chunks: int) -> dict[str, tuple[float, floa
 async def measure(args: argparse.Namespace, coords: dict[str, tuple[str, Measure]]) -> dict[str, dict[str, Any]]:
     client = Http11Client(TIMEOUT)
     results: dict[str, dict[str, Any]] = {name: {} for name in coords}
+    serve, sizes = (jsons, (LONG,)) if args.json else (streams, (LONG, SHORT))
     try:
         for url, _m in coords.values():  # warm-up: connections, imports, caches
-            await streams(client, url, 900_000, 3, LONG)
-            await streams(client, url, 900_100, 3, SHORT)
+            for tokens in sizes:
+                await serve(client, url, 900_000 + tokens * 10, 3, tokens)
         for r in range(args.repeat):
             order = list(coords) if r % 2 == 0 else list(coords)[::-1]
             for name in order:
                 url, m = coords[name]
-                for tokens in (LONG, SHORT):
-                    frames, got = await m.run(client, url, r * 1000 + tokens * 10, args.streams, tokens,
+                for tokens in sizes:
+                    frames, got = await m.run(serve, client, url, r * 1000 + tokens * 10, args.streams, tokens,
                                               f"{name}-{tokens}-{r}")
                     results[name].setdefault(tokens, []).append((frames, got))
                     counted = f"{got[1]:,} Ir, event loop {got[2]:,}" if args.tool == "callgrind" else ""
                     print(f"{name} {tokens} tokens round {r}: {frames} frames {counted}", flush=True)
+                if args.idle:
+                    _none, got = await m.run(idle, client, url, 0, args.idle, 0, f"{name}-idle-{r}")
+                    results[name].setdefault("idle", []).append(got)
+                if args.scrapes:
+                    size, got = await m.run(scrapes, client, url, 0, args.scrapes, 0, f"{name}-scrapes-{r}")
+                    results[name].setdefault("scrapes", []).append((size, got))
     finally:
         await client.aclose()
     return results
@@ -204,6 +266,8 @@ async def measure(args: argparse.Namespace, coords: dict[str, tuple[str, Measure
 def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
     lines = [f"- streams per block: {args.streams}; blocks per tree: {args.repeat}; enginesim --tpot-ms {args.tpot_ms:g}", ""]
     n = args.streams
+    if args.json:
+        return report_json(args, results)
     if args.tool == "callgrind":
         lines += ["| tree | threads | Ir per 32-token stream | Ir per 1-token stream | frames per 32-token stream | "
                   "Ir per chunk (the difference over the extra frames) |", "|---|---|---:|---:|---:|---:|"]
@@ -233,23 +297,79 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def report_json(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
+    """Per JSON request: instructions (callgrind), or function calls and where the trees differ (cProfile)."""
+    n = args.streams
+    lines = [f"- JSON requests per block: {n}; blocks per tree: {args.repeat}; enginesim --tpot-ms {args.tpot_ms:g}", ""]
+    if args.tool == "proc":
+        lines += ["| tree | round | ms CPU per request | event loop thread | other threads | ms CPU per scrape of /metrics |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for name, by_tokens in results.items():
+            scraped = by_tokens.get("scrapes", [])
+            for r, (_served, got) in enumerate(by_tokens[LONG]):
+                scrape = f"{scraped[r][1][1] * 1000 / args.scrapes:.2f}" if r < len(scraped) else "-"
+                lines.append(f"| {name} | {r} | {got[1] * 1000 / n:.2f} | {got[2] * 1000 / n:.2f} | "
+                             f"{(got[1] - got[2]) * 1000 / n:.2f} | {scrape} |")
+        return "\n".join(lines)
+    if args.tool == "callgrind":
+        lines += ["| tree | round | Ir per request, all threads | event loop thread |", "|---|---:|---:|---:|"]
+        for name, by_tokens in results.items():
+            for r, (_served, got) in enumerate(by_tokens[LONG]):
+                lines.append(f"| {name} | {r} | {got[1] / n:,.0f} | {got[2] / n:,.0f} |")
+        if args.idle:
+            lines += ["", "| tree | round | Ir per second idle, all threads | event loop thread |", "|---|---:|---:|---:|"]
+            for name, by_tokens in results.items():
+                for r, got in enumerate(by_tokens.get("idle", [])):
+                    lines.append(f"| {name} | {r} | {got[1] / args.idle:,.0f} | {got[2] / args.idle:,.0f} |")
+        if args.scrapes:
+            lines += ["", "| tree | round | bytes of /metrics | Ir per scrape, all threads | event loop thread |",
+                      "|---|---:|---:|---:|---:|"]
+            for name, by_tokens in results.items():
+                for r, (size, got) in enumerate(by_tokens.get("scrapes", [])):
+                    lines.append(f"| {name} | {r} | {size:,} | {got[1] / args.scrapes:,.0f} | "
+                                 f"{got[2] / args.scrapes:,.0f} |")
+        return "\n".join(lines)
+    per = {name: {k: (c / n, t / n * 1e6) for k, (c, t) in calls_by_function(by[LONG][-1][1][1]).items()}
+           for name, by in results.items()}
+    for name, rows in per.items():
+        lines.append(f"- {name}: {sum(c for c, _ in rows.values()):.1f} function calls per request (cProfile, event loop thread)")
+    if len(per) == 2:
+        (na, a), (nb, b) = per.items()
+        keys = sorted(a.keys() | b.keys(), key=lambda k: -abs(a.get(k, (0.0, 0.0))[0] - b.get(k, (0.0, 0.0))[0]))
+        lines += ["", f"| function | calls per request, {na} | {nb} | own µs per request, {na} | {nb} |",
+                  "|---|---:|---:|---:|---:|"]
+        for k in keys[: args.top]:
+            ca, ta = a.get(k, (0.0, 0.0))
+            cb, tb = b.get(k, (0.0, 0.0))
+            if abs(ca - cb) < 0.05:
+                break
+            lines.append(f"| `{k}` | {ca:.2f} | {cb:.2f} | {ta:.1f} | {tb:.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tool", choices=("callgrind", "cprofile"), default="callgrind")
+    parser.add_argument("--tool", choices=("callgrind", "cprofile", "proc"), default="callgrind")
     parser.add_argument("--baseline", help="a git revision whose coordinator runs beside this tree's")
-    parser.add_argument("--streams", type=int, default=10, help="streams per measured block")
+    parser.add_argument("--json", action="store_true", help="count non-streaming requests, per request")
+    parser.add_argument("--idle", type=int, default=0, help="with --json: also a block of this many seconds without requests")
+    parser.add_argument("--scrapes", type=int, default=0, help="with --json: also a block of this many GET /metrics")
+    parser.add_argument("--streams", type=int, default=10, help="streams (or JSON requests) per measured block")
     parser.add_argument("--repeat", type=int, default=1, help="measured blocks per tree, alternating")
     parser.add_argument("--tpot-ms", type=float, help="the engine's pace (default 150 under callgrind, 30 under cProfile)")
     parser.add_argument("--top", type=int, default=40, help="cProfile: functions listed")
     parser.add_argument("--keep", action="store_true", help="keep the temp directory (dumps, logs)")
+    parser.add_argument("--server", choices=stack.SERVERS, default="daphne", help="the coordinators' ASGI server")
     args = parser.parse_args()
+    if args.tool == "proc" and not args.json:
+        parser.error("--tool proc counts JSON requests only (--json)")
     if args.tpot_ms is None:
-        args.tpot_ms = 150.0 if args.tool == "callgrind" else 30.0
+        args.tpot_ms = 1.0 if args.json else 150.0 if args.tool == "callgrind" else 30.0
 
     tmp = Path(tempfile.mkdtemp(prefix="motorsite-chunkcost-"))
     (tmp / "logs").mkdir()
     cfg = bench_stack("bench/chunk_cost.py", engines="sim", engine_count=1, api_key=API_KEY, log_dir=tmp / "logs",
-                      database_url=f"sqlite:///{tmp / 'now.sqlite3'}")
+                      database_url=f"sqlite:///{tmp / 'now.sqlite3'}", server=args.server)
     with contextlib.ExitStack() as exits:
         engines = [replace(e, argv=[*e.argv, "--tpot-ms", str(args.tpot_ms)]) for e in stack.engine_specs(cfg)]
         exits.enter_context(Supervisor([replace(stack.render_spec(cfg), ready_timeout=300.0), *engines]))
@@ -265,7 +385,7 @@ def main() -> int:
         load = loadavg()
         results = asyncio.run(measure(args, coords))
         load_after = loadavg()
-    print(f"\nload average {load} before, {load_after} after; {args.tool}; dumps in {tmp}")
+    print(f"\nload average {load} before, {load_after} after; {args.tool} under {args.server}; dumps in {tmp}")
     print(report(args, results))
     if not args.keep:
         print("(pass --keep to keep the dumps)")

@@ -14,7 +14,8 @@ better than wall time does.
 
 The variants (``VARIANTS``): ``shipped`` is what ``make run`` starts now, ``before`` the same
 less ``tiers.SIDECAR_LEAN_ARGS`` (the command before this benchmark), and each other one a
-candidate option of vLLM 0.33.0 on top of ``before``.
+candidate option of vLLM 0.33.0 on top of ``before``; ``unix`` is ``shipped`` on a unix socket (the
+client's CPU, this process's, is the column that shows the coordinator's side of that).
 ``--write`` replaces this benchmark's section of ``bench/RESULTS.md``. Numbers only.
 """
 
@@ -46,7 +47,11 @@ HEADING = "## bench/sidecar_options.py"
 # name -> (what it is, arguments added to ``before``'s command line)
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "before": ("the command before this benchmark: shipped less `SIDECAR_LEAN_ARGS`", []),
-    "shipped": ("what make run starts (`tiers.render_sidecar_command`)", tiers.SIDECAR_LEAN_ARGS),
+    "shipped": ("`tiers.render_sidecar_command` on 127.0.0.1 (compose, k8s; make run before issue 32's unix socket)",
+                tiers.SIDECAR_LEAN_ARGS),
+    # Its command takes --uds PATH in place of --host and --port; the client connects to the socket.
+    "unix": ("shipped on a unix socket: what make run starts (`StackConfig.render_socket_dir`)",
+             [*tiers.SIDECAR_LEAN_ARGS, "--uds"]),
     "no-docs": ("before, no OpenAPI routes", ["--disable-fastapi-docs"]),
     "no-access-log": ("before, no uvicorn access log at all", ["--disable-uvicorn-access-log"]),
     "log-warning": ("before, uvicorn logs warnings only", ["--uvicorn-log-level", "warning"]),
@@ -106,7 +111,7 @@ async def stream(render: RenderClient) -> None:
 async def measure(targets: dict[str, tuple[str, int]], args: argparse.Namespace) -> tuple[dict[str, dict[str, Cost]], dict[str, float]]:
     client = Http11Client()
     names = list(targets)
-    costs: dict[str, dict[str, Cost]] = {n: {"bare": Cost(), "stream": Cost()} for n in names}
+    costs: dict[str, dict[str, Cost]] = {n: {"bare": Cost(), "stream": Cost(), "client": Cost()} for n in names}
     try:
         renders = {n: RenderClient(client, url, 60.0) for n, (url, _) in targets.items()}
         bodies: dict[str, dict[str, Any]] = {}
@@ -126,9 +131,10 @@ async def measure(targets: dict[str, tuple[str, int]], args: argparse.Namespace)
                 order = order[::-1]
             for n in order:
                 pid = targets[n][1]
-                s0, t0 = run_ns(pid), time.perf_counter()
+                s0, t0, c0 = run_ns(pid), time.perf_counter(), time.process_time()
                 for _ in range(args.calls):
                     await renders[n]._post_derender(CHAT_DERENDER, bodies[n], {})
+                costs[n]["client"].rounds.append((args.calls, time.process_time() - c0, 0.0))
                 costs[n]["bare"].rounds.append((args.calls, (run_ns(pid) - s0) / 1e9, time.perf_counter() - t0))
                 s0, t0 = run_ns(pid), time.perf_counter()
                 streams = max(args.calls // 32, 1)
@@ -155,23 +161,29 @@ def report(costs: dict[str, dict[str, Cost]], idle: dict[str, float], load: tupl
         "the order turning each round; each sidecar's idle rate taken out of its column",
         "",
         "| variant | what | arguments on top of before's | derender: sidecar CPU / call (ms), median round | "
-        "vs before, median (range) of rounds | "
-        "32-token stream: sidecar CPU (ms), median round | vs before |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "vs before (or shipped), median (range) of rounds | "
+        "32-token stream: sidecar CPU (ms), median round | vs before (or shipped) | derender: client CPU / call (ms) | "
+        "vs shipped, median (range) of rounds |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
 
-    def versus(n: str, kind: str) -> str:
-        """Each round's ratio to before's in the same round: their median and range."""
-        if "before" not in costs:
+    def versus(n: str, kind: str, against: str = "before") -> str:
+        """Each round's ratio to ``against``'s in the same round (``shipped``'s when ``before`` did not
+        run): their median and range."""
+        if against == "before" and against not in costs:
+            against = "shipped"
+        if against not in costs:
             return "-"
-        base = costs["before"][kind].per_round_ms(idle["before"])
-        ratios = sorted(a / b for a, b in zip(costs[n][kind].per_round_ms(idle[n]), base, strict=True) if b)
+        base = costs[against][kind].per_round_ms(0.0 if kind == "client" else idle[against])
+        mine = costs[n][kind].per_round_ms(0.0 if kind == "client" else idle[n])
+        ratios = sorted(a / b for a, b in zip(mine, base, strict=True) if b)
         return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})" if ratios else "-"
 
     for n, c in costs.items():
         what, extra = VARIANTS[n]
         lines.append(f"| {n} | {what} | `{' '.join(extra) or '(none)'}` | {c['bare'].per_call_ms(idle[n]):.3f} | "
-                     f"{versus(n, 'bare')} | {c['stream'].per_call_ms(idle[n]):.2f} | {versus(n, 'stream')} |")
+                     f"{versus(n, 'bare')} | {c['stream'].per_call_ms(idle[n]):.2f} | {versus(n, 'stream')} | "
+                     f"{c['client'].per_call_ms(0.0):.3f} | {versus(n, 'client', 'shipped')} |")
     return "\n".join(lines)
 
 
@@ -190,13 +202,17 @@ def main() -> int:
                       log_dir=tmp / "logs", database_url=f"sqlite:///{tmp / 'unused.sqlite3'}")
     specs = []
     ports: dict[str, int] = {}
+    urls: dict[str, str] = {}
     for n in names:
         ports[n] = free_port()
-        spec = stack.render_spec(replace(cfg, render_port=ports[n]))
-        specs.append(replace(spec, name=f"render-{n}", argv=before_argv(spec.argv) + VARIANTS[n][1],
+        ncfg = replace(cfg, render_port=ports[n], render_socket_dir=tmp / "run" if n == "unix" else None)
+        spec = stack.render_specs(ncfg)[0]
+        urls[n] = stack.render_base_url(ncfg, ports[n])
+        extra = tiers.SIDECAR_LEAN_ARGS if n == "unix" else VARIANTS[n][1]  # its --uds is in spec.argv already
+        specs.append(replace(spec, name=f"render-{n}", argv=before_argv(spec.argv) + extra, ready_timeout=600.0,
                              log_path=tmp / "logs" / f"{n}.log"))
-    with Supervisor(specs) as tiers:
-        targets = {n: (f"http://{stack.HOST}:{ports[n]}", tiers.pids[f"render-{n}"]) for n in names}
+    with Supervisor(specs) as sidecars:
+        targets = {n: (urls[n], sidecars.pids[f"render-{n}"]) for n in names}
         before = loadavg()
         costs, idle = asyncio.run(measure(targets, args))
         after = loadavg()

@@ -139,7 +139,7 @@ class RenderConfigForm(OperatorEditForm):
 class RenderSidecarAdmin(admin.ModelAdmin):
     """The render pools' members: an operator adds and removes them by address; the probes fill in the rest."""
 
-    list_display = ("base_url", "render_config", "health", "sidecar_version", "traffic", "last_probe_at")
+    list_display = ("address", "render_config", "health", "sidecar_version", "traffic", "last_probe_at")
     list_filter = ("render_config", "health")
     fields = ("render_config", "host", "port", "health", "sidecar_version", "traffic", "capabilities",
               "last_probe_at", "last_probe_error")
@@ -200,7 +200,7 @@ class RenderConfigAdmin(admin.ModelAdmin):
         """Each member with its health and what it serves (the members are edited under Render sidecars)."""
         members = list(obj.sidecars.all()) if obj.pk else []
         return "; ".join(
-            f"{m.base_url} [{m.health}, vLLM {m.sidecar_version or '?'}]: {member_traffic(m.sidecar_version, m.capabilities)}"
+            f"{m.address} [{m.health}, vLLM {m.sidecar_version or '?'}]: {member_traffic(m.sidecar_version, m.capabilities)}"
             for m in members
         ) or f"{obj.base_url} (no member rows: the config's own address)"
 

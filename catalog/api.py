@@ -29,9 +29,11 @@ router = Router(tags=["render"])
 
 class RenderSidecarOut(Schema):
     id: int
-    host: str
-    port: int
-    base_url: str
+    host: str = Field(description="A host name or address, or `unix:/path/to.sock` for a sidecar on a unix socket.")
+    port: int = Field(description="The TCP port; 0 for a unix socket.")
+    address: str = Field(description="`host:port`, or `unix:/path/to.sock`.")
+    base_url: str = Field(description="What the coordinator calls: `http://host:port`, or `http+unix://` and the "
+                          "socket's path percent-encoded.")
     sidecar_version: str
     capabilities: dict[str, Any] = Field(
         description="What the probe found: version, routes served, token_in, derender, streaming_derender."
@@ -86,8 +88,11 @@ class RenderConfigOut(Schema):
 
 
 class RenderSidecarIn(BodySchema):
-    host: str = Field(min_length=1, max_length=200)
-    port: int = Field(ge=1, le=65535)
+    host: str = Field(min_length=1, max_length=200, description=(
+        "A host name or address (with `port`), or a unix socket on the coordinators' own machine: "
+        "`unix:` and an absolute path of at most 107 bytes (`vllm launch render --uds PATH`), without `port`."))
+    port: int | None = Field(None, ge=1, le=65535, description="The TCP port; required with a host name, absent "
+                             "for a unix socket (422 otherwise, with the reason in `detail`).")
 
 
 class RenderConfigPatch(BodySchema):

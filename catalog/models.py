@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+
+from catalog import sidecar_addresses
 
 # The largest RenderConfig.stream_interval: coalescing buffers at most 64 events a stream
 # (serving/pipeline/derender/coalesce.py, MAX_PENDING), so a larger interval could never fill.
@@ -226,7 +229,12 @@ class RenderConfig(models.Model):
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        # A unix socket's config ignores ``port`` (``sidecar_addresses``).
+        return sidecar_addresses.base_url(self.host, self.port)
+
+    @property
+    def address(self) -> str:
+        return sidecar_addresses.address(self.host, self.port)
 
 
 class RenderSidecar(models.Model):
@@ -237,8 +245,12 @@ class RenderSidecar(models.Model):
     """
 
     render_config = models.ForeignKey(RenderConfig, models.CASCADE, related_name="sidecars")
-    host = models.CharField(max_length=200, default="127.0.0.1")
-    port = models.PositiveIntegerField()
+    host = models.CharField(
+        max_length=200, default="127.0.0.1",
+        help_text="A host name or IP address, or a unix socket on the coordinators' machine: unix:/path/to.sock.",
+    )
+    # 0 for a unix socket, which has none (``sidecar_addresses``).
+    port = models.PositiveIntegerField(blank=True, default=0, help_text="The TCP port; blank for a unix socket.")
     # Machine-owned: written by the version and health probes only.
     sidecar_version = models.CharField(max_length=50, blank=True)
     capabilities = models.JSONField(
@@ -258,11 +270,23 @@ class RenderSidecar(models.Model):
         constraints = [models.UniqueConstraint(fields=["render_config", "host", "port"], name="render_sidecar_address")]
 
     def __str__(self) -> str:
-        return self.base_url
+        return self.address
+
+    def clean(self) -> None:
+        if self.port is None:  # the admin form's blank port: a unix socket's
+            self.port = 0
+        if (error := sidecar_addresses.address_error(self.host, self.port)) is not None:
+            field, sentence = error
+            raise ValidationError({field: sentence})
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return sidecar_addresses.base_url(self.host, self.port)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` or ``unix:/path/to.sock``: how an operator writes it."""
+        return sidecar_addresses.address(self.host, self.port)
 
 
 class RenderStreamReport(models.Model):

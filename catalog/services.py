@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
+from catalog import sidecar_addresses
 from catalog.fingerprints import fingerprint_model_dir
 from catalog.key_refs import InvalidKeyRef, check_key_ref
 from catalog.models import (
@@ -175,6 +177,10 @@ def _publish(config: RenderConfig, changed: tuple[str, ...], actor: str) -> Publ
         raise InvalidError("Obfuscation needs obfuscation_key_ref and obfuscation_key_id.")
     if config.obfuscation_key_ref:
         key_ref_check(config.obfuscation_key_ref)
+    # A config's own address may be a unix socket too; its port is then not used.
+    unix = sidecar_addresses.is_unix(config.host)
+    if (error := sidecar_addresses.address_error(config.host, 0 if unix else config.port)) is not None:
+        raise InvalidError(error[1][:1].upper() + error[1][1:] + ".")
     restart = config.pk is not None and any(k in RenderConfig.RESTART_KEYS for k in changed)
     with transaction.atomic():
         if config.pk is None:
@@ -203,37 +209,48 @@ def render_config_get(*, config_id: int) -> RenderConfig:
         raise NotFoundError(f"No render config with id {config_id}.") from None
 
 
-def render_sidecar_moved(*, config_id: int, expected: dict[str, Any], port: int, actor: str) -> bool:
-    """Point the config at a replacement sidecar on ``port``, if it is still as ``expected``.
+def render_sidecar_moved(
+    *, config_id: int, expected: dict[str, Any], port: int, actor: str, host: str | None = None
+) -> bool:
+    """Point the config at a replacement sidecar on ``port`` (and ``host``: a replacement on a unix
+    socket has a socket of its own), if it is still as ``expected``.
 
     The launcher's side of a graceful restart: the new sidecar is ready before this runs, so
-    coordinators switch to it within a poll interval. No restart is owed for this port change
-    (the sidecar on it was started for it). False, changing nothing, when the config changed
+    coordinators switch to it within a poll interval. No restart is owed for this change (the
+    sidecar there was started for it). False, changing nothing, when the config changed
     meanwhile: the launcher then starts over from the newer config.
     """
     with transaction.atomic():
         before = RenderConfig.objects.filter(id=config_id, **expected).values("host", "port").first()
-        moved = RenderConfig.objects.filter(id=config_id, **expected).update(port=port)
+        moved = RenderConfig.objects.filter(id=config_id, **expected).update(port=port, host=host or F("host"))
         if moved and before is not None:
-            # The pool member the launcher manages moves with it (the others are not restarted here).
-            RenderSidecar.objects.filter(render_config_id=config_id, **before).update(port=port)
+            # The pool member the launcher manages moves with it (the others are not restarted here);
+            # a member on a unix socket has port 0.
+            unix = sidecar_addresses.is_unix(before["host"])
+            RenderSidecar.objects.filter(render_config_id=config_id, host=before["host"],
+                                         port=0 if unix else before["port"]).update(
+                port=0 if host and sidecar_addresses.is_unix(host) else port, host=host or before["host"])
         if moved:
             bump_control_version()
     logger.info("render sidecar moved config_id=%s port=%s moved=%s actor=%s", config_id, port, bool(moved), actor)
     return bool(moved)
 
 
-def render_member_add(*, config_id: int, host: str, port: int, actor: str) -> RenderSidecar:
-    """Add the sidecar at ``host``:``port`` to the config's pool; coordinators use it within a poll
-    interval (its version floors apply once a probe records its version). ``ConflictError`` when
-    the pool has it already."""
+def render_member_add(*, config_id: int, host: str, port: int | None, actor: str) -> RenderSidecar:
+    """Add the sidecar at ``host``:``port`` (or the unix socket ``host`` = ``unix:/path``, no port)
+    to the config's pool; coordinators use it within a poll interval (its version floors apply once
+    a probe records its version). ``InvalidError`` for an address that is none
+    (``sidecar_addresses.address_error``), ``ConflictError`` when the pool has it already."""
+    if (error := sidecar_addresses.address_error(host, port)) is not None:
+        raise InvalidError(error[1][:1].upper() + error[1][1:] + ".")
+    port = port or 0
     config = render_config_get(config_id=config_id)
     with transaction.atomic():
         member, created = RenderSidecar.objects.get_or_create(render_config=config, host=host, port=port)
         if not created:
-            raise ConflictError(f"The pool of render config {config.name!r} has {member.base_url} already.")
+            raise ConflictError(f"The pool of render config {config.name!r} has {member.address} already.")
         bump_control_version()
-    logger.info("render sidecar added config=%s url=%s actor=%s", config.name, member.base_url, actor)
+    logger.info("render sidecar added config=%s address=%s actor=%s", config.name, member.address, actor)
     return member
 
 
@@ -253,17 +270,23 @@ def render_member_remove(*, config_id: int, member_id: int, actor: str) -> None:
 
 
 def render_member_moved(
-    *, config_id: int, expected: dict[str, Any], host: str, old_port: int, port: int, actor: str
+    *, config_id: int, expected: dict[str, Any], host: str, old_port: int, port: int, actor: str,
+    new_host: str | None = None,
 ) -> bool:
-    """Point the pool member at ``host``:``old_port`` at its replacement on ``port``, if the config
-    is still as ``expected`` (the launcher's rolling restart of a pool, one member at a time)."""
+    """Point the pool member at ``host``:``old_port`` at its replacement on ``port`` (at ``new_host``
+    when it has an address of its own: a unix socket), if the config is still as ``expected`` (the
+    launcher's rolling restart of a pool, one member at a time)."""
+    new_host = new_host or host
     with transaction.atomic():
         if not RenderConfig.objects.filter(id=config_id, **expected).exists():
             return False
-        moved = RenderSidecar.objects.filter(render_config_id=config_id, host=host, port=old_port).update(port=port)
+        moved = RenderSidecar.objects.filter(
+            render_config_id=config_id, host=host, port=0 if sidecar_addresses.is_unix(host) else old_port,
+        ).update(host=new_host, port=0 if sidecar_addresses.is_unix(new_host) else port)
         if moved:
             bump_control_version()
-    logger.info("render pool member moved config_id=%s %s:%s -> %s actor=%s", config_id, host, old_port, port, actor)
+    logger.info("render pool member moved config_id=%s %s:%s -> %s:%s actor=%s", config_id, host, old_port, new_host,
+                port, actor)
     return True
 
 

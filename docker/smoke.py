@@ -10,10 +10,16 @@ request goes to the coordinator on 127.0.0.1:PORT with the official ``openai`` c
 2. Each model's requests reach only its own tiers: every sidecar and engine container's access
    log is read (``docker logs``) for the calls that came from the coordinator's address while
    one model was asked; the other model's sidecars and engines must have none, its own some.
-3. A render sidecar of ``tiny``'s pool is SIGKILLed in the middle of a stream, the one that
+3. Each sidecar runs with the derender fast path (``--middleware
+   motorsite_render_asgi.DerenderFastPath``, ``motorsite/render_site`` on its ``PYTHONPATH``), and
+   it is active in the container: streams of each model, derendered by its pool (the
+   coordinator's ``/metrics`` counts them), add render calls to the pool's ``/metrics`` and no
+   derender call, while a derender call with an ``Origin`` header, sent inside a container, is
+   counted (so the counter is there and the calls left out are left out by the middleware).
+4. A render sidecar of ``tiny``'s pool is SIGKILLed in the middle of a stream, the one that
    rendered the stream's prompt: the stream completes with exactly the text an undisturbed run
    gives, before Docker has the killed sidecar healthy again (it did not wait for the restart).
-4. An engine (``engine-1``) is SIGKILLed: Docker restarts it, its healthcheck (one real greedy
+5. An engine (``engine-1``) is SIGKILLed: Docker restarts it, its healthcheck (one real greedy
    token) passes, and both models answer again.
 
 A process is killed from the host, as a crash would (``docker kill`` would count as an
@@ -24,10 +30,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,10 +50,20 @@ TIERS = {
     "tiny": ["render", "render-member-2", "engine-1", "engine-2", "prefill-1", "decode-1"],
     "tiny-b": ["render-tiny-b", "render-tiny-b-member-2", "engine-tiny-b-1"],
 }
+# Each sidecar's port in its container (docker/compose.yaml; sidecars publish none on the host).
+SIDECAR_PORTS = {"render": 8100, "render-member-2": 8101, "render-tiny-b": 8102, "render-tiny-b-member-2": 8103}
+MIDDLEWARE = ["--middleware", "motorsite_render_asgi.DerenderFastPath"]
+RENDER_SITE = "PYTHONPATH=/opt/motorsite/render_site"
+CHAT_RENDER, CHAT_DERENDER = "/v1/chat/completions/render", "/v1/chat/completions/derender"
+COMPLETIONS_RENDER, COMPLETIONS_DERENDER = "/v1/completions/render", "/v1/completions/derender"
 PROMPT = [{"role": "user", "content": "Say hello."}]
 # Long enough (no EOS; several seconds here) that the sidecar dies with most of the stream to come.
 STREAM_TOKENS = 1600
-KILL_AFTER_CHUNKS = 5
+# The first chunk: the coordinator runs ahead of the client (Docker's port proxy buffers the
+# stream), so a later one, or docker CLI calls before the kill, let it finish first (a run here
+# killed after 5 chunks, a few seconds of docker CLI calls on a loaded host, had the coordinator
+# end the stream 0.1 s after the kill).
+KILL_AFTER_CHUNKS = 1
 
 
 def api_key() -> str:
@@ -129,6 +147,82 @@ def routed_to_its_own_tiers(client: OpenAI, model: str, address: str) -> None:
     assert any("/inference/v1/generate" in p for s in TIERS[model][2:] for p in own[s]), f"no generate on {model}'s engines: {own}"
 
 
+def in_container(service: str, code: str) -> str:
+    """What ``code`` prints, run by the service's own Python in its container."""
+    return docker("exec", container_of(service), "python", "-c", code)
+
+
+def sidecar_requests(service: str) -> dict[str, float]:
+    """``http_requests_total`` of a sidecar's ``/metrics`` by handler (all methods and statuses)."""
+    text = in_container(service, "import urllib.request as u; "
+                        f"print(u.urlopen('http://127.0.0.1:{SIDECAR_PORTS[service]}/metrics', timeout=10).read().decode())")
+    out: dict[str, float] = {}
+    for handler, value in re.findall(r'^http_requests_total\{[^}]*handler="([^"]+)"[^}]*\} (\S+)$', text, re.M):
+        out[handler] = out.get(handler, 0.0) + float(value)
+    return out
+
+
+def coordinator_series(port: int, family: str, model: str, *labels: str) -> float:
+    """The sum of a coordinator ``/metrics`` family's series for ``model`` that carry ``labels``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    found = re.findall(rf'^{re.escape(family)}\{{([^}}]*)\}} (\S+)$', text, re.M)
+    return sum(float(v) for names, v in found if f'model="{model}"' in names and all(x in names for x in labels))
+
+
+def derender_fast_path(client: OpenAI, model: str, port: int) -> None:
+    """The pool's sidecars run with the middleware, and leave the streams' derender calls uncounted."""
+    pool = TIERS[model][:2]
+    for service in pool:
+        state = inspect(container_of(service))
+        with open(f"/proc/{state['State']['Pid']}/cmdline", "rb") as f:  # the process itself, not the spec
+            argv = f.read().decode().split("\0")
+        at = argv.index(MIDDLEWARE[0]) if MIDDLEWARE[0] in argv else -1
+        assert at >= 0 and argv[at:at + 2] == MIDDLEWARE, f"{service} runs without the middleware: {argv}"
+        assert RENDER_SITE in state["Config"]["Env"], f"{service}'s environment: {state['Config']['Env']}"
+    before = {s: sidecar_requests(s) for s in pool}
+    derendered = coordinator_series(port, "motor_request_first_derender_seconds_count", model)
+    rendered = coordinator_series(port, "motor_render_outcomes_total", model, 'source="render"', 'result="ok"')
+
+    def streamed(i: int) -> int:  # chunks of a 32-token chat (i < 2) or completion stream
+        if i < 2:
+            return sum(1 for _ in client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"Tell story {i}."}], max_tokens=32,
+                temperature=0.0, stream=True, extra_body={"ignore_eos": True},
+            ))
+        return sum(1 for _ in client.completions.create(
+            model=model, prompt="Once upon", max_tokens=32, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True},
+        ))
+
+    with ThreadPoolExecutor(3) as together:  # at once, so the pool spreads the calls over its members
+        chunks = sum(together.map(streamed, range(3)))
+    after = {s: sidecar_requests(s) for s in pool}
+    delta = {s: {h: after[s].get(h, 0.0) - before[s].get(h, 0.0) for h in after[s]} for s in pool}
+    coordinator_derenders = coordinator_series(port, "motor_request_first_derender_seconds_count", model) - derendered
+    by_sidecar = coordinator_series(port, "motor_render_outcomes_total", model, 'source="render"', 'result="ok"') - rendered
+    print(f"    {model}: 3 streams, {chunks} chunks; the coordinator rendered {by_sidecar:.0f} through the pool and "
+          f"derendered {coordinator_derenders:.0f} prompts' first chunks; the pool's http_requests_total grew by "
+          f"{ {s: {h: d for h, d in c.items() if d} for s, c in delta.items()} }")
+    # Rendered by the pool, so derendered by it too (the local tokenizer derenders only what it rendered).
+    assert by_sidecar >= 3 and coordinator_derenders >= 3, "the streams were not rendered and derendered by the pool"
+    assert sum(delta[s].get(CHAT_RENDER, 0.0) for s in pool) >= 2, delta
+    assert sum(delta[s].get(COMPLETIONS_RENDER, 0.0) for s in pool) >= 1, delta
+    counted = {s: {h: v for h, v in delta[s].items() if h in (CHAT_DERENDER, COMPLETIONS_DERENDER) and v} for s in pool}
+    assert not any(counted.values()), f"derender calls counted by the sidecars' metrics: {counted}"
+    # A derender call with a browser's Origin takes the whole chain (CORS must see it): counted.
+    for service in pool:
+        counted_before = after[service].get(CHAT_DERENDER, 0.0)
+        status = in_container(service, "import urllib.request as u, urllib.error as e\n"
+                              f"r = u.Request('http://127.0.0.1:{SIDECAR_PORTS[service]}{CHAT_DERENDER}', data=b'{{}}', "
+                              "headers={'Content-Type': 'application/json', 'Origin': 'http://example.test'})\n"
+                              "try: print(u.urlopen(r, timeout=10).status)\n"
+                              "except e.HTTPError as x: print(x.code)").strip()
+        with_origin = sidecar_requests(service).get(CHAT_DERENDER, 0.0) - counted_before
+        print(f"    a derender call with an Origin header in {service} (status {status}): counted {with_origin:.0f}")
+        assert with_origin == 1.0, sidecar_requests(service)
+
+
 def stream(client: OpenAI, model: str, on_chunk: Any = None) -> tuple[str, str | None, int, str]:
     text, finish, n, stream_id = [], None, 0, ""
     for n, chunk in enumerate(client.chat.completions.create(
@@ -165,19 +259,30 @@ def sidecar_killed_mid_stream(client: OpenAI, address: str) -> None:
     print(f"  undisturbed {model} stream: {chunks} chunks, finish={finish} ({time.monotonic() - t0:.1f}s)")
     assert finish == "length"
     killed: dict[str, Any] = {}
+    # Read before the stream (each docker CLI call takes up to seconds on a loaded host): the
+    # members' log files and where they end now, so the kill waits only for the render line.
+    members = {s: inspect(container_of(s)) for s in pool}
+    offsets = {s: Path(state["LogPath"]).stat().st_size for s, state in members.items()}
     since = time.time()
+
+    def rendered_it(service: str) -> bool:
+        with open(members[service]["LogPath"], "rb") as log:
+            log.seek(offsets[service])
+            lines = [json.loads(line)["log"] for line in log.read().splitlines() if line.endswith(b"}")]
+        return any(f" {address}:" in line and '"POST /v1/chat/completions/render ' in line for line in lines)
 
     def kill(n: int) -> None:
         if n != KILL_AFTER_CHUNKS:
             return
-        time.sleep(0.2)  # the render call's log line is written
-        rendered = [s for s in pool if calls_from(address, s, since, time.time()).get("/v1/chat/completions/render")]
+        deadline = time.monotonic() + 10.0  # the render call's log line is written
+        while not (rendered := [s for s in pool if rendered_it(s)]) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(rendered) == 1, f"the stream's render call on {rendered}"
-        state = inspect(container_of(rendered[0]))
+        state = members[rendered[0]]
         killed.update(service=rendered[0], id=state["Id"], restarts=state["RestartCount"], at=time.monotonic(),
                       wall=time.time())
-        print(f"  SIGKILL {rendered[0]} (rendered this stream's prompt; host pid {state['State']['Pid']}) after {n} chunks")
         os.kill(state["State"]["Pid"], signal.SIGKILL)
+        print(f"  SIGKILL {rendered[0]} (rendered this stream's prompt; host pid {state['State']['Pid']}) after {n} chunks")
 
     text, finish, chunks, stream_id = stream(client, model, on_chunk=kill)
     ended = time.monotonic()
@@ -224,6 +329,9 @@ def main() -> None:
     assert models == list(TIERS), models
     for model in TIERS:
         routed_to_its_own_tiers(client, model, address)
+    print("the derender fast path in each sidecar container:")
+    for model in TIERS:
+        derender_fast_path(client, model, port)
     print("a sidecar of tiny's pool killed mid-stream:")
     sidecar_killed_mid_stream(client, address)
     engine_crash(ENGINE)

@@ -129,8 +129,20 @@ share_cpu() {
     shares=${MOTOR_DOCKER_CPU_SHARES_FILE:-/sys/fs/cgroup/cpu/docker/cpu.shares}
     [ -w "$shares" ] || return 0
     n=$(compose ps -q | wc -l)
-    [ "$n" -gt 0 ] && echo $(( 1024 * n )) >"$shares" && log "Docker's cpu group weighs $(( 1024 * n )) ($n containers)"
+    [ "$n" -gt 0 ] && [ "$(cat "$shares")" != $(( 1024 * n )) ] || return 0
+    echo $(( 1024 * n )) >"$shares" && log "Docker's cpu group weighs $(( 1024 * n )) ($n containers)"
     return 0
+}
+
+compose_up() {
+    # `up -d` returns only once the coordinator's dependencies are healthy (the sidecars' real
+    # renders), and on a busy host they are not until the group is weighed: weigh it as
+    # containers are created, not after.
+    compose up -d &
+    up=$!
+    while kill -0 "$up" 2>/dev/null; do share_cpu; sleep 3; done
+    wait "$up"
+    share_cpu
 }
 
 wait_healthy() {
@@ -162,7 +174,6 @@ build_images
 compose_env
 start=$(date +%s)
 log "docker-compose up (coordinator on 127.0.0.1:$MOTOR_PORT)"
-compose up -d
-share_cpu
+compose_up
 wait_healthy
 log "all services healthy in $(( $(date +%s) - start ))s: http://127.0.0.1:$MOTOR_PORT/v1 (key: MOTOR_DEMO_API_KEY in $CACHE/compose.env)"

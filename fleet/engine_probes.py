@@ -30,7 +30,7 @@ from django.db import transaction
 
 from fleet.engine_capabilities import routes_from_openapi, token_in
 from fleet.models import EngineInstance, InstanceEvent
-from fleet.probes import ACTOR, _client, _get_json, probed_engines
+from fleet.probes import ACTOR, EngineAnswer, _client, _get_json, probed_engines, read_engine_answers
 from motorsite.core import bump_control_version
 
 logger = logging.getLogger(__name__)
@@ -57,11 +57,16 @@ def _lora_enabled(client: httpx.Client, base: str) -> bool:
     return metrics.status_code == 200 and "vllm:lora_requests_info" in metrics.text
 
 
-def engine_capabilities(client: httpx.Client, base_url: str, served_name: str) -> dict[str, Any]:
+def engine_capabilities(
+    client: httpx.Client, base_url: str, served_name: str, *, version_answer: EngineAnswer | None = None
+) -> dict[str, Any]:
     """What the engine at ``base_url`` reports it can do (raises ``httpx.HTTPError``, ``ValueError``
-    when it gives no version: an engine that cannot say that is not probed at all)."""
+    when it gives no version: an engine that cannot say that is not probed at all).
+
+    ``version_answer``: its ``/version``, read already by the probe round (``fleet.rounds``);
+    read here when None."""
     base = base_url.rstrip("/")
-    answer = _get_json(client, base + "/version")
+    answer = _get_json(client, base + "/version") if version_answer is None else version_answer.body
     version = str((answer or {}).get("version") or "") if isinstance(answer, dict) else ""
     caps: dict[str, Any] = {"version": version, "token_in": token_in(version)}
     try:
@@ -76,16 +81,29 @@ def engine_capabilities(client: httpx.Client, base_url: str, served_name: str) -
     return caps
 
 
-def probe_engine_capabilities(*, client: httpx.Client | None = None) -> dict[str, dict[str, Any] | None]:
-    """Probe every engine not disabled; return name -> what it recorded (None: no answer)."""
+def probe_engine_capabilities(
+    *, client: httpx.Client | None = None, engine_versions: dict[int, EngineAnswer] | None = None
+) -> dict[str, dict[str, Any] | None]:
+    """Probe every engine not disabled; return name -> what it recorded (None: no answer).
+
+    ``engine_versions``: the engines' ``/version`` the probe round has read already for the
+    version probe (``fleet.rounds``); an engine without one is read here."""
     found: dict[str, dict[str, Any] | None] = {}
     with _client(client) as c:
-        for instance in probed_engines():
-            try:
-                caps = engine_capabilities(c, instance.url, instance.served_model.name)
-            except (httpx.HTTPError, ValueError) as exc:
+        engines = probed_engines()
+        versions = dict(engine_versions or {})
+        versions.update(read_engine_answers(c, [i for i in engines if i.id not in versions], "/version"))
+        for instance in engines:
+            version = versions[instance.id]
+            caps, error = None, version.error
+            if not error:
+                try:
+                    caps = engine_capabilities(c, instance.url, instance.served_model.name, version_answer=version)
+                except (httpx.HTTPError, ValueError) as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+            if caps is None:
                 # Keep the last record: an engine that is down is the health probe's to judge.
-                logger.info("instance %s: capability probe failed: %s: %s", instance.name, type(exc).__name__, exc)
+                logger.info("instance %s: capability probe failed: %s", instance.name, error)
                 found[instance.name] = None
                 continue
             record_capabilities(instance, caps)

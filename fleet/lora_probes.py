@@ -27,7 +27,7 @@ import httpx
 from django.db import transaction
 
 from fleet.models import EngineInstance
-from fleet.probes import ModelsAnswer, _client, probed_engines, read_engine_models
+from fleet.probes import EngineAnswer, _client, probed_engines, read_engine_answers
 from motorsite.core import bump_control_version
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def loaded_adapters(models: Any, served_name: str) -> list[str]:
     })
 
 
-def record_adapters(engines: list[EngineInstance], answers: dict[int, ModelsAnswer]) -> LoraProbeSummary:
+def record_adapters(engines: list[EngineInstance], answers: dict[int, EngineAnswer]) -> LoraProbeSummary:
     """Record the adapters each engine lists in its ``/v1/models`` answer, where they changed."""
     summary = LoraProbeSummary(probed=len(engines))
     found: dict[int, list[str]] = {}
@@ -63,7 +63,7 @@ def record_adapters(engines: list[EngineInstance], answers: dict[int, ModelsAnsw
             summary.errors[instance.name] = answer.error[:300]
             continue
         try:
-            found[instance.id] = loaded_adapters(answer.listed, instance.served_model.name)
+            found[instance.id] = loaded_adapters(answer.body, instance.served_model.name)
         except ValueError as exc:
             summary.errors[instance.name] = str(exc)[:300]
     with transaction.atomic():
@@ -84,4 +84,4 @@ def probe_lora_adapters(*, client: httpx.Client | None = None) -> LoraProbeSumma
     round of the LoRA probe alone (``manage.py probe_lora``; beat's rounds are ``fleet.rounds``)."""
     engines = probed_engines()
     with _client(client) as http:
-        return record_adapters(engines, read_engine_models(http, engines))
+        return record_adapters(engines, read_engine_answers(http, engines, "/v1/models"))

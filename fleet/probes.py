@@ -44,7 +44,7 @@ from fleet.verdicts import (  # noqa: F401  (the verdicts are part of what calle
     next_health,
     record_mismatch,
 )
-from motorsite import tiers
+from motorsite import tiers, unix_http
 from motorsite.core import bump_control_version, current_render_config, render_configs_by_model
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,8 @@ def _post_ready(client: httpx.Client, base_url: str, request: tuple[str, dict[st
     path, body = request
     start = time.perf_counter()
     try:
-        response = client.post(base_url.rstrip("/") + path, json=body)
+        with unix_http.reach(client, base_url) as (c, base):  # a sidecar on a unix socket too
+            response = c.post(base + path, json=body)
     except httpx.HTTPError as exc:
         return Outcome(False, (time.perf_counter() - start) * 1000, f"{type(exc).__name__}: {exc}")
     latency = (time.perf_counter() - start) * 1000
@@ -179,24 +180,25 @@ def probed_engines() -> list[EngineInstance]:
 
 
 @dataclass(slots=True)
-class ModelsAnswer:
-    """An engine's ``/v1/models``, read once a probe round for every record taken from it: the
-    version probe's (name, root, max_model_len) and the LoRA probe's adapters (``fleet.rounds``)."""
+class EngineAnswer:
+    """An engine's answer to one GET, read once a probe round for every record taken from it:
+    ``/v1/models`` for the version probe's (name, root, max_model_len) and the LoRA probe's
+    adapters, ``/version`` for the version and the capability probes (``fleet.rounds``)."""
 
-    listed: Any = None
+    body: Any = None
     error: str = ""  # why it was not read; each record then keeps what it had
     seconds: float = 0.0  # how long the read took (part of the version probe's latency)
 
 
-def read_engine_models(client: httpx.Client, engines: list[EngineInstance]) -> dict[int, ModelsAnswer]:
-    """GET each engine's ``/v1/models`` once; engine id -> its answer."""
-    answers: dict[int, ModelsAnswer] = {}
+def read_engine_answers(client: httpx.Client, engines: list[EngineInstance], path: str) -> dict[int, EngineAnswer]:
+    """GET ``path`` of each engine once; engine id -> its answer."""
+    answers: dict[int, EngineAnswer] = {}
     for instance in engines:
         start = time.perf_counter()
         try:
-            answers[instance.id] = ModelsAnswer(_get_json(client, instance.url.rstrip("/") + "/v1/models"))
+            answers[instance.id] = EngineAnswer(_get_json(client, instance.url.rstrip("/") + path))
         except (httpx.HTTPError, ValueError) as exc:
-            answers[instance.id] = ModelsAnswer(error=f"{type(exc).__name__}: {exc}")
+            answers[instance.id] = EngineAnswer(error=f"{type(exc).__name__}: {exc}")
         answers[instance.id].seconds = time.perf_counter() - start
     return answers
 
@@ -211,15 +213,16 @@ class VersionProbeSummary:
 
 
 def probe_versions(
-    *, client: httpx.Client | None = None, engine_models: dict[int, ModelsAnswer] | None = None
+    *, client: httpx.Client | None = None, engine_models: dict[int, EngineAnswer] | None = None,
+    engine_versions: dict[int, EngineAnswer] | None = None,
 ) -> VersionProbeSummary:
     """Ask the sidecar and every engine what they serve; negotiate render capabilities, flag drift.
 
     The render sidecar is the reference for the engines of each served model, with the model
     files' hashes taken from the model's active revision when one is set (the operator's record)
     and from the served model's ``model_path`` (the directory the sidecar loads) otherwise.
-    ``engine_models``: the engines' ``/v1/models`` this probe round has read already (``fleet.rounds``);
-    an engine without one is read here.
+    ``engine_models`` and ``engine_versions``: the engines' ``/v1/models`` and ``/version`` this
+    probe round has read already (``fleet.rounds``); an engine without one is read here.
     """
     summary = VersionProbeSummary()
     cfg = current_render_config()
@@ -238,8 +241,9 @@ def probe_versions(
             key = "render" if config is cfg else f"render:{config.name}"
             start = time.perf_counter()
             try:
-                version = _get_json(c, config.base_url + "/version")
-                listed = _get_json(c, config.base_url + "/v1/models")
+                with unix_http.reach(c, config.base_url) as (sidecar, base):
+                    version = _get_json(sidecar, base + "/version")
+                    listed = _get_json(sidecar, base + "/v1/models")
             except (httpx.HTTPError, ValueError) as exc:
                 summary.errors[key] = f"{type(exc).__name__}: {exc}"
                 _version_result(None, False, start, {}, summary.errors[key])
@@ -265,9 +269,17 @@ def probe_versions(
                 _record_render_mismatch(config, own_models, references)
         engines = probed_engines()
         listed_by = dict(engine_models or {})
-        listed_by.update(read_engine_models(c, [i for i in engines if i.id not in listed_by]))
+        listed_by.update(read_engine_answers(c, [i for i in engines if i.id not in listed_by], "/v1/models"))
+        # An engine that did not list its models is not asked its version: the result is a failure.
+        versions_by = dict(engine_versions or {})
+        versions_by.update(read_engine_answers(
+            c, [i for i in engines if i.id not in versions_by and not listed_by[i.id].error], "/version"
+        ))
         for instance in engines:
-            _probe_engine_version(c, instance, listed_by[instance.id], references.get(instance.served_model_id), summary)
+            _probe_engine_version(
+                instance, listed_by[instance.id], versions_by.get(instance.id), references.get(instance.served_model_id),
+                summary,
+            )
     return summary
 
 
@@ -334,19 +346,18 @@ def _apply_render_version(cfg: RenderConfig, summary: VersionProbeSummary, start
 
 
 def _probe_engine_version(
-    client: httpx.Client, instance: EngineInstance, models: ModelsAnswer, reference: TierReport | None,
+    instance: EngineInstance, models: EngineAnswer, version: EngineAnswer | None, reference: TierReport | None,
     summary: VersionProbeSummary,
 ) -> None:
-    start = time.perf_counter() - models.seconds
-    report, error = None, models.error
-    if not error:
+    start = time.perf_counter() - models.seconds - (version.seconds if version is not None else 0.0)
+    report, error = None, models.error or (version.error if version is not None else "")
+    if not error and version is not None:
         try:
-            version = _get_json(client, instance.url.rstrip("/") + "/version")
             fingerprint = fingerprint_model_dir(instance.model_dir) if instance.model_dir else None
-        except (httpx.HTTPError, ValueError, OSError) as exc:
+        except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
         else:
-            report = TierReport.from_answers(instance.served_model.name, models.listed, version, fingerprint)
+            report = TierReport.from_answers(instance.served_model.name, models.body, version.body, fingerprint)
     if report is None:
         summary.errors[instance.name] = error
         _version_result(instance, False, start, {}, error)

@@ -21,7 +21,7 @@ from catalog.models import RenderSidecar, ServedModel
 from catalog.render_versions import render_capabilities
 from fleet.probes import _client, _post_ready, thresholds
 from fleet.verdicts import next_health
-from motorsite import tiers
+from motorsite import tiers, unix_http
 from motorsite.core import bump_control_version
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,11 @@ DERENDER_ROUTES = {"chat": "/v1/chat/completions/derender", "completions": "/v1/
 
 def member_capabilities(client: httpx.Client, base_url: str) -> dict[str, Any]:
     """What the sidecar at ``base_url`` reports it can do (raises ``httpx.HTTPError``, ``ValueError``)."""
-    base = base_url.rstrip("/")
+    with unix_http.reach(client, base_url) as (c, base):  # a sidecar on a unix socket too
+        return _capabilities(c, base)
+
+
+def _capabilities(client: httpx.Client, base: str) -> dict[str, Any]:
     version_answer = client.get(base + "/version")
     version_answer.raise_for_status()
     version = str((version_answer.json() or {}).get("version") or "")

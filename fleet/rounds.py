@@ -1,13 +1,14 @@
-"""A probe round of the engines: each engine's ``/v1/models`` is read once and serves every record
-taken from it.
+"""A probe round of the engines: each engine's ``/v1/models`` and ``/version`` are read once and
+serve every record taken from them.
 
 Celery beat runs a round every probe interval (``fleet.tasks.probe_engines``). Every round records
 the LoRA adapters each engine has loaded (``fleet.lora_probes``: they can change at runtime). Once
-a minute the round also runs, on the same answers, the version probe (``fleet.probes``: the
-sidecars' versions, each engine's served name, root, max_model_len, version and model files,
-drift and the quarantine policy), then the capability probe (``fleet.engine_probes``, which reads
-no ``/v1/models``). Versions change only when someone redeploys a tier, and the version probe
-reads four model files per engine: once a minute catches a mismatched rollout quickly.
+a minute the round also reads each engine's ``/version`` and runs, on the same answers, the
+version probe (``fleet.probes``: the sidecars' versions, each engine's served name, root,
+max_model_len, version and model files, drift and the quarantine policy), then the capability
+probe (``fleet.engine_probes``: the version again, routes, tokenizer, LoRA; no ``/v1/models``).
+Versions change only when someone redeploys a tier, and the version probe reads four model files
+per engine: once a minute catches a mismatched rollout quickly.
 
 "Once a minute" is kept by the probe results themselves, so it holds across workers and restarts:
 a round runs the version probe when none has recorded a result for a minute
@@ -28,7 +29,7 @@ from django.utils import timezone
 from fleet.engine_probes import probe_engine_capabilities
 from fleet.lora_probes import LoraProbeSummary, record_adapters
 from fleet.models import ProbeResult
-from fleet.probes import VersionProbeSummary, _client, probe_versions, probed_engines, read_engine_models
+from fleet.probes import VersionProbeSummary, _client, probe_versions, probed_engines, read_engine_answers
 
 VERSIONS_EVERY = timedelta(minutes=1)
 
@@ -50,13 +51,15 @@ def versions_due(*, now: datetime | None = None) -> bool:
 
 
 def probe_round(*, versions: bool, client: httpx.Client | None = None) -> RoundSummary:
-    """Read each engine's ``/v1/models`` once; record its adapters, and with ``versions`` run the
-    version probe on the same answers and then the capability probe."""
+    """Read each engine's ``/v1/models`` once; record its adapters, and with ``versions`` read each
+    engine's ``/version`` once and run the version probe and then the capability probe on the
+    same answers."""
     with _client(client) as c:
         engines = probed_engines()
-        answers = read_engine_models(c, engines)
+        answers = read_engine_answers(c, engines, "/v1/models")
         summary = RoundSummary(lora=record_adapters(engines, answers))
         if versions:
-            summary.versions = probe_versions(client=c, engine_models=answers)
-            summary.capabilities = probe_engine_capabilities(client=c)
+            versions_read = read_engine_answers(c, engines, "/version")
+            summary.versions = probe_versions(client=c, engine_models=answers, engine_versions=versions_read)
+            summary.capabilities = probe_engine_capabilities(client=c, engine_versions=versions_read)
     return summary

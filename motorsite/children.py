@@ -28,6 +28,7 @@ from motorsite.processes import (
     RUN_BANNER,
     ProcessSpec,
     can_bind,
+    clear_stale_sockets,
     log_tail,
     probe,
     rotate_log,
@@ -195,6 +196,7 @@ def spawn(spec: ProcessSpec) -> Child:
 def _launch(spec: ProcessSpec) -> tuple[subprocess.Popen[bytes], int]:
     """Run ``spec``'s argv; return the process and where this run's output starts in its log."""
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    clear_stale_sockets(spec)
     env = dict(os.environ)
     # Python children would otherwise block-buffer stdout into the log file, and the lines
     # printed just before a crash are exactly the ones the log tail must show.

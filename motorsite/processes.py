@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from motorsite import unix_http
 from motorsite.restarts import RestartPolicy
 
 logger = logging.getLogger("motorsite.supervisor")
@@ -72,6 +73,9 @@ class ProcessSpec:
     cwd: Path | None = None
     # Every (host, port) the process will bind, checked before anything starts and after stop.
     ports: list[tuple[str, int]] = field(default_factory=list)
+    # Every unix socket the process binds (a render sidecar with ``--uds``): a file a dead run
+    # left is removed before each start, since bind() refuses an existing path.
+    unix_sockets: list[str] = field(default_factory=list)
     ready_url: str | None = None
     # A real request, not /health: vLLM answers /health before its model has ever run.
     ready_post: tuple[str, dict[str, Any]] | None = None
@@ -217,7 +221,8 @@ def probe(client: httpx.Client, spec: ProcessSpec, remaining: float) -> str:
             assert spec.ready_base_url is not None
             path, body = spec.ready_post
             url = spec.ready_base_url.rstrip("/") + path
-            response = client.post(url, json=body, timeout=timeout)
+            with unix_http.reach(client, spec.ready_base_url) as (c, base):  # http+unix:// too
+                response = c.post(base + path, json=body, timeout=timeout)
         else:
             assert spec.ready_url is not None
             url = spec.ready_url
@@ -227,6 +232,14 @@ def probe(client: httpx.Client, spec: ProcessSpec, remaining: float) -> str:
     if response.is_success:
         return ""
     return f"{response.status_code} from {url}: {response.text[:200]}"
+
+
+def clear_stale_sockets(spec: ProcessSpec) -> None:
+    """Remove each of ``spec.unix_sockets`` that no server answers on (a dead run's file), so the
+    start can bind it; one a live server answers on is left, and the start fails on it visibly."""
+    for path in spec.unix_sockets:
+        if os.path.exists(path) and not unix_http.socket_answers(path):
+            os.unlink(path)
 
 
 def terminate_group(spec: ProcessSpec, popen: subprocess.Popen[bytes], *, grace: float | None = None) -> None:

@@ -8,8 +8,9 @@ transport pauses its registered streaming producer once its write buffer passes 
 (64 KiB, ``twisted.internet.abstract.FileDescriptor``) and resumes it once the buffer has
 drained, and ``HTTPChannel`` passes both on to the producer registered on its current request.
 Daphne registers none. Here every response registers one, and ``send()`` of a body with more to
-come waits while it is paused, as uvicorn's does (its ``FlowControl``). Both servers' marks are
-set to ``WRITE_BUFFER_BYTES``: a silent client holds at most that and one chunk in the server.
+come waits while it is paused, as uvicorn's does (its ``FlowControl``). Daphne's mark is
+``WRITE_BUFFER_BYTES``, uvicorn's ``UVICORN_WRITE_BUFFER_BYTES``: a silent client holds at most
+that and one chunk in the server.
 
 A send abandoned while it waits (the edge's stall deadline cancels it, ``MOTOR_CLIENT_STALL_S``)
 drops the connection, under both servers: that response can no longer be completed, and the
@@ -38,6 +39,14 @@ _FLOW = "_motor_send_flow"
 # chunked framing copies every body), 1 KiB rather than 4 another 5 and 8 (bench/slow_reader.py
 # at 8 streams). A frame larger than the mark still goes whole: send() waits after it.
 WRITE_BUFFER_BYTES = 1024
+# uvicorn's mark (its transports, uvloop's and asyncio's, write at once whatever the socket takes
+# and keep only the rest): 0, so send() waits as soon as one frame did not fit in the kernel's
+# buffer, and a silent client holds that frame's rest here and nothing more. A client that reads
+# never meets it. At 1 KiB uvloop kept three or four frames a stream, each in a write request of
+# its own (0.7 KiB of bookkeeping apiece: bench/slow_reader.py, issue 31's sixth round). Twisted,
+# under Daphne, buffers every write until the reactor's next turn, so a mark of 0 there would make
+# every send wait a turn: Daphne keeps WRITE_BUFFER_BYTES.
+UVICORN_WRITE_BUFFER_BYTES = 0
 
 
 class SendFlow:
@@ -141,7 +150,7 @@ def _patch_uvicorn(cycle_class: Any) -> None:
 
     async def send_or_abort(self: Any, message: Any) -> None:
         if message.get("type") == "http.response.start" and not self.disconnected:
-            self.transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
+            self.transport.set_write_buffer_limits(high=UVICORN_WRITE_BUFFER_BYTES)
         try:
             await send(self, message)
         except asyncio.CancelledError:

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from motorsite import tiers
+from motorsite import tiers, unix_http
 from motorsite.processes import LOG_BACKUPS, LOG_MAX_BYTES
 from motorsite.restarts import RestartPolicy
 from motorsite.supervisor import ProcessSpec, together
@@ -82,6 +82,10 @@ class StackConfig:
     # "scale-out" (a tokenizer and their own OpenAI API too: the native path's P/D pairs).
     pd_mode: str = "tokens-only"
     render_workers: int = 4
+    # The render sidecars listen on unix sockets in this directory (``render-PORT.sock``, vLLM's
+    # ``--uds``; created private, 0700) instead of on 127.0.0.1:PORT; the port stays each sidecar's
+    # name. None: TCP. The coordinator shares this machine's filesystem; docs/render-pool.md.
+    render_socket_dir: Path | None = None
     # The sidecar runs the hermes tool and qwen3 reasoning parsers (tiers.render_sidecar_command),
     # and the served model's revision records them, as the local fallback must know (it refuses
     # chats it cannot parse as the sidecar would).
@@ -126,7 +130,33 @@ class StackConfig:
         return [f"http://{HOST}:{p}" for p in self.decode_ports]
 
 
+def render_base_url(cfg: StackConfig, port: int) -> str:
+    """Where the coordinator reaches the sidecar started for ``port``: 127.0.0.1 or its unix socket."""
+    if cfg.render_socket_dir is None:
+        return f"http://{HOST}:{port}"
+    return unix_http.base_url(tiers.render_socket_path(cfg.render_socket_dir, port))
+
+
+def render_address(cfg: StackConfig, port: int) -> str:
+    """How to name the sidecar started for ``port`` to a person: its URL, or ``unix:`` and its socket."""
+    if cfg.render_socket_dir is None:
+        return f"http://{HOST}:{port}"
+    return f"unix:{tiers.render_socket_path(cfg.render_socket_dir, port)}"
+
+
+def private_socket_dir(path: Path) -> Path:
+    """Create ``path`` readable by this user only (0700): whoever can reach a sidecar's socket can
+    render and derender with it. Raises ValueError when a socket in it would be too long a path."""
+    if len(tiers.render_socket_path(path, 65535).encode()) > unix_http.UNIX_PATH_MAX:
+        raise ValueError(f"{path}: too long a directory for a unix socket ({unix_http.UNIX_PATH_MAX} bytes at most); "
+                         "set MOTOR_RENDER_SOCKET_DIR to a shorter one, or empty for TCP")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)  # an existing directory too
+    return path
+
+
 def render_spec(cfg: StackConfig) -> ProcessSpec:
+    uds = None if cfg.render_socket_dir is None else tiers.render_socket_path(cfg.render_socket_dir, cfg.render_port)
     argv, env = tiers.render_sidecar_command(
         python=cfg.render_python,
         model_dir=cfg.model_dir,
@@ -135,6 +165,7 @@ def render_spec(cfg: StackConfig) -> ProcessSpec:
         workers=cfg.render_workers,
         parsers=cfg.render_parsers,
         max_model_len=cfg.max_model_len,
+        uds=uds,
     )
     return ProcessSpec(
         name="render",
@@ -143,9 +174,10 @@ def render_spec(cfg: StackConfig) -> ProcessSpec:
         log_path=cfg.log_dir / "render.log",
         log_max_bytes=cfg.log_max_bytes,
         log_backups=cfg.log_backups,
-        ports=[(HOST, cfg.render_port)],
+        ports=[] if uds else [(HOST, cfg.render_port)],
+        unix_sockets=[uds] if uds else [],
         ready_post=tiers.render_ready_request(cfg.served_model_name),
-        ready_base_url=f"http://{HOST}:{cfg.render_port}",
+        ready_base_url=render_base_url(cfg, cfg.render_port),
         ready_timeout=120.0,
         restart=cfg.restart,
     )
@@ -153,6 +185,8 @@ def render_spec(cfg: StackConfig) -> ProcessSpec:
 
 def render_specs(cfg: StackConfig) -> list[ProcessSpec]:
     """The render pool's sidecars: ``render`` on ``render_port``, then ``render-member-2``, ... on the member ports."""
+    if cfg.render_socket_dir is not None:
+        private_socket_dir(cfg.render_socket_dir)
     members = [
         replace(render_spec(replace(cfg, render_port=port)), name=f"render-member-{i}",
                 log_path=cfg.log_dir / f"render-member-{i}.log")
@@ -402,6 +436,8 @@ def prepare_database(cfg: StackConfig) -> None:
     ]
     for port in cfg.render_member_ports:
         fleet += ["--render-member-port", str(port)]
+    if cfg.render_socket_dir is not None:
+        fleet += ["--render-socket-dir", str(cfg.render_socket_dir)]
     if cfg.render_parsers:
         fleet += ["--reasoning-parser", tiers.REASONING_PARSER, "--tool-parser", tiers.TOOL_PARSER]
     for url in cfg.engine_urls:
@@ -429,6 +465,8 @@ def prepare_database(cfg: StackConfig) -> None:
         ]
         for port in model.render_member_ports:
             extra += ["--render-member-port", str(port)]
+        if cfg.render_socket_dir is not None:
+            extra += ["--render-socket-dir", str(cfg.render_socket_dir)]
         for port in model.engine_ports:
             extra += ["--engine", f"http://{HOST}:{port}"]
         subprocess.run(extra, check=True, env=env, cwd=ROOT)

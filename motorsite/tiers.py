@@ -85,6 +85,12 @@ SIDECAR_LEAN_ARGS = ["--middleware", RENDER_MIDDLEWARE]
 UNLOGGED_PATHS = "/v1/chat/completions/derender,/v1/completions/derender,/health"
 
 
+def render_socket_path(socket_dir: str | Path, port: int) -> str:
+    """The unix socket of the sidecar started for ``port`` in ``socket_dir``: a replacement started
+    for another port (a graceful restart) gets a socket of its own beside it."""
+    return str(Path(socket_dir).resolve() / f"render-{port}.sock")
+
+
 def render_sidecar_command(
     *,
     python: str,
@@ -94,8 +100,10 @@ def render_sidecar_command(
     workers: int,
     parsers: bool = False,
     max_model_len: int = 2048,
+    uds: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """Return argv and env for ``vllm launch render`` on 127.0.0.1:``port``.
+    """Return argv and env for ``vllm launch render`` on 127.0.0.1:``port``, or on the unix
+    socket ``uds`` instead (vLLM's ``--uds``, which then ignores host and port).
 
     ``python`` is the render environment's interpreter. ``workers`` sizes the thread pool that
     does tokenization, templating and all derender work. ``parsers`` turns on hermes tool calls
@@ -108,8 +116,7 @@ def render_sidecar_command(
         # Render copies the client's "model" into the generate request and the engine checks
         # it (404 otherwise): both tiers must serve the same name.
         "--served-model-name", served_model_name,
-        "--host", "127.0.0.1",
-        "--port", str(port),
+        *(["--uds", uds] if uds else ["--host", "127.0.0.1", "--port", str(port)]),
         # Must equal the engines': render clamps max_tokens to max_model_len - prompt length.
         "--max-model-len", str(max_model_len),
         "--renderer-num-workers", str(workers),

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from catalog import services
 from catalog.models import RenderConfig
-from motorsite import stack
+from motorsite import stack, tiers
 from motorsite.core import current_render_config
 from motorsite.supervisor import Interrupted, ProcessSpec, Supervisor, free_port
 from serving import stream_reports
@@ -134,7 +134,7 @@ class RenderRestarter:
         config = self._config()
         if config is None or not config.restart_required:
             return
-        if config.host not in (stack.HOST, "localhost"):
+        if not self._manages(config.host):
             logger.warning("render config points at %s, not a sidecar this launcher manages; not restarting", config.host)
             self.retry_at = self.clock() + RENDER_RETRY_S
             return
@@ -149,11 +149,15 @@ class RenderRestarter:
         logger.info("render config %s needs a restart: starting %s on port %d", config.name, name, port)
         self.supervisor.add(spec)  # blocks until ready; the old sidecar serves meanwhile
         if port != config.port:
-            if not services.render_sidecar_moved(config_id=config.pk, expected=expected, port=port, actor="launcher"):
+            # On a unix socket the replacement's address is its own socket (render-PORT.sock).
+            host = self._host(port) if self.cfg.render_socket_dir is not None else None
+            if not services.render_sidecar_moved(config_id=config.pk, expected=expected, port=port, host=host,
+                                                 actor="launcher"):
                 self.supervisor.retire(name)  # changed again while starting: begin anew next tick
                 return
             expected["port"] = port
-        self.retiring = Retiring(self.current, _urls(self.port), self.clock(), config.pk, expected)
+            expected["host"] = host or expected["host"]
+        self.retiring = Retiring(self.current, self._urls(self.port), self.clock(), config.pk, expected)
         self.current, self.port = name, port
         self.pending = list(self.members)
 
@@ -173,15 +177,33 @@ class RenderRestarter:
         )
         logger.info("render pool: replacing %s (port %d) with %s on port %d", old_name, old_port, name, port)
         self.supervisor.add(spec)
-        if not services.render_member_moved(config_id=config.pk, expected=expected, host=stack.HOST,
-                                            old_port=old_port, port=port, actor="launcher"):
+        if not services.render_member_moved(config_id=config.pk, expected=expected, host=self._host(old_port),
+                                            old_port=old_port, port=port, new_host=self._host(port), actor="launcher"):
             self.supervisor.retire(name)  # changed again while starting: the first sidecar starts anew
             self.pending = []
             return
         self.pending.pop(0)
         del self.members[old_name]
         self.members[name] = port
-        self.retiring = Retiring(old_name, _urls(old_port), self.clock(), config.pk, expected)
+        self.retiring = Retiring(old_name, self._urls(old_port), self.clock(), config.pk, expected)
+
+    def _host(self, port: int) -> str:
+        """The address of the sidecar this launcher starts for ``port``: 127.0.0.1 or its socket."""
+        if self.cfg.render_socket_dir is None:
+            return stack.HOST
+        return f"unix:{tiers.render_socket_path(self.cfg.render_socket_dir, port)}"
+
+    def _manages(self, host: str) -> bool:
+        if self.cfg.render_socket_dir is None:
+            return host in (stack.HOST, "localhost")
+        return host.startswith(f"unix:{self.cfg.render_socket_dir.resolve()}/")
+
+    def _urls(self, port: int) -> tuple[str, ...]:
+        """How coordinators may address the sidecar this launcher started on ``port``: either host
+        spelling, or its socket's one URL."""
+        if self.cfg.render_socket_dir is not None:
+            return (stack.render_base_url(self.cfg, port),)
+        return tuple(f"http://{host}:{port}" for host in (stack.HOST, "localhost"))
 
     def _config(self) -> RenderConfig | None:
         if self.model is None:
@@ -214,11 +236,6 @@ class RenderRestarter:
         self.retiring = None
         if not self.pending:  # the whole pool serves the change: the restart is no longer owed
             services.render_sidecar_restarted(config_id=r.config_id, expected=r.expected, actor="launcher")
-
-
-def _urls(port: int) -> tuple[str, ...]:
-    """How coordinators may address the sidecar this launcher started on ``port``: either host spelling."""
-    return tuple(f"http://{host}:{port}" for host in (stack.HOST, "localhost"))
 
 
 def with_render_config(cfg: stack.StackConfig) -> stack.StackConfig:

@@ -30,6 +30,12 @@ stream, the response head and then each SSE event: the time from one event's end
 (``StreamReply``), so a trickle of bytes that never completes an event does not keep it alive. A
 caller's deadline for a whole stream is an ``asyncio.timeout`` around it (cancellation closes the
 connection).
+
+A sidecar on the coordinator's own machine may listen on a unix socket (``vllm launch render
+--uds PATH``): its URLs are ``http+unix://`` with the socket's path percent-encoded as the
+authority (``unix_base_url``; the convention of requests-unixsocket and docker-py), so a base URL
+plus a route is still one URL. Its connections are pooled, bounded and timed like any other
+origin's, and its requests carry ``Host: localhost`` (a socket path is no host name).
 """
 
 from __future__ import annotations
@@ -39,14 +45,14 @@ import re
 import ssl
 from types import TracebackType
 from typing import Any, AsyncIterator, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import httpx
 
 from serving.pipeline.http11_wire import HIGH_WATER, READ_SIZE, Connection
 from serving.pipeline.json_codec import dumps, loads
 
-__all__ = ["HIGH_WATER", "READ_SIZE", "Http11Client", "Reply", "StreamReply"]
+__all__ = ["HIGH_WATER", "READ_SIZE", "UNIX_SCHEME", "Http11Client", "Reply", "StreamReply", "unix_base_url"]
 
 # uvicorn closes an idle keep-alive connection after 5 s: never reuse one that old.
 KEEPALIVE_S = 4.0
@@ -59,7 +65,13 @@ DRAIN_S = 1.0
 # logprobs to about 20 MiB; past 64 MiB it is an upstream gone wrong, not an answer to hold.
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 
-Origin = tuple[str, str, int]  # scheme, host, port
+Origin = tuple[str, str, int]  # scheme, host, port; for UNIX_SCHEME: scheme, socket path, 0
+UNIX_SCHEME = "http+unix"
+
+
+def unix_base_url(path: str) -> str:
+    """The base URL of an HTTP server on the unix socket at ``path``: ``http+unix://%2Frun%2Fr.sock``."""
+    return f"{UNIX_SCHEME}://{quote(path, safe='')}"
 
 
 class Reply:
@@ -161,6 +173,8 @@ class Http11Client:
         self._idle_cap = idle_per_origin
         self._max_reply = max_reply_bytes
         self._idle: dict[Origin, list[Connection]] = {}
+        # Per loop, the timer that closes its idle connections once they are too old to reuse.
+        self._sweeps: dict[asyncio.AbstractEventLoop, asyncio.TimerHandle] = {}
         self._heads: dict[Origin, bytes] = {}
         self._ssl: ssl.SSLContext | None = None
         self.is_closed = False
@@ -214,6 +228,9 @@ class Http11Client:
 
     async def aclose(self) -> None:
         self.is_closed = True
+        for sweep in self._sweeps.values():
+            sweep.cancel()
+        self._sweeps.clear()
         for conns in self._idle.values():
             for conn in conns:
                 conn.close()
@@ -246,11 +263,14 @@ class Http11Client:
         """
         parts = urlsplit(url)
         scheme = parts.scheme
-        host = parts.hostname or ""
-        port = parts.port or (443 if scheme == "https" else 80)
-        origin = (scheme, host, port)
+        if scheme == UNIX_SCHEME:
+            # The authority is the socket's path (case kept: not ``hostname``, which lowers it).
+            origin, netloc = (scheme, unquote(parts.netloc), 0), "localhost"
+        else:
+            origin = (scheme, parts.hostname or "", parts.port or (443 if scheme == "https" else 80))
+            netloc = parts.netloc
         path = (parts.path or "/") + ("?" + parts.query if parts.query else "")
-        request = self._request_bytes(origin, parts.netloc, method, path, body, headers)
+        request = self._request_bytes(origin, netloc, method, path, body, headers)
         conn = self._idle_connection(origin)
         if conn is None:
             conn = await self._connect(origin, connect_s)
@@ -305,13 +325,18 @@ class Http11Client:
         tls = None
         if scheme == "https":
             tls = self._ssl = self._ssl or ssl.create_default_context()
+        where = f"unix:{host}" if scheme == UNIX_SCHEME else f"{host}:{port}"
         try:
             async with asyncio.timeout(connect_s):
-                _, conn = await loop.create_connection(lambda: Connection(loop), host, port, ssl=tls)
+                if scheme == UNIX_SCHEME:
+                    _, conn = await loop.create_unix_connection(lambda: Connection(loop), host)
+                else:
+                    _, conn = await loop.create_connection(lambda: Connection(loop), host, port, ssl=tls)
         except TimeoutError as exc:
-            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
+            raise httpx.ConnectTimeout(f"connecting to {where} timed out") from exc
         except OSError as exc:
-            raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
+            # A missing socket file (the sidecar not started, or gone) is a refusal like a closed port.
+            raise httpx.ConnectError(f"cannot connect to {where}: {exc}") from exc
         return conn
 
     def _release(self, origin: Origin, conn: Connection) -> None:
@@ -323,7 +348,33 @@ class Http11Client:
             conn.close()
             return
         conn.idle_since = conn.loop.time()
+        # The reply that was read has them if its caller wants them; an idle connection needs none.
+        conn.headers = {}
         conns.append(conn)
+        if conn.loop not in self._sweeps:
+            self._sweeps[conn.loop] = conn.loop.call_later(KEEPALIVE_S, self._sweep, conn.loop)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close ``loop``'s connections idle for ``KEEPALIVE_S``, and come back when the next one
+        will be. One is never reused past that age (``_idle_connection``), but until then it was
+        closed only when a request met it, and requests take the newest: after a burst of streams
+        the oldest stayed open, a transport, socket and connection each (about 1.5 KiB; issue 31)."""
+        del self._sweeps[loop]
+        now = loop.time()
+        oldest = None
+        for conns in self._idle.values():
+            kept = []
+            for conn in conns:
+                if conn.loop is not loop:
+                    kept.append(conn)
+                elif now - conn.idle_since >= KEEPALIVE_S:
+                    conn.close()
+                else:
+                    kept.append(conn)
+                    oldest = conn.idle_since if oldest is None else min(oldest, conn.idle_since)
+            conns[:] = kept
+        if oldest is not None:
+            self._sweeps[loop] = loop.call_later(oldest + KEEPALIVE_S - now, self._sweep, loop)
 
 
 class _Stream:

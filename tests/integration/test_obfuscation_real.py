@@ -603,9 +603,11 @@ class LeakFleet:
     proxies: tuple[CuttingProxy, ...]  # in front of the two obfuscated engines; they record what they send
     injector: RenderInjector
 
-    def sent(self) -> list[bytes]:
-        """Every connection's bytes to either engine so far."""
-        return [conn for p in self.proxies for conn in p.sent()]
+    def sent(self) -> dict[tuple[int, int], bytes]:
+        """Every connection's bytes to either engine so far, keyed by (proxy, connection): a key, not
+        a place in one flat list, so a connection opened to the first engine between two readings
+        cannot shift the second engine's connections onto other connections' old bytes."""
+        return {(i, j): conn for i, p in enumerate(self.proxies) for j, conn in enumerate(p.sent())}
 
 
 @pytest.fixture(scope="module")
@@ -663,9 +665,9 @@ def _generate_bodies(connections: list[bytes]) -> list[dict[str, Any]]:
     return bodies
 
 
-def _new(before: list[bytes], after: list[bytes]) -> list[bytes]:
-    """What each connection sent since ``before`` (connections only grow, new ones are appended)."""
-    return [a[len(before[i]):] if i < len(before) else a for i, a in enumerate(after)]
+def _new(before: dict[tuple[int, int], bytes], after: dict[tuple[int, int], bytes]) -> list[bytes]:
+    """What each connection sent since ``before`` (a connection only grows; new ones get new keys)."""
+    return [a[len(before.get(key, b"")):] for key, a in after.items()]
 
 
 def _assert_unreadable(sent: list[bytes], markers: tuple[str, ...] = MARKERS + FEATURE_MARKERS) -> None:

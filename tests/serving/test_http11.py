@@ -258,6 +258,27 @@ async def test_connection_close_and_old_idle_connections_are_not_reused(
     await client.aclose()
 
 
+async def test_idle_connections_are_closed_once_too_old_to_reuse_and_keep_no_headers(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a burst the pool keeps a connection only while it could be reused: once idle for
+    KEEPALIVE_S it is closed, not left open until a request meets it (requests take the newest)."""
+    monkeypatch.setattr(http11, "KEEPALIVE_S", 0.2)
+    srv = await server(json_reply)
+    client = Http11Client()
+    replies = await asyncio.gather(*(client.post(srv.url, json={"n": n}) for n in range(4)))
+    assert [r.json()["echo"] for r in replies] == [{"n": n} for n in range(4)]
+    assert replies[0].headers["content-type"] == "application/json"  # the reply keeps its own
+    idle = client._idle[("http", "127.0.0.1", int(srv.url.rsplit(":", 1)[1]))]
+    assert srv.connections == 4 and len(idle) == 4
+    assert not any(conn.headers for conn in idle)
+    conns = list(idle)
+    async with asyncio.timeout(10):  # a bound on reaching the state, not a timing assertion
+        while idle or not all(conn.transport is None or conn.transport.is_closing() for conn in conns):
+            await asyncio.sleep(0.05)
+    await client.aclose()
+
+
 FLOOD_TOTAL = 8 * 1024 * 1024
 
 

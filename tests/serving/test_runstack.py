@@ -358,3 +358,73 @@ def test_an_extra_models_own_sidecar_gets_the_same_graceful_restart(tmp_path: Pa
         assert RenderConfig.objects.get(served_model=first).port == cfg.render_port  # untouched
         pids = list(sup.pids.values())
     assert not any(alive(pid) for pid in pids)
+
+
+UNIX_SERVER = """
+import http.server, socketserver, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.send_response(200); self.send_header("content-length", "2"); self.end_headers(); self.wfile.write(b"{}")
+    def log_message(self, *args): pass
+socketserver.UnixStreamServer(sys.argv[1], Handler).serve_forever()
+"""
+
+
+def fake_unix_sidecar(cfg: stack.StackConfig) -> ProcessSpec:
+    """What stack.render_spec would start with ``render_socket_dir``: a tiny HTTP server on its socket."""
+    spec = stack.render_spec(cfg)
+    return replace(spec, argv=[sys.executable, "-c", UNIX_SERVER, spec.unix_sockets[0]], env={},
+                   log_path=cfg.log_dir / f"render-{cfg.render_port}.log", ready_timeout=10)
+
+
+def test_a_pool_on_unix_sockets_is_replaced_on_sockets_of_its_own(tmp_path: Path) -> None:
+    cfg = stack.StackConfig(
+        model_dir="/nonexistent", render_python=sys.executable, engine_python=sys.executable,
+        render_port=free_port(), render_member_ports=(free_port(),), log_dir=tmp_path, render_socket_dir=tmp_path / "run",
+    )
+    first, member = (f"unix:{tmp_path.resolve()}/run/render-{p}.sock" for p in (cfg.render_port, *cfg.render_member_ports))
+    config = RenderConfig.objects.create(host=first, port=cfg.render_port, renderer_num_workers=4)
+    for host in (first, member):
+        RenderSidecar.objects.create(render_config=config, host=host, port=0)
+    specs = [replace(s, argv=fake_unix_sidecar(replace(cfg, render_port=p)).argv, env={}, ready_timeout=10)
+             for s, p in zip(stack.render_specs(cfg), (cfg.render_port, *cfg.render_member_ports), strict=True)]
+    clock = Clock()
+    with Supervisor(specs) as sup:
+        restarter = RenderRestarter(sup, cfg, drain_s=30, settle_s=3, clock=clock, spec_for=fake_unix_sidecar)
+        render_config_publish(changes={"renderer_num_workers": 2}, actor="test")
+        restarter.tick()  # the first sidecar's replacement, on a socket of its own, ready over it
+        config = RenderConfig.objects.get()
+        assert config.port != cfg.render_port and config.host == f"unix:{tmp_path.resolve()}/run/render-{config.port}.sock"
+        assert sorted(RenderSidecar.objects.values_list("host", "port")) == sorted([(config.host, 0), (member, 0)])
+        report({config.base_url: 0, stack.render_base_url(cfg, cfg.render_port): 1})  # a stream on the old one
+        clock.now += 3
+        restarter.tick()
+        assert set(sup.pids) == {"render", "render-member-2", "render-2"}  # kept: the stream is on it
+        report({})
+        restarter.tick()
+        restarter.tick()  # the member's replacement
+        clock.now += 3
+        restarter.tick()
+        assert set(sup.pids) == {"render-2", "render-3"} and not RenderConfig.objects.get().restart_required
+        hosts = {h for h, _ in RenderSidecar.objects.values_list("host", "port")}
+        assert member not in hosts and len(hosts) == 2 and all(h.startswith(f"unix:{tmp_path.resolve()}/run/") for h in hosts)
+        pids = list(sup.pids.values())
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_make_run_puts_its_sidecars_on_sockets_in_a_private_directory_unless_told_not_to(tmp_path: Path) -> None:
+    from motorsite.launcher.management.commands.runstack import _socket_dir
+
+    assert _socket_dir({"render_socket_dir": None, "var_dir": str(tmp_path)}) == tmp_path / "run"
+    assert _socket_dir({"render_socket_dir": "", "var_dir": str(tmp_path)}) is None  # MOTOR_RENDER_SOCKET_DIR=
+    cfg = stack.StackConfig(model_dir="/m", render_python="python", engine_python="python", render_port=8100,
+                            render_member_ports=(8101,), log_dir=tmp_path, render_socket_dir=tmp_path / "run")
+    first, second = stack.render_specs(cfg)
+    assert (tmp_path / "run").stat().st_mode & 0o777 == 0o700
+    sock = f"{tmp_path.resolve()}/run/render-8100.sock"
+    assert first.argv[first.argv.index("--uds") + 1] == sock and "--port" not in first.argv and "--host" not in first.argv
+    assert (first.ports, first.unix_sockets, first.ready_base_url) == ([], [sock], "http+unix://" + sock.replace("/", "%2F"))
+    assert second.unix_sockets == [f"{tmp_path.resolve()}/run/render-8101.sock"]
+    with pytest.raises(ValueError, match="too long a directory"):
+        stack.render_specs(replace(cfg, render_socket_dir=tmp_path / ("d" * 100)))

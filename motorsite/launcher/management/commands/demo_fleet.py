@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
+from django.db.models import Q
 
 from catalog.fingerprints import config_vocab_size
 from catalog.models import RenderConfig, RenderSidecar, ServedModel
 from catalog.services import revision_record
 from fleet.models import ApiKey, EngineInstance
 from fleet.services import api_key_ensure, instance_create, instance_delete, instance_update
+from motorsite import tiers
 from motorsite.core import bump_control_version
 
 ACTOR = "demo_fleet"  # who the instances' history names for what this command changed
@@ -25,6 +28,11 @@ def _address(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(text)  # argparse: "invalid _address value"
     return host, int(port)
+
+
+def render_socket_host(socket_dir: str, port: int) -> str:
+    """The address of the sidecar ``make run`` starts for ``port`` on a unix socket in ``socket_dir``."""
+    return f"unix:{tiers.render_socket_path(socket_dir, port)}"
 
 
 class Command(BaseCommand):
@@ -39,6 +47,11 @@ class Command(BaseCommand):
         parser.add_argument(
             "--render-member-port", action="append", type=int, default=[],
             help="another sidecar of the render pool on --render-host, repeatable",
+        )
+        parser.add_argument(
+            "--render-socket-dir", default=None, metavar="DIR",
+            help="the sidecars on --render-port and --render-member-port listen on unix sockets in DIR "
+            "(render-PORT.sock, vllm launch render --uds), not on --render-host",
         )
         # Sidecars in containers or pods of their own (compose, deploy/k8s): one address each, so
         # the pool sees every member (never one load-balanced name for several sidecars).
@@ -105,18 +118,31 @@ class Command(BaseCommand):
         # One render config per model: the first model's is "default", another's is named after it.
         config_name = model.name if only else "default"
         RenderConfig.objects.filter(served_model=model).exclude(name=config_name).update(served_model=None)
-        host = opts["render_host"]
-        members = [(host, opts["render_port"]), *((host, p) for p in opts["render_member_port"]), *opts["render_member"]]
+        host, ports, sockets = opts["render_host"], [opts["render_port"], *opts["render_member_port"]], opts["render_socket_dir"]
+        # On unix sockets, each started sidecar's address is its socket (port 0: it has none).
+        started = [(render_socket_host(sockets, p), 0) for p in ports] if sockets else [(host, p) for p in ports]
+        members = [*started, *opts["render_member"]]
+        # Where an earlier run's sidecars were, if on sockets: the config's own address was its first.
+        earlier = RenderConfig.objects.filter(name=config_name).values_list("host", flat=True).first() or ""
         config, _ = RenderConfig.objects.update_or_create(
             name=config_name,
-            defaults={"host": host, "port": opts["render_port"], "enable": True, "pool_size": len(members),
+            # The config's own address is its first sidecar's; a unix socket's config ignores ``port``,
+            # which stays the launcher's name for the sidecar it restarts (render_restarter).
+            defaults={"host": started[0][0], "port": opts["render_port"], "enable": True, "pool_size": len(members),
                       "served_model": model},
         )
         # The pool is exactly the sidecars this run started (a member left from another run would
-        # be a port nobody listens on); members on hosts this run does not name are the operator's and stay.
+        # be a port or a socket nobody listens on); members on hosts this run does not name are the
+        # operator's and stay.
         for member_host in {h for h, _ in members}:
-            ports = [p for h, p in members if h == member_host]
-            config.sidecars.filter(host=member_host).exclude(port__in=ports).delete()
+            config.sidecars.filter(host=member_host).exclude(port__in=[p for h, p in members if h == member_host]).delete()
+        if sockets:
+            # This launcher's own sidecars of an earlier run: on --render-host, or sockets in its directory.
+            ours = Q(host=host) | Q(host__startswith=f"unix:{Path(sockets).resolve()}/")
+            config.sidecars.filter(ours).exclude(host__in=[h for h, _ in started]).delete()
+        elif earlier.startswith("unix:/"):
+            # Back on TCP after a run on sockets: that run's sockets, beside its first one, are gone.
+            config.sidecars.filter(host__startswith=earlier.rsplit("/", 1)[0] + "/").delete()
         for member_host, port in members:
             RenderSidecar.objects.get_or_create(render_config=config, host=member_host, port=port)
         Role = EngineInstance.Role

@@ -29,6 +29,16 @@ def _required_env(name: str) -> str:
     return value
 
 
+def _socket_dir(opts: dict[str, Any]) -> Path | None:
+    """Where the sidecars' unix sockets go: ``--render-socket-dir``, else run/ under ``--var-dir``;
+    "" for TCP. ``make run`` puts its sidecars on unix sockets because that costs less CPU per
+    derender call (bench/sidecar_uds.py in bench/RESULTS.md)."""
+    chosen = opts["render_socket_dir"]
+    if chosen is None:
+        return Path(opts["var_dir"]) / "run"
+    return Path(chosen) if chosen else None
+
+
 class Command(BaseCommand):
     help = "Run the whole stack on 127.0.0.1 until Ctrl-C or SIGTERM."
 
@@ -45,6 +55,12 @@ class Command(BaseCommand):
         parser.add_argument(
             "--render-pool-size", type=int, default=int(os.environ.get("MOTOR_RENDER_POOL_SIZE", "1")),
             help="render sidecars to start, on --render-port and the ports after it (docs/render-pool.md)",
+        )
+        parser.add_argument(
+            "--render-socket-dir",
+            default=os.environ.get("MOTOR_RENDER_SOCKET_DIR"),
+            help="the render sidecars listen on unix sockets in this directory (created 0700; vLLM's --uds) instead "
+            "of on 127.0.0.1 (default: run/ under --var-dir; empty: TCP on --render-port and the ports after it)",
         )
         parser.add_argument(
             "--engine-ports",
@@ -106,6 +122,7 @@ class Command(BaseCommand):
             server=opts["server"],
             render_port=opts["render_port"],
             render_member_ports=tuple(opts["render_port"] + i for i in range(1, max(1, opts["render_pool_size"]))),
+            render_socket_dir=_socket_dir(opts),
             engine_ports=_ports(opts["engine_ports"]),
             prefill_ports=_ports(opts["prefill_ports"]),
             decode_ports=_ports(opts["decode_ports"]),
@@ -162,10 +179,10 @@ class Command(BaseCommand):
                     f"  OpenAI API      {base}/v1   (Authorization: Bearer {api_key})",
                     f"  Django admin    {base}/admin/   (user admin, password {admin_password})",
                     f"  REST API        {base}/api/   (Authorization: Bearer {admin_key}; docs at {base}/api/docs)",
-                    *[f"  render sidecar  http://127.0.0.1:{p}" for p in (cfg.render_port, *cfg.render_member_ports)],
+                    *[f"  render sidecar  {stack.render_address(cfg, p)}" for p in (cfg.render_port, *cfg.render_member_ports)],
                     *[f"  engine          {u}" for u in cfg.engine_urls],
                     *[f"  LoRA adapter    {a.name} (model {a.name!r}, base {cfg.served_model_name!r})" for a in cfg.lora_adapters],
-                    *[f"  model {m.name:<9} render http://127.0.0.1:{m.render_port}, engines "
+                    *[f"  model {m.name:<9} render {stack.render_address(cfg, m.render_port)}, engines "
                       + ", ".join(f"http://127.0.0.1:{p}" for p in m.engine_ports) for m in cfg.extra_models],
                     "",
                     "try:",
