@@ -8,7 +8,8 @@ configuration: SQLite by default, PostgreSQL and Redis when they answer on 127.0
 The fixtures are session-scoped (started once, on first use), but every process they start is
 stopped after the package's last test, not at the end of the session: the tests that follow
 (the supervisor's, the simulators') bound waits in tenths of a second and must not share this
-2-core machine with idle vLLM engines.
+2-core machine with idle vLLM engines. The real vLLM processes are ``early.EarlyRig``s: begun in
+the background while the tests before their first user run (``pytest_runtest_call`` below).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
 from serving.pipeline.http11 import Http11Client
 from tests import prerequisites
 
+from . import early
+
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 API_KEY = "sk-test-" + uuid.uuid4().hex[:12]
 HERE = Path(__file__).resolve().parent
@@ -50,6 +53,33 @@ def _in_package(item: pytest.Item) -> bool:
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    # While this test runs, the next rig of real processes the remaining tests need starts.
+    _begin_next_rig(item)
+    return (yield)
+
+
+def _begin_next_rig(item: pytest.Item) -> None:
+    if not all(os.environ.get(name) for name in ("MOTOR_MODEL_DIR", "MOTOR_RENDER_PYTHON", "MOTOR_ENGINE_PYTHON")):
+        return  # not under make test: each fixture fails with the reason when it is used
+    items = item.session.items
+    upcoming = [
+        (str(Path(i.path).resolve()), tuple(i.fixturenames))
+        for i in items[items.index(item) + 1:] if isinstance(i, pytest.Function) and _in_package(i)
+    ]
+    early.UPCOMING[:] = [(_base(), upcoming)]
+    found = early.next_to_begin(upcoming)
+    if found is not None:
+        found.begin(_base(), early=True, during=f"during {item.nodeid}")
+
+
+def pytest_sessionfinish() -> None:
+    # A rig begun for a test that never ran (an interrupted or failed-fast run) stops too.
+    for rig in early.RIGS:
+        rig.close()
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     result = yield
     # Items are ordered before the run starts: once none of this package's is left, stop its
@@ -62,6 +92,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if index >= _last_use(items, fixture):
             running.close()
     if not any(_in_package(i) for i in items[index + 1:]):
+        early.UPCOMING.clear()  # nothing more to begin
         SESSION_PROCESSES.close()
     return result
 
@@ -94,29 +125,47 @@ def _env(name: str) -> str:
     return value
 
 
+_BASE: list[stack.StackConfig] = []
+
+
+def _base() -> stack.StackConfig:
+    """The session's configuration (its ports chosen once), without a database: what the rigs'
+    processes are started from, before or when a fixture asks."""
+    if not _BASE:
+        log_dir = ARTIFACTS / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        early.LOG[:] = [log_dir / "early-rigs.log"]
+        _BASE.append(stack.StackConfig(
+            model_dir=_env("MOTOR_MODEL_DIR"),
+            render_python=_env("MOTOR_RENDER_PYTHON"),
+            engine_python=_env("MOTOR_ENGINE_PYTHON"),
+            render_port=free_port(),
+            engine_ports=(free_port(), free_port()),
+            # The P/D engines start only for the tests that need them (test_handoff_real.py).
+            prefill_ports=(),
+            decode_ports=(),
+            api_keys=(API_KEY,),
+            log_dir=log_dir,
+        ))
+    return _BASE[0]
+
+
 @pytest.fixture(scope="session")
 def base_config(tmp_path_factory: pytest.TempPathFactory) -> stack.StackConfig:
-    log_dir = ARTIFACTS / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    return stack.StackConfig(
-        model_dir=_env("MOTOR_MODEL_DIR"),
-        render_python=_env("MOTOR_RENDER_PYTHON"),
-        engine_python=_env("MOTOR_ENGINE_PYTHON"),
-        render_port=free_port(),
-        engine_ports=(free_port(), free_port()),
-        # The P/D engines start only for the tests that need them (test_handoff_real.py).
-        prefill_ports=(),
-        decode_ports=(),
-        api_keys=(API_KEY,),
-        log_dir=log_dir,
-        database_url=f"sqlite:///{tmp_path_factory.mktemp('db') / 'coordinator.sqlite3'}",
-    )
+    return replace(_base(), database_url=f"sqlite:///{tmp_path_factory.mktemp('db') / 'coordinator.sqlite3'}")
+
+
+def _tiers(base: stack.StackConfig) -> tuple[list[ProcessSpec], None]:
+    return together([stack.render_spec(base), *stack.engine_specs(base)]), None
+
+
+TIERS = early.rig("tiers", _tiers, fixture="tiers")
 
 
 @pytest.fixture(scope="session")
 def tiers(base_config: stack.StackConfig) -> Iterator[stack.StackConfig]:
     """The render sidecar and two real vLLM union engines, started together (each engine on its own core)."""
-    _supervised(together([stack.render_spec(base_config), *stack.engine_specs(base_config)]))
+    SESSION_PROCESSES.enter_context(TIERS.running(base_config))
     yield base_config
     SESSION_PROCESSES.close()  # a no-op when the package's end already stopped them
 
@@ -148,31 +197,33 @@ def sim_stack(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory
     yield from _coordinator(cfg)
 
 
+def _parser_render(base: stack.StackConfig) -> tuple[list[ProcessSpec], str]:
+    cfg = replace(base, render_port=free_port(), render_workers=2, render_parsers=True)
+    spec = replace(stack.render_spec(cfg), name="render-parsers", log_path=cfg.log_dir / "render-parsers.log",
+                   ready_timeout=300.0)
+    return [spec], f"http://127.0.0.1:{cfg.render_port}"
+
+
+PARSER_RENDER = early.rig("parser_render", _parser_render, fixture="parser_render")
+
+
 @pytest.fixture(scope="session")
 def parser_render(base_config: stack.StackConfig) -> Iterator[str]:
     """The URL of a real render sidecar (two workers) with the hermes tool and qwen3 reasoning
     parsers: the one test_messages_real, test_obfuscation_real, test_parsers_real and
     test_responses_real render tool calls and reasoning through."""
     running = _until_last_user("parser_render")
-    cfg = replace(base_config, render_port=free_port(), render_workers=2, render_parsers=True)
-    spec = replace(stack.render_spec(cfg), name="render-parsers", log_path=cfg.log_dir / "render-parsers.log",
-                   ready_timeout=300.0)
-    running.enter_context(Supervisor([spec]))
-    yield f"http://127.0.0.1:{cfg.render_port}"
+    url, _ = running.enter_context(PARSER_RENDER.running(base_config))
+    yield url
     running.close()
 
 
-@pytest.fixture(scope="session")
-def one_worker_render(base_config: stack.StackConfig) -> Iterator[int]:
-    """The port of a real render sidecar without parsers on one worker (whose Prometheus counters
-    are then the whole sidecar's), for test_local_stream_diff_real and test_local_stream_real."""
-    running = _until_last_user("one_worker_render")
-    cfg = replace(base_config, render_port=free_port(), render_workers=1, render_parsers=False)
-    spec = replace(stack.render_spec(cfg), name="render-one-worker", log_path=cfg.log_dir / "render-one-worker.log",
-                   ready_timeout=300.0)
-    running.enter_context(Supervisor([spec]))
-    yield cfg.render_port
-    running.close()
+def _parser_engine(base: stack.StackConfig) -> tuple[list[ProcessSpec], stack.StackConfig]:
+    cfg = replace(base, render_parsers=True, engine_ports=(free_port(),), log_dir=base.log_dir / "parser-rig")
+    return stack.engine_specs(cfg), cfg
+
+
+PARSER_ENGINE = early.rig("parser_rig", _parser_engine, fixture="parser_rig")
 
 
 @pytest.fixture(scope="session")
@@ -183,14 +234,14 @@ def parser_rig(
     through ``parser_render``: the token path and vLLM's own API side by side, for
     test_messages_real and test_responses_real."""
     running = _until_last_user("parser_rig")
+    engine, _ = running.enter_context(PARSER_ENGINE.running(base_config))
     cfg = replace(
         base_config, render_port=int(parser_render.rsplit(":", 1)[1]), render_workers=2, render_parsers=True,
-        engine_ports=(free_port(),), coordinator_port=free_port(),
+        engine_ports=engine.engine_ports, coordinator_port=free_port(),
         database_url=f"sqlite:///{tmp_path_factory.mktemp('parser-rig') / 'coordinator.sqlite3'}",
-        log_dir=base_config.log_dir / "parser-rig",
+        log_dir=engine.log_dir,
     )
     stack.prepare_database(cfg)
-    running.enter_context(Supervisor(stack.engine_specs(cfg)))
     running.enter_context(Supervisor([stack.coordinator_spec(cfg)]))
     yield cfg
     running.close()
@@ -208,29 +259,37 @@ class TokensOnlyEngine:
         return self.events_endpoint
 
 
+def _tokens_only_engine(base: stack.StackConfig) -> tuple[list[ProcessSpec], TokensOnlyEngine]:
+    hold = socket.socket()
+    hold.bind(("127.0.0.1", 0))
+    endpoint = f"tcp://127.0.0.1:{hold.getsockname()[1]}"
+    port = free_port()
+    argv, env = tier_commands.vllm_engine_command(
+        python=base.engine_python, model_dir=base.model_dir,
+        served_model_name=base.served_model_name, port=port, mode="tokens-only",
+        core=(os.cpu_count() or 1) - 1, max_model_len=base.max_model_len,
+    )
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+    spec = ProcessSpec(
+        name="tokens-only-engine", argv=[*argv, "--kv-events-config", json.dumps(events)], env=env,
+        log_path=base.log_dir / "tokens-only-engine.log", ports=[("127.0.0.1", port)],
+        ready_post=tier_commands.engine_ready_request(base.served_model_name),
+        ready_base_url=f"http://127.0.0.1:{port}", ready_timeout=600.0,
+    )
+    return [spec], TokensOnlyEngine(f"http://127.0.0.1:{port}", endpoint, hold)
+
+
+TOKENS_ONLY_ENGINE = early.rig("tokens_only_engine", _tokens_only_engine, fixture="tokens_only_engine")
+
+
 @pytest.fixture(scope="session")
 def tokens_only_engine(base_config: stack.StackConfig) -> Iterator[TokensOnlyEngine]:
     """A real ``--tokens-only`` engine on the last core, publishing its KV cache events over ZMQ:
     what test_engine_probe_real probes and test_kv_events_real indexes."""
     running = _until_last_user("tokens_only_engine")
-    hold = running.enter_context(socket.socket())
-    hold.bind(("127.0.0.1", 0))
-    endpoint = f"tcp://127.0.0.1:{hold.getsockname()[1]}"
-    port = free_port()
-    argv, env = tier_commands.vllm_engine_command(
-        python=base_config.engine_python, model_dir=base_config.model_dir,
-        served_model_name=base_config.served_model_name, port=port, mode="tokens-only",
-        core=(os.cpu_count() or 1) - 1, max_model_len=base_config.max_model_len,
-    )
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
-    spec = ProcessSpec(
-        name="tokens-only-engine", argv=[*argv, "--kv-events-config", json.dumps(events)], env=env,
-        log_path=base_config.log_dir / "tokens-only-engine.log", ports=[("127.0.0.1", port)],
-        ready_post=tier_commands.engine_ready_request(base_config.served_model_name),
-        ready_base_url=f"http://127.0.0.1:{port}", ready_timeout=600.0,
-    )
-    running.enter_context(Supervisor([spec]))
-    yield TokensOnlyEngine(f"http://127.0.0.1:{port}", endpoint, hold)
+    engine, _ = running.enter_context(TOKENS_ONLY_ENGINE.running(base_config))
+    running.enter_context(engine.hold)
+    yield engine
     running.close()
 
 

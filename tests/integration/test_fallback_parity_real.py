@@ -18,6 +18,8 @@ local fallback. Compared:
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -27,12 +29,13 @@ import httpx
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port
+from motorsite.supervisor import ProcessSpec, Supervisor, free_port
 from serving.pipeline.render.local_tokenizer import LocalTokenizer
 from serving.pipeline.render.tokenization import local_render, local_unsupported
 from serving.pipeline.snapshot import ModelView
 from tests.model_variants import GENERATION_DEFAULTS, with_generation_config
 
+from . import early
 from .conftest import API_KEY
 
 pytestmark = pytest.mark.integration
@@ -66,18 +69,31 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cfg(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackConfig]:
-    """The variant model's sidecar (with parsers) and one simulated engine."""
-    model = with_generation_config(base_config.model_dir, tmp_path_factory.mktemp("model") / "tiny-gen")
+def _variant_sidecar(base: stack.StackConfig) -> tuple[list[ProcessSpec], stack.StackConfig]:
+    model = with_generation_config(base.model_dir, Path(tempfile.mkdtemp(prefix="motorsite-model-")) / "tiny-gen")
     config = replace(
-        base_config, model_dir=str(model), render_port=free_port(), render_workers=1, render_parsers=True,
-        engines="sim", engine_ports=(free_port(),), log_dir=base_config.log_dir / "fallback-parity",
+        base, model_dir=str(model), render_port=free_port(), render_workers=1, render_parsers=True,
+        engines="sim", engine_ports=(free_port(),), log_dir=base.log_dir / "fallback-parity",
     )
-    # One after the other: a simulated engine's 30 s readiness bound would run out while the
-    # sidecar loads on a busy machine.
-    with Supervisor([stack.render_spec(config)]), Supervisor(stack.engine_specs(config)):
-        yield config
+    return [stack.render_spec(config)], config
+
+
+# Begun in the background while the tests before this module run (tests/integration/early.py).
+SIDECAR = early.rig("fallback-parity-sidecar", _variant_sidecar, fixture="cfg", module=str(Path(__file__).resolve()))
+
+
+@pytest.fixture(scope="module")
+def cfg(base_config: stack.StackConfig) -> Iterator[stack.StackConfig]:
+    """The variant model's sidecar (with parsers) and one simulated engine."""
+    try:
+        with SIDECAR.running(base_config) as (config, _):
+            # After the sidecar: a simulated engine's 30 s readiness bound would run out while the
+            # sidecar loads on a busy machine.
+            with Supervisor(stack.engine_specs(config)):
+                yield replace(config, database_url=base_config.database_url)
+    finally:
+        if SIDECAR.value is not None:  # the variant model: links to the tiny model's files, and its config
+            shutil.rmtree(Path(SIDECAR.value.model_dir).parent, ignore_errors=True)
 
 
 def _coordinator(config: stack.StackConfig, name: str, tmp: Path) -> Iterator[httpx.Client]:

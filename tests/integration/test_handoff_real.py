@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port, together
+from motorsite.supervisor import ProcessSpec, free_port, together
 from serving.pipeline.engine.client import EngineClient
 from serving.pipeline.engine.requests import engine_request
 from serving.pipeline.http11 import Http11Client
@@ -32,6 +32,7 @@ from serving.pipeline.topologies.handoff import open_handoff
 from serving.pipeline.topologies.hybrid import PDPolicy
 from tests.pd_sims import router_pd_context
 
+from . import early
 from .conftest import API_KEY, _coordinator
 
 # The first test here may pay for starting the session's render sidecar and union engines as well
@@ -45,18 +46,27 @@ def messages(word: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": " ".join(f"{word}{i} and its meaning;" for i in range(80))}]
 
 
-@pytest.fixture(scope="module")  # only this module uses them: stopped when it ends
-def pd_tiers(tiers: stack.StackConfig) -> Iterator[tuple[stack.StackConfig, dict[str, int]]]:
-    """A real prefill and a real decode engine next to the session's render sidecar and union engines."""
+def _pd_specs(base: stack.StackConfig) -> tuple[list[ProcessSpec], stack.StackConfig]:
     cfg = replace(
-        tiers,
+        base,
         prefill_ports=(free_port(),),
         decode_ports=(free_port(),),
         nixl_ports=(free_port(), free_port()),
-        log_dir=tiers.log_dir / "pd",
+        log_dir=base.log_dir / "pd",
     )
-    with Supervisor(together(stack.pd_engine_specs(cfg))) as supervisor:  # P on core 0, D on core 1
-        yield cfg, supervisor.pids
+    return together(stack.pd_engine_specs(cfg)), cfg  # P on core 0, D on core 1
+
+
+# Begun in the background while the tests before this module run (tests/integration/early.py).
+PD = early.rig("handoff-pd", _pd_specs, fixture="pd_tiers", module=str(Path(__file__).resolve()))
+
+
+@pytest.fixture(scope="module")  # only this module uses them: stopped when it ends
+def pd_tiers(tiers: stack.StackConfig) -> Iterator[tuple[stack.StackConfig, dict[str, int]]]:
+    """A real prefill and a real decode engine next to the session's render sidecar and union engines."""
+    with PD.running(tiers) as (pd, supervisor):
+        yield replace(tiers, prefill_ports=pd.prefill_ports, decode_ports=pd.decode_ports, nixl_ports=pd.nixl_ports,
+                      log_dir=pd.log_dir), supervisor.pids
 
 
 def view(name: str, url: str, role: str) -> InstanceView:

@@ -55,8 +55,8 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(base_config: stack.StackConfig, one_worker_render: int) -> Iterator[Pair]:
-    """The sidecar is ``conftest.one_worker_render``, which test_local_stream_real uses next."""
+def pair(base_config: stack.StackConfig, tiers: stack.StackConfig) -> Iterator[Pair]:
+    """The sidecar is the session's (``conftest.tiers``: no parsers), which test_local_stream_real uses next."""
     local = local_stream_derenderer(base_config.model_dir, 30.0)
     # The byte-level alphabet's tokens, by byte: every byte alone, so a character's bytes can be split.
     table = _bytes_to_unicode()
@@ -64,7 +64,7 @@ def pair(base_config: stack.StackConfig, one_worker_render: int) -> Iterator[Pai
     loop = asyncio.new_event_loop()
     client = Http11Client()
     try:
-        yield Pair(loop, RenderClient(client, f"http://127.0.0.1:{one_worker_render}", 30.0), local, byte_ids)
+        yield Pair(loop, RenderClient(client, f"http://127.0.0.1:{tiers.render_port}", 30.0), local, byte_ids)
     finally:
         loop.run_until_complete(client.aclose())
         loop.close()

@@ -36,16 +36,17 @@ MESSAGES = [{"role": "user", "content": "Write a short poem about the sea, é中
 
 
 @pytest.fixture(scope="module")
-def sidecar_proxy(one_worker_render: int) -> Iterator[CuttingProxy]:
-    """The sidecar is ``conftest.one_worker_render``, test_local_stream_diff_real's too; the
-    coordinators reach it through this proxy (never armed: it only records what they send)."""
-    with CuttingProxy(one_worker_render, Cut()) as proxy:
+def sidecar_proxy(tiers: stack.StackConfig) -> Iterator[CuttingProxy]:
+    """The sidecar is the session's (``conftest.tiers``), test_local_stream_diff_real's too; the
+    coordinators reach it through this proxy (never armed: it only records what they send, so
+    no other test's calls to that sidecar are counted)."""
+    with CuttingProxy(tiers.render_port, Cut()) as proxy:
         yield proxy
 
 
 @pytest.fixture(scope="module")
 def cfg(base_config: stack.StackConfig, sidecar_proxy: CuttingProxy) -> Iterator[stack.StackConfig]:
-    config = replace(base_config, render_port=sidecar_proxy.port, render_workers=1, render_parsers=False,
+    config = replace(base_config, render_port=sidecar_proxy.port, render_parsers=False,
                      engines="sim", engine_ports=(free_port(),), log_dir=base_config.log_dir / "local-stream")
     with Supervisor(stack.engine_specs(config)):
         yield config

@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -22,8 +23,9 @@ import openai
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port, together
+from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
 
+from . import early
 from .conftest import API_KEY
 from .cutting_proxy import Cut, CuttingProxy
 
@@ -66,15 +68,23 @@ def _env(name: str) -> str:
     return value
 
 
+def _lora_engine(base: stack.StackConfig) -> tuple[list[ProcessSpec], stack.StackConfig]:
+    log_dir = base.log_dir / "lora"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    adapter = stack.LoraAdapter(ADAPTER, _env("MOTOR_LORA_DIR"))
+    lora_tier = replace(base, engine_ports=(free_port(),), lora_adapters=(adapter,), log_dir=log_dir)
+    return together(stack.engine_specs(lora_tier)), lora_tier
+
+
+# Begun in the background while the tests before this module run (tests/integration/early.py).
+LORA_ENGINE = early.rig("lora-engine", _lora_engine, fixture="fleet", module=str(Path(__file__).resolve()))
+
+
 @pytest.fixture(scope="module")
 def fleet(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    log_dir = tiers.log_dir / "lora"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    lora_port = free_port()
-    adapter = stack.LoraAdapter(ADAPTER, _env("MOTOR_LORA_DIR"))
-    lora_tier = replace(tiers, engine_ports=(lora_port,), lora_adapters=(adapter,), log_dir=log_dir)
     with contextlib.ExitStack() as running:
-        running.enter_context(Supervisor(together(stack.engine_specs(lora_tier))))
+        lora_tier, _ = running.enter_context(LORA_ENGINE.running(tiers))
+        (lora_port,), (adapter,), log_dir = lora_tier.engine_ports, lora_tier.lora_adapters, lora_tier.log_dir
         ports = {"with": lora_port, "without": tiers.engine_ports[0]}
         proxies = {key: running.enter_context(CuttingProxy(port, Cut())) for key, port in ports.items()}
         cfg = replace(

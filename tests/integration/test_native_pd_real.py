@@ -17,17 +17,35 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port, together
+from motorsite.supervisor import ProcessSpec, free_port, together
 
+from . import early
 from .conftest import API_KEY, _coordinator
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+
+def _pd_specs(base: stack.StackConfig) -> tuple[list[ProcessSpec], stack.StackConfig]:
+    cfg = replace(
+        base,
+        prefill_ports=(free_port(),),
+        decode_ports=(free_port(),),
+        nixl_ports=(free_port(), free_port()),
+        pd_mode="scale-out",
+        log_dir=base.log_dir / "native-pd",
+    )
+    return together(stack.pd_engine_specs(cfg)), cfg  # P on core 0, D on core 1
+
+
+# Begun in the background while the tests before this module run (tests/integration/early.py).
+PD = early.rig("native-pd", _pd_specs, fixture="native_pd", module=str(Path(__file__).resolve()))
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +53,10 @@ def native_pd(
     tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[stack.StackConfig, str]]:
     """(a coordinator whose fleet is only the scale-out P/D pair, the session's union engine URL)."""
-    cfg = replace(
-        tiers,
-        prefill_ports=(free_port(),),
-        decode_ports=(free_port(),),
-        nixl_ports=(free_port(), free_port()),
-        pd_mode="scale-out",
-        log_dir=tiers.log_dir / "native-pd",
-    )
-    with Supervisor(together(stack.pd_engine_specs(cfg))):  # P on core 0, D on core 1
+    with PD.running(tiers) as (pd, _):
         fleet = replace(
-            cfg, engine_ports=(), coordinator_port=free_port(),
+            tiers, prefill_ports=pd.prefill_ports, decode_ports=pd.decode_ports, nixl_ports=pd.nixl_ports,
+            pd_mode=pd.pd_mode, log_dir=pd.log_dir, engine_ports=(), coordinator_port=free_port(),
             database_url=f"sqlite:///{tmp_path_factory.mktemp('npddb') / 'coordinator.sqlite3'}",
         )
         for coordinator in _coordinator(fleet):

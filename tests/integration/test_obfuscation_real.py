@@ -39,6 +39,7 @@ from serving.pipeline.obfuscation.mapping import TokenMapping
 from serving.pipeline.render.client import RenderClient
 from serving.pipeline.snapshot import InstanceView
 
+from . import early
 from .cutting_proxy import Cut, CuttingProxy
 
 # The first test's setup starts the session's tiers and then this module's three engines
@@ -75,46 +76,56 @@ class Engines:
     obf2: str  # a second obfuscated engine: where a cut stream is relayed to
 
 
-@pytest.fixture(scope="module")
-def engines(tiers: stack.StackConfig, obf_model: tuple[Path, TokenMapping]) -> Iterator[Engines]:
+def _engine_specs(base: stack.StackConfig) -> tuple[list[ProcessSpec], Engines]:
     """Three real float32 engines, plain and two obfuscated, started together through the supervisor."""
     cores = max(os.cpu_count() or 1, 1)
     specs: list[ProcessSpec] = []
     urls: list[str] = []
     # The session's two engines sit on cores 0 and 1; these share them.
     plan = (
-        ("engine-obf-plain", tiers.model_dir, "scale-out", 0),
-        ("engine-obf", str(obf_model[0]), "tokens-only", cores - 1),
-        ("engine-obf-2", str(obf_model[0]), "tokens-only", 0),
+        ("engine-obf-plain", base.model_dir, "scale-out", 0),
+        ("engine-obf", _env("MOTOR_OBF_MODEL_DIR"), "tokens-only", cores - 1),
+        ("engine-obf-2", _env("MOTOR_OBF_MODEL_DIR"), "tokens-only", 0),
     )
     for name, model_dir, mode, core in plan:
         port = free_port()
         argv, env = tier_commands.vllm_engine_command(
-            python=tiers.engine_python,
+            python=base.engine_python,
             model_dir=model_dir,
-            served_model_name=tiers.served_model_name,
+            served_model_name=base.served_model_name,
             port=port,
             mode=mode,
             core=core,
-            max_model_len=tiers.max_model_len,
+            max_model_len=base.max_model_len,
         )
         specs.append(ProcessSpec(
             name=name,
             argv=[*argv, *ENGINE_DTYPE],
             env=env,
-            log_path=tiers.log_dir / f"{name}.log",
+            log_path=base.log_dir / f"{name}.log",
             ports=[("127.0.0.1", port)],
             # Readiness sends id 1, which is some physical token on an obfuscated engine: any
             # id is a valid prompt.
-            ready_post=tier_commands.engine_ready_request(tiers.served_model_name),
+            ready_post=tier_commands.engine_ready_request(base.served_model_name),
             ready_base_url=f"http://127.0.0.1:{port}",
             # Three engines starting at once share two cores (and the session's engines): each
             # waits as long as the one check for all three did before.
             ready_timeout=420.0,
         ))
         urls.append(f"http://127.0.0.1:{port}")
-    with Supervisor(together(specs)):  # side by side, each ready on its own real request
-        yield Engines(plain=urls[0], obf=urls[1], obf2=urls[2])
+    return together(specs), Engines(plain=urls[0], obf=urls[1], obf2=urls[2])  # side by side, each ready on its own real request
+
+
+# Begun in the background while the tests before this module run (tests/integration/early.py).
+ENGINES = early.rig("obfuscation-engines", _engine_specs, fixture="engines", module=str(Path(__file__).resolve()))
+
+
+@pytest.fixture(scope="module")
+def engines(base_config: stack.StackConfig, tiers: stack.StackConfig, obf_model: tuple[Path, TokenMapping]) -> Iterator[Engines]:
+    """Three real float32 engines, plain and two obfuscated (``_engine_specs``)."""
+    assert Path(_env("MOTOR_OBF_MODEL_DIR")) == obf_model[0]
+    with ENGINES.running(base_config) as (found, _):
+        yield found
 
 
 def _instance(name: str, url: str, key_id: str = "") -> InstanceView:

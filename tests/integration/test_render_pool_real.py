@@ -8,6 +8,9 @@ either way), so an undisturbed run's text is the reference. Nothing restarts a p
 restart. The pool is changed through the REST API; a fake member that reports vLLM 0.26 beside
 a real 0.33 shows a mixed-version pool derendering streams only on the member that can, after
 the real probe (``fleet.render_pool_probes``) recorded both.
+
+The pool's first sidecar is the session's (``conftest.tiers``, the same command), which no test
+here stops; the second is this module's own, the one a test kills.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 import uuid
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -28,7 +32,8 @@ import openai
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port, together
+from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
+from tests.integration import early
 from tests.integration.conftest import API_KEY
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -104,22 +109,34 @@ class Pool:
             time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def pool(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
-    db = tmp_path_factory.mktemp("render-pool") / "coordinator.sqlite3"
+def _pool(base: stack.StackConfig) -> tuple[list[ProcessSpec], stack.StackConfig]:
     cfg = replace(
-        base_config, engines="sim", render_port=free_port(), render_member_ports=(free_port(),),
+        base, engines="sim", render_member_ports=(free_port(),),
         engine_ports=(free_port(),), prefill_ports=(), decode_ports=(), coordinator_port=free_port(),
-        database_url=f"sqlite:///{db}", celery=False, restart=None,
-        log_dir=base_config.log_dir / "render-pool", extra_env={"MOTOR_DEMO_ADMIN_KEY": ADMIN_KEY},
+        celery=False, restart=None,
+        log_dir=base.log_dir / "render-pool", extra_env={"MOTOR_DEMO_ADMIN_KEY": ADMIN_KEY},
     )
     engine = stack.engine_specs(cfg)[0]
-    # A loaded machine starts two sidecars slowly: the simulator waits its turn with room to spare.
+    # A loaded machine starts a sidecar slowly: the simulator waits its turn with room to spare.
     engine = replace(engine, argv=[*engine.argv, "--tpot-ms", "100", "--eos-probability", "0"], ready_timeout=120.0)
-    with Supervisor(together([*stack.render_specs(cfg), engine])) as tiers:
+    # The member only: ``render`` on ``render_port`` is the session's sidecar (``base``'s).
+    _, member = stack.render_specs(cfg)
+    return together([member, engine]), cfg
+
+
+# Begun in the background while the tests before this module run (tests/integration/early.py).
+POOL = early.rig("render-pool", _pool, fixture="pool", module=str(Path(__file__).resolve()))
+
+
+@pytest.fixture(scope="module")
+def pool(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    db = tmp_path_factory.mktemp("render-pool") / "coordinator.sqlite3"
+    with POOL.running(tiers) as (cfg, own):
+        assert cfg.render_port == tiers.render_port  # the session's sidecar first, this module's second
+        cfg = replace(cfg, database_url=f"sqlite:///{db}")
         stack.prepare_database(cfg)
         with Supervisor([stack.coordinator_spec(cfg)]):
-            yield Pool(cfg, dict(tiers.pids))
+            yield Pool(cfg, dict(own.pids))
 
 
 # -- a fake member: vLLM 0.26 on the outside, the real sidecar inside ------------------------------
@@ -216,9 +233,15 @@ def test_a_mixed_version_pool_derenders_streams_only_on_the_member_that_can(pool
 def test_a_stream_survives_the_loss_of_its_sidecar_without_waiting_for_a_restart(pool: Pool) -> None:
     reference, finish = pool.stream("harbours")
     assert finish == "length" and reference
+    own = pool.cfg.render_member_ports[0]
+    if pool.members()[0]["port"] != own:
+        # This module's own sidecar leads the pool (the session's goes last): it is the one killed.
+        pool.remove(pool.cfg.render_port)
+        pool.add(pool.cfg.render_port)
+        pool.adopted()
     first = pool.members()[0]["port"]  # ties go to the pool's first member: the stream's sidecar
-    name = "render" if first == pool.cfg.render_port else "render-member-2"
-    pid = pool.pids[name]
+    assert first == own
+    pid = pool.pids["render-member-2"]
     render_ok = pool.metric("motor_render_outcomes_total", source="render")
     local = pool.metric("motor_render_outcomes_total", source="local")
 

@@ -19,7 +19,9 @@ such requests may, at most one per client thread (each has one request in flight
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import uuid
@@ -34,9 +36,11 @@ import pytest
 from django.conf import settings
 
 from motorsite import stack
-from motorsite.launched import LaunchedStack, greedy_answer, metric_samples
+from motorsite.launched import LaunchedStack, Stopped, greedy_answer, metric_samples
 from motorsite.restarts import RestartPolicy
 from serving.pipeline.errors import DerenderError
+
+from . import early
 
 # Starts a whole stack, kills two of its processes and waits for their return: minutes, more on
 # a busy machine; the bound that matters is asserted inside, from the ready timeouts.
@@ -52,24 +56,52 @@ LOAD_THREADS = 4
 DERENDER_FAILED = str(DerenderError.public)  # what a client reads when derender failed
 
 
+class Launch:
+    """``manage.py runstack`` as an early rig (tests/integration/early.py): begun in the background
+    while the tests before this module run, stopped by the fixture (or at the session's end)."""
+
+    def __init__(self) -> None:
+        self.var_dir = Path(tempfile.mkdtemp(prefix="motorsite-restarts-"))
+        self.running: LaunchedStack | None = None
+        self.stopped: Stopped | None = None
+
+    def start(self) -> None:
+        self.running = LaunchedStack.start(
+            self.var_dir,
+            api_key=API_KEY,
+            probe_interval_s=PROBE_INTERVAL_S,
+            env={"MOTOR_PROBE_RISE": str(settings.MOTOR_PROBE_RISE)},
+            launcher_log=LOGS / "launcher.log",
+        )
+        self.running.wait_registered()
+
+    def stop(self) -> None:
+        if self.running is not None and self.stopped is None:
+            self.stopped = self.running.stop()
+            self.running.copy_logs(LOGS)
+            shutil.rmtree(self.var_dir, ignore_errors=True)
+
+
+def _launch(base: object) -> tuple[Launch, Launch]:
+    launch = Launch()
+    return launch, launch
+
+
+LAUNCH = early.rig("restarts-runstack", _launch, fixture="launcher", module=str(Path(__file__).resolve()))
+
+
 @pytest.fixture(scope="module")
-def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedStack]:
-    running = LaunchedStack.start(
-        tmp_path_factory.mktemp("restarts-var"),
-        api_key=API_KEY,
-        probe_interval_s=PROBE_INTERVAL_S,
-        env={"MOTOR_PROBE_RISE": str(settings.MOTOR_PROBE_RISE)},
-        launcher_log=LOGS / "launcher.log",
-    )
-    try:
-        running.wait_registered()
-        yield running
-    finally:
-        stopped = running.stop()
-        running.copy_logs(LOGS)
+def launcher(base_config: stack.StackConfig) -> Iterator[LaunchedStack]:
+    with LAUNCH.running(base_config) as (launch, _):
+        assert launch.running is not None
+        try:
+            yield launch.running
+        finally:
+            launch.stop()
+    assert launch.stopped is not None
     # A clean stop (0) and no port left bound by any process of the stack.
-    assert stopped.code == 0, f"launcher exited with {stopped.code}; see {LOGS}"
-    assert stopped.bound_ports == (), stopped.bound_ports
+    assert launch.stopped.code == 0, f"launcher exited with {launch.stopped.code}; see {LOGS}"
+    assert launch.stopped.bound_ports == (), launch.stopped.bound_ports
 
 
 @dataclass(frozen=True)

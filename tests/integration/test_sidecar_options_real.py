@@ -13,15 +13,18 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import replace
+from pathlib import Path
 from typing import Iterator
 
 import httpx
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port
+from motorsite.supervisor import ProcessSpec, free_port
 from serving.pipeline.http11 import Http11Client
 from serving.pipeline.render.client import CHAT_DERENDER, RenderClient
+
+from . import early
 
 pytestmark = pytest.mark.integration
 
@@ -34,12 +37,20 @@ EVENT = {
 }
 
 
+def _sidecar(base: stack.StackConfig) -> tuple[list[ProcessSpec], str]:
+    cfg = replace(base, render_port=free_port(), log_dir=base.log_dir / "sidecar-options")
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    return [stack.render_spec(cfg)], f"http://{stack.HOST}:{cfg.render_port}"
+
+
+# Begun in the background while the tests before this module run (tests/integration/early.py).
+SIDECAR = early.rig("options-sidecar", _sidecar, fixture="sidecar", module=str(Path(__file__).resolve()))
+
+
 @pytest.fixture(scope="module")
 def sidecar(base_config: stack.StackConfig) -> Iterator[str]:
-    cfg = replace(base_config, render_port=free_port(), log_dir=base_config.log_dir / "sidecar-options")
-    cfg.log_dir.mkdir(parents=True, exist_ok=True)
-    with Supervisor([stack.render_spec(cfg)]):
-        yield f"http://{stack.HOST}:{cfg.render_port}"
+    with SIDECAR.running(base_config) as (url, _):
+        yield url
 
 
 def requests_counted(base_url: str) -> dict[str, float]:

@@ -16,6 +16,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -23,8 +24,9 @@ import openai
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port, together
+from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
 
+from . import early
 from .conftest import API_KEY
 from .cutting_proxy import Cut, CuttingProxy
 
@@ -65,14 +67,23 @@ def _env(name: str) -> str:
     return value
 
 
+def _model_b(base: stack.StackConfig) -> tuple[list[ProcessSpec], stack.ExtraModel]:
+    second = stack.ExtraModel(B, _env("MOTOR_MODEL_B_DIR"), free_port(), (free_port(),))
+    log_dir = base.log_dir / "two-models"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return together(stack.extra_model_specs(replace(base, extra_models=(second,), log_dir=log_dir))), second
+
+
+# Begun in the background while the tests before this module run (tests/integration/early.py).
+MODEL_B = early.rig("model-b", _model_b, fixture="fleet", module=str(Path(__file__).resolve()))
+
+
 @pytest.fixture(scope="module")
 def fleet(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    b_render, b_engine = free_port(), free_port()
-    second = stack.ExtraModel(B, _env("MOTOR_MODEL_B_DIR"), b_render, (b_engine,))
     log_dir = tiers.log_dir / "two-models"
-    log_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as running:
-        running.enter_context(Supervisor(together(stack.extra_model_specs(replace(tiers, extra_models=(second,), log_dir=log_dir)))))
+        second, _ = running.enter_context(MODEL_B.running(tiers))
+        b_render, (b_engine,) = second.render_port, second.engine_ports
         ports = {("render", A): tiers.render_port, ("engine", A): tiers.engine_ports[0],
                  ("render", B): b_render, ("engine", B): b_engine}
         proxies = {key: running.enter_context(CuttingProxy(port, Cut())) for key, port in ports.items()}
