@@ -160,8 +160,9 @@ def measure(fleet: Fleet, server: str, streams: int, args: argparse.Namespace, t
     body = json.dumps({"model": MODEL, "prompt": [f"p{i}" for i in range(args.prompts)], "stream": True,
                        "max_tokens": args.tokens}).encode()
     with traced_coordinator(fleet, server, trace_file, args.sndbuf, args.top, args.depth) as (cfg, pid):
-        # Warm-up, not measured: imports, the snapshot, connections to the sidecar.
-        warm = {"model": MODEL, "prompt": "warm", "stream": True, "max_tokens": 4}
+        # Warm-up, not measured: imports, the snapshot, connections to the sidecar and, with as
+        # many prompts as the measured streams, to each engine a prompt goes to (once a process).
+        warm = {"model": MODEL, "prompt": [f"warm{i}" for i in range(args.prompts)], "stream": True, "max_tokens": 4}
         with httpx.Client(headers={"authorization": f"Bearer {API_KEY}"}, timeout=WAIT_S) as client:
             for _ in range(2):
                 r = client.post(cfg.coordinator_url + "/v1/completions", json=warm)
