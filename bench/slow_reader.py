@@ -61,7 +61,7 @@ from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, free_port  # noqa: E402
 from tests.serving.fakes import MODEL  # noqa: E402
 from tests.serving.served import API_KEY, Fleet, coordinator_log, fake_fleet  # noqa: E402
-from tests.serving.test_silent_client import kernel_queued  # noqa: E402
+from tests.serving.test_silent_client import kernel_queued, silent_post  # noqa: E402
 
 SECTION = "## bench/slow_reader.py"
 # Blocked: nothing derendered over this many polls of POLL_S each.
@@ -107,15 +107,7 @@ def heap(pid: int, trace_file: Path) -> dict[str, Any]:
 
 
 def silent_client(port: int, body: bytes) -> socket.socket:
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-        b"authorization: Bearer " + API_KEY.encode() + b"\r\ncontent-length: " + str(len(body)).encode()
-        + b"\r\n\r\n" + body
-    )
-    return sock
+    return silent_post(port, "/v1/completions", body)
 
 
 def wait_still(fleet: Fleet, port: int, clients: list[socket.socket]) -> dict[str, Any]:

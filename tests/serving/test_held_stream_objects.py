@@ -27,7 +27,8 @@ import pytest
 
 from motorsite import stack
 from motorsite.supervisor import Supervisor, free_port
-from tests.serving.served import API_KEY, ROOT, Fleet, coordinator_log, fake_fleet
+from tests.serving.served import ROOT, Fleet, coordinator_log, fake_fleet
+from tests.serving.test_silent_client import silent_post
 
 STREAMS = 2
 PROMPTS = 3  # each stream's prompts: a generator per prompt would be alive PROMPTS times a stream
@@ -75,15 +76,7 @@ def silent_client(port: int) -> socket.socket:
     """A client that sends a streaming completion of ``PROMPTS`` prompts and then reads nothing."""
     body = json.dumps({"model": "tiny", "prompt": [f"p{i}" for i in range(PROMPTS)], "stream": True,
                        "max_tokens": TOKENS}).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-        b"authorization: Bearer " + API_KEY.encode() + b"\r\ncontent-length: " + str(len(body)).encode()
-        + b"\r\n\r\n" + body
-    )
-    return sock
+    return silent_post(port, "/v1/completions", body)
 
 
 def wait_blocked(fleet: Fleet, streams: int) -> None:

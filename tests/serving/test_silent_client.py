@@ -77,18 +77,23 @@ def chat(max_tokens: int, stream: bool) -> bytes:
                        "max_tokens": max_tokens}).encode()
 
 
-def open_silent(port: int) -> socket.socket:
-    """A client that sends a streaming request and then reads nothing (a small receive buffer)."""
+def silent_post(port: int, path: str, body: bytes) -> socket.socket:
+    """A client that POSTs ``body`` to ``path`` and then reads nothing (a 4 KiB receive buffer).
+    Also bench/slow_reader.py's and test_held_stream_objects.py's silent clients."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
-    body = chat(TOKENS, stream=True)
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"POST " + path.encode() + b" HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         b"authorization: Bearer " + API_KEY.encode() + b"\r\ncontent-length: " + str(len(body)).encode()
         + b"\r\n\r\n" + body
     )
     return sock
+
+
+def open_silent(port: int) -> socket.socket:
+    """A client that sends a streaming chat and then reads nothing."""
+    return silent_post(port, "/v1/chat/completions", chat(TOKENS, stream=True))
 
 
 def kernel_queued(server_port: int, client: socket.socket) -> int:
