@@ -284,17 +284,22 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
         calls = sum(c for c, _ in rows.values())
         lines.append(f"- {name}: {calls:.1f} function calls per chunk (cProfile, event loop thread)")
     if len(chunk) == 2:
-        (na, a), (nb, b) = chunk.items()
-        keys = sorted(a.keys() | b.keys(),
-                      key=lambda k: -abs(a.get(k, (0.0, 0.0))[0] - b.get(k, (0.0, 0.0))[0]))
-        lines += ["", f"| function | calls per chunk, {na} | {nb} | own µs per chunk, {na} | {nb} |", "|---|---:|---:|---:|---:|"]
-        for k in keys[: args.top]:
-            ca, ta = a.get(k, (0.0, 0.0))
-            cb, tb = b.get(k, (0.0, 0.0))
-            if abs(ca - cb) < 0.05:
-                break
-            lines.append(f"| `{k}` | {ca:.2f} | {cb:.2f} | {ta:.1f} | {tb:.1f} |")
+        lines += calls_diff(chunk, "chunk", args.top)
     return "\n".join(lines)
+
+
+def calls_diff(per: dict[str, dict[str, tuple[float, float]]], unit: str, top: int) -> list[str]:
+    """The functions whose calls per ``unit`` differ most between the two trees, as table lines."""
+    (na, a), (nb, b) = per.items()
+    keys = sorted(a.keys() | b.keys(), key=lambda k: -abs(a.get(k, (0.0, 0.0))[0] - b.get(k, (0.0, 0.0))[0]))
+    lines = ["", f"| function | calls per {unit}, {na} | {nb} | own µs per {unit}, {na} | {nb} |", "|---|---:|---:|---:|---:|"]
+    for k in keys[:top]:
+        ca, ta = a.get(k, (0.0, 0.0))
+        cb, tb = b.get(k, (0.0, 0.0))
+        if abs(ca - cb) < 0.05:
+            break
+        lines.append(f"| `{k}` | {ca:.2f} | {cb:.2f} | {ta:.1f} | {tb:.1f} |")
+    return lines
 
 
 def report_json(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
@@ -334,16 +339,7 @@ def report_json(args: argparse.Namespace, results: dict[str, dict[str, Any]]) ->
     for name, rows in per.items():
         lines.append(f"- {name}: {sum(c for c, _ in rows.values()):.1f} function calls per request (cProfile, event loop thread)")
     if len(per) == 2:
-        (na, a), (nb, b) = per.items()
-        keys = sorted(a.keys() | b.keys(), key=lambda k: -abs(a.get(k, (0.0, 0.0))[0] - b.get(k, (0.0, 0.0))[0]))
-        lines += ["", f"| function | calls per request, {na} | {nb} | own µs per request, {na} | {nb} |",
-                  "|---|---:|---:|---:|---:|"]
-        for k in keys[: args.top]:
-            ca, ta = a.get(k, (0.0, 0.0))
-            cb, tb = b.get(k, (0.0, 0.0))
-            if abs(ca - cb) < 0.05:
-                break
-            lines.append(f"| `{k}` | {ca:.2f} | {cb:.2f} | {ta:.1f} | {tb:.1f} |")
+        lines += calls_diff(per, "request", args.top)
     return "\n".join(lines)
 
 
