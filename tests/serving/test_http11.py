@@ -430,10 +430,12 @@ async def test_a_stream_does_not_hold_its_request_payload_once_it_was_written(se
     await client.aclose()
 
 
-async def test_a_paused_whole_read_stream_holds_what_it_buffered_as_one_piece(server: Any) -> None:
+async def test_a_paused_whole_read_stream_holds_what_it_buffered_as_one_piece(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A coalescing reader takes all that arrived at once anyway: while its socket is paused the
     # connection keeps one bytes object, not one per chunk (a dozen per held-back stream).
-    events = 600
+    events = 2000  # 48 KiB: the stream is still going after a few whole reads (6 KiB each)
 
     async def many(request: Request, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
@@ -442,14 +444,33 @@ async def test_a_paused_whole_read_stream_holds_what_it_buffered_as_one_piece(se
         writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await writer.drain()
 
+    # Set when a read while the reader is away shuts the socket; the test runs only after that
+    # read was handled whole (its pieces joined), not by waiting some time for it.
+    paused = asyncio.Event()
+    pause = http11_wire.Connection._pause
+
+    def spy(self: http11_wire.Connection) -> None:
+        pause(self)
+        paused.set()
+
+    monkeypatch.setattr(http11_wire.Connection, "_pause", spy)
     client = Http11Client()
     async with client.stream("POST", (await server(many)).url, json={}) as reply:
         reply.whole_reads = True
         conn = reply._conn
         batches = iter_event_batches(reply.aiter_raw())
         got = list(await anext(batches))
-        while not conn._paused:
-            await asyncio.sleep(0.01)
+        while conn._paused:
+            # The read that shut the socket came while the reader was being woken (uvloop may
+            # read before the woken task runs) and went with this batch: nothing is held, and
+            # the socket reads nothing until the reader is back. It takes another batch.
+            assert not conn.pieces
+            got.extend(await anext(batches))
+        assert not conn.complete
+        # The socket reads and its reader is away (this task): the next read shuts it.
+        paused.clear()
+        await asyncio.wait_for(paused.wait(), 60)
+        assert conn._paused
         assert len(conn.pieces) == 1 and conn.buffered == len(conn.pieces[0])
         async for batch in batches:
             got.extend(batch)
