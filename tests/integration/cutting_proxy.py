@@ -2,8 +2,11 @@
 
 Put in front of an engine (the coordinator's instance URL names the proxy), it forwards bytes
 both ways untouched. Proxies share one ``Cut``: while it is armed, the first event-stream
-response any of them relays is cut after ``after_bytes`` of it, both sockets closed, as a
-crashed engine or a broken network would; the cut disarms itself. What the client sees is a
+response any of them relays is cut after exactly ``after_bytes`` of it (head included), both
+sockets closed, as a crashed engine or a broken network would; the cut disarms itself. Exactly:
+on a loaded machine one read may bring the head and a dozen events at once, and cutting before
+that read would cut before the head (the coordinator then retries the request instead of
+relaying the stream it has begun). What the client sees is a
 chunked response ending early, so the coordinator relays the stream to another instance.
 
 Every byte sent towards the engine is also kept (``sent``), so a test can assert what an engine
@@ -33,13 +36,15 @@ class Cut:
         with self._lock:
             self.after_bytes, self.armed = after_bytes, True
 
-    def take(self, seen: int) -> bool:
+    def take(self, seen: int) -> int | None:
+        """None: no cut (yet). Otherwise the cut is taken: how many of the ``seen`` bytes of the
+        response go through before it (``after_bytes``; fewer only if it was armed late)."""
         with self._lock:
             if not self.armed or seen < self.after_bytes:
-                return False
+                return None
             self.armed = False
             self.cuts += 1
-            return True
+            return self.after_bytes
 
 
 class CuttingProxy:
@@ -115,7 +120,9 @@ class CuttingProxy:
 
     def _responses(self, upstream: socket.socket, client: socket.socket, state: _Exchange) -> None:
         while data := _recv(upstream):
-            if state.relayed(data) and self.cut.take(state.stream_bytes):
+            if state.relayed(data) and (through := self.cut.take(state.stream_bytes)) is not None:
+                # This read's part before the cut goes through, then both sockets close.
+                _send(client, data[: max(0, len(data) - (state.stream_bytes - through))])
                 break
             if not _send(client, data):
                 break

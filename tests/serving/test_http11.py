@@ -430,10 +430,12 @@ async def test_a_stream_does_not_hold_its_request_payload_once_it_was_written(se
     await client.aclose()
 
 
-async def test_a_paused_whole_read_stream_holds_what_it_buffered_as_one_piece(server: Any) -> None:
+async def test_a_paused_whole_read_stream_holds_what_it_buffered_as_one_piece(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A coalescing reader takes all that arrived at once anyway: while its socket is paused the
     # connection keeps one bytes object, not one per chunk (a dozen per held-back stream).
-    events = 600
+    events = 2000  # 48 KiB: the stream is still going after the first whole reads (4.5 KiB each)
 
     async def many(request: Request, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
@@ -442,18 +444,37 @@ async def test_a_paused_whole_read_stream_holds_what_it_buffered_as_one_piece(se
         writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await writer.drain()
 
+    # What each read that left the socket paused left held (pieces, bytes), checked when that
+    # read was handled, whatever the loop ran next: under uvloop the read right after a waiting
+    # reader's read (libuv reads on while the socket has bytes) comes before the woken reader
+    # runs, and its piece goes with the batch being handed over.
+    held: list[tuple[int, int]] = []
+    paused = asyncio.Event()
+    buffer_updated = http11_wire.Connection.buffer_updated
+
+    def spy(self: http11_wire.Connection, nbytes: int) -> None:
+        buffer_updated(self, nbytes)
+        if self._paused and self._whole:  # (before the first whole read, nobody said so)
+            held.append((len(self.pieces), self.buffered - sum(map(len, self.pieces[:1]))))
+            paused.set()
+
+    monkeypatch.setattr(http11_wire.Connection, "buffer_updated", spy)
     client = Http11Client()
     async with client.stream("POST", (await server(many)).url, json={}) as reply:
         reply.whole_reads = True
         conn = reply._conn
         batches = iter_event_batches(reply.aiter_raw())
         got = list(await anext(batches))
-        while not conn._paused:
-            await asyncio.sleep(0.01)
-        assert len(conn.pieces) == 1 and conn.buffered == len(conn.pieces[0])
+        while not held:
+            if conn._paused:  # shut before the reader read whole: its next read opens it
+                got.extend(await anext(batches))
+            else:  # the socket reads and its reader is away (this task): the next read shuts it
+                await asyncio.wait_for(paused.wait(), 60)
         async for batch in batches:
             got.extend(batch)
         assert got == [{"i": i} for i in range(events)]
+    # Every pause held one piece with all that was buffered, not a bytes object per chunk.
+    assert held and set(held) == {(1, 0)}
     await client.aclose()
 
 
