@@ -144,10 +144,15 @@ def render_address(cfg: StackConfig, port: int) -> str:
     return f"unix:{tiers.render_socket_path(cfg.render_socket_dir, port)}"
 
 
+def socket_dir_fits(path: Path) -> bool:
+    """Whether every sidecar's socket in ``path`` is a path the kernel takes (107 bytes on Linux)."""
+    return len(tiers.render_socket_path(path, 65535).encode()) <= unix_http.UNIX_PATH_MAX
+
+
 def private_socket_dir(path: Path) -> Path:
     """Create ``path`` readable by this user only (0700): whoever can reach a sidecar's socket can
     render and derender with it. Raises ValueError when a socket in it would be too long a path."""
-    if len(tiers.render_socket_path(path, 65535).encode()) > unix_http.UNIX_PATH_MAX:
+    if not socket_dir_fits(path):
         raise ValueError(f"{path}: too long a directory for a unix socket ({unix_http.UNIX_PATH_MAX} bytes at most); "
                          "set MOTOR_RENDER_SOCKET_DIR to a shorter one, or empty for TCP")
     path.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -418,6 +418,10 @@ def test_make_run_puts_its_sidecars_on_sockets_in_a_private_directory_unless_tol
 
     assert _socket_dir({"render_socket_dir": None, "var_dir": str(tmp_path)}) == tmp_path / "run"
     assert _socket_dir({"render_socket_dir": "", "var_dir": str(tmp_path)}) is None  # MOTOR_RENDER_SOCKET_DIR=
+    # A checkout too deep for a socket path serves on TCP by default; a directory named still must fit.
+    deep = tmp_path / ("d" * 100)
+    assert _socket_dir({"render_socket_dir": None, "var_dir": str(deep)}) is None
+    assert _socket_dir({"render_socket_dir": str(deep / "run"), "var_dir": str(tmp_path)}) == deep / "run"
     cfg = stack.StackConfig(model_dir="/m", render_python="python", engine_python="python", render_port=8100,
                             render_member_ports=(8101,), log_dir=tmp_path, render_socket_dir=tmp_path / "run")
     first, second = stack.render_specs(cfg)

@@ -35,7 +35,11 @@ def _socket_dir(opts: dict[str, Any]) -> Path | None:
     derender call (bench/sidecar_uds.py in bench/RESULTS.md)."""
     chosen = opts["render_socket_dir"]
     if chosen is None:
-        return Path(opts["var_dir"]) / "run"
+        # make run must start wherever it is cloned: a checkout so deep that a socket in var/run/
+        # would pass the kernel's path limit serves its sidecars on TCP instead. A directory the
+        # operator named still stops the start when it is too deep (private_socket_dir).
+        default = Path(opts["var_dir"]) / "run"
+        return default if stack.socket_dir_fits(default) else None
     return Path(chosen) if chosen else None
 
 
