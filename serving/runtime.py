@@ -305,12 +305,6 @@ def obfuscation_mapping(snapshot: FleetSnapshot) -> TokenMapping | None:
     return obfuscation.require_mapping(snapshot.render, obfuscation.mapping_for(snapshot))
 
 
-def render_health_for(base_url: str) -> RenderHealth:
-    """The process's render-down memory for the sidecar at ``base_url`` (made on first use)."""
-    key = base_url.rstrip("/")
-    return RUNTIME.render_pool.health_of(key)
-
-
 # The render pools made for recent views (a view and the client it was made with, by the view's
 # id): a pool holds no per-request state, so requests of one snapshot share one. Bounded: old
 # snapshots' pools are dropped, and a pipeline still using one keeps it alive itself.

@@ -52,7 +52,7 @@ async def test_it_skips_a_render_found_down_in_every_pipeline_of_the_process(mon
             await ask(other, "rt3")  # another sidecar's mark is its own: tried, refused
         assert local_fallbacks("unreachable") - before["unreachable"] == 2
         assert local_fallbacks("render_down") - before["render_down"] == 1
-        assert runtime.render_health_for(down).skip() and runtime.render_health_for(down + "/").skip()
+        assert runtime.RUNTIME.render_pool.health_of(down).skip() and runtime.RUNTIME.render_pool.health_of(down + "/").skip()
         # Nothing held once the requests are over.
         assert not any(runtime.sidecar_holds.counts().values())
         assert not any(runtime.admission.inflight_tokens().values())
