@@ -1,9 +1,10 @@
-"""The production client's surface over an in-process fake, for the one test whose bound is in
-events rather than bytes (``test_backpressure.py``): over a socket the kernel's buffers and the
-client's read-ahead (``http11.HIGH_WATER``, its own bound, proven in ``test_http11.py`` and
-``bench/slow_reader.py``) hold far more events than the pipeline's merge queue, so the pipeline's
-own bound could not be seen there. Every other component test drives ``Http11Client`` over
-127.0.0.1 (``loopback.LoopbackClient``).
+"""The production client's surface over an in-process fake, for the two tests whose bound is in
+events rather than bytes: ``test_backpressure.py`` (over a socket the kernel's buffers and the
+client's read-ahead, ``http11.HIGH_WATER``, its own bound, proven in ``test_http11.py`` and
+``bench/slow_reader.py``, hold far more events than the pipeline's merge queue, so the pipeline's
+own bound could not be seen there) and ``test_engine_events.py`` (what one read brings: a socket
+would merge the pieces). Every other component test drives ``Http11Client`` over 127.0.0.1
+(``loopback.LoopbackClient``).
 
 ``InProcessClient`` answers ``post``/``get`` with the production ``Reply`` and ``stream`` with the
 handler's ``httpx.Response``, which has the ``StreamReply`` surface the callers use

@@ -21,6 +21,7 @@ from serving.pipeline.render.adapter_names import AdapterRenderPool
 from serving.pipeline.snapshot import FleetSnapshot
 
 from .fakes import MODEL, RENDER_URL, FakeUpstreams, fleet_snapshot, instance
+from .loopback import LoopbackClient
 from .router_fakes import assert_no_leaks, make_rig
 
 ADAPTER = "tiny-lora"
@@ -107,8 +108,8 @@ async def test_the_adapters_render_pool_calls_the_bases_sidecar_under_the_bases_
         return httpx.Response(200, json={"id": "x", "model": body["model"], "choices": []})
 
     snapshot = adapter_fleet()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        pool = AdapterRenderPool(client, snapshot.for_model(ADAPTER).render, adapter=ADAPTER, base=MODEL)  # type: ignore[arg-type]
+    async with LoopbackClient(handler) as client:  # the production client, the fake sidecar on 127.0.0.1
+        pool = AdapterRenderPool(client, snapshot.for_model(ADAPTER).render, adapter=ADAPTER, base=MODEL)
         body = {"model": ADAPTER, "messages": [{"role": "user", "content": "hi"}]}
         rendered = await pool.render_chat(body, "r1")
         assert rendered["model"] == ADAPTER  # the generate request names the adapter
@@ -117,6 +118,7 @@ async def test_the_adapters_render_pool_calls_the_bases_sidecar_under_the_bases_
         chunk, _ = await pool.derender_chunk("chat", {"choices": []}, stream_state=None, prompt_tokens=2,
                                              prompt_token_ids=[1, 2], request=body, model=ADAPTER)
         assert chunk["model"] == ADAPTER
+        assert list(client.loopback.connections.values()) == [1]  # all three on one kept-alive socket
     assert [s["model"] for s in seen] == [MODEL, MODEL, MODEL]
     assert seen[1]["chat_request"]["model"] == MODEL and seen[2]["chat_request"]["model"] == MODEL
     assert body["model"] == ADAPTER  # the client's body is not changed in place
