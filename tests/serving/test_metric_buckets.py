@@ -1,4 +1,5 @@
-"""Each histogram's buckets resolve the latencies bench/RESULTS.md reports (docs/metrics.md, "Buckets")."""
+"""Each histogram's buckets resolve the latencies bench/RESULTS.md reports (docs/metrics.md, "Buckets"),
+and each reading the doc names is one RESULTS.md reports."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 
 from serving.pipeline import metric_names as names
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "metrics.md"
+RESULTS = ROOT / "bench" / "RESULTS.md"
 ROW = re.compile(r"^\| `([A-Z_]+)` \| [^|]* \| ([\d.]+) \| ([\d.]+) \| ([\d., ]+) \|$")
 BUCKETS = {
     "PHASE_BUCKETS": names.PHASE_BUCKETS, "TTFT_BUCKETS": names.TTFT_BUCKETS,
@@ -35,6 +38,24 @@ def test_the_doc_lists_every_bucket_set_with_its_range() -> None:
     assert rows.keys() == BUCKETS.keys()
     for name, (first, last, _) in rows.items():
         assert (first, last) == pytest.approx((BUCKETS[name][0], BUCKETS[name][-1])), name
+
+
+def _printed(number: str, text: str) -> bool:
+    """Whether ``text`` prints ``number`` as a number of its own (not a piece of a longer one)."""
+    return re.search(rf"(?<![\d.]){re.escape(number)}(?!\d)", text) is not None
+
+
+def test_every_reading_is_a_number_results_md_reports() -> None:
+    results = RESULTS.read_text()
+    unreported = []
+    for name, (_, _, readings) in documented().items():
+        for seconds in readings:
+            ms, us = seconds * 1000, seconds * 1_000_000
+            # In milliseconds as the table writes it, with or without a trailing zero, or in µs.
+            forms = {f"{ms:g}", f"{ms:.2f}", f"{us:g}"}
+            if not any(_printed(form, results) for form in forms):
+                unreported.append(f"{name}: {ms:g} ms")
+    assert not unreported, f"docs/metrics.md's readings that bench/RESULTS.md does not report: {unreported}"
 
 
 @pytest.mark.parametrize("name", sorted(BUCKETS))
