@@ -1,8 +1,9 @@
 """The README stays a landing page and the reference in docs/ stays true to the code.
 
 Every relative link in the README and the docs pages leads to a file (and to a heading, when it
-names one), every docs page is reachable from the README, and the settings page lists exactly
-the ``MOTOR_*`` variables the code reads, with the defaults the code has.
+names one), every file a page names in backticks exists, every docs page is reachable from the
+README, and the settings page lists exactly the ``MOTOR_*`` variables the code reads, with the
+defaults the code has.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # A module path written in backticks: `serving/edge/asgi.py`.
 MODULE_PATH = re.compile(r"`([\w.-]+(?:/[\w.-]+)+\.py)`")
+# A file path written in backticks: a module, a script, a manifest, a lock, a page.
+FILE_PATH = re.compile(r"`([\w.-]+(?:/[\w.-]+)+\.(?:py|md|sh|ya?ml|json|lua|toml|lock|in|txt|html))`")
+# The pages cite files of vLLM's and vllm-ascend's trees too; those are not this repository's.
+OTHER_TREES = ("vllm/", "vllm_ascend/", "examples/", "docs/source/")
+# Pages name the data plane's modules from its package (`derender/session.py`) as well as from the root.
+PIPELINE = ROOT / "serving" / "pipeline"
 SETTINGS_ROW = re.compile(r"^\| ((?:`MOTOR_[A-Z0-9_]+`(?: / )?)+) \| ([^|]*) \|", re.M)
 # A newcomer reads the README in five minutes; the reference lives in docs/.
 README_MAX_LINES = 120
@@ -59,6 +66,15 @@ def test_every_module_the_lifecycle_page_names_exists() -> None:
     assert len(named) >= 20  # the pattern found the page's paths
     missing = sorted(p for p in named if not (ROOT / p).is_file())
     assert not missing, f"docs/request-lifecycle.md names modules that do not exist: {missing}"
+
+
+def test_every_file_a_page_names_exists() -> None:
+    named = {(page, p) for page in PAGES for p in FILE_PATH.findall(page.read_text()) if not p.startswith(OTHER_TREES)}
+    assert len(named) >= 150  # the pattern found the pages' paths
+    missing = sorted(
+        f"{page.relative_to(ROOT)}: {p}" for page, p in named if not ((ROOT / p).is_file() or (PIPELINE / p).is_file())
+    )
+    assert not missing, f"pages name files that do not exist: {missing}"
 
 
 def test_the_readme_is_a_landing_page() -> None:
