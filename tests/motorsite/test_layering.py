@@ -3,7 +3,7 @@ plane, a core that imports only models, a catalog that knows nothing of the flee
 plane, no wiring by module probing, no module over 500 lines.
 
 The data plane (``serving/pipeline``) and its host (``serving/runtime.py``) are held to their own
-cycle check (``tests/test_lint.py`` keeps the pipeline free of Django) and to the same no-probing
+cycle check, and the whole project to one across both planes, (``tests/test_lint.py`` keeps the pipeline free of Django) and to the same no-probing
 and 500-line rules; so is the engine simulator (``enginesim``), which the tests and benchmarks run
 as the fleet. An import under ``TYPE_CHECKING`` is an edge like any other: a circle of types is a
 circle of concepts.
@@ -115,6 +115,12 @@ def test_it_finds_no_import_cycle_in_the_data_plane() -> None:
     data_plane = {name: path for name, path in EVERY_MODULE.items() if name.startswith(("serving.pipeline", "serving.runtime"))}
     assert len(data_plane) > 50 and "serving.pipeline.placement.scheduler" in data_plane
     assert _cycles(_graph(data_plane)) == []
+
+
+def test_it_finds_no_import_cycle_across_the_planes() -> None:
+    """The two checks above each see one side: a circle through the data plane's host and the
+    control plane (``serving.runtime`` -> ``serving.stream_reports`` -> back) is in neither."""
+    assert _cycles(_graph(EVERY_MODULE)) == []
 
 
 def test_the_core_imports_only_the_apps_models() -> None:
