@@ -3,9 +3,9 @@ plane, a core that imports only models, a catalog that knows nothing of the flee
 plane, no wiring by module probing, no module over 500 lines.
 
 The data plane (``serving/pipeline``) and its host (``serving/runtime.py``) are held to their own
-cycle check, and the whole project to one across both planes, (``tests/test_lint.py`` keeps the pipeline free of Django) and to the same no-probing
-and 500-line rules; so is the engine simulator (``enginesim``), which the tests and benchmarks run
-as the fleet. An import under ``TYPE_CHECKING`` is an edge like any other: a circle of types is a
+cycle check (``tests/test_lint.py`` keeps the pipeline free of Django), the whole project to one
+across both planes, and to the same no-probing and 500-line rules; so is the engine simulator
+(``enginesim``), which the tests and benchmarks run as the fleet. An import under ``TYPE_CHECKING`` is an edge like any other: a circle of types is a
 circle of concepts.
 """
 
