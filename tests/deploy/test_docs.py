@@ -77,6 +77,18 @@ def test_every_file_a_page_names_exists() -> None:
     assert not missing, f"pages name files that do not exist: {missing}"
 
 
+def test_the_layout_page_names_every_part_of_the_data_plane() -> None:
+    """Each folder and module of ``serving/pipeline`` is on docs/layout.md's map (``apis/``,
+    ``sse.py``), so a newcomer finds every piece of the data plane there."""
+    tree = (DOCS / "layout.md").read_text().split("```")[1]
+    block = tree[tree.index("serving/pipeline/"):tree.index("\nenginesim/")]
+    parts = [p.name + ("/" if p.is_dir() else "") for p in sorted(PIPELINE.iterdir())
+             if (p.is_dir() and (p / "__init__.py").is_file()) or (p.suffix == ".py" and p.name != "__init__.py")]
+    assert len(parts) > 20  # the walk found the package
+    missing = [name for name in parts if not re.search(rf"(?<![\w/]){re.escape(name)}", block)]
+    assert not missing, f"docs/layout.md's map of serving/pipeline/ does not name {missing}"
+
+
 def test_the_readme_is_a_landing_page() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= README_MAX_LINES
 
