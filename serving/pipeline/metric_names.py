@@ -16,7 +16,7 @@ every recorder (``exporter.Recorder``) and every series read at scrape time pass
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -31,13 +31,8 @@ OPERATOR_LABELS = frozenset({"instance", "process", "replica", "host", "pid"})
 # The request-level families' ``model`` label: its closed set is the served model names of the
 # snapshot the request was served with. A client's ``model`` field never reaches a recorder: the
 # edge resolves it against the snapshot first (``ModelNotFound`` otherwise) and the pipeline
-# records its ``ModelView.name``; what has no served model (``model_label``) is OTHER.
+# records its ``ModelView.name``; a recorder used without a served model says OTHER.
 MODEL_LABEL = "model"
-
-
-def model_label(name: object, served: Collection[str]) -> str:
-    """The ``model`` label of ``name``: itself when it is one of ``served``, else OTHER."""
-    return name if isinstance(name, str) and name in served else OTHER
 
 
 Labels = tuple[tuple[str, str], ...]
