@@ -11,14 +11,14 @@ breakers in the same state and end with the same outcome.
 from __future__ import annotations
 
 import asyncio
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import pytest
 
 from serving.pipeline.engine.client import EngineClient
-from serving.pipeline.engine.leg import GenerateContext, Opened
+from serving.pipeline.engine.leg import EngineGuard, GenerateContext, Opened
 from serving.pipeline.errors import (
     EngineBusy,
     EngineError,
@@ -98,6 +98,14 @@ TABLE: list[tuple[str, list[Fault], int, list[str], dict[str, int], str]] = [
 ]
 
 
+@asynccontextmanager
+async def through_breaker(guard: EngineGuard, instance: InstanceView) -> AsyncIterator[None]:
+    """A call through ``instance``'s breaker as a leg makes it: its slot taken, then told the outcome."""
+    await guard._admit(instance)
+    async with guard._outcome(instance):
+        yield
+
+
 class Scripted:
     """An opener that follows the fault table, attempt by attempt."""
 
@@ -114,7 +122,7 @@ class Scripted:
         if fault.culprit == "":
             raise fault.exception("")
         named = placement.instances[0] if fault.culprit == "prefill" else target
-        async with ctx.guard.breaker_scope(named):
+        async with through_breaker(ctx.guard, named):
             raise fault.exception(named.name)
 
     async def open(

@@ -3,7 +3,7 @@
 ``EngineGuard`` holds what each call needs around it: the instance's circuit breaker, token
 admission, the load hold, the obfuscation boundary and response validation. The breaker hears
 only the engine's own faults: a busy engine, a missing capability, a 4xx about the request,
-admission refusals and cancellation leave it as it was (``breaker_scope``). A stream's verdict
+admission refusals and cancellation leave it as it was (``_outcome``). A stream's verdict
 is given here too: success once established, failure when a read fails (``GuardedEvents``).
 
 ``GenerateContext`` binds the guard to one attempt of one prompt, in the attempt's mode, for the
@@ -108,17 +108,6 @@ class EngineGuard:
             breakers.release(instance)
             raise
         breakers.success(instance)
-
-    @asynccontextmanager
-    async def breaker_scope(self, instance: InstanceView, *, record_failure: bool = True) -> AsyncIterator[None]:
-        """Let one call through ``instance``'s breaker and tell it the call's outcome.
-
-        Raises ``EngineBusy`` when the breaker holds the instance off. ``record_failure``: an
-        engine fault also counts as a failed request in the instance's metrics (token-only legs).
-        """
-        await self._admit(instance)
-        async with self._outcome(instance, record_failure=record_failure):
-            yield
 
     def stream_events(self, events: EventBatches, instance: InstanceView, timeout: float) -> GuardedEvents:
         """An established stream's events (``open_stream``'s) read through the guard (``GuardedEvents``)."""
