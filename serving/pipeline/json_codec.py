@@ -1,7 +1,9 @@
 """JSON for the coordinator's wire: orjson, with the standard library for what orjson refuses.
 
 One codec for every body the coordinator writes or reads: upstream requests and replies
-(``http11.py``), SSE frames (``sse.py``) and the edge's answers (``serving/edge/asgi.py``).
+(``http11.py``), SSE frames and the stream's scrub (``sse.py``), the Messages and Responses
+events (``apis/``) and the edge's answers (``serving/edge/asgi.py``): compact, non-ASCII as
+UTF-8, as vLLM's server writes them (pydantic's ``model_dump_json``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncIterator
 
 from serving.pipeline.json_codec import dumps, loads
@@ -172,11 +171,11 @@ class FieldScrub:
             if not (line.startswith(b"data:") and self._mentions(line)):
                 continue
             try:
-                event = json.loads(line[5:])
+                event = loads(line[5:])
             except ValueError:
                 continue  # not JSON: nothing a client could read a field from
             if _null_fields(event, self._fields):
-                lines[i] = b"data: " + json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
+                lines[i] = b"data: " + dumps(event)
         return b"\n".join(lines)
 
 

@@ -85,3 +85,12 @@ def test_the_chat_view_carries_renders_parse_context_and_decoding_options() -> N
     assert "tools" not in view and "tool_choice" not in view  # an empty tool list is no tool list for chat
     assert view["chat_template_kwargs"] == {"enable_thinking": False}
     assert view["stream_options"] == {"include_usage": True}
+
+
+def test_events_are_written_as_vllms_server_writes_them_utf8_and_compact() -> None:
+    # vLLM writes each event with pydantic's model_dump_json: non-ASCII text as UTF-8, no
+    # \u escapes (as the JSON answer of the same request goes out through the edge).
+    conv = MessagesEvents("msg_u", "tiny", 7)
+    out = b"".join(conv.chunk(chunk(role="assistant", content="")) + conv.chunk(chunk(content="héllo 世界")))
+    assert b'"text":"h\xc3\xa9llo \xe4\xb8\x96\xe7\x95\x8c"' in out
+    assert b"\\u" not in out and b'": ' not in out

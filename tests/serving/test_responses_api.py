@@ -139,3 +139,12 @@ async def test_with_obfuscation_on_nothing_goes_native(rig: Rig) -> None:
     with pytest.raises(RenderUnavailable):
         await pipeline.responses(request(), "r9")
     assert rig.native.calls == [] and rig.upstreams.calls_of("generate") == []
+
+
+def test_events_are_written_as_vllms_server_writes_them_utf8_and_compact() -> None:
+    # vLLM writes each event with pydantic's model_dump_json: non-ASCII text as UTF-8, no
+    # \u escapes (as the JSON answer of the same request goes out through the edge).
+    stream = ResponsesEvents(request(stream=True), {"sampling_params": {"max_tokens": 3}}, "resp_u")
+    out = b"".join(stream.chunk({"model": MODEL, "choices": [{"delta": {"content": "héllo 世界"}}]}))
+    assert b'"delta":"h\xc3\xa9llo \xe4\xb8\x96\xe7\x95\x8c"' in out
+    assert b"\\u" not in out and b'": ' not in out

@@ -6,12 +6,12 @@ engine streams); only its frames are re-read (``chat_payloads``) and written in 
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+from serving.pipeline.json_codec import loads
 from serving.pipeline.streaming.event_stream import EventStream
 
 
@@ -20,7 +20,7 @@ def chat_payloads(framed: bytes) -> list[dict[str, Any]]:
     out = []
     for line in framed.split(b"\n"):
         if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
-            out.append(json.loads(line[6:]))
+            out.append(loads(line[6:]))
     return out
 
 

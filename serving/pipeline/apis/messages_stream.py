@@ -20,10 +20,11 @@ from typing import Any
 
 from serving.pipeline.apis.converted_stream import ConvertedStream
 from serving.pipeline.apis.messages import error_type, stop_reason, usage
+from serving.pipeline.json_codec import dumps
 
 
 def event(name: str, data: dict[str, Any]) -> bytes:
-    return f"event: {name}\ndata: ".encode() + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+    return f"event: {name}\ndata: ".encode() + dumps(data) + b"\n\n"
 
 
 @dataclass

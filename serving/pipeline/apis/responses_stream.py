@@ -14,7 +14,6 @@ event from 0. An error after the first event ends the stream with an ``error`` e
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -32,6 +31,7 @@ from serving.pipeline.apis.responses import (
     reasoning_tokens,
     usage,
 )
+from serving.pipeline.json_codec import dumps
 
 
 @dataclass
@@ -55,7 +55,7 @@ class ResponsesEvents:
     def _event(self, kind: str, data: dict[str, Any]) -> bytes:
         payload = {"type": kind, **data, "sequence_number": self.seq}
         self.seq += 1
-        return f"event: {kind}\ndata: ".encode() + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+        return f"event: {kind}\ndata: ".encode() + dumps(payload) + b"\n\n"
 
     def start(self, model: Any) -> list[bytes]:
         self.started = True

@@ -40,7 +40,7 @@ from serving.pipeline.apis.responses import native_responses_reason, responses_t
 from serving.pipeline.engine.client import ReplyDeadline, raise_for_status
 from serving.pipeline.errors import EngineError, error_body
 from serving.pipeline.http11 import Http11Client, StreamReply
-from serving.pipeline.json_codec import loads
+from serving.pipeline.json_codec import dumps, loads
 from serving.pipeline.placement.filters import eligible_instances, union_role
 from serving.pipeline.protocol import ApiKind
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
@@ -243,7 +243,7 @@ class NativeStream:
             err = EngineError(f"{self.instance.name} stream failed: {exc!r}", instance=self.instance.name)
             if self.kind == "messages":
                 payload = {"type": "error", "error": {"type": "api_error", "message": err.public or err.message}}
-                yield b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
+                yield b"event: error\ndata: " + dumps(payload) + b"\n\n"
             else:
                 yield frame(error_body(err)[1])
                 yield DONE
