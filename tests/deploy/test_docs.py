@@ -2,8 +2,8 @@
 
 Every relative link in the README and the docs pages leads to a file (and to a heading, when it
 names one), every file a page names in backticks exists, every docs page is reachable from the
-README, and the settings page lists exactly the ``MOTOR_*`` variables the code reads, with the
-defaults the code has.
+README, and the settings page lists exactly the ``MOTOR_*`` variables the code reads (the
+settings, the runtime's knobs and ``make run``'s options), with the defaults the code has.
 """
 
 from __future__ import annotations
@@ -93,9 +93,34 @@ def test_the_readme_is_a_landing_page() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= README_MAX_LINES
 
 
-def _defaults_read_by_the_code() -> dict[str, object]:
-    """``MOTOR_*`` name -> default, for every ``env_*`` call in the settings and ``_knob`` in the runtime."""
+# `make run`'s own options: each ``runstack`` argument whose default is read from a ``MOTOR_*`` variable.
+RUNSTACK = ROOT / "motorsite" / "launcher" / "management" / "commands" / "runstack.py"
+
+
+def _runstack_defaults() -> dict[str, object]:
+    """``MOTOR_*`` name -> default of each ``os.environ.get`` that is an ``add_argument`` default in runstack."""
     found: dict[str, object] = {}
+    for node in ast.walk(ast.parse(RUNSTACK.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"):
+            continue
+        for keyword in node.keywords:
+            for call in ast.walk(keyword.value) if keyword.arg == "default" else ():
+                if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "get"
+                        and call.args and isinstance(call.args[0], ast.Constant)
+                        and str(call.args[0].value).startswith("MOTOR_")):
+                    default = call.args[1].value if len(call.args) > 1 and isinstance(call.args[1], ast.Constant) else None
+                    found[call.args[0].value] = int(default) if isinstance(default, str) and default.isdigit() else default
+    return found
+
+
+def test_it_reads_make_runs_options_from_runstack() -> None:
+    assert {"MOTOR_PORT": 8000, "MOTOR_ENGINES": "vllm"}.items() <= _runstack_defaults().items()
+
+
+def _defaults_read_by_the_code() -> dict[str, object]:
+    """``MOTOR_*`` name -> default, for every ``env_*`` call in the settings, ``_knob`` in the runtime
+    and ``make run``'s options (``_runstack_defaults``)."""
+    found: dict[str, object] = _runstack_defaults()
     for path, callers in ((ROOT / "motorsite" / "settings.py", {"env_str", "env_int", "env_bool"}),
                           (ROOT / "serving" / "runtime.py", {"_knob"})):
         for node in ast.walk(ast.parse(path.read_text())):
