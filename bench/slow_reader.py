@@ -41,8 +41,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
-import signal
 import socket
 import sys
 import tempfile
@@ -60,7 +58,7 @@ from bench.common import command_line, loadavg, machine, write_section  # noqa: 
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, free_port  # noqa: E402
 from tests.serving.fakes import MODEL  # noqa: E402
-from tests.serving.served import API_KEY, Fleet, coordinator_log, fake_fleet  # noqa: E402
+from tests.serving.served import API_KEY, Fleet, coordinator_log, fake_fleet, signal_for_json  # noqa: E402
 from tests.serving.test_silent_client import kernel_queued, silent_post  # noqa: E402
 
 SECTION = "## bench/slow_reader.py"
@@ -96,14 +94,7 @@ def traced_coordinator(
 
 def heap(pid: int, trace_file: Path) -> dict[str, Any]:
     """The coordinator's traced heap and RSS, in bytes (``bench/traced_server.py``)."""
-    trace_file.unlink(missing_ok=True)
-    os.kill(pid, signal.SIGUSR1)
-    deadline = time.monotonic() + WAIT_S
-    while not trace_file.exists():
-        assert time.monotonic() < deadline, "the coordinator never wrote its heap"
-        time.sleep(0.05)
-    got: dict[str, Any] = json.loads(trace_file.read_text())
-    return got
+    return signal_for_json(pid, trace_file, WAIT_S)
 
 
 def silent_client(port: int, body: bytes) -> socket.socket:

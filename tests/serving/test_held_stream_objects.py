@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import socket
 import time
 from dataclasses import replace
@@ -27,7 +25,7 @@ import pytest
 
 from motorsite import stack
 from motorsite.supervisor import Supervisor, free_port
-from tests.serving.served import ROOT, Fleet, coordinator_log, fake_fleet
+from tests.serving.served import ROOT, Fleet, coordinator_log, fake_fleet, signal_for_json
 from tests.serving.test_silent_client import silent_post
 
 STREAMS = 2
@@ -62,14 +60,7 @@ def counted_coordinator(fleet: Fleet, server: str, count_file: Path) -> Iterator
 
 def alive(pid: int, count_file: Path) -> dict[str, dict[str, int]]:
     """What ``counted_server.py`` counts in the coordinator now, by kind and site."""
-    count_file.unlink(missing_ok=True)
-    os.kill(pid, signal.SIGUSR1)
-    deadline = time.monotonic() + WAIT_S
-    while not count_file.exists():
-        assert time.monotonic() < deadline, "the coordinator never wrote its count"
-        time.sleep(0.05)
-    got: dict[str, dict[str, int]] = json.loads(count_file.read_text())
-    return got
+    return signal_for_json(pid, count_file, WAIT_S)
 
 
 def silent_client(port: int) -> socket.socket:
