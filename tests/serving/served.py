@@ -61,13 +61,22 @@ class Fleet:
         return got
 
     @contextlib.contextmanager
-    def coordinator(self, server: str, env: dict[str, str] | None = None) -> Iterator[tuple[stack.StackConfig, int]]:
+    def coordinator(
+        self, server: str, env: dict[str, str] | None = None, *, wrapper: Path | None = None, ready_timeout: float = 0.0,
+    ) -> Iterator[tuple[stack.StackConfig, int]]:
         """A coordinator under ``server`` (daphne | uvicorn), with ``env`` added to its environment;
-        yields its configuration and process id."""
+        yields its configuration and process id. With ``wrapper``, the server's module and arguments
+        are run by that script (``counted_server.py``, ``bench/traced_server.py``); it is given at
+        least ``ready_timeout`` seconds to be ready."""
         cfg = replace(self.cfg, server=server, coordinator_port=free_port(),
                       extra_env={**self.cfg.extra_env, **(env or {})})
         spec = stack.coordinator_spec(cfg)
-        with Supervisor([replace(spec, log_path=coordinator_log(cfg))]) as sup:
+        if wrapper is not None:
+            python, dash_m, module, *rest = spec.argv
+            assert dash_m == "-m"
+            spec = replace(spec, argv=[python, str(wrapper), module, *rest])
+        spec = replace(spec, log_path=coordinator_log(cfg), ready_timeout=max(spec.ready_timeout, ready_timeout))
+        with Supervisor([spec]) as sup:
             yield cfg, sup.pids["coordinator"]
 
 

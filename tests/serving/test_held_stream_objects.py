@@ -17,15 +17,13 @@ import contextlib
 import json
 import socket
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port
-from tests.serving.served import ROOT, Fleet, coordinator_log, fake_fleet, signal_for_json
+from tests.serving.served import ROOT, Fleet, fake_fleet, signal_for_json
 from tests.serving.test_silent_client import silent_post
 
 STREAMS = 2
@@ -43,19 +41,12 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         yield f
 
 
-@contextlib.contextmanager
-def counted_coordinator(fleet: Fleet, server: str, count_file: Path) -> Iterator[tuple[stack.StackConfig, int]]:
+def counted_coordinator(
+    fleet: Fleet, server: str, count_file: Path,
+) -> contextlib.AbstractContextManager[tuple[stack.StackConfig, int]]:
     """``fleet``'s coordinator under ``server``, run by ``counted_server.py``."""
-    cfg = replace(fleet.cfg, server=server, coordinator_port=free_port(), extra_env={
-        **fleet.cfg.extra_env, "MOTOR_TEST_COUNT_FILE": str(count_file), "MOTOR_CLIENT_STALL_S": "3600",
-    })
-    spec = stack.coordinator_spec(cfg)
-    python, dash_m, module, *rest = spec.argv
-    assert dash_m == "-m"
-    spec = replace(spec, argv=[python, str(ROOT / "tests" / "serving" / "counted_server.py"), module, *rest],
-                   log_path=coordinator_log(cfg))
-    with Supervisor([spec]) as sup:
-        yield cfg, sup.pids["coordinator"]
+    env = {"MOTOR_TEST_COUNT_FILE": str(count_file), "MOTOR_CLIENT_STALL_S": "3600"}
+    return fleet.coordinator(server, env, wrapper=ROOT / "tests" / "serving" / "counted_server.py")
 
 
 def alive(pid: int, count_file: Path) -> dict[str, dict[str, int]]:
