@@ -14,6 +14,7 @@ import platform
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -192,6 +193,22 @@ def section_head(heading: str, load: tuple[str, str], caveat: str) -> list[str]:
         f"- machine: {machine()}; load average (1/5/15 min) {load[0]} before, {load[1]} after ({caveat})",
         f"- command: `{command_line()}` (run from the repository root)",
     ]
+
+
+def ratio_rows(rounds: dict[str, list[tuple[float, float]]], base: str, digits: int) -> list[str]:
+    """A table's rows, one a variant of ``rounds`` (its cost per round as two parts, such as server and
+    client): the median round of each part and of their sum, with ``digits`` decimals, then the sum's
+    ratio to ``base``'s round by round, median (range). A round where ``base`` cost nothing has no ratio."""
+    totals = {n: [a + b for a, b in parts] for n, parts in rounds.items()}
+    rows = []
+    for n, parts in rounds.items():
+        ratios = sorted(t / b for t, b in zip(totals[n], totals[base], strict=True) if b)
+        rows.append(
+            f"| {n} | {statistics.median(a for a, _ in parts):.{digits}f} | "
+            f"{statistics.median(b for _, b in parts):.{digits}f} | {statistics.median(totals[n]):.{digits}f} | "
+            f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) |"
+        )
+    return rows
 
 
 def publish(heading: str, text: str, *, write: bool) -> None:
