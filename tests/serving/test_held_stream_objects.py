@@ -16,15 +16,15 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
 from motorsite import stack
 from tests.serving.served import ROOT, Fleet, fake_fleet, signal_for_json
 from tests.serving.test_silent_client import silent_post
+from tests.still import wait_still
 
 STREAMS = 2
 PROMPTS = 3  # each stream's prompts: a generator per prompt would be alive PROMPTS times a stream
@@ -63,15 +63,8 @@ def silent_client(port: int) -> socket.socket:
 
 def wait_blocked(fleet: Fleet, streams: int) -> None:
     """Poll until the coordinator has derendered for every prompt and then stopped."""
-    deadline = time.monotonic() + WAIT_S
-    last, still = -1, 0
-    while still < STILL_POLLS:
-        assert time.monotonic() < deadline, "the streams never stopped"
-        time.sleep(POLL_S)
-        stats: dict[str, Any] = fleet.stats()
-        calls = stats["derender_calls"]
-        still = still + 1 if calls == last and calls >= streams * PROMPTS else 0
-        last = calls
+    wait_still(lambda: fleet.stats()["derender_calls"], polls=STILL_POLLS, poll_s=POLL_S, wait_s=WAIT_S,
+               never="the streams never stopped", settled=lambda calls: calls >= streams * PROMPTS)
 
 
 @pytest.fixture(scope="module", params=stack.SERVERS)
