@@ -16,6 +16,7 @@ from typing import Callable
 import pytest
 import uvloop
 
+from serving.pipeline import http11
 from serving.pipeline.http11 import Http11Client
 
 
@@ -34,8 +35,9 @@ async def kept_then_closed(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 @pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
 def test_a_loop_closed_with_its_sweep_pending_is_not_held_by_the_client(
-    new_loop: Callable[[], asyncio.AbstractEventLoop],
+    new_loop: Callable[[], asyncio.AbstractEventLoop], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(http11, "KEEPALIVE_S", 3600.0)  # the sweep is still pending when the loop closes
     client = Http11Client()
     loop = new_loop()
 
