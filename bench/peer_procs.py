@@ -30,6 +30,7 @@ PEER_LABELS = {
     "motorsite": "motorsite",
     "motorsite-uvicorn": "motorsite (uvicorn)",
     "motorsite-base": "motorsite at the baseline commit",
+    "motorsite-local": "motorsite, local_stream_detokenize",
     "pd-floor": "client legs (floor)",
     "pd-motorsite": "motorsite Handoff",
 }
