@@ -14,6 +14,7 @@ import platform
 import re
 import shlex
 import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -265,3 +266,24 @@ def coordinator_from(tree: Path, cfg: stack.StackConfig, name: str) -> ProcessSp
     )
     spec = stack.coordinator_spec(cfg)
     return replace(spec, name=name, cwd=tree, env={**spec.env, "PYTHONPATH": str(tree)})
+
+
+def interval_of(key: str) -> int:
+    """The ``stream_interval_ms`` of a ``motorsite-<ms>ms`` path (0 for every other path)."""
+    return int(key[len("motorsite-"):-2]) if key.startswith("motorsite-") and key.endswith("ms") else 0
+
+
+def motorsite_config(cfg: stack.StackConfig, tmp: Path, name: str, interval_ms: int, *,
+                     member_ports: tuple[int, ...] = (), local: bool = False) -> stack.StackConfig:
+    """A coordinator of its own (database, port, logs) over ``cfg``'s fleet; ``interval_ms`` 0 leaves the defaults,
+    ``member_ports`` are more sidecars of its render pool, ``local`` turns ``local_stream_detokenize`` on."""
+    db = tmp / f"{name}.sqlite3"
+    one = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{db}", log_dir=cfg.log_dir / name,
+                  render_member_ports=member_ports)
+    one.log_dir.mkdir(parents=True, exist_ok=True)
+    stack.prepare_database(one)
+    if interval_ms or local:
+        with sqlite3.connect(db) as conn:
+            conn.execute("UPDATE serving_renderconfig SET stream_interval_ms = ?, local_stream_detokenize = ?",
+                         (interval_ms, local))
+    return one
