@@ -14,6 +14,8 @@ import platform
 import re
 import shlex
 import shutil
+import sqlite3
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -194,6 +196,22 @@ def section_head(heading: str, load: tuple[str, str], caveat: str) -> list[str]:
     ]
 
 
+def ratio_rows(rounds: dict[str, list[tuple[float, float]]], base: str, digits: int) -> list[str]:
+    """A table's rows, one a variant of ``rounds`` (its cost per round as two parts, such as server and
+    client): the median round of each part and of their sum, with ``digits`` decimals, then the sum's
+    ratio to ``base``'s round by round, median (range). A round where ``base`` cost nothing has no ratio."""
+    totals = {n: [a + b for a, b in parts] for n, parts in rounds.items()}
+    rows = []
+    for n, parts in rounds.items():
+        ratios = sorted(t / b for t, b in zip(totals[n], totals[base], strict=True) if b)
+        rows.append(
+            f"| {n} | {statistics.median(a for a, _ in parts):.{digits}f} | "
+            f"{statistics.median(b for _, b in parts):.{digits}f} | {statistics.median(totals[n]):.{digits}f} | "
+            f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) |"
+        )
+    return rows
+
+
 def publish(heading: str, text: str, *, write: bool) -> None:
     """Print a finished section and, with ``write``, put it into RESULTS.md in place of the old one."""
     print()
@@ -248,3 +266,24 @@ def coordinator_from(tree: Path, cfg: stack.StackConfig, name: str) -> ProcessSp
     )
     spec = stack.coordinator_spec(cfg)
     return replace(spec, name=name, cwd=tree, env={**spec.env, "PYTHONPATH": str(tree)})
+
+
+def interval_of(key: str) -> int:
+    """The ``stream_interval_ms`` of a ``motorsite-<ms>ms`` path (0 for every other path)."""
+    return int(key[len("motorsite-"):-2]) if key.startswith("motorsite-") and key.endswith("ms") else 0
+
+
+def motorsite_config(cfg: stack.StackConfig, tmp: Path, name: str, interval_ms: int, *,
+                     member_ports: tuple[int, ...] = (), local: bool = False) -> stack.StackConfig:
+    """A coordinator of its own (database, port, logs) over ``cfg``'s fleet; ``interval_ms`` 0 leaves the defaults,
+    ``member_ports`` are more sidecars of its render pool, ``local`` turns ``local_stream_detokenize`` on."""
+    db = tmp / f"{name}.sqlite3"
+    one = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{db}", log_dir=cfg.log_dir / name,
+                  render_member_ports=member_ports)
+    one.log_dir.mkdir(parents=True, exist_ok=True)
+    stack.prepare_database(one)
+    if interval_ms or local:
+        with sqlite3.connect(db) as conn:
+            conn.execute("UPDATE serving_renderconfig SET stream_interval_ms = ?, local_stream_detokenize = ?",
+                         (interval_ms, local))
+    return one

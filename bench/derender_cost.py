@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import bench_stack, loadavg, publish, section_head, tidy, tree_cpu_seconds  # noqa: E402
+from bench.derender_sample import BODY, EVENT  # noqa: E402
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor  # noqa: E402
 from serving.pipeline.derender.payload import slim_request  # noqa: E402
@@ -57,17 +58,6 @@ from serving.pipeline.http11 import Http11Client  # noqa: E402
 from serving.pipeline.render.client import CHAT_DERENDER, RenderClient  # noqa: E402
 
 HEADING = "## bench/derender_cost.py"
-BODY = {
-    "model": "tiny",
-    "messages": [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about cats."}],
-    "max_tokens": 32, "stream": True, "temperature": 0, "ignore_eos": True,
-}
-# One engine event as generate streams it (serving/pipeline/engine: nulls present), one token.
-EVENT = {
-    "request_id": "generate-tokens-bench", "usage": None, "output_mode": "tokens",
-    "choices": [{"index": 0, "finish_reason": None, "stop_reason": None, "token_ids": [1000],
-                 "routed_experts": None, "sampling_mask": None, "weight_versions": None, "logprobs": None}],
-}
 VARIANTS = ("first", "plain", "bare")
 
 

@@ -30,6 +30,7 @@ PEER_LABELS = {
     "motorsite": "motorsite",
     "motorsite-uvicorn": "motorsite (uvicorn)",
     "motorsite-base": "motorsite at the baseline commit",
+    "motorsite-local": "motorsite, local_stream_detokenize",
     "pd-floor": "client legs (floor)",
     "pd-motorsite": "motorsite Handoff",
 }
@@ -98,7 +99,7 @@ def peer_specs(engine_url: str, log_dir: Path, tmp: Path) -> list[tuple[str, Pro
 def _locked(kind: str, name: str) -> str:
     for line in toolchain.LOCKS[kind].read_text().splitlines():
         if line.lower().startswith(name + "=="):
-            return line.split("==", 1)[1]
+            return line.split("==", 1)[1].split()[0]  # a hashed lock continues the line: "1.2.3 \"
     return "?"
 
 

@@ -13,7 +13,9 @@ litellm sglang-router vllm-router smg``, done here when missing):
     motorsite  the coordinator at this checkout (render -> generate -> derender), under Daphne
                as ``make run`` serves it; ``--uvicorn`` adds it under uvicorn beside it;
                ``--baseline REV`` adds the coordinator of a checkout of REV (its own database)
-               beside it, on the same sidecar and engine, in the same rounds
+               beside it, on the same sidecar and engine, in the same rounds; ``--local`` adds one
+               with ``RenderConfig.local_stream_detokenize`` on, ``--interval-ms MS`` one per
+               ``RenderConfig.stream_interval_ms`` (each its own database, the same sidecar)
 
 Chat, streaming and JSON, at each concurrency of ``--concurrency`` (1, 4, 16), in interleaved
 rounds: every round runs every cell (mode, concurrency) on every path, the paths' order rotated
@@ -33,6 +35,7 @@ and SGLang's gateway is tried once in P/D mode (``--pd-disaggregation``) against
 
     python3 -m toolchain exec bench/peers.py [--requests 24] [--rounds 3] [--concurrency 1,4,16]
                                              [--max-tokens 32] [--no-pd] [--uvicorn] [--baseline REV]
+                                             [--local] [--interval-ms 50]
                                              [--write]
 
 ``--write`` replaces this benchmark's section of ``bench/RESULTS.md``. Reports numbers only;
@@ -64,7 +67,9 @@ from bench.common import (  # noqa: E402
     baseline_tree,
     bench_stack,
     coordinator_from,
+    interval_of,
     loadavg,
+    motorsite_config,
     percentile,
     publish,
     section_head,
@@ -85,8 +90,10 @@ MODES = ("stream", "json")
 # of them, so no path's prompts are longer than another's.
 TAGS = {
     "direct": "a", "sglang": "b", "litellm": "c", "motorsite": "d", "motorsite-uvicorn": "e", "pd-floor": "c",
-    "pd-motorsite": "f", "vllm-router": "g", "smg": "h", "motorsite-base": "i",
+    "pd-motorsite": "f", "vllm-router": "g", "smg": "h", "motorsite-base": "i", "motorsite-local": "j",
 }
+# The motorsite-<ms>ms paths take theirs from here, in the order given.
+INTERVAL_TAGS = "klmnopq"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 Run = Callable[[httpx.AsyncClient, int], Awaitable[Sample]]
@@ -355,14 +362,15 @@ def _concurrency(text: str) -> list[int]:
 def with_motorsite(
     exits: contextlib.ExitStack, cfg: stack.StackConfig, key: str, paths: list[Route],
     args: argparse.Namespace, render_pid: int, offset: int, notes: list[str], *, uvicorn: bool = False,
-    baseline: Path | None = None,
+    baseline: Path | None = None, variants: tuple[str, ...] = (),
 ) -> dict[tuple[str, str, int], Cell]:
     """Start a coordinator for ``cfg``'s fleet, add it to ``paths`` as ``key``, and run every cell;
     ``uvicorn``: a second one beside it under uvicorn (``MOTOR_SERVER=uvicorn``) as ``key-uvicorn``;
-    ``baseline``: one from that checkout (its own database) as ``key-base``."""
+    ``baseline``: one from that checkout (its own database) as ``key-base``; ``variants``: one per
+    render config variant (``motorsite-local``, ``motorsite-<ms>ms``), each with a database of its own."""
     stack.prepare_database(cfg)
     names = [(key, "daphne"), *([(f"{key}-uvicorn", "uvicorn")] if uvicorn else []),
-             *([(f"{key}-base", "daphne")] if baseline else [])]
+             *([(f"{key}-base", "daphne")] if baseline else []), *((v, "daphne") for v in variants)]
     for name, server in names:
         print(f"starting {PEER_LABELS[name]} ...", flush=True)
         # A port picked only now: one picked before the engines started may since be theirs (vLLM
@@ -371,6 +379,10 @@ def with_motorsite(
         if name.endswith("-base") and baseline is not None:
             one = replace(one, database_url=f"sqlite:///{one.log_dir.parent / 'base.sqlite3'}")
             spec = replace(coordinator_from(baseline, one, name), log_path=one.log_dir / f"{name}.log")
+        elif name in variants:
+            one = replace(motorsite_config(cfg, cfg.log_dir.parent, name, interval_of(name),
+                                           local=name == "motorsite-local"), server=server)
+            spec = replace(stack.coordinator_spec(one), name=name, log_path=one.log_dir / f"{name}.log")
         else:
             spec = replace(stack.coordinator_spec(one), name=name, log_path=one.log_dir / f"{name}.log")
         # Django's start takes over the default 30 s on a loaded shared machine.
@@ -383,6 +395,15 @@ def with_motorsite(
     cells = asyncio.run(run_cells(paths, args, render_pid, offset))
     notes += errors(cells)
     return cells
+
+
+def variants(args: argparse.Namespace) -> tuple[str, ...]:
+    """The render config variants asked for, each registered with its label and request tag."""
+    keys = (*(["motorsite-local"] if args.local else []), *(f"motorsite-{ms}ms" for ms in args.interval_ms))
+    for tag, ms in zip(INTERVAL_TAGS, args.interval_ms, strict=False):
+        PEER_LABELS[f"motorsite-{ms}ms"] = f"motorsite, stream_interval_ms {ms}"
+        TAGS[f"motorsite-{ms}ms"] = tag
+    return keys
 
 
 def _split(cells: dict[tuple[str, str, int], Cell], paths: list[Route]) -> str:
@@ -412,7 +433,7 @@ def union_phase(args: argparse.Namespace, cfg: stack.StackConfig, tmp: Path, ren
         if args.baseline:
             notes.append(f"{PEER_LABELS['motorsite-base']}: {args.baseline}")
         cells = with_motorsite(exits, cfg, "motorsite", paths, args, render_pid, 0, notes, uvicorn=args.uvicorn,
-                               baseline=baseline)
+                               baseline=baseline, variants=variants(args))
         notes.append(
             f"union part: the render sidecar idles at {sidecar_idle(cells, paths)} (measured while the other paths ran); "
             "motorsite's sidecar column includes that rate over its own runs"
@@ -469,6 +490,10 @@ def main() -> int:
         "--uvicorn", action="store_true", help="also motorsite under uvicorn (MOTOR_SERVER=uvicorn) in the union part",
     )
     parser.add_argument("--baseline", help="a git revision whose coordinator runs beside this tree's (union part)")
+    parser.add_argument("--local", action="store_true",
+                        help="also motorsite with local_stream_detokenize on (union part)")
+    parser.add_argument("--interval-ms", type=_concurrency, default=[],
+                        help="also motorsite with each of these stream_interval_ms, comma-separated (union part)")
     parser.add_argument("--write", action="store_true", help="write the section into bench/RESULTS.md")
     parser.add_argument("--keep-logs", action="store_true", help="keep the temp log directory")
     args = parser.parse_args()

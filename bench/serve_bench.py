@@ -49,7 +49,6 @@ import os
 import re
 import select
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -64,7 +63,17 @@ sys.path.insert(0, str(ROOT))
 
 import toolchain  # noqa: E402
 from bench import phase_split  # noqa: E402
-from bench.common import bench_stack, loadavg, percentile, publish, section_head, tidy, tree_cpu_seconds  # noqa: E402
+from bench.common import (  # noqa: E402
+    bench_stack,
+    interval_of,
+    loadavg,
+    motorsite_config,
+    percentile,
+    publish,
+    section_head,
+    tidy,
+    tree_cpu_seconds,
+)
 from bench.peer_procs import PEER_LABELS, router_specs, versions  # noqa: E402
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, free_port, log_tail  # noqa: E402
@@ -122,11 +131,6 @@ def all_paths(args: argparse.Namespace) -> list[str]:
     if unknown:
         raise SystemExit(f"unknown paths {unknown}; known: {keys}")
     return [k for k in keys if k in args.paths]
-
-
-def interval_of(key: str) -> int:
-    """The ``stream_interval_ms`` of a ``motorsite-<ms>ms`` path (0 for every other path)."""
-    return int(key[len("motorsite-"):-2]) if key.startswith("motorsite-") and key.endswith("ms") else 0
 
 
 def label(key: str) -> str:
@@ -324,22 +328,6 @@ def ratio_lines(results: dict[tuple[str, str, int], dict[str, Cell]]) -> list[st
 
 
 # --------------------------------------------------------------------------- the stack
-
-
-def motorsite_config(cfg: stack.StackConfig, tmp: Path, name: str, interval_ms: int, *,
-                     member_ports: tuple[int, ...] = (), local: bool = False) -> stack.StackConfig:
-    """A coordinator of its own (database, port, logs) over ``cfg``'s fleet; ``interval_ms`` 0 leaves the defaults,
-    ``member_ports`` are more sidecars of its render pool, ``local`` turns ``local_stream_detokenize`` on."""
-    db = tmp / f"{name}.sqlite3"
-    one = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{db}", log_dir=cfg.log_dir / name,
-                  render_member_ports=member_ports)
-    one.log_dir.mkdir(parents=True, exist_ok=True)
-    stack.prepare_database(one)
-    if interval_ms or local:
-        with sqlite3.connect(db) as conn:
-            conn.execute("UPDATE serving_renderconfig SET stream_interval_ms = ?, local_stream_detokenize = ?",
-                         (interval_ms, local))
-    return one
 
 
 class Client:

@@ -31,17 +31,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# A module of constants only: it imports in the render environment too (``--child``).
+from bench.derender_sample import BODY, EVENT  # noqa: E402
+
 DERENDER = "/v1/chat/completions/derender"
-BODY = {
-    "model": "tiny",
-    "messages": [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about cats."}],
-    "max_tokens": 32, "stream": True, "temperature": 0, "ignore_eos": True,
-}
-EVENT = {
-    "request_id": "generate-tokens-bench", "usage": None, "output_mode": "tokens",
-    "choices": [{"index": 0, "finish_reason": None, "stop_reason": None, "token_ids": [1000],
-                 "routed_experts": None, "sampling_mask": None, "weight_versions": None, "logprobs": None}],
-}
 
 
 def build(argv: list[str]) -> Any:

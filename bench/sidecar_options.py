@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import bench_stack, free_port, loadavg, publish, section_head, tidy  # noqa: E402
-from bench.derender_cost import BODY, EVENT  # noqa: E402
+from bench.derender_sample import BODY, EVENT  # noqa: E402
 from motorsite import stack, tiers  # noqa: E402
 from motorsite.supervisor import Supervisor  # noqa: E402
 from serving.pipeline.http11 import Http11Client  # noqa: E402

@@ -29,7 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import bench_stack, loadavg, publish, section_head, tidy  # noqa: E402
+from bench.common import bench_stack, loadavg, publish, ratio_rows, section_head, tidy  # noqa: E402
 from bench.sidecar_options import run_ns  # noqa: E402
 from motorsite import stack  # noqa: E402
 from motorsite.supervisor import Supervisor, together  # noqa: E402
@@ -108,15 +108,9 @@ def report(rounds: dict[str, list[tuple[float, float, float]]], idle: dict[str, 
         "coordinator + sidecar (ms) | vs tcp, median (range) of rounds |",
         "|---|---:|---:|---:|---:|",
     ]
-    totals = {n: [c + s for c, s in ms[n]] for n in ms}
-    for n in ms:
-        ratios = sorted(a / b for a, b in zip(totals[n], totals["tcp"], strict=True) if b)
-        lines.append(
-            f"| {n} | {statistics.median(c for c, _ in ms[n]):.2f} | {statistics.median(s for _, s in ms[n]):.2f} | "
-            f"{statistics.median(totals[n]):.2f} | {statistics.median(ratios):.3f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) |"
-        )
+    lines += ratio_rows(ms, "tcp", 2)
     lines += ["", "Per round, coordinator + sidecar ms per stream (tcp / unix): " + "; ".join(
-        f"{t:.1f} / {u:.1f}" for t, u in zip(totals["tcp"], totals["unix"], strict=True))]
+        f"{tc + ts:.1f} / {uc + us:.1f}" for (tc, ts), (uc, us) in zip(ms["tcp"], ms["unix"], strict=True))]
     return "\n".join(lines)
 
 

@@ -41,15 +41,12 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
-import signal
 import socket
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 
@@ -58,9 +55,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import command_line, loadavg, machine, write_section  # noqa: E402
 from motorsite import stack  # noqa: E402
-from motorsite.supervisor import Supervisor, free_port  # noqa: E402
 from tests.serving.fakes import MODEL  # noqa: E402
-from tests.serving.served import API_KEY, Fleet, coordinator_log, fake_fleet  # noqa: E402
+from tests.serving.served import API_KEY, Fleet, fake_fleet, signal_for_json  # noqa: E402
 from tests.serving.test_silent_client import kernel_queued, silent_post  # noqa: E402
 
 SECTION = "## bench/slow_reader.py"
@@ -70,40 +66,25 @@ STILL_POLLS = 8  # 2 s of neither derender calls nor bytes moving (``wait_still`
 WAIT_S = 120.0
 
 
-@contextlib.contextmanager
 def traced_coordinator(
     fleet: Fleet, server: str, trace_file: Path, sndbuf: int, top: int, depth: int = 1,
-) -> Iterator[tuple[stack.StackConfig, int]]:
+) -> contextlib.AbstractContextManager[tuple[stack.StackConfig, int]]:
     """``fleet``'s coordinator under ``server``, run by ``bench/traced_server.py``."""
-    cfg = replace(fleet.cfg, server=server, coordinator_port=free_port(), extra_env={
-        **fleet.cfg.extra_env,
+    env = {
         "MOTOR_BENCH_TRACE_FILE": str(trace_file),
         "MOTOR_BENCH_SNDBUF": str(sndbuf),
         "MOTOR_BENCH_TRACE_TOP": str(top),
         "MOTOR_BENCH_TRACE_DEPTH": str(depth),
         "MOTOR_CLIENT_STALL_S": "3600",  # the bench measures the held state, not the cut
-    })
-    spec = stack.coordinator_spec(cfg)
-    python, dash_m, module, *rest = spec.argv
-    assert dash_m == "-m"
+    }
     # Traced, a coordinator starts several times slower; on a machine shared with other work that
     # can pass the supervisor's 30 s.
-    spec = replace(spec, argv=[python, str(ROOT / "bench" / "traced_server.py"), module, *rest],
-                   log_path=coordinator_log(cfg), ready_timeout=max(spec.ready_timeout, 120.0))
-    with Supervisor([spec]) as sup:
-        yield cfg, sup.pids["coordinator"]
+    return fleet.coordinator(server, env, wrapper=ROOT / "bench" / "traced_server.py", ready_timeout=120.0)
 
 
 def heap(pid: int, trace_file: Path) -> dict[str, Any]:
     """The coordinator's traced heap and RSS, in bytes (``bench/traced_server.py``)."""
-    trace_file.unlink(missing_ok=True)
-    os.kill(pid, signal.SIGUSR1)
-    deadline = time.monotonic() + WAIT_S
-    while not trace_file.exists():
-        assert time.monotonic() < deadline, "the coordinator never wrote its heap"
-        time.sleep(0.05)
-    got: dict[str, Any] = json.loads(trace_file.read_text())
-    return got
+    return signal_for_json(pid, trace_file, WAIT_S)
 
 
 def silent_client(port: int, body: bytes) -> socket.socket:

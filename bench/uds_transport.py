@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -107,7 +106,7 @@ async def measure(urls: dict[str, str], pids: dict[str, int], args: argparse.Nam
 
 
 def report(rounds: dict[str, list[tuple[float, float]]], load: tuple[str, str], args: argparse.Namespace) -> str:
-    from bench.common import section_head
+    from bench.common import ratio_rows, section_head
 
     lines = section_head(HEADING, load, "2 cores shared by both servers, this client, and other work")
     lines += [
@@ -119,13 +118,7 @@ def report(rounds: dict[str, list[tuple[float, float]]], load: tuple[str, str], 
         "server + client (µs) | vs tcp, median (range) of rounds |",
         "|---|---:|---:|---:|---:|",
     ]
-    totals = {n: [s + c for s, c in rounds[n]] for n in rounds}
-    for n in rounds:
-        ratios = sorted(a / b for a, b in zip(totals[n], totals["tcp"], strict=True))
-        lines.append(f"| {n} | {statistics.median(s for s, _ in rounds[n]):.1f} | "
-                     f"{statistics.median(c for _, c in rounds[n]):.1f} | {statistics.median(totals[n]):.1f} | "
-                     f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) |")
-    return "\n".join(lines)
+    return "\n".join(lines + ratio_rows(rounds, "tcp", 1))
 
 
 if __name__ == "__main__":

@@ -431,18 +431,7 @@ def prepare_database(cfg: StackConfig) -> None:
     """
     env = {**os.environ, **coordinator_env(cfg)}
     manage = [cfg.app_python, str(ROOT / "manage.py")]
-    fleet = [
-        *manage, "demo_fleet", "--migrate",
-        "--model-dir", cfg.model_dir,
-        "--served-model-name", cfg.served_model_name,
-        "--max-model-len", str(cfg.max_model_len),
-        "--render-port", str(cfg.render_port),
-        "--engine-kind", cfg.engines,
-    ]
-    for port in cfg.render_member_ports:
-        fleet += ["--render-member-port", str(port)]
-    if cfg.render_socket_dir is not None:
-        fleet += ["--render-socket-dir", str(cfg.render_socket_dir)]
+    fleet = [*manage, "demo_fleet", "--migrate", *_demo_fleet_model(cfg)]
     if cfg.render_parsers:
         fleet += ["--reasoning-parser", tiers.REASONING_PARSER, "--tool-parser", tiers.TOOL_PARSER]
     for url in cfg.engine_urls:
@@ -460,21 +449,27 @@ def prepare_database(cfg: StackConfig) -> None:
     subprocess.run(fleet, check=True, env=fleet_env, cwd=ROOT)
     for model in cfg.extra_models:
         # Only this model's rows: its own render config and engines, the first model's untouched.
-        extra = [
-            *manage, "demo_fleet", "--only-this-model",
-            "--model-dir", model.model_dir,
-            "--served-model-name", model.name,
-            "--max-model-len", str(cfg.max_model_len),
-            "--render-port", str(model.render_port),
-            "--engine-kind", cfg.engines,
-        ]
-        for port in model.render_member_ports:
-            extra += ["--render-member-port", str(port)]
-        if cfg.render_socket_dir is not None:
-            extra += ["--render-socket-dir", str(cfg.render_socket_dir)]
+        extra = [*manage, "demo_fleet", "--only-this-model", *_demo_fleet_model(model_config(cfg, model))]
         for port in model.engine_ports:
             extra += ["--engine", f"http://{HOST}:{port}"]
         subprocess.run(extra, check=True, env=env, cwd=ROOT)
+
+
+def _demo_fleet_model(cfg: StackConfig) -> list[str]:
+    """``demo_fleet``'s arguments for ``cfg``'s model (``model_config`` for an extra one): its
+    directory, name and length, and its render pool."""
+    argv = [
+        "--model-dir", cfg.model_dir,
+        "--served-model-name", cfg.served_model_name,
+        "--max-model-len", str(cfg.max_model_len),
+        "--render-port", str(cfg.render_port),
+        "--engine-kind", cfg.engines,
+    ]
+    for port in cfg.render_member_ports:
+        argv += ["--render-member-port", str(port)]
+    if cfg.render_socket_dir is not None:
+        argv += ["--render-socket-dir", str(cfg.render_socket_dir)]
+    return argv
 
 
 def probe_lora(cfg: StackConfig) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
+import weakref
 from types import TracebackType
 from typing import Any, AsyncIterator, Mapping
 from urllib.parse import quote, unquote, urlsplit
@@ -174,7 +175,12 @@ class Http11Client:
         self._max_reply = max_reply_bytes
         self._idle: dict[Origin, list[Connection]] = {}
         # Per loop, the timer that closes its idle connections once they are too old to reuse.
-        self._sweeps: dict[asyncio.AbstractEventLoop, asyncio.TimerHandle] = {}
+        # Weak both ways, as ``render/window.py`` keeps its loops: a loop closed with its sweep
+        # pending never runs it, and neither this client nor the timer (which holds its loop: a
+        # value holding its key would keep a weak key alive) may keep that loop alive. A pending
+        # timer is held by its loop's schedule.
+        self._sweeps: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.ref[asyncio.TimerHandle]] = (
+            weakref.WeakKeyDictionary())
         self._heads: dict[Origin, bytes] = {}
         self._ssl: ssl.SSLContext | None = None
         self.is_closed = False
@@ -229,7 +235,8 @@ class Http11Client:
     async def aclose(self) -> None:
         self.is_closed = True
         for sweep in self._sweeps.values():
-            sweep.cancel()
+            if (handle := sweep()) is not None:
+                handle.cancel()
         self._sweeps.clear()
         for conns in self._idle.values():
             for conn in conns:
@@ -352,7 +359,7 @@ class Http11Client:
         conn.headers = {}
         conns.append(conn)
         if conn.loop not in self._sweeps:
-            self._sweeps[conn.loop] = conn.loop.call_later(KEEPALIVE_S, self._sweep, conn.loop)
+            self._sweeps[conn.loop] = weakref.ref(conn.loop.call_later(KEEPALIVE_S, self._sweep, conn.loop))
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         """Close ``loop``'s connections idle for ``KEEPALIVE_S``, and come back when the next one
@@ -374,7 +381,7 @@ class Http11Client:
                     oldest = conn.idle_since if oldest is None else min(oldest, conn.idle_since)
             conns[:] = kept
         if oldest is not None:
-            self._sweeps[loop] = loop.call_later(oldest + KEEPALIVE_S - now, self._sweep, loop)
+            self._sweeps[loop] = weakref.ref(loop.call_later(oldest + KEEPALIVE_S - now, self._sweep, loop))
 
 
 class _Stream:

@@ -14,7 +14,6 @@ import os
 import re
 import secrets
 import shutil
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ from fleet.ascend import EngineRecord, launch_config
 from motorsite import stack, tiers
 from motorsite.settings import check_secret_key
 from motorsite.supervisor import ProcessSpec
-from tests.deploy.fleet_script import commands_by_model, render_pool, values
+from tests.deploy.fleet_script import commands_by_model, render_pool, run_fleet_script, values
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
@@ -158,35 +157,17 @@ def test_the_fleet_registered_is_the_fleet_started(specs: dict[str, ProcessSpec]
 def test_the_migrate_service_registers_each_models_pool_and_engines(tmp_path: Path) -> None:
     # The migrate service's own script, run here on SQLite with the models on this host: what it
     # registers is what the coordinator serves (a refused address would stop the bring-up).
-    models = {"/model-b": os.environ.get("MOTOR_MODEL_B_DIR", ""), "/model": os.environ.get("MOTOR_MODEL_DIR", "")}
-    if not all(models.values()):
-        pytest.skip("MOTOR_MODEL_DIR and MOTOR_MODEL_B_DIR (python3 -m toolchain exec sets them)")
-    script = SERVICES["migrate"]["command"][-1]
-    for container, host in models.items():
-        script = script.replace(f" {container} ", f" {host} ")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOTOR_", "DATABASE_URL", "REDIS_URL", "SECRET_KEY"))}
-    env.update(PYTHONPATH=str(ROOT), DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}", MOTOR_VAR_DIR=str(tmp_path),
-               MOTOR_CELERY_DIR=str(tmp_path / "celery"), SECRET_KEY=STRONG_KEY,
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
-    done = subprocess.run(["sh", "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    db = sqlite3.connect(tmp_path / "db.sqlite3")
-    pools = db.execute(
-        "SELECT m.name, s.host, s.port FROM serving_rendersidecar s JOIN serving_renderconfig c ON s.render_config_id = c.id"
-        " JOIN serving_servedmodel m ON c.served_model_id = m.id ORDER BY s.id"
-    ).fetchall()
-    engines = db.execute(
-        "SELECT m.name, e.url FROM fleet_engineinstance e JOIN serving_servedmodel m ON e.served_model_id = m.id ORDER BY e.name"
-    ).fetchall()
-    active = db.execute("SELECT name FROM serving_servedmodel WHERE state = 'active' ORDER BY id").fetchall()
-    db.close()
+    env.update(PYTHONPATH=str(ROOT), MOTOR_VAR_DIR=str(tmp_path), MOTOR_CELERY_DIR=str(tmp_path / "celery"),
+               SECRET_KEY=STRONG_KEY)
+    pools, engines, active = run_fleet_script(SERVICES["migrate"]["command"][-1], env, tmp_path / "db.sqlite3")
     assert pools == [("tiny", "render", 8100), ("tiny", "render-member-2", 8101),
                      ("tiny-b", "render-tiny-b", 8102), ("tiny-b", "render-tiny-b-member-2", 8103)]
     assert sorted(engines) == [
         ("tiny", "http://engine-1:8201"), ("tiny", "http://engine-2:8202"), ("tiny", "http://prefill-1:8211"),
         ("tiny", "http://prefill-1:8221"), ("tiny-b", "http://engine-tiny-b-1:8203"),
     ]
-    assert active == [("tiny",), ("tiny-b",)]
+    assert active == ["tiny", "tiny-b"]
 
 
 def test_the_coordinator_is_published_on_the_operators_port_on_loopback(tmp_path: Path, generated: Generated) -> None:

@@ -16,7 +16,6 @@ import os
 import re
 import secrets
 import shutil
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ from catalog.management.commands.render_image import DEFAULT_RENDER_IMAGE
 from motorsite import stack, tiers
 from motorsite.supervisor import free_port
 from serving.pipeline import metric_names
-from tests.deploy.fleet_script import commands_by_model, fleet_commands, render_pool, values
+from tests.deploy.fleet_script import commands_by_model, fleet_commands, render_pool, run_fleet_script, values
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 IN_POD = K8S.parent / "k8s-render-in-pod"
@@ -174,26 +173,7 @@ def test_the_fleet_job_registers_each_pool_member_and_engine_by_its_own_name() -
 
 def test_the_fleet_jobs_script_registers_both_pools(tmp_path: Path) -> None:
     # The Job's own script, run here on SQLite with the models this host built.
-    models = {"/model-b": os.environ.get("MOTOR_MODEL_B_DIR", ""), "/model": os.environ.get("MOTOR_MODEL_DIR", "")}
-    if not all(models.values()):
-        pytest.skip("MOTOR_MODEL_DIR and MOTOR_MODEL_B_DIR (python3 -m toolchain exec sets them)")
-    script = job_script()
-    for container, host in models.items():
-        script = script.replace(f" {container} ", f" {host} ")
-    env = pod_env(GENERATED, tmp_path)
-    env.update(DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
-    done = subprocess.run(["sh", "-c", script], env=env, cwd=stack.ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    db = sqlite3.connect(tmp_path / "db.sqlite3")
-    pools = db.execute(
-        "SELECT m.name, s.host, s.port FROM serving_rendersidecar s JOIN serving_renderconfig c ON s.render_config_id = c.id"
-        " JOIN serving_servedmodel m ON c.served_model_id = m.id ORDER BY s.id"
-    ).fetchall()
-    engines = db.execute(
-        "SELECT m.name, e.url FROM fleet_engineinstance e JOIN serving_servedmodel m ON e.served_model_id = m.id ORDER BY e.url"
-    ).fetchall()
-    db.close()
+    pools, engines, _ = run_fleet_script(job_script(), pod_env(GENERATED, tmp_path), tmp_path / "db.sqlite3")
     assert pools == [(model, f"{pool}-{i}.{pool}", port) for model, _, pool, port, _, _ in MODELS for i in range(2)]
     assert engines == sorted(
         (model, f"http://{m}") for model, _, _, _, statefulset, port in MODELS for m in members(statefulset, port)

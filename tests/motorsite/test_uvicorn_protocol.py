@@ -24,6 +24,7 @@ import uvloop
 
 from motorsite import send_flow
 from motorsite.uvicorn_protocol import HeaderDeadlineProtocol
+from tests.still import wait_still
 
 FRAME = b"data: " + b"x" * 600 + b"\n\n"
 # uvicorn's chunked framing around a frame ("262\r\n" ... "\r\n").
@@ -113,13 +114,7 @@ def open_silent(port: int) -> socket.socket:
 
 def wait_held(app: App) -> None:
     """Poll until the application has sent nothing for a while: every stream waits in send()."""
-    deadline = time.monotonic() + WAIT_S
-    last, still = -1, 0
-    while still < STILL_POLLS:
-        assert time.monotonic() < deadline, "the streams never stopped"
-        time.sleep(POLL_S)
-        still = still + 1 if app.sent == last else 0
-        last = app.sent
+    wait_still(lambda: app.sent, polls=STILL_POLLS, poll_s=POLL_S, wait_s=WAIT_S, never="the streams never stopped")
 
 
 @contextlib.contextmanager

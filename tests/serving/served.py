@@ -4,16 +4,20 @@ The fake render sidecar, engines and derender of ``fakes.py`` are served over 12
 ``bench/fake_upstream_server.py``; the coordinator reads its fleet from an SQLite database that
 ``stack.prepare_database`` writes (as ``make run`` does), so a test or benchmark drives the whole
 coordinator through its server over a socket without starting vLLM. Used by
-``test_silent_client.py`` and ``bench/slow_reader.py``.
+``test_silent_client.py`` and ``bench/slow_reader.py``; ``signal_for_json`` asks a coordinator run
+under a counting or tracing wrapper (``counted_server.py``, ``bench/traced_server.py``) what it holds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -57,14 +61,36 @@ class Fleet:
         return got
 
     @contextlib.contextmanager
-    def coordinator(self, server: str, env: dict[str, str] | None = None) -> Iterator[tuple[stack.StackConfig, int]]:
+    def coordinator(
+        self, server: str, env: dict[str, str] | None = None, *, wrapper: Path | None = None, ready_timeout: float = 0.0,
+    ) -> Iterator[tuple[stack.StackConfig, int]]:
         """A coordinator under ``server`` (daphne | uvicorn), with ``env`` added to its environment;
-        yields its configuration and process id."""
+        yields its configuration and process id. With ``wrapper``, the server's module and arguments
+        are run by that script (``counted_server.py``, ``bench/traced_server.py``); it is given at
+        least ``ready_timeout`` seconds to be ready."""
         cfg = replace(self.cfg, server=server, coordinator_port=free_port(),
                       extra_env={**self.cfg.extra_env, **(env or {})})
         spec = stack.coordinator_spec(cfg)
-        with Supervisor([replace(spec, log_path=coordinator_log(cfg))]) as sup:
+        if wrapper is not None:
+            python, dash_m, module, *rest = spec.argv
+            assert dash_m == "-m"
+            spec = replace(spec, argv=[python, str(wrapper), module, *rest])
+        spec = replace(spec, log_path=coordinator_log(cfg), ready_timeout=max(spec.ready_timeout, ready_timeout))
+        with Supervisor([spec]) as sup:
             yield cfg, sup.pids["coordinator"]
+
+
+def signal_for_json(pid: int, path: Path, timeout_s: float) -> dict[str, Any]:
+    """Send ``pid`` SIGUSR1 and wait up to ``timeout_s`` for the JSON it writes to ``path`` in answer
+    (whole or not at all: the wrappers rename it into place); returns it."""
+    path.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"process {pid} never wrote {path.name}"
+        time.sleep(0.05)
+    got: dict[str, Any] = json.loads(path.read_text())
+    return got
 
 
 def coordinator_log(cfg: stack.StackConfig) -> Path:

@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import socket
-import time
-from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import Supervisor, free_port
-from tests.serving.served import ROOT, Fleet, coordinator_log, fake_fleet
+from tests.serving.served import ROOT, Fleet, fake_fleet, signal_for_json
 from tests.serving.test_silent_client import silent_post
+from tests.still import wait_still
 
 STREAMS = 2
 PROMPTS = 3  # each stream's prompts: a generator per prompt would be alive PROMPTS times a stream
@@ -45,31 +41,17 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         yield f
 
 
-@contextlib.contextmanager
-def counted_coordinator(fleet: Fleet, server: str, count_file: Path) -> Iterator[tuple[stack.StackConfig, int]]:
+def counted_coordinator(
+    fleet: Fleet, server: str, count_file: Path,
+) -> contextlib.AbstractContextManager[tuple[stack.StackConfig, int]]:
     """``fleet``'s coordinator under ``server``, run by ``counted_server.py``."""
-    cfg = replace(fleet.cfg, server=server, coordinator_port=free_port(), extra_env={
-        **fleet.cfg.extra_env, "MOTOR_TEST_COUNT_FILE": str(count_file), "MOTOR_CLIENT_STALL_S": "3600",
-    })
-    spec = stack.coordinator_spec(cfg)
-    python, dash_m, module, *rest = spec.argv
-    assert dash_m == "-m"
-    spec = replace(spec, argv=[python, str(ROOT / "tests" / "serving" / "counted_server.py"), module, *rest],
-                   log_path=coordinator_log(cfg))
-    with Supervisor([spec]) as sup:
-        yield cfg, sup.pids["coordinator"]
+    env = {"MOTOR_TEST_COUNT_FILE": str(count_file), "MOTOR_CLIENT_STALL_S": "3600"}
+    return fleet.coordinator(server, env, wrapper=ROOT / "tests" / "serving" / "counted_server.py")
 
 
 def alive(pid: int, count_file: Path) -> dict[str, dict[str, int]]:
     """What ``counted_server.py`` counts in the coordinator now, by kind and site."""
-    count_file.unlink(missing_ok=True)
-    os.kill(pid, signal.SIGUSR1)
-    deadline = time.monotonic() + WAIT_S
-    while not count_file.exists():
-        assert time.monotonic() < deadline, "the coordinator never wrote its count"
-        time.sleep(0.05)
-    got: dict[str, dict[str, int]] = json.loads(count_file.read_text())
-    return got
+    return signal_for_json(pid, count_file, WAIT_S)
 
 
 def silent_client(port: int) -> socket.socket:
@@ -81,15 +63,8 @@ def silent_client(port: int) -> socket.socket:
 
 def wait_blocked(fleet: Fleet, streams: int) -> None:
     """Poll until the coordinator has derendered for every prompt and then stopped."""
-    deadline = time.monotonic() + WAIT_S
-    last, still = -1, 0
-    while still < STILL_POLLS:
-        assert time.monotonic() < deadline, "the streams never stopped"
-        time.sleep(POLL_S)
-        stats: dict[str, Any] = fleet.stats()
-        calls = stats["derender_calls"]
-        still = still + 1 if calls == last and calls >= streams * PROMPTS else 0
-        last = calls
+    wait_still(lambda: fleet.stats()["derender_calls"], polls=STILL_POLLS, poll_s=POLL_S, wait_s=WAIT_S,
+               never="the streams never stopped", settled=lambda calls: calls >= streams * PROMPTS)
 
 
 @pytest.fixture(scope="module", params=stack.SERVERS)

@@ -48,15 +48,21 @@ def native(transactional_db: None, upstreams: FakeUpstreams, monkeypatch: pytest
     return engines
 
 
-@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
-async def test_it_passes_responses_and_messages_to_an_engines_own_api(
-    v1: httpx.AsyncClient, native: NativeEngines, path: str
-) -> None:
-    body = {"model": MODEL, "input": "hi", "max_tokens": 5}
+def native_only(path: str) -> dict[str, Any]:
+    """A body for ``path`` (``/v1/responses`` or ``/v1/messages``) that only an engine's own API can serve."""
+    body: dict[str, Any] = {"model": MODEL, "input": "hi", "max_tokens": 5}
     if path == "/v1/messages":  # a stop sequence: these tokens-only engines cannot take it token-only
         body["stop_sequences"] = ["\n"]
     else:  # state only the engine keeps: the Responses API's native path
         body["previous_response_id"] = "resp_native"
+    return body
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+async def test_it_passes_responses_and_messages_to_an_engines_own_api(
+    v1: httpx.AsyncClient, native: NativeEngines, path: str
+) -> None:
+    body = native_only(path)
     response = await v1.post(path, json=body)
     assert response.status_code == 200
     assert response.json()["path"] == path
@@ -103,11 +109,7 @@ async def test_on_a_tokens_only_fleet_responses_and_messages_are_a_400_saying_wh
     v1: httpx.AsyncClient, db_upstreams: FakeUpstreams, path: str
 ) -> None:
     # The database fleet of the fakes: every engine token-only, none with its own OpenAI API.
-    body = {"model": MODEL, "input": "hi", "max_tokens": 5}
-    if path == "/v1/messages":  # a stop sequence: these tokens-only engines cannot take it token-only
-        body["stop_sequences"] = ["\n"]
-    else:  # state only the engine keeps: the Responses API's native path
-        body["previous_response_id"] = "resp_native"
+    body = native_only(path)
     response = await v1.post(path, json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]

@@ -27,14 +27,13 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from catalog.models import RenderConfig, ServedModel
-from enginesim import EngineRole
 from enginesim.testing import LiveServer, eventually
 from fleet.models import EngineInstance
 from serving import runtime, snapshots
 from serving.pipeline.topologies import metaserver as metaserver_module
 from serving.pipeline.topologies.hybrid import PDPolicy
 from serving.pipeline.topologies.metaserver import MetaServer
-from tests.pd_sims import sim_server
+from tests.pd_sims import pd_sim_fixtures, sim_server
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams
 from tests.serving.loopback import LoopbackClient
 from tests.serving.router_fakes import model_dir
@@ -53,9 +52,7 @@ def long_prompt() -> list[int]:
     return list(range(start, start + PROMPT_TOKENS))
 
 
-@pytest.fixture(scope="module")
-def union() -> Iterator[LiveServer]:
-    yield from sim_server(CONFIG)
+union, prefill, decode, push_prefill, push_decode = pd_sim_fixtures(CONFIG, push_timeout_s=5.0)
 
 
 @pytest.fixture(scope="module")
@@ -63,26 +60,6 @@ def reference_union() -> Iterator[LiveServer]:
     """The union engine of the reference fleet: it caches the test's prompt, which would make
     PD Hybrid prefer it over the pair."""
     yield from sim_server(CONFIG)
-
-
-@pytest.fixture(scope="module")
-def pull_prefill() -> Iterator[LiveServer]:
-    yield from sim_server(CONFIG, role=EngineRole.PREFILL)
-
-
-@pytest.fixture(scope="module")
-def pull_decode() -> Iterator[LiveServer]:
-    yield from sim_server(CONFIG, role=EngineRole.DECODE)
-
-
-@pytest.fixture(scope="module")
-def push_prefill() -> Iterator[LiveServer]:
-    yield from sim_server(CONFIG, role=EngineRole.PREFILL, kv_transfer="push")
-
-
-@pytest.fixture(scope="module")
-def push_decode() -> Iterator[LiveServer]:
-    yield from sim_server(CONFIG, role=EngineRole.DECODE, kv_transfer="push", kv_push_timeout_seconds=5.0)
 
 
 class Fleet:
@@ -195,18 +172,18 @@ async def test_trigger_answers_like_a_union_engine(
 
 @pytest.mark.parametrize("api", ["messages", "responses"])
 async def test_pd_hybrid_sends_a_long_prompt_to_the_pair_and_answers_like_a_union_engine(
-    served: str, fleet: Fleet, api: str, reference_union: LiveServer, union: LiveServer, pull_prefill: LiveServer,
-    pull_decode: LiveServer,
+    served: str, fleet: Fleet, api: str, reference_union: LiveServer, union: LiveServer, prefill: LiveServer,
+    decode: LiveServer,
 ) -> None:
     await fleet.use(("union", reference_union, ""))
     reference = await answers(served, api)
-    await fleet.use(("union", union, ""), ("prefill", pull_prefill, "pull"), ("decode", pull_decode, "pull"))
+    await fleet.use(("union", union, ""), ("prefill", prefill, "pull"), ("decode", decode, "pull"))
     ours = await answers(served, api)
     assert ours == reference and reference[0] == reference[1]
     # PD Hybrid chose the pair for both: P then D, D on P's KV (and its prefix cache), the union
     # engine idle.
     assert union.engine.stats.requests_received == 0
-    assert pull_prefill.engine.stats.requests_received == pull_decode.engine.stats.requests_received == 2
-    by_source = pull_decode.engine.stats.prompt_tokens_by_source
+    assert prefill.engine.stats.requests_received == decode.engine.stats.requests_received == 2
+    by_source = decode.engine.stats.prompt_tokens_by_source
     assert by_source["external_kv_transfer"] >= PROMPT_TOKENS and by_source["local_compute"] == 0
-    await idle(union, pull_prefill, pull_decode)
+    await idle(union, prefill, decode)

@@ -29,6 +29,7 @@ import pytest
 from motorsite import stack
 from motorsite.send_flow import WRITE_BUFFER_BYTES
 from tests.serving.served import API_KEY, ROOT, Fleet, coordinator_log, fake_fleet
+from tests.still import wait_still
 
 TOKENS = 1000  # each engine stream's length: far more than the kernel's buffers take, padded
 PAD = 16 * 1024  # bytes of text added to every derendered chunk (bench/fake_upstream_server.py)
@@ -112,15 +113,9 @@ def kernel_queued(server_port: int, client: socket.socket) -> int:
 
 def wait_blocked(fleet: Fleet) -> int:
     """Poll until the coordinator has stopped derendering; returns the derender calls made so far."""
-    deadline = time.monotonic() + WAIT_S
-    last, still = -1, 0
-    while still < STILL_POLLS:
-        assert time.monotonic() < deadline, "the stream never stopped"
-        time.sleep(POLL_S)
-        calls = fleet.stats()["derender_calls"]
-        still = still + 1 if calls == last else 0
-        last = calls
-    return last
+    calls: int = wait_still(lambda: fleet.stats()["derender_calls"], polls=STILL_POLLS, poll_s=POLL_S, wait_s=WAIT_S,
+                            never="the stream never stopped")
+    return calls
 
 
 def read_to_end(sock: socket.socket) -> tuple[bytes, str]:

@@ -19,13 +19,13 @@ import httpx
 import pytest
 
 from catalog.models import RenderConfig, ServedModel
-from enginesim import EngineRole, SimConfig
+from enginesim import SimConfig
 from enginesim.testing import LiveServer, eventually
 from fleet.models import EngineInstance
 from serving import runtime, snapshots
 from serving.pipeline.topologies import metaserver as metaserver_module
 from serving.pipeline.topologies.metaserver import MetaServer
-from tests.pd_sims import sim_server
+from tests.pd_sims import pd_sim_fixtures
 from tests.serving.fakes import MODEL, RENDER_URL, FakeUpstreams
 from tests.serving.loopback import LoopbackClient
 from tests.serving.router_fakes import model_dir
@@ -40,14 +40,7 @@ CONFIG = SimConfig(
 COUNTED = f'motor_route_decisions_total{{model="{MODEL}",path="token_only",reason="trigger_per_prompt"}}'
 
 
-@pytest.fixture(scope="module")
-def push_prefill() -> Iterator[LiveServer]:
-    yield from sim_server(CONFIG, role=EngineRole.PREFILL, kv_transfer="push")
-
-
-@pytest.fixture(scope="module")
-def push_decode() -> Iterator[LiveServer]:
-    yield from sim_server(CONFIG, role=EngineRole.DECODE, kv_transfer="push", kv_push_timeout_seconds=5.0)
+*_, push_prefill, push_decode = pd_sim_fixtures(CONFIG, push_timeout_s=5.0)  # the push pair only
 
 
 @pytest.fixture
