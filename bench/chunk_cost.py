@@ -31,9 +31,11 @@ The engine's pace does not change what the coordinator does for them (1 ms by de
 of merely running (its timers and threads), which a CPU figure per request taken from /proc
 (``bench/peers.py``, ``bench/hotpath.py``) charges to requests by how long they last.
 ``--scrapes N`` adds a block of N ``GET /metrics`` (Prometheus text): what one scrape costs.
+``--local`` turns ``RenderConfig.local_stream_detokenize`` on in every coordinator's database: the
+coordinator derenders a plain stream's chunks itself, and a chunk makes no sidecar call.
 
     python3 -m toolchain exec bench/chunk_cost.py [--tool callgrind|cprofile|proc] [--baseline REV]
-                                                  [--json] [--idle S] [--scrapes N] [--streams 10]
+                                                  [--json] [--idle S] [--scrapes N] [--streams 10] [--local]
                                                   [--tpot-ms MS] [--top 40] [--server daphne|uvicorn]
 
 Reports numbers only; nothing here asserts.
@@ -48,6 +50,7 @@ import os
 import pstats
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -343,6 +346,12 @@ def report_json(args: argparse.Namespace, results: dict[str, dict[str, Any]]) ->
     return "\n".join(lines)
 
 
+def set_local(db: Path) -> None:
+    """``RenderConfig.local_stream_detokenize`` on in the coordinator database ``db`` (before it starts)."""
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE serving_renderconfig SET local_stream_detokenize = 1")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tool", choices=("callgrind", "cprofile", "proc"), default="callgrind")
@@ -350,6 +359,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="count non-streaming requests, per request")
     parser.add_argument("--idle", type=int, default=0, help="with --json: also a block of this many seconds without requests")
     parser.add_argument("--scrapes", type=int, default=0, help="with --json: also a block of this many GET /metrics")
+    parser.add_argument("--local", action="store_true", help="local_stream_detokenize on in every coordinator")
     parser.add_argument("--streams", type=int, default=10, help="streams (or JSON requests) per measured block")
     parser.add_argument("--repeat", type=int, default=1, help="measured blocks per tree, alternating")
     parser.add_argument("--tpot-ms", type=float, help="the engine's pace (default 150 under callgrind, 30 under cProfile)")
@@ -370,10 +380,14 @@ def main() -> int:
         engines = [replace(e, argv=[*e.argv, "--tpot-ms", str(args.tpot_ms)]) for e in stack.engine_specs(cfg)]
         exits.enter_context(Supervisor([replace(stack.render_spec(cfg), ready_timeout=300.0), *engines]))
         stack.prepare_database(cfg)
+        if args.local:
+            set_local(tmp / "now.sqlite3")
         specs = {"now": (instrumented(stack.coordinator_spec(cfg), args.tool, tmp / "now.out"), cfg.coordinator_url)}
         if args.baseline:
             base_cfg = replace(cfg, coordinator_port=free_port(), database_url=f"sqlite:///{tmp / 'base.sqlite3'}")
             spec = coordinator_from(baseline_tree(args.baseline, tmp, exits), base_cfg, "coordinator-base")
+            if args.local:
+                set_local(tmp / "base.sqlite3")
             specs["base"] = (instrumented(spec, args.tool, tmp / "base.out"), base_cfg.coordinator_url)
         sup = Supervisor([s for s, _ in specs.values()])
         exits.enter_context(sup)
@@ -381,7 +395,8 @@ def main() -> int:
         load = loadavg()
         results = asyncio.run(measure(args, coords))
         load_after = loadavg()
-    print(f"\nload average {load} before, {load_after} after; {args.tool} under {args.server}; dumps in {tmp}")
+    mode = "local_stream_detokenize" if args.local else "derender in the sidecar"
+    print(f"\nload average {load} before, {load_after} after; {args.tool} under {args.server}, {mode}; dumps in {tmp}")
     print(report(args, results))
     if not args.keep:
         print("(pass --keep to keep the dumps)")
