@@ -136,17 +136,27 @@ class FieldScrub:
 
     The native path relays an engine's chunks as they arrive, cut anywhere; this keeps the
     incomplete last frame back until its blank line arrives, and parses only the frames whose
-    bytes mention a field: every other frame passes byte for byte. Frames end with ``\\n\\n``,
-    as vLLM writes them; a stream without one is held to its end and scrubbed whole.
+    bytes mention a field with a value other than ``null``: every other frame passes byte for
+    byte. Frames end with ``\\n\\n``, as vLLM writes them; a stream without one is held to its end
+    and scrubbed whole.
     """
 
     def __init__(self, fields: tuple[str, ...]) -> None:
         self._fields = frozenset(fields)
-        self._needles = tuple(b'"' + f.encode() + b'"' for f in fields)
+        self._needles = tuple((b'"' + f.encode() + b'"', b'"' + f.encode() + b'":null') for f in fields)
         self._tail = b""
 
     def _mentions(self, data: bytes) -> bool:
-        return any(n in data for n in self._needles)
+        """Whether ``data`` may carry a field to null. vLLM writes every field, as ``null``, in
+        every chunk (``"kv_transfer_params":null``, compact): where each mention of a field is
+        exactly that, a parse would null nothing, so the frame is not parsed. (A mention is a
+        JSON string token, its quotes unescaped; followed by ``:null`` it is a key whose value is
+        null. Any other mention, a spaced ``: null`` included, is parsed as before.)"""
+        for name, null in self._needles:
+            count = data.count(name)
+            if count and count != data.count(null):
+                return True
+        return False
 
     def feed(self, chunk: bytes) -> bytes:
         """What of ``chunk`` (after what was held) can go to the client now."""

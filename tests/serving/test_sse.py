@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import httpx
 import pytest
 
+from serving.pipeline import json_codec
 from serving.pipeline.request_checks import RESPONSE_CONTROLS
 from serving.pipeline.sse import DONE, FieldScrub, SSEProtocolError, StreamTruncated, frame, iter_event_batches
 
@@ -154,6 +155,28 @@ def test_field_scrub_nulls_engine_controls_wherever_the_chunks_are_cut(cut: int 
     completed = json.loads(frames[2].split(b"\n")[1][5:])["response"]
     assert completed == {"ec_transfer_params": None, "kv_transfer_params": None, "output": []}
     assert frames[2].startswith(b"event: response.completed\n") and out.endswith(DONE)
+
+
+def test_field_scrub_parses_no_frame_whose_fields_are_all_null(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM writes ``"kv_transfer_params":null`` in every chunk: such a frame passes as it is,
+    unparsed (a parse would null nothing); one with a field set, in the same chunk, is scrubbed."""
+    scrub = FieldScrub(RESPONSE_CONTROLS)
+    nulls = (b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"\\"kv_transfer_params\\":1"}}],'
+             b'"kv_transfer_params":null,"ec_transfer_params":null}\n\n')
+    parsed: list[bytes] = []
+
+    def loads(raw: bytes) -> Any:
+        parsed.append(raw)
+        return json_codec.loads(raw)
+
+    monkeypatch.setattr("serving.pipeline.sse.loads", loads)
+    assert scrub.feed(nulls) is nulls and parsed == []
+    assert scrub.feed(nulls[:20]) == b"" and scrub.feed(nulls[20:]) == nulls and parsed == []
+    leaky = b'data: {"choices":[],"kv_transfer_params":null,"x":{"kv_transfer_params":{"host":"10.0.0.7"}}}\n\n'
+    out = scrub.feed(nulls + leaky)
+    assert out.startswith(nulls) and b"10.0.0.7" not in out and len(parsed) == 1
+    spaced = b'data: {"choices":[],"kv_transfer_params": null}\n\n'  # parsed, as before: nothing to null
+    assert scrub.feed(spaced) == spaced and len(parsed) == 2
 
 
 def test_field_scrub_passes_unconcerned_whole_frames_as_the_same_object() -> None:
