@@ -37,6 +37,9 @@ RENDER_PATHS: dict[ApiKind, str] = {
     "responses": "/v1/responses/render",
     "messages": "/v1/messages/render",
 }
+# What a streamed chunk's derender call enters instead of a deadline of its own (reusable).
+_UNBOUNDED: contextlib.nullcontext[None] = contextlib.nullcontext()
+
 CHAT_DERENDER = "/v1/chat/completions/derender"
 COMPLETIONS_DERENDER = "/v1/completions/derender"
 
@@ -101,6 +104,10 @@ class RenderClient:
         self._base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s  # the render config's timeout_ms: a call, or a streaming chunk
         self._timeout = httpx.Timeout(timeout_s)
+        # A streamed chunk's call: no deadline of its own, as the session's bound of the same
+        # ``timeout_s`` around it started first and always ends first (derender/session.py); a
+        # connection opened for it keeps the connect bound.
+        self._chunk_timeout = httpx.Timeout(None, connect=timeout_s)
 
     async def _post_render(
         self, path: str, body: dict[str, Any], request_id: str, trace: Mapping[str, str] = NO_TRACE
@@ -177,11 +184,16 @@ class RenderClient:
             raise RenderUnavailable("render answered without usable token_ids", reason="no_token_ids")
         return [len(r["token_ids"]) for r in rendered]
 
-    async def _post_derender(self, path: str, body: dict[str, Any], trace: Mapping[str, str]) -> dict[str, Any]:
+    async def _post_derender(
+        self, path: str, body: dict[str, Any], trace: Mapping[str, str], *, chunk: bool = False
+    ) -> dict[str, Any]:
+        """One derender call, bounded by ``timeout_s`` as a whole; a streamed ``chunk``'s by the
+        session around it only (two timers fewer a chunk, neither of which could end first)."""
         try:
-            async with asyncio.timeout(self.timeout_s):  # the whole call, as for render
+            async with _UNBOUNDED if chunk else asyncio.timeout(self.timeout_s):  # the whole call, as for render
                 response = await self._client.post(
-                    self._base_url + path, json=body, headers=tracing.with_trace({}, trace), timeout=self._timeout
+                    self._base_url + path, json=body, headers=tracing.with_trace({}, trace),
+                    timeout=self._chunk_timeout if chunk else self._timeout,
                 )
         except (httpx.TimeoutException, TimeoutError) as exc:
             raise DerenderError(f"derender timed out: {exc!r}", status=504) from exc
@@ -274,7 +286,9 @@ class RenderClient:
             body["prompt_token_ids"] = prompt_token_ids
         if request is not None:
             body["chat_request" if kind == "chat" else "completion_request"] = request
-        out = await self._post_derender(CHAT_DERENDER if kind == "chat" else COMPLETIONS_DERENDER, body, trace)
+        # Within the session's bound of the chunk (derender/session.py), as in ``RenderPool``.
+        out = await self._post_derender(CHAT_DERENDER if kind == "chat" else COMPLETIONS_DERENDER, body, trace,
+                                        chunk=True)
         chunk = out.get("chunk")
         if not isinstance(chunk, dict):
             raise DerenderError("derender answered without a chunk")
