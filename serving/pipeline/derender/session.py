@@ -35,6 +35,7 @@ from serving.pipeline.errors import DerenderError
 from serving.pipeline.phases import NO_PHASES, Phases
 from serving.pipeline.protocol import EventBatches, TokenKind
 from serving.pipeline.render.client import RETRY_DELAY_MAX_S, RETRY_DELAY_MIN_S, DerenderRetryable
+from serving.pipeline.step_bound import StepBound
 from serving.pipeline.tracing import NO_TRACE
 
 logger = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class StreamingRenderSession:
     # Slotted: a session lives as long as its stream, and its attribute dict weighed 1 KiB a prompt.
     __slots__ = ("render", "kind", "body", "prompt_ids", "request_id", "public_id", "prompt_index", "settings",
                  "reader", "holdback", "phases", "trace", "choices", "attempt", "instance", "relays",
-                 "derender_calls", "_slim", "_unread", "_slot")
+                 "derender_calls", "_slim", "_unread", "_slot", "_bound")
 
     def __init__(
         self,
@@ -203,6 +204,8 @@ class StreamingRenderSession:
         self._slim: dict[str, Any] | None = None
         self._unread = request_unread(kind, body)
         self._slot: AsyncContextManager[None] | None = None  # ``render.chunk_slot()``, taken at the first chunk
+        # Each chunk's bound (``render.timeout_s``), on one timer for the stream (``StepBound``).
+        self._bound: StepBound | None = None
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -321,7 +324,10 @@ class StreamingRenderSession:
             slot = self._slot
             if slot is None:  # the session's one loop and pool: looked up once per stream, not per chunk
                 slot = self._slot = self.render.chunk_slot()
-            async with slot, asyncio.timeout(budget):
+            bound = self._bound
+            if bound is None:
+                bound = self._bound = StepBound(budget)
+            async with slot, bound:
                 delay = RETRY_DELAY_MIN_S
                 for attempt in range(tries):
                     self.derender_calls += 1
@@ -383,6 +389,11 @@ class StreamingRenderSession:
             self.request_id, self.prompt_index, "-" if index is None else index, self.attempt,
             type(exc).__name__, str(retrying).lower(),
         )
+
+    def release_bound(self) -> None:
+        """Let go of the chunks' bound's timer (an attempt ended); the next chunk arms it again."""
+        if self._bound is not None:
+            self._bound.close()
 
     def chunks(self, events: EventBatches) -> AttemptChunks:
         """Derendered chunks of one attempt's events; each is committed once the consumer asks for
@@ -467,6 +478,7 @@ class AttemptChunks:
             return  # never started: nothing derendered, nothing to let go
         # Whatever is still held was never handed on (a failed attempt, the client left).
         self._session.drop_uncommitted()
+        self._session.release_bound()
         # The reader may be suspended in the events: finish it now, not after the caller closed
         # the engine stream under it.
         await reader.aclose()  # type: ignore[attr-defined]

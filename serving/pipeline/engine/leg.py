@@ -12,7 +12,6 @@ topology openers; ``open_leg`` is the attempt's last leg (union, or P/D's decode
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -34,6 +33,7 @@ from serving.pipeline.placement.scheduler import Scheduler
 from serving.pipeline.protocol import ApiKind, EventBatches
 from serving.pipeline.render.tokenization import TokenizedPrompt
 from serving.pipeline.snapshot import FleetSnapshot, InstanceView
+from serving.pipeline.step_bound import StepBound
 from serving.pipeline.tracing import NO_TRACE
 
 logger = logging.getLogger(__name__)
@@ -241,13 +241,15 @@ class GuardedEvents:
     suspended (``bench/slow_reader.py``).
     """
 
-    __slots__ = ("_events", "_guard", "_instance", "_timeout")
+    __slots__ = ("_events", "_guard", "_instance", "_timeout", "_bound")
 
     def __init__(self, guard: EngineGuard, events: EventBatches, instance: InstanceView, timeout: float) -> None:
         self._guard = guard
         self._events = events
         self._instance = instance
         self._timeout = timeout
+        # Each read's stall bound, on one timer for the stream (``StepBound``), not one per read.
+        self._bound = StepBound(timeout)
 
     def __aiter__(self) -> GuardedEvents:
         return self
@@ -256,7 +258,7 @@ class GuardedEvents:
         instance = self._instance
         try:
             try:
-                async with asyncio.timeout(self._timeout):
+                async with self._bound:
                     raw = await anext(self._events)
             except TimeoutError as exc:
                 raise EngineError(
@@ -271,7 +273,8 @@ class GuardedEvents:
         return raw
 
     async def aclose(self) -> None:
-        """Nothing to let go: the stream is its attempt's to close (``OpenStream.aclose``)."""
+        """The stall bound's timer; the stream is its attempt's to close (``OpenStream.aclose``)."""
+        self._bound.close()
 
 
 @dataclass
