@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Generic, Iterator, Protocol, TypeVar, cast
 
 from motorsite import stack
-from motorsite.supervisor import ProcessSpec, Supervisor
+from motorsite.supervisor import Interrupted, ProcessSpec, Supervisor
 
 T = TypeVar("T")
 
@@ -48,6 +48,40 @@ class Starter(Protocol):
 
     def stop(self) -> None:
         """Stop everything, also while ``start`` is still running in another thread (idempotent)."""
+
+
+class Prepared:
+    """A ``Starter``: ``prepare()`` (a coordinator's database, say: what the processes read at
+    their start), then ``specs`` started by a ``Supervisor``, all in the rig's thread."""
+
+    def __init__(self, prepare: Callable[[], None], specs: list[ProcessSpec]) -> None:
+        self.prepare = prepare
+        self.supervisor = Supervisor(specs)
+        self.stopping = False
+        self.in_start = False
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return self.supervisor.pids
+
+    def start(self) -> None:
+        self.in_start = True
+        try:
+            self.prepare()
+            if self.stopping:
+                raise Interrupted(signal.SIGTERM)
+            self.supervisor.start()
+        finally:
+            self.in_start = False
+
+    def stop(self) -> None:
+        self.stopping = True
+        if self.in_start:
+            # As ``EarlyRig.close`` interrupts a Supervisor's start: its readiness loop raises
+            # Interrupted and stops every child it spawned; the second stop() then finds none.
+            self.supervisor._signal_received = signal.SIGTERM
+        else:
+            self.supervisor.stop()
 
 
 # A rig begun early may share the machine with a test and another rig; its first user waits at
@@ -121,6 +155,8 @@ class EarlyRig(Generic[T]):
         assert self.thread is not None and self.starter is not None
         try:
             waited = time.monotonic()
+            if self.starting:
+                begin_beside(self)
             self.thread.join()
             _note(f"{self.name}: its first user waited {time.monotonic() - waited:.1f} s")
             if self.error is not None:
@@ -144,6 +180,16 @@ class EarlyRig(Generic[T]):
             self.thread.join()
         # As ``with Supervisor(...)`` stops: a port still bound afterwards is an error.
         self.starter.stop()
+
+
+def begin_beside(waited_for: EarlyRig[Any]) -> None:
+    """While a fixture waits for ``waited_for`` the test process runs nothing: its core is free,
+    so the next rig the remaining tests need may begin beside that start (one more start at most,
+    within the usual bound: no further ahead than the next module still waiting for a rig)."""
+    if UPCOMING:
+        found = next_to_begin(UPCOMING[0][1], starting=waited_for)
+        if found is not None:
+            found.begin(UPCOMING[0][0], early=True, during=f"beside {waited_for.name}, while its first user waited")
 
 
 RIGS: list[EarlyRig[Any]] = []
@@ -172,8 +218,10 @@ def next_to_begin(upcoming: list[tuple[str, tuple[str, ...]]], starting: EarlyRi
     None while a rig is starting (one at a time: two starts on two cores would take the running
     test's), and beyond the first module still to take a rig begun for it (its rigs may begin,
     no later module's): processes waiting for a far-away user would only sit in memory.
+    ``starting`` is left out of that count: the rig whose start just ended, or the one a fixture
+    waits for (``begin_beside``).
     """
-    if any(r.starting for r in RIGS if r is not starting):  # ``starting``: the one whose start just ended
+    if any(r.starting for r in RIGS if r is not starting):
         return None
     waiting: str | None = None
     for path, fixtures in upcoming:

@@ -86,16 +86,15 @@ def run_probe(cfg: stack.StackConfig) -> Any:
 
 
 @pytest.fixture(scope="module")
-def fleet(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """The session's real sidecar (``conftest.tiers``) renders; the engines are this module's simulators."""
     db = tmp_path_factory.mktemp("engine-caps") / "coordinator.sqlite3"
     cfg = replace(
-        base_config, engines="sim", render_port=free_port(), engine_ports=tuple(free_port() for _ in SIM_ARGS),
+        tiers, engines="sim", engine_ports=tuple(free_port() for _ in SIM_ARGS),
         prefill_ports=(), decode_ports=(), coordinator_port=free_port(), database_url=f"sqlite:///{db}",
-        celery=False, restart=None, log_dir=base_config.log_dir / "engine-caps",
+        celery=False, restart=None, log_dir=tiers.log_dir / "engine-caps",
         extra_env={"MOTOR_DEMO_ADMIN_KEY": ADMIN_KEY},
     )
-    # A loaded machine starts the sidecar slowly: everything waits its turn with room to spare.
-    specs = [replace(spec, ready_timeout=600.0) for spec in stack.render_specs(cfg)]
     specs = []
     for spec, extra in zip(stack.engine_specs(cfg), SIM_ARGS, strict=True):
         spec = replace(spec, argv=[*spec.argv, *extra])
