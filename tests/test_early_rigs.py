@@ -44,9 +44,9 @@ def fresh_rigs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(early, "LOG", [])
 
 
-def rig(name: str, fixture: str) -> tuple[early.EarlyRig[Any], Blocking]:
+def rig(name: str, fixture: str, module: str = MODULE) -> tuple[early.EarlyRig[Any], Blocking]:
     starter = Blocking()
-    return early.rig(name, lambda _base: (starter, name), fixture=fixture, module=MODULE), starter
+    return early.rig(name, lambda _base: (starter, name), fixture=fixture, module=module), starter
 
 
 def test_a_rig_begins_beside_the_one_a_fixture_waits_for() -> None:
@@ -122,3 +122,26 @@ def test_a_prepared_rig_stopped_while_it_prepares_starts_no_process(tmp_path: Pa
     starter.stop()
     assert [type(e) for e in errors] == [Interrupted] and errors[0].signum == signal.SIGTERM  # type: ignore[attr-defined]
     assert spawned == [] and not (tmp_path / "ran").exists()
+
+
+def test_rigs_begin_for_two_modules_ahead_and_no_further() -> None:
+    modules = [f"/tests/integration/test_m{n}.py" for n in range(3)]
+    rigs = [rig(f"rig-{n}", "a", module) for n, module in enumerate(modules)]
+    upcoming = [(module, ("a",)) for module in modules]
+    try:
+        first, first_start = rigs[0]
+        first.begin(BASE, early=True)
+        first_start.done.set()
+        assert first.thread is not None
+        first.thread.join(10)  # ready, and not taken: its module has yet to run
+        assert early.next_to_begin(upcoming) is rigs[1][0]  # the next module's may begin too
+        second, second_start = rigs[1]
+        second.begin(BASE, early=True)
+        second_start.done.set()
+        assert second.thread is not None
+        second.thread.join(10)
+        assert early.next_to_begin(upcoming) is None  # not a third module's
+    finally:
+        for found, start in rigs:
+            start.done.set()
+            found.close()

@@ -193,6 +193,10 @@ def begin_beside(waited_for: EarlyRig[Any]) -> None:
 
 
 RIGS: list[EarlyRig[Any]] = []
+# How many modules may have rigs begun and waiting for them at once. With one, a module whose
+# tests run briefly left the next module's rigs to start while that module waited; two keep a
+# rig starting in the background through most of the package.
+MODULES_AHEAD = 2
 LOCK = threading.Lock()
 # The base configuration and the tests still to run (path, fixture names), as of the last test
 # that began: where a start that ends in the background looks for the next rig to begin.
@@ -216,21 +220,22 @@ def next_to_begin(upcoming: list[tuple[str, tuple[str, ...]]], starting: EarlyRi
     """The next rig to begin for the ``upcoming`` tests (path, fixture names), in their order.
 
     None while a rig is starting (one at a time: two starts on two cores would take the running
-    test's), and beyond the first module still to take a rig begun for it (its rigs may begin,
-    no later module's): processes waiting for a far-away user would only sit in memory.
-    ``starting`` is left out of that count: the rig whose start just ended, or the one a fixture
-    waits for (``begin_beside``).
+    test's), and beyond the ``MODULES_AHEAD``-th module still to take a rig begun for it (their
+    rigs may begin, no later module's): processes waiting for a far-away user would only sit in
+    memory. ``starting`` is left out of that count: the rig whose start just ended, or the one a
+    fixture waits for (``begin_beside``).
     """
     if any(r.starting for r in RIGS if r is not starting):
         return None
-    waiting: str | None = None
+    waiting: list[str] = []  # the modules with a rig begun for them and not yet taken, in order
     for path, fixtures in upcoming:
-        if waiting is not None and path != waiting:
+        if path not in waiting and len(waiting) >= MODULES_AHEAD:
             return None
         for candidate in RIGS:
             if candidate.closed or candidate.taken or not candidate.users(path, fixtures):
                 continue
             if candidate.thread is None:
                 return candidate
-            waiting = path
+            if path not in waiting:
+                waiting.append(path)
     return None
