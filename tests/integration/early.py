@@ -6,7 +6,8 @@ real processes the package shares (``conftest``'s session fixtures) or a module 
 is an ``EarlyRig``: registered when its module is imported, and begun in a thread of its own
 while an earlier test runs (``pytest_runtest_call`` in ``conftest``: at most one rig starting in
 the background at a time, the next one the remaining tests need). The fixture that uses it then
-waits for the start already under way, or begins it itself when nothing did (a run of one module).
+waits for the start already under way, or begins it itself when nothing did (a run of one module);
+while it waits the test process runs nothing, so the next rig may begin beside (``begin_beside``).
 
 Nothing changes in what a test sees: the same specs, started by the same ``Supervisor``, ready
 by the same real request, stopped by the same fixture. A start that failed in the background
