@@ -186,7 +186,7 @@ class EarlyRig(Generic[T]):
 def begin_beside(waited_for: EarlyRig[Any]) -> None:
     """While a fixture waits for ``waited_for`` the test process runs nothing: its core is free,
     so the next rig the remaining tests need may begin beside that start (one more start at most,
-    within the usual bound: no further ahead than the next module still waiting for a rig)."""
+    and no further ahead than ``next_to_begin`` looks)."""
     if UPCOMING:
         found = next_to_begin(UPCOMING[0][1], starting=waited_for)
         if found is not None:
