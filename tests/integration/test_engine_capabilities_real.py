@@ -62,6 +62,12 @@ class Fleet:
         by_url = {i["url"].rstrip("/"): i for i in self.api.get("/instances").json()}
         return [by_url[url] for url in self.cfg.engine_urls]
 
+    def rendered(self, source: str) -> float:
+        """The coordinator's count of renders by ``source`` (``render``: the sidecar; ``local``)."""
+        text = httpx.get(self.cfg.coordinator_url + "/metrics", timeout=10, trust_env=False).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("motor_render_outcomes_total{") and f'source="{source}"' in line)
+
     def stats(self) -> list[dict[str, Any]]:
         return [httpx.get(url + "/sim/stats", timeout=10, trust_env=False).json() for url in self.cfg.engine_urls]
 
@@ -129,7 +135,7 @@ def test_it_records_each_engines_capabilities_and_shows_them(fleet: Fleet) -> No
 
 
 def test_it_never_gives_a_token_only_request_to_an_engine_below_the_floor_or_without_generate(fleet: Fleet) -> None:
-    before = fleet.stats()
+    before, by_sidecar, local = fleet.stats(), fleet.rendered("render"), fleet.rendered("local")
     for i in range(6):
         out = fleet.openai.chat.completions.create(
             model=fleet.cfg.served_model_name, messages=[{"role": "user", "content": f"count {i}"}],
@@ -143,6 +149,8 @@ def test_it_never_gives_a_token_only_request_to_an_engine_below_the_floor_or_wit
     received = [a["requests_received"] - b["requests_received"] for a, b in zip(after, before, strict=True)]
     assert received[0] == received[1] == 0
     assert received[2] + received[3] == 6
+    # Each rendered by the real sidecar, none by the local fallback.
+    assert (fleet.rendered("render") - by_sidecar, fleet.rendered("local") - local) == (6, 0)
 
 
 @pytest.fixture
