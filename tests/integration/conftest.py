@@ -53,24 +53,39 @@ def _in_package(item: pytest.Item) -> bool:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> object:
-    # While this test runs, the next rig of real processes the remaining tests need starts.
-    _begin_next_rig(item)
+def pytest_runtest_setup(item: pytest.Item) -> object:
+    # The tests still to run, this one first: a fixture that waits for a rig lets the next one
+    # begin beside it meanwhile (``early.begin_beside``).
+    if _under_make_test():
+        _upcoming(item, first=0)
     return (yield)
 
 
-def _begin_next_rig(item: pytest.Item) -> None:
-    if not all(os.environ.get(name) for name in ("MOTOR_MODEL_DIR", "MOTOR_RENDER_PYTHON", "MOTOR_ENGINE_PYTHON")):
-        return  # not under make test: each fixture fails with the reason when it is used
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    # While this test runs, the next rig of real processes the remaining tests need starts.
+    if _under_make_test():
+        found = early.next_to_begin(_upcoming(item, first=1))
+        if found is not None:
+            found.begin(_base(), early=True, during=f"during {item.nodeid}")
+    return (yield)
+
+
+def _under_make_test() -> bool:
+    # Otherwise each fixture fails with the reason when it is used.
+    return all(os.environ.get(name) for name in ("MOTOR_MODEL_DIR", "MOTOR_RENDER_PYTHON", "MOTOR_ENGINE_PYTHON"))
+
+
+def _upcoming(item: pytest.Item, *, first: int) -> list[tuple[str, tuple[str, ...]]]:
+    """The package's tests from ``item`` on (``first``: 0 with it, 1 after it), as ``early`` takes
+    them; kept in ``early.UPCOMING`` for a rig whose start ends in the background."""
     items = item.session.items
     upcoming = [
         (str(Path(i.path).resolve()), tuple(i.fixturenames))
-        for i in items[items.index(item) + 1:] if isinstance(i, pytest.Function) and _in_package(i)
+        for i in items[items.index(item) + first:] if isinstance(i, pytest.Function) and _in_package(i)
     ]
     early.UPCOMING[:] = [(_base(), upcoming)]
-    found = early.next_to_begin(upcoming)
-    if found is not None:
-        found.begin(_base(), early=True, during=f"during {item.nodeid}")
+    return upcoming
 
 
 def pytest_sessionfinish() -> None:

@@ -6,7 +6,8 @@ real processes the package shares (``conftest``'s session fixtures) or a module 
 is an ``EarlyRig``: registered when its module is imported, and begun in a thread of its own
 while an earlier test runs (``pytest_runtest_call`` in ``conftest``: at most one rig starting in
 the background at a time, the next one the remaining tests need). The fixture that uses it then
-waits for the start already under way, or begins it itself when nothing did (a run of one module).
+waits for the start already under way, or begins it itself when nothing did (a run of one module);
+while it waits the test process runs nothing, so the next rig may begin beside (``begin_beside``).
 
 Nothing changes in what a test sees: the same specs, started by the same ``Supervisor``, ready
 by the same real request, stopped by the same fixture. A start that failed in the background
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Generic, Iterator, Protocol, TypeVar, cast
 
 from motorsite import stack
-from motorsite.supervisor import ProcessSpec, Supervisor
+from motorsite.supervisor import Interrupted, ProcessSpec, Supervisor
 
 T = TypeVar("T")
 
@@ -48,6 +49,40 @@ class Starter(Protocol):
 
     def stop(self) -> None:
         """Stop everything, also while ``start`` is still running in another thread (idempotent)."""
+
+
+class Prepared:
+    """A ``Starter``: ``prepare()`` (a coordinator's database, say: what the processes read at
+    their start), then ``specs`` started by a ``Supervisor``, all in the rig's thread."""
+
+    def __init__(self, prepare: Callable[[], None], specs: list[ProcessSpec]) -> None:
+        self.prepare = prepare
+        self.supervisor = Supervisor(specs)
+        self.stopping = False
+        self.in_start = False
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return self.supervisor.pids
+
+    def start(self) -> None:
+        self.in_start = True
+        try:
+            self.prepare()
+            if self.stopping:
+                raise Interrupted(signal.SIGTERM)
+            self.supervisor.start()
+        finally:
+            self.in_start = False
+
+    def stop(self) -> None:
+        self.stopping = True
+        if self.in_start:
+            # As ``EarlyRig.close`` interrupts a Supervisor's start: its readiness loop raises
+            # Interrupted and stops every child it spawned; the second stop() then finds none.
+            self.supervisor._signal_received = signal.SIGTERM
+        else:
+            self.supervisor.stop()
 
 
 # A rig begun early may share the machine with a test and another rig; its first user waits at
@@ -121,6 +156,8 @@ class EarlyRig(Generic[T]):
         assert self.thread is not None and self.starter is not None
         try:
             waited = time.monotonic()
+            if self.starting:
+                begin_beside(self)
             self.thread.join()
             _note(f"{self.name}: its first user waited {time.monotonic() - waited:.1f} s")
             if self.error is not None:
@@ -146,7 +183,21 @@ class EarlyRig(Generic[T]):
         self.starter.stop()
 
 
+def begin_beside(waited_for: EarlyRig[Any]) -> None:
+    """While a fixture waits for ``waited_for`` the test process runs nothing: its core is free,
+    so the next rig the remaining tests need may begin beside that start (one more start at most,
+    and no further ahead than ``next_to_begin`` looks)."""
+    if UPCOMING:
+        found = next_to_begin(UPCOMING[0][1], starting=waited_for)
+        if found is not None:
+            found.begin(UPCOMING[0][0], early=True, during=f"beside {waited_for.name}, while its first user waited")
+
+
 RIGS: list[EarlyRig[Any]] = []
+# How many modules may have rigs begun and waiting for them at once. With one, a module whose
+# tests run briefly left the next module's rigs to start while that module waited; two keep a
+# rig starting in the background through most of the package.
+MODULES_AHEAD = 2
 LOCK = threading.Lock()
 # The base configuration and the tests still to run (path, fixture names), as of the last test
 # that began: where a start that ends in the background looks for the next rig to begin.
@@ -170,19 +221,22 @@ def next_to_begin(upcoming: list[tuple[str, tuple[str, ...]]], starting: EarlyRi
     """The next rig to begin for the ``upcoming`` tests (path, fixture names), in their order.
 
     None while a rig is starting (one at a time: two starts on two cores would take the running
-    test's), and beyond the first module still to take a rig begun for it (its rigs may begin,
-    no later module's): processes waiting for a far-away user would only sit in memory.
+    test's), and beyond the ``MODULES_AHEAD``-th module still to take a rig begun for it (their
+    rigs may begin, no later module's): processes waiting for a far-away user would only sit in
+    memory. ``starting`` is left out of that count: the rig whose start just ended, or the one a
+    fixture waits for (``begin_beside``).
     """
-    if any(r.starting for r in RIGS if r is not starting):  # ``starting``: the one whose start just ended
+    if any(r.starting for r in RIGS if r is not starting):
         return None
-    waiting: str | None = None
+    waiting: list[str] = []  # the modules with a rig begun for them and not yet taken, in order
     for path, fixtures in upcoming:
-        if waiting is not None and path != waiting:
+        if path not in waiting and len(waiting) >= MODULES_AHEAD:
             return None
         for candidate in RIGS:
             if candidate.closed or candidate.taken or not candidate.users(path, fixtures):
                 continue
             if candidate.thread is None:
                 return candidate
-            waiting = path
+            if path not in waiting:
+                waiting.append(path)
     return None

@@ -62,6 +62,12 @@ class Fleet:
         by_url = {i["url"].rstrip("/"): i for i in self.api.get("/instances").json()}
         return [by_url[url] for url in self.cfg.engine_urls]
 
+    def rendered(self, source: str) -> float:
+        """The coordinator's count of renders by ``source`` (``render``: the sidecar; ``local``)."""
+        text = httpx.get(self.cfg.coordinator_url + "/metrics", timeout=10, trust_env=False).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("motor_render_outcomes_total{") and f'source="{source}"' in line)
+
     def stats(self) -> list[dict[str, Any]]:
         return [httpx.get(url + "/sim/stats", timeout=10, trust_env=False).json() for url in self.cfg.engine_urls]
 
@@ -86,16 +92,15 @@ def run_probe(cfg: stack.StackConfig) -> Any:
 
 
 @pytest.fixture(scope="module")
-def fleet(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tiers: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """The session's real sidecar (``conftest.tiers``) renders; the engines are this module's simulators."""
     db = tmp_path_factory.mktemp("engine-caps") / "coordinator.sqlite3"
     cfg = replace(
-        base_config, engines="sim", render_port=free_port(), engine_ports=tuple(free_port() for _ in SIM_ARGS),
+        tiers, engines="sim", engine_ports=tuple(free_port() for _ in SIM_ARGS),
         prefill_ports=(), decode_ports=(), coordinator_port=free_port(), database_url=f"sqlite:///{db}",
-        celery=False, restart=None, log_dir=base_config.log_dir / "engine-caps",
+        celery=False, restart=None, log_dir=tiers.log_dir / "engine-caps",
         extra_env={"MOTOR_DEMO_ADMIN_KEY": ADMIN_KEY},
     )
-    # A loaded machine starts the sidecar slowly: everything waits its turn with room to spare.
-    specs = [replace(spec, ready_timeout=600.0) for spec in stack.render_specs(cfg)]
     specs = []
     for spec, extra in zip(stack.engine_specs(cfg), SIM_ARGS, strict=True):
         spec = replace(spec, argv=[*spec.argv, *extra])
@@ -130,7 +135,7 @@ def test_it_records_each_engines_capabilities_and_shows_them(fleet: Fleet) -> No
 
 
 def test_it_never_gives_a_token_only_request_to_an_engine_below_the_floor_or_without_generate(fleet: Fleet) -> None:
-    before = fleet.stats()
+    before, by_sidecar, local = fleet.stats(), fleet.rendered("render"), fleet.rendered("local")
     for i in range(6):
         out = fleet.openai.chat.completions.create(
             model=fleet.cfg.served_model_name, messages=[{"role": "user", "content": f"count {i}"}],
@@ -144,6 +149,8 @@ def test_it_never_gives_a_token_only_request_to_an_engine_below_the_floor_or_wit
     received = [a["requests_received"] - b["requests_received"] for a, b in zip(after, before, strict=True)]
     assert received[0] == received[1] == 0
     assert received[2] + received[3] == 6
+    # Each rendered by the real sidecar, none by the local fallback.
+    assert (fleet.rendered("render") - by_sidecar, fleet.rendered("local") - local) == (6, 0)
 
 
 @pytest.fixture

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import sys
+import tempfile
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
@@ -26,6 +28,8 @@ import pytest
 from motorsite import stack
 from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
 from tests.integration.conftest import API_KEY
+
+from . import early
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # two real sidecars start
 
@@ -80,22 +84,29 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.2)
 
 
-def test_a_stream_kept_alive_across_a_restart_keeps_the_old_sidecar_until_it_ends(
-    base_config: stack.StackConfig, tmp_path: Path,
-) -> None:
-    db = str(tmp_path / "coordinator.sqlite3")
+@dataclass(frozen=True)
+class Launched:
+    cfg: stack.StackConfig
+    db: str
+    tmp: Path  # the database and the launcher's ready file
+
+
+def _launched(base: stack.StackConfig) -> tuple[early.Prepared, Launched]:
+    """The simulated engine and the launcher (its sidecar), on a database written first: they
+    need nothing of each other, so they start together."""
+    tmp = Path(tempfile.mkdtemp(prefix="motorsite-render-restart-"))
+    db = str(tmp / "coordinator.sqlite3")
     cfg = replace(
-        base_config, engines="sim", render_port=free_port(), engine_ports=(free_port(),), prefill_ports=(),
+        base, engines="sim", render_port=free_port(), engine_ports=(free_port(),), prefill_ports=(),
         decode_ports=(), coordinator_port=free_port(), database_url=f"sqlite:///{db}", celery=False,
-        log_dir=base_config.log_dir / "render-restart", extra_env={"MOTOR_DEMO_ADMIN_KEY": ADMIN_KEY},
+        log_dir=base.log_dir / "render-restart", extra_env={"MOTOR_DEMO_ADMIN_KEY": ADMIN_KEY},
     )
-    old_port, old_url = cfg.render_port, f"http://127.0.0.1:{cfg.render_port}"
     engine = stack.engine_specs(cfg)[0]
     # A token every 150 ms and no EOS: the stream lives for minutes unless the test ends it.
     engine = replace(engine, argv=[*engine.argv, "--tpot-ms", "150", "--eos-probability", "0"])
-    ready_file = tmp_path / "launcher-ready.json"
+    ready_file = tmp / "launcher-ready.json"
     opts = {
-        "model_dir": cfg.model_dir, "render_python": cfg.render_python, "render_port": old_port,
+        "model_dir": cfg.model_dir, "render_python": cfg.render_python, "render_port": cfg.render_port,
         "log_dir": str(cfg.log_dir), "ready_file": str(ready_file), "drain_s": DRAIN_CAP_S,
     }
     launcher = ProcessSpec(
@@ -103,9 +114,28 @@ def test_a_stream_kept_alive_across_a_restart_keeps_the_old_sidecar_until_it_end
         env=stack.coordinator_env(cfg), cwd=stack.ROOT, log_path=cfg.log_dir / "launcher.log",
         ready_argv=["test", "-f", str(ready_file)], ready_timeout=300.0, stop_timeout=60.0,
     )
-    stack.prepare_database(cfg)  # before the launcher: its first tick reads the render config
-    # The simulated engine and the launcher (its sidecar) need nothing of each other: started together.
-    with Supervisor(together([engine, launcher])), Supervisor([stack.coordinator_spec(cfg)]) as coordinator:
+    # The database before the launcher: its first tick reads the render config.
+    return early.Prepared(lambda: stack.prepare_database(cfg), together([engine, launcher])), Launched(cfg, db, tmp)
+
+
+# Begun in the background while the tests before this module run (tests/integration/early.py).
+LAUNCHED = early.rig("render-restart", _launched, fixture="launched", module=str(Path(__file__).resolve()))
+
+
+@pytest.fixture
+def launched(base_config: stack.StackConfig) -> Iterator[Launched]:
+    try:
+        with LAUNCHED.running(base_config) as (found, _):
+            yield found
+    finally:
+        if LAUNCHED.value is not None:
+            shutil.rmtree(LAUNCHED.value.tmp, ignore_errors=True)
+
+
+def test_a_stream_kept_alive_across_a_restart_keeps_the_old_sidecar_until_it_ends(launched: Launched) -> None:
+    cfg, db, ready_file = launched.cfg, launched.db, launched.tmp / "launcher-ready.json"
+    old_port, old_url = cfg.render_port, f"http://127.0.0.1:{cfg.render_port}"
+    with Supervisor([stack.coordinator_spec(cfg)]) as coordinator:
         old_pid = json.loads(ready_file.read_text())["render"]
         coordinator_pid = coordinator.pids["coordinator"]
         admin = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -12,6 +12,7 @@ it (bind() refuses an existing path) and be found ready over the socket.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -28,8 +29,10 @@ import pytest
 
 from motorsite import stack, unix_http
 from motorsite.processes import can_bind
-from motorsite.supervisor import Supervisor, free_port, together
+from motorsite.supervisor import ProcessSpec, Supervisor, free_port, together
 from tests.integration.conftest import API_KEY
+
+from . import early
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -74,22 +77,37 @@ class Site:
                    if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
 
 
+def _tiers(base: stack.StackConfig) -> tuple[list[ProcessSpec], stack.StackConfig]:
+    """The sidecar on its socket and the simulated engine, started together."""
+    # A short directory: a unix socket's path is at most 107 bytes.
+    sockets = Path(tempfile.mkdtemp(prefix="motor-uds-"))
+    cfg = replace(
+        base, engines="sim", render_port=free_port(), render_member_ports=(),
+        render_socket_dir=sockets / "run", engine_ports=(free_port(),), prefill_ports=(), decode_ports=(),
+        coordinator_port=free_port(), celery=False, restart=None,
+        log_dir=base.log_dir / "render-uds", extra_env={"MOTOR_DEMO_ADMIN_KEY": ADMIN_KEY},
+    )
+    engine = replace(stack.engine_specs(cfg)[0], ready_timeout=120.0)
+    return together([*stack.render_specs(cfg), engine]), cfg
+
+
+# Begun in the background while the tests before this module run (tests/integration/early.py).
+TIERS = early.rig("render-uds", _tiers, fixture="site", module=str(Path(__file__).resolve()))
+
+
 @pytest.fixture(scope="module")
 def site(base_config: stack.StackConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     db = tmp_path_factory.mktemp("render-uds") / "coordinator.sqlite3"
-    # A short directory: a unix socket's path is at most 107 bytes.
-    with tempfile.TemporaryDirectory(prefix="motor-uds-") as sockets:
-        cfg = replace(
-            base_config, engines="sim", render_port=free_port(), render_member_ports=(),
-            render_socket_dir=Path(sockets) / "run", engine_ports=(free_port(),), prefill_ports=(), decode_ports=(),
-            coordinator_port=free_port(), database_url=f"sqlite:///{db}", celery=False, restart=None,
-            log_dir=base_config.log_dir / "render-uds", extra_env={"MOTOR_DEMO_ADMIN_KEY": ADMIN_KEY},
-        )
-        engine = replace(stack.engine_specs(cfg)[0], ready_timeout=120.0)
-        with Supervisor(together([*stack.render_specs(cfg), engine])) as tiers:
+    try:
+        with TIERS.running(base_config) as (cfg, tiers):
+            cfg = replace(cfg, database_url=f"sqlite:///{db}")
             stack.prepare_database(cfg)
             with Supervisor([stack.coordinator_spec(cfg)]):
                 yield Site(cfg, dict(tiers.pids))
+    finally:
+        sockets = TIERS.value.render_socket_dir if TIERS.value is not None else None
+        if sockets is not None:  # the short directory ``_tiers`` made
+            shutil.rmtree(sockets.parent, ignore_errors=True)
 
 
 def test_the_sidecar_listens_on_a_private_unix_socket_only(site: Site) -> None:

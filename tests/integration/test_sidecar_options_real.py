@@ -1,8 +1,10 @@
 """The render sidecar as make run starts it (``stack.render_spec``) runs with motorsite's options.
 
-A real ``vllm launch render`` of its own (so no other test's calls are in its counters), called
-through the coordinator's own client. What is checked is what an operator sees: the sidecar's
-``/metrics`` no longer counts streaming derender calls (``motorsite/render_site``: they skip
+The session's real ``vllm launch render`` (``conftest.tiers``), called through the coordinator's
+own client. Nothing else calls it while this test runs (the package's coordinators call a sidecar
+only for a request, and every rig's readiness check calls its own), so its counters move by this
+test's calls only; in a whole run it has derendered every earlier test's streams, uncounted too.
+What is checked is what an operator sees: the sidecar's ``/metrics`` no longer counts streaming derender calls (``motorsite/render_site``: they skip
 vLLM's per-request HTTP metrics, about a sixth of the sidecar's CPU per call in
 ``bench/sidecar_options.py``), while render calls and a derender call carrying a browser's
 ``Origin`` (which CORS must see) are still counted, and the derender answers are unchanged.
@@ -12,19 +14,13 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import replace
-from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 
 from motorsite import stack
-from motorsite.supervisor import ProcessSpec, free_port
 from serving.pipeline.http11 import Http11Client
 from serving.pipeline.render.client import CHAT_DERENDER, RenderClient
-
-from . import early
 
 pytestmark = pytest.mark.integration
 
@@ -37,20 +33,9 @@ EVENT = {
 }
 
 
-def _sidecar(base: stack.StackConfig) -> tuple[list[ProcessSpec], str]:
-    cfg = replace(base, render_port=free_port(), log_dir=base.log_dir / "sidecar-options")
-    cfg.log_dir.mkdir(parents=True, exist_ok=True)
-    return [stack.render_spec(cfg)], f"http://{stack.HOST}:{cfg.render_port}"
-
-
-# Begun in the background while the tests before this module run (tests/integration/early.py).
-SIDECAR = early.rig("options-sidecar", _sidecar, fixture="sidecar", module=str(Path(__file__).resolve()))
-
-
 @pytest.fixture(scope="module")
-def sidecar(base_config: stack.StackConfig) -> Iterator[str]:
-    with SIDECAR.running(base_config) as (url, _):
-        yield url
+def sidecar(tiers: stack.StackConfig) -> str:
+    return stack.render_base_url(tiers, tiers.render_port)
 
 
 def requests_counted(base_url: str) -> dict[str, float]:
