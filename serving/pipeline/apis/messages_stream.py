@@ -54,13 +54,13 @@ class MessagesEvents:
             "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
         }})]
 
-    def _open(self, block: dict[str, Any]) -> bytes:
+    def _start_block(self, block: dict[str, Any]) -> bytes:
         self.block = block["type"]
         self.signature = uuid.uuid4().hex if block["type"] == "thinking" else None
         self.tool_id = block.get("id") if block["type"] == "tool_use" else None
         return event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
 
-    def _close(self) -> list[bytes]:
+    def _stop_block(self) -> list[bytes]:
         if self.block is None:
             return []
         out = []
@@ -76,10 +76,10 @@ class MessagesEvents:
 
     def _close_and_flush(self) -> list[bytes]:
         held, self.held_text = "".join(self.held_text), []
-        out = self._close()
+        out = self._stop_block()
         if held:
-            out += [self._open({"type": "text", "text": ""}), self._delta({"type": "text_delta", "text": held})]
-            out += self._close()
+            out += [self._start_block({"type": "text", "text": ""}), self._delta({"type": "text_delta", "text": held})]
+            out += self._stop_block()
         return out
 
     def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
@@ -106,7 +106,7 @@ class MessagesEvents:
         if delta.get("reasoning"):
             if self.block != "thinking":
                 out += self._close_and_flush()
-                out.append(self._open({"type": "thinking", "thinking": ""}))
+                out.append(self._start_block({"type": "thinking", "thinking": ""}))
             out.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning"]}))
         if delta.get("content"):
             if self.block == "tool_use":
@@ -114,7 +114,7 @@ class MessagesEvents:
             else:
                 if self.block != "text":
                     out += self._close_and_flush()
-                    out.append(self._open({"type": "text", "text": ""}))
+                    out.append(self._start_block({"type": "text", "text": ""}))
                 out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
         for call in delta.get("tool_calls") or []:
             out += self._tool_call(call)
@@ -130,7 +130,7 @@ class MessagesEvents:
                 out += self._close_and_flush()
                 self.tool_used = True
                 self.tool_args = []
-                out.append(self._open({"type": "tool_use", "id": call_id, "name": function["name"], "input": {}}))
+                out.append(self._start_block({"type": "tool_use", "id": call_id, "name": function["name"], "input": {}}))
         else:
             call_id = self.tool_ids.get(call.get("index", 0))
         if call_id is not None and function.get("arguments") and self.tool_id == call_id:
@@ -145,7 +145,7 @@ class MessagesEvents:
     def error(self, err: Any) -> list[bytes]:
         status = err.get("code") if isinstance(err, dict) else None
         message = err.get("message") if isinstance(err, dict) else err
-        out = self._close()
+        out = self._stop_block()
         out.append(event("error", {"type": "error", "error": {
             "type": error_type(status if isinstance(status, int) else 500), "message": str(message or "")}}))
         return out

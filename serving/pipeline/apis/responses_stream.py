@@ -67,7 +67,7 @@ class ResponsesEvents:
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.item_id, "output_index": len(self.items)}
 
-    def _open(self, kind: str, call: Mapping[str, Any] | None = None) -> list[bytes]:
+    def _add_item(self, kind: str, call: Mapping[str, Any] | None = None) -> list[bytes]:
         self.kind, self.text = kind, []
         prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}[kind]
         self.item_id = f"{prefix}_{uuid.uuid4().hex}"
@@ -86,7 +86,7 @@ class ResponsesEvents:
         return [self._event("response.output_item.added", {"output_index": index, "item": item}),
                 self._event("response.content_part.added", {**self._where(), "content_index": 0, "part": part})]
 
-    def _close(self) -> list[bytes]:
+    def _finish_item(self) -> list[bytes]:
         if self.kind is None:
             return []
         text, kind = "".join(self.text), self.kind
@@ -114,7 +114,7 @@ class ResponsesEvents:
         return out
 
     def _delta(self, kind: str, text: str) -> list[bytes]:
-        out = [] if self.kind == kind else self._close() + self._open(kind)
+        out = [] if self.kind == kind else self._finish_item() + self._add_item(kind)
         self.text.append(text)
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
@@ -138,7 +138,7 @@ class ResponsesEvents:
         for call in delta.get("tool_calls") or []:
             function = call.get("function") or {}
             if call.get("id") is not None and function.get("name") is not None:
-                out += self._close() + self._open("function_call", call)
+                out += self._finish_item() + self._add_item("function_call", call)
             if function.get("arguments") and self.kind == "function_call":
                 self.text.append(function["arguments"])
                 out.append(self._event("response.function_call_arguments.delta",
@@ -148,7 +148,7 @@ class ResponsesEvents:
         return out
 
     def _finish(self, chat_usage: Mapping[str, Any]) -> list[bytes]:
-        out = self._close()
+        out = self._finish_item()
         # The items as streamed are the answer's output, as in vLLM (``streamed_output_items``).
         response = finished({**self.response, "output": self.items,
                              "usage": usage(chat_usage, reasoning_tokens(self.items, chat_usage))}, self.finish)
