@@ -69,6 +69,7 @@ class Session:
     started: float
     lines: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    cpu: float = 0.0  # user and system, its children included (what it left running excepted)
 
     def summary(self) -> str:
         """pytest's final line ("N passed in T s"), or the last thing the session printed."""
@@ -107,11 +108,14 @@ def run_sessions(commands: list[tuple[str, list[str]]], env: dict[str, str], *, 
             relay = threading.Thread(target=_relay, args=(session, f"{name:<{width}} | ", out, write), daemon=True)
             relay.start()
             relays.append(relay)
-        for session in sessions:
-            while session.proc.poll() is None:
-                stopper.escalate_when_due()
-                time.sleep(0.2)
-            session.seconds = time.monotonic() - session.started
+        running = list(sessions)
+        while running:
+            stopper.escalate_when_due()
+            time.sleep(0.2)
+            for session in [s for s in running if s.proc.poll() is not None]:
+                running.remove(session)
+                session.seconds = time.monotonic() - session.started
+                session.cpu = _children_cpu() - sum(s.cpu for s in sessions if s not in running and s is not session)
     finally:
         stopper.kill_all()  # only when the loop above was cut short (an exception in this process)
         for signum, handler in previous.items():
@@ -242,19 +246,21 @@ def _reap() -> None:
             return
 
 
-def _report(sessions: list[Session], left: list[str], out: TextIO) -> None:
+def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _report(sessions: list[Session], left: list[str], out: TextIO) -> None:
     out.write("\n")
     for session in sessions:
         if session.proc.returncode != 0 and session.short_summary():
             out.write(f"---- {session.name}: short test summary info\n" + "\n".join(session.short_summary()) + "\n")
     for session in sessions:
         out.write(f"motorsite: {session.name}: {session.summary()} (exit {session.proc.returncode}, "
-                  f"{session.seconds:.0f} s)\n")
+                  f"{session.seconds:.0f} s, {session.cpu:.0f} s of CPU)\n")
     for line in left:
         out.write(f"motorsite: stopped what a session left running: {line}\n")
-    out.write(f"motorsite: {len(sessions)} sessions at once, {usage.ru_utime + usage.ru_stime:.0f} s of CPU "
-              "(their processes and children)\n")
     out.flush()
 
 
