@@ -130,12 +130,17 @@ def run_sessions(commands: list[tuple[str, list[str]]], env: dict[str, str], *, 
 
 def _relay(session: Session, prefix: str, out: TextIO, write: threading.Lock) -> None:
     assert session.proc.stdout is not None
-    for raw in session.proc.stdout:
+    shown = True
+    for raw in session.proc.stdout:  # read to the end whatever happens: a full pipe would stop the session
         line = raw.decode("utf-8", errors="replace").rstrip("\n")
         session.lines.append(line)
-        with write:
-            out.write(prefix + line + "\n")
-            out.flush()
+        if shown:
+            with write:
+                try:
+                    out.write(prefix + line + "\n")
+                    out.flush()
+                except OSError:  # `make test | head`: the reader is gone
+                    shown = False
 
 
 class _Stopper:
