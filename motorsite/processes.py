@@ -136,7 +136,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 # other session nor a connection can take one meanwhile, and no other ``free_port`` of the run
 # is given it again.
 PORT_LEDGER_ENV = "MOTOR_PORT_LEDGER"
-LEDGER_PORTS = (10000, 65535)  # below: the fixed ports of ``make run`` (8000-9221) and services
+# Below: the fixed ports of ``make run`` (8000-9221) and services. Above: room for a port derived
+# by adding 1000 (a P/D engine's NIXL side channel when none is given: ``stack.pd_engine_specs``).
+LEDGER_PORTS = (10000, 64535)
 
 
 def _ledger_port(host: str, ledger: Path) -> int:
