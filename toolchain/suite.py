@@ -272,4 +272,6 @@ def _report(sessions: list[Session], left: list[str], out: TextIO) -> None:
 def main(extra: list[str], env: dict[str, str], python: str) -> int:
     """Both sessions of the suite with the app environment's ``python``; ``extra`` goes to both."""
     color = ["--color=yes"] if sys.stdout.isatty() else []
+    print("motorsite: two pytest sessions at once, "
+          + "; ".join(f"{name}: pytest {' '.join([*args, *extra])}" for name, args in SESSIONS), flush=True)
     return run_sessions([(name, [python, "-m", "pytest", *args, *color, *extra]) for name, args in SESSIONS], env)
