@@ -8,8 +8,10 @@ PYTHON ?= python3
 run:
 	$(PYTHON) -m toolchain exec manage.py runstack
 
+# The suite as two pytest sessions at once, tests/integration and the rest (toolchain/suite.py);
+# `python3 -m toolchain exec -m pytest` runs it in one.
 test:
-	$(PYTHON) -m toolchain exec -m pytest
+	$(PYTHON) -m toolchain test
 
 setup:
 	$(PYTHON) -m toolchain ensure

@@ -14,8 +14,10 @@ multiprocessing child ends badly.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -112,11 +114,66 @@ def together(specs: Sequence[ProcessSpec]) -> list[ProcessSpec]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a port that was free on `host` a moment ago (for tests; another process may race)."""
+    """Return a port that was free on `host` a moment ago (for tests; another process may race).
+
+    With ``MOTOR_PORT_LEDGER`` set, a port this run has not handed out before, from outside the
+    kernel's ephemeral range (``_ledger_port``); otherwise whatever the kernel picks.
+    """
+    ledger = os.environ.get(PORT_LEDGER_ENV)
+    if ledger:
+        return _ledger_port(host, Path(ledger))
     with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+# The file through which every process of a test run (``python3 -m toolchain test``'s two pytest
+# sessions, their children) hands out ports: one per line, each at most once per run. A port
+# picked here is bound by its process only later (a vLLM engine binds 20-50 s after its spawn);
+# the kernel's own picks (``bind(("127.0.0.1", 0))``, an outgoing connection's local port) come
+# from the ephemeral range, so the ledger's ports never do: neither a test's listener in the
+# other session nor a connection can take one meanwhile, and no other ``free_port`` of the run
+# is given it again.
+PORT_LEDGER_ENV = "MOTOR_PORT_LEDGER"
+# Below: the fixed ports of ``make run`` (8000-9221) and services. Above: room for a port derived
+# by adding 1000 (a P/D engine's NIXL side channel when none is given: ``stack.pd_engine_specs``).
+LEDGER_PORTS = (10000, 64535)
+
+
+def _ledger_port(host: str, ledger: Path) -> int:
+    low, high = _ephemeral_range()
+    ports = [p for p in range(LEDGER_PORTS[0], LEDGER_PORTS[1] + 1) if not low <= p <= high]
+    start = random.randrange(len(ports))  # two runs with ledgers of their own rarely meet
+    with open(ledger, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        f.seek(0)
+        given = {int(line) for line in f.read().split()}
+        for port in ports[start:] + ports[:start]:
+            if port not in given and _bindable(host, port):
+                f.write(f"{port}\n")
+                return port
+    raise RuntimeError(f"no port left outside the ephemeral range {low}-{high} ({len(given)} handed out by {ledger})")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (Linux's default when unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(host: str, port: int) -> bool:
+    # Without SO_REUSEADDR, unlike can_bind: a port with connections in TIME_WAIT is passed over,
+    # since not every server the tests start sets it.
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def wait_port_free(host: str, port: int, timeout: float) -> bool:

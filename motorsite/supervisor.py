@@ -425,6 +425,16 @@ class Supervisor:
                 interval = min(interval * 2, POLL_INTERVAL_MAX)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.state is SupervisorState.STOPPED:
+            # Left installed by a supervisor started inside this one and stopped after it (an
+            # early rig of the tests): act as what this one replaced, or Ctrl-C would be lost.
+            previous = self._previous_handlers.get(signum)
+            if callable(previous):  # Python's own SIGINT handler raises KeyboardInterrupt
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
+            return
         # Keep the first signal: a second Ctrl-C while stopping must not abort the cleanup that
         # guarantees no orphan, and stop() is bounded by stop_timeout + KILL_TIMEOUT anyway.
         if self._signal_received is None:
@@ -451,7 +461,6 @@ class Supervisor:
     def _restore_signal_handlers(self) -> None:
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
-        self._previous_handlers.clear()
 
 
 def run(specs: Sequence[ProcessSpec]) -> int:

@@ -4,16 +4,49 @@ Every skip in this suite is for a missing prerequisite (Redis, PostgreSQL, Chrom
 tier; see ``tests/prerequisites.py``). A run that skipped one of them would be green without
 having run it, so with ``MOTOR_PREREQUISITES=required`` (set by ``toolchain exec -m pytest``,
 which ``make test`` and ``.ci/run`` use) each skip is reported as a failure naming its reason.
+
+``make test`` runs two sessions at once (``python3 -m toolchain test``); what keeps them apart
+is in ``tests/sessions.py``.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from tests import prerequisites
+from motorsite.processes import PORT_LEDGER_ENV
+from tests import prerequisites, sessions
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A plain pytest run (not under ``toolchain test``, which shares one between its two
+    # sessions) gets a port ledger of its own: no port handed out twice in the run.
+    if not os.environ.get(PORT_LEDGER_ENV):
+        folder = tempfile.mkdtemp(prefix="motorsite-ports-")
+        os.environ[PORT_LEDGER_ENV] = str(Path(folder) / "ports")
+
+        def drop() -> None:
+            os.environ.pop(PORT_LEDGER_ENV, None)
+            shutil.rmtree(folder, ignore_errors=True)
+
+        config.add_cleanup(drop)
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: None) -> None:
+    """pytest-django's hook for test database names, as its own chain (xdist, tox) and then
+    the session's name (``tests/sessions.py``): two sessions never share ``test_<NAME>``."""
+    session = os.environ.get(sessions.SESSION_ENV)
+    if session:
+        from django.conf import settings
+
+        sessions.name_test_databases(settings.DATABASES, session)
 
 
 @pytest.hookimpl(hookwrapper=True)

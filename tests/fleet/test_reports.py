@@ -69,7 +69,9 @@ def test_the_registry_calls_its_listener_on_every_record() -> None:
 def redis_store(settings: Any) -> Iterator[None]:
     if not prerequisites.redis_answers():
         pytest.skip("Redis is not running on 127.0.0.1:6379")
-    settings.REDIS_URL = "redis://127.0.0.1:6379/15"
+    # Not a database tests/integration uses: it runs at the same time (tests/sessions.py), and its
+    # coordinators' reports are under the same prefix this deletes.
+    settings.REDIS_URL = "redis://127.0.0.1:6379/11"
     reports._redis_client = None
     client = reports._redis()
     for key in client.scan_iter(match=reports.REDIS_PREFIX + "*"):

@@ -415,6 +415,27 @@ def test_it_raises_interrupted_when_a_signal_arrives_during_start(tmp_path: Path
     assert signal.getsignal(signal.SIGINT) is handler_before
 
 
+def test_ctrl_c_still_interrupts_after_supervisors_stopped_out_of_start_order(tmp_path: Path) -> None:
+    # As the integration tests do: a rig's supervisor started while another lives, the first one
+    # stopped first. The second's stop put back the first one's handler, a stopped supervisor's.
+    def sleeper(name: str) -> ProcessSpec:
+        return ProcessSpec(name=name, argv=[sys.executable, "-c", "import time; time.sleep(600)"],
+                           log_path=tmp_path / f"{name}.log", ready_argv=["true"])
+
+    handler_before = signal.getsignal(signal.SIGINT)
+    first, second = Supervisor([sleeper("first")]), Supervisor([sleeper("second")])
+    first.start()
+    second.start()
+    first.stop()
+    second.stop()
+    try:
+        with pytest.raises(KeyboardInterrupt):  # pytest's Ctrl-C: its fixtures tear down
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(5)  # a handler that swallowed it returns here
+    finally:
+        signal.signal(signal.SIGINT, handler_before)
+
+
 def test_it_stops_every_child_when_the_supervisor_gets_sigterm(tmp_path: Path) -> None:
     sidecar = server_spec("sidecar", tmp_path)
     engine = wrapper_spec("engine", tmp_path)

@@ -1,5 +1,6 @@
-"""The real Redis on 127.0.0.1 for the shared-state tests: db 14 (the integration stack uses 15),
-a fresh key prefix per test, deleted afterwards (tests assert what they leave behind)."""
+"""The real Redis on 127.0.0.1 for the shared-state tests: db 13 (none of tests/integration's, which
+runs at the same time under ``make test``: tests/sessions.py), a fresh key prefix per test, deleted
+afterwards (tests assert what they leave behind)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 from tests import prerequisites
 
-DB_URL = f"redis://127.0.0.1:{prerequisites.REDIS_PORT}/14"
+DB = 13
+DB_URL = f"redis://127.0.0.1:{prerequisites.REDIS_PORT}/{DB}"
 
 
 def client() -> Any:
@@ -102,7 +104,7 @@ class RedisGate:
         import redis.asyncio
 
         return redis.asyncio.Redis.from_url(
-            f"redis://{prerequisites.HOST}:{self.port}/14", socket_timeout=2, socket_connect_timeout=2
+            f"redis://{prerequisites.HOST}:{self.port}/{DB}", socket_timeout=2, socket_connect_timeout=2
         )
 
     def shut(self) -> None:

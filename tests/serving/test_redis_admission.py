@@ -1,4 +1,4 @@
-"""Token admission shared through the real Redis on 127.0.0.1 (db 14): leases on a clock that a
+"""Token admission shared through the real Redis on 127.0.0.1 (db 13): leases on a clock that a
 step of Redis's wall clock does not move, a FIFO queue per instance woken by pub/sub, waiters that
 leave no member behind, and 503 with ``Retry-After`` when Redis is away. Two independent clients
 stand for two processes."""

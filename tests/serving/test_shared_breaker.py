@@ -1,4 +1,4 @@
-"""Circuit breakers shared through the real Redis on 127.0.0.1 (db 14): one threshold and one
+"""Circuit breakers shared through the real Redis on 127.0.0.1 (db 13): one threshold and one
 state for every process, operator overrides that win, open times and trial claims on a clock in
 Redis that a step of Redis's wall clock does not move, trial releases that survive Redis being
 away, and the local board as the fallback while Redis is away. Two independent clients stand for

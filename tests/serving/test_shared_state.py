@@ -1,4 +1,4 @@
-"""Shared live state through the real Redis on 127.0.0.1 (db 14): the tokens-per-minute window
+"""Shared live state through the real Redis on 127.0.0.1 (db 13): the tokens-per-minute window
 across clients, and two separate OS processes sharing admission leases, a key's window and a
 breaker, as two coordinator processes do with ``REDIS_URL``."""
 
