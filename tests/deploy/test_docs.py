@@ -21,7 +21,7 @@ MODULE_PATH = re.compile(r"`([\w.-]+(?:/[\w.-]+)+\.py)`")
 # A file path written in backticks: a module, a script, a manifest, a lock, a page.
 FILE_PATH = re.compile(r"`([\w.-]+(?:/[\w.-]+)+\.(?:py|md|sh|ya?ml|json|lua|toml|lock|in|txt|html))`")
 # The pages cite files of vLLM's and vllm-ascend's trees too; those are not this repository's.
-OTHER_TREES = ("vllm/", "vllm_ascend/", "examples/", "docs/source/")
+OTHER_TREES = ("vllm/", "vllm_ascend/", "examples/", "docs/source/", "../")  # "../": beside the checkout, not in it
 # Pages name the data plane's modules from its package (`derender/session.py`) as well as from the root.
 PIPELINE = ROOT / "serving" / "pipeline"
 SETTINGS_ROW = re.compile(r"^\| ((?:`MOTOR_[A-Z0-9_]+`(?: / )?)+) \| ([^|]*) \|", re.M)
