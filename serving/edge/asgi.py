@@ -24,6 +24,7 @@ from typing import Any
 
 from serving.pipeline.json_codec import dumps
 from serving.pipeline.sse import FieldScrub
+from serving.pipeline.step_bound import StepBound
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -162,7 +163,7 @@ async def send_stream(
 
     A ``send`` waits while the client is not reading (the server's write buffer is full: uvicorn's
     flow control, Daphne's through ``motorsite.send_flow``), which holds the engines back. One that
-    waits longer than ``stall_s`` cuts the stream (``SendDeadline``): raises ``ClientStalled``, and
+    waits longer than ``stall_s`` cuts the stream (``StepBound``: one timer per response, not one per send): raises ``ClientStalled``, and
     the server drops the connection of the abandoned send (``motorsite.send_flow``).
 
     ``aclosing``: when the send fails, stalls or the task is cancelled between frames, the generator
@@ -170,24 +171,20 @@ async def send_stream(
     returns or raises.
     """
 
-    deadline = SendDeadline(stall_s) if stall_s is not None else None
+    bound = StepBound(stall_s) if stall_s is not None else None
 
     async def send_within(message: Message) -> None:
-        if deadline is None:
+        if bound is None:
             await send(message)
             return
-        deadline.since = deadline.loop.time()
         try:
-            await send(message)
-        except asyncio.CancelledError:
-            if deadline.fired and deadline.task.uncancel() == 0:
-                # The connection is dropped for the abandoned send, and the server reports that as
-                # a disconnect: the watch must not cancel this task while the generator is closed.
-                watch.complete = True
-                raise ClientStalled from None
-            raise
-        finally:
-            deadline.since = None
+            async with bound:
+                await send(message)
+        except TimeoutError:
+            # The connection is dropped for the abandoned send, and the server reports that as
+            # a disconnect: the watch must not cancel this task while the generator is closed.
+            watch.complete = True
+            raise ClientStalled from None
 
     try:
         await send_within({"type": "http.response.start", "status": 200, "headers": [*STREAM_HEADERS, *extra]})
@@ -202,42 +199,8 @@ async def send_stream(
         rest = scrub.flush() if scrub is not None else b""
         await send_within({"type": "http.response.body", "body": rest, "more_body": False})
     finally:
-        if deadline is not None:
-            deadline.close()
-
-
-class SendDeadline:
-    """Cancels the current task when one send has waited ``seconds``; ``fired`` tells that it did.
-
-    The caller sets ``since`` (the loop's clock) around each send. One timer per response, moved
-    on only when it fires: an ``asyncio.timeout`` around each send would arm and cancel a timer
-    per chunk, and cancelled timers cost the loop about 40 us each on this path.
-    """
-
-    __slots__ = ("seconds", "task", "loop", "since", "fired", "_handle")
-
-    def __init__(self, seconds: float) -> None:
-        task = asyncio.current_task()
-        assert task is not None  # an ASGI app always runs in a task
-        self.seconds = seconds
-        self.task = task
-        self.loop = task.get_loop()
-        self.since: float | None = None
-        self.fired = False
-        self._handle = self.loop.call_later(seconds, self._check)
-
-    def _check(self) -> None:
-        since = self.since
-        # Between sends, no send can be late before a full period from now; in one, its own deadline.
-        left = self.seconds if since is None else since + self.seconds - self.loop.time()
-        if left > 0:
-            self._handle = self.loop.call_later(left, self._check)
-            return
-        self.fired = True
-        self.task.cancel()
-
-    def close(self) -> None:
-        self._handle.cancel()
+        if bound is not None:
+            bound.close()
 
 
 class PrefixMount:

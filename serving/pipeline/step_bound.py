@@ -4,8 +4,9 @@
 (the engine read's stall bound, the derender's bound) that is a timer scheduled and cancelled
 per chunk, each about 35 k instructions (a ``TimerHandle``, the heap's Python comparisons, the
 cancelled handles swept later: ``bench/chunk_cost.py``, issue 32). ``StepBound`` keeps one timer
-armed for the stream and moves it on only when it comes due while a step is still running, as
-``SendDeadline`` does for the edge's sends (``serving/edge/asgi.py``).
+armed for the stream and moves it on only when it comes due while a step is still running. The
+edge's sends to a client use it too (``send_stream`` in ``serving/edge/asgi.py``, the client
+stall bound).
 """
 
 from __future__ import annotations
